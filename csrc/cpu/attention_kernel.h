@@ -1,0 +1,228 @@
+// The fused blockwise attention kernel on the CPU (FlashAttention-2 algorithm), forward and
+// backward, for packed fp32 operands. Included once per instruction set by kernels_<isa>.cpp.
+//
+// Scores are computed transposed, S^T = K Q^T (keys x queries), so that every per-query quantity
+// (running max, sum, rescale factor, LSE, delta) is a vector along the 16-wide lanes and the
+// softmax needs no horizontal reductions. The mask rule, block classification and online-softmax
+// bookkeeping come from the header core (cpattn/mask.h, cpattn/softmax_state.h).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <memory>
+
+#include "cpattn/mask.h"
+#include "cpattn/params.h"
+#include "cpattn/softmax_state.h"
+#include "cpu/micro_gemm.h"
+
+namespace cpattn::cpu {
+namespace CPATTN_CPU_ISA {
+
+constexpr int64_t kBlockQ = 64;   // queries per block: the lane dimension of S^T
+constexpr int64_t kBlockK = 128;  // keys per block
+
+// Q^T of one query block, scaled: qt[d * kBlockQ + i] = q[i][d] * factor; padded queries are 0.
+inline void pack_transposed(const float* q, int64_t rows, int64_t dp, float factor, float* qt) {
+  std::fill(qt, qt + dp * kBlockQ, 0.f);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t d = 0; d < dp; ++d) qt[d * kBlockQ + i] = q[i * dp + d] * factor;
+}
+
+// Sets st[c][i] = -inf for the pairs of a partial block that the mask hides.
+inline void apply_mask(const Mask& mask, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
+                       float* st) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const PosRange seen = mask.query_span(c0 + c, c0 + c + 1, r0 + rows);
+    float* row = st + c * kBlockQ;
+    const int64_t lo = seen.first - r0, hi = seen.last - r0;  // empty: lo > hi, all hidden
+    for (int64_t i = 0; i < kBlockQ; ++i)
+      if (i < lo || i > hi) row[i] = neg_inf();
+  }
+}
+
+struct FwdScratch {
+  std::unique_ptr<float[]> qt, st, acc;
+  explicit FwdScratch(int64_t dp)
+      : qt(new float[dp * kBlockQ]), st(new float[kBlockK * kBlockQ]), acc(new float[kBlockQ * dp]) {}
+};
+
+inline void forward_block(const FwdParams& p, int64_t b, int64_t h, int64_t qb, FwdScratch& s) {
+  const AttnShape& sh = p.shape;
+  const int64_t dp = sh.head_dim_padded;
+  const int64_t hk = h / sh.group_size();
+  const int64_t r0 = qb * kBlockQ;
+  const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
+  const float* q = p.q + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp;
+  const float* k = p.k + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
+  const float* v = p.v + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
+
+  pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, s.qt.get());
+  std::fill(s.acc.get(), s.acc.get() + kBlockQ * dp, 0.f);
+  OnlineSoftmaxRow state[kBlockQ];
+  alignas(64) float factor[kBlockQ], reference[kBlockQ], block_max[kBlockQ], block_sum[kBlockQ];
+
+  // Only the key blocks that some row of this query block can see.
+  const PosRange keys = p.mask.key_span(r0, r0 + rows, sh.seqlen_k);
+  for (int64_t c0 = keys.first / kBlockK * kBlockK; c0 <= keys.last; c0 += kBlockK) {
+    const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
+    const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
+    if (kind == BlockKind::kEmpty) continue;
+    float* st = s.st.get();
+    gemm(cols, kBlockQ, dp, k + c0 * dp, dp, 1, s.qt.get(), kBlockQ, st, kBlockQ, false);
+    if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+
+    for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+      vfloat mx = broadcast(neg_inf());
+      for (int64_t c = 0; c < cols; ++c) mx = vmax(mx, load(st + c * kBlockQ + i));
+      store(block_max + i, mx);
+    }
+    for (int64_t i = 0; i < kBlockQ; ++i) {
+      factor[i] = state[i].rescale_for_block_max(block_max[i]);
+      reference[i] = state[i].reference();
+    }
+    for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+      const vfloat ref = load(reference + i);
+      vfloat sum{};
+      for (int64_t c = 0; c < cols; ++c) {
+        const vfloat pr = exp2(load(st + c * kBlockQ + i) - ref);
+        store(st + c * kBlockQ + i, pr);
+        sum += pr;
+      }
+      store(block_sum + i, sum);
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      state[i].sum += block_sum[i];
+      if (factor[i] != 1.f) {
+        const vfloat f = broadcast(factor[i]);
+        float* row = s.acc.get() + i * dp;
+        for (int64_t d = 0; d < dp; d += kLanes) store(row + d, load(row + d) * f);
+      }
+    }
+    // O[rows x Dp] += P[rows x cols] V[cols x Dp], P read from st transposed.
+    gemm(rows, dp, cols, st, 1, kBlockQ, v + c0 * dp, dp, s.acc.get(), dp, true);
+  }
+
+  for (int64_t i = 0; i < rows; ++i) {
+    const float inv = state[i].inv_sum();
+    float* dst = p.out + b * p.out_strides.batch + (r0 + i) * p.out_strides.seq + h * p.out_strides.head;
+    const float* src = s.acc.get() + i * dp;
+    for (int64_t d = 0; d < sh.head_dim; ++d) dst[d] = src[d] * inv;
+    p.lse[(b * sh.heads + h) * sh.seqlen_q + r0 + i] = state[i].lse();
+  }
+}
+
+inline void attention_fwd_impl(const FwdParams& p) {
+  const AttnShape& sh = p.shape;
+  const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
+  const int64_t tasks = sh.batch * sh.heads * q_blocks;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    FwdScratch scratch(sh.head_dim_padded);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t qb = t % q_blocks;
+      const int64_t h = (t / q_blocks) % sh.heads;
+      const int64_t b = t / (q_blocks * sh.heads);
+      forward_block(p, b, h, qb, scratch);
+    }
+  });
+}
+
+struct BwdScratch {
+  std::unique_ptr<float[]> qt, dot, st, dpt, dk, dv;
+  explicit BwdScratch(int64_t dp)
+      : qt(new float[dp * kBlockQ]),
+        dot(new float[dp * kBlockQ]),
+        st(new float[kBlockK * kBlockQ]),
+        dpt(new float[kBlockK * kBlockQ]),
+        dk(new float[kBlockK * dp]),
+        dv(new float[kBlockK * dp]) {}
+};
+
+// One key block of one kv head: dK and dV of the block in full, and its dQ contributions for
+// every query head of the group (dQ rows of these heads are touched by this task only).
+inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
+                               BwdScratch& s) {
+  const AttnShape& sh = p.shape;
+  const int64_t dp = sh.head_dim_padded;
+  const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
+  const float* k = p.k + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
+  const float* v = p.v + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
+  std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
+  std::fill(s.dv.get(), s.dv.get() + kBlockK * dp, 0.f);
+  alignas(64) float reference[kBlockQ], delta[kBlockQ];
+
+  // Query rows that can see some key of this block.
+  const PosRange queries = p.mask.query_span(c0, c0 + cols, sh.seqlen_q);
+
+  for (int64_t h = hk * sh.group_size(); h < (hk + 1) * sh.group_size(); ++h) {
+    const int64_t row_base = (b * sh.heads + h) * sh.seqlen_q;
+    for (int64_t r0 = queries.first / kBlockQ * kBlockQ; r0 <= queries.last; r0 += kBlockQ) {
+      const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
+      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
+      if (kind == BlockKind::kEmpty) continue;
+      const float* q = p.q + (row_base + r0) * dp;
+      const float* dout = p.dout + (row_base + r0) * dp;
+      float* dq = p.dq + (row_base + r0) * dp;
+      for (int64_t i = 0; i < kBlockQ; ++i) {
+        // Padded rows get reference +inf: their probabilities, hence all their terms, are 0.
+        reference[i] = i < rows ? backward_reference(p.lse[row_base + r0 + i])
+                                : std::numeric_limits<float>::infinity();
+        delta[i] = i < rows ? p.delta[row_base + r0 + i] : 0.f;
+      }
+      pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, s.qt.get());
+      pack_transposed(dout, rows, dp, 1.f, s.dot.get());
+      float* st = s.st.get();
+      float* dpt = s.dpt.get();
+
+      // P^T = exp2(K Q^T - lse)
+      gemm(cols, kBlockQ, dp, k, dp, 1, s.qt.get(), kBlockQ, st, kBlockQ, false);
+      if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+      for (int64_t c = 0; c < cols; ++c)
+        for (int64_t i = 0; i < kBlockQ; i += kLanes)
+          store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
+      // dV += P^T dO
+      gemm(cols, dp, rows, st, kBlockQ, 1, dout, dp, s.dv.get(), dp, true);
+      // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
+      gemm(cols, kBlockQ, dp, v, dp, 1, s.dot.get(), kBlockQ, dpt, kBlockQ, false);
+      for (int64_t c = 0; c < cols; ++c)
+        for (int64_t i = 0; i < kBlockQ; i += kLanes)
+          store(dpt + c * kBlockQ + i,
+                load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
+      // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
+      gemm(cols, dp, rows, dpt, kBlockQ, 1, q, dp, s.dk.get(), dp, true);
+      gemm(rows, dp, cols, dpt, 1, kBlockQ, k, dp, dq, dp, true);
+    }
+  }
+
+  const BshdStrides& o = p.dkv_strides;
+  for (int64_t c = 0; c < cols; ++c) {
+    const int64_t offset = b * o.batch + (c0 + c) * o.seq + hk * o.head;
+    for (int64_t d = 0; d < sh.head_dim; ++d) {
+      p.dk[offset + d] = s.dk[c * dp + d] * p.softmax_scale;
+      p.dv[offset + d] = s.dv[c * dp + d];
+    }
+  }
+}
+
+inline void attention_bwd_impl(const BwdParams& p) {
+  const AttnShape& sh = p.shape;
+  const int64_t k_blocks = (sh.seqlen_k + kBlockK - 1) / kBlockK;
+  // One task per (batch, kv head): it owns the dQ rows of its query heads, so no two tasks
+  // write the same element and the result is deterministic.
+  at::parallel_for(0, sh.batch * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    BwdScratch scratch(sh.head_dim_padded);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / sh.kv_heads, hk = t % sh.kv_heads;
+      for (int64_t kb = 0; kb < k_blocks; ++kb) backward_key_block(p, b, hk, kb * kBlockK, scratch);
+      const int64_t dp = sh.head_dim_padded;
+      for (int64_t h = hk * sh.group_size(); h < (hk + 1) * sh.group_size(); ++h) {
+        float* dq = p.dq + (b * sh.heads + h) * sh.seqlen_q * dp;
+        for (int64_t e = 0; e < sh.seqlen_q * dp; ++e) dq[e] *= p.softmax_scale;
+      }
+    }
+  });
+}
+
+}  // namespace CPATTN_CPU_ISA
+}  // namespace cpattn::cpu

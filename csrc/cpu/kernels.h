@@ -1,0 +1,25 @@
+// Entry points of the CPU kernels. The instruction set is chosen at run time (dispatch.cpp).
+#pragma once
+
+#include "cpattn/params.h"
+
+namespace cpattn::cpu {
+
+void attention_fwd(const FwdParams& params);
+void attention_bwd(const BwdParams& params);
+
+// The instruction set the kernels run with: "avx512", "avx2" or "generic". The environment
+// variable CPATTN_CPU_ISA may ask for a lower one (tests use it to cover every path).
+const char* active_isa();
+
+#define CPATTN_DECLARE_ISA(isa)                  \
+  namespace isa {                                \
+  void attention_fwd(const FwdParams& params);   \
+  void attention_bwd(const BwdParams& params);   \
+  }
+CPATTN_DECLARE_ISA(avx512)
+CPATTN_DECLARE_ISA(avx2)
+CPATTN_DECLARE_ISA(generic)
+#undef CPATTN_DECLARE_ISA
+
+}  // namespace cpattn::cpu

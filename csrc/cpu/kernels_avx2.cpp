@@ -1,0 +1,12 @@
+// The CPU kernels compiled for avx2 (flags set per file in CMakeLists.txt).
+// Micro-tile: 4 rows x 2 vectors of 16 floats, sized to the register file of this ISA.
+#define CPATTN_CPU_ISA avx2
+#define CPATTN_MR 4
+#define CPATTN_NV 2
+#include "cpu/attention_kernel.h"
+#include "cpu/kernels.h"
+
+namespace cpattn::cpu::avx2 {
+void attention_fwd(const FwdParams& params) { attention_fwd_impl(params); }
+void attention_bwd(const BwdParams& params) { attention_bwd_impl(params); }
+}  // namespace cpattn::cpu::avx2

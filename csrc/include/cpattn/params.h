@@ -1,0 +1,60 @@
+// Plain descriptions of one local attention problem, shared by the CPU and CUDA kernels.
+// No torch types: the op layer (csrc/ops) fills these from tensors.
+#pragma once
+
+#include <cstdint>
+
+#include "cpattn/mask.h"
+
+namespace cpattn {
+
+struct AttnShape {
+  int64_t batch = 0;
+  int64_t heads = 0;     // query heads H
+  int64_t kv_heads = 0;  // key/value heads Hkv, H % Hkv == 0; query head h reads kv head h / (H / Hkv)
+  int64_t seqlen_q = 0;
+  int64_t seqlen_k = 0;
+  int64_t head_dim = 0;         // D
+  int64_t head_dim_padded = 0;  // Dp >= D, the row length of the packed fp32 operands
+
+  int64_t group_size() const { return heads / kv_heads; }
+};
+
+// Strides (in elements) of a (batch, seqlen, heads, head_dim) tensor; head_dim is contiguous.
+struct BshdStrides {
+  int64_t batch = 0;
+  int64_t seq = 0;
+  int64_t head = 0;
+};
+
+// Forward. Inputs are packed fp32, (batch, heads, seqlen, Dp) contiguous, zero beyond D.
+struct FwdParams {
+  AttnShape shape;
+  const float* q = nullptr;  // (B, H, Sq, Dp)
+  const float* k = nullptr;  // (B, Hkv, Sk, Dp)
+  const float* v = nullptr;  // (B, Hkv, Sk, Dp)
+  float* out = nullptr;      // (B, Sq, H, D), strides out_strides
+  BshdStrides out_strides;
+  float* lse = nullptr;  // (B, H, Sq) contiguous, natural log
+  float softmax_scale = 1.f;
+  Mask mask;
+};
+
+// Backward from the *global* out / lse of each query row (delta = rowsum(dout * out)).
+struct BwdParams {
+  AttnShape shape;
+  const float* q = nullptr;      // (B, H, Sq, Dp)
+  const float* k = nullptr;      // (B, Hkv, Sk, Dp)
+  const float* v = nullptr;      // (B, Hkv, Sk, Dp)
+  const float* dout = nullptr;   // (B, H, Sq, Dp)
+  const float* lse = nullptr;    // (B, H, Sq), natural log
+  const float* delta = nullptr;  // (B, H, Sq)
+  float* dq = nullptr;           // (B, H, Sq, Dp), must be zero on entry; accumulated
+  float* dk = nullptr;           // (B, Sk, Hkv, D), strides dkv_strides, fully written
+  float* dv = nullptr;           // (B, Sk, Hkv, D), strides dkv_strides, fully written
+  BshdStrides dkv_strides;
+  float softmax_scale = 1.f;
+  Mask mask;
+};
+
+}  // namespace cpattn

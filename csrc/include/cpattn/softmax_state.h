@@ -1,0 +1,71 @@
+// Online softmax and the log-sum-exp merge, -inf safe.
+//
+// A partial attention result is a pair (o, lse): o = sum_j p_j v_j / sum_j p_j over some key set,
+// lse = log(sum_j exp(s_j)). Two results over disjoint key sets merge exactly:
+//   lse = max + log(exp(lse_a - max) + exp(lse_b - max)),  o = w_a o_a + w_b o_b,
+//   w_a = exp(lse_a - lse), w_b = exp(lse_b - lse).
+// A row that saw no key has lse = -inf and o = 0; two such rows merge to (0, -inf), not NaN.
+#pragma once
+
+#include <cmath>
+#include <limits>
+
+#include "cpattn/config.h"
+
+namespace cpattn {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+CPATTN_HOST_DEVICE float neg_inf() { return -std::numeric_limits<float>::infinity(); }
+
+// Weights of the two parts in the merge of (lse_a, lse_b), and the merged lse.
+struct MergeWeights {
+  float weight_a;
+  float weight_b;
+  float lse;
+};
+
+CPATTN_HOST_DEVICE MergeWeights merge_weights(float lse_a, float lse_b) {
+  const float mx = lse_a > lse_b ? lse_a : lse_b;
+  if (mx == neg_inf()) return {0.f, 0.f, neg_inf()};  // both empty: stays empty
+  const float ea = expf(lse_a - mx);                  // exp(-inf) = 0 for an empty side
+  const float eb = expf(lse_b - mx);
+  const float sum = ea + eb;
+  return {ea / sum, eb / sum, mx + logf(sum)};
+}
+
+// Running state of one query row in base 2: scores are pre-multiplied by scale * log2(e),
+// max is the running maximum and sum the running sum of exp2(score - max).
+struct OnlineSoftmaxRow {
+  float max = neg_inf();
+  float sum = 0.f;
+
+  // Takes the maximum of a new block of scores; returns the factor that rescales what was
+  // accumulated so far. When every score so far is -inf the reference point stays 0 (see
+  // reference()), so exp2(-inf - 0) = 0 and no inf - inf appears.
+  CPATTN_HOST_DEVICE float rescale_for_block_max(float block_max) {
+    const float new_max = block_max > max ? block_max : max;
+    const float factor = (new_max == neg_inf()) ? 1.f : exp2f(max - new_max);
+    max = new_max;
+    sum *= factor;
+    return factor;
+  }
+  // The value subtracted from scores before exp2: the running max, or 0 while it is -inf.
+  CPATTN_HOST_DEVICE float reference() const { return max == neg_inf() ? 0.f : max; }
+
+  // 1 / sum for the final normalisation (0 for an empty row, whose accumulator is 0).
+  CPATTN_HOST_DEVICE float inv_sum() const { return sum > 0.f ? 1.f / sum : 0.f; }
+  // Natural-log LSE of the row (-inf for an empty row).
+  CPATTN_HOST_DEVICE float lse() const {
+    return sum > 0.f ? (max + log2f(sum)) * kLn2 : neg_inf();
+  }
+};
+
+// Reference point for recomputing probabilities in the backward pass from a natural-log LSE:
+// p = exp2(score_base2 - lse_base2). An empty row (-inf) gets +inf, so every p is 0.
+CPATTN_HOST_DEVICE float backward_reference(float lse) {
+  return lse == neg_inf() ? std::numeric_limits<float>::infinity() : lse * kLog2e;
+}
+
+}  // namespace cpattn

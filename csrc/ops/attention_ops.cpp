@@ -1,0 +1,247 @@
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include "cpattn/params.h"
+#include "cpattn/softmax_state.h"
+#include "cpu/kernels.h"
+#include "ops/ops.h"
+
+namespace cpattn::ops {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+
+bool is_float_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// Tests set CPATTN_POISON=1: every output buffer is filled with NaN before the kernel runs, so an
+// element the kernel forgets to write shows up as NaN instead of plausible leftover memory.
+bool poison_outputs() {
+  static const bool on = [] {
+    const char* v = std::getenv("CPATTN_POISON");
+    return v && v[0] == '1';
+  }();
+  return on;
+}
+at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(sizes, options);
+  if (poison_outputs()) t.fill_(std::numeric_limits<float>::quiet_NaN());
+  return t;
+}
+
+void check_bshd(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 4, "cpattn: ", name, " must have 4 dims (batch, seqlen, heads, head_dim), got ",
+              t.dim(), " dims with shape ", t.sizes());
+  TORCH_CHECK(is_float_type(t.scalar_type()), "cpattn: ", name,
+              " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  TORCH_CHECK(t.stride(-1) == 1, "cpattn: ", name,
+              " must be contiguous in its last dim (head_dim), got stride ", t.stride(-1));
+  TORCH_CHECK(t.numel() > 0, "cpattn: ", name, " is empty (shape ", t.sizes(), ")");
+}
+
+void check_mask_args(double softmax_scale, int64_t window_left, int64_t window_right) {
+  TORCH_CHECK(window_left >= -1 && window_right >= -1,
+              "cpattn: window must be (left, right) with each >= 0 or -1 for unbounded, got (",
+              window_left, ", ", window_right, ")");
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
+              "cpattn: softmax_scale must be finite and positive, got ", softmax_scale);
+}
+
+AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_bshd(q, "q");
+  check_bshd(k, "k");
+  check_bshd(v, "v");
+  TORCH_CHECK(k.sizes() == v.sizes(), "cpattn: k and v must have the same shape, got k ", k.sizes(),
+              " and v ", v.sizes());
+  TORCH_CHECK(q.size(0) == k.size(0), "cpattn: q and k must have the same batch size, got ",
+              q.size(0), " and ", k.size(0));
+  TORCH_CHECK(q.size(3) == k.size(3), "cpattn: q and k must have the same head_dim, got ", q.size(3),
+              " and ", k.size(3));
+  TORCH_CHECK(q.size(3) <= kMaxHeadDim, "cpattn: unsupported head_dim ", q.size(3),
+              " (supported: 1 to ", kMaxHeadDim, ")");
+  TORCH_CHECK(q.size(2) % k.size(2) == 0, "cpattn: the number of query heads (", q.size(2),
+              ") must be a multiple of the number of key/value heads (", k.size(2), ")");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "cpattn: q, k and v must have the same dtype, got ", q.scalar_type(), ", ",
+              k.scalar_type(), " and ", v.scalar_type());
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
+              "cpattn: q, k and v must be on the same device, got ", q.device(), ", ", k.device(),
+              " and ", v.device());
+  TORCH_CHECK(q.device().is_cpu(), "cpattn: no kernel for device ", q.device(),
+              " in this build (CPU tensors only)");
+  AttnShape s;
+  s.batch = q.size(0);
+  s.seqlen_q = q.size(1);
+  s.heads = q.size(2);
+  s.head_dim = q.size(3);
+  s.seqlen_k = k.size(1);
+  s.kv_heads = k.size(2);
+  s.head_dim_padded = (s.head_dim + 15) / 16 * 16;
+  return s;
+}
+
+// (B, S, H, D) any dtype -> (B, H, S, Dp) fp32 contiguous, zero beyond D.
+at::Tensor pack(const at::Tensor& t, int64_t dp) {
+  at::Tensor p = t.to(at::kFloat).transpose(1, 2);
+  if (dp != t.size(3)) p = at::constant_pad_nd(p, {0, dp - t.size(3)}, 0.0);
+  return p.contiguous();
+}
+
+Mask make_mask(bool causal, int64_t window_left, int64_t window_right, int64_t q_offset,
+               int64_t k_offset) {
+  Mask m;
+  m.causal = causal;
+  m.window_left = window_left;
+  m.window_right = window_right;
+  m.q_offset = q_offset;
+  m.k_offset = k_offset;
+  return m;
+}
+
+BshdStrides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v, double softmax_scale,
+                                                 bool causal, int64_t window_left,
+                                                 int64_t window_right, int64_t q_offset,
+                                                 int64_t k_offset,
+                                                 std::optional<at::ScalarType> out_dtype) {
+  const AttnShape s = check_qkv(q, k, v);
+  check_mask_args(softmax_scale, window_left, window_right);
+  const at::ScalarType dtype = out_dtype.value_or(q.scalar_type());
+  TORCH_CHECK(is_float_type(dtype), "cpattn: out_dtype must be float32, bfloat16 or float16, got ",
+              dtype);
+
+  const at::Tensor qp = pack(q, s.head_dim_padded), kp = pack(k, s.head_dim_padded),
+                   vp = pack(v, s.head_dim_padded);
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, f32);
+  at::Tensor lse = new_output({s.batch, s.heads, s.seqlen_q}, f32);
+
+  FwdParams p;
+  p.shape = s;
+  p.q = qp.data_ptr<float>();
+  p.k = kp.data_ptr<float>();
+  p.v = vp.data_ptr<float>();
+  p.out = out.data_ptr<float>();
+  p.out_strides = strides_of(out);
+  p.lse = lse.data_ptr<float>();
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.mask = make_mask(causal, window_left, window_right, q_offset, k_offset);
+  cpu::attention_fwd(p);
+  return {out.to(dtype), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, int64_t q_offset, int64_t k_offset,
+    std::optional<at::ScalarType> grad_dtype) {
+  const AttnShape s = check_qkv(q, k, v);
+  check_mask_args(softmax_scale, window_left, window_right);
+  check_bshd(dout, "dout");
+  check_bshd(out, "out");
+  TORCH_CHECK(dout.sizes() == q.sizes(), "cpattn: dout must have q's shape ", q.sizes(), ", got ",
+              dout.sizes());
+  TORCH_CHECK(out.sizes() == q.sizes(), "cpattn: out must have q's shape ", q.sizes(), ", got ",
+              out.sizes());
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == s.batch && lse.size(1) == s.heads &&
+                  lse.size(2) == s.seqlen_q,
+              "cpattn: lse must have shape (batch, heads, seqlen_q) = (", s.batch, ", ", s.heads,
+              ", ", s.seqlen_q, "), got ", lse.sizes());
+  TORCH_CHECK(lse.scalar_type() == at::kFloat, "cpattn: lse must be float32, got ",
+              lse.scalar_type());
+  TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() &&
+                  lse.device() == q.device(),
+              "cpattn: dout, out and lse must be on q's device ", q.device());
+  if (grad_dtype)
+    TORCH_CHECK(is_float_type(*grad_dtype),
+                "cpattn: grad_dtype must be float32, bfloat16 or float16, got ", *grad_dtype);
+
+  const int64_t dp = s.head_dim_padded;
+  const at::Tensor qp = pack(q, dp), kp = pack(k, dp), vp = pack(v, dp), dop = pack(dout, dp);
+  // delta = rowsum(dout * out) per query row, over the global output.
+  const at::Tensor delta =
+      (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1).transpose(1, 2).contiguous();
+  const at::Tensor lse_c = lse.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq = at::zeros({s.batch, s.heads, s.seqlen_q, dp}, f32);
+  at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, f32);
+  at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, f32);
+
+  BwdParams p;
+  p.shape = s;
+  p.q = qp.data_ptr<float>();
+  p.k = kp.data_ptr<float>();
+  p.v = vp.data_ptr<float>();
+  p.dout = dop.data_ptr<float>();
+  p.lse = lse_c.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  p.dq = dq.data_ptr<float>();
+  p.dk = dk.data_ptr<float>();
+  p.dv = dv.data_ptr<float>();
+  p.dkv_strides = strides_of(dk);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.mask = make_mask(causal, window_left, window_right, q_offset, k_offset);
+  cpu::attention_bwd(p);
+
+  const at::Tensor dq_bshd = dq.narrow(3, 0, s.head_dim).transpose(1, 2);
+  return {dq_bshd.to(grad_dtype.value_or(q.scalar_type())).contiguous(),
+          dk.to(grad_dtype.value_or(k.scalar_type())),
+          dv.to(grad_dtype.value_or(v.scalar_type()))};
+}
+
+void check_merge_args(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+                      const at::Tensor& part_lse) {
+  TORCH_CHECK(out.dim() == 4, "cpattn: merge out must be (batch, seqlen, heads, head_dim), got ",
+              out.sizes());
+  TORCH_CHECK(out.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat &&
+                  part_lse.scalar_type() == at::kFloat,
+              "cpattn: merge out, lse and part_lse must be float32, got ", out.scalar_type(), ", ",
+              lse.scalar_type(), ", ", part_lse.scalar_type());
+  TORCH_CHECK(is_float_type(part_out.scalar_type()),
+              "cpattn: merge part_out must be float32, bfloat16 or float16, got ",
+              part_out.scalar_type());
+  TORCH_CHECK(part_out.sizes() == out.sizes(), "cpattn: merge part_out must have out's shape ",
+              out.sizes(), ", got ", part_out.sizes());
+  const std::vector<int64_t> lse_shape{out.size(0), out.size(2), out.size(1)};
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape) &&
+                  part_lse.sizes() == at::IntArrayRef(lse_shape),
+              "cpattn: merge lse and part_lse must have shape (batch, heads, seqlen) = ",
+              at::IntArrayRef(lse_shape), ", got ", lse.sizes(), " and ", part_lse.sizes());
+  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(),
+              "cpattn: merge out and lse are updated in place and must be contiguous");
+  TORCH_CHECK(lse.device() == out.device() && part_out.device() == out.device() &&
+                  part_lse.device() == out.device(),
+              "cpattn: merge tensors must be on one device, got ", out.device(), ", ", lse.device(),
+              ", ", part_out.device(), ", ", part_lse.device());
+}
+
+void merge_state_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+                  const at::Tensor& part_lse) {
+  check_merge_args(out, lse, part_out, part_lse);
+  const at::Tensor po = part_out.to(at::kFloat).contiguous();
+  const at::Tensor pl = part_lse.contiguous();
+  const int64_t B = out.size(0), S = out.size(1), H = out.size(2), D = out.size(3);
+  float* o = out.data_ptr<float>();
+  float* l = lse.data_ptr<float>();
+  const float* po_ = po.data_ptr<float>();
+  const float* pl_ = pl.data_ptr<float>();
+  at::parallel_for(0, B * S * H, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {  // row = (b * S + s) * H + h
+      const int64_t h = row % H, s = (row / H) % S, b = row / (H * S);
+      const int64_t li = (b * H + h) * S + s;
+      const MergeWeights w = merge_weights(l[li], pl_[li]);
+      float* dst = o + row * D;
+      const float* src = po_ + row * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = w.weight_a * dst[d] + w.weight_b * src[d];
+      l[li] = w.lse;
+    }
+  });
+}
+
+}  // namespace cpattn::ops

@@ -1,0 +1,28 @@
+"""cpattn: context-parallel exact attention for PyTorch.
+
+Layout everywhere: q, k, v and out are (batch, seqlen, heads, head_dim); LSE is float32 natural
+log, (batch, heads, seqlen). See DESIGN.md for the conventions.
+"""
+
+from cpattn._loader import load_extension as _load_extension
+
+_C = _load_extension()
+
+from cpattn import _ops  # noqa: E402  (registers fake kernels and autograd for the ops)
+from cpattn.attention import attention, merge_state_  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["attention", "merge_state_", "build_info"]
+
+
+def build_info() -> dict:
+    """How the compiled module was built and what it runs with."""
+    from cpattn import _build_info as b
+
+    return {
+        "torch_version": b.TORCH_VERSION,
+        "with_cuda": b.WITH_CUDA,
+        "cuda_arch_list": b.CUDA_ARCH_LIST if b.WITH_CUDA else "",
+        "cpu_isa": _C.cpu_isa(),
+        "nccl_version": _C.nccl_version(),
+    }

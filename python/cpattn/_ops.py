@@ -1,0 +1,70 @@
+"""Fake (meta) kernels and autograd for the compiled ops in torch.ops.cpattn.
+
+The schemas live in C++ (csrc/bindings/registration.cpp); this file only describes output
+shapes for tracing (torch.compile, meta tensors) and wires the backward.
+"""
+
+from typing import Optional
+
+import torch
+
+ops = torch.ops.cpattn
+
+
+@torch.library.register_fake("cpattn::attention_fwd")
+def _attention_fwd_fake(
+    q, k, v, softmax_scale, causal, window_left, window_right, q_offset, k_offset, out_dtype=None
+):
+    b, sq, h, d = q.shape
+    out = q.new_empty((b, sq, h, d), dtype=out_dtype if out_dtype is not None else q.dtype)
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("cpattn::attention_bwd")
+def _attention_bwd_fake(
+    dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, q_offset,
+    k_offset, grad_dtype=None,
+):
+    def like(t):
+        return t.new_empty(t.shape, dtype=grad_dtype if grad_dtype is not None else t.dtype)
+
+    return like(q), like(k), like(v)
+
+
+@torch.library.register_fake("cpattn::merge_state_")
+def _merge_state_fake(out, lse, part_out, part_lse):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, window_left, window_right, q_offset, k_offset, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (softmax_scale, causal, window_left, window_right, q_offset, k_offset)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    # The gradient through lse is not supported: it is an auxiliary output (for merging).
+    dq, dk, dv = ops.attention_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args, None)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("cpattn::attention_fwd", _backward, setup_context=_setup_context)
+
+
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window: tuple[int, int],
+    q_offset: int,
+    k_offset: int,
+    out_dtype: Optional[torch.dtype] = None,
+):
+    return ops.attention_fwd(
+        q, k, v, softmax_scale, causal, window[0], window[1], q_offset, k_offset, out_dtype
+    )

@@ -1,0 +1,75 @@
+"""Local (single-device) attention: the primitive every context-parallel strategy builds on."""
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from cpattn import _ops
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window: tuple[int, int] = (-1, -1),
+    return_lse: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Exact softmax attention, differentiable with respect to q, k and v.
+
+    Args:
+        q: (batch, seqlen_q, heads, head_dim), float32 / bfloat16 / float16.
+        k, v: (batch, seqlen_k, kv_heads, head_dim); heads % kv_heads == 0 (GQA / MQA).
+        causal: key j is visible to query i only if j <= i.
+        softmax_scale: defaults to 1 / sqrt(head_dim).
+        window: (left, right) sliding window, -1 = unbounded: i - left <= j <= i + right.
+        return_lse: also return the log-sum-exp of the scores.
+
+    When seqlen_q != seqlen_k, positions are bottom-right aligned (as flash-attn): query i sits
+    at position i + seqlen_k - seqlen_q, so a single decode query sees every key.
+    A query that sees no key gets output 0 and LSE -inf.
+
+    Returns:
+        out (batch, seqlen_q, heads, head_dim) in q's dtype, and with return_lse the LSE
+        (batch, heads, seqlen_q), float32, natural log. The LSE carries no gradient.
+    """
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(
+            "cpattn.attention: q and k must be (batch, seqlen, heads, head_dim), got shapes "
+            f"{tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    window = _check_window(window)
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    out, lse = _ops.attention_fwd(
+        q, k, v, float(softmax_scale), bool(causal), window, seqlen_k - seqlen_q, 0
+    )
+    return (out, lse) if return_lse else out
+
+
+def merge_state_(
+    out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor
+) -> None:
+    """Merges a partial attention result into a running one, in place and exactly.
+
+    out (batch, seqlen, heads, head_dim) float32 and lse (batch, heads, seqlen) float32 hold the
+    result over one set of keys; part_out / part_lse over a disjoint set. Afterwards they hold
+    the result over the union. Rows empty on both sides stay (0, -inf).
+    """
+    torch.ops.cpattn.merge_state_(out, lse, part_out, part_lse)
+
+
+def _check_window(window) -> tuple[int, int]:
+    try:
+        left, right = (int(w) for w in window)
+    except (TypeError, ValueError):
+        raise ValueError(f"cpattn: window must be a pair (left, right) of ints, got {window!r}")
+    if left < -1 or right < -1:
+        raise ValueError(
+            f"cpattn: window must be (left, right) with each >= 0 or -1 for unbounded, got {window}"
+        )
+    return left, right
