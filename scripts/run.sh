@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One entry point for a fresh clone: sets up .venv (torch from this machine's local disk), builds
+# cpattn, then runs what was asked.
+#   bash scripts/run.sh demo   the main job (python -m cpattn demo)
+#   bash scripts/run.sh test   every test: C++ header tests (ctest), pytest, benchmark smoke runs
+#   bash scripts/run.sh bench  the benchmark table vs torch SDPA (bench/bench_attention.py)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+TORCH_SPEC=${CPATTN_TORCH_SPEC:-torch==2.13.0}
+
+need_apt=()
+for pkg in libgtest-dev libbenchmark-dev; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "== apt-get install ${need_apt[*]}"
+  apt-get update -qq && apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  python3 -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+python -m pip install -q "$TORCH_SPEC" numpy pytest pytest-benchmark expecttest \
+  "scikit-build-core>=0.10" ninja "cmake>=3.25"
+echo "== building cpattn"
+python -m pip install -q --no-build-isolation --no-deps .
+cd /tmp  # import the installed package, not the source tree
+
+case "${1:-}" in
+  demo)
+    shift
+    python -m cpattn demo "$@"
+    ;;
+  test)
+    echo "== C++ tests of the header core"
+    cmake -S "$ROOT" -B "$ROOT/build/cpptests" -G Ninja -DCPATTN_BUILD_EXTENSION=OFF \
+      -DCPATTN_BUILD_TESTS=ON >/dev/null
+    cmake --build "$ROOT/build/cpptests"
+    ctest --test-dir "$ROOT/build/cpptests" --output-on-failure
+    echo "== C++ benchmark (build and smoke run)"
+    cmake -S "$ROOT" -B "$ROOT/build/bench" -G Ninja -DCPATTN_BUILD_EXTENSION=OFF \
+      -DCPATTN_BUILD_BENCHMARKS=ON -DPython_EXECUTABLE="$(command -v python)" >/dev/null
+    cmake --build "$ROOT/build/bench"
+    "$ROOT/build/bench/cpattn_bench_kernel" --benchmark_filter=smoke --benchmark_min_time=0.01s
+    echo "== benchmark suite (smoke run)"
+    python -m pytest "$ROOT/bench" -q --benchmark-disable -p no:cacheprovider
+    echo "== pytest"
+    python -m pytest "$ROOT/tests" -q -p no:cacheprovider
+    ;;
+  bench)
+    shift
+    python "$ROOT/bench/bench_attention.py" "$@"
+    ;;
+  *)
+    echo "usage: bash scripts/run.sh demo|test|bench [args]" >&2
+    exit 2
+    ;;
+esac
