@@ -213,17 +213,17 @@ void check_merge_args(const at::Tensor& out, const at::Tensor& lse, const at::Te
                   part_lse.sizes() == at::IntArrayRef(lse_shape),
               "cpattn: merge lse and part_lse must have shape (batch, heads, seqlen) = ",
               at::IntArrayRef(lse_shape), ", got ", lse.sizes(), " and ", part_lse.sizes());
-  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(),
-              "cpattn: merge out and lse are updated in place and must be contiguous");
+  TORCH_CHECK(out.stride(3) == 1, "cpattn: merge out must be contiguous in its last dim "
+              "(head_dim), got stride ", out.stride(3));
   TORCH_CHECK(lse.device() == out.device() && part_out.device() == out.device() &&
                   part_lse.device() == out.device(),
               "cpattn: merge tensors must be on one device, got ", out.device(), ", ", lse.device(),
               ", ", part_out.device(), ", ", part_lse.device());
 }
 
-void merge_state_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
-                  const at::Tensor& part_lse) {
-  check_merge_args(out, lse, part_out, part_lse);
+void merge_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+                const at::Tensor& part_lse) {
+  TORCH_CHECK(out.stride(3) == 1, "cpattn: merge out must be contiguous in head_dim");
   const at::Tensor po = part_out.to(at::kFloat).contiguous();
   const at::Tensor pl = part_lse.contiguous();
   const int64_t B = out.size(0), S = out.size(1), H = out.size(2), D = out.size(3);
@@ -234,14 +234,21 @@ void merge_state_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor
   at::parallel_for(0, B * S * H, 256, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {  // row = (b * S + s) * H + h
       const int64_t h = row % H, s = (row / H) % S, b = row / (H * S);
-      const int64_t li = (b * H + h) * S + s;
-      const MergeWeights w = merge_weights(l[li], pl_[li]);
-      float* dst = o + row * D;
+      float& lse_ref = l[b * lse.stride(0) + h * lse.stride(1) + s * lse.stride(2)];
+      const MergeWeights w = merge_weights(lse_ref, pl_[(b * H + h) * S + s]);
+      float* dst = o + b * out.stride(0) + s * out.stride(1) + h * out.stride(2);
       const float* src = po_ + row * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = w.weight_a * dst[d] + w.weight_b * src[d];
-      l[li] = w.lse;
+      lse_ref = w.lse;
     }
   });
+}
+
+void merge_state_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+                  const at::Tensor& part_lse) {
+  check_merge_args(out, lse, part_out, part_lse);
+  TORCH_CHECK(out.device().is_cpu(), "cpattn: no merge_state_ kernel for device ", out.device());
+  merge_into(out, lse, part_out, part_lse);
 }
 
 }  // namespace cpattn::ops

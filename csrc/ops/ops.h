@@ -31,6 +31,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 void merge_state_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
                   const at::Tensor& part_lse);
 
+// merge_state_ without the argument checks, on any strides (the ring driver merges into views).
+void merge_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+                const at::Tensor& part_lse);
+
 // Checks shared by every backend's merge_state_.
 void check_merge_args(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
                       const at::Tensor& part_lse);

@@ -10,9 +10,19 @@ _C = _load_extension()
 
 from cpattn import _ops  # noqa: E402  (registers fake kernels and autograd for the ops)
 from cpattn.attention import attention, merge_state_  # noqa: E402
+from cpattn.ring import positions, ring_attention, ring_attention_emulated, shard, unshard  # noqa: E402,E501
 
 __version__ = "0.1.0"
-__all__ = ["attention", "merge_state_", "build_info"]
+__all__ = [
+    "attention",
+    "merge_state_",
+    "ring_attention",
+    "ring_attention_emulated",
+    "shard",
+    "unshard",
+    "positions",
+    "build_info",
+]
 
 
 def build_info() -> dict:

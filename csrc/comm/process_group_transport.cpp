@@ -1,0 +1,56 @@
+// Ring shifts over a torch.distributed process group (gloo on CPU), through c10d's point-to-point
+// send / recv. Work::wait with a timeout turns a stuck peer into an error.
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include "comm/transport.h"
+
+namespace cpattn::comm {
+namespace {
+
+class ProcessGroupShift final : public PendingShift {
+ public:
+  ProcessGroupShift(c10::intrusive_ptr<c10d::Work> send, c10::intrusive_ptr<c10d::Work> recv,
+                    std::chrono::milliseconds timeout)
+      : send_(std::move(send)), recv_(std::move(recv)), timeout_(timeout) {}
+  void wait() override {
+    recv_->wait(timeout_);
+    send_->wait(timeout_);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> send_, recv_;
+  std::chrono::milliseconds timeout_;
+};
+
+class ProcessGroupTransport final : public Transport {
+ public:
+  ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                        std::chrono::milliseconds timeout)
+      : group_(std::move(group)), timeout_(timeout) {}
+  int64_t rank() const override { return group_->getRank(); }
+  int64_t world() const override { return group_->getSize(); }
+  std::unique_ptr<PendingShift> shift(const at::Tensor& send, const at::Tensor& recv,
+                                      int64_t tag) override {
+    const int next = static_cast<int>((rank() + 1) % world());
+    const int prev = static_cast<int>((rank() + world() - 1) % world());
+    std::vector<at::Tensor> send_list{send}, recv_list{recv};
+    // Post the receive first so that a rendezvous-style backend never waits on itself.
+    auto r = group_->recv(recv_list, prev, static_cast<int>(tag));
+    auto s = group_->send(send_list, next, static_cast<int>(tag));
+    return std::make_unique<ProcessGroupShift>(std::move(s), std::move(r), timeout_);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::chrono::milliseconds timeout_;
+};
+
+}  // namespace
+
+std::unique_ptr<Transport> make_process_group_transport(const std::string& group_name,
+                                                        std::chrono::milliseconds timeout) {
+  return std::make_unique<ProcessGroupTransport>(c10d::resolve_process_group(group_name), timeout);
+}
+
+}  // namespace cpattn::comm

@@ -1,0 +1,44 @@
+// What the ring driver needs from a communication backend: a ring shift. Every rank sends one
+// buffer to rank + 1 and receives one of the same size from rank - 1; the call only posts the
+// exchange, so compute can run before wait(). Implementations: the torch process group (gloo on
+// CPU), an in-process emulation of W ranks, and (with the CUDA backend) NCCL.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace cpattn::comm {
+
+class PendingShift {
+ public:
+  virtual ~PendingShift() = default;
+  // Blocks until both the send and the receive are done; throws on error or timeout.
+  virtual void wait() = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int64_t rank() const = 0;
+  virtual int64_t world() const = 0;
+  // Posts send -> rank + 1 and rank - 1 -> recv (same shape and dtype). `tag` tells successive
+  // shifts apart. `send` must stay untouched and `recv` unread until wait() returns.
+  virtual std::unique_ptr<PendingShift> shift(const at::Tensor& send, const at::Tensor& recv,
+                                              int64_t tag) = 0;
+};
+
+// The process group registered under `group_name` (ProcessGroup.group_name in Python).
+std::unique_ptr<Transport> make_process_group_transport(const std::string& group_name,
+                                                        std::chrono::milliseconds timeout);
+
+// W virtual ranks in one process, each driven from its own thread; shifts go through a shared
+// mailbox (a copy per message).
+class Mailbox;
+std::shared_ptr<Mailbox> make_mailbox(int64_t world);
+std::unique_ptr<Transport> make_emulated_transport(std::shared_ptr<Mailbox> mailbox, int64_t rank,
+                                                   std::chrono::milliseconds timeout);
+
+}  // namespace cpattn::comm

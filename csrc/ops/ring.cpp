@@ -1,0 +1,240 @@
+// The ring driver, written once against comm::Transport. Per step it posts the shift of the next
+// K/V shard, computes the sub-problems that the schedule (cpattn/schedule.h) gives for the shard
+// it holds, merges them into the running fp32 (out, lse), then waits for the shift.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <thread>
+
+#include "comm/transport.h"
+#include "cpattn/schedule.h"
+#include "ops/ops.h"
+#include "ops/ring.h"
+
+namespace cpattn::ops {
+namespace {
+
+at::Tensor rows(const at::Tensor& t, const Run& run) {  // (B, S, ...) -> the run's tokens
+  return t.narrow(1, run.local_begin, run.length);
+}
+at::Tensor lse_rows(const at::Tensor& lse, const Run& run) {  // (B, H, S)
+  return lse.narrow(2, run.local_begin, run.length);
+}
+
+Layout checked_layout(int64_t layout) {
+  TORCH_CHECK(layout >= 0 && layout <= 2, "cpattn: layout code must be 0 (contiguous), 1 (zigzag) "
+              "or 2 (striped), got ", layout);
+  return static_cast<Layout>(layout);
+}
+
+void check_ring_args(const at::Tensor& q, const at::Tensor& k, const RingOptions& o, int64_t world) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "cpattn: ring q and k must be (batch, seqlen_local, "
+              "heads, head_dim), got ", q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(q.size(1) == k.size(1), "cpattn: ring attention needs q and k/v shards of the same "
+              "length, got ", q.size(1), " and ", k.size(1));
+  const int64_t local = q.size(1);
+  if (o.layout == Layout::kZigzag)
+    TORCH_CHECK(local % 2 == 0, "cpattn: the zigzag layout holds two equal chunks per rank, so the "
+                "local sequence length must be even, got ", local);
+  (void)world;
+}
+
+Mask global_mask(const RingOptions& o) {
+  Mask m;
+  m.causal = o.causal;
+  m.window_left = o.window_left;
+  m.window_right = o.window_right;
+  return m;
+}
+
+}  // namespace
+
+RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
+                              int64_t window_right, int64_t layout) {
+  return {softmax_scale, causal, window_left, window_right, checked_layout(layout)};
+}
+
+std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v, comm::Transport& transport,
+                                                const RingOptions& o) {
+  const int64_t world = transport.world(), rank = transport.rank();
+  check_ring_args(q, k, o, world);
+  const int64_t seqlen = q.size(1) * world;
+  const Mask mask = global_mask(o);
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2), q.size(3)}, f32);
+  at::Tensor lse = at::full({q.size(0), q.size(2), q.size(1)}, -INFINITY, f32);
+
+  // K and V travel as one message; two persistent buffers alternate between "being computed on"
+  // and "being received into".
+  at::Tensor kv[2] = {at::stack({k, v}), at::Tensor()};
+  if (world > 1) kv[1] = at::empty_like(kv[0]);
+  for (int64_t step = 0; step < world; ++step) {
+    const at::Tensor& cur = kv[step % 2];
+    std::unique_ptr<comm::PendingShift> pending;
+    if (step + 1 < world) pending = transport.shift(cur, kv[(step + 1) % 2], step);
+    const StepPlan plan = plan_step(o.layout, seqlen, world, rank, step, mask);
+    for (int i = 0; i < plan.count; ++i) {
+      const SubProblem& sp = plan.items[i];
+      auto [part_out, part_lse] = attention_fwd(
+          rows(q, sp.q), rows(cur[0], sp.k), rows(cur[1], sp.k), o.softmax_scale, sp.mask.causal,
+          sp.mask.window_left, sp.mask.window_right, sp.mask.q_offset, sp.mask.k_offset,
+          at::kFloat);
+      merge_into(rows(out, sp.q), lse_rows(lse, sp.q), part_out, part_lse);
+    }
+    if (pending) pending->wait();
+  }
+  return {out.to(q.scalar_type()), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, comm::Transport& transport,
+    const RingOptions& o) {
+  const int64_t world = transport.world(), rank = transport.rank();
+  check_ring_args(q, k, o, world);
+  const int64_t seqlen = q.size(1) * world;
+  const Mask mask = global_mask(o);
+  at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+
+  // K/V go round as in the forward pass. The fp32 dK/dV accumulator of each shard follows it one
+  // step behind: at step t a rank receives the accumulator of the shard it now holds while it
+  // computes that shard's new contributions into `partial`, and adds the two afterwards.
+  at::Tensor kv[2] = {at::stack({k, v}), at::Tensor()};
+  at::Tensor acc = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)},
+                             k.options().dtype(at::kFloat));
+  at::Tensor partial = at::empty_like(acc), incoming;
+  if (world > 1) {
+    kv[1] = at::empty_like(kv[0]);
+    incoming = at::empty_like(acc);
+  }
+  for (int64_t step = 0; step < world; ++step) {
+    const at::Tensor& cur = kv[step % 2];
+    std::unique_ptr<comm::PendingShift> kv_shift, acc_shift;
+    if (step + 1 < world) kv_shift = transport.shift(cur, kv[(step + 1) % 2], 2 * step);
+    if (step > 0) acc_shift = transport.shift(acc, incoming, 2 * step + 1);
+    partial.zero_();
+    const StepPlan plan = plan_step(o.layout, seqlen, world, rank, step, mask);
+    for (int i = 0; i < plan.count; ++i) {
+      const SubProblem& sp = plan.items[i];
+      auto [dq_part, dk_part, dv_part] = attention_bwd(
+          rows(dout, sp.q), rows(q, sp.q), rows(cur[0], sp.k), rows(cur[1], sp.k), rows(out, sp.q),
+          lse_rows(lse, sp.q), o.softmax_scale, sp.mask.causal, sp.mask.window_left,
+          sp.mask.window_right, sp.mask.q_offset, sp.mask.k_offset, at::kFloat);
+      rows(dq, sp.q).add_(dq_part);
+      rows(partial[0], sp.k).add_(dk_part);
+      rows(partial[1], sp.k).add_(dv_part);
+    }
+    if (kv_shift) kv_shift->wait();
+    if (acc_shift) {
+      acc_shift->wait();
+      at::add_out(acc, incoming, partial);
+    } else {
+      acc.copy_(partial);
+    }
+  }
+  // acc now belongs to the shard of rank + 1: one last hop brings every rank its own.
+  if (world > 1) {
+    transport.shift(acc, incoming, 2 * world)->wait();
+    acc.copy_(incoming);
+  }
+  return {dq.to(q.scalar_type()), acc[0].to(k.scalar_type()), acc[1].to(v.scalar_type())};
+}
+
+// ---- ops over a torch process group -------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, c10::string_view group_name,
+                                            double softmax_scale, bool causal,
+                                            int64_t window_left, int64_t window_right,
+                                            int64_t layout, double timeout_s) {
+  auto transport = comm::make_process_group_transport(
+      std::string(group_name), std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  return ring_forward(q, k, v, *transport,
+                      make_ring_options(softmax_scale, causal, window_left, window_right, layout));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
+    double timeout_s) {
+  auto transport = comm::make_process_group_transport(
+      std::string(group_name), std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  return ring_backward(dout, q, k, v, out, lse, *transport,
+                       make_ring_options(softmax_scale, causal, window_left, window_right, layout));
+}
+
+// ---- W emulated ranks in this process: one thread each ------------------------------------
+
+namespace {
+
+template <typename Body>
+void run_emulated(int64_t world, Body body) {
+  auto mailbox = comm::make_mailbox(world);
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(world);
+  for (int64_t r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto transport = comm::make_emulated_transport(mailbox, r, std::chrono::seconds(60));
+        body(r, *transport);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace
+
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
+    at::TensorList q, at::TensorList k, at::TensorList v, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, int64_t layout) {
+  const int64_t world = static_cast<int64_t>(q.size());
+  TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size(),
+              "cpattn: emulated ring needs one q, k and v per rank, got ", q.size(), ", ",
+              k.size(), ", ", v.size());
+  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout);
+  std::vector<at::Tensor> outs(world), lses(world);
+  run_emulated(world, [&](int64_t r, comm::Transport& t) {
+    std::tie(outs[r], lses[r]) = ring_forward(q[r], k[r], v[r], t, o);
+  });
+  return {outs, lses};
+}
+
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>
+ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::TensorList v,
+                  at::TensorList out, at::TensorList lse, double softmax_scale, bool causal,
+                  int64_t window_left, int64_t window_right, int64_t layout) {
+  const int64_t world = static_cast<int64_t>(q.size());
+  TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size() &&
+                  dout.size() == q.size() && out.size() == q.size() && lse.size() == q.size(),
+              "cpattn: emulated ring backward needs one of each tensor per rank");
+  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout);
+  std::vector<at::Tensor> dq(world), dk(world), dv(world);
+  run_emulated(world, [&](int64_t r, comm::Transport& t) {
+    std::tie(dq[r], dk[r], dv[r]) = ring_backward(dout[r], q[r], k[r], v[r], out[r], lse[r], t, o);
+  });
+  return {dq, dk, dv};
+}
+
+at::Tensor layout_positions(int64_t seqlen, int64_t world, int64_t rank, int64_t layout) {
+  const Layout l = checked_layout(layout);
+  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "cpattn: rank ", rank,
+              " is not in a group of ", world);
+  const int64_t g = layout_granularity(l, world);
+  TORCH_CHECK(seqlen > 0 && seqlen % g == 0, "cpattn: the global sequence length (", seqlen,
+              ") must be a positive multiple of ", g, " for the ",
+              l == Layout::kZigzag ? "zigzag" : (l == Layout::kStriped ? "striped" : "contiguous"),
+              " layout over ", world, " ranks");
+  const int64_t local = seqlen / world;
+  at::Tensor pos = at::empty({local}, at::kLong);
+  int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < local; ++i) p[i] = global_position(l, seqlen, world, rank, i);
+  return pos;
+}
+
+}  // namespace cpattn::ops

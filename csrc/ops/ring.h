@@ -1,0 +1,58 @@
+// Ring attention: the driver (transport-agnostic) and its ops.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include <tuple>
+#include <vector>
+
+#include "comm/transport.h"
+#include "cpattn/layout.h"
+
+namespace cpattn::ops {
+
+struct RingOptions {
+  double softmax_scale;
+  bool causal;
+  int64_t window_left;
+  int64_t window_right;
+  Layout layout;
+};
+RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
+                              int64_t window_right, int64_t layout);
+
+// q, k, v: this rank's shards (B, S_local, H | Hkv, D) in layout order. Returns this rank's out
+// (q's dtype) and lse (B, H, S_local) fp32.
+std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::Tensor& k,
+                                                const at::Tensor& v, comm::Transport& transport,
+                                                const RingOptions& options);
+// Gradients of this rank's shards from the global out / lse of its queries.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, comm::Transport& transport,
+    const RingOptions& options);
+
+std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, c10::string_view group_name,
+                                            double softmax_scale, bool causal,
+                                            int64_t window_left, int64_t window_right,
+                                            int64_t layout, double timeout_s);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
+    double timeout_s);
+
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
+    at::TensorList q, at::TensorList k, at::TensorList v, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, int64_t layout);
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>
+ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::TensorList v,
+                  at::TensorList out, at::TensorList lse, double softmax_scale, bool causal,
+                  int64_t window_left, int64_t window_right, int64_t layout);
+
+// Global positions (int64) of the local tokens of `rank`.
+at::Tensor layout_positions(int64_t seqlen, int64_t world, int64_t rank, int64_t layout);
+
+}  // namespace cpattn::ops
