@@ -6,6 +6,7 @@ while the current step computes; results are merged in float32 with their log-su
 driver, the schedule and the layouts live in C++ (csrc/ops/ring.cpp, csrc/include/cpattn/).
 """
 
+import datetime
 import math
 import os
 import struct
@@ -100,7 +101,7 @@ def unshard(x_local: torch.Tensor, *, group=None, layout: str = "zigzag", dim: i
     return _Unshard.apply(x_local, group, layout, dim)
 
 
-def _validate(q, k, v, group, world, layout_code, causal, window, scale):
+def _validate(q, k, v, group, world, layout_code, causal, window, scale, timeout):
     """All ranks must agree on shapes and options: one small all-gather, checked on every rank."""
     fields = ["batch", "seqlen_local", "heads", "head_dim", "kv_batch", "kv_seqlen_local",
               "kv_heads", "kv_head_dim", "dtype", "layout", "causal", "window_left",
@@ -114,7 +115,9 @@ def _validate(q, k, v, group, world, layout_code, causal, window, scale):
     backend = dist.get_backend(group)
     device = q.device if backend != "gloo" else torch.device("cpu")
     gathered = [torch.empty_like(mine, device=device) for _ in range(world)]
-    dist.all_gather(gathered, mine.to(device), group=group)
+    work = dist.all_gather(gathered, mine.to(device), group=group, async_op=True)
+    if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+        raise RuntimeError(f"cpattn.ring_attention: peers did not answer within {timeout} s")
     table = torch.stack([g.cpu() for g in gathered])
     bad = (table != table[0]).any(0)
     if bad.any():
@@ -184,8 +187,8 @@ def ring_attention(
     window = _check_window(window)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    _validate(q, k, v, group, world, layout_code, causal, window, float(softmax_scale))
     timeout = _default_timeout() if timeout is None else float(timeout)
+    _validate(q, k, v, group, world, layout_code, causal, window, float(softmax_scale), timeout)
     out, lse = _RingAttention.apply(
         q, k, v, group.group_name, float(softmax_scale), bool(causal), window, layout_code,
         timeout,

@@ -1,0 +1,89 @@
+// The ring schedule covers every visible (query, key) pair of the global sequence exactly once,
+// and no hidden pair, for every layout, world size up to 16 and a set of masks.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "cpattn/schedule.h"
+
+namespace cpattn {
+namespace {
+
+struct MaskCase {
+  bool causal;
+  int64_t left, right;
+};
+
+const MaskCase kMasks[] = {{false, -1, -1}, {true, -1, -1}, {true, 5, -1},  {true, 0, -1},
+                           {false, 7, 3},   {false, 0, 0},  {false, -1, 2}, {false, 9, -1},
+                           {true, 13, 4},   {false, 1, 20}};
+
+void check_coverage(Layout layout, int64_t world, int64_t seqlen, const MaskCase& mc) {
+  Mask global;
+  global.causal = mc.causal;
+  global.window_left = mc.left;
+  global.window_right = mc.right;
+  std::vector<int> seen(seqlen * seqlen, 0);
+  for (int64_t rank = 0; rank < world; ++rank) {
+    for (int64_t step = 0; step < world; ++step) {
+      const StepPlan plan = plan_step(layout, seqlen, world, rank, step, global);
+      ASSERT_EQ(plan.source, ((rank - step) % world + world) % world);
+      for (int n = 0; n < plan.count; ++n) {
+        const SubProblem& sp = plan.items[n];
+        for (int64_t a = 0; a < sp.q.length; ++a)
+          for (int64_t b = 0; b < sp.k.length; ++b) {
+            if (!sp.mask.visible(a, b)) continue;
+            const int64_t i = global_position(layout, seqlen, world, rank, sp.q.local_begin + a);
+            const int64_t j =
+                global_position(layout, seqlen, world, plan.source, sp.k.local_begin + b);
+            ASSERT_TRUE(global.visible_pos(i, j))
+                << "hidden pair computed: i=" << i << " j=" << j << " rank " << rank << " step "
+                << step;
+            ++seen[i * seqlen + j];
+          }
+        // Skipped sub-problems are only the empty ones: a computed one has a visible pair.
+        ASSERT_NE(sp.mask.classify(0, sp.q.length, 0, sp.k.length), BlockKind::kEmpty);
+      }
+    }
+  }
+  for (int64_t i = 0; i < seqlen; ++i)
+    for (int64_t j = 0; j < seqlen; ++j)
+      ASSERT_EQ(seen[i * seqlen + j], global.visible_pos(i, j) ? 1 : 0)
+          << "pair i=" << i << " j=" << j << " layout " << static_cast<int>(layout) << " W "
+          << world << " causal " << mc.causal << " window " << mc.left << "," << mc.right;
+}
+
+TEST(Schedule, CoversEveryVisiblePairOnce) {
+  for (Layout layout : {Layout::kContiguous, Layout::kZigzag, Layout::kStriped})
+    for (int64_t world = 1; world <= 16; ++world)
+      for (const MaskCase& mc : kMasks)
+        check_coverage(layout, world, layout_granularity(layout, world) * 3, mc);
+}
+
+TEST(Layout, PositionsArePermutation) {
+  for (Layout layout : {Layout::kContiguous, Layout::kZigzag, Layout::kStriped})
+    for (int64_t world = 1; world <= 16; ++world) {
+      const int64_t seqlen = layout_granularity(layout, world) * 2;
+      std::vector<int> hits(seqlen, 0);
+      for (int64_t r = 0; r < world; ++r)
+        for (int64_t l = 0; l < seqlen / world; ++l) {
+          const int64_t g = global_position(layout, seqlen, world, r, l);
+          ASSERT_GE(g, 0);
+          ASSERT_LT(g, seqlen);
+          ++hits[g];
+        }
+      for (int h : hits) ASSERT_EQ(h, 1);
+    }
+}
+
+TEST(Layout, ZigzagHoldsChunksRAnd2WMinus1MinusR) {
+  const int64_t world = 4, seqlen = 32, chunk = 4;
+  for (int64_t r = 0; r < world; ++r) {
+    EXPECT_EQ(global_position(Layout::kZigzag, seqlen, world, r, 0), r * chunk);
+    EXPECT_EQ(global_position(Layout::kZigzag, seqlen, world, r, chunk),
+              (2 * world - 1 - r) * chunk);
+  }
+}
+
+}  // namespace
+}  // namespace cpattn
