@@ -32,6 +32,7 @@ TORCH_LIBRARY(cpattn, m) {
       "Tensor[] lse, float softmax_scale, bool causal, int window_left, int window_right, "
       "int layout) -> (Tensor[] dq, Tensor[] dk, Tensor[] dv)");
   m.def("layout_positions(int seqlen, int world, int rank, int layout) -> Tensor");
+  m.def("ring_stats() -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
@@ -47,6 +48,7 @@ TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
 // No tensor argument to dispatch on.
 TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("layout_positions", &cpattn::ops::layout_positions);
+  m.impl("ring_stats", &cpattn::ops::ring_stats);
 }
 
 #ifdef CPATTN_WITH_CUDA

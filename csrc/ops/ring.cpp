@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <thread>
 
 #include "comm/transport.h"
@@ -47,7 +48,22 @@ Mask global_mask(const RingOptions& o) {
   return m;
 }
 
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Where the time of the last ring call on this thread went: compute, and waiting for shifts
+// (communication not hidden behind compute). Indexed [0] forward, [1] backward.
+thread_local RingStats last_stats[2];
+
 }  // namespace
+
+at::Tensor ring_stats() {
+  return at::tensor({last_stats[0].compute_s, last_stats[0].wait_s, last_stats[1].compute_s,
+                     last_stats[1].wait_s},
+                    at::kDouble);
+}
 
 RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
                               int64_t window_right, int64_t layout) {
@@ -67,12 +83,15 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
 
   // K and V travel as one message; two persistent buffers alternate between "being computed on"
   // and "being received into".
+  RingStats& stats = last_stats[0];
+  stats = {};
   at::Tensor kv[2] = {at::stack({k, v}), at::Tensor()};
   if (world > 1) kv[1] = at::empty_like(kv[0]);
   for (int64_t step = 0; step < world; ++step) {
     const at::Tensor& cur = kv[step % 2];
     std::unique_ptr<comm::PendingShift> pending;
     if (step + 1 < world) pending = transport.shift(cur, kv[(step + 1) % 2], step);
+    const auto compute_start = Clock::now();
     const StepPlan plan = plan_step(o.layout, seqlen, world, rank, step, mask);
     for (int i = 0; i < plan.count; ++i) {
       const SubProblem& sp = plan.items[i];
@@ -82,7 +101,10 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
           at::kFloat);
       merge_into(rows(out, sp.q), lse_rows(lse, sp.q), part_out, part_lse);
     }
+    stats.compute_s += seconds_since(compute_start);
+    const auto wait_start = Clock::now();
     if (pending) pending->wait();
+    stats.wait_s += seconds_since(wait_start);
   }
   return {out.to(q.scalar_type()), lse};
 }
@@ -108,11 +130,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     kv[1] = at::empty_like(kv[0]);
     incoming = at::empty_like(acc);
   }
+  RingStats& stats = last_stats[1];
+  stats = {};
   for (int64_t step = 0; step < world; ++step) {
     const at::Tensor& cur = kv[step % 2];
     std::unique_ptr<comm::PendingShift> kv_shift, acc_shift;
     if (step + 1 < world) kv_shift = transport.shift(cur, kv[(step + 1) % 2], 2 * step);
     if (step > 0) acc_shift = transport.shift(acc, incoming, 2 * step + 1);
+    const auto compute_start = Clock::now();
     partial.zero_();
     const StepPlan plan = plan_step(o.layout, seqlen, world, rank, step, mask);
     for (int i = 0; i < plan.count; ++i) {
@@ -125,17 +150,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
       rows(partial[0], sp.k).add_(dk_part);
       rows(partial[1], sp.k).add_(dv_part);
     }
+    stats.compute_s += seconds_since(compute_start);
+    const auto wait_start = Clock::now();
     if (kv_shift) kv_shift->wait();
     if (acc_shift) {
       acc_shift->wait();
+      stats.wait_s += seconds_since(wait_start);
       at::add_out(acc, incoming, partial);
     } else {
+      stats.wait_s += seconds_since(wait_start);
       acc.copy_(partial);
     }
   }
   // acc now belongs to the shard of rank + 1: one last hop brings every rank its own.
   if (world > 1) {
+    const auto wait_start = Clock::now();
     transport.shift(acc, incoming, 2 * world)->wait();
+    stats.wait_s += seconds_since(wait_start);
     acc.copy_(incoming);
   }
   return {dq.to(q.scalar_type()), acc[0].to(k.scalar_type()), acc[1].to(v.scalar_type())};

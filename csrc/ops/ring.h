@@ -52,6 +52,13 @@ ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::T
                   at::TensorList out, at::TensorList lse, double softmax_scale, bool causal,
                   int64_t window_left, int64_t window_right, int64_t layout);
 
+struct RingStats {
+  double compute_s = 0;  // computing and merging sub-problems
+  double wait_s = 0;     // blocked on shifts: communication that compute did not hide
+};
+// float64 (fwd compute, fwd wait, bwd compute, bwd wait) of the last ring calls on this thread.
+at::Tensor ring_stats();
+
 // Global positions (int64) of the local tokens of `rank`.
 at::Tensor layout_positions(int64_t seqlen, int64_t world, int64_t rank, int64_t layout);
 

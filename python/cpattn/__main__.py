@@ -1,4 +1,8 @@
-"""Command line: `python -m cpattn demo` runs cpattn on a long sequence and compares it with torch."""
+"""Command line.
+
+    python -m cpattn demo    ring attention on W local ranks (gloo on CPU) vs one device
+    python -m cpattn local   cpattn.attention on one device vs torch SDPA
+"""
 
 import argparse
 import math
@@ -29,7 +33,7 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
-def demo(args: argparse.Namespace) -> int:
+def local(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -78,7 +82,17 @@ def demo(args: argparse.Namespace) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cpattn")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="attention on a long sequence vs torch SDPA")
+    r = sub.add_parser("demo", help="ring attention on W local ranks vs one device")
+    r.add_argument("--world", type=int, default=2, help="ranks to spawn (W)")
+    r.add_argument("--seqlen", type=int, default=16384, help="global sequence length")
+    r.add_argument("--batch", type=int, default=1)
+    r.add_argument("--heads", type=int, default=8)
+    r.add_argument("--kv-heads", type=int, default=2)
+    r.add_argument("--head-dim", type=int, default=64)
+    r.add_argument("--layout", choices=["zigzag", "contiguous", "striped"], default="zigzag")
+    r.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    r.add_argument("--iters", type=int, default=3, help="timed forward+backward steps")
+    p = sub.add_parser("local", help="attention on a long sequence vs torch SDPA")
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
@@ -87,7 +101,11 @@ def main(argv=None) -> int:
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args(argv)
-    return demo(args)
+    if args.command == "demo":
+        from cpattn._demo import ring_demo
+
+        return ring_demo(args)
+    return local(args)
 
 
 if __name__ == "__main__":
