@@ -30,10 +30,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import cpattn
 import torch
 import torch.nn.functional as F
-
-import cpattn
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -124,7 +123,11 @@ def make_inputs(case: Case, seed: int = 0) -> tuple[torch.Tensor, ...]:
 
 
 def forward_and_grads(
-    impl: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+    impl: Attention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
     causal: bool,
 ) -> tuple[torch.Tensor, ...]:
     """out, dq, dk, dv of one implementation."""
@@ -200,11 +203,13 @@ def run_case(case: Case, warmup: int, reps: int) -> Result:
         return result
     result.fwd_s = interleaved_medians(
         {name: forward_call(impl, inputs, case.causal) for name, impl in IMPLS.items()},
-        warmup, reps,
+        warmup,
+        reps,
     )
     result.bwd_s = interleaved_medians(
         {name: backward_call(impl, inputs, case.causal) for name, impl in IMPLS.items()},
-        warmup, reps,
+        warmup,
+        reps,
     )
     return result
 
@@ -239,7 +244,7 @@ def sdpa_backend(dtype: torch.dtype) -> str:
 
         q = torch.zeros(1, 2, 64, 64, dtype=dtype, requires_grad=True)
         return SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True)).name
-    except Exception as e:  # private API: report rather than fail
+    except Exception as e:  # noqa: BLE001  (private API: report rather than fail)
         return f"unknown ({type(e).__name__})"
 
 
@@ -273,24 +278,24 @@ def table_row(r: Result) -> str:
 def header_lines(args: argparse.Namespace, probe: dict[str, int] | None) -> list[str]:
     """The bullet list describing machine, software and method."""
     info = cpattn.build_info()
+    backend = torch.__config__.parallel_info().splitlines()[-1].split(":")[-1].strip()
+    sdpa = ", ".join(f"{d} {sdpa_backend(DTYPES[d])}" for d in args.dtype)
     lines = [
         f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
         f"- CPU: {cpu_model()} ({os.cpu_count()} logical CPUs), {platform.machine()}",
-        f"- torch {torch.__version__} (intra-op backend: "
-        f"{torch.__config__.parallel_info().splitlines()[-1].split(':')[-1].strip()}), "
-        f"python {platform.python_version()}",
+        f"- torch {torch.__version__} (intra-op backend: {backend}), "
+        + f"python {platform.python_version()}",
         f"- cpattn {cpattn.__version__}, CPU ISA: {info['cpu_isa']}",
-        "- SDPA CPU backend: "
-        + ", ".join(f"{d} {sdpa_backend(DTYPES[d])}" for d in args.dtype),
+        f"- SDPA CPU backend: {sdpa}",
         f"- command: `{shlex.join(['python', *sys.argv])}`",
         "- method: forward = one call under no_grad; backward = torch.autograd.grad alone on a "
-        "retained graph (no forward inside the timing); wall clock, median of "
-        f"{args.reps} after {args.warmup} warm-up, cpattn and SDPA interleaved",
+        + "retained graph (no forward inside the timing); wall clock, median of "
+        + f"{args.reps} after {args.warmup} warm-up, cpattn and SDPA interleaved",
         "- units: GFLOP/s, flash-attn convention (fwd 4*B*H*S*S*D, halved for causal; bwd 2.5x "
-        "fwd); ratio = cpattn / sdpa (> 1: cpattn faster); B*H is sized so that one forward "
-        f"is about {args.target_gflop} GFLOP",
+        + "fwd); ratio = cpattn / sdpa (> 1: cpattn faster); B*H is sized so that one forward "
+        + f"is about {args.target_gflop} GFLOP",
         "- check: each case runs both with gradients first; max abs diff of out and of "
-        "dq/dk/dv; a case beyond tolerance is reported as MISMATCH and not timed",
+        + "dq/dk/dv; a case beyond tolerance is reported as MISMATCH and not timed",
     ]
     if probe is not None:
         n = probe["threads"]
@@ -351,9 +356,15 @@ def probe_threads(threads: int, seconds: float) -> dict[str, int] | None:
     if threads < 2 or not os.path.isdir("/proc/self/task"):
         return None
     env = dict(os.environ, OMP_WAIT_POLICY="passive")
-    cmd = [sys.executable, os.path.abspath(__file__), "--probe-threads", str(threads),
-           "--probe-seconds", str(seconds)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--probe-threads",
+        str(threads),
+        "--probe-seconds",
+        str(seconds),
+    ]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"thread probe failed:\n{proc.stderr}", file=sys.stderr)
         return None
@@ -369,15 +380,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048, 4096])
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    p.add_argument("--threads", nargs="+", type=int, default=[1, 2],
-                   help="torch.set_num_threads values (default: 1 2)")
-    p.add_argument("--target-gflop", type=float, default=16.0,
-                   help="forward GFLOP per call that B*H is sized for (default 16)")
+    p.add_argument(
+        "--threads",
+        nargs="+",
+        type=int,
+        default=[1, 2],
+        help="torch.set_num_threads values (default: 1 2)",
+    )
+    p.add_argument(
+        "--target-gflop",
+        type=float,
+        default=16.0,
+        help="forward GFLOP per call that B*H is sized for (default 16)",
+    )
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=5, help="timed calls per measurement (median)")
     p.add_argument("--out", help="also write the report (markdown) to this file")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny smoke run: S=256, D=64, small B*H, 2 reps")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny smoke run: S=256, D=64, small B*H, 2 reps"
+    )
     p.add_argument("--probe-threads", type=int, help=argparse.SUPPRESS)
     p.add_argument("--probe-seconds", type=float, default=0.3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
