@@ -33,6 +33,10 @@ TORCH_LIBRARY(cpattn, m) {
       "int layout) -> (Tensor[] dq, Tensor[] dk, Tensor[] dv)");
   m.def("layout_positions(int seqlen, int world, int rank, int layout) -> Tensor");
   m.def("ring_stats() -> Tensor");
+  // Benchmark only: (forward s, backward s) of one rank's ring work without communication.
+  m.def(
+      "ring_loopback_timing(Tensor q, Tensor k, Tensor v, Tensor dout, int rank, int world, "
+      "float softmax_scale, bool causal, int window_left, int window_right, int layout) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
@@ -43,6 +47,7 @@ TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
   m.impl("ring_bwd", &cpattn::ops::ring_bwd);
   m.impl("ring_fwd_emulated", &cpattn::ops::ring_fwd_emulated);
   m.impl("ring_bwd_emulated", &cpattn::ops::ring_bwd_emulated);
+  m.impl("ring_loopback_timing", &cpattn::ops::ring_loopback_timing);
 }
 
 // No tensor argument to dispatch on.

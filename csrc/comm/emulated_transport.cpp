@@ -79,7 +79,31 @@ class EmulatedTransport final : public Transport {
   std::chrono::milliseconds timeout_;
 };
 
+class CopiedShift final : public PendingShift {
+ public:
+  void wait() override {}
+};
+
+class LoopbackTransport final : public Transport {
+ public:
+  LoopbackTransport(int64_t rank, int64_t world) : rank_(rank), world_(world) {}
+  int64_t rank() const override { return rank_; }
+  int64_t world() const override { return world_; }
+  std::unique_ptr<PendingShift> shift(const at::Tensor& send, const at::Tensor& recv,
+                                      int64_t tag) override {
+    recv.copy_(send);
+    return std::make_unique<CopiedShift>();
+  }
+
+ private:
+  int64_t rank_, world_;
+};
+
 }  // namespace
+
+std::unique_ptr<Transport> make_loopback_transport(int64_t rank, int64_t world) {
+  return std::make_unique<LoopbackTransport>(rank, world);
+}
 
 std::shared_ptr<Mailbox> make_mailbox(int64_t world) { return std::make_shared<Mailbox>(world); }
 

@@ -41,4 +41,9 @@ std::shared_ptr<Mailbox> make_mailbox(int64_t world);
 std::unique_ptr<Transport> make_emulated_transport(std::shared_ptr<Mailbox> mailbox, int64_t rank,
                                                    std::chrono::milliseconds timeout);
 
+// For benchmarks: plays `rank` of `world` but every shift is a local copy of the send buffer.
+// The driver then does exactly the per-rank work of the real ring (the schedule depends on rank
+// and step only) without communication; the values are not those of a real ring.
+std::unique_ptr<Transport> make_loopback_transport(int64_t rank, int64_t world);
+
 }  // namespace cpattn::comm

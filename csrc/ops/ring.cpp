@@ -252,6 +252,22 @@ ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::T
   return {dq, dk, dv};
 }
 
+at::Tensor ring_loopback_timing(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& dout, int64_t rank, int64_t world,
+                                double softmax_scale, bool causal, int64_t window_left,
+                                int64_t window_right, int64_t layout) {
+  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "cpattn: rank ", rank,
+              " is not in a group of ", world);
+  auto transport = comm::make_loopback_transport(rank, world);
+  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout);
+  auto start = Clock::now();
+  auto [out, lse] = ring_forward(q, k, v, *transport, o);
+  const double fwd = seconds_since(start);
+  start = Clock::now();
+  ring_backward(dout, q, k, v, out, lse, *transport, o);
+  return at::tensor({fwd, seconds_since(start)}, at::kDouble);
+}
+
 at::Tensor layout_positions(int64_t seqlen, int64_t world, int64_t rank, int64_t layout) {
   const Layout l = checked_layout(layout);
   TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "cpattn: rank ", rank,

@@ -59,6 +59,13 @@ struct RingStats {
 // float64 (fwd compute, fwd wait, bwd compute, bwd wait) of the last ring calls on this thread.
 at::Tensor ring_stats();
 
+// Benchmark: seconds (forward, backward) of `rank`'s ring work with communication replaced by
+// local copies (comm::make_loopback_transport).
+at::Tensor ring_loopback_timing(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& dout, int64_t rank, int64_t world,
+                                double softmax_scale, bool causal, int64_t window_left,
+                                int64_t window_right, int64_t layout);
+
 // Global positions (int64) of the local tokens of `rank`.
 at::Tensor layout_positions(int64_t seqlen, int64_t world, int64_t rank, int64_t layout);
 

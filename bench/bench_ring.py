@@ -1,0 +1,171 @@
+"""Ring attention on CPU ranks: efficiency against the same per-rank work without communication,
+layout balance for causal masks, and per-rank peak memory against W.
+
+    python bench/bench_ring.py [--slocal 2048 4096] [--out FILE]
+
+Ring efficiency: W = 2 spawned ranks (gloo), one thread each, run cpattn.ring_attention forward
+and backward; in the same processes, at the same time, each rank then runs exactly its share of
+the ring's work with every shift replaced by a local copy (torch.ops.cpattn.ring_loopback_timing).
+The ratio ring / local is the cost of communication that compute did not hide.
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import resource
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LAYOUT_CODES = {"contiguous": 0, "zigzag": 1, "striped": 2}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def visible_pairs(positions: torch.Tensor, seqlen: int, causal: bool, window=(-1, -1)) -> int:
+    """Number of (query, key) pairs the mask leaves visible for the given query positions."""
+    first = torch.zeros_like(positions) if window[0] < 0 else (positions - window[0]).clamp(min=0)
+    last = torch.full_like(positions, seqlen - 1)
+    if causal:
+        last = torch.minimum(last, positions)
+    if window[1] >= 0:
+        last = torch.minimum(last, positions + window[1])
+    return int((last - first + 1).clamp(min=0).sum())
+
+
+def _worker(rank, world, init_file, cfg, queue):
+    import cpattn
+
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(rank)
+    b, h, hkv, d, sl = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["slocal"]
+    q = torch.randn(b, sl, h, d)
+    k, v = torch.randn(b, sl, hkv, d), torch.randn(b, sl, hkv, d)
+    dout = torch.randn(b, sl, h, d)
+    layout, causal = cfg["layout"], cfg["causal"]
+    scale = d ** -0.5
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ring_f, ring_b, loop_f, loop_b = [], [], [], []
+    for it in range(cfg["iters"] + 1):
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = cpattn.ring_attention(qs, ks, vs, causal=causal, layout=layout)
+        t1 = time.perf_counter()
+        out.backward(dout)
+        t2 = time.perf_counter()
+        dist.barrier()
+        fwd_s, bwd_s = torch.ops.cpattn.ring_loopback_timing(
+            q, k, v, dout, rank, world, scale, causal, -1, -1, LAYOUT_CODES[layout]).tolist()
+        if it > 0:
+            ring_f.append(t1 - t0)
+            ring_b.append(t2 - t1)
+            loop_f.append(fwd_s)
+            loop_b.append(bwd_s)
+    peak_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    queue.put({"rank": rank, "ring_fwd": statistics.median(ring_f),
+               "ring_bwd": statistics.median(ring_b), "local_fwd": statistics.median(loop_f),
+               "local_bwd": statistics.median(loop_b), "peak_mib": peak_mib})
+    dist.destroy_process_group()
+
+
+def run(world: int, cfg: dict) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_worker,
+                             args=(r, world, os.path.join(tmp, "rv"), cfg, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results = [queue.get() for _ in procs]
+        for p in procs:
+            p.join()
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slocal", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--memory-seqlen", type=int, default=16384)
+    parser.add_argument("--out", help="also write the tables (markdown) to this file")
+    args = parser.parse_args()
+    import cpattn
+
+    lines = [f"# ring benchmark, {datetime.date.today()}",
+             f"CPU: {_cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+             f"cpattn ISA {cpattn.build_info()['cpu_isa']}", ""]
+
+    def emit(line=""):
+        print(line, flush=True)
+        lines.append(line)
+
+    base = {"batch": 1, "heads": args.heads, "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim, "iters": args.iters, "threads": 1}
+    emit("## Ring efficiency: W = 2 ranks x 1 thread, causal, zigzag "
+         f"(heads {args.heads}, head_dim {args.head_dim}); time = max over ranks of the median")
+    emit("| S_local | ring fwd (s) | local fwd (s) | fwd ratio | ring bwd (s) | local bwd (s) "
+         "| bwd ratio | fwd+bwd ratio |")
+    emit("|---|---|---|---|---|---|---|---|")
+    for sl in args.slocal:
+        res = run(2, {**base, "slocal": sl, "layout": "zigzag", "causal": True})
+        rf, lf = max(r["ring_fwd"] for r in res), max(r["local_fwd"] for r in res)
+        rb, lb = max(r["ring_bwd"] for r in res), max(r["local_bwd"] for r in res)
+        emit(f"| {sl} | {rf:.3f} | {lf:.3f} | {rf / lf:.3f} | {rb:.3f} | {lb:.3f} | "
+             f"{rb / lb:.3f} | {(rf + rb) / (lf + lb):.3f} |")
+
+    emit()
+    sl = args.slocal[0]
+    emit(f"## Layout balance, causal, W = 2 and 4, S_local = {sl}: per-rank visible pairs "
+         "(work) and per-rank local compute time, max / min over ranks")
+    emit("| W | layout | work max/min | fwd+bwd time max/min | slowest rank fwd+bwd (s) |")
+    emit("|---|---|---|---|---|")
+    for world in (2, 4):
+        seqlen = sl * world
+        for layout in ("contiguous", "zigzag", "striped"):
+            work = [visible_pairs(cpattn.positions(seqlen, layout=layout, rank=r,
+                                                   world_size=world), seqlen, True)
+                    for r in range(world)]
+            res = run(world, {**base, "slocal": sl, "layout": layout, "causal": True,
+                              "iters": 1})
+            times = [r["local_fwd"] + r["local_bwd"] for r in res]
+            emit(f"| {world} | {layout} | {max(work) / min(work):.3f} | "
+                 f"{max(times) / min(times):.3f} | {max(times):.3f} |")
+
+    emit()
+    s = args.memory_seqlen
+    emit(f"## Peak memory growth per rank (max RSS), global seqlen {s}, causal zigzag, fwd+bwd")
+    emit("| W | S_local | peak growth per rank (MiB, max over ranks) |")
+    emit("|---|---|---|")
+    for world in (1, 2, 4):
+        res = run(world, {**base, "slocal": s // world, "layout": "zigzag", "causal": True,
+                          "iters": 1})
+        emit(f"| {world} | {s // world} | {max(r['peak_mib'] for r in res):.0f} |")
+
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
