@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     r.add_argument("--head-dim", type=int, default=64)
     r.add_argument("--layout", choices=["zigzag", "contiguous", "striped"], default="zigzag")
     r.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    r.add_argument("--iters", type=int, default=3, help="timed forward+backward steps")
+    r.add_argument("--iters", type=int, default=2, help="timed forward+backward steps")
     p = sub.add_parser("local", help="attention on a long sequence vs torch SDPA")
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
