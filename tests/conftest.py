@@ -12,14 +12,13 @@ import math
 import os
 import zlib
 from collections.abc import Sequence
-from typing import Optional
 
 # Set before cpattn is imported anywhere: the op layer fills outputs with NaN before the kernel
 # runs, so any element the kernel forgets to write fails the comparison.
 os.environ["CPATTN_POISON"] = "1"
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 Window = tuple[int, int]
 
@@ -111,8 +110,8 @@ def reference_attention(
     v: torch.Tensor,
     causal: bool = False,
     window: Window = (-1, -1),
-    scale: Optional[float] = None,
-    q_offset: Optional[int] = None,
+    scale: float | None = None,
+    q_offset: int | None = None,
     k_offset: int = 0,
     compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:

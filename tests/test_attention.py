@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import cpattn
 import pytest
 import torch
 from conftest import (
@@ -17,8 +18,6 @@ from conftest import (
     reference_with_grads,
     visible_mask,
 )
-
-import cpattn
 
 ops = torch.ops.cpattn
 
@@ -119,9 +118,7 @@ LOW_SHAPES: list[Shape] = [SHAPES[2], SHAPES[4], SHAPES[6], SHAPES[9]]
 @pytest.mark.parametrize("mask", ["full", "causal", "both"])
 @pytest.mark.parametrize("shape", LOW_SHAPES, ids=["x".join(map(str, s)) for s in LOW_SHAPES])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_low_precision(
-    dtype: torch.dtype, shape: Shape, mask: str, gen: torch.Generator
-) -> None:
+def test_low_precision(dtype: torch.dtype, shape: Shape, mask: str, gen: torch.Generator) -> None:
     """bf16/fp16: out within twice its rounding, gradients within 2x torch's own error."""
     causal, window = MASKS[mask]
     q, k, v = make_qkv(gen, *shape, dtype=dtype, requires_grad=True)
@@ -255,7 +252,11 @@ def test_public_api_empty_rows(mask: str, gen: torch.Generator) -> None:
 
 @pytest.mark.parametrize(
     "in_dtype, out_dtype",
-    [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.bfloat16)],
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.bfloat16),
+    ],
 )
 def test_out_and_grad_dtype(
     in_dtype: torch.dtype, out_dtype: torch.dtype, gen: torch.Generator
@@ -278,7 +279,9 @@ def test_out_and_grad_dtype(
     assert_close_fp32(lse, r_lse, "lse")
     if out_dtype == torch.float32:
         # From exactly upcast bf16/fp16 inputs and an fp32 out, fp32 accuracy throughout.
-        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (r_out, r_dq, r_dk, r_dv)):
+        for name, got, want in zip(
+            ("out", "dq", "dk", "dv"), (out, dq, dk, dv), (r_out, r_dq, r_dk, r_dv)
+        ):
             assert_close_fp32(got, want, name)
     else:
         assert_close_rounded(out, r_out, out_dtype, "out")
