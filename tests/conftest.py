@@ -2,7 +2,8 @@
 
 The reference is plain torch math in float64 on the global-position mask rule of DESIGN.md:
 query row r sits at position q_offset + r, key column c at k_offset + c; key j is visible to
-query i iff (not causal or j <= i) and (left < 0 or j >= i - left) and (right < 0 or j <= i + right).
+query i iff (not causal or j <= i) and (left < 0 or j >= i - left)
+and (right < 0 or j <= i + right).
 A row that sees no key has out 0 and lse -inf.
 """
 
