@@ -11,10 +11,21 @@ import torch
 ops = torch.ops.cpattn
 
 
+def _check_same_device(names: str, *tensors: torch.Tensor) -> None:
+    """Mixed devices, e.g. a CPU q with meta k, dispatch to these fake kernels (meta outranks
+    CPU) and would silently return an uninitialised tensor: raise like the real kernels do."""
+    devices = [t.device for t in tensors]
+    torch._check(
+        all(d == devices[0] for d in devices),
+        lambda: f"cpattn: {names} must be on the same device, got {', '.join(map(str, devices))}",
+    )
+
+
 @torch.library.register_fake("cpattn::attention_fwd")
 def _attention_fwd_fake(
     q, k, v, softmax_scale, causal, window_left, window_right, q_offset, k_offset, out_dtype=None
 ):
+    _check_same_device("q, k and v", q, k, v)
     b, sq, h, d = q.shape
     out = q.new_empty((b, sq, h, d), dtype=out_dtype if out_dtype is not None else q.dtype)
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
@@ -26,6 +37,8 @@ def _attention_bwd_fake(
     dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, q_offset,
     k_offset, grad_dtype=None,
 ):
+    _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
+
     def like(t):
         return t.new_empty(t.shape, dtype=grad_dtype if grad_dtype is not None else t.dtype)
 
@@ -34,6 +47,7 @@ def _attention_bwd_fake(
 
 @torch.library.register_fake("cpattn::merge_state_")
 def _merge_state_fake(out, lse, part_out, part_lse):
+    _check_same_device("merge out, lse, part_out and part_lse", out, lse, part_out, part_lse)
     return None
 
 

@@ -1,0 +1,223 @@
+"""Shared fixtures and the float64 reference for the cpattn test suite.
+
+The reference is plain torch math in float64 on the global-position mask rule of DESIGN.md:
+query row r sits at position q_offset + r, key column c at k_offset + c; key j is visible to
+query i iff (not causal or j <= i) and (left < 0 or j >= i - left)
+and (right < 0 or j <= i + right).
+A row that sees no key has out 0 and lse -inf.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections.abc import Sequence
+
+# Set before cpattn is imported anywhere: the op layer fills outputs with NaN before the kernel
+# runs, so any element the kernel forgets to write fails the comparison.
+os.environ["CPATTN_POISON"] = "1"
+
+import pytest
+import torch
+
+Window = tuple[int, int]
+
+# Unit roundoff of each dtype (half the distance from 1 to the next number).
+UNIT_ROUNDOFF = {
+    torch.float32: 2.0**-24,
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+}
+# Absolute error allowed for fp32 work on unit-normal inputs (relative to the size of the values).
+FP32_ATOL = 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# Random inputs
+
+
+def seed_from(text: str) -> int:
+    """A stable 31-bit seed derived from a string (a test id)."""
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest) -> torch.Generator:
+    """A CPU generator seeded from the test id: fresh inputs per test, reproducible per test."""
+    g = torch.Generator()
+    g.manual_seed(seed_from(request.node.nodeid))
+    return g
+
+
+def randn(
+    shape: Sequence[int],
+    gen: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+    requires_grad: bool = False,
+) -> torch.Tensor:
+    """Unit-normal values (drawn in fp32, then cast), optionally a leaf that requires grad."""
+    t = torch.randn(tuple(shape), generator=gen, dtype=torch.float32).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def make_qkv(
+    gen: torch.Generator,
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    requires_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q (B, Sq, H, D), k and v (B, Sk, Hkv, D)."""
+    q = randn((batch, seqlen_q, heads, head_dim), gen, dtype, requires_grad)
+    k = randn((batch, seqlen_k, kv_heads, head_dim), gen, dtype, requires_grad)
+    v = randn((batch, seqlen_k, kv_heads, head_dim), gen, dtype, requires_grad)
+    return q, k, v
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+
+
+def visible_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool,
+    window: Window,
+    q_offset: int,
+    k_offset: int,
+) -> torch.Tensor:
+    """Bool (Sq, Sk): True where local key c is visible to local query r."""
+    i = torch.arange(seqlen_q, dtype=torch.int64)[:, None] + q_offset
+    j = torch.arange(seqlen_k, dtype=torch.int64)[None, :] + k_offset
+    left, right = window
+    vis = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+    if causal:
+        vis &= j <= i
+    if left >= 0:
+        vis &= j >= i - left
+    if right >= 0:
+        vis &= j <= i + right
+    return vis
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    window: Window = (-1, -1),
+    scale: float | None = None,
+    q_offset: int | None = None,
+    k_offset: int = 0,
+    compute_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention in plain torch, differentiable; returns out (B, Sq, H, D), lse (B, H, Sq).
+
+    Inputs are cast to compute_dtype (float64 for the reference; a low dtype to measure torch's
+    own error in that dtype). q_offset defaults to Sk - Sq (bottom-right alignment, as the public
+    API). K/V heads are repeated for GQA here only. lse is returned in compute_dtype.
+    """
+    seqlen_q, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    if q_offset is None:
+        q_offset = seqlen_k - seqlen_q
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    group = heads // kv_heads
+    qc = q.to(compute_dtype)
+    kc = k.to(compute_dtype).repeat_interleave(group, dim=2)
+    vc = v.to(compute_dtype).repeat_interleave(group, dim=2)
+
+    vis = visible_mask(seqlen_q, seqlen_k, causal, window, q_offset, k_offset)
+    nonempty = vis.any(dim=-1)  # (Sq,)
+    s = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * scale
+    s = s.masked_fill(~vis, float("-inf"))
+    # Empty rows get finite dummy scores (zeroed below) so that no inf - inf reaches autograd.
+    s = s.masked_fill(~nonempty[:, None], 0.0)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]) * vis.to(compute_dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vc)
+    lse = lse.masked_fill(~nonempty, float("-inf"))
+    return out, lse
+
+
+def reference_with_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    compute_dtype: torch.dtype = torch.float64,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference out, lse and (dq, dk, dv) for the upstream gradient dout, all in compute_dtype."""
+    qr, kr, vr = (t.detach().to(compute_dtype).requires_grad_(True) for t in (q, k, v))
+    out, lse = reference_attention(qr, kr, vr, compute_dtype=compute_dtype, **kwargs)
+    dq, dk, dv = torch.autograd.grad(out, (qr, kr, vr), dout.to(compute_dtype))
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# Tolerances
+
+
+def fp32_atol(expected: torch.Tensor) -> float:
+    """fp32 absolute tolerance, relative to the size of the values (1e-4 for unit-sized ones)."""
+    finite = expected[torch.isfinite(expected)]
+    size = finite.abs().max().item() if finite.numel() else 0.0
+    return FP32_ATOL * max(1.0, size)
+
+
+def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
+    """actual (any float dtype) equals the float64 expected to fp32 accuracy; infs must match."""
+    a = actual.detach().double()
+    e = expected.detach().double()
+    assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert not torch.isnan(a).any(), f"{name}: NaN in result"
+    inf_e, inf_a = torch.isinf(e), torch.isinf(a)
+    assert torch.equal(inf_a, inf_e), f"{name}: inf positions differ"
+    assert torch.equal(a[inf_a], e[inf_e]), f"{name}: inf signs differ"
+    err = (a - e).masked_fill(inf_e, 0.0).abs().max().item() if a.numel() else 0.0
+    tol = fp32_atol(e)
+    assert err <= tol, f"{name}: max abs error {err:.3g} > {tol:.3g}"
+
+
+def assert_close_rounded(
+    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str = ""
+) -> None:
+    """actual is expected computed in fp32 then rounded once to dtype: per element,
+    |actual - expected| <= 2 * u(dtype) * |expected| + fp32 tolerance (a 2x margin on rounding).
+    """
+    if dtype == torch.float32:
+        assert_close_fp32(actual, expected, name)
+        return
+    a = actual.detach().double()
+    e = expected.detach().double()
+    assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert torch.isfinite(a).all(), f"{name}: non-finite values in result"
+    bound = 2 * UNIT_ROUNDOFF[dtype] * e.abs() + fp32_atol(e)
+    excess = ((a - e).abs() - bound).max().item()
+    assert excess <= 0, f"{name}: error exceeds the rounding bound by {excess:.3g}"
+
+
+def assert_close_baseline(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    baseline: torch.Tensor,
+    name: str = "",
+) -> None:
+    """actual's max error vs the float64 expected is at most twice that of torch's own
+    computation in the low dtype (baseline), plus a small slack (flash-attn's criterion).
+    """
+    a = actual.detach().double()
+    e = expected.detach().double()
+    assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert torch.isfinite(a).all(), f"{name}: non-finite values in result"
+    err = (a - e).abs().max().item()
+    base_err = (baseline.detach().double() - e).abs().max().item()
+    tol = 2 * base_err + fp32_atol(e)
+    assert err <= tol, f"{name}: max error {err:.3g} > 2 * torch's {base_err:.3g} + slack"
