@@ -82,68 +82,7 @@ def make_qkv(
 # ---------------------------------------------------------------------------------------------
 # Reference
 
-
-def visible_mask(
-    seqlen_q: int,
-    seqlen_k: int,
-    causal: bool,
-    window: Window,
-    q_offset: int,
-    k_offset: int,
-) -> torch.Tensor:
-    """Bool (Sq, Sk): True where local key c is visible to local query r."""
-    i = torch.arange(seqlen_q, dtype=torch.int64)[:, None] + q_offset
-    j = torch.arange(seqlen_k, dtype=torch.int64)[None, :] + k_offset
-    left, right = window
-    vis = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
-    if causal:
-        vis &= j <= i
-    if left >= 0:
-        vis &= j >= i - left
-    if right >= 0:
-        vis &= j <= i + right
-    return vis
-
-
-def reference_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool = False,
-    window: Window = (-1, -1),
-    scale: float | None = None,
-    q_offset: int | None = None,
-    k_offset: int = 0,
-    compute_dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention in plain torch, differentiable; returns out (B, Sq, H, D), lse (B, H, Sq).
-
-    Inputs are cast to compute_dtype (float64 for the reference; a low dtype to measure torch's
-    own error in that dtype). q_offset defaults to Sk - Sq (bottom-right alignment, as the public
-    API). K/V heads are repeated for GQA here only. lse is returned in compute_dtype.
-    """
-    seqlen_q, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
-    seqlen_k, kv_heads = k.shape[1], k.shape[2]
-    if q_offset is None:
-        q_offset = seqlen_k - seqlen_q
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
-    group = heads // kv_heads
-    qc = q.to(compute_dtype)
-    kc = k.to(compute_dtype).repeat_interleave(group, dim=2)
-    vc = v.to(compute_dtype).repeat_interleave(group, dim=2)
-
-    vis = visible_mask(seqlen_q, seqlen_k, causal, window, q_offset, k_offset)
-    nonempty = vis.any(dim=-1)  # (Sq,)
-    s = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * scale
-    s = s.masked_fill(~vis, float("-inf"))
-    # Empty rows get finite dummy scores (zeroed below) so that no inf - inf reaches autograd.
-    s = s.masked_fill(~nonempty[:, None], 0.0)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]) * vis.to(compute_dtype)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vc)
-    lse = lse.masked_fill(~nonempty, float("-inf"))
-    return out, lse
+from reference import reference_attention, visible_mask  # noqa: E402,F401
 
 
 def reference_with_grads(

@@ -1,29 +1,40 @@
-"""float64 reference attention in plain torch, on global positions (the rule of DESIGN.md)."""
+"""float64 reference attention in plain torch, on the global-position mask rule of DESIGN.md.
+
+Query row r sits at position q_offset + r, key column c at k_offset + c; key j is visible to
+query i iff (not causal or j <= i) and (left < 0 or j >= i - left) and (right < 0 or j <= i + right).
+A row that sees no key has out 0 and lse -inf. Importable from spawned ranks (no pytest needed).
+"""
+
+from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
+
+Window = tuple[int, int]
+
+
 
 
 def visible_mask(
     seqlen_q: int,
     seqlen_k: int,
     causal: bool,
-    window: tuple[int, int],
-    q_offset: int = 0,
-    k_offset: int = 0,
+    window: Window,
+    q_offset: int,
+    k_offset: int,
 ) -> torch.Tensor:
-    """(seqlen_q, seqlen_k) bool: key c visible to query r (positions q_offset + r, k_offset + c)."""
-    i = torch.arange(seqlen_q)[:, None] + q_offset
-    j = torch.arange(seqlen_k)[None, :] + k_offset
+    """Bool (Sq, Sk): True where local key c is visible to local query r."""
+    i = torch.arange(seqlen_q, dtype=torch.int64)[:, None] + q_offset
+    j = torch.arange(seqlen_k, dtype=torch.int64)[None, :] + k_offset
+    left, right = window
     vis = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
     if causal:
         vis &= j <= i
-    if window[0] >= 0:
-        vis &= j >= i - window[0]
-    if window[1] >= 0:
-        vis &= j <= i + window[1]
+    if left >= 0:
+        vis &= j >= i - left
+    if right >= 0:
+        vis &= j <= i + right
     return vis
 
 
@@ -32,30 +43,37 @@ def reference_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     causal: bool = False,
-    window: tuple[int, int] = (-1, -1),
-    scale: Optional[float] = None,
-    q_offset: Optional[int] = None,
+    window: Window = (-1, -1),
+    scale: float | None = None,
+    q_offset: int | None = None,
     k_offset: int = 0,
+    compute_dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention in float64 (differentiable). q (B, Sq, H, D), k/v (B, Sk, Hkv, D).
+    """Attention in plain torch, differentiable; returns out (B, Sq, H, D), lse (B, H, Sq).
 
-    q_offset defaults to bottom-right alignment (Sk - Sq). Rows that see no key give out 0 and
-    lse -inf. Returns out (B, Sq, H, D) and lse (B, H, Sq), both float64.
+    Inputs are cast to compute_dtype (float64 for the reference; a low dtype to measure torch's
+    own error in that dtype). q_offset defaults to Sk - Sq (bottom-right alignment, as the public
+    API). K/V heads are repeated for GQA here only. lse is returned in compute_dtype.
     """
-    q, k, v = (t.double() for t in (q, k, v))
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
-    group = h // k.shape[2]
-    k = k.repeat_interleave(group, dim=2)
-    v = v.repeat_interleave(group, dim=2)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    seqlen_q, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
     if q_offset is None:
-        q_offset = sk - sq
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    vis = visible_mask(sq, sk, causal, window, q_offset, k_offset)
-    scores = scores.masked_fill(~vis, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    # exp(-inf - -inf) is NaN for empty rows: subtract a finite stand-in there.
-    probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse)[..., None])
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+        q_offset = seqlen_k - seqlen_q
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    group = heads // kv_heads
+    qc = q.to(compute_dtype)
+    kc = k.to(compute_dtype).repeat_interleave(group, dim=2)
+    vc = v.to(compute_dtype).repeat_interleave(group, dim=2)
+
+    vis = visible_mask(seqlen_q, seqlen_k, causal, window, q_offset, k_offset)
+    nonempty = vis.any(dim=-1)  # (Sq,)
+    s = torch.einsum("bqhd,bkhd->bhqk", qc, kc) * scale
+    s = s.masked_fill(~vis, float("-inf"))
+    # Empty rows get finite dummy scores (zeroed below) so that no inf - inf reaches autograd.
+    s = s.masked_fill(~nonempty[:, None], 0.0)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]) * vis.to(compute_dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vc)
+    lse = lse.masked_fill(~nonempty, float("-inf"))
     return out, lse
