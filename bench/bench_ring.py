@@ -12,7 +12,6 @@ The ratio ring / local is the cost of communication that compute did not hide.
 import argparse
 import datetime
 import os
-import platform
 import resource
 import statistics
 import tempfile
@@ -21,19 +20,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_attention import cpu_model
 
 LAYOUT_CODES = {"contiguous": 0, "zigzag": 1, "striped": 2}
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def visible_pairs(positions: torch.Tensor, seqlen: int, causal: bool, window=(-1, -1)) -> int:
@@ -113,7 +102,7 @@ def main() -> None:
     import cpattn
 
     lines = [f"# ring benchmark, {datetime.date.today()}",
-             f"CPU: {_cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+             f"CPU: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
              f"cpattn ISA {cpattn.build_info()['cpu_isa']}", ""]
 
     def emit(line=""):

@@ -12,7 +12,7 @@ TORCH_LIBRARY(cpattn, m) {
   m.def(
       "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float softmax_scale, bool causal, int window_left, int window_right, int q_offset, "
-      "int k_offset, ScalarType? grad_dtype=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int k_offset, ScalarType? grad_dtype=None, Tensor? dlse=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("merge_state_(Tensor(a!) out, Tensor(b!) lse, Tensor part_out, Tensor part_lse) -> ()");
   // Ring attention over the process group registered as group_name; layout: 0 contiguous,
   // 1 zigzag, 2 striped.
@@ -22,7 +22,7 @@ TORCH_LIBRARY(cpattn, m) {
   m.def(
       "ring_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, str group_name, "
       "float softmax_scale, bool causal, int window_left, int window_right, int layout, "
-      "float timeout_s) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "float timeout_s, Tensor? dlse=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   // The same driver over W ranks emulated in this process (one list entry per rank).
   m.def(
       "ring_fwd_emulated(Tensor[] q, Tensor[] k, Tensor[] v, float softmax_scale, bool causal, "

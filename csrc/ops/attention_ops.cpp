@@ -140,7 +140,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, int64_t q_offset, int64_t k_offset,
-    std::optional<at::ScalarType> grad_dtype) {
+    std::optional<at::ScalarType> grad_dtype, const std::optional<at::Tensor>& dlse) {
   const AttnShape s = check_qkv(q, k, v);
   check_mask_args(softmax_scale, window_left, window_right);
   check_bshd(dout, "dout");
@@ -165,8 +165,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   const int64_t dp = s.head_dim_padded;
   const at::Tensor qp = pack(q, dp), kp = pack(k, dp), vp = pack(v, dp), dop = pack(dout, dp);
   // delta = rowsum(dout * out) per query row, over the global output.
-  const at::Tensor delta =
-      (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1).transpose(1, 2).contiguous();
+  at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1).transpose(1, 2);
+  if (dlse && dlse->defined()) {
+    TORCH_CHECK(dlse->sizes() == lse.sizes() && dlse->device() == lse.device(),
+                "cpattn: dlse must have lse's shape ", lse.sizes(), " and device, got ",
+                dlse->sizes(), " on ", dlse->device());
+    delta = delta - dlse->to(at::kFloat);
+  }
+  delta = delta.contiguous();
   const at::Tensor lse_c = lse.contiguous();
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dq = at::zeros({s.batch, s.heads, s.seqlen_q, dp}, f32);

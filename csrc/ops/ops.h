@@ -19,12 +19,13 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
                                                  std::optional<at::ScalarType> out_dtype);
 
 // Gradients of q, k, v from the global out and lse of the query rows; grad_dtype defaults to the
-// inputs' dtypes (fp32 is what a ring accumulates in).
+// inputs' dtypes (fp32 is what a ring accumulates in). dlse (B, H, Sq), when given, is the
+// gradient flowing into lse: d lse_i / d s_ij = p_ij, so it enters as delta - dlse.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, int64_t q_offset, int64_t k_offset,
-    std::optional<at::ScalarType> grad_dtype);
+    std::optional<at::ScalarType> grad_dtype, const std::optional<at::Tensor>& dlse);
 
 // Merges a partial result (part_out, part_lse) into the running (out, lse), in place.
 // out (B, S, H, D) fp32, lse (B, H, S) fp32; part_out any float dtype of out's shape.

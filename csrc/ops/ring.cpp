@@ -111,8 +111,8 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, comm::Transport& transport,
-    const RingOptions& o) {
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    comm::Transport& transport, const RingOptions& o) {
   const int64_t world = transport.world(), rank = transport.rank();
   check_ring_args(q, k, o, world);
   const int64_t seqlen = q.size(1) * world;
@@ -145,7 +145,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
       auto [dq_part, dk_part, dv_part] = attention_bwd(
           rows(dout, sp.q), rows(q, sp.q), rows(cur[0], sp.k), rows(cur[1], sp.k), rows(out, sp.q),
           lse_rows(lse, sp.q), o.softmax_scale, sp.mask.causal, sp.mask.window_left,
-          sp.mask.window_right, sp.mask.q_offset, sp.mask.k_offset, at::kFloat);
+          sp.mask.window_right, sp.mask.q_offset, sp.mask.k_offset, at::kFloat,
+          dlse ? std::optional<at::Tensor>(lse_rows(*dlse, sp.q)) : std::nullopt);
       rows(dq, sp.q).add_(dq_part);
       rows(partial[0], sp.k).add_(dk_part);
       rows(partial[1], sp.k).add_(dv_part);
@@ -189,10 +190,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
-    double timeout_s) {
+    double timeout_s, const std::optional<at::Tensor>& dlse) {
   auto transport = comm::make_process_group_transport(
       std::string(group_name), std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
-  return ring_backward(dout, q, k, v, out, lse, *transport,
+  return ring_backward(dout, q, k, v, out, lse, dlse, *transport,
                        make_ring_options(softmax_scale, causal, window_left, window_right, layout));
 }
 
@@ -247,7 +248,7 @@ ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::T
   const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout);
   std::vector<at::Tensor> dq(world), dk(world), dv(world);
   run_emulated(world, [&](int64_t r, comm::Transport& t) {
-    std::tie(dq[r], dk[r], dv[r]) = ring_backward(dout[r], q[r], k[r], v[r], out[r], lse[r], t, o);
+    std::tie(dq[r], dk[r], dv[r]) = ring_backward(dout[r], q[r], k[r], v[r], out[r], lse[r], std::nullopt, t, o);
   });
   return {dq, dk, dv};
 }
@@ -264,7 +265,7 @@ at::Tensor ring_loopback_timing(const at::Tensor& q, const at::Tensor& k, const 
   auto [out, lse] = ring_forward(q, k, v, *transport, o);
   const double fwd = seconds_since(start);
   start = Clock::now();
-  ring_backward(dout, q, k, v, out, lse, *transport, o);
+  ring_backward(dout, q, k, v, out, lse, std::nullopt, *transport, o);
   return at::tensor({fwd, seconds_since(start)}, at::kDouble);
 }
 

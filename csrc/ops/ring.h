@@ -27,11 +27,12 @@ RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_
 std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, comm::Transport& transport,
                                                 const RingOptions& options);
-// Gradients of this rank's shards from the global out / lse of its queries.
+// Gradients of this rank's shards from the global out / lse of its queries (and the gradient
+// dlse flowing into lse, if any).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, comm::Transport& transport,
-    const RingOptions& options);
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    comm::Transport& transport, const RingOptions& options);
 
 std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, c10::string_view group_name,
@@ -42,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
-    double timeout_s);
+    double timeout_s, const std::optional<at::Tensor>& dlse);
 
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
     at::TensorList q, at::TensorList k, at::TensorList v, double softmax_scale, bool causal,

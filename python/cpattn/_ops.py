@@ -35,7 +35,7 @@ def _attention_fwd_fake(
 @torch.library.register_fake("cpattn::attention_bwd")
 def _attention_bwd_fake(
     dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, q_offset,
-    k_offset, grad_dtype=None,
+    k_offset, grad_dtype=None, dlse=None,
 ):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
 
@@ -60,8 +60,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    # The gradient through lse is not supported: it is an auxiliary output (for merging).
-    dq, dk, dv = ops.attention_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args, None)
+    dq, dk, dv = ops.attention_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args, None, dlse)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 

@@ -34,7 +34,7 @@ def attention(
 
     Returns:
         out (batch, seqlen_q, heads, head_dim) in q's dtype, and with return_lse the LSE
-        (batch, heads, seqlen_q), float32, natural log. The LSE carries no gradient.
+        (batch, heads, seqlen_q), float32, natural log. Gradients flow through both.
     """
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(

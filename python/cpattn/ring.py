@@ -138,13 +138,14 @@ class _RingAttention(torch.autograd.Function):
         )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group_name, scale, causal, window[0], window[1], layout_code, timeout)
-        ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.cpattn.ring_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        dq, dk, dv = torch.ops.cpattn.ring_bwd(
+            dout.contiguous(), q, k, v, out, lse, *ctx.args, dlse
+        )
         return dq, dk, dv, None, None, None, None, None, None
 
 
