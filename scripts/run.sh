@@ -45,7 +45,8 @@ case "${1:-}" in
     cmake -S "$ROOT" -B "$ROOT/build/bench" -G Ninja -DCPATTN_BUILD_EXTENSION=OFF \
       -DCPATTN_BUILD_BENCHMARKS=ON -DPython_EXECUTABLE="$(command -v python)" >/dev/null
     cmake --build "$ROOT/build/bench"
-    "$ROOT/build/bench/cpattn_bench_kernel" --benchmark_filter=smoke --benchmark_min_time=0.01s
+    "$ROOT/build/bench/cpattn_bench_kernel" --benchmark_filter="seqlen:1024/head_dim:64/" \
+      --benchmark_min_time=0.01
     echo "== benchmark suite (smoke run)"
     python -m pytest "$ROOT/bench" -q --benchmark-disable -p no:cacheprovider
     echo "== pytest"
