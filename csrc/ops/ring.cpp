@@ -28,7 +28,7 @@ Layout checked_layout(int64_t layout) {
   return static_cast<Layout>(layout);
 }
 
-void check_ring_args(const at::Tensor& q, const at::Tensor& k, const RingOptions& o, int64_t world) {
+void check_ring_args(const at::Tensor& q, const at::Tensor& k, const RingOptions& o) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "cpattn: ring q and k must be (batch, seqlen_local, "
               "heads, head_dim), got ", q.sizes(), " and ", k.sizes());
   TORCH_CHECK(q.size(1) == k.size(1), "cpattn: ring attention needs q and k/v shards of the same "
@@ -37,7 +37,6 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const RingOptions
   if (o.layout == Layout::kZigzag)
     TORCH_CHECK(local % 2 == 0, "cpattn: the zigzag layout holds two equal chunks per rank, so the "
                 "local sequence length must be even, got ", local);
-  (void)world;
 }
 
 Mask global_mask(const RingOptions& o) {
@@ -74,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
                                                 const at::Tensor& v, comm::Transport& transport,
                                                 const RingOptions& o) {
   const int64_t world = transport.world(), rank = transport.rank();
-  check_ring_args(q, k, o, world);
+  check_ring_args(q, k, o);
   const int64_t seqlen = q.size(1) * world;
   const Mask mask = global_mask(o);
   const auto f32 = q.options().dtype(at::kFloat);
@@ -114,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     comm::Transport& transport, const RingOptions& o) {
   const int64_t world = transport.world(), rank = transport.rank();
-  check_ring_args(q, k, o, world);
+  check_ring_args(q, k, o);
   const int64_t seqlen = q.size(1) * world;
   const Mask mask = global_mask(o);
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
