@@ -1,0 +1,496 @@
+// Backward attention kernels for sm80+ (FlashAttention-2 algorithm), from the global lse and
+// delta = rowsum(dout * out) - dlse that the preprocess (bwd_preprocess.cu) left in base-2 form:
+//
+//   dK/dV pass, one thread block per (key block, kv head, batch): each warp owns 16 keys and
+//   keeps their dK, dV rows in fp32 registers while the block walks every query tile that sees
+//   the key block, for every query head of the kv head (GQA sums over the group without atomics):
+//     S^T = K Q^T, P^T = exp2(S^T * scale * log2 e - lse_log2), dV += P^T dO,
+//     dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q,
+//   and, unless deterministic, dQ += dS K through a shared dS^T tile and fp32 atomics.
+//   dQ pass (deterministic option), one thread block per (query block, head, batch): recomputes
+//   S, P, dP and dS for its rows against every key block they see and keeps dQ in registers.
+//
+// Scores and masks as in the forward kernel (tiling.h); scale is applied to dK and dQ at the end.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cpattn/softmax_state.h"
+#include "cpattn/tiling.h"
+#include "cuda/fwd_kernel.cuh"
+#include "cuda/kernel_config.h"
+#include "cuda/params.h"
+#include "cuda/ptx.cuh"
+#include "cuda/tile_io.cuh"
+
+namespace cpattn::cuda {
+
+template <typename Cfg, typename Elem, typename GradT>
+__global__ void __launch_bounds__(Cfg::kThreads)
+    attention_bwd_dkdv_kernel(const __grid_constant__ BwdParamsCuda p) {
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kThreads = Cfg::kThreads, kStride = Cfg::kStride, kDSStride = Cfg::kDSStride;
+  constexpr int kKSteps = Cfg::kKSteps, kQTiles = Cfg::kQTiles, kMSteps = Cfg::kMSteps;
+  constexpr int kDTiles = Cfg::kDTiles, kWarps = Cfg::kWarps;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Elem* const sK_ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* const sV_ = sK_ + Cfg::kKVElems;
+  Elem* const sQ0 = sV_ + Cfg::kKVElems;  // per stage: Q, then dO
+  Elem* const sdS_ = sQ0 + 4 * Cfg::kQElems;  // dS^T [key][query]
+  float* const sLse0 = reinterpret_cast<float*>(sdS_ + Cfg::kDSElems);  // lse, delta per stage
+
+  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int group = p.shape.heads / p.shape.kv_heads;
+  const int seqlen_q = p.shape.seqlen_q, seqlen_k = p.shape.seqlen_k;
+  const int rounded = p.seqlen_q_rounded;
+  const int n0 = n_block * kBlockN;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const Mask& mask = p.mask;
+  const float scale_log2 = p.scale_log2;
+
+  const BlockRange qb =
+      query_blocks_of_keys(mask, n0, min(n0 + kBlockN, seqlen_k), seqlen_q, kBlockM);
+  const int m_blocks = qb.count();
+  const int total = m_blocks * group;  // (query head, query block) tiles, head-major
+
+  float dk[kDTiles][4], dv[kDTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+
+  const Elem* const q_base = static_cast<const Elem*>(p.q) + b * p.q_strides.batch;
+  const Elem* const do_base = static_cast<const Elem*>(p.dout) + b * p.dout_strides.batch;
+  // Query tile (head h, rows from m0) into stage st: Q, dO at sQ0 + st * 2 * kQElems; lse_log2,
+  // delta at sLse0 + st * 2 * kBlockM.
+  auto load_q_tile = [&](int h, int m0, int st) {
+    Elem* const sQ = sQ0 + st * 2 * Cfg::kQElems;
+    float* const sLse = sLse0 + st * 2 * kBlockM;
+    load_tile_async<kBlockM, kHeadDim, kStride, kThreads>(
+        sQ, q_base + h * p.q_strides.head + static_cast<int64_t>(m0) * p.q_strides.seq,
+        p.q_strides.seq, seqlen_q - m0, tid);
+    load_tile_async<kBlockM, kHeadDim, kStride, kThreads>(
+        sQ + Cfg::kQElems,
+        do_base + h * p.dout_strides.head + static_cast<int64_t>(m0) * p.dout_strides.seq,
+        p.dout_strides.seq, seqlen_q - m0, tid);
+    const int64_t row0 = (static_cast<int64_t>(b) * p.shape.heads + h) * rounded + m0;
+    load_floats_async<kBlockM, kThreads>(sLse, p.lse_log2 + row0, tid);
+    load_floats_async<kBlockM, kThreads>(sLse + kBlockM, p.delta + row0, tid);
+  };
+
+  if (total > 0) {
+    const Elem* const k = static_cast<const Elem*>(p.k) + b * p.k_strides.batch +
+                          hk * p.k_strides.head + static_cast<int64_t>(n0) * p.k_strides.seq;
+    const Elem* const v = static_cast<const Elem*>(p.v) + b * p.v_strides.batch +
+                          hk * p.v_strides.head + static_cast<int64_t>(n0) * p.v_strides.seq;
+    load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(sK_, k, p.k_strides.seq, seqlen_k - n0,
+                                                          tid);
+    load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(sV_, v, p.v_strides.seq, seqlen_k - n0,
+                                                          tid);
+    load_q_tile(hk * group, qb.first * kBlockM, 0);
+    cp_async_commit();
+  }
+
+  // This thread's keys: warp * 16 + g + 8 * half (local to the block); the query rows that see
+  // each (empty for a key past the sequence end).
+  const int warp_key0 = warp * 16;
+  IndexBounds rows_of_key[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = n0 + warp_key0 + g + 8 * half;
+    rows_of_key[half] = key < seqlen_k ? visible_rows_of_key(mask, key, seqlen_q)
+                                       : IndexBounds{0, -1};
+  }
+
+  const uint32_t sK = smem_u32(sK_), sV = smem_u32(sV_), sdS = smem_u32(sdS_);
+  // (h, m0): the current tile's query head and first row; tiles go head-major.
+  int h = hk * group, m0 = qb.first * kBlockM;
+  for (int it = 0; it < total; ++it) {
+    const int stage = it & 1;
+    // Shared addresses of this stage's Q and dO tiles (stage 1 follows stage 0).
+    const uint32_t sQ = smem_u32(sQ0) + stage * (4 * Cfg::kQElems);
+    const uint32_t sdO = sQ + 2 * Cfg::kQElems;
+    const float* const sLse = sLse0 + stage * 2 * kBlockM;
+    const float* const sDelta = sLse + kBlockM;
+    const int h_cur = h, m0_cur = m0;
+    m0 += kBlockM;
+    if (m0 > qb.last * kBlockM) {
+      m0 = qb.first * kBlockM;
+      ++h;
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // this stage has landed; every warp is done with the other one and sdS
+    if (it + 1 < total) {
+      load_q_tile(h, m0, stage ^ 1);
+      cp_async_commit();
+    }
+    if (tile_is_empty(mask, m0_cur, kBlockM, n0, kBlockN, seqlen_q, seqlen_k)) continue;
+    const bool masked = tile_needs_mask(mask, m0_cur, kBlockM, n0, kBlockN, seqlen_q, seqlen_k);
+
+    // S^T = K Q^T: this warp's 16 keys x the tile's kBlockM queries.
+    float st[kQTiles][4];
+#pragma unroll
+    for (int qt = 0; qt < kQTiles; ++qt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[qt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t a[4];
+      ldmatrix_x4(a, a_addr<kStride>(sK, warp_key0, ks * 16, lane));
+#pragma unroll
+      for (int qp = 0; qp < kQTiles / 2; ++qp) {
+        uint32_t bq[4];
+        ldmatrix_x4(bq, bt_addr<kStride>(sQ, qp * 16, ks * 16, lane));
+        mma_16816<Elem>(st[2 * qp], a, bq[0], bq[1]);
+        mma_16816<Elem>(st[2 * qp + 1], a, bq[2], bq[3]);
+      }
+    }
+    // P^T from the global lse (base 2; +inf for an empty row gives 0).
+#pragma unroll
+    for (int qt = 0; qt < kQTiles; ++qt) {
+      const float2 l2 = *reinterpret_cast<const float2*>(sLse + qt * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pv = fast_exp2(fmaf(st[qt][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+        if (masked && !rows_of_key[e >> 1].contains(m0_cur + qt * 8 + 2 * t + (e & 1))) pv = 0.f;
+        st[qt][e] = pv;
+      }
+    }
+    // dV += P^T dO.
+#pragma unroll
+    for (int ms = 0; ms < kMSteps; ++ms) {
+      uint32_t a[4];
+      c_to_a<Elem>(a, st[2 * ms], st[2 * ms + 1]);
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t bo[4];
+        ldmatrix_x4_trans(bo, b_addr_trans<kStride>(sdO, ms * 16, dp * 16, lane));
+        mma_16816<Elem>(dv[2 * dp], a, bo[0], bo[1]);
+        mma_16816<Elem>(dv[2 * dp + 1], a, bo[2], bo[3]);
+      }
+    }
+    // dP^T = V dO^T.
+    float dpt[kQTiles][4];
+#pragma unroll
+    for (int qt = 0; qt < kQTiles; ++qt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpt[qt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t a[4];
+      ldmatrix_x4(a, a_addr<kStride>(sV, warp_key0, ks * 16, lane));
+#pragma unroll
+      for (int qp = 0; qp < kQTiles / 2; ++qp) {
+        uint32_t bo[4];
+        ldmatrix_x4(bo, bt_addr<kStride>(sdO, qp * 16, ks * 16, lane));
+        mma_16816<Elem>(dpt[2 * qp], a, bo[0], bo[1]);
+        mma_16816<Elem>(dpt[2 * qp + 1], a, bo[2], bo[3]);
+      }
+    }
+    // dS^T = P^T (dP^T - delta), in place of dP^T.
+#pragma unroll
+    for (int qt = 0; qt < kQTiles; ++qt) {
+      const float2 d = *reinterpret_cast<const float2*>(sDelta + qt * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpt[qt][e] = st[qt][e] * (dpt[qt][e] - ((e & 1) ? d.y : d.x));
+    }
+    // dK += dS^T Q (scaled at the end).
+#pragma unroll
+    for (int ms = 0; ms < kMSteps; ++ms) {
+      uint32_t a[4];
+      c_to_a<Elem>(a, dpt[2 * ms], dpt[2 * ms + 1]);
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t bq[4];
+        ldmatrix_x4_trans(bq, b_addr_trans<kStride>(sQ, ms * 16, dp * 16, lane));
+        mma_16816<Elem>(dk[2 * dp], a, bq[0], bq[1]);
+        mma_16816<Elem>(dk[2 * dp + 1], a, bq[2], bq[3]);
+      }
+    }
+
+    if (p.dq_accum != nullptr) {
+      // dS^T -> shared, then dQ(tile rows) += dS K, in units of 16 rows x 32 columns.
+#pragma unroll
+      for (int qt = 0; qt < kQTiles; ++qt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          *reinterpret_cast<uint32_t*>(sdS_ + (warp_key0 + g + 8 * half) * kDSStride + qt * 8 +
+                                        2 * t) =
+              pack2<Elem>(dpt[qt][2 * half], dpt[qt][2 * half + 1]);
+      __syncthreads();
+      float* const dq_tile =
+          p.dq_accum + ((static_cast<int64_t>(b) * p.shape.heads + h_cur) * rounded + m0_cur) * kHeadDim;
+      constexpr int kColUnits = kHeadDim / Cfg::kDqCols;
+      for (int u = warp; u < Cfg::kDqUnits; u += kWarps) {
+        const int r0 = (u / kColUnits) * 16, c0 = (u % kColUnits) * Cfg::kDqCols;
+        float acc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+#pragma unroll
+        for (int ns = 0; ns < kBlockN / 16; ++ns) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, a_addr_trans<kDSStride>(sdS, r0, ns * 16, lane));
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            uint32_t bk[4];
+            ldmatrix_x4_trans(bk, b_addr_trans<kStride>(sK, ns * 16, c0 + j * 16, lane));
+            mma_16816<Elem>(acc[2 * j], a, bk[0], bk[1]);
+            mma_16816<Elem>(acc[2 * j + 1], a, bk[2], bk[3]);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            float* const dst = dq_tile + (r0 + g + 8 * half) * kHeadDim + c0 + j * 8 + 2 * t;
+            atomicAdd(dst, acc[j][2 * half]);
+            atomicAdd(dst + 1, acc[j][2 * half + 1]);
+          }
+      }
+    }
+  }
+
+  // Epilogue: dK (scaled) and dV of this warp's keys, (B, Sk, Hkv, D) in GradT. A key block that
+  // no query sees writes zeros.
+  GradT* const dk_out = static_cast<GradT*>(p.dk) + b * p.dk_strides.batch + hk * p.dk_strides.head;
+  GradT* const dv_out = static_cast<GradT*>(p.dv) + b * p.dv_strides.batch + hk * p.dv_strides.head;
+  const float scale = p.softmax_scale;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = n0 + warp_key0 + g + 8 * half;
+    if (key < seqlen_k) {
+      GradT* const dkr = dk_out + static_cast<int64_t>(key) * p.dk_strides.seq + 2 * t;
+      GradT* const dvr = dv_out + static_cast<int64_t>(key) * p.dv_strides.seq + 2 * t;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        store2(dkr + dt * 8, dk[dt][2 * half] * scale, dk[dt][2 * half + 1] * scale);
+        store2(dvr + dt * 8, dv[dt][2 * half], dv[dt][2 * half + 1]);
+      }
+    }
+  }
+}
+
+// Deterministic dQ: one thread block per (query block, head, batch), warps split the rows.
+template <typename Cfg, typename Elem, typename GradT>
+__global__ void __launch_bounds__(Cfg::kThreads)
+    attention_bwd_dq_kernel(const __grid_constant__ BwdParamsCuda p) {
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kThreads = Cfg::kThreads, kStride = Cfg::kStride;
+  constexpr int kKSteps = Cfg::kKSteps, kSTiles = Cfg::kSTiles, kOTiles = Cfg::kOTiles;
+  constexpr int kPSteps = Cfg::kPSteps;
+  static_assert(Cfg::kMTiles == 1, "the dQ pass gives each warp one m16 tile");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Elem* const sQ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* const sdO = sQ + Cfg::kQElems;
+  Elem* const sK0 = sdO + Cfg::kQElems;
+  Elem* const sV0 = sK0 + Cfg::kKVElems;
+  Elem* const sK1 = sV0 + Cfg::kKVElems;
+  Elem* const sV1 = sK1 + Cfg::kKVElems;
+
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (p.shape.heads / p.shape.kv_heads);
+  const int seqlen_q = p.shape.seqlen_q, seqlen_k = p.shape.seqlen_k;
+  const int m0 = m_block * kBlockM;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const Mask& mask = p.mask;
+  const float scale_log2 = p.scale_log2;
+  const int warp_row0 = warp * 16;
+
+  const BlockRange kb =
+      key_blocks_of_rows(mask, m0, min(m0 + kBlockM, seqlen_q), seqlen_k, kBlockN);
+
+  float dq[kOTiles][4];
+#pragma unroll
+  for (int dt = 0; dt < kOTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
+
+  const Elem* const k = static_cast<const Elem*>(p.k) + b * p.k_strides.batch +
+                        hk * p.k_strides.head;
+  const Elem* const v = static_cast<const Elem*>(p.v) + b * p.v_strides.batch +
+                        hk * p.v_strides.head;
+  auto load_kv = [&](int n_block, Elem* sK, Elem* sV) {
+    const int n0 = n_block * kBlockN;
+    load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(
+        sK, k + static_cast<int64_t>(n0) * p.k_strides.seq, p.k_strides.seq, seqlen_k - n0, tid);
+    load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(
+        sV, v + static_cast<int64_t>(n0) * p.v_strides.seq, p.v_strides.seq, seqlen_k - n0, tid);
+  };
+
+  const int n_blocks = kb.count();
+  if (n_blocks > 0) {
+    load_tile_async<kBlockM, kHeadDim, kStride, kThreads>(
+        sQ,
+        static_cast<const Elem*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head +
+            static_cast<int64_t>(m0) * p.q_strides.seq,
+        p.q_strides.seq, seqlen_q - m0, tid);
+    load_tile_async<kBlockM, kHeadDim, kStride, kThreads>(
+        sdO,
+        static_cast<const Elem*>(p.dout) + b * p.dout_strides.batch + h * p.dout_strides.head +
+            static_cast<int64_t>(m0) * p.dout_strides.seq,
+        p.dout_strides.seq, seqlen_q - m0, tid);
+    load_kv(kb.first, sK0, sV0);
+    cp_async_commit();
+  }
+
+  // This thread's rows g and g + 8 of the warp's m16 tile: key bounds, lse and delta.
+  const int64_t ws_row = (static_cast<int64_t>(b) * p.shape.heads + h) * p.seqlen_q_rounded;
+  IndexBounds keys_of_row[2];
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = m0 + warp_row0 + g + 8 * half;
+    keys_of_row[half] = visible_keys_of_row(mask, r, seqlen_k);
+    lse2[half] = p.lse_log2[ws_row + r];  // rows up to the rounded length exist
+    delta[half] = p.delta[ws_row + r];
+  }
+
+  const uint32_t sQ_u = smem_u32(sQ), sdO_u = smem_u32(sdO);
+  for (int it = 0; it < n_blocks; ++it) {
+    const int n0 = (kb.first + it) * kBlockN;
+    const uint32_t sK = smem_u32(sK0) + (it & 1) * (2 * Cfg::kStageElems);
+    const uint32_t sV = sK + 2 * Cfg::kKVElems;
+    cp_async_wait<0>();
+    __syncthreads();
+    if (it + 1 < n_blocks) {
+      load_kv(kb.first + it + 1, (it & 1) ? sK0 : sK1, (it & 1) ? sV0 : sV1);
+      cp_async_commit();
+    }
+    if (tile_is_empty(mask, m0, kBlockM, n0, kBlockN, seqlen_q, seqlen_k)) continue;
+    const bool masked = tile_needs_mask(mask, m0, kBlockM, n0, kBlockN, seqlen_q, seqlen_k);
+
+    // S = Q K^T and dP = dO V^T for this warp's 16 rows.
+    float s[kSTiles][4], dp[kSTiles][4];
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t aq[4], ao[4];
+      ldmatrix_x4(aq, a_addr<kStride>(sQ_u, warp_row0, ks * 16, lane));
+      ldmatrix_x4(ao, a_addr<kStride>(sdO_u, warp_row0, ks * 16, lane));
+#pragma unroll
+      for (int np = 0; np < kSTiles / 2; ++np) {
+        uint32_t bk[4], bv[4];
+        ldmatrix_x4(bk, bt_addr<kStride>(sK, np * 16, ks * 16, lane));
+        ldmatrix_x4(bv, bt_addr<kStride>(sV, np * 16, ks * 16, lane));
+        mma_16816<Elem>(s[2 * np], aq, bk[0], bk[1]);
+        mma_16816<Elem>(s[2 * np + 1], aq, bk[2], bk[3]);
+        mma_16816<Elem>(dp[2 * np], ao, bv[0], bv[1]);
+        mma_16816<Elem>(dp[2 * np + 1], ao, bv[2], bv[3]);
+      }
+    }
+    // dS = P (dP - delta), P = exp2(S * scale * log2 e - lse_log2), masked pairs 0.
+#pragma unroll
+    for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pv = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[e >> 1]));
+        if (masked && !keys_of_row[e >> 1].contains(n0 + nt * 8 + 2 * t + (e & 1))) pv = 0.f;
+        s[nt][e] = pv * (dp[nt][e] - delta[e >> 1]);
+      }
+    // dQ += dS K.
+#pragma unroll
+    for (int ps = 0; ps < kPSteps; ++ps) {
+      uint32_t a[4];
+      c_to_a<Elem>(a, s[2 * ps], s[2 * ps + 1]);
+#pragma unroll
+      for (int dp2 = 0; dp2 < kOTiles / 2; ++dp2) {
+        uint32_t bk[4];
+        ldmatrix_x4_trans(bk, b_addr_trans<kStride>(sK, ps * 16, dp2 * 16, lane));
+        mma_16816<Elem>(dq[2 * dp2], a, bk[0], bk[1]);
+        mma_16816<Elem>(dq[2 * dp2 + 1], a, bk[2], bk[3]);
+      }
+    }
+  }
+
+  GradT* const dq_out = static_cast<GradT*>(p.dq) + b * p.dq_strides.batch + h * p.dq_strides.head;
+  const float scale = p.softmax_scale;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = m0 + warp_row0 + g + 8 * half;
+    if (r < seqlen_q) {
+      GradT* const dst = dq_out + static_cast<int64_t>(r) * p.dq_strides.seq + 2 * t;
+#pragma unroll
+      for (int dt = 0; dt < kOTiles; ++dt)
+        store2(dst + dt * 8, dq[dt][2 * half] * scale, dq[dt][2 * half + 1] * scale);
+    }
+  }
+}
+
+// dq (B, Sq, H, D) in GradT = scale * dq_accum (B, H, rounded, D) fp32.
+template <int kHeadDim, typename GradT>
+__global__ void dq_convert_kernel(const __grid_constant__ BwdParamsCuda p) {
+  const int64_t pairs = static_cast<int64_t>(p.shape.batch) * p.shape.heads * p.shape.seqlen_q *
+                        (kHeadDim / 2);
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= pairs) return;
+  const int c = static_cast<int>(i % (kHeadDim / 2)) * 2;
+  const int64_t row = i / (kHeadDim / 2);  // (b * H + h) * Sq + s
+  const int s = static_cast<int>(row % p.shape.seqlen_q);
+  const int64_t bh = row / p.shape.seqlen_q;
+  const int h = static_cast<int>(bh % p.shape.heads);
+  const int b = static_cast<int>(bh / p.shape.heads);
+  const float2 x = *reinterpret_cast<const float2*>(
+      p.dq_accum + (bh * p.seqlen_q_rounded + s) * kHeadDim + c);
+  GradT* const dst = static_cast<GradT*>(p.dq) + b * p.dq_strides.batch + h * p.dq_strides.head +
+                     static_cast<int64_t>(s) * p.dq_strides.seq + c;
+  store2(dst, x.x * p.softmax_scale, x.y * p.softmax_scale);
+}
+
+template <typename Kernel>
+int set_smem(Kernel kernel, int bytes) {
+  if (bytes <= 48 * 1024) return 0;
+  return static_cast<int>(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+}
+
+template <int kHeadDim, typename Elem, typename GradT>
+int launch_bwd_typed(const BwdParamsCuda& p, cudaStream_t stream) {
+  using Cfg = BwdConfigFor<kHeadDim>;
+  using DqCfg = DqConfigFor<kHeadDim>;
+  auto dkdv = attention_bwd_dkdv_kernel<Cfg, Elem, GradT>;
+  if (const int e = set_smem(dkdv, Cfg::kSmemBytes)) return e;
+  const dim3 grid_kv((p.shape.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.shape.kv_heads,
+                     p.shape.batch);
+  dkdv<<<grid_kv, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
+
+  if (p.dq_accum != nullptr) {
+    const int64_t pairs =
+        static_cast<int64_t>(p.shape.batch) * p.shape.heads * p.shape.seqlen_q * (kHeadDim / 2);
+    const int threads = 256;
+    dq_convert_kernel<kHeadDim, GradT>
+        <<<static_cast<unsigned>((pairs + threads - 1) / threads), threads, 0, stream>>>(p);
+    return static_cast<int>(cudaGetLastError());
+  }
+  auto dq = attention_bwd_dq_kernel<DqCfg, Elem, GradT>;
+  constexpr int kDqSmem = (2 * DqCfg::kQElems + 2 * DqCfg::kStageElems) * 2;
+  if (const int e = set_smem(dq, kDqSmem)) return e;
+  const dim3 grid_q((p.shape.seqlen_q + DqCfg::kBlockM - 1) / DqCfg::kBlockM, p.shape.heads,
+                    p.shape.batch);
+  dq<<<grid_q, DqCfg::kThreads, kDqSmem, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <DType kDtype, int kHeadDim>
+int launch_bwd(const BwdParamsCuda& p, void* stream) {
+  using Elem = ElemT<kDtype>;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (p.grad_dtype == DType::kFloat32) return launch_bwd_typed<kHeadDim, Elem, float>(p, s);
+  return launch_bwd_typed<kHeadDim, Elem, Elem>(p, s);
+}
+
+}  // namespace cpattn::cuda

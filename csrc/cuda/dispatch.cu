@@ -1,0 +1,58 @@
+// Dispatch over the compiled (dtype, head dim) instantiations. CMake defines CPATTN_HEAD_DIMS as
+// the comma-separated head dims whose csrc/cuda/inst/ files it compiles (CPATTN_CUDA_HEAD_DIMS).
+#include <cuda_runtime.h>
+
+#include "cuda/params.h"
+
+#ifndef CPATTN_HEAD_DIMS
+#error "CPATTN_HEAD_DIMS (e.g. 64,128) must be defined by the build"
+#endif
+
+namespace cpattn::cuda {
+namespace {
+
+constexpr int kHeadDims[] = {CPATTN_HEAD_DIMS};
+
+template <DType kDtype, int... kDims>
+struct Dispatch {
+  static int fwd(const FwdParamsCuda& p, void* stream) {
+    int result = kErrNoKernel;
+    ((p.shape.head_dim == kDims ? (result = launch_fwd<kDtype, kDims>(p, stream), true) : false) ||
+     ...);
+    return result;
+  }
+  static int bwd(const BwdParamsCuda& p, void* stream) {
+    int result = kErrNoKernel;
+    ((p.shape.head_dim == kDims ? (result = launch_bwd<kDtype, kDims>(p, stream), true) : false) ||
+     ...);
+    return result;
+  }
+};
+
+}  // namespace
+
+const int* compiled_head_dims(int* count) {
+  *count = static_cast<int>(sizeof(kHeadDims) / sizeof(kHeadDims[0]));
+  return kHeadDims;
+}
+
+int run_fwd(const FwdParamsCuda& p, void* stream) {
+  switch (p.dtype) {
+    case DType::kBFloat16:
+      return Dispatch<DType::kBFloat16, CPATTN_HEAD_DIMS>::fwd(p, stream);
+    case DType::kFloat16:
+      return Dispatch<DType::kFloat16, CPATTN_HEAD_DIMS>::fwd(p, stream);
+    default:
+      return kErrNoKernel;
+  }
+}
+
+int run_bwd(const BwdParamsCuda& p, void* stream) {
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return kErrNoKernel;
+  const int e = run_bwd_preprocess(p, stream);
+  if (e != 0) return e;
+  if (p.dtype == DType::kBFloat16) return Dispatch<DType::kBFloat16, CPATTN_HEAD_DIMS>::bwd(p, stream);
+  return Dispatch<DType::kFloat16, CPATTN_HEAD_DIMS>::bwd(p, stream);
+}
+
+}  // namespace cpattn::cuda

@@ -1,0 +1,278 @@
+// Forward attention kernel (FlashAttention-2 algorithm) for sm80+: bf16 / fp16 inputs, fp32
+// accumulation with mma.sync.m16n8k16, online softmax in base 2 with the scale folded into one
+// FFMA per score, K/V tiles double-buffered through shared memory with cp.async.
+//
+// One thread block per (query block, head, batch). The block visits only the key blocks that its
+// rows see (tiling.h); tiles cut by the mask or a sequence end are masked element by element,
+// every other visited tile runs unmasked. Query row r sits at global position q_offset + r, key
+// column c at k_offset + c (the mask rule of mask.h), which covers causal, sliding windows,
+// bottom-right alignment and every ring step. A row that sees no key gets out 0 and lse -inf.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cpattn/softmax_state.h"
+#include "cpattn/tiling.h"
+#include "cuda/kernel_config.h"
+#include "cuda/params.h"
+#include "cuda/ptx.cuh"
+#include "cuda/tile_io.cuh"
+
+namespace cpattn::cuda {
+
+template <typename Cfg, typename Elem, typename OutT>
+__global__ void __launch_bounds__(Cfg::kThreads)
+    attention_fwd_kernel(const __grid_constant__ FwdParamsCuda p) {
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kThreads = Cfg::kThreads, kStride = Cfg::kStride, kMTiles = Cfg::kMTiles;
+  constexpr int kKSteps = Cfg::kKSteps, kSTiles = Cfg::kSTiles, kOTiles = Cfg::kOTiles;
+  constexpr int kPSteps = Cfg::kPSteps;
+  constexpr bool kQInRegs = Cfg::kQInRegs;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Elem* const smem = reinterpret_cast<Elem*>(smem_raw);
+  Elem* const sK0 = smem;
+  Elem* const sV0 = smem + Cfg::kKVElems;
+  Elem* const sK1 = smem + Cfg::kStageElems;
+  Elem* const sV1 = sK1 + Cfg::kKVElems;
+  Elem* const sQ = kQInRegs ? sK1 : smem + 2 * Cfg::kStageElems;
+
+  // Heaviest query blocks (the last ones, under a causal mask) are scheduled first.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (p.shape.heads / p.shape.kv_heads);
+  const int seqlen_q = p.shape.seqlen_q, seqlen_k = p.shape.seqlen_k;
+  const int m0 = m_block * kBlockM;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const Mask& mask = p.mask;
+
+  OutT* const out = static_cast<OutT*>(p.out) + b * p.out_strides.batch + h * p.out_strides.head;
+  float* const lse = p.lse + (static_cast<int64_t>(b) * p.shape.heads + h) * seqlen_q;
+
+  const int m_end = min(m0 + kBlockM, seqlen_q);
+  const BlockRange kb = key_blocks_of_rows(mask, m0, m_end, seqlen_k, kBlockN);
+  if (kb.empty()) {  // no row of this block sees a key
+    for (int i = tid; i < kBlockM * (kHeadDim / 2); i += kThreads) {
+      const int r = i / (kHeadDim / 2), c = (i % (kHeadDim / 2)) * 2;
+      if (m0 + r < seqlen_q) store2(out + (m0 + r) * p.out_strides.seq + c, 0.f, 0.f);
+    }
+    for (int r = tid; r < kBlockM; r += kThreads)
+      if (m0 + r < seqlen_q) lse[m0 + r] = neg_inf();
+    return;
+  }
+
+  const Elem* const q = static_cast<const Elem*>(p.q) + b * p.q_strides.batch +
+                        h * p.q_strides.head + static_cast<int64_t>(m0) * p.q_strides.seq;
+  const Elem* const k = static_cast<const Elem*>(p.k) + b * p.k_strides.batch +
+                        hk * p.k_strides.head;
+  const Elem* const v = static_cast<const Elem*>(p.v) + b * p.v_strides.batch +
+                        hk * p.v_strides.head;
+  auto load_kv = [&](int n_block, Elem* sK, Elem* sV) {
+    const int n0 = n_block * kBlockN;
+    load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(
+        sK, k + static_cast<int64_t>(n0) * p.k_strides.seq, p.k_strides.seq, seqlen_k - n0, tid);
+    load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(
+        sV, v + static_cast<int64_t>(n0) * p.v_strides.seq, p.v_strides.seq, seqlen_k - n0, tid);
+  };
+
+  load_tile_async<kBlockM, kHeadDim, kStride, kThreads>(sQ, q, p.q_strides.seq, seqlen_q - m0,
+                                                        tid);
+  load_kv(kb.first, sK0, sV0);
+  cp_async_commit();
+
+  // This thread's rows: warp * 16 * kMTiles + mt * 16 + g + 8 * half (local to the block).
+  const int warp_row0 = warp * 16 * kMTiles;
+  IndexBounds keys_of_row[kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      keys_of_row[mt][half] =
+          visible_keys_of_row(mask, m0 + warp_row0 + mt * 16 + g + 8 * half, seqlen_k);
+
+  uint32_t q_frag[kQInRegs ? kMTiles : 1][kQInRegs ? kKSteps : 1][4];
+  float o[kMTiles][kOTiles][4];
+  float row_max[kMTiles][2], row_sum[kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < kOTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = neg_inf();
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+  const float scale_log2 = p.scale_log2;
+
+  const int n_blocks = kb.count();
+  for (int it = 0; it < n_blocks; ++it) {
+    const int n0 = (kb.first + it) * kBlockN;
+    // Shared addresses of this stage's K and V tiles (stage 1 sits kStageElems after stage 0).
+    const uint32_t sK = smem_u32(sK0) + (it & 1) * (2 * Cfg::kStageElems);
+    const uint32_t sV = sK + 2 * Cfg::kKVElems;
+    cp_async_wait<0>();
+    __syncthreads();  // this stage has landed; every warp is done with the other stage
+    if constexpr (kQInRegs) {
+      if (it == 0) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int ks = 0; ks < kKSteps; ++ks)
+            ldmatrix_x4(q_frag[mt][ks],
+                        a_addr<kStride>(smem_u32(sQ), warp_row0 + mt * 16, ks * 16, lane));
+        __syncthreads();  // sQ is the second stage, overwritten by the prefetch below
+      }
+    }
+    if (it + 1 < n_blocks) {
+      load_kv(kb.first + it + 1, (it & 1) ? sK0 : sK1, (it & 1) ? sV0 : sV1);
+      cp_async_commit();
+    }
+    if (tile_is_empty(mask, m0, kBlockM, n0, kBlockN, seqlen_q, seqlen_k)) continue;
+    const bool masked = tile_needs_mask(mask, m0, kBlockM, n0, kBlockN, seqlen_q, seqlen_k);
+
+    // S = Q K^T for this warp's rows and the tile's kBlockN keys.
+    float s[kMTiles][kSTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        if constexpr (kQInRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks][e];
+        } else {
+          ldmatrix_x4(a[mt], a_addr<kStride>(smem_u32(sQ), warp_row0 + mt * 16, ks * 16, lane));
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < kSTiles / 2; ++np) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, bt_addr<kStride>(sK, np * 16, ks * 16, lane));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<Elem>(s[mt][2 * np], a[mt], bk[0], bk[1]);
+          mma_16816<Elem>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+
+    if (masked) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (!keys_of_row[mt][e >> 1].contains(n0 + nt * 8 + 2 * t + (e & 1)))
+              s[mt][nt][e] = neg_inf();
+    }
+
+    // Online softmax: new row maxima (quad shuffles), rescale what was accumulated, P in place.
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float mx = row_max[mt][half];
+#pragma unroll
+        for (int nt = 0; nt < kSTiles; ++nt)
+          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        mx = quad_max(mx);
+        // Reference point in base 2; 0 while the row has seen only masked keys (no inf - inf).
+        const float ref = mx == neg_inf() ? 0.f : mx * scale_log2;
+        const float factor = fast_exp2(row_max[mt][half] * scale_log2 - ref);
+        row_max[mt][half] = mx;
+        row_sum[mt][half] *= factor;
+#pragma unroll
+        for (int dt = 0; dt < kOTiles; ++dt) {
+          o[mt][dt][2 * half] *= factor;
+          o[mt][dt][2 * half + 1] *= factor;
+        }
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = fast_exp2(fmaf(s[mt][nt][2 * half + e], scale_log2, -ref));
+            s[mt][nt][2 * half + e] = pv;
+            sum += pv;
+          }
+        row_sum[mt][half] += sum;
+      }
+
+    // O += P V: P from the score registers (C layout -> A layout), V tiles via ldmatrix.trans.
+#pragma unroll
+    for (int ps = 0; ps < kPSteps; ++ps) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) c_to_a<Elem>(a[mt], s[mt][2 * ps], s[mt][2 * ps + 1]);
+#pragma unroll
+      for (int dp = 0; dp < kOTiles / 2; ++dp) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, b_addr_trans<kStride>(sV, ps * 16, dp * 16, lane));
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_16816<Elem>(o[mt][2 * dp], a[mt], bv[0], bv[1]);
+          mma_16816<Elem>(o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+
+  // Epilogue: normalise, write out (B, Sq, H, D) in OutT and the natural-log LSE.
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float sum = quad_sum(row_sum[mt][half]);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const int r = m0 + warp_row0 + mt * 16 + g + 8 * half;
+      if (r < seqlen_q) {
+        OutT* const dst = out + static_cast<int64_t>(r) * p.out_strides.seq + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < kOTiles; ++dt)
+          store2(dst + dt * 8, o[mt][dt][2 * half] * inv, o[mt][dt][2 * half + 1] * inv);
+        if (t == 0)
+          lse[r] = sum > 0.f ? (row_max[mt][half] * scale_log2 + log2f(sum)) * kLn2 : neg_inf();
+      }
+    }
+}
+
+template <typename Cfg, typename Elem, typename OutT>
+int launch_fwd_config(const FwdParamsCuda& p, cudaStream_t stream) {
+  auto kernel = attention_fwd_kernel<Cfg, Elem, OutT>;
+  constexpr int kSmem = Cfg::kSmemBytes;
+  if (kSmem > 48 * 1024) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e != cudaSuccess) return static_cast<int>(e);
+  }
+  const dim3 grid((p.shape.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.shape.heads,
+                  p.shape.batch);
+  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <DType kDtype>
+using ElemT = std::conditional_t<kDtype == DType::kBFloat16, __nv_bfloat16, __half>;
+
+template <DType kDtype, int kHeadDim>
+int launch_fwd(const FwdParamsCuda& p, void* stream) {
+  using Elem = ElemT<kDtype>;
+  using Cfg = FwdConfigFor<kHeadDim>;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (p.out_dtype == DType::kFloat32) return launch_fwd_config<Cfg, Elem, float>(p, s);
+  return launch_fwd_config<Cfg, Elem, Elem>(p, s);
+}
+
+}  // namespace cpattn::cuda

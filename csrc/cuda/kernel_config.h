@@ -1,0 +1,119 @@
+// Tile shapes of the CUDA attention kernels per head dim. Shared-memory tiles are row-major with
+// rows padded by 8 elements (16 bytes), so that the 8 row addresses of an ldmatrix fall in 8
+// different 16-byte bank groups (no bank conflicts, no swizzle arithmetic).
+#pragma once
+
+namespace cpattn::cuda {
+
+// Forward (and the tile vocabulary of the deterministic dQ pass): one thread block per
+// (query block, head, batch); kWarps warps split the kBlockM query rows (kMTiles m16 tiles each);
+// K/V tiles of kBlockN keys go through two cp.async stages. kQInRegs keeps the Q fragments in
+// registers for the whole block (Q's shared tile is then reused as the second K/V stage).
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, bool kQInRegs_>
+struct FwdConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr bool kQInRegs = kQInRegs_;
+  static constexpr int kMTiles = kBlockM / (16 * kWarps);  // m16 tiles per warp
+  static constexpr int kStride = kHeadDim + 8;               // shared row stride, elements
+  static constexpr int kKSteps = kHeadDim / 16;              // k16 steps of Q K^T
+  static constexpr int kSTiles = kBlockN / 8;                // n8 tiles of a score row block
+  static constexpr int kOTiles = kHeadDim / 8;               // n8 tiles of an output row block
+  static constexpr int kPSteps = kBlockN / 16;               // k16 steps of P V
+  static constexpr int kQElems = kBlockM * kStride;
+  static constexpr int kKVElems = kBlockN * kStride;  // one K or V tile
+  static constexpr int kStageElems = 2 * kKVElems;    // K and V
+  static constexpr int kSmemElems =
+      kQInRegs ? kStageElems + (kQElems > kStageElems ? kQElems : kStageElems)
+               : kQElems + 2 * kStageElems;
+  static constexpr int kSmemBytes = kSmemElems * 2;
+  static_assert(kMTiles >= 1 && kBlockM == 16 * kWarps * kMTiles, "kBlockM = 16 * warps * m");
+  static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "head dim and kBlockN: multiples of 16");
+};
+
+template <int kHeadDim>
+struct FwdConfigFor;
+template <>
+struct FwdConfigFor<32> : FwdConfig<32, 128, 64, 4, true> {};
+template <>
+struct FwdConfigFor<64> : FwdConfig<64, 128, 64, 4, true> {};
+template <>
+struct FwdConfigFor<96> : FwdConfig<96, 128, 64, 8, true> {};
+template <>
+struct FwdConfigFor<128> : FwdConfig<128, 128, 64, 8, true> {};
+template <>
+struct FwdConfigFor<160> : FwdConfig<160, 128, 32, 8, true> {};
+template <>
+struct FwdConfigFor<192> : FwdConfig<192, 128, 32, 8, true> {};
+template <>
+struct FwdConfigFor<256> : FwdConfig<256, 128, 32, 8, false> {};
+
+// Backward, dK/dV pass: one thread block per (key block, kv head, batch); each of the kWarps
+// warps owns 16 keys (kBlockN = 16 * kWarps) and keeps their dK and dV rows in registers while
+// the block walks the query tiles (kBlockM rows, two cp.async stages) of every query head of its
+// kv head. dQ, when accumulated here, goes through a shared dS tile and fp32 atomics.
+template <int kHeadDim_, int kBlockM_, int kWarps_>
+struct BwdConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kBlockN = 16 * kWarps;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kStride = kHeadDim + 8;
+  static constexpr int kDSStride = kBlockM + 8;   // shared dS^T tile [key][query]
+  static constexpr int kKSteps = kHeadDim / 16;   // k16 steps over the head dim
+  static constexpr int kQTiles = kBlockM / 8;     // n8 tiles of S^T (columns: queries)
+  static constexpr int kMSteps = kBlockM / 16;    // k16 steps over queries (dV, dK)
+  static constexpr int kDTiles = kHeadDim / 8;    // n8 tiles of dK / dV rows
+  static constexpr int kDqCols = 32;              // dQ work unit: 16 query rows x 32 columns
+  static constexpr int kDqUnits = (kBlockM / 16) * (kHeadDim / kDqCols);
+  static constexpr int kKVElems = kBlockN * kStride;
+  static constexpr int kQElems = kBlockM * kStride;
+  static constexpr int kDSElems = kBlockN * kDSStride;
+  // K, V, then two stages of (Q, dO), then dS^T, then two stages of (lse_log2, delta) in fp32.
+  static constexpr int kSmemBytes =
+      2 * (2 * kKVElems + 4 * kQElems + kDSElems) + 2 * 2 * kBlockM * 4;
+  static_assert(kHeadDim % 32 == 0, "backward head dims: multiples of 32");
+  static_assert(kBlockM % 16 == 0 && kBlockM >= 16, "kBlockM: a multiple of 16");
+};
+
+template <int kHeadDim>
+struct BwdConfigFor;
+template <>
+struct BwdConfigFor<32> : BwdConfig<32, 64, 8> {};
+template <>
+struct BwdConfigFor<64> : BwdConfig<64, 64, 8> {};
+template <>
+struct BwdConfigFor<96> : BwdConfig<96, 32, 4> {};
+template <>
+struct BwdConfigFor<128> : BwdConfig<128, 32, 4> {};
+template <>
+struct BwdConfigFor<160> : BwdConfig<160, 16, 4> {};
+template <>
+struct BwdConfigFor<192> : BwdConfig<192, 16, 4> {};
+template <>
+struct BwdConfigFor<256> : BwdConfig<256, 16, 4> {};
+
+// Backward, deterministic dQ pass: the forward's shape (warps split the query rows, one m16 tile
+// each), Q and dO fragments read from shared memory, dQ rows in registers.
+template <int kHeadDim>
+struct DqConfigFor;
+template <>
+struct DqConfigFor<32> : FwdConfig<32, 64, 64, 4, false> {};
+template <>
+struct DqConfigFor<64> : FwdConfig<64, 64, 64, 4, false> {};
+template <>
+struct DqConfigFor<96> : FwdConfig<96, 64, 64, 4, false> {};
+template <>
+struct DqConfigFor<128> : FwdConfig<128, 64, 64, 4, false> {};
+template <>
+struct DqConfigFor<160> : FwdConfig<160, 64, 32, 4, false> {};
+template <>
+struct DqConfigFor<192> : FwdConfig<192, 64, 32, 4, false> {};
+template <>
+struct DqConfigFor<256> : FwdConfig<256, 64, 32, 4, false> {};
+
+}  // namespace cpattn::cuda
