@@ -33,6 +33,7 @@ TORCH_LIBRARY(cpattn, m) {
       "int layout) -> (Tensor[] dq, Tensor[] dk, Tensor[] dv)");
   m.def("layout_positions(int seqlen, int world, int rank, int layout) -> Tensor");
   m.def("ring_stats() -> Tensor");
+  m.def("destroy_communicators() -> int");
   // Benchmark only: (forward s, backward s) of one rank's ring work without communication.
   m.def(
       "ring_loopback_timing(Tensor q, Tensor k, Tensor v, Tensor dout, int rank, int world, "
@@ -54,8 +55,19 @@ TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
 TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("layout_positions", &cpattn::ops::layout_positions);
   m.impl("ring_stats", &cpattn::ops::ring_stats);
+  m.impl("destroy_communicators", &cpattn::ops::destroy_communicators);
 }
 
 #ifdef CPATTN_WITH_CUDA
-TORCH_LIBRARY_IMPL(cpattn, CUDA, m) { m.impl("merge_state_", &cpattn::ops::merge_state_cuda_); }
+// The attention and ring functions route CUDA tensors to the CUDA kernels and transports.
+TORCH_LIBRARY_IMPL(cpattn, CUDA, m) {
+  m.impl("attention_fwd", &cpattn::ops::attention_fwd);
+  m.impl("attention_bwd", &cpattn::ops::attention_bwd);
+  m.impl("merge_state_", &cpattn::ops::merge_state_cuda_);
+  m.impl("ring_fwd", &cpattn::ops::ring_fwd);
+  m.impl("ring_bwd", &cpattn::ops::ring_bwd);
+  m.impl("ring_fwd_emulated", &cpattn::ops::ring_fwd_emulated);
+  m.impl("ring_bwd_emulated", &cpattn::ops::ring_bwd_emulated);
+  m.impl("ring_loopback_timing", &cpattn::ops::ring_loopback_timing);
+}
 #endif

@@ -5,10 +5,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace cpattn::comm {
 
@@ -40,6 +42,24 @@ class Mailbox;
 std::shared_ptr<Mailbox> make_mailbox(int64_t world);
 std::unique_ptr<Transport> make_emulated_transport(std::shared_ptr<Mailbox> mailbox, int64_t rank,
                                                    std::chrono::milliseconds timeout);
+
+// CUDA builds only (csrc/comm/nccl_transport.cpp): NCCL send/recv on a dedicated stream, with a
+// communicator per (group, device) bootstrapped through the process group `group_name` and cached
+// until destroy_nccl_communicators(), which returns how many it destroyed.
+std::unique_ptr<Transport> make_nccl_transport(const std::string& group_name, c10::Device device,
+                                               std::chrono::milliseconds timeout);
+int64_t destroy_nccl_communicators();
+
+// CUDA builds only (csrc/comm/emulated_cuda_transport.cpp): W virtual ranks on one GPU, each with
+// its own compute and comm streams (the thread's current stream while its transport lives),
+// copies on the comm stream ordered by events. The mailbox captures the caller's current stream
+// when made; after the rank threads finish, finish_emulated_cuda marks the outputs as used on it.
+class CudaMailbox;
+std::shared_ptr<CudaMailbox> make_cuda_mailbox(int64_t world, c10::Device device);
+std::unique_ptr<Transport> make_emulated_cuda_transport(std::shared_ptr<CudaMailbox> mailbox,
+                                                        int64_t rank,
+                                                        std::chrono::milliseconds timeout);
+void finish_emulated_cuda(CudaMailbox& mailbox, const std::vector<at::Tensor>& outputs);
 
 // For benchmarks: plays `rank` of `world` but every shift is a local copy of the send buffer.
 // The driver then does exactly the per-rank work of the real ring (the schedule depends on rank

@@ -1,11 +1,13 @@
-// Dispatch over the compiled (dtype, head dim) instantiations. CMake defines CPATTN_HEAD_DIMS as
-// the comma-separated head dims whose csrc/cuda/inst/ files it compiles (CPATTN_CUDA_HEAD_DIMS).
+// Dispatch over the compiled (dtype, head dim) instantiations. CMake writes CPATTN_HEAD_DIMS, the
+// comma-separated head dims whose csrc/cuda/inst/ files it compiles (CPATTN_CUDA_HEAD_DIMS), into
+// a generated header.
 #include <cuda_runtime.h>
 
+#include "cpattn_cuda_head_dims.h"
 #include "cuda/params.h"
 
 #ifndef CPATTN_HEAD_DIMS
-#error "CPATTN_HEAD_DIMS (e.g. 64,128) must be defined by the build"
+#error "CPATTN_HEAD_DIMS (e.g. 64, 128) must be defined by the build"
 #endif
 
 namespace cpattn::cuda {

@@ -69,8 +69,13 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK(q.device() == k.device() && q.device() == v.device(),
               "cpattn: q, k and v must be on the same device, got ", q.device(), ", ", k.device(),
               " and ", v.device());
+#ifdef CPATTN_WITH_CUDA
+  TORCH_CHECK(q.device().is_cpu() || q.device().is_cuda(), "cpattn: no kernel for device ",
+              q.device(), " (CPU and CUDA tensors only)");
+#else
   TORCH_CHECK(q.device().is_cpu(), "cpattn: no kernel for device ", q.device(),
               " in this build (CPU tensors only)");
+#endif
   AttnShape s;
   s.batch = q.size(0);
   s.seqlen_q = q.size(1);
@@ -115,6 +120,12 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
   const at::ScalarType dtype = out_dtype.value_or(q.scalar_type());
   TORCH_CHECK(is_float_type(dtype), "cpattn: out_dtype must be float32, bfloat16 or float16, got ",
               dtype);
+#ifdef CPATTN_WITH_CUDA
+  if (q.is_cuda())
+    return attention_fwd_cuda(q, k, v, s, softmax_scale,
+                              make_mask(causal, window_left, window_right, q_offset, k_offset),
+                              dtype);
+#endif
 
   const at::Tensor qp = pack(q, s.head_dim_padded), kp = pack(k, s.head_dim_padded),
                    vp = pack(v, s.head_dim_padded);
@@ -161,6 +172,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   if (grad_dtype)
     TORCH_CHECK(is_float_type(*grad_dtype),
                 "cpattn: grad_dtype must be float32, bfloat16 or float16, got ", *grad_dtype);
+#ifdef CPATTN_WITH_CUDA
+  if (q.is_cuda()) {
+    if (dlse && dlse->defined())
+      TORCH_CHECK(dlse->sizes() == lse.sizes() && dlse->device() == lse.device(),
+                  "cpattn: dlse must have lse's shape ", lse.sizes(), " and device, got ",
+                  dlse->sizes(), " on ", dlse->device());
+    return attention_bwd_cuda(dout, q, k, v, out, lse, dlse, s, softmax_scale,
+                              make_mask(causal, window_left, window_right, q_offset, k_offset),
+                              grad_dtype);
+  }
+#endif
 
   const int64_t dp = s.head_dim_padded;
   const at::Tensor qp = pack(q, dp), kp = pack(k, dp), vp = pack(v, dp), dop = pack(dout, dp);
@@ -229,6 +251,9 @@ void check_merge_args(const at::Tensor& out, const at::Tensor& lse, const at::Te
 
 void merge_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
                 const at::Tensor& part_lse) {
+#ifdef CPATTN_WITH_CUDA
+  if (out.is_cuda()) return merge_into_cuda(out, lse, part_out, part_lse);
+#endif
   TORCH_CHECK(out.stride(3) == 1, "cpattn: merge out must be contiguous in head_dim");
   const at::Tensor po = part_out.to(at::kFloat).contiguous();
   const at::Tensor pl = part_lse.contiguous();

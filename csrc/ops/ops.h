@@ -7,6 +7,8 @@
 #include <optional>
 #include <tuple>
 
+#include "cpattn/params.h"
+
 namespace cpattn::ops {
 
 // Local attention on global positions: query row r at q_offset + r, key column c at k_offset + c.
@@ -43,6 +45,20 @@ void check_merge_args(const at::Tensor& out, const at::Tensor& lse, const at::Te
 #ifdef CPATTN_WITH_CUDA
 void merge_state_cuda_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
                        const at::Tensor& part_lse);
+void merge_into_cuda(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+                     const at::Tensor& part_lse);
+
+// The CUDA kernels behind attention_fwd / attention_bwd (csrc/ops/attention_cuda.cpp), called
+// with arguments already checked by them (shape s, the mask on local indices).
+std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v, const AttnShape& s,
+                                                      double softmax_scale, const Mask& mask,
+                                                      at::ScalarType out_dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const AttnShape& s, double softmax_scale, const Mask& mask,
+    std::optional<at::ScalarType> grad_dtype);
 #endif
 
 }  // namespace cpattn::ops

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
 #include "comm/transport.h"
@@ -174,13 +175,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
 
 // ---- ops over a torch process group -------------------------------------------------------
 
+namespace {
+
+// CUDA tensors shift over cpattn's own NCCL communicator (CPATTN_RING_TRANSPORT=c10d: through the
+// process group instead); CPU tensors through the process group.
+std::unique_ptr<comm::Transport> group_transport(const at::Tensor& q, c10::string_view group_name,
+                                                 double timeout_s) {
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+#ifdef CPATTN_WITH_CUDA
+  const char* choice = std::getenv("CPATTN_RING_TRANSPORT");
+  if (q.is_cuda() && !(choice && std::string(choice) == "c10d"))
+    return comm::make_nccl_transport(std::string(group_name), q.device(), timeout);
+#endif
+  return comm::make_process_group_transport(std::string(group_name), timeout);
+}
+
+}  // namespace
+
+int64_t destroy_communicators() {
+#ifdef CPATTN_WITH_CUDA
+  return comm::destroy_nccl_communicators();
+#else
+  return 0;
+#endif
+}
+
 std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, c10::string_view group_name,
                                             double softmax_scale, bool causal,
                                             int64_t window_left, int64_t window_right,
                                             int64_t layout, double timeout_s) {
-  auto transport = comm::make_process_group_transport(
-      std::string(group_name), std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  auto transport = group_transport(q, group_name, timeout_s);
   return ring_forward(q, k, v, *transport,
                       make_ring_options(softmax_scale, causal, window_left, window_right, layout));
 }
@@ -190,8 +215,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
     const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
     double timeout_s, const std::optional<at::Tensor>& dlse) {
-  auto transport = comm::make_process_group_transport(
-      std::string(group_name), std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  auto transport = group_transport(q, group_name, timeout_s);
   return ring_backward(dout, q, k, v, out, lse, dlse, *transport,
                        make_ring_options(softmax_scale, causal, window_left, window_right, layout));
 }
@@ -200,16 +224,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
 
 namespace {
 
+// Runs body(rank, transport) on W threads; body returns the tensors it hands back. On CUDA each
+// virtual rank computes on its own stream (see make_emulated_cuda_transport).
 template <typename Body>
-void run_emulated(int64_t world, Body body) {
-  auto mailbox = comm::make_mailbox(world);
+void run_emulated(int64_t world, const at::Tensor& like, Body body) {
   std::vector<std::thread> threads;
   std::vector<std::exception_ptr> errors(world);
+  std::vector<std::vector<at::Tensor>> outputs(world);
+  const auto timeout = std::chrono::seconds(60);
+#ifdef CPATTN_WITH_CUDA
+  std::shared_ptr<comm::CudaMailbox> cuda_box;
+  if (like.is_cuda()) cuda_box = comm::make_cuda_mailbox(world, like.device());
+#endif
+  auto mailbox = comm::make_mailbox(world);
   for (int64_t r = 0; r < world; ++r)
     threads.emplace_back([&, r] {
       try {
-        auto transport = comm::make_emulated_transport(mailbox, r, std::chrono::seconds(60));
-        body(r, *transport);
+        std::unique_ptr<comm::Transport> transport;
+#ifdef CPATTN_WITH_CUDA
+        if (cuda_box) transport = comm::make_emulated_cuda_transport(cuda_box, r, timeout);
+#endif
+        if (!transport) transport = comm::make_emulated_transport(mailbox, r, timeout);
+        outputs[r] = body(r, *transport);
       } catch (...) {
         errors[r] = std::current_exception();
       }
@@ -217,6 +253,10 @@ void run_emulated(int64_t world, Body body) {
   for (auto& t : threads) t.join();
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
+#ifdef CPATTN_WITH_CUDA
+  if (cuda_box)
+    for (const auto& out : outputs) comm::finish_emulated_cuda(*cuda_box, out);
+#endif
 }
 
 }  // namespace
@@ -230,8 +270,9 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
               k.size(), ", ", v.size());
   const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout);
   std::vector<at::Tensor> outs(world), lses(world);
-  run_emulated(world, [&](int64_t r, comm::Transport& t) {
+  run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
     std::tie(outs[r], lses[r]) = ring_forward(q[r], k[r], v[r], t, o);
+    return std::vector<at::Tensor>{outs[r], lses[r]};
   });
   return {outs, lses};
 }
@@ -246,8 +287,9 @@ ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::T
               "cpattn: emulated ring backward needs one of each tensor per rank");
   const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout);
   std::vector<at::Tensor> dq(world), dk(world), dv(world);
-  run_emulated(world, [&](int64_t r, comm::Transport& t) {
+  run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
     std::tie(dq[r], dk[r], dv[r]) = ring_backward(dout[r], q[r], k[r], v[r], out[r], lse[r], std::nullopt, t, o);
+    return std::vector<at::Tensor>{dq[r], dk[r], dv[r]};
   });
   return {dq, dk, dv};
 }

@@ -67,6 +67,10 @@ at::Tensor ring_loopback_timing(const at::Tensor& q, const at::Tensor& k, const 
                                 double softmax_scale, bool causal, int64_t window_left,
                                 int64_t window_right, int64_t layout);
 
+// Destroys the NCCL communicators the CUDA ring cached (one per process group and device);
+// returns how many (0 in a CPU build).
+int64_t destroy_communicators();
+
 // Global positions (int64) of the local tokens of `rank`.
 at::Tensor layout_positions(int64_t seqlen, int64_t world, int64_t rank, int64_t layout);
 

@@ -10,7 +10,14 @@ _C = _load_extension()
 
 from cpattn import _ops  # noqa: E402  (registers fake kernels and autograd for the ops)
 from cpattn.attention import attention, merge_state_  # noqa: E402
-from cpattn.ring import positions, ring_attention, ring_attention_emulated, shard, unshard  # noqa: E402,E501
+from cpattn.ring import (  # noqa: E402
+    destroy_communicators,
+    positions,
+    ring_attention,
+    ring_attention_emulated,
+    shard,
+    unshard,
+)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -18,6 +25,7 @@ __all__ = [
     "merge_state_",
     "ring_attention",
     "ring_attention_emulated",
+    "destroy_communicators",
     "shard",
     "unshard",
     "positions",
@@ -33,6 +41,7 @@ def build_info() -> dict:
         "torch_version": b.TORCH_VERSION,
         "with_cuda": b.WITH_CUDA,
         "cuda_arch_list": b.CUDA_ARCH_LIST if b.WITH_CUDA else "",
+        "cuda_head_dims": getattr(b, "CUDA_HEAD_DIMS", "") if b.WITH_CUDA else "",
         "cpu_isa": _C.cpu_isa(),
         "nccl_version": _C.nccl_version(),
     }

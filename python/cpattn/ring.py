@@ -197,6 +197,13 @@ def ring_attention(
     return (out, lse) if return_lse else out
 
 
+def destroy_communicators() -> int:
+    """Destroys the NCCL communicators that ring attention on CUDA tensors created (one per
+    process group and device, cached across calls); returns how many. Call it before
+    dist.destroy_process_group(); the next CUDA ring call makes a new one."""
+    return int(torch.ops.cpattn.destroy_communicators())
+
+
 def ring_attention_emulated(
     q: list,
     k: list,

@@ -1,0 +1,235 @@
+// The CUDA path of attention_fwd / attention_bwd: tensors -> cuda::FwdParamsCuda /
+// BwdParamsCuda on the current stream of the tensors' device. The kernels read the user's
+// (B, S, H, D) bf16 / fp16 tensors in place; an operand is copied only when its head dim has no
+// compiled kernel (zero-padded up to the next one) or its strides / alignment do not suit cp.async.
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+#include <limits>
+#include <sstream>
+
+#include "cpattn/softmax_state.h"
+#include "cpattn/tiling.h"
+#include "cuda/params.h"
+#include "ops/ops.h"
+
+namespace cpattn::ops {
+namespace {
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v && v[0] == '1';
+}
+
+// As the CPU path: CPATTN_POISON=1 fills every output with NaN before the kernel runs.
+at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  static const bool poison = env_flag("CPATTN_POISON");
+  at::Tensor t = at::empty(sizes, options);
+  if (poison) t.fill_(std::numeric_limits<float>::quiet_NaN());
+  return t;
+}
+
+cuda::DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16:
+      return cuda::DType::kBFloat16;
+    case at::kHalf:
+      return cuda::DType::kFloat16;
+    default:
+      return cuda::DType::kFloat32;
+  }
+}
+
+void check_half_inputs(const at::Tensor& q) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "cpattn: the CUDA kernels take bfloat16 or float16 q, k, v, got ", q.scalar_type(),
+              " (cast with .to(torch.bfloat16); float32 attention runs on the CPU only)");
+}
+
+std::string compiled_list() {
+  int n = 0;
+  const int* dims = cuda::compiled_head_dims(&n);
+  std::ostringstream os;
+  for (int i = 0; i < n; ++i) os << (i ? ", " : "") << dims[i];
+  return os.str();
+}
+
+int kernel_head_dim(int64_t d) {
+  int n = 0;
+  const int* dims = cuda::compiled_head_dims(&n);
+  const int kd = pick_kernel_head_dim(static_cast<int>(d), dims, n);
+  TORCH_CHECK(kd > 0, "cpattn: no CUDA kernel for head_dim ", d, " in this build (compiled head "
+              "dims: ", compiled_list(), "; smaller ones are zero-padded up); rebuild with "
+              "CPATTN_CUDA_HEAD_DIMS including a head dim >= ", d);
+  return kd;
+}
+
+// Whether the kernels can read t (B, S, H, kd) in place: 16-byte aligned rows, and 32-bit
+// offsets within a tile of up to 128 rows.
+bool kernel_readable(const at::Tensor& t) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int d = 0; d < 3; ++d)
+    if (t.size(d) > 1 && t.stride(d) % 8 != 0) return false;
+  return t.size(1) <= 1 || t.stride(1) < (int64_t(1) << 24);
+}
+
+// The operand as the kernels read it: head dim kd (zero-padded) and kernel_readable.
+at::Tensor kernel_operand(const at::Tensor& t, int64_t kd) {
+  if (t.size(3) != kd) return at::constant_pad_nd(t, {0, kd - t.size(3)}, 0.0).contiguous();
+  if (kernel_readable(t)) return t;
+  return t.clone(at::MemoryFormat::Contiguous);
+}
+
+cuda::Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+cuda::LseStrides lse_strides_of(const at::Tensor& t) {
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+cuda::ShapeCuda shape_of(const AttnShape& s, int kd) {
+  TORCH_CHECK(s.seqlen_q < (int64_t(1) << 31) - 256 && s.seqlen_k < (int64_t(1) << 31) - 256,
+              "cpattn: CUDA sequence lengths must be below 2^31, got ", s.seqlen_q, " and ",
+              s.seqlen_k);
+  TORCH_CHECK(s.batch <= 65535 && s.heads <= 65535,
+              "cpattn: the CUDA kernels take at most 65535 batch entries and heads, got batch ",
+              s.batch, " and ", s.heads, " heads");
+  cuda::ShapeCuda c;
+  c.batch = static_cast<int>(s.batch);
+  c.heads = static_cast<int>(s.heads);
+  c.kv_heads = static_cast<int>(s.kv_heads);
+  c.seqlen_q = static_cast<int>(s.seqlen_q);
+  c.seqlen_k = static_cast<int>(s.seqlen_k);
+  c.head_dim = kd;
+  return c;
+}
+
+void check_launch(int err, const char* what) {
+  if (err == 0) return;
+  TORCH_CHECK(err != cuda::kErrNoKernel, "cpattn: no CUDA kernel compiled for this dtype and head "
+              "dim (", what, "; compiled head dims: ", compiled_list(), ")");
+  TORCH_CHECK(false, "cpattn: CUDA ", what, " kernel launch failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+// torch.use_deterministic_algorithms(True) or CPATTN_DETERMINISTIC=1: dQ by a separate pass
+// instead of fp32 atomics (bitwise reproducible, some recomputation).
+bool deterministic_backward() {
+  static const bool env = env_flag("CPATTN_DETERMINISTIC");
+  return env || at::globalContext().deterministicAlgorithms();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v, const AttnShape& s,
+                                                      double softmax_scale, const Mask& mask,
+                                                      at::ScalarType out_dtype) {
+  check_half_inputs(q);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == q.scalar_type(),
+              "cpattn: CUDA out_dtype must be float32 or q's dtype (", q.scalar_type(), "), got ",
+              out_dtype);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int kd = kernel_head_dim(s.head_dim);
+  const at::Tensor qk = kernel_operand(q, kd), kk = kernel_operand(k, kd),
+                   vk = kernel_operand(v, kd);
+  at::Tensor out = new_output({s.batch, s.seqlen_q, s.heads, kd}, q.options().dtype(out_dtype));
+  at::Tensor lse = new_output({s.batch, s.heads, s.seqlen_q}, q.options().dtype(at::kFloat));
+
+  cuda::FwdParamsCuda p;
+  p.shape = shape_of(s, kd);
+  p.dtype = to_dtype(q.scalar_type());
+  p.q = qk.data_ptr();
+  p.k = kk.data_ptr();
+  p.v = vk.data_ptr();
+  p.q_strides = strides_of(qk);
+  p.k_strides = strides_of(kk);
+  p.v_strides = strides_of(vk);
+  p.out_dtype = to_dtype(out_dtype);
+  p.out = out.data_ptr();
+  p.out_strides = strides_of(out);
+  p.lse = lse.data_ptr<float>();
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+  p.mask = mask;
+  check_launch(cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream()), "forward");
+  if (kd != s.head_dim) out = out.narrow(3, 0, s.head_dim).contiguous();
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const AttnShape& s, double softmax_scale, const Mask& mask,
+    std::optional<at::ScalarType> grad_dtype) {
+  check_half_inputs(q);
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "cpattn: CUDA dout must have q's dtype (",
+              q.scalar_type(), "), got ", dout.scalar_type());
+  const at::ScalarType gd = grad_dtype.value_or(q.scalar_type());
+  TORCH_CHECK(gd == at::kFloat || gd == q.scalar_type(),
+              "cpattn: CUDA grad_dtype must be float32 or q's dtype (", q.scalar_type(), "), got ",
+              gd);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int kd = kernel_head_dim(s.head_dim);
+  const at::Tensor qk = kernel_operand(q, kd), kk = kernel_operand(k, kd),
+                   vk = kernel_operand(v, kd), dok = kernel_operand(dout, kd);
+  at::Tensor dlse_f;
+  if (dlse && dlse->defined()) dlse_f = dlse->to(at::kFloat);
+  const auto f32 = q.options().dtype(at::kFloat);
+  const int64_t rounded = (s.seqlen_q + cuda::kBwdSeqRound - 1) / cuda::kBwdSeqRound *
+                          cuda::kBwdSeqRound;
+  const at::Tensor lse_log2 = at::empty({s.batch, s.heads, rounded}, f32);
+  const at::Tensor delta = at::empty({s.batch, s.heads, rounded}, f32);
+  at::Tensor dq_accum;
+  if (!deterministic_backward()) dq_accum = at::zeros({s.batch, s.heads, rounded, kd}, f32);
+  at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, kd}, q.options().dtype(gd));
+  at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
+  at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
+
+  cuda::BwdParamsCuda p;
+  p.shape = shape_of(s, kd);
+  p.dtype = to_dtype(q.scalar_type());
+  p.q = qk.data_ptr();
+  p.k = kk.data_ptr();
+  p.v = vk.data_ptr();
+  p.dout = dok.data_ptr();
+  p.q_strides = strides_of(qk);
+  p.k_strides = strides_of(kk);
+  p.v_strides = strides_of(vk);
+  p.dout_strides = strides_of(dok);
+  p.out_dtype = to_dtype(out.scalar_type());
+  p.out = out.data_ptr();
+  p.out_strides = strides_of(out);
+  p.out_head_dim = static_cast<int>(s.head_dim);
+  p.lse = lse.data_ptr<float>();
+  p.lse_strides = lse_strides_of(lse);
+  if (dlse_f.defined()) {
+    p.dlse = dlse_f.data_ptr<float>();
+    p.dlse_strides = lse_strides_of(dlse_f);
+  }
+  p.seqlen_q_rounded = static_cast<int>(rounded);
+  p.lse_log2 = lse_log2.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  p.dq_accum = dq_accum.defined() ? dq_accum.data_ptr<float>() : nullptr;
+  p.grad_dtype = to_dtype(gd);
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dq_strides = strides_of(dq);
+  p.dk_strides = strides_of(dk);
+  p.dv_strides = strides_of(dv);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+  p.mask = mask;
+  check_launch(cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream()), "backward");
+  if (kd != s.head_dim) {
+    dq = dq.narrow(3, 0, s.head_dim).contiguous();
+    dk = dk.narrow(3, 0, s.head_dim).contiguous();
+    dv = dv.narrow(3, 0, s.head_dim).contiguous();
+  }
+  return {dq, dk, dv};
+}
+
+}  // namespace cpattn::ops
