@@ -34,6 +34,8 @@ TORCH_LIBRARY(cpattn, m) {
   m.def("layout_positions(int seqlen, int world, int rank, int layout) -> Tensor");
   m.def("ring_stats() -> Tensor");
   m.def("destroy_communicators() -> int");
+  // Test of the ring transport: one shift of `send` over the group (NCCL for CUDA tensors).
+  m.def("ring_shift(Tensor send, str group_name, float timeout_s) -> Tensor");
   // Benchmark only: (forward s, backward s) of one rank's ring work without communication.
   m.def(
       "ring_loopback_timing(Tensor q, Tensor k, Tensor v, Tensor dout, int rank, int world, "
@@ -49,6 +51,7 @@ TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
   m.impl("ring_fwd_emulated", &cpattn::ops::ring_fwd_emulated);
   m.impl("ring_bwd_emulated", &cpattn::ops::ring_bwd_emulated);
   m.impl("ring_loopback_timing", &cpattn::ops::ring_loopback_timing);
+  m.impl("ring_shift", &cpattn::ops::ring_shift);
 }
 
 // No tensor argument to dispatch on.
@@ -69,5 +72,6 @@ TORCH_LIBRARY_IMPL(cpattn, CUDA, m) {
   m.impl("ring_fwd_emulated", &cpattn::ops::ring_fwd_emulated);
   m.impl("ring_bwd_emulated", &cpattn::ops::ring_bwd_emulated);
   m.impl("ring_loopback_timing", &cpattn::ops::ring_loopback_timing);
+  m.impl("ring_shift", &cpattn::ops::ring_shift);
 }
 #endif

@@ -192,6 +192,14 @@ std::unique_ptr<comm::Transport> group_transport(const at::Tensor& q, c10::strin
 
 }  // namespace
 
+at::Tensor ring_shift(const at::Tensor& send, c10::string_view group_name, double timeout_s) {
+  auto transport = group_transport(send, group_name, timeout_s);
+  const at::Tensor src = send.contiguous();
+  at::Tensor recv = at::empty_like(src);
+  transport->shift(src, recv, 0)->wait();
+  return recv;
+}
+
 int64_t destroy_communicators() {
 #ifdef CPATTN_WITH_CUDA
   return comm::destroy_nccl_communicators();

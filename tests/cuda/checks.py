@@ -1,0 +1,465 @@
+"""CUDA checks of cpattn against the float64 reference, runnable with or without pytest.
+
+    python tests/cuda/checks.py [-k SUBSTRING] [--list]   # plain runner (exit 1 on a failure)
+    python -m pytest tests/test_cuda.py                   # the same checks under pytest
+
+Every check draws fresh random inputs (a seed per check), runs with outputs poisoned with NaN
+(CPATTN_POISON=1: an unwritten element fails), and compares with float64 math in plain torch
+(tests/reference.py). Criteria: relative error ||x - ref|| / ||ref|| within the input dtype's
+band (bf16 1e-2, fp16 2e-3 for outputs; twice that for gradients), LSE to 2e-3 absolute, exact
+zeros / -inf for rows that see no key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+import zlib
+from typing import Callable
+
+os.environ.setdefault("CPATTN_POISON", "1")  # before cpattn is imported
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from reference import reference_attention  # noqa: E402
+
+import cpattn  # noqa: E402
+
+ops = torch.ops.cpattn
+DEV = "cuda"
+OUT_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-3}
+GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+LSE_ATOL = 2e-3
+
+
+def cuda_ok() -> bool:
+    return torch.cuda.is_available() and cpattn.build_info()["with_cuda"]
+
+
+def gen_for(name: str) -> torch.Generator:
+    g = torch.Generator(device=DEV)
+    g.manual_seed(zlib.crc32(name.encode()) & 0x7FFFFFFF)
+    return g
+
+
+def randn(shape, g, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(tuple(shape), generator=g, device=DEV, dtype=torch.float32).to(dtype)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    den = ref.norm().item()
+    return (x - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+def check_close(name: str, x: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert x.shape == ref.shape, f"{name}: shape {tuple(x.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(x).all(), f"{name}: {int((~torch.isfinite(x)).sum())} non-finite values"
+    err = rel_err(x, ref)
+    assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g}"
+
+
+def check_lse(lse: torch.Tensor, ref: torch.Tensor) -> None:
+    ref = ref.to(lse.device)
+    empty = torch.isinf(ref)
+    assert torch.equal(torch.isinf(lse), empty), "lse: -inf positions differ"
+    assert (lse[empty] < 0).all(), "lse: +inf where -inf expected"
+    assert not torch.isnan(lse).any(), "lse: NaN"
+    if (~empty).any():
+        err = (lse[~empty].double() - ref[~empty].double()).abs().max().item()
+        assert err <= LSE_ATOL, f"lse: max abs error {err:.3g} > {LSE_ATOL}"
+
+
+def reference(q, k, v, dout=None, causal=False, window=(-1, -1), scale=None, q_offset=None,
+              k_offset=0, dlse=None):
+    """float64 reference on the CPU: out, lse and (with dout) dq, dk, dv."""
+    qr, kr, vr = (t.detach().double().cpu().requires_grad_(dout is not None) for t in (q, k, v))
+    out, lse = reference_attention(qr, kr, vr, causal=causal, window=window, scale=scale,
+                                   q_offset=q_offset, k_offset=k_offset)
+    if dout is None:
+        return out.detach(), lse.detach()
+    loss = (out * dout.double().cpu()).sum()
+    if dlse is not None:
+        finite = torch.isfinite(lse)
+        loss = loss + (torch.where(finite, lse, torch.zeros_like(lse)) * dlse.double().cpu()).sum()
+    dq, dk, dv = torch.autograd.grad(loss, (qr, kr, vr))
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+def run_attention(q, k, v, dout, causal, window, scale=None, dlse=None):
+    """cpattn.attention forward (out, lse) and gradients for dout (and dlse)."""
+    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+    out, lse = cpattn.attention(qg, kg, vg, causal=causal, window=window, softmax_scale=scale,
+                                return_lse=True)
+    outputs, grads = [out], [dout]
+    if dlse is not None:
+        outputs.append(lse)
+        grads.append(dlse)
+    dq, dk, dv = torch.autograd.grad(outputs, (qg, kg, vg), grads)
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+def compare_all(name, got, ref, dtype, grads=True):
+    out, lse = got[0], got[1]
+    check_close(f"{name} out", out, ref[0].to(out.device), OUT_TOL[out.dtype])
+    check_lse(lse, ref[1])
+    if grads:
+        for n, g, r in zip(("dq", "dk", "dv"), got[2:], ref[2:]):
+            assert g.dtype == dtype, f"{name} {n}: dtype {g.dtype} != {dtype}"
+            check_close(f"{name} {n}", g, r.to(g.device), GRAD_TOL[dtype])
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks: (name, function) pairs, collected in CHECKS.
+
+CHECKS: list[tuple[str, Callable[[], None]]] = []
+
+
+def check(name: str):
+    def deco(fn):
+        CHECKS.append((name, fn))
+        return fn
+
+    return deco
+
+
+MASKS = {
+    "full": (False, (-1, -1)),
+    "causal": (True, (-1, -1)),
+    "left": (False, (37, -1)),
+    "both": (False, (70, 9)),
+    "causal_left": (True, (129, -1)),
+    "zero": (False, (0, 0)),
+}
+# (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim)
+SHAPES = [
+    (1, 1, 1, 1, 1, 64),
+    (2, 7, 7, 2, 2, 128),
+    (1, 63, 65, 3, 3, 64),
+    (1, 65, 63, 4, 1, 128),
+    (2, 129, 200, 4, 2, 64),
+    (1, 200, 129, 4, 2, 128),
+    (1, 1, 300, 4, 1, 64),
+    (1, 300, 300, 2, 1, 40),
+    (3, 17, 5, 6, 2, 80),
+    (1, 1000, 1000, 2, 2, 128),
+    (1, 777, 1500, 8, 1, 64),
+]
+
+
+def _shape_id(s):
+    return "x".join(map(str, s))
+
+
+def _fwd_bwd_case(shape, mask, dtype):
+    def run():
+        name = f"fwd_bwd {_shape_id(shape)} {mask} {dtype}"
+        g = gen_for(name)
+        b, sq, sk, h, hkv, d = shape
+        causal, window = MASKS[mask]
+        q, k, v = randn((b, sq, h, d), g, dtype), randn((b, sk, hkv, d), g, dtype), \
+            randn((b, sk, hkv, d), g, dtype)
+        dout = randn((b, sq, h, d), g, dtype)
+        got = run_attention(q, k, v, dout, causal, window)
+        ref = reference(q, k, v, dout, causal, window)
+        compare_all(name, got, ref, dtype)
+
+    return run
+
+
+for _shape in SHAPES:
+    for _mask in MASKS:
+        for _dtype in (torch.bfloat16, torch.float16):
+            if _dtype == torch.float16 and _mask not in ("full", "causal"):
+                continue
+            check(f"fwd_bwd/{_shape_id(_shape)}/{_mask}/{str(_dtype)[6:]}")(
+                _fwd_bwd_case(_shape, _mask, _dtype))
+
+
+@check("fwd/out_dtype_fp32_raw_op_offsets")
+def _raw_offsets():
+    """The raw op with global offsets (ring-step cases), fp32 out, empty rows."""
+    cases = [  # (sq, sk, q_offset, k_offset, causal, window)
+        (128, 256, 256, 0, True, (-1, -1)),
+        (100, 130, 0, 256, True, (-1, -1)),
+        (64, 100, 100, 130, True, (-1, -1)),
+        (96, 256, 256, 0, True, (200, -1)),
+        (70, 90, 0, 64, False, (-1, 10)),
+        (33, 47, -5, 3, False, (2, 2)),
+        (50, 60, 1000, 0, False, (50, 50)),
+        (80, 80, 37, 37, True, (0, 0)),
+        (300, 700, 1 << 40, (1 << 40) - 500, True, (350, -1)),
+    ]
+    for sq, sk, qo, ko, causal, window in cases:
+        g = gen_for(f"offsets {sq} {sk} {qo} {ko}")
+        q, k, v = randn((2, sq, 4, 64), g), randn((2, sk, 2, 64), g), randn((2, sk, 2, 64), g)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            out, lse = ops.attention_fwd(q, k, v, 0.125, causal, window[0], window[1], qo, ko,
+                                         out_dtype)
+            assert out.dtype == out_dtype
+            r_out, r_lse = reference(q, k, v, causal=causal, window=window, scale=0.125,
+                                     q_offset=qo, k_offset=ko)
+            empty = torch.isinf(r_lse)  # (B, H, Sq)
+            check_close(f"offsets {sq},{sk},{qo},{ko} out", out, r_out.to(DEV), OUT_TOL[out_dtype])
+            check_lse(lse, r_lse)
+            rows = empty.permute(0, 2, 1)  # (B, Sq, H)
+            assert (out[rows.to(DEV)] == 0).all(), "rows that see no key must be exactly 0"
+        dout = randn(q.shape, g)
+        dq, dk, dv = ops.attention_bwd(dout, q, k, v, out.float(), lse, 0.125, causal,
+                                       window[0], window[1], qo, ko, torch.float32, None)
+        r = reference(q, k, v, dout, causal=causal, window=window, scale=0.125, q_offset=qo,
+                      k_offset=ko)
+        for n, x, rr in zip(("dq", "dk", "dv"), (dq, dk, dv), r[2:]):
+            check_close(f"offsets {sq},{sk},{qo},{ko} {n}", x, rr.to(DEV), GRAD_TOL[torch.bfloat16])
+
+
+@check("bwd/deterministic_bitwise")
+def _deterministic():
+    g = gen_for("deterministic")
+    q, k, v = randn((2, 333, 8, 128), g), randn((2, 333, 2, 128), g), randn((2, 333, 2, 128), g)
+    dout = randn(q.shape, g)
+    out, lse = ops.attention_fwd(q, k, v, 0.09, True, -1, -1, 0, 0, None)
+    torch.use_deterministic_algorithms(True)
+    try:
+        a = ops.attention_bwd(dout, q, k, v, out, lse, 0.09, True, -1, -1, 0, 0, None, None)
+        b = ops.attention_bwd(dout, q, k, v, out, lse, 0.09, True, -1, -1, 0, 0, None, None)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y), "deterministic backward differs between two runs"
+    c = ops.attention_bwd(dout, q, k, v, out, lse, 0.09, True, -1, -1, 0, 0, None, None)
+    ref = reference(q, k, v, dout, causal=True, scale=0.09)
+    for n, x, y, r in zip(("dq", "dk", "dv"), a, c, ref[2:]):
+        check_close(f"deterministic {n}", x, r.to(DEV), GRAD_TOL[torch.bfloat16])
+        check_close(f"atomic {n}", y, r.to(DEV), GRAD_TOL[torch.bfloat16])
+
+
+@check("bwd/dlse")
+def _dlse():
+    g = gen_for("dlse")
+    q, k, v = randn((1, 150, 4, 64), g), randn((1, 190, 2, 64), g), randn((1, 190, 2, 64), g)
+    dout, dlse = randn(q.shape, g), randn((1, 4, 150), g, torch.float32)
+    got = run_attention(q, k, v, dout, True, (-1, -1), dlse=dlse)
+    ref = reference(q, k, v, dout, causal=True, dlse=dlse)
+    compare_all("dlse", got, ref, torch.bfloat16)
+
+
+@check("fwd_bwd/strided_views")
+def _strided():
+    """q, k, v as views of one packed (B, S, 3, H, D) tensor and a sliced sequence."""
+    g = gen_for("strided")
+    qkv = randn((2, 260, 3, 4, 128), g)
+    q, k, v = qkv[:, 3:250, 0], qkv[:, 3:250, 1], qkv[:, 3:250, 2]
+    assert not q.is_contiguous()
+    dout = randn(q.shape, g)
+    got = run_attention(q, k, v, dout, True, (-1, -1))
+    ref = reference(q, k, v, dout, causal=True)
+    compare_all("strided", got, ref, torch.bfloat16)
+
+
+@check("fwd/large_scores")
+def _large_scores():
+    g = gen_for("large")
+    q, k, v = randn((1, 200, 2, 64), g), randn((1, 300, 2, 64), g), randn((1, 300, 2, 64), g)
+    q, k = (q.float() * 8).bfloat16(), (k.float() * 8).bfloat16()
+    dout = randn(q.shape, g)
+    got = run_attention(q, k, v, dout, False, (-1, -1))
+    ref = reference(q, k, v, dout)
+    check_close("large out", got[0], ref[0].to(DEV), OUT_TOL[torch.bfloat16])
+    check_lse(got[1], ref[1])
+    for n, x, r in zip(("dq", "dk", "dv"), got[2:], ref[2:]):
+        check_close(f"large {n}", x, r.to(DEV), 3 * GRAD_TOL[torch.bfloat16])
+
+
+@check("errors/fp32_and_head_dim")
+def _errors():
+    q = torch.randn(1, 8, 2, 64, device=DEV)
+    try:
+        cpattn.attention(q, q, q)
+    except RuntimeError as e:
+        assert "bfloat16 or float16" in str(e), str(e)
+    else:
+        raise AssertionError("fp32 CUDA inputs must raise")
+    big = torch.randn(1, 8, 2, 512, device=DEV, dtype=torch.bfloat16)
+    try:
+        cpattn.attention(big, big, big)
+    except RuntimeError as e:
+        assert "head_dim" in str(e), str(e)
+    else:
+        raise AssertionError("head_dim 512 must raise")
+
+
+@check("merge_state/cuda")
+def _merge():
+    g = gen_for("merge")
+    out, part = randn((2, 33, 3, 64), g, torch.float32), randn((2, 33, 3, 64), g, torch.float32)
+    lse, plse = randn((2, 3, 33), g, torch.float32), randn((2, 3, 33), g, torch.float32)
+    lse[0, 1, :5] = -math.inf
+    plse[0, 1, :3] = -math.inf
+    out[0, :3, 1] = 0
+    ref_lse = torch.logaddexp(lse.double(), plse.double())
+    wa = torch.exp(lse.double() - ref_lse).nan_to_num(0.0).permute(0, 2, 1)[..., None]
+    wb = torch.exp(plse.double() - ref_lse).nan_to_num(0.0).permute(0, 2, 1)[..., None]
+    ref_out = wa * out.double() + wb * part.double()
+    o, l_ = out.clone(), lse.clone()
+    cpattn.merge_state_(o, l_, part, plse)
+    assert not torch.isnan(o).any() and not torch.isnan(l_).any()
+    assert (o - ref_out).abs().max().item() < 1e-5
+    assert torch.equal(torch.isinf(l_), torch.isinf(ref_lse))
+
+
+LAYOUTS = ["contiguous", "zigzag", "striped"]
+
+
+def _shard(x, layout, world, rank, dim=1):
+    pos = cpattn.positions(x.shape[dim], layout=layout, rank=rank, world_size=world)
+    return x.index_select(dim, pos.to(x.device))
+
+
+def _unshard(parts, layout, world, dim=1):
+    seqlen = parts[0].shape[dim] * world
+    order = torch.cat([cpattn.positions(seqlen, layout=layout, rank=r, world_size=world)
+                       for r in range(world)]).to(parts[0].device)
+    full = torch.empty_like(torch.cat(parts, dim))
+    full.index_copy_(dim, order, torch.cat(parts, dim))
+    return full
+
+
+def _emulated_ring_case(world):
+    def run():
+        for n, (layout, (causal, window), (h, hkv)) in enumerate(
+                [(lay, m, hh) for lay in LAYOUTS
+                 for m in [(False, (-1, -1)), (True, (-1, -1)), (True, (45, 0)), (False, (30, 20))]
+                 for hh in [(4, 4), (4, 1)]]):
+            g = gen_for(f"ring {world} {n}")
+            seqlen = 2 * world * 48
+            q, k, v = randn((2, seqlen, h, 64), g), randn((2, seqlen, hkv, 64), g), \
+                randn((2, seqlen, hkv, 64), g)
+            dout = randn(q.shape, g)
+            what = f"W={world} {layout} causal={causal} window={window} heads={h}/{hkv}"
+            sh = [[_shard(t, layout, world, r) for r in range(world)] for t in (q, k, v, dout)]
+            outs, lses = torch.ops.cpattn.ring_fwd_emulated(
+                sh[0], sh[1], sh[2], 0.125, causal, window[0], window[1], LAYOUTS.index(layout))
+            dqs, dks, dvs = torch.ops.cpattn.ring_bwd_emulated(
+                sh[3], sh[0], sh[1], sh[2], list(outs), list(lses), 0.125, causal, window[0],
+                window[1], LAYOUTS.index(layout))
+            torch.cuda.synchronize()
+            ref = reference(q, k, v, dout, causal=causal, window=window, scale=0.125)
+            check_close(f"{what} out", _unshard(list(outs), layout, world), ref[0].to(DEV),
+                        OUT_TOL[torch.bfloat16])
+            check_lse(_unshard(list(lses), layout, world, dim=2), ref[1])
+            for name, parts, r in zip(("dq", "dk", "dv"), (dqs, dks, dvs), ref[2:]):
+                check_close(f"{what} {name}", _unshard(list(parts), layout, world), r.to(DEV),
+                            GRAD_TOL[torch.bfloat16])
+
+    return run
+
+
+for _w in (1, 2, 3, 4):
+    check(f"ring_emulated/W={_w}")(_emulated_ring_case(_w))
+
+
+@check("ring_nccl/W=1")
+def _nccl_w1():
+    """A one-rank process group (gloo): NCCL bootstrap through it, send/recv to self, and the
+    ring forward / backward on CUDA tensors."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=0, world_size=1)
+        try:
+            group = dist.group.WORLD
+            g = gen_for("nccl")
+            x = randn((3, 1000), g)
+            for i in range(20):  # more shifts than event slots
+                y = torch.ops.cpattn.ring_shift(x + i, group.group_name, 60.0)
+                assert torch.equal(y, x + i), "NCCL send/recv to self changed the data"
+            q, k, v = randn((1, 256, 4, 128), g), randn((1, 256, 2, 128), g), \
+                randn((1, 256, 2, 128), g)
+            dout = randn(q.shape, g)
+            qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+            out = cpattn.ring_attention(qg, kg, vg, causal=True, layout="zigzag")
+            dq, dk, dv = torch.autograd.grad(out, (qg, kg, vg), dout)
+            ref = reference(q, k, v, dout, causal=True)
+            check_close("nccl out", out.detach(), ref[0].to(DEV), OUT_TOL[torch.bfloat16])
+            for n, x_, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[2:]):
+                check_close(f"nccl {n}", x_, r.to(DEV), GRAD_TOL[torch.bfloat16])
+            assert cpattn.destroy_communicators() == 1
+        finally:
+            dist.destroy_process_group()
+
+
+@check("opcheck/cuda")
+def _opcheck():
+    g = gen_for("opcheck")
+    q, k, v = randn((1, 70, 4, 64), g), randn((1, 90, 2, 64), g), randn((1, 90, 2, 64), g)
+    torch.library.opcheck(ops.attention_fwd.default, (q, k, v, 0.125, True, -1, -1, 20, 0, None))
+    out, lse = ops.attention_fwd(q, k, v, 0.125, True, -1, -1, 20, 0, None)
+    dout = randn(q.shape, g)
+    torch.library.opcheck(ops.attention_bwd.default,
+                          (dout, q, k, v, out, lse, 0.125, True, -1, -1, 20, 0, None, None),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def sanitizer_case() -> None:
+    """A small forward + backward (atomic and deterministic dQ) + emulated ring, for
+    compute-sanitizer: every code path, little work."""
+    g = gen_for("sanitizer")
+    for causal, window in ((True, (-1, -1)), (False, (20, 7))):
+        q, k, v = randn((1, 77, 2, 64), g), randn((1, 99, 1, 64), g), randn((1, 99, 1, 64), g)
+        dout = randn(q.shape, g)
+        run_attention(q, k, v, dout, causal, window)
+        torch.use_deterministic_algorithms(True)
+        run_attention(q, k, v, dout, causal, window)
+        torch.use_deterministic_algorithms(False)
+    q, k, v = randn((1, 40, 2, 128), g), randn((1, 40, 2, 128), g), randn((1, 40, 2, 128), g)
+    run_attention(q, k, v, randn(q.shape, g), True, (-1, -1))
+    torch.ops.cpattn.ring_fwd_emulated([q[:, :20], q[:, 20:]], [k[:, :20], k[:, 20:]],
+                                       [v[:, :20], v[:, 20:]], 0.1, True, -1, -1, 0)
+    torch.cuda.synchronize()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="cpattn CUDA checks")
+    parser.add_argument("-k", default="", help="run the checks whose name contains this")
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--sanitizer-case", action="store_true",
+                        help="run only the small case for compute-sanitizer")
+    args = parser.parse_args()
+    if not cuda_ok():
+        print("SKIP: no CUDA device or cpattn built without CUDA")
+        return 0
+    if args.sanitizer_case:
+        sanitizer_case()
+        print("sanitizer case done")
+        return 0
+    selected = [(n, f) for n, f in CHECKS if args.k in n]
+    if args.list:
+        print("\n".join(n for n, _ in selected))
+        return 0
+    failed = []
+    t0 = time.time()
+    for name, fn in selected:
+        t = time.time()
+        try:
+            fn()
+            torch.cuda.synchronize()
+            print(f"PASS {name} ({time.time() - t:.2f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001 - report every failure, keep going
+            failed.append(name)
+            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc(limit=3)
+    print(f"{len(selected) - len(failed)}/{len(selected)} checks passed in {time.time() - t0:.1f} s")
+    for name in failed:
+        print(f"  failed: {name}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

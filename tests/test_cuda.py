@@ -1,0 +1,37 @@
+"""The CUDA checks of tests/cuda/checks.py under pytest; skipped without a GPU (or a CUDA build).
+
+On a GPU machine without pytest, run `python tests/cuda/checks.py` instead (bench/gpu_check.sh
+picks whichever works).
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import cpattn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda"))
+import checks  # noqa: E402
+
+needs_gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and cpattn.build_info()["with_cuda"]),
+    reason="needs a CUDA device and a CUDA build of cpattn",
+)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", [n for n, _ in checks.CHECKS])
+def test_cuda(name: str) -> None:
+    dict(checks.CHECKS)[name]()
+    torch.cuda.synchronize()
+
+
+def test_cuda_ops_registered_in_cuda_builds() -> None:
+    """In a CUDA build every tensor op has a CUDA kernel (runs on CPU-only machines too)."""
+    if not cpattn.build_info()["with_cuda"]:
+        pytest.skip("CPU build")
+    for op in ("attention_fwd", "attention_bwd", "merge_state_", "ring_fwd", "ring_bwd",
+               "ring_fwd_emulated", "ring_bwd_emulated", "ring_shift"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"cpattn::{op}", "CUDA"), op
