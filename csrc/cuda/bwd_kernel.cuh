@@ -13,7 +13,9 @@
 // Scores and masks as in the forward kernel (tiling.h); scale is applied to dK and dQ at the end.
 #pragma once
 
+#ifndef CPATTN_CUDA_EMULATE
 #include <cuda_runtime.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -450,6 +452,7 @@ __global__ void dq_convert_kernel(const __grid_constant__ BwdParamsCuda p) {
   store2(dst, x.x * p.softmax_scale, x.y * p.softmax_scale);
 }
 
+#ifndef CPATTN_CUDA_EMULATE  // the tests emulate the kernels on the host, without launchers
 template <typename Kernel>
 int set_smem(Kernel kernel, int bytes) {
   if (bytes <= 48 * 1024) return 0;
@@ -492,5 +495,7 @@ int launch_bwd(const BwdParamsCuda& p, void* stream) {
   if (p.grad_dtype == DType::kFloat32) return launch_bwd_typed<kHeadDim, Elem, float>(p, s);
   return launch_bwd_typed<kHeadDim, Elem, Elem>(p, s);
 }
+
+#endif  // CPATTN_CUDA_EMULATE
 
 }  // namespace cpattn::cuda

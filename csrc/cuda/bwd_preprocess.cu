@@ -1,63 +1,21 @@
-// Backward preprocess: per query row, delta = rowsum(dout * out) - dlse and the lse in base 2
-// (an empty row's -inf becomes +inf, so its probabilities recompute to exactly 0), into the
-// (B, H, seqlen_q_rounded) fp32 workspace; rows past seqlen_q get +inf and 0. One warp per row.
+// Launch of the backward preprocess (bwd_preprocess.cuh) for the dtypes of out and dout.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "cpattn/softmax_state.h"
+#include "cuda/bwd_preprocess.cuh"
 #include "cuda/params.h"
-#include "cuda/ptx.cuh"
 
 namespace cpattn::cuda {
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
-
-template <typename TOut, typename TdOut>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    bwd_preprocess_kernel(const __grid_constant__ BwdParamsCuda p) {
-  const int out_head_dim = p.out_head_dim;
-  const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  const int rounded = p.seqlen_q_rounded;
-  if (row >= static_cast<int64_t>(p.shape.batch) * p.shape.heads * rounded) return;
-  const int s = static_cast<int>(row % rounded);
-  const int64_t bh = row / rounded;
-  const int h = static_cast<int>(bh % p.shape.heads);
-  const int b = static_cast<int>(bh / p.shape.heads);
-  float delta = 0.f;
-  float lse2 = __int_as_float(0x7f800000);  // +inf
-  if (s < p.shape.seqlen_q) {
-    const TOut* o = static_cast<const TOut*>(p.out) + b * p.out_strides.batch +
-                    h * p.out_strides.head + static_cast<int64_t>(s) * p.out_strides.seq;
-    const TdOut* d = static_cast<const TdOut*>(p.dout) + b * p.dout_strides.batch +
-                     h * p.dout_strides.head + static_cast<int64_t>(s) * p.dout_strides.seq;
-    float acc = 0.f;
-    for (int c = lane; c < out_head_dim; c += 32) acc += to_float(o[c]) * to_float(d[c]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    delta = acc;
-    if (p.dlse != nullptr)
-      delta -= p.dlse[b * p.dlse_strides.batch + h * p.dlse_strides.head +
-                      static_cast<int64_t>(s) * p.dlse_strides.seq];
-    const float l = p.lse[b * p.lse_strides.batch + h * p.lse_strides.head +
-                          static_cast<int64_t>(s) * p.lse_strides.seq];
-    lse2 = backward_reference(l);
-  }
-  if (lane == 0) {
-    p.lse_log2[row] = lse2;
-    p.delta[row] = delta;
-  }
-}
-
 template <typename TOut, typename TdOut>
 int launch(const BwdParamsCuda& p, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(p.shape.batch) * p.shape.heads * p.seqlen_q_rounded;
-  const unsigned blocks = static_cast<unsigned>((rows + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  bwd_preprocess_kernel<TOut, TdOut><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(p);
+  const unsigned blocks = static_cast<unsigned>((rows + kPreprocessWarps - 1) / kPreprocessWarps);
+  bwd_preprocess_kernel<TOut, TdOut><<<blocks, 32 * kPreprocessWarps, 0, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -9,7 +9,9 @@
 // bottom-right alignment and every ring step. A row that sees no key gets out 0 and lse -inf.
 #pragma once
 
+#ifndef CPATTN_CUDA_EMULATE
 #include <cuda_runtime.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -248,6 +250,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     }
 }
 
+#ifndef CPATTN_CUDA_EMULATE  // the tests emulate the kernels on the host, without launchers
 template <typename Cfg, typename Elem, typename OutT>
 int launch_fwd_config(const FwdParamsCuda& p, cudaStream_t stream) {
   auto kernel = attention_fwd_kernel<Cfg, Elem, OutT>;
@@ -263,9 +266,12 @@ int launch_fwd_config(const FwdParamsCuda& p, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
+#endif  // CPATTN_CUDA_EMULATE
+
 template <DType kDtype>
 using ElemT = std::conditional_t<kDtype == DType::kBFloat16, __nv_bfloat16, __half>;
 
+#ifndef CPATTN_CUDA_EMULATE
 template <DType kDtype, int kHeadDim>
 int launch_fwd(const FwdParamsCuda& p, void* stream) {
   using Elem = ElemT<kDtype>;
@@ -274,5 +280,7 @@ int launch_fwd(const FwdParamsCuda& p, void* stream) {
   if (p.out_dtype == DType::kFloat32) return launch_fwd_config<Cfg, Elem, float>(p, s);
   return launch_fwd_config<Cfg, Elem, Elem>(p, s);
 }
+
+#endif  // CPATTN_CUDA_EMULATE
 
 }  // namespace cpattn::cuda

@@ -14,10 +14,16 @@
 // column l/4). The lower-indexed element sits in the low 16 bits.
 #pragma once
 
+#include <cstdint>
+#include <cstring>
+
+#ifdef CPATTN_CUDA_EMULATE
+// Host emulation for the tests (tests/emulate/cuda_emulation.h): the same kernels run on the CPU,
+// one fiber per thread, with these instructions simulated from the PTX ISA's definitions.
+#include "cuda_emulation.h"
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-
-#include <cstdint>
 
 namespace cpattn::cuda {
 
@@ -74,25 +80,34 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two floats -> one register of two 16-bit elements (lo in the low half), round to nearest.
-template <typename Elem>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // 2^x; 2^-inf = +0.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+}  // namespace cpattn::cuda
+#endif  // CPATTN_CUDA_EMULATE
+
+namespace cpattn::cuda {
+
+// Two floats -> one register of two 16-bit elements (lo in the low half), round to nearest.
+template <typename Elem>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &v, 4);  // a register move after compilation
+  return r;
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &v, 4);
+  return r;
 }
 
 __device__ __forceinline__ float quad_max(float x) {

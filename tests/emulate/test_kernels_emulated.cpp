@@ -1,0 +1,351 @@
+// The CUDA attention kernels themselves (csrc/cuda/*.cuh), run on the CPU through the emulation of
+// cuda_emulation.h and compared with a float64 reference: forward (bf16 / fp16, fp32 or 16-bit
+// out), preprocess, dK/dV with atomic dQ plus the conversion, and the deterministic dQ pass, over
+// masks, offsets, GQA, odd lengths and the head dims' tile configurations.
+//
+// CPATTN_EMU_CASES=all runs the long list (minutes); the default is a representative subset.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/bwd_kernel.cuh"
+#include "cuda/bwd_preprocess.cuh"
+#include "cuda/fwd_kernel.cuh"
+
+namespace cpattn::cuda {
+namespace {
+
+struct Case {
+  int batch, seqlen_q, seqlen_k, heads, kv_heads;
+  bool causal;
+  int64_t window_left, window_right, q_offset, k_offset;
+  float scale;
+};
+
+std::string name_of(const Case& c, int d) {
+  std::ostringstream os;
+  os << "B" << c.batch << " Sq" << c.seqlen_q << " Sk" << c.seqlen_k << " H" << c.heads << "/"
+     << c.kv_heads << " D" << d << (c.causal ? " causal" : "") << " w(" << c.window_left << ","
+     << c.window_right << ") off(" << c.q_offset << "," << c.k_offset << ")";
+  return os.str();
+}
+
+template <typename Elem>
+struct Host;
+template <>
+struct Host<__nv_bfloat16> {
+  static __nv_bfloat16 enc(float x) { return __float2bfloat16_rn(x); }
+  static double dec(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static constexpr double kOutTol = 1e-2, kGradTol = 2e-2;
+};
+template <>
+struct Host<__half> {
+  static __half enc(float x) { return __float2half_rn(x); }
+  static double dec(__half x) { return __half2float(x); }
+  static constexpr double kOutTol = 2e-3, kGradTol = 4e-3;
+};
+
+double rel_err(const std::vector<double>& x, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    num += (x[i] - ref[i]) * (x[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num) / (den > 0 ? std::sqrt(den) : 1.0);
+}
+
+// Reference in float64 from the rounded inputs: out, lse and the gradients.
+struct Reference {
+  std::vector<double> out, lse, dq, dk, dv;
+};
+
+Reference reference(const Case& c, int d, const std::vector<double>& q,
+                    const std::vector<double>& k, const std::vector<double>& v,
+                    const std::vector<double>& dout) {
+  Mask m;
+  m.causal = c.causal;
+  m.window_left = c.window_left;
+  m.window_right = c.window_right;
+  m.q_offset = c.q_offset;
+  m.k_offset = c.k_offset;
+  const int B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, H = c.heads, Hk = c.kv_heads;
+  const int group = H / Hk;
+  Reference r;
+  r.out.assign(size_t(B) * Sq * H * d, 0.0);
+  r.lse.assign(size_t(B) * H * Sq, -INFINITY);
+  r.dq.assign(r.out.size(), 0.0);
+  r.dk.assign(size_t(B) * Sk * Hk * d, 0.0);
+  r.dv.assign(r.dk.size(), 0.0);
+  auto qi = [&](int b, int s, int h) { return ((size_t(b) * Sq + s) * H + h) * d; };
+  auto ki = [&](int b, int s, int h) { return ((size_t(b) * Sk + s) * Hk + h) * d; };
+  std::vector<double> p(Sk), dp(Sk);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h) {
+      const int hk = h / group;
+      for (int i = 0; i < Sq; ++i) {
+        double mx = -INFINITY;
+        for (int j = 0; j < Sk; ++j) {
+          if (!m.visible(i, j)) {
+            p[j] = -INFINITY;
+            continue;
+          }
+          double s = 0;
+          for (int e = 0; e < d; ++e) s += q[qi(b, i, h) + e] * k[ki(b, j, hk) + e];
+          p[j] = s * c.scale;
+          mx = std::max(mx, p[j]);
+        }
+        if (mx == -INFINITY) continue;  // empty row: out 0, lse -inf, no gradient
+        double sum = 0;
+        for (int j = 0; j < Sk; ++j) sum += p[j] == -INFINITY ? 0.0 : std::exp(p[j] - mx);
+        const double lse = mx + std::log(sum);
+        r.lse[(size_t(b) * H + h) * Sq + i] = lse;
+        for (int j = 0; j < Sk; ++j) p[j] = p[j] == -INFINITY ? 0.0 : std::exp(p[j] - lse);
+        double delta = 0;
+        for (int e = 0; e < d; ++e) {
+          double o = 0;
+          for (int j = 0; j < Sk; ++j) o += p[j] * v[ki(b, j, hk) + e];
+          r.out[qi(b, i, h) + e] = o;
+          delta += o * dout[qi(b, i, h) + e];
+        }
+        for (int j = 0; j < Sk; ++j) {
+          if (p[j] == 0.0) continue;
+          double x = 0;
+          for (int e = 0; e < d; ++e) x += dout[qi(b, i, h) + e] * v[ki(b, j, hk) + e];
+          const double ds = p[j] * (x - delta);
+          for (int e = 0; e < d; ++e) {
+            r.dq[qi(b, i, h) + e] += c.scale * ds * k[ki(b, j, hk) + e];
+            r.dk[ki(b, j, hk) + e] += c.scale * ds * q[qi(b, i, h) + e];
+            r.dv[ki(b, j, hk) + e] += p[j] * dout[qi(b, i, h) + e];
+          }
+        }
+      }
+    }
+  return r;
+}
+
+template <typename Elem>
+std::vector<Elem> random_elems(size_t n, std::mt19937& rng, std::vector<double>* values) {
+  std::normal_distribution<float> nd;
+  std::vector<Elem> x(n);
+  values->resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    x[i] = Host<Elem>::enc(nd(rng));
+    (*values)[i] = Host<Elem>::dec(x[i]);
+  }
+  return x;
+}
+
+template <typename T>
+double as_double(T x) {
+  if constexpr (std::is_same_v<T, float>)
+    return x;
+  else
+    return Host<T>::dec(x);
+}
+
+template <typename T>
+std::vector<double> to_doubles(const std::vector<T>& x) {
+  std::vector<double> r(x.size());
+  for (size_t i = 0; i < x.size(); ++i) r[i] = as_double(x[i]);
+  return r;
+}
+
+template <typename T>
+void expect_close(const std::string& what, const std::vector<T>& got,
+                  const std::vector<double>& ref, double tol) {
+  const std::vector<double> g = to_doubles(got);
+  for (size_t i = 0; i < g.size(); ++i)
+    ASSERT_TRUE(std::isfinite(g[i])) << what << ": non-finite element " << i;
+  const double err = rel_err(g, ref);
+  EXPECT_LE(err, tol) << what << ": relative error";
+}
+
+template <int kHeadDim, typename Elem, typename OutT>
+void run_case(const Case& c, uint64_t seed, bool deterministic) {
+  using FCfg = FwdConfigFor<kHeadDim>;
+  using BCfg = BwdConfigFor<kHeadDim>;
+  using QCfg = DqConfigFor<kHeadDim>;
+  constexpr int d = kHeadDim;
+  const std::string what = name_of(c, d);
+  SCOPED_TRACE(what);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  const int B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, H = c.heads, Hk = c.kv_heads;
+  std::vector<double> qd, kd, vd, dod;
+  auto q = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &qd);
+  auto k = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &kd);
+  auto v = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &vd);
+  auto dout = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &dod);
+  const Reference ref = reference(c, d, qd, kd, vd, dod);
+
+  Mask m;
+  m.causal = c.causal;
+  m.window_left = c.window_left;
+  m.window_right = c.window_right;
+  m.q_offset = c.q_offset;
+  m.k_offset = c.k_offset;
+  const Strides qs{int64_t(Sq) * H * d, int64_t(H) * d, d};
+  const Strides ks{int64_t(Sk) * Hk * d, int64_t(Hk) * d, d};
+  ShapeCuda shape{B, H, Hk, Sq, Sk, d};
+
+  // ---- forward
+  std::vector<OutT> out(q.size());
+  std::vector<float> lse(size_t(B) * H * Sq, std::numeric_limits<float>::quiet_NaN());
+  if constexpr (std::is_same_v<OutT, float>)
+    std::fill(out.begin(), out.end(), std::numeric_limits<float>::quiet_NaN());
+  else
+    std::fill(out.begin(), out.end(), OutT{0x7fff});  // NaN pattern
+  FwdParamsCuda fp;
+  fp.shape = shape;
+  fp.q = q.data();
+  fp.k = k.data();
+  fp.v = v.data();
+  fp.q_strides = qs;
+  fp.k_strides = ks;
+  fp.v_strides = ks;
+  fp.out = out.data();
+  fp.out_strides = qs;
+  fp.lse = lse.data();
+  fp.softmax_scale = c.scale;
+  fp.scale_log2 = c.scale * 1.4426950408889634f;
+  fp.mask = m;
+  emu::launch({unsigned((Sq + FCfg::kBlockM - 1) / FCfg::kBlockM), unsigned(H), unsigned(B)},
+              FCfg::kThreads, FCfg::kSmemBytes,
+              [&] { attention_fwd_kernel<FCfg, Elem, OutT>(fp); });
+  expect_close("out", out, ref.out, std::is_same_v<OutT, float> ? Host<Elem>::kOutTol / 2
+                                                                 : Host<Elem>::kOutTol);
+  for (size_t i = 0; i < lse.size(); ++i) {
+    if (std::isinf(ref.lse[i])) {
+      ASSERT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << "lse " << i << " should be -inf";
+    } else {
+      ASSERT_NEAR(lse[i], ref.lse[i], 2e-3) << "lse " << i;
+    }
+  }
+  for (int b = 0; b < B; ++b)
+    for (int s = 0; s < Sq; ++s)
+      for (int h = 0; h < H; ++h) {
+        if (!std::isinf(ref.lse[(size_t(b) * H + h) * Sq + s])) continue;
+        for (int e = 0; e < d; ++e) {
+          ASSERT_EQ(as_double(out[((size_t(b) * Sq + s) * H + h) * d + e]), 0.0)
+              << "empty row " << s << " must be 0";
+        }
+      }
+
+  // ---- backward from the kernel's own out (as the op layer) and lse
+  const int rounded = (Sq + kBwdSeqRound - 1) / kBwdSeqRound * kBwdSeqRound;
+  std::vector<float> lse_log2(size_t(B) * H * rounded, NAN), delta(lse_log2.size(), NAN);
+  std::vector<float> dq_accum(deterministic ? 0 : size_t(B) * H * rounded * d, 0.f);
+  std::vector<OutT> dq(q.size(), out[0]), dk(k.size(), out[0]), dv(k.size(), out[0]);
+  const OutT nan_value = std::is_same_v<OutT, float> ? OutT(NAN) : OutT{0x7fff};
+  std::fill(dq.begin(), dq.end(), nan_value);  // poisoned: an unwritten gradient fails
+  std::fill(dk.begin(), dk.end(), nan_value);
+  std::fill(dv.begin(), dv.end(), nan_value);
+  BwdParamsCuda bp;
+  bp.shape = shape;
+  bp.q = q.data();
+  bp.k = k.data();
+  bp.v = v.data();
+  bp.dout = dout.data();
+  bp.q_strides = bp.dout_strides = qs;
+  bp.k_strides = bp.v_strides = ks;
+  bp.out = out.data();
+  bp.out_strides = qs;
+  bp.out_head_dim = d;
+  bp.lse = lse.data();
+  bp.lse_strides = {int64_t(H) * Sq, Sq, 1};
+  bp.seqlen_q_rounded = rounded;
+  bp.lse_log2 = lse_log2.data();
+  bp.delta = delta.data();
+  bp.dq_accum = deterministic ? nullptr : dq_accum.data();
+  bp.dq = dq.data();
+  bp.dk = dk.data();
+  bp.dv = dv.data();
+  bp.dq_strides = qs;
+  bp.dk_strides = bp.dv_strides = ks;
+  bp.softmax_scale = c.scale;
+  bp.scale_log2 = fp.scale_log2;
+  bp.mask = m;
+  {
+    const int64_t rows = int64_t(B) * H * rounded;
+    emu::launch({unsigned((rows + kPreprocessWarps - 1) / kPreprocessWarps), 1, 1},
+                32 * kPreprocessWarps, 0, [&] { bwd_preprocess_kernel<OutT, Elem>(bp); });
+  }
+  emu::launch({unsigned((Sk + BCfg::kBlockN - 1) / BCfg::kBlockN), unsigned(Hk), unsigned(B)},
+              BCfg::kThreads, BCfg::kSmemBytes,
+              [&] { attention_bwd_dkdv_kernel<BCfg, Elem, OutT>(bp); });
+  if (deterministic) {
+    const int smem = (2 * QCfg::kQElems + 2 * QCfg::kStageElems) * 2;
+    emu::launch({unsigned((Sq + QCfg::kBlockM - 1) / QCfg::kBlockM), unsigned(H), unsigned(B)},
+                QCfg::kThreads, smem, [&] { attention_bwd_dq_kernel<QCfg, Elem, OutT>(bp); });
+  } else {
+    const int64_t pairs = int64_t(B) * H * Sq * (d / 2);
+    emu::launch({unsigned((pairs + 255) / 256), 1, 1}, 256, 0,
+                [&] { dq_convert_kernel<d, OutT>(bp); });
+  }
+  const double gt = Host<Elem>::kGradTol;
+  expect_close("dq", dq, ref.dq, gt);
+  expect_close("dk", dk, ref.dk, gt);
+  expect_close("dv", dv, ref.dv, gt);
+}
+
+std::vector<Case> cases(bool all) {
+  std::vector<Case> c = {
+      {1, 1, 1, 1, 1, false, -1, -1, 0, 0, 0.125f},
+      {1, 37, 37, 2, 2, true, -1, -1, 0, 0, 0.125f},       // odd, causal, one block
+      {1, 130, 200, 4, 2, true, -1, -1, 70, 0, 0.1f},      // GQA, bottom-right, several blocks
+      {2, 70, 150, 2, 1, false, 40, 9, 0, 0, 0.09f},       // MQA, window, batch 2
+      {1, 100, 130, 2, 1, true, -1, -1, 0, 256, 0.125f},   // keys in the future: all empty
+      {1, 150, 260, 2, 2, true, 200, -1, 256, 0, 0.125f},  // ring step with a window
+  };
+  if (all) {
+    c.push_back({1, 200, 129, 4, 2, false, -1, -1, 0, 0, 0.125f});
+    c.push_back({1, 33, 47, 2, 1, false, 2, 2, -5, 3, 0.3f});
+    c.push_back({3, 17, 5, 6, 2, true, -1, -1, -12, 0, 0.2f});
+    c.push_back({1, 300, 300, 2, 1, true, 0, 0, 0, 0, 0.125f});
+  }
+  return c;
+}
+
+bool all_cases() {
+  const char* v = std::getenv("CPATTN_EMU_CASES");
+  return v && std::string(v) == "all";
+}
+
+TEST(EmulatedKernels, Bf16HeadDim64) {
+  uint64_t seed = 1;
+  for (const Case& c : cases(all_cases())) run_case<64, __nv_bfloat16, __nv_bfloat16>(c, seed++, false);
+}
+TEST(EmulatedKernels, Bf16HeadDim128Fp32Out) {
+  uint64_t seed = 100;
+  for (const Case& c : cases(all_cases())) run_case<128, __nv_bfloat16, float>(c, seed++, false);
+}
+TEST(EmulatedKernels, Fp16HeadDim64Deterministic) {
+  uint64_t seed = 200;
+  for (const Case& c : cases(all_cases())) run_case<64, __half, __half>(c, seed++, true);
+}
+TEST(EmulatedKernels, Bf16HeadDim128Deterministic) {
+  uint64_t seed = 300;
+  const auto cs = cases(all_cases());
+  for (size_t i = 0; i < cs.size(); i += 2) run_case<128, __nv_bfloat16, __nv_bfloat16>(cs[i], seed++, true);
+}
+
+// Every other head dim's tile configuration (kernel_config.h), on two cases each.
+TEST(EmulatedKernels, OtherHeadDims) {
+  const Case a{1, 70, 90, 2, 1, true, -1, -1, 20, 0, 0.1f};
+  const Case b{2, 33, 140, 4, 2, false, 50, 3, 0, 0, 0.07f};
+  run_case<32, __nv_bfloat16, __nv_bfloat16>(a, 401, false);
+  run_case<32, __half, float>(b, 402, true);
+  run_case<96, __nv_bfloat16, float>(a, 403, true);
+  run_case<96, __nv_bfloat16, __nv_bfloat16>(b, 404, false);
+  run_case<160, __nv_bfloat16, __nv_bfloat16>(a, 405, false);
+  run_case<192, __half, __half>(b, 406, true);
+  run_case<256, __nv_bfloat16, float>(a, 407, false);
+  run_case<256, __nv_bfloat16, __nv_bfloat16>(b, 408, true);
+}
+
+}  // namespace
+}  // namespace cpattn::cuda
