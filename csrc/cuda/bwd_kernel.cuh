@@ -248,13 +248,14 @@ __global__ void __launch_bounds__(Cfg::kThreads)
             mma_16816<Elem>(acc[2 * j + 1], a, bk[2], bk[3]);
           }
         }
+        // One base address per unit; the rest are compile-time offsets (RED [R + imm]).
+        float* const dst = dq_tile + (r0 + g) * kHeadDim + c0 + 2 * t;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            float* const dst = dq_tile + (r0 + g + 8 * half) * kHeadDim + c0 + j * 8 + 2 * t;
-            atomicAdd(dst, acc[j][2 * half]);
-            atomicAdd(dst + 1, acc[j][2 * half + 1]);
+            atomicAdd(dst + half * 8 * kHeadDim + j * 8, acc[j][2 * half]);
+            atomicAdd(dst + half * 8 * kHeadDim + j * 8 + 1, acc[j][2 * half + 1]);
           }
       }
     }
