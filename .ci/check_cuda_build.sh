@@ -7,12 +7,14 @@
 #   CPATTN_CI_PYTHON        interpreter for the venv (default python3)
 #   CPATTN_CI_TORCH         torch requirement (default torch==2.14.1, a CUDA 13 build)
 #   CPATTN_CUDA_ARCH_LIST   architectures, TORCH_CUDA_ARCH_LIST syntax (default "8.0;9.0")
+#   CPATTN_CUDA_HEAD_DIMS   head dims of the attention kernels (default "64;128")
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 work=$repo/build/ci-cuda
 venv=$work/venv
 archs=${CPATTN_CUDA_ARCH_LIST:-8.0;9.0}
+head_dims=${CPATTN_CUDA_HEAD_DIMS:-64;128}
 torch_req=${CPATTN_CI_TORCH:-torch==2.14.1}
 mkdir -p "$work"
 
@@ -30,9 +32,10 @@ py=$venv/bin/python
   || fail "$torch_req is not a CUDA build of torch"
 
 # 2. build and install, CUDA required
-step "build (CPATTN_CUDA=ON, archs $archs), log $work/build.log"
+step "build (CPATTN_CUDA=ON, archs $archs, head dims $head_dims), log $work/build.log"
 t0=$(date +%s)
-if ! CPATTN_CUDA=ON CPATTN_CUDA_ARCH_LIST="$archs" "$py" -m pip install --no-build-isolation \
+if ! CPATTN_CUDA=ON CPATTN_CUDA_ARCH_LIST="$archs" CPATTN_CUDA_HEAD_DIMS="$head_dims" \
+    CPATTN_CUDA_PTXAS_VERBOSE=ON "$py" -m pip install --no-build-isolation \
     --config-settings=build-dir="$work/cmake" -v "$repo" >"$work/build.log" 2>&1; then
   tail -40 "$work/build.log" >&2
   fail "build failed (see $work/build.log)"
@@ -46,11 +49,17 @@ step "import"
 import torch, cpattn
 info = cpattn.build_info()
 print("build_info:", info)
-cuda_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("cpattn::merge_state_", "CUDA")
-print("CUDA kernel of cpattn::merge_state_ registered:", cuda_kernel)
 assert info["with_cuda"] is True, "built without CUDA"
 assert info["nccl_version"] > 0, "NCCL version not reported"
-assert cuda_kernel, "no CUDA kernel registered"
+for op in ("merge_state_", "attention_fwd", "attention_bwd", "ring_fwd", "ring_bwd",
+           "ring_fwd_emulated", "ring_bwd_emulated", "ring_shift"):
+    ok = torch._C._dispatch_has_kernel_for_dispatch_key(f"cpattn::{op}", "CUDA")
+    print(f"CUDA kernel of cpattn::{op} registered:", ok)
+    assert ok, f"no CUDA kernel registered for {op}"
+# No GPU here: the CPU path of the CUDA build still works, and nothing NCCL was created.
+q = torch.randn(1, 8, 2, 64)
+assert cpattn.attention(q, q, q).shape == q.shape
+assert cpattn.destroy_communicators() == 0
 EOF
 
 so=$("$py" -c "import cpattn._C as m; print(m.__file__)")
@@ -88,26 +97,11 @@ else
   echo "cuobjdump not found: SASS check skipped"
 fi
 
-# ptxas register / spill report: rerun the build's nvcc command for the .cu with -Xptxas=-v
-"$py" - "$work/cmake" <<'EOF' || fail "ptxas -v compile"
-import os, shlex, subprocess, sys
-build = sys.argv[1]
-ninja = os.path.join(os.path.dirname(sys.executable), "ninja")
-for target in ["CMakeFiles/_C.dir/csrc/cuda/merge_state.cu.o"]:
-    cmd = subprocess.run([ninja, "-C", build, "-t", "commands", target], check=True,
-                         capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    args, out, it = [], None, iter(shlex.split(cmd))
-    for a in it:
-        if a in ("-MT", "-MF"):
-            next(it)
-        elif a == "-o":
-            out = next(it)
-            args += ["-o", os.path.join(build, "ptxas_check.o")]
-        elif a != "-MD":
-            args.append(a)
-    r = subprocess.run(args + ["-Xptxas=-v"], cwd=build, capture_output=True, text=True)
-    report = [l for l in (r.stdout + r.stderr).splitlines() if "ptxas" in l or "spill" in l]
-    print("\n".join(report))
-    sys.exit(r.returncode)
-EOF
+# ptxas register / spill report of every kernel (the build ran with -Xptxas=-v). A spill in the
+# forward kernels fails the check; the dK/dV kernel at head dim 128 spills a few loop counters
+# outside its MMA sections (bench/RESULTS.md), which is reported.
+step "ptxas registers and spills ($work/ptxas.txt)"
+"$py" "$repo/.ci/ptxas_report.py" "$work/build.log" --out "$work/ptxas.txt" \
+  --fail-on-spill attention_fwd_kernel attention_bwd_dq_kernel merge_state \
+  || fail "ptxas report: missing, or spills in kernels that must not spill"
 echo "check_cuda_build: OK"

@@ -64,8 +64,10 @@ fi
 cd /tmp || exit 1  # import the installed package, not the source tree
 "$py" -c "import cpattn, json; print(json.dumps(cpattn.build_info()))" 2>&1 | tee "$res/build_info.json"
 # ptxas figures of the build's kernels (registers, spills): the build ran with -Xptxas=-v
-grep -E "Compiling entry|spill|Used [0-9]+ registers" "$res/build.log" >"$res/ptxas.txt" 2>/dev/null || true
-note "ptxas: $(grep -cE '[1-9][0-9]* bytes spill stores' "$res/ptxas.txt") kernels with spill stores (ptxas.txt)"
+if [[ -f $res/build.log ]]; then
+  "$py" "$repo/.ci/ptxas_report.py" "$res/build.log" --out "$res/ptxas.txt" >/dev/null 2>&1
+  note "ptxas: $(awk 'NR > 1 && $(NF-1) != "0/0"' "$res/ptxas.txt" 2>/dev/null | wc -l) kernel builds with spills (ptxas.txt)"
+fi
 
 # ---- 2. CUDA checks vs float64 ------------------------------------------------------------------
 t=$(date +%s)

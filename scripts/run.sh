@@ -2,7 +2,8 @@
 # One entry point for a fresh clone: sets up .venv (torch from this machine's local disk), builds
 # cpattn, then runs what was asked.
 #   bash scripts/run.sh demo   the main job (python -m cpattn demo)
-#   bash scripts/run.sh test   every test: C++ header tests (ctest), pytest, benchmark smoke runs
+#   bash scripts/run.sh test   every test: C++ header tests and the emulated CUDA kernels (ctest),
+#                              pytest, benchmark smoke runs, the CUDA flavour's build check
 #   bash scripts/run.sh bench  the benchmark table vs torch SDPA (bench/bench_attention.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +52,13 @@ case "${1:-}" in
     python -m pytest "$ROOT/bench" -q --benchmark-disable -p no:cacheprovider
     echo "== pytest"
     python -m pytest "$ROOT/tests" -q -p no:cacheprovider
+    echo "== CUDA flavour: compile, link, import, ptxas report (no GPU needed)"
+    if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+      # CI keeps to one architecture; the default build compiles 8.0 and 9.0.
+      CPATTN_CUDA_ARCH_LIST=${CPATTN_CUDA_ARCH_LIST:-9.0} bash "$ROOT/.ci/check_cuda_build.sh"
+    else
+      echo "nvcc not found: CUDA build check skipped"
+    fi
     ;;
   bench)
     shift

@@ -35,3 +35,13 @@ def test_cuda_ops_registered_in_cuda_builds() -> None:
     for op in ("attention_fwd", "attention_bwd", "merge_state_", "ring_fwd", "ring_bwd",
                "ring_fwd_emulated", "ring_bwd_emulated", "ring_shift"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"cpattn::{op}", "CUDA"), op
+
+
+def test_generated_instantiations_up_to_date() -> None:
+    """csrc/cuda/inst/ is what csrc/cuda/generate_instantiations.py writes (runs anywhere)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "csrc", "cuda", "generate_instantiations.py")
+    r = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
