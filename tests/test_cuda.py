@@ -45,3 +45,13 @@ def test_generated_instantiations_up_to_date() -> None:
     script = os.path.join(root, "csrc", "cuda", "generate_instantiations.py")
     r = subprocess.run([sys.executable, script, "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    "name", ["fwd/out_dtype_fp32_raw_op_offsets", "bwd/dlse", "fwd_bwd/strided_views",
+             "ring_emulated/W=2", "fwd_bwd/2x129x200x4x2x64/causal_left/bfloat16"])
+def test_checks_harness_on_cpu(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA checks' references, tolerances and sharding, exercised on the CPU kernels (which
+    take bf16 inputs too), so a broken check shows up without a GPU."""
+    monkeypatch.setattr(checks, "DEV", "cpu")
+    dict(checks.CHECKS)[name]()
