@@ -175,6 +175,8 @@ def ring_attention(
         timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
 
     Every rank must call it with the same shapes and options; a mismatch raises on every rank.
+    CUDA tensors (bf16 / fp16) shift over cpattn's own NCCL communicator, bootstrapped through
+    `group` and cached: call cpattn.destroy_communicators() before destroying the group.
     """
     group, rank, world = _group_info(group)
     layout_code = _layout_code(layout)
@@ -215,7 +217,9 @@ def ring_attention_emulated(
     window: tuple[int, int] = (-1, -1),
 ) -> tuple[list, list]:
     """The ring on W ranks emulated in this process (one thread each); lists hold one shard per
-    rank. Returns (outs, lses). Forward only; for tests and single-device experiments."""
+    rank. Returns (outs, lses). Forward only; for tests and single-device experiments. On CUDA
+    tensors each virtual rank computes on its own stream and receives on its own comm stream,
+    ordered by events as with NCCL."""
     from cpattn.attention import _check_window
 
     window = _check_window(window)
