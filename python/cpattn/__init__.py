@@ -11,6 +11,14 @@ _C = _load_extension()
 from cpattn import _ops  # noqa: E402  (registers fake kernels and autograd for the ops)
 from cpattn.attention import attention, merge_state_  # noqa: E402
 from cpattn.ring import positions, ring_attention, ring_attention_emulated, shard, unshard  # noqa: E402,E501
+from cpattn.ulysses import (  # noqa: E402
+    hybrid_attention,
+    hybrid_positions,
+    hybrid_shard,
+    hybrid_unshard,
+    ulysses_attention,
+)
+from cpattn import comm  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
@@ -21,6 +29,12 @@ __all__ = [
     "shard",
     "unshard",
     "positions",
+    "ulysses_attention",
+    "hybrid_attention",
+    "hybrid_positions",
+    "hybrid_shard",
+    "hybrid_unshard",
+    "comm",
     "build_info",
 ]
 

@@ -60,45 +60,69 @@ def positions(
     return pos.to(device) if device is not None else pos
 
 
-def shard(x: torch.Tensor, *, group=None, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
-    """This rank's part of the full tensor x along `dim`, in `layout` order."""
-    idx = positions(x.shape[dim], group=group, layout=layout, device=x.device)
-    return x.index_select(dim, idx)
+def shard(
+    x: torch.Tensor,
+    *,
+    group=None,
+    layout: str = "zigzag",
+    dim: int = 1,
+    index: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """This rank's part of the full tensor x along `dim`, in `layout` order.
+
+    `index` (global positions of this rank's tokens) overrides the layout, e.g. for the hybrid
+    or varlen shardings.
+    """
+    if index is None:
+        index = positions(x.shape[dim], group=group, layout=layout)
+    return x.index_select(dim, index.to(x.device))
 
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_local, group, layout, dim):
-        _, rank, world = _group_info(group)
-        ctx.group, ctx.layout, ctx.dim = group, layout, dim
+    def forward(ctx, x_local, index, seqlen, group, dim):
+        ctx.group, ctx.dim = group, dim
+        ctx.save_for_backward(index)
+        world = dist.get_world_size(group)
         parts = [torch.empty_like(x_local) for _ in range(world)]
         dist.all_gather(parts, x_local.contiguous(), group=group)
-        seqlen = x_local.shape[dim] * world
-        order = torch.cat(
-            [positions(seqlen, layout=layout, rank=r, world_size=world) for r in range(world)]
-        ).to(x_local.device)
-        full = torch.empty(
-            (*x_local.shape[:dim], seqlen, *x_local.shape[dim + 1 :]),
-            dtype=x_local.dtype,
-            device=x_local.device,
-        )
-        full.index_copy_(dim, order, torch.cat(parts, dim))
+        indices = [torch.empty_like(index) for _ in range(world)]
+        dist.all_gather(indices, index, group=group)
+        full = x_local.new_zeros((*x_local.shape[:dim], seqlen, *x_local.shape[dim + 1 :]))
+        full.index_copy_(dim, torch.cat(indices).to(x_local.device), torch.cat(parts, dim))
         return full
 
     @staticmethod
     def backward(ctx, grad_full):
         # Every rank holds the full gradient of its own copy; the shard's gradient is the sum.
+        (index,) = ctx.saved_tensors
         grad = grad_full.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        return shard(grad, group=ctx.group, layout=ctx.layout, dim=ctx.dim), None, None, None
+        return grad.index_select(ctx.dim, index.to(grad.device)), None, None, None, None
 
 
-def unshard(x_local: torch.Tensor, *, group=None, layout: str = "zigzag", dim: int = 1):
+def unshard(
+    x_local: torch.Tensor,
+    *,
+    group=None,
+    layout: str = "zigzag",
+    dim: int = 1,
+    index: Optional[torch.Tensor] = None,
+    seqlen: Optional[int] = None,
+) -> torch.Tensor:
     """All-gathers the shards along `dim` and puts the tokens back in sequence order.
 
     Differentiable: the gradient of each shard is the sum of the ranks' gradients of its tokens.
+    `index` (this rank's global positions) overrides the layout; then `seqlen` gives the full
+    length (default: W times the shard length) and positions not held by any rank are 0.
     """
-    return _Unshard.apply(x_local, group, layout, dim)
+    group, _, world = _group_info(group)
+    if index is None:
+        seqlen = x_local.shape[dim] * world
+        index = positions(seqlen, group=group, layout=layout)
+    elif seqlen is None:
+        seqlen = x_local.shape[dim] * world
+    return _Unshard.apply(x_local, index.to(torch.int64).cpu(), seqlen, group, dim)
 
 
 def _validate(q, k, v, group, world, layout_code, causal, window, scale, timeout):
