@@ -18,11 +18,22 @@ TORCH_LIBRARY(cpattn, m) {
   // 1 zigzag, 2 striped.
   m.def(
       "ring_fwd(Tensor q, Tensor k, Tensor v, str group_name, float softmax_scale, bool causal, "
-      "int window_left, int window_right, int layout, float timeout_s) -> (Tensor out, Tensor lse)");
+      "int window_left, int window_right, int layout, float timeout_s, Tensor? doc_lengths=None) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "ring_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, str group_name, "
       "float softmax_scale, bool causal, int window_left, int window_right, int layout, "
-      "float timeout_s, Tensor? dlse=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "float timeout_s, Tensor? dlse=None, Tensor? doc_lengths=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
+  // The same steps against K/V already all-gathered: kv_all (W, 2, B, S_local, Hkv, D).
+  m.def(
+      "gathered_fwd(Tensor q, Tensor kv_all, int rank, float softmax_scale, bool causal, "
+      "int window_left, int window_right, int layout, Tensor? doc_lengths=None) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "gathered_bwd(Tensor dout, Tensor q, Tensor kv_all, Tensor out, Tensor lse, int rank, "
+      "float softmax_scale, bool causal, int window_left, int window_right, int layout, "
+      "Tensor? doc_lengths=None, Tensor? dlse=None) -> (Tensor dq, Tensor dkv_all)");
   // The same driver over W ranks emulated in this process (one list entry per rank).
   m.def(
       "ring_fwd_emulated(Tensor[] q, Tensor[] k, Tensor[] v, float softmax_scale, bool causal, "
@@ -45,6 +56,8 @@ TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
   m.impl("merge_state_", &cpattn::ops::merge_state_);
   m.impl("ring_fwd", &cpattn::ops::ring_fwd);
   m.impl("ring_bwd", &cpattn::ops::ring_bwd);
+  m.impl("gathered_fwd", &cpattn::ops::gathered_fwd);
+  m.impl("gathered_bwd", &cpattn::ops::gathered_bwd);
   m.impl("ring_fwd_emulated", &cpattn::ops::ring_fwd_emulated);
   m.impl("ring_bwd_emulated", &cpattn::ops::ring_bwd_emulated);
   m.impl("ring_loopback_timing", &cpattn::ops::ring_loopback_timing);

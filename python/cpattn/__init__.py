@@ -10,7 +10,18 @@ _C = _load_extension()
 
 from cpattn import _ops  # noqa: E402  (registers fake kernels and autograd for the ops)
 from cpattn.attention import attention, merge_state_  # noqa: E402
-from cpattn.ring import positions, ring_attention, ring_attention_emulated, shard, unshard  # noqa: E402,E501
+from cpattn.ring import (  # noqa: E402
+    pad_documents,
+    positions,
+    positions_varlen,
+    ring_attention,
+    ring_attention_emulated,
+    ring_attention_varlen,
+    shard,
+    shard_varlen,
+    unshard,
+    unshard_varlen,
+)
 from cpattn.ulysses import (  # noqa: E402
     hybrid_attention,
     hybrid_positions,
@@ -29,6 +40,11 @@ __all__ = [
     "shard",
     "unshard",
     "positions",
+    "ring_attention_varlen",
+    "shard_varlen",
+    "unshard_varlen",
+    "positions_varlen",
+    "pad_documents",
     "ulysses_attention",
     "hybrid_attention",
     "hybrid_positions",
