@@ -11,6 +11,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch >= 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _world(group) -> int:
     return dist.get_world_size(group)
 
@@ -29,7 +34,7 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((world * src.shape[0], *src.shape[1:]))
-    dist.all_gather_into_tensor(out, src, group=group)
+    all_gather_flat(out, src, group=group)
     return out.movedim(0, dim)
 
 
@@ -40,7 +45,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     _check_divisible(x, dim, world, "reduce_scatter")
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
-    dist.reduce_scatter_tensor(out, src, group=group)
+    reduce_scatter_flat(out, src, group=group)
     return out.movedim(0, dim)
 
 

@@ -15,6 +15,8 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from cpattn import comm
+
 LAYOUTS = {"contiguous": 0, "zigzag": 1, "striped": 2}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -190,7 +192,7 @@ def _gather_kv(k, v, group, world):
     """(W, 2, B, S_local, Hkv, D): every rank's K and V, in rank order."""
     kv = torch.stack([k, v]).contiguous()
     kv_all = kv.new_empty((world * 2, *kv.shape[1:]))
-    dist.all_gather_into_tensor(kv_all, kv, group=group)
+    comm.all_gather_flat(kv_all, kv, group=group)
     return kv_all.view(world, *kv.shape)
 
 
@@ -232,7 +234,7 @@ class _GatheredAttention(torch.autograd.Function):
                 dlse=None if dlse is None else dlse[:, qh],
             )
             dkv = dkv_all.new_empty(dkv_all.shape[1:])
-            dist.reduce_scatter_tensor(dkv, dkv_all.view(-1, *dkv_all.shape[2:]), group=group)
+            comm.reduce_scatter_flat(dkv, dkv_all.view(-1, *dkv_all.shape[2:]), group=group)
             dq.append(dq_c)
             dk.append(dkv[0].to(k.dtype))
             dv.append(dkv[1].to(v.dtype))
