@@ -130,3 +130,22 @@ def test_pad_documents():
     padded, cu = cpattn.pad_documents(x, [0, 3, 3, 7], multiple=4)
     assert cu.tolist() == [0, 4, 4, 8]
     assert padded[:, 0].tolist() == [0, 1, 2, 0, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("strategy,layout", [("ring", "zigzag"), ("allgather", "striped"),
+                                             ("allgather", "zigzag"),
+                                             ("ulysses", "contiguous")])
+@pytest.mark.parametrize("world", [3, 4])
+def test_emulated_strategies_match_reference(strategy, layout, world):
+    torch.manual_seed(world)
+    seqlen = 8 * world
+    q = torch.randn(1, seqlen, 12, 16)
+    k, v = (torch.randn(1, seqlen, 2, 16) for _ in range(2))
+    ref_out, ref_lse = reference_attention(q, k, v, causal=True, window=(9, 0))
+    pos = [cpattn.positions(seqlen, layout=layout, rank=r, world_size=world) for r in range(world)]
+    outs, lses = cpattn.ring_attention_emulated(
+        [q[:, p] for p in pos], [k[:, p] for p in pos], [v[:, p] for p in pos], causal=True,
+        window=(9, 0), layout=layout, strategy=strategy)
+    for o, lse, p in zip(outs, lses, pos):
+        torch.testing.assert_close(o.double(), ref_out[:, p], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse.double(), ref_lse[:, :, p], atol=2e-5, rtol=2e-5)

@@ -433,15 +433,49 @@ def ring_attention_emulated(
     layout: str = "zigzag",
     softmax_scale: Optional[float] = None,
     window: tuple[int, int] = (-1, -1),
+    strategy: str = "ring",
 ) -> tuple[list, list]:
-    """The ring on W ranks emulated in this process (one thread each); lists hold one shard per
-    rank. Returns (outs, lses). Forward only; for tests and single-device experiments."""
-    from cpattn.attention import _check_window
+    """W ranks emulated in this process; lists hold one shard per rank. Returns (outs, lses).
+
+    strategy "ring": one thread per rank exchanging K/V through an in-process mailbox (the same
+    driver as real ranks, bitwise the same results). "allgather": every rank's steps against
+    the stacked shards. "ulysses" (contiguous layout): the all-to-alls done by concatenation.
+    Forward only; for tests and single-device experiments.
+    """
+    from cpattn.attention import _check_window, attention
 
     window = _check_window(window)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q[0].shape[-1])
-    outs, lses = torch.ops.cpattn.ring_fwd_emulated(
-        q, k, v, float(softmax_scale), bool(causal), window[0], window[1], _layout_code(layout)
-    )
-    return list(outs), list(lses)
+    args = (float(softmax_scale), bool(causal), window[0], window[1])
+    if strategy == "ring":
+        outs, lses = torch.ops.cpattn.ring_fwd_emulated(q, k, v, *args, _layout_code(layout))
+        return list(outs), list(lses)
+    world = len(q)
+    if strategy == "allgather":
+        kv_all = torch.stack([torch.stack([kr, vr]) for kr, vr in zip(k, v)])
+        results = [torch.ops.cpattn.gathered_fwd(q[r], kv_all, r, *args, _layout_code(layout))
+                   for r in range(world)]
+        return [o for o, _ in results], [lse for _, lse in results]
+    if strategy == "ulysses":
+        from cpattn.ulysses import _kv_heads_for_ranks
+
+        full_q, full_k, full_v = (torch.cat(t, dim=1) for t in (q, k, v))
+        heads = full_q.shape[2]
+        idx = _kv_heads_for_ranks(heads, full_k.shape[2], world)
+        if idx is not None:
+            full_k, full_v = full_k[:, :, idx], full_v[:, :, idx]
+        per_rank, kv_per_rank = heads // world, full_k.shape[2] // world
+        outs, lses = [], []
+        for r in range(world):  # rank r: all tokens, its heads
+            qh = slice(r * per_rank, (r + 1) * per_rank)
+            kh = slice(r * kv_per_rank, (r + 1) * kv_per_rank)
+            out, lse = attention(full_q[:, :, qh], full_k[:, :, kh], full_v[:, :, kh],
+                                 causal=causal, softmax_scale=softmax_scale, window=window,
+                                 return_lse=True)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=1)
+        return list(out.chunk(world, dim=1)), list(lse.chunk(world, dim=2))
+    raise ValueError(f"cpattn: emulated strategy must be ring, allgather or ulysses, got "
+                     f"{strategy!r}")
