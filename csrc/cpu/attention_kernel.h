@@ -142,7 +142,7 @@ struct BwdScratch {
 // One key block of one kv head: dK and dV of the block in full, and its dQ contributions for
 // every query head of the group (dQ rows of these heads are touched by this task only).
 inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
-                               BwdScratch& s) {
+                               float* dq_base, BwdScratch& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -163,7 +163,7 @@ inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_
       if (kind == BlockKind::kEmpty) continue;
       const float* q = p.q + (row_base + r0) * dp;
       const float* dout = p.dout + (row_base + r0) * dp;
-      float* dq = p.dq + (row_base + r0) * dp;
+      float* dq = dq_base + (row_base + r0) * dp;
       for (int64_t i = 0; i < kBlockQ; ++i) {
         // Padded rows get reference +inf: their probabilities, hence all their terms, are 0.
         reference[i] = i < rows ? backward_reference(p.lse[row_base + r0 + i])
@@ -205,22 +205,49 @@ inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_
   }
 }
 
+// How many ranges the key blocks of each (batch, kv head) are split into. Without a split a task
+// per (batch, kv head) owns the dQ rows of its query heads; with few such pairs (small batch,
+// MQA) that leaves threads idle, so each range then accumulates dQ into a buffer of its own,
+// summed afterwards in a fixed order. The choice depends on the shape only, never on the thread
+// count, so results are the same bits with any number of threads.
+inline int64_t key_splits(const AttnShape& sh, int64_t k_blocks) {
+  constexpr int64_t kTargetTasks = 8;
+  constexpr int64_t kMaxExtraBytes = int64_t{256} << 20;
+  const int64_t pairs = sh.batch * sh.kv_heads;
+  const int64_t dq_bytes = sh.batch * sh.heads * sh.seqlen_q * sh.head_dim_padded * 4;
+  int64_t splits = std::min((kTargetTasks + pairs - 1) / pairs, k_blocks);
+  while (splits > 1 && (splits - 1) * dq_bytes > kMaxExtraBytes) --splits;
+  return std::max<int64_t>(splits, 1);
+}
+
 inline void attention_bwd_impl(const BwdParams& p) {
   const AttnShape& sh = p.shape;
+  const int64_t dp = sh.head_dim_padded;
   const int64_t k_blocks = (sh.seqlen_k + kBlockK - 1) / kBlockK;
-  // One task per (batch, kv head): it owns the dQ rows of its query heads, so no two tasks
-  // write the same element and the result is deterministic.
-  at::parallel_for(0, sh.batch * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    BwdScratch scratch(sh.head_dim_padded);
+  const int64_t splits = key_splits(sh, k_blocks);
+  const int64_t dq_elems = sh.batch * sh.heads * sh.seqlen_q * dp;
+  std::unique_ptr<float[]> extra_dq(splits > 1 ? new float[(splits - 1) * dq_elems]() : nullptr);
+  auto dq_of_split = [&](int64_t split) {
+    return split == 0 ? p.dq : extra_dq.get() + (split - 1) * dq_elems;
+  };
+  const int64_t tasks = sh.batch * sh.kv_heads * splits;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    BwdScratch scratch(dp);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / sh.kv_heads, hk = t % sh.kv_heads;
-      for (int64_t kb = 0; kb < k_blocks; ++kb) backward_key_block(p, b, hk, kb * kBlockK, scratch);
-      const int64_t dp = sh.head_dim_padded;
-      for (int64_t h = hk * sh.group_size(); h < (hk + 1) * sh.group_size(); ++h) {
-        float* dq = p.dq + (b * sh.heads + h) * sh.seqlen_q * dp;
-        for (int64_t e = 0; e < sh.seqlen_q * dp; ++e) dq[e] *= p.softmax_scale;
-      }
+      const int64_t split = t % splits, pair = t / splits;
+      const int64_t b = pair / sh.kv_heads, hk = pair % sh.kv_heads;
+      const int64_t kb_begin = k_blocks * split / splits, kb_end = k_blocks * (split + 1) / splits;
+      for (int64_t kb = kb_begin; kb < kb_end; ++kb)
+        backward_key_block(p, b, hk, kb * kBlockK, dq_of_split(split), scratch);
     }
+  });
+  // dQ = softmax_scale * (sum of the splits' dQ, in split order)
+  at::parallel_for(0, dq_elems, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t split = 1; split < splits; ++split) {
+      const float* src = dq_of_split(split);
+      for (int64_t e = begin; e < end; ++e) p.dq[e] += src[e];
+    }
+    for (int64_t e = begin; e < end; ++e) p.dq[e] *= p.softmax_scale;
   });
 }
 
