@@ -42,6 +42,55 @@ inline void apply_mask(const Mask& mask, int64_t r0, int64_t rows, int64_t c0, i
   }
 }
 
+// The online-softmax part of a forward step: st holds one key block's base-2 scores (cols keys x
+// kBlockQ queries); they become probabilities in place, the row states take the block, and the
+// accumulator rows (rows x dp) are rescaled where a row's maximum grew.
+inline void softmax_block(float* st, int64_t cols, int64_t rows, int64_t dp,
+                          OnlineSoftmaxRow* state, float* acc) {
+  alignas(64) float factor[kBlockQ], reference[kBlockQ], block_max[kBlockQ], block_sum[kBlockQ];
+  for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+    vfloat mx = broadcast(neg_inf());
+    for (int64_t c = 0; c < cols; ++c) mx = vmax(mx, load(st + c * kBlockQ + i));
+    store(block_max + i, mx);
+  }
+  for (int64_t i = 0; i < kBlockQ; ++i) {
+    factor[i] = state[i].rescale_for_block_max(block_max[i]);
+    reference[i] = state[i].reference();
+  }
+  for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+    const vfloat ref = load(reference + i);
+    vfloat sum{};
+    for (int64_t c = 0; c < cols; ++c) {
+      const vfloat pr = exp2(load(st + c * kBlockQ + i) - ref);
+      store(st + c * kBlockQ + i, pr);
+      sum += pr;
+    }
+    store(block_sum + i, sum);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    state[i].sum += block_sum[i];
+    if (factor[i] != 1.f) {
+      const vfloat f = broadcast(factor[i]);
+      float* row = acc + i * dp;
+      for (int64_t d = 0; d < dp; d += kLanes) store(row + d, load(row + d) * f);
+    }
+  }
+}
+
+// Normalises the accumulator rows of query block r0 and writes out and lse.
+inline void write_output(const FwdParams& p, int64_t b, int64_t h, int64_t r0, int64_t rows,
+                         const OnlineSoftmaxRow* state, const float* acc) {
+  const AttnShape& sh = p.shape;
+  for (int64_t i = 0; i < rows; ++i) {
+    const float inv = state[i].inv_sum();
+    float* dst =
+        p.out + b * p.out_strides.batch + (r0 + i) * p.out_strides.seq + h * p.out_strides.head;
+    const float* src = acc + i * sh.head_dim_padded;
+    for (int64_t d = 0; d < sh.head_dim; ++d) dst[d] = src[d] * inv;
+    p.lse[(b * sh.heads + h) * sh.seqlen_q + r0 + i] = state[i].lse();
+  }
+}
+
 struct FwdScratch {
   std::unique_ptr<float[]> qt, st, acc;
   explicit FwdScratch(int64_t dp)
@@ -61,7 +110,6 @@ inline void forward_block(const FwdParams& p, int64_t b, int64_t h, int64_t qb, 
   pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, s.qt.get());
   std::fill(s.acc.get(), s.acc.get() + kBlockQ * dp, 0.f);
   OnlineSoftmaxRow state[kBlockQ];
-  alignas(64) float factor[kBlockQ], reference[kBlockQ], block_max[kBlockQ], block_sum[kBlockQ];
 
   // Only the key blocks that some row of this query block can see.
   const PosRange keys = p.mask.key_span(r0, r0 + rows, sh.seqlen_k);
@@ -72,45 +120,11 @@ inline void forward_block(const FwdParams& p, int64_t b, int64_t h, int64_t qb, 
     float* st = s.st.get();
     gemm(cols, kBlockQ, dp, k + c0 * dp, dp, 1, s.qt.get(), kBlockQ, st, kBlockQ, false);
     if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-
-    for (int64_t i = 0; i < kBlockQ; i += kLanes) {
-      vfloat mx = broadcast(neg_inf());
-      for (int64_t c = 0; c < cols; ++c) mx = vmax(mx, load(st + c * kBlockQ + i));
-      store(block_max + i, mx);
-    }
-    for (int64_t i = 0; i < kBlockQ; ++i) {
-      factor[i] = state[i].rescale_for_block_max(block_max[i]);
-      reference[i] = state[i].reference();
-    }
-    for (int64_t i = 0; i < kBlockQ; i += kLanes) {
-      const vfloat ref = load(reference + i);
-      vfloat sum{};
-      for (int64_t c = 0; c < cols; ++c) {
-        const vfloat pr = exp2(load(st + c * kBlockQ + i) - ref);
-        store(st + c * kBlockQ + i, pr);
-        sum += pr;
-      }
-      store(block_sum + i, sum);
-    }
-    for (int64_t i = 0; i < rows; ++i) {
-      state[i].sum += block_sum[i];
-      if (factor[i] != 1.f) {
-        const vfloat f = broadcast(factor[i]);
-        float* row = s.acc.get() + i * dp;
-        for (int64_t d = 0; d < dp; d += kLanes) store(row + d, load(row + d) * f);
-      }
-    }
+    softmax_block(st, cols, rows, dp, state, s.acc.get());
     // O[rows x Dp] += P[rows x cols] V[cols x Dp], P read from st transposed.
     gemm(rows, dp, cols, st, 1, kBlockQ, v + c0 * dp, dp, s.acc.get(), dp, true);
   }
-
-  for (int64_t i = 0; i < rows; ++i) {
-    const float inv = state[i].inv_sum();
-    float* dst = p.out + b * p.out_strides.batch + (r0 + i) * p.out_strides.seq + h * p.out_strides.head;
-    const float* src = s.acc.get() + i * dp;
-    for (int64_t d = 0; d < sh.head_dim; ++d) dst[d] = src[d] * inv;
-    p.lse[(b * sh.heads + h) * sh.seqlen_q + r0 + i] = state[i].lse();
-  }
+  write_output(p, b, h, r0, rows, state, s.acc.get());
 }
 
 inline void attention_fwd_impl(const FwdParams& p) {
