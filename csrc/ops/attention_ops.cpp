@@ -82,9 +82,9 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   return s;
 }
 
-// (B, S, H, D) any dtype -> (B, H, S, Dp) fp32 contiguous, zero beyond D.
-at::Tensor pack(const at::Tensor& t, int64_t dp) {
-  at::Tensor p = t.to(at::kFloat).transpose(1, 2);
+// (B, S, H, D) any dtype -> (B, H, S, Dp) contiguous in `dtype`, zero beyond D.
+at::Tensor pack(const at::Tensor& t, int64_t dp, at::ScalarType dtype = at::kFloat) {
+  at::Tensor p = t.to(dtype).transpose(1, 2);
   if (dp != t.size(3)) p = at::constant_pad_nd(p, {0, dp - t.size(3)}, 0.0);
   return p.contiguous();
 }
@@ -116,17 +116,32 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
   TORCH_CHECK(is_float_type(dtype), "cpattn: out_dtype must be float32, bfloat16 or float16, got ",
               dtype);
 
-  const at::Tensor qp = pack(q, s.head_dim_padded), kp = pack(k, s.head_dim_padded),
-                   vp = pack(v, s.head_dim_padded);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor out = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, f32);
   at::Tensor lse = new_output({s.batch, s.heads, s.seqlen_q}, f32);
 
   FwdParams p;
   p.shape = s;
-  p.q = qp.data_ptr<float>();
-  p.k = kp.data_ptr<float>();
-  p.v = vp.data_ptr<float>();
+  at::Tensor qp, kp, vp;
+  if (q.scalar_type() == at::kBFloat16 && cpu::has_bf16_dot()) {
+    // bf16 dot products: operands stay bf16; V gets its key pairs interleaved.
+    const int64_t dp = s.head_dim_padded;
+    qp = pack(q, dp, at::kBFloat16);
+    kp = pack(k, dp, at::kBFloat16);
+    at::Tensor vt = pack(v, dp, at::kBFloat16);
+    if (s.seqlen_k % 2) vt = at::constant_pad_nd(vt, {0, 0, 0, 1}, 0.0);
+    vp = vt.view({s.batch, s.kv_heads, vt.size(2) / 2, 2, dp}).transpose(3, 4).contiguous();
+    p.q16 = reinterpret_cast<const uint16_t*>(qp.data_ptr<at::BFloat16>());
+    p.k16 = reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>());
+    p.v16 = reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>());
+  } else {
+    qp = pack(q, s.head_dim_padded);
+    kp = pack(k, s.head_dim_padded);
+    vp = pack(v, s.head_dim_padded);
+    p.q = qp.data_ptr<float>();
+    p.k = kp.data_ptr<float>();
+    p.v = vp.data_ptr<float>();
+  }
   p.out = out.data_ptr<float>();
   p.out_strides = strides_of(out);
   p.lse = lse.data_ptr<float>();
