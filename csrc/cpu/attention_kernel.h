@@ -153,6 +153,20 @@ struct BwdScratch {
         dv(new float[kBlockK * dp]) {}
 };
 
+// Writes a key block's dK (scaled by the softmax scale) and dV, (cols x Dp) fp32 each.
+inline void write_key_block_grads(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
+                                  int64_t cols, const float* dk, const float* dv) {
+  const BshdStrides& o = p.dkv_strides;
+  const int64_t dp = p.shape.head_dim_padded;
+  for (int64_t c = 0; c < cols; ++c) {
+    const int64_t offset = b * o.batch + (c0 + c) * o.seq + hk * o.head;
+    for (int64_t d = 0; d < p.shape.head_dim; ++d) {
+      p.dk[offset + d] = dk[c * dp + d] * p.softmax_scale;
+      p.dv[offset + d] = dv[c * dp + d];
+    }
+  }
+}
+
 // One key block of one kv head: dK and dV of the block in full, and its dQ contributions for
 // every query head of the group (dQ rows of these heads are touched by this task only).
 inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
@@ -209,14 +223,7 @@ inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_
     }
   }
 
-  const BshdStrides& o = p.dkv_strides;
-  for (int64_t c = 0; c < cols; ++c) {
-    const int64_t offset = b * o.batch + (c0 + c) * o.seq + hk * o.head;
-    for (int64_t d = 0; d < sh.head_dim; ++d) {
-      p.dk[offset + d] = s.dk[c * dp + d] * p.softmax_scale;
-      p.dv[offset + d] = s.dv[c * dp + d];
-    }
-  }
+  write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
 }
 
 // How many ranges the key blocks of each (batch, kv head) are split into. Without a split a task
@@ -234,7 +241,11 @@ inline int64_t key_splits(const AttnShape& sh, int64_t k_blocks) {
   return std::max<int64_t>(splits, 1);
 }
 
-inline void attention_bwd_impl(const BwdParams& p) {
+// Runs the backward tasks: body(b, hk, kb_begin, kb_end, dq_base, scratch) computes the key
+// blocks [kb_begin, kb_end) of (batch b, kv head hk), adding dQ at dq_base; then the splits' dQ
+// are summed in order and scaled. One Scratch per parallel chunk.
+template <typename Scratch, typename Body>
+inline void run_backward(const BwdParams& p, Body&& body) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded;
   const int64_t k_blocks = (sh.seqlen_k + kBlockK - 1) / kBlockK;
@@ -244,15 +255,12 @@ inline void attention_bwd_impl(const BwdParams& p) {
   auto dq_of_split = [&](int64_t split) {
     return split == 0 ? p.dq : extra_dq.get() + (split - 1) * dq_elems;
   };
-  const int64_t tasks = sh.batch * sh.kv_heads * splits;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    BwdScratch scratch(dp);
+  at::parallel_for(0, sh.batch * sh.kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(dp);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t split = t % splits, pair = t / splits;
-      const int64_t b = pair / sh.kv_heads, hk = pair % sh.kv_heads;
-      const int64_t kb_begin = k_blocks * split / splits, kb_end = k_blocks * (split + 1) / splits;
-      for (int64_t kb = kb_begin; kb < kb_end; ++kb)
-        backward_key_block(p, b, hk, kb * kBlockK, dq_of_split(split), scratch);
+      body(pair / sh.kv_heads, pair % sh.kv_heads, k_blocks * split / splits,
+           k_blocks * (split + 1) / splits, dq_of_split(split), scratch);
     }
   });
   // dQ = softmax_scale * (sum of the splits' dQ, in split order)
@@ -262,6 +270,14 @@ inline void attention_bwd_impl(const BwdParams& p) {
       for (int64_t e = begin; e < end; ++e) p.dq[e] += src[e];
     }
     for (int64_t e = begin; e < end; ++e) p.dq[e] *= p.softmax_scale;
+  });
+}
+
+inline void attention_bwd_impl(const BwdParams& p) {
+  run_backward<BwdScratch>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
+                                  float* dq_base, BwdScratch& scratch) {
+    for (int64_t kb = kb_begin; kb < kb_end; ++kb)
+      backward_key_block(p, b, hk, kb * kBlockK, dq_base, scratch);
   });
 }
 

@@ -1,4 +1,4 @@
-// Forward attention on bf16 operands with AVX-512 bf16 dot products (vdpbf16ps: each fp32 lane
+// Forward and backward attention on bf16 operands with AVX-512 bf16 dot products (vdpbf16ps: each fp32 lane
 // adds the products of one pair of bf16 values), fp32 accumulation. Same algorithm and online
 // softmax as the fp32 kernel (attention_kernel.h); only the two products differ:
 //   S^T = K Q^T  with Q^T packed per query block as (d pairs) x queries x 2,
@@ -170,6 +170,113 @@ inline void attention_fwd_bf16_impl(const FwdParams& p) {
       const int64_t b = t / (q_blocks * sh.heads);
       forward_block_bf16(p, b, h, qb, scratch);
     }
+  });
+}
+
+// rows[(i / 2) * 2 dp + 2 d + i % 2] = x[i][d]: a block of rows as row pairs (the reduction dim
+// of P^T dO and dS^T Q); an odd count is completed by a zero row.
+inline void pack_row_pairs(const uint16_t* x, int64_t rows, int64_t dp, uint16_t* out) {
+  std::fill(out, out + (rows + 1) / 2 * 2 * dp, uint16_t{0});
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t d = 0; d < dp; ++d) out[(i / 2) * 2 * dp + 2 * d + i % 2] = x[i * dp + d];
+}
+
+// bf16 copy of an fp32 (cols x kBlockQ) block, same layout (pairs along the queries).
+inline void to_bf16(const float* x, int64_t cols, uint16_t* out) {
+  for (int64_t e = 0; e < cols * kBlockQ; e += kLanes)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + e)));
+}
+
+struct BwdScratchBf16 {
+  std::unique_ptr<uint16_t[]> qt, dot, q_rows, do_rows, p16, ds16, ds_pairs;
+  std::unique_ptr<float[]> st, dpt, dk, dv;
+  explicit BwdScratchBf16(int64_t dp)
+      : qt(new uint16_t[dp * kBlockQ]),
+        dot(new uint16_t[dp * kBlockQ]),
+        q_rows(new uint16_t[dp * kBlockQ]),
+        do_rows(new uint16_t[dp * kBlockQ]),
+        p16(new uint16_t[kBlockK * kBlockQ]),
+        ds16(new uint16_t[kBlockK * kBlockQ]),
+        ds_pairs(new uint16_t[(kBlockK + 1) * kBlockQ]),
+        st(new float[kBlockK * kBlockQ]),
+        dpt(new float[kBlockK * kBlockQ]),
+        dk(new float[kBlockK * dp]),
+        dv(new float[kBlockK * dp]) {}
+};
+
+// backward_key_block (attention_kernel.h) with the five products on bf16 operands.
+inline void backward_key_block_bf16(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
+                                    float* dq_base, BwdScratchBf16& s) {
+  const AttnShape& sh = p.shape;
+  const int64_t dp = sh.head_dim_padded;
+  const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
+  const int64_t key_pairs = (sh.seqlen_k + 1) / 2;
+  const uint16_t* k = p.k16 + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
+  const uint16_t* v = p.v16 + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
+  const uint16_t* k_pairs = p.k16_pairs + ((b * sh.kv_heads + hk) * key_pairs + c0 / 2) * dp * 2;
+  std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
+  std::fill(s.dv.get(), s.dv.get() + kBlockK * dp, 0.f);
+  alignas(64) float reference[kBlockQ], delta[kBlockQ];
+  const vfloat scale = broadcast(p.softmax_scale * kLog2e);
+
+  const PosRange queries = p.mask.query_span(c0, c0 + cols, sh.seqlen_q);
+  for (int64_t h = hk * sh.group_size(); h < (hk + 1) * sh.group_size(); ++h) {
+    const int64_t row_base = (b * sh.heads + h) * sh.seqlen_q;
+    for (int64_t r0 = queries.first / kBlockQ * kBlockQ; r0 <= queries.last; r0 += kBlockQ) {
+      const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
+      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
+      if (kind == BlockKind::kEmpty) continue;
+      const uint16_t* q = p.q16 + (row_base + r0) * dp;
+      const uint16_t* dout = p.dout16 + (row_base + r0) * dp;
+      float* dq = dq_base + (row_base + r0) * dp;
+      for (int64_t i = 0; i < kBlockQ; ++i) {
+        reference[i] = i < rows ? backward_reference(p.lse[row_base + r0 + i])
+                                : std::numeric_limits<float>::infinity();
+        delta[i] = i < rows ? p.delta[row_base + r0 + i] : 0.f;
+      }
+      pack_pairs_transposed(q, rows, dp, s.qt.get());
+      pack_pairs_transposed(dout, rows, dp, s.dot.get());
+      pack_row_pairs(q, rows, dp, s.q_rows.get());
+      pack_row_pairs(dout, rows, dp, s.do_rows.get());
+      const int64_t row_pairs = (rows + 1) / 2;
+      float* st = s.st.get();
+      float* dpt = s.dpt.get();
+
+      // P^T = exp2(scale K Q^T - lse)
+      gemm_bf16(cols, kBlockQ, dp / 2, k, dp, 2, s.qt.get(), 2 * kBlockQ, st, kBlockQ, false);
+      for (int64_t e = 0; e < cols * kBlockQ; e += kLanes) store(st + e, load(st + e) * scale);
+      if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+      for (int64_t c = 0; c < cols; ++c)
+        for (int64_t i = 0; i < kBlockQ; i += kLanes)
+          store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
+      // dV += P^T dO
+      to_bf16(st, cols, s.p16.get());
+      gemm_bf16(cols, dp, row_pairs, s.p16.get(), kBlockQ, 2, s.do_rows.get(), 2 * dp,
+                s.dv.get(), dp, true);
+      // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
+      gemm_bf16(cols, kBlockQ, dp / 2, v, dp, 2, s.dot.get(), 2 * kBlockQ, dpt, kBlockQ, false);
+      for (int64_t c = 0; c < cols; ++c)
+        for (int64_t i = 0; i < kBlockQ; i += kLanes)
+          store(dpt + c * kBlockQ + i,
+                load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
+      // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
+      to_bf16(dpt, cols, s.ds16.get());
+      gemm_bf16(cols, dp, row_pairs, s.ds16.get(), kBlockQ, 2, s.q_rows.get(), 2 * dp,
+                s.dk.get(), dp, true);
+      pack_probabilities(dpt, cols, s.ds_pairs.get());
+      gemm_bf16(rows, dp, (cols + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp, dq,
+                dp, true);
+    }
+  }
+  write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
+}
+
+inline void attention_bwd_bf16_impl(const BwdParams& p) {
+  run_backward<BwdScratchBf16>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
+                                      float* dq_base, BwdScratchBf16& scratch) {
+    for (int64_t kb = kb_begin; kb < kb_end; ++kb)
+      backward_key_block_bf16(p, b, hk, kb * kBlockK, dq_base, scratch);
   });
 }
 

@@ -61,6 +61,14 @@ struct BwdParams {
   BshdStrides dkv_strides;
   float softmax_scale = 1.f;
   Mask mask;
+  // bf16 operands instead of q/k/v/dout (cpu::has_bf16_dot()): q16 and dout16 (B, H, Sq, Dp),
+  // k16 and v16 (B, Hkv, Sk, Dp), and K again with key pairs interleaved, k16_pairs
+  // (B, Hkv, ceil(Sk / 2), Dp, 2), for dQ = dS K.
+  const uint16_t* q16 = nullptr;
+  const uint16_t* dout16 = nullptr;
+  const uint16_t* k16 = nullptr;
+  const uint16_t* v16 = nullptr;
+  const uint16_t* k16_pairs = nullptr;
 };
 
 }  // namespace cpattn
