@@ -71,7 +71,7 @@ RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_
 
 std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, comm::Transport& transport,
-                                                const RingOptions& o) {
+                                                const RingOptions& o, const ShardVisitor& visit) {
   const int64_t world = transport.world(), rank = transport.rank();
   check_ring_args(q, k, o);
   const int64_t seqlen = q.size(1) * world;
@@ -92,6 +92,7 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
     if (step + 1 < world) pending = transport.shift(cur, kv[(step + 1) % 2], step);
     const auto compute_start = Clock::now();
     const StepPlan plan = plan_step(o.layout, seqlen, world, rank, step, mask);
+    if (visit) visit(plan.source, cur);
     for (int i = 0; i < plan.count; ++i) {
       const SubProblem& sp = plan.items[i];
       auto [part_out, part_lse] = attention_fwd(
@@ -105,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
     if (pending) pending->wait();
     stats.wait_s += seconds_since(wait_start);
   }
-  return {out.to(q.scalar_type()), lse};
+  return {out.to(o.out_dtype.value_or(q.scalar_type())), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
