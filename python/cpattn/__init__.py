@@ -11,6 +11,13 @@ _C = _load_extension()
 from cpattn import _ops  # noqa: E402  (registers fake kernels and autograd for the ops)
 from cpattn.attention import attention, merge_state_  # noqa: E402
 from cpattn.ring import positions, ring_attention, ring_attention_emulated, shard, unshard  # noqa: E402,E501
+from cpattn.inference import (  # noqa: E402
+    KVCacheShard,
+    chunk_positions,
+    decode_attention,
+    merge_attention_states,
+    prefill_attention,
+)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -22,6 +29,11 @@ __all__ = [
     "unshard",
     "positions",
     "build_info",
+    "KVCacheShard",
+    "prefill_attention",
+    "decode_attention",
+    "merge_attention_states",
+    "chunk_positions",
 ]
 
 
