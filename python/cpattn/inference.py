@@ -85,6 +85,7 @@ class KVCacheShard:
         self.k = torch.zeros(batch, slots, kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.lengths = torch.zeros(batch, dtype=torch.int64)
+        self._first = 0  # index of sequence 0 in the full cache (views of sequences)
 
     @property
     def batch(self) -> int:
@@ -138,6 +139,7 @@ class KVCacheShard:
         view.__dict__.update(self.__dict__)
         view.k, view.v = self.k[start:stop], self.v[start:stop]
         view.lengths = self.lengths[start:stop]
+        view._first = self._first + start
         return view
 
     def clear(self) -> None:
@@ -151,7 +153,8 @@ class KVCacheShard:
         if over:
             b = over[0]
             raise ValueError(
-                f"{what}: KV cache capacity exceeded: sequence {b} holds {int(self.lengths[b])} "
+                f"{what}: KV cache capacity exceeded: sequence {self._first + b} holds "
+                f"{int(self.lengths[b])} "
                 f"tokens, {tokens} more would exceed the capacity of {self.capacity}"
             )
 
@@ -449,7 +452,8 @@ def decode_attention(
     short = (cache.lengths < sq).nonzero().flatten().tolist()
     if short:
         raise ValueError(
-            f"{what}: sequence {short[0]} holds {int(cache.lengths[short[0]])} tokens, fewer than "
+            f"{what}: sequence {cache._first + short[0]} holds {int(cache.lengths[short[0]])} "
+            f"tokens, fewer than "
             f"the {sq} queries: append the new tokens' K/V (cache.append) before attending"
         )
     if comm == "reduce_scatter" and h % world != 0:
