@@ -238,7 +238,8 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
               k_cache.scalar_type(), ", got ", q.scalar_type());
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
               "cpattn: softmax_scale must be finite and positive, got ", softmax_scale);
-  const int64_t B = q.size(0), Sq = q.size(1), H = q.size(2);
+  const int64_t B = q.size(0), Sq = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t Hkv = k_cache.size(2), group = H / Hkv;
   const std::vector<int64_t> lens = per_sequence(cache_lens, B, "cache_lens");
   const std::vector<int64_t> first = per_sequence(q_start, B, "q_start");
   for (int64_t b = 0; b < B; ++b)
@@ -246,7 +247,7 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
                 " is more than the cache shards hold (", s.max_tokens(k_cache.size(1)), ")");
 
   const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor out = at::zeros({B, Sq, H, q.size(3)}, f32);
+  at::Tensor out = at::zeros({B, Sq, H, D}, f32);
   at::Tensor lse = at::full({B, H, Sq}, -INFINITY, f32);
   Mask rule;
   rule.causal = causal;
@@ -257,6 +258,20 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
       const at::Tensor kb = k_cache.narrow(0, b, 1).narrow(1, sp.slot_begin, n);
       const at::Tensor vb = v_cache.narrow(0, b, 1).narrow(1, sp.slot_begin, n);
       const Mask& m = sp.mask;
+      const bool plain = !m.causal && m.window_left < 0 && m.window_right < 0;
+      if (plain && group > 1) {
+        // Every query sees every key of this span, so positions do not matter and the G query
+        // heads that share a KV head can go in as G x Sq rows of one head: the kernel tiles 64
+        // query rows, and a decode step has only Sq per head.
+        const at::Tensor qf = qb.reshape({1, Sq, Hkv, group, D}).transpose(2, 3).reshape(
+            {1, Sq * group, Hkv, D});
+        auto [part_out, part_lse] = attention_fwd(qf, kb, vb, softmax_scale, false, -1, -1, 0, 0,
+                                                  at::kFloat);
+        merge_into(ob, lb,
+                   part_out.view({1, Sq, group, Hkv, D}).transpose(2, 3).reshape({1, Sq, H, D}),
+                   part_lse.view({1, Hkv, Sq, group}).transpose(2, 3).reshape({1, H, Sq}));
+        return;
+      }
       auto [part_out, part_lse] = attention_fwd(qb, kb, vb, softmax_scale, m.causal, m.window_left,
                                                 m.window_right, m.q_offset, m.k_offset, at::kFloat);
       merge_into(ob, lb, part_out, part_lse);
