@@ -6,7 +6,7 @@ rank per layer vs W and context length, prefill time vs W, KV-cache memory per r
 Each W runs as W spawned processes with one thread each. One attention layer (heads 16, kv heads
 4, head_dim 64, fp32, batch 1) is timed; a model runs it once per layer.
 - decode: cpattn.decode_attention for one new token (its K/V appended first), both comm
-  patterns; "local" is the rank's partial attention alone (torch.ops.cpattn.cache_attention_fwd),
+  patterns, and all_gather with validate=False (no metadata check); "local" is the rank's partial attention alone (torch.ops.cpattn.cache_attention_fwd),
   "check" the metadata all-gather every call makes so that mismatched ranks raise. Bytes sent per
   rank are counted from the message sizes: all_gather forwards W - 1 messages of
   B x Sq x H x (D + 1) fp32 around the ring, reduce_scatter (an all-to-all by heads) sends
@@ -14,7 +14,7 @@ Each W runs as W spawned processes with one thread each. One attention layer (he
 - prefill: cpattn.prefill_attention of a whole prompt in one chunk and in two chunks (chunked
   prefill: the second chunk also attends to the cached first one).
 - memory: the K/V storage a rank allocates (KVCacheShard.nbytes) and its RSS growth.
-Time = max over ranks of the per-rank median.
+Times: max over ranks of the per-rank median (decode also shows the min: a shared machine is noisy).
 """
 
 from __future__ import annotations
@@ -39,17 +39,23 @@ CHECK_FIELDS = 16  # int64 fields of decode_attention's metadata check
 
 
 def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Resident memory now (not the peak: the peak of a long-lived process hides later growth)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _median_time(fn, iters: int) -> float:
+def _times(fn, iters: int) -> list[float]:
     times = []
     for _ in range(iters + 1):  # the first call warms up
         dist.barrier()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return times[1:]
+
+
+def _median_time(fn, iters: int) -> float:
+    return statistics.median(_times(fn, iters))
 
 
 def _worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
@@ -63,6 +69,18 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
     ops = torch.ops.cpattn
     res: dict = {"rank": rank, "decode": {}, "prefill": {}}
 
+    # Memory first, in a fresh process: the RSS growth of allocating and filling the cache.
+    cap = cfg["memory_capacity"]
+    fill = torch.randn(1, 8192, hkv, d)  # made before the first reading: not counted
+    rss0 = _rss_mib()
+    cache = cpattn.KVCacheShard(1, cap, hkv, d)
+    for start in range(0, cap, 8192):
+        n = min(8192, cap - start)
+        cache.append(fill[:, :n], fill[:, :n])
+    res["cache_bytes"] = cache.nbytes
+    res["rss_growth_mib"] = _rss_mib() - rss0
+    del cache
+
     for ctx in cfg["contexts"]:
         gen = torch.Generator().manual_seed(ctx)  # the same tokens on every rank
         cache = cpattn.KVCacheShard(1, ctx + 4 * cfg["iters"] + 8, hkv, d)
@@ -74,20 +92,21 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
         q = torch.randn(1, 1, h, d, generator=gen)
         kv = torch.randn(1, 1, hkv, d, generator=gen)
         row = {}
-        for comm in ("all_gather", "reduce_scatter"):
+        for key, comm, validate in (("all_gather", "all_gather", True),
+                                    ("reduce_scatter", "reduce_scatter", True),
+                                    ("unchecked", "all_gather", False)):
             def decode_step():
                 cache.append(kv, kv)
-                cpattn.decode_attention(q, cache, comm=comm)
+                cpattn.decode_attention(q, cache, comm=comm, validate=validate)
 
-            row[comm] = _median_time(decode_step, cfg["iters"])
+            row[key] = _times(decode_step, cfg["iters"])
         lens = cache.lengths
-        row["local"] = _median_time(lambda: ops.cache_attention_fwd(
+        row["local"] = _times(lambda: ops.cache_attention_fwd(
             q, cache.k, cache.v, lens, lens - 1, rank, world, 1, d ** -0.5, True, torch.float32),
             cfg["iters"])
         group = dist.group.WORLD
         fields = {**_cache_fields(cache, rank), **{f"q{i}": 0 for i in range(CHECK_FIELDS - 9)}}
-        row["check"] = _median_time(lambda: _agree(group, world, fields, 60, "bench"),
-                                    cfg["iters"])
+        row["check"] = _times(lambda: _agree(group, world, fields, 60, "bench"), cfg["iters"])
         res["decode"][ctx] = row
         del cache
 
@@ -97,7 +116,6 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
     for chunks in (1, 2):
         size = s // chunks
         pos = cpattn.positions(size, layout="zigzag")
-        rss0 = _rss_mib()
 
         def prefill():
             cache = cpattn.KVCacheShard(1, s, hkv, d)
@@ -107,9 +125,6 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
             return cache
 
         res["prefill"][chunks] = _median_time(prefill, cfg["prefill_iters"])
-        if chunks == 1:
-            res["cache_bytes"] = prefill().nbytes
-            res["rss_growth_mib"] = _rss_mib() - rss0
     queue.put(res)
     dist.destroy_process_group()
 
@@ -140,13 +155,15 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--iters", type=int, default=20, help="timed decode steps")
     parser.add_argument("--prefill-iters", type=int, default=3)
+    parser.add_argument("--memory-capacity", type=int, default=65536,
+                        help="tokens per sequence of the cache whose memory is measured")
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
     args = parser.parse_args()
     import cpattn
 
     cfg = {"contexts": args.contexts, "prompt": args.prompt, "heads": args.heads,
            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "iters": args.iters,
-           "prefill_iters": args.prefill_iters}
+           "prefill_iters": args.prefill_iters, "memory_capacity": args.memory_capacity}
     results = {w: run(w, cfg) for w in args.worlds}
 
     h, hkv, d = args.heads, args.kv_heads, args.head_dim
@@ -160,20 +177,24 @@ def main() -> None:
         lines.append(line)
 
     msg = 1 * 1 * h * (d + 1) * 4
-    emit(f"## Decode step, one layer (ms, max over ranks of the median of {args.iters})")
+    emit(f"## Decode step, one layer: ms, median (min) of {args.iters} steps, max over ranks")
     emit("| context | W | local partial | decode all_gather | decode reduce_scatter | "
-         "metadata check | bytes sent per rank: all_gather / reduce_scatter (+ check) |")
-    emit("|---|---|---|---|---|---|---|")
+         "metadata check | all_gather, validate=False | bytes sent per rank: all_gather / "
+         "reduce_scatter (+ check) |")
+    emit("|---|---|---|---|---|---|---|---|")
     for ctx in args.contexts:
         for w in args.worlds:
             rows = [r["decode"][ctx] for r in results[w]]
 
-            def worst(key: str) -> float:
-                return 1e3 * max(r[key] for r in rows)
+            def cell(key: str) -> str:
+                med = 1e3 * max(statistics.median(r[key]) for r in rows)
+                best = 1e3 * max(min(r[key]) for r in rows)
+                return f"{med:.2f} ({best:.2f})"
 
             check_bytes = (w - 1) * CHECK_FIELDS * 8
-            emit(f"| {ctx} | {w} | {worst('local'):.2f} | {worst('all_gather'):.2f} | "
-                 f"{worst('reduce_scatter'):.2f} | {worst('check'):.2f} | {(w - 1) * msg} / "
+            emit(f"| {ctx} | {w} | {cell('local')} | {cell('all_gather')} | "
+                 f"{cell('reduce_scatter')} | {cell('check')} | {cell('unchecked')} | "
+                 f"{(w - 1) * msg} / "
                  f"{(w - 1) * msg // w} (+ {check_bytes}) |")
 
     emit()
@@ -188,9 +209,9 @@ def main() -> None:
         emit(f"| {w} | {one:.3f} | {two:.3f} | {base / one:.2f}x |")
 
     emit()
-    emit(f"## KV-cache memory per rank, capacity {args.prompt} tokens, one layer")
-    emit("| W | K/V storage per rank (MiB) | ratio to W=1 | RSS growth per rank over a "
-         "prefill (MiB, max over ranks) |")
+    emit(f"## KV-cache memory per rank, capacity {args.memory_capacity} tokens, one layer")
+    emit("| W | K/V storage per rank (MiB) | ratio to W=1 | RSS growth per rank, allocating and "
+         "filling it (MiB, max over ranks) |")
     emit("|---|---|---|---|")
     first = results[args.worlds[0]][0]["cache_bytes"] * args.worlds[0]
     for w in args.worlds:

@@ -79,6 +79,9 @@ def _check_prefill_decode(rank: int, world: int) -> None:
                                          f"decode out {comm} Sq={sq} seq {b} {what}")
                     assert_close_fp32(lse[b:b + 1], r_lse[:, heads][:, :, rows],
                                       f"decode lse {comm} Sq={sq} seq {b} {what}")
+                unchecked = cpattn.decode_attention(pick[0], cache, comm=comm, validate=False,
+                                                    timeout=TIMEOUT)
+                assert torch.equal(unchecked, out), f"validate=False changes nothing: {what}"
                 if comm == "all_gather":  # replicated: bitwise the same on every rank
                     mine = out.float()
                     gathered = [torch.empty_like(mine) for _ in range(world)]

@@ -205,8 +205,8 @@ def test_queries_after_the_cache_and_non_causal(world: int, interleave: int,
     caches = sharded_caches(k, v, [30, 17], world, interleave, capacity=32)
     lens = torch.tensor([30, 17])
     for causal in (True, False):
-        out, lse, _ = sharded_attention(q, caches, lens if causal else torch.zeros(2, dtype=torch.long),
-                                        causal=causal)
+        q_start = lens if causal else torch.zeros(2, dtype=torch.long)
+        out, lse, _ = sharded_attention(q, caches, q_start, causal=causal)
         for b, n in enumerate([30, 17]):
             r_out, r_lse = reference_attention(q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])
             assert_close_fp32(out[b:b + 1], r_out, f"out causal={causal}")

@@ -29,11 +29,12 @@ CacheSharding checked_sharding(int64_t rank, int64_t world, int64_t interleave) 
 }
 
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  TORCH_CHECK(k_cache.dim() == 4, "cpattn: k_cache must be (batch, slots, kv_heads, head_dim), got ",
-              k_cache.sizes());
+  TORCH_CHECK(k_cache.dim() == 4,
+              "cpattn: k_cache must be (batch, slots, kv_heads, head_dim), got ", k_cache.sizes());
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "cpattn: v_cache must have k_cache's shape ",
               k_cache.sizes(), ", got ", v_cache.sizes());
-  TORCH_CHECK(is_float_type(k_cache.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
+  TORCH_CHECK(is_float_type(k_cache.scalar_type()) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
               "cpattn: k_cache and v_cache must have one dtype, float32, bfloat16 or float16, got ",
               k_cache.scalar_type(), " and ", v_cache.scalar_type());
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(),
@@ -115,8 +116,8 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& outs
   TORCH_CHECK(N >= 1, "cpattn: merge_attention_states needs at least one part");
   const std::vector<int64_t> lse_shape{N, B, H, S};
   TORCH_CHECK(lses.sizes() == at::IntArrayRef(lse_shape),
-              "cpattn: merge_attention_states lses must have shape (parts, batch, heads, seqlen) = ",
-              at::IntArrayRef(lse_shape), ", got ", lses.sizes());
+              "cpattn: merge_attention_states lses must have shape (parts, batch, heads, seqlen) ",
+              "= ", at::IntArrayRef(lse_shape), ", got ", lses.sizes());
   TORCH_CHECK(is_float_type(outs.scalar_type()),
               "cpattn: merge_attention_states outs must be float32, bfloat16 or float16, got ",
               outs.scalar_type());

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     from cpattn._generate_demo import add_arguments as _generate_arguments
 
     _generate_arguments(sub.add_parser(
-        "generate-demo", help="greedy generation on W ranks with a sharded KV cache vs one process"))
+        "generate-demo", help="greedy generation on W ranks with a sharded KV cache"))
     args = parser.parse_args(argv)
     if args.command == "generate-demo":
         from cpattn._generate_demo import generate_demo

@@ -161,13 +161,13 @@ class KVCacheShard:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Appends new tokens to every sequence: k, v (batch, n, kv_heads, head_dim), the same
         on every rank (e.g. a decode step's K/V); only each token's owner stores it."""
-        if k.dim() != 4 or k.shape != v.shape or k.shape[0] != self.batch or k.shape[2:] != (
-            self.k.shape[2:]
+        if k.dim() != 4 or k.shape != v.shape or k.shape[0] != self.batch or (
+            k.shape[2:] != self.k.shape[2:]
         ):
             raise ValueError(
-                f"cpattn.KVCacheShard.append: k and v must be (batch, tokens, kv_heads, head_dim) = "
-                f"({self.batch}, n, {self.kv_heads}, {self.head_dim}), got {tuple(k.shape)} and "
-                f"{tuple(v.shape)}"
+                "cpattn.KVCacheShard.append: k and v must be (batch, tokens, kv_heads, head_dim) "
+                f"= ({self.batch}, n, {self.kv_heads}, {self.head_dim}), got {tuple(k.shape)} "
+                f"and {tuple(v.shape)}"
             )
         self.check_room(k.shape[1], "cpattn.KVCacheShard.append")
         ops.cache_store_(self.k, self.v, k.to(self.dtype), v.to(self.dtype), self.lengths,
@@ -409,6 +409,7 @@ def decode_attention(
     return_lse: bool = False,
     comm: str = "all_gather",
     timeout: Optional[float] = None,
+    validate: bool = True,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact causal attention of the newest Sq tokens of each sequence over the sharded cache.
 
@@ -428,6 +429,9 @@ def decode_attention(
                 projection. Needs heads % W == 0.
         return_lse: also return the LSE (batch, heads or heads / W, Sq) float32.
         timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT or 300).
+        validate: check with one small all-gather that every rank passes the same shapes,
+            options and cache lengths (a mismatch then raises on every rank). It is a second
+            collective per call; without it a mismatch is a timeout or a wrong result.
 
     The partials travel and merge in float32; out is cast to q's dtype once. Forward only.
     A rank whose shard holds none of a sequence's tokens contributes an empty partial (lse -inf).
@@ -441,11 +445,12 @@ def decode_attention(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     timeout = _default_timeout() if timeout is None else float(timeout)
-    _agree(group, world, {
-        "batch": q.shape[0], "seqlen_q": q.shape[1], "heads": q.shape[2], "head_dim": q.shape[3],
-        "dtype": _DTYPES.get(q.dtype, -1), "comm": COMMS.index(comm),
-        "softmax_scale": _scale_bits(float(softmax_scale)), **_cache_fields(cache, rank),
-    }, timeout, what)
+    if validate:
+        _agree(group, world, {
+            "batch": q.shape[0], "seqlen_q": q.shape[1], "heads": q.shape[2],
+            "head_dim": q.shape[3], "dtype": _DTYPES.get(q.dtype, -1), "comm": COMMS.index(comm),
+            "softmax_scale": _scale_bits(float(softmax_scale)), **_cache_fields(cache, rank),
+        }, timeout, what)
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
     b, sq, h, d = q.shape
