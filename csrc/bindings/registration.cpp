@@ -1,6 +1,7 @@
 // Op schemas (one place) and their CPU / CUDA implementations.
 #include <torch/library.h>
 
+#include "ops/inference.h"
 #include "ops/ops.h"
 #include "ops/ring.h"
 
@@ -72,3 +73,39 @@ TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
 #ifdef CPATTN_WITH_CUDA
 TORCH_LIBRARY_IMPL(cpattn, CUDA, m) { m.impl("merge_state_", &cpattn::ops::merge_state_cuda_); }
 #endif
+
+// Inference over a KV cache sharded across ranks (ops/inference.h).
+TORCH_LIBRARY_FRAGMENT(cpattn, m) {
+  m.def(
+      "merge_attention_states(Tensor outs, Tensor lses, ScalarType? out_dtype=None) -> "
+      "(Tensor out, Tensor lse)");
+  m.def(
+      "merge_attention_states_bwd(Tensor dout, Tensor? dlse, Tensor outs, Tensor lses, "
+      "Tensor lse) -> (Tensor douts, Tensor dlses)");
+  m.def(
+      "cache_store_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor start, "
+      "int rank, int world, int interleave) -> ()");
+  m.def(
+      "cache_attention_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
+      "Tensor q_start, int rank, int world, int interleave, float softmax_scale, bool causal, "
+      "ScalarType? out_dtype=None) -> (Tensor out, Tensor lse)");
+  m.def(
+      "prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor cache_lens, str group_name, float softmax_scale, int layout, int interleave, "
+      "float timeout_s) -> (Tensor out, Tensor lse)");
+  m.def("cache_local_count(int n, int rank, int world, int interleave) -> int");
+  m.def("cache_positions(int n, int rank, int world, int interleave) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
+  m.impl("merge_attention_states", &cpattn::ops::merge_attention_states);
+  m.impl("merge_attention_states_bwd", &cpattn::ops::merge_attention_states_bwd);
+  m.impl("cache_store_", &cpattn::ops::cache_store_);
+  m.impl("cache_attention_fwd", &cpattn::ops::cache_attention_fwd);
+  m.impl("prefill_fwd", &cpattn::ops::prefill_fwd);
+}
+
+TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
+  m.impl("cache_local_count", &cpattn::ops::cache_local_count);
+  m.impl("cache_positions", &cpattn::ops::cache_positions);
+}

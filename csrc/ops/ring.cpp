@@ -142,7 +142,7 @@ void check_local_length(const at::Tensor& q, const RingOptions& o, int64_t world
 
 std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, comm::Transport& transport,
-                                                const RingOptions& o) {
+                                                const RingOptions& o, const ShardVisitor& visit) {
   const int64_t world = transport.world(), rank = transport.rank();
   check_ring_args(q, k, o);
   check_local_length(q, o, world);
@@ -158,13 +158,14 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
     std::unique_ptr<comm::PendingShift> pending;
     if (step + 1 < world) pending = transport.shift(cur, kv[(step + 1) % 2], step);
     const auto compute_start = Clock::now();
+    if (visit) visit(ring_source(rank, step, world), cur);
     forward_step(q, cur, plan(o, q.size(1), world, rank, step), o.softmax_scale, out, lse);
     stats.compute_s += seconds_since(compute_start);
     const auto wait_start = Clock::now();
     if (pending) pending->wait();
     stats.wait_s += seconds_since(wait_start);
   }
-  return {out.to(q.scalar_type()), lse};
+  return {out.to(o.out_dtype.value_or(q.scalar_type())), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(

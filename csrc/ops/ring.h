@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 
+#include <functional>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -22,16 +23,24 @@ struct RingOptions {
   // Empty: one sequence of W * S_local tokens. Otherwise packed documents of these real lengths,
   // each sharded by the layout on its own (plan_step_varlen in cpattn/schedule.h).
   std::vector<int64_t> doc_lengths;
+  // dtype of the returned out (default: q's); float32 keeps a result that is merged further exact.
+  std::optional<at::ScalarType> out_dtype = std::nullopt;
 };
 RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
                               int64_t window_right, int64_t layout,
                               const std::optional<at::Tensor>& doc_lengths);
 
+// Called with each K/V shard the ring brings to this rank: its source rank and kv = stack(k, v)
+// (2, B, S_local, Hkv, D), own shard first. Lets a caller use every shard once (prefill stores the
+// tokens it owns in its KV cache) without sending K/V again.
+using ShardVisitor = std::function<void(int64_t source, const at::Tensor& kv)>;
+
 // q, k, v: this rank's shards (B, S_local, H | Hkv, D) in layout order. Returns this rank's out
-// (q's dtype) and lse (B, H, S_local) fp32.
+// (options.out_dtype, default q's dtype) and lse (B, H, S_local) fp32.
 std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, comm::Transport& transport,
-                                                const RingOptions& options);
+                                                const RingOptions& options,
+                                                const ShardVisitor& visit = {});
 // Gradients of this rank's shards from the global out / lse of its queries (and the gradient
 // dlse flowing into lse, if any).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(

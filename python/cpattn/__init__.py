@@ -30,6 +30,13 @@ from cpattn.ulysses import (  # noqa: E402
     ulysses_attention,
 )
 from cpattn import comm  # noqa: E402
+from cpattn.inference import (  # noqa: E402
+    KVCacheShard,
+    chunk_positions,
+    decode_attention,
+    merge_attention_states,
+    prefill_attention,
+)
 
 __version__ = "0.1.0"
 __all__ = [
@@ -52,6 +59,11 @@ __all__ = [
     "hybrid_unshard",
     "comm",
     "build_info",
+    "KVCacheShard",
+    "prefill_attention",
+    "decode_attention",
+    "merge_attention_states",
+    "chunk_positions",
 ]
 
 
