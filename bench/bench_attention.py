@@ -252,11 +252,31 @@ def gflops(flops: float, seconds: float) -> float:
     return flops / seconds / 1e9
 
 
+_CEILINGS: dict[tuple[torch.dtype, int], float] = {}
+
+
+def gemm_ceiling(dtype: torch.dtype, threads: int, size: int = 2048) -> float:
+    """GFLOP/s of torch.mm (size^3) in this dtype and thread count: the machine's practical
+    ceiling for the matrix products attention is made of. Measured once per (dtype, threads)."""
+    key = (dtype, threads)
+    if key not in _CEILINGS:
+        torch.set_num_threads(threads)
+        a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
+        torch.mm(a, b)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+        _CEILINGS[key] = gflops(2 * size**3, min(times))
+    return _CEILINGS[key]
+
+
 TABLE_HEADER = (
     "| shape BxSxHxD | dtype | threads | causal "
     "| fwd cpattn | fwd sdpa | fwd ratio | bwd cpattn | bwd sdpa | bwd ratio "
-    "| max abs diff fwd / bwd |\n"
-    "|---|---|--:|---|--:|--:|--:|--:|--:|--:|---|"
+    "| GEMM ceiling | cpattn fwd / bwd of ceiling | max abs diff fwd / bwd |\n"
+    "|---|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|---|"
 )
 
 
@@ -268,10 +288,14 @@ def table_row(r: Result) -> str:
     head = f"| {c.shape} | {dtype} | {c.threads} | {'yes' if c.causal else 'no'} "
     if r.fwd_s is None or r.bwd_s is None:
         return head + "| - | - | - | - | - | - | **MISMATCH** " + diff + " |"
-    cells = []
+    cells, ours_both = [], []
     for seconds, flops in ((r.fwd_s, c.fwd_flops), (r.bwd_s, BACKWARD_FLOP_FACTOR * c.fwd_flops)):
         ours, theirs = gflops(flops, seconds["cpattn"]), gflops(flops, seconds["sdpa"])
         cells += [f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}"]
+        ours_both.append(ours)
+    ceiling = gemm_ceiling(c.dtype, c.threads)
+    cells += [f"{ceiling:.0f}",
+              f"{100 * ours_both[0] / ceiling:.0f} % / {100 * ours_both[1] / ceiling:.0f} %"]
     return head + "| " + " | ".join(cells) + f" | {diff} |"
 
 
@@ -291,6 +315,8 @@ def header_lines(args: argparse.Namespace, probe: dict[str, int] | None) -> list
         "- method: forward = one call under no_grad; backward = torch.autograd.grad alone on a "
         + "retained graph (no forward inside the timing); wall clock, median of "
         + f"{args.reps} after {args.warmup} warm-up, cpattn and SDPA interleaved",
+        "- GEMM ceiling: torch.mm 2048^3 GFLOP/s in the row's dtype and thread count, measured "
+        + "in the same run (bf16: bf16 products with fp32 accumulation)",
         "- units: GFLOP/s, flash-attn convention (fwd 4*B*H*S*S*D, halved for causal; bwd 2.5x "
         + "fwd); ratio = cpattn / sdpa (> 1: cpattn faster); B*H is sized so that one forward "
         + f"is about {args.target_gflop} GFLOP",

@@ -74,11 +74,13 @@ def _worker(rank, world, init_file, cfg, queue):
     dist.destroy_process_group()
 
 
-def run(world: int, cfg: dict) -> list:
+def run(world: int, cfg: dict, worker=_worker) -> list:
+    """Spawns `world` gloo ranks running worker(rank, world, init_file, cfg, queue); returns what
+    each put on the queue, by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker,
+        procs = [ctx.Process(target=worker,
                              args=(r, world, os.path.join(tmp, "rv"), cfg, queue))
                  for r in range(world)]
         for p in procs:

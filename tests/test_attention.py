@@ -11,6 +11,7 @@ from conftest import (
     Window,
     assert_close_baseline,
     assert_close_fp32,
+    assert_close_low_out,
     assert_close_rounded,
     make_qkv,
     randn,
@@ -84,15 +85,16 @@ def check_against_reference(
     r_out, r_lse, r_dq, r_dk, r_dv = ref
 
     assert out.dtype == dtype and lse.dtype == torch.float32
-    assert_close_rounded(out, r_out, dtype, "out")
     assert_close_fp32(lse, r_lse, "lse")  # fp32 from exactly upcast inputs, in every dtype
     if dtype == torch.float32:
+        assert_close_fp32(out, r_out, "out")
         for name, got, want in (("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv)):
             assert_close_fp32(got, want, name)
     else:
         base = reference_with_grads(
             q, k, v, dout, compute_dtype=dtype, causal=causal, window=window, scale=scale
         )
+        assert_close_low_out(out, r_out, base[0], dtype)
         for name, got, want, low in (
             ("dq", dq, r_dq, base[2]),
             ("dk", dk, r_dk, base[3]),
@@ -277,8 +279,21 @@ def test_out_and_grad_dtype(
         q, k, v, dout, causal=causal, window=(wl, wr), scale=scale
     )
     assert_close_fp32(lse, r_lse, "lse")
-    if out_dtype == torch.float32:
-        # From exactly upcast bf16/fp16 inputs and an fp32 out, fp32 accuracy throughout.
+    if in_dtype == torch.bfloat16:
+        # bf16 dot products (probabilities rounded to bf16): torch's own bf16 error is the bound
+        # even for an fp32 out, for out and (through delta = rowsum(dout * out)) the gradients.
+        base = reference_with_grads(
+            q, k, v, dout, compute_dtype=in_dtype, causal=causal, window=(wl, wr), scale=scale
+        )
+        for name, got, want, low in zip(
+            ("out", "dq", "dk", "dv"),
+            (out, dq, dk, dv),
+            (r_out, r_dq, r_dk, r_dv),
+            (base[0], *base[2:]),
+        ):
+            assert_close_baseline(got, want, low, name)
+    elif out_dtype == torch.float32:
+        # From exactly upcast fp16 inputs and an fp32 out, fp32 accuracy throughout.
         for name, got, want in zip(
             ("out", "dq", "dk", "dv"), (out, dq, dk, dv), (r_out, r_dq, r_dk, r_dv)
         ):

@@ -1,6 +1,7 @@
 // Op schemas (one place) and their CPU / CUDA implementations.
 #include <torch/library.h>
 
+#include "ops/inference.h"
 #include "ops/ops.h"
 #include "ops/ring.h"
 
@@ -18,11 +19,22 @@ TORCH_LIBRARY(cpattn, m) {
   // 1 zigzag, 2 striped.
   m.def(
       "ring_fwd(Tensor q, Tensor k, Tensor v, str group_name, float softmax_scale, bool causal, "
-      "int window_left, int window_right, int layout, float timeout_s) -> (Tensor out, Tensor lse)");
+      "int window_left, int window_right, int layout, float timeout_s, Tensor? doc_lengths=None) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "ring_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, str group_name, "
       "float softmax_scale, bool causal, int window_left, int window_right, int layout, "
-      "float timeout_s, Tensor? dlse=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "float timeout_s, Tensor? dlse=None, Tensor? doc_lengths=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
+  // The same steps against K/V already all-gathered: kv_all (W, 2, B, S_local, Hkv, D).
+  m.def(
+      "gathered_fwd(Tensor q, Tensor kv_all, int rank, float softmax_scale, bool causal, "
+      "int window_left, int window_right, int layout, Tensor? doc_lengths=None) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "gathered_bwd(Tensor dout, Tensor q, Tensor kv_all, Tensor out, Tensor lse, int rank, "
+      "float softmax_scale, bool causal, int window_left, int window_right, int layout, "
+      "Tensor? doc_lengths=None, Tensor? dlse=None) -> (Tensor dq, Tensor dkv_all)");
   // The same driver over W ranks emulated in this process (one list entry per rank).
   m.def(
       "ring_fwd_emulated(Tensor[] q, Tensor[] k, Tensor[] v, float softmax_scale, bool causal, "
@@ -48,6 +60,8 @@ TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
   m.impl("merge_state_", &cpattn::ops::merge_state_);
   m.impl("ring_fwd", &cpattn::ops::ring_fwd);
   m.impl("ring_bwd", &cpattn::ops::ring_bwd);
+  m.impl("gathered_fwd", &cpattn::ops::gathered_fwd);
+  m.impl("gathered_bwd", &cpattn::ops::gathered_bwd);
   m.impl("ring_fwd_emulated", &cpattn::ops::ring_fwd_emulated);
   m.impl("ring_bwd_emulated", &cpattn::ops::ring_bwd_emulated);
   m.impl("ring_loopback_timing", &cpattn::ops::ring_loopback_timing);
@@ -75,3 +89,39 @@ TORCH_LIBRARY_IMPL(cpattn, CUDA, m) {
   m.impl("ring_shift", &cpattn::ops::ring_shift);
 }
 #endif
+
+// Inference over a KV cache sharded across ranks (ops/inference.h).
+TORCH_LIBRARY_FRAGMENT(cpattn, m) {
+  m.def(
+      "merge_attention_states(Tensor outs, Tensor lses, ScalarType? out_dtype=None) -> "
+      "(Tensor out, Tensor lse)");
+  m.def(
+      "merge_attention_states_bwd(Tensor dout, Tensor? dlse, Tensor outs, Tensor lses, "
+      "Tensor lse) -> (Tensor douts, Tensor dlses)");
+  m.def(
+      "cache_store_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor start, "
+      "int rank, int world, int interleave) -> ()");
+  m.def(
+      "cache_attention_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
+      "Tensor q_start, int rank, int world, int interleave, float softmax_scale, bool causal, "
+      "ScalarType? out_dtype=None) -> (Tensor out, Tensor lse)");
+  m.def(
+      "prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor cache_lens, str group_name, float softmax_scale, int layout, int interleave, "
+      "float timeout_s) -> (Tensor out, Tensor lse)");
+  m.def("cache_local_count(int n, int rank, int world, int interleave) -> int");
+  m.def("cache_positions(int n, int rank, int world, int interleave) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
+  m.impl("merge_attention_states", &cpattn::ops::merge_attention_states);
+  m.impl("merge_attention_states_bwd", &cpattn::ops::merge_attention_states_bwd);
+  m.impl("cache_store_", &cpattn::ops::cache_store_);
+  m.impl("cache_attention_fwd", &cpattn::ops::cache_attention_fwd);
+  m.impl("prefill_fwd", &cpattn::ops::prefill_fwd);
+}
+
+TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
+  m.impl("cache_local_count", &cpattn::ops::cache_local_count);
+  m.impl("cache_positions", &cpattn::ops::cache_positions);
+}

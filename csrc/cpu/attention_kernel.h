@@ -42,6 +42,55 @@ inline void apply_mask(const Mask& mask, int64_t r0, int64_t rows, int64_t c0, i
   }
 }
 
+// The online-softmax part of a forward step: st holds one key block's base-2 scores (cols keys x
+// kBlockQ queries); they become probabilities in place, the row states take the block, and the
+// accumulator rows (rows x dp) are rescaled where a row's maximum grew.
+inline void softmax_block(float* st, int64_t cols, int64_t rows, int64_t dp,
+                          OnlineSoftmaxRow* state, float* acc) {
+  alignas(64) float factor[kBlockQ], reference[kBlockQ], block_max[kBlockQ], block_sum[kBlockQ];
+  for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+    vfloat mx = broadcast(neg_inf());
+    for (int64_t c = 0; c < cols; ++c) mx = vmax(mx, load(st + c * kBlockQ + i));
+    store(block_max + i, mx);
+  }
+  for (int64_t i = 0; i < kBlockQ; ++i) {
+    factor[i] = state[i].rescale_for_block_max(block_max[i]);
+    reference[i] = state[i].reference();
+  }
+  for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+    const vfloat ref = load(reference + i);
+    vfloat sum{};
+    for (int64_t c = 0; c < cols; ++c) {
+      const vfloat pr = exp2(load(st + c * kBlockQ + i) - ref);
+      store(st + c * kBlockQ + i, pr);
+      sum += pr;
+    }
+    store(block_sum + i, sum);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    state[i].sum += block_sum[i];
+    if (factor[i] != 1.f) {
+      const vfloat f = broadcast(factor[i]);
+      float* row = acc + i * dp;
+      for (int64_t d = 0; d < dp; d += kLanes) store(row + d, load(row + d) * f);
+    }
+  }
+}
+
+// Normalises the accumulator rows of query block r0 and writes out and lse.
+inline void write_output(const FwdParams& p, int64_t b, int64_t h, int64_t r0, int64_t rows,
+                         const OnlineSoftmaxRow* state, const float* acc) {
+  const AttnShape& sh = p.shape;
+  for (int64_t i = 0; i < rows; ++i) {
+    const float inv = state[i].inv_sum();
+    float* dst =
+        p.out + b * p.out_strides.batch + (r0 + i) * p.out_strides.seq + h * p.out_strides.head;
+    const float* src = acc + i * sh.head_dim_padded;
+    for (int64_t d = 0; d < sh.head_dim; ++d) dst[d] = src[d] * inv;
+    p.lse[(b * sh.heads + h) * sh.seqlen_q + r0 + i] = state[i].lse();
+  }
+}
+
 struct FwdScratch {
   std::unique_ptr<float[]> qt, st, acc;
   explicit FwdScratch(int64_t dp)
@@ -61,7 +110,6 @@ inline void forward_block(const FwdParams& p, int64_t b, int64_t h, int64_t qb, 
   pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, s.qt.get());
   std::fill(s.acc.get(), s.acc.get() + kBlockQ * dp, 0.f);
   OnlineSoftmaxRow state[kBlockQ];
-  alignas(64) float factor[kBlockQ], reference[kBlockQ], block_max[kBlockQ], block_sum[kBlockQ];
 
   // Only the key blocks that some row of this query block can see.
   const PosRange keys = p.mask.key_span(r0, r0 + rows, sh.seqlen_k);
@@ -72,45 +120,11 @@ inline void forward_block(const FwdParams& p, int64_t b, int64_t h, int64_t qb, 
     float* st = s.st.get();
     gemm(cols, kBlockQ, dp, k + c0 * dp, dp, 1, s.qt.get(), kBlockQ, st, kBlockQ, false);
     if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-
-    for (int64_t i = 0; i < kBlockQ; i += kLanes) {
-      vfloat mx = broadcast(neg_inf());
-      for (int64_t c = 0; c < cols; ++c) mx = vmax(mx, load(st + c * kBlockQ + i));
-      store(block_max + i, mx);
-    }
-    for (int64_t i = 0; i < kBlockQ; ++i) {
-      factor[i] = state[i].rescale_for_block_max(block_max[i]);
-      reference[i] = state[i].reference();
-    }
-    for (int64_t i = 0; i < kBlockQ; i += kLanes) {
-      const vfloat ref = load(reference + i);
-      vfloat sum{};
-      for (int64_t c = 0; c < cols; ++c) {
-        const vfloat pr = exp2(load(st + c * kBlockQ + i) - ref);
-        store(st + c * kBlockQ + i, pr);
-        sum += pr;
-      }
-      store(block_sum + i, sum);
-    }
-    for (int64_t i = 0; i < rows; ++i) {
-      state[i].sum += block_sum[i];
-      if (factor[i] != 1.f) {
-        const vfloat f = broadcast(factor[i]);
-        float* row = s.acc.get() + i * dp;
-        for (int64_t d = 0; d < dp; d += kLanes) store(row + d, load(row + d) * f);
-      }
-    }
+    softmax_block(st, cols, rows, dp, state, s.acc.get());
     // O[rows x Dp] += P[rows x cols] V[cols x Dp], P read from st transposed.
     gemm(rows, dp, cols, st, 1, kBlockQ, v + c0 * dp, dp, s.acc.get(), dp, true);
   }
-
-  for (int64_t i = 0; i < rows; ++i) {
-    const float inv = state[i].inv_sum();
-    float* dst = p.out + b * p.out_strides.batch + (r0 + i) * p.out_strides.seq + h * p.out_strides.head;
-    const float* src = s.acc.get() + i * dp;
-    for (int64_t d = 0; d < sh.head_dim; ++d) dst[d] = src[d] * inv;
-    p.lse[(b * sh.heads + h) * sh.seqlen_q + r0 + i] = state[i].lse();
-  }
+  write_output(p, b, h, r0, rows, state, s.acc.get());
 }
 
 inline void attention_fwd_impl(const FwdParams& p) {
@@ -139,10 +153,24 @@ struct BwdScratch {
         dv(new float[kBlockK * dp]) {}
 };
 
+// Writes a key block's dK (scaled by the softmax scale) and dV, (cols x Dp) fp32 each.
+inline void write_key_block_grads(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
+                                  int64_t cols, const float* dk, const float* dv) {
+  const BshdStrides& o = p.dkv_strides;
+  const int64_t dp = p.shape.head_dim_padded;
+  for (int64_t c = 0; c < cols; ++c) {
+    const int64_t offset = b * o.batch + (c0 + c) * o.seq + hk * o.head;
+    for (int64_t d = 0; d < p.shape.head_dim; ++d) {
+      p.dk[offset + d] = dk[c * dp + d] * p.softmax_scale;
+      p.dv[offset + d] = dv[c * dp + d];
+    }
+  }
+}
+
 // One key block of one kv head: dK and dV of the block in full, and its dQ contributions for
 // every query head of the group (dQ rows of these heads are touched by this task only).
 inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
-                               BwdScratch& s) {
+                               float* dq_base, BwdScratch& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -163,7 +191,7 @@ inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_
       if (kind == BlockKind::kEmpty) continue;
       const float* q = p.q + (row_base + r0) * dp;
       const float* dout = p.dout + (row_base + r0) * dp;
-      float* dq = p.dq + (row_base + r0) * dp;
+      float* dq = dq_base + (row_base + r0) * dp;
       for (int64_t i = 0; i < kBlockQ; ++i) {
         // Padded rows get reference +inf: their probabilities, hence all their terms, are 0.
         reference[i] = i < rows ? backward_reference(p.lse[row_base + r0 + i])
@@ -195,32 +223,61 @@ inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_
     }
   }
 
-  const BshdStrides& o = p.dkv_strides;
-  for (int64_t c = 0; c < cols; ++c) {
-    const int64_t offset = b * o.batch + (c0 + c) * o.seq + hk * o.head;
-    for (int64_t d = 0; d < sh.head_dim; ++d) {
-      p.dk[offset + d] = s.dk[c * dp + d] * p.softmax_scale;
-      p.dv[offset + d] = s.dv[c * dp + d];
+  write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
+}
+
+// How many ranges the key blocks of each (batch, kv head) are split into. Without a split a task
+// per (batch, kv head) owns the dQ rows of its query heads; with few such pairs (small batch,
+// MQA) that leaves threads idle, so each range then accumulates dQ into a buffer of its own,
+// summed afterwards in a fixed order. The choice depends on the shape only, never on the thread
+// count, so results are the same bits with any number of threads.
+inline int64_t key_splits(const AttnShape& sh, int64_t k_blocks) {
+  constexpr int64_t kTargetTasks = 8;
+  constexpr int64_t kMaxExtraBytes = int64_t{256} << 20;
+  const int64_t pairs = sh.batch * sh.kv_heads;
+  const int64_t dq_bytes = sh.batch * sh.heads * sh.seqlen_q * sh.head_dim_padded * 4;
+  int64_t splits = std::min((kTargetTasks + pairs - 1) / pairs, k_blocks);
+  while (splits > 1 && (splits - 1) * dq_bytes > kMaxExtraBytes) --splits;
+  return std::max<int64_t>(splits, 1);
+}
+
+// Runs the backward tasks: body(b, hk, kb_begin, kb_end, dq_base, scratch) computes the key
+// blocks [kb_begin, kb_end) of (batch b, kv head hk), adding dQ at dq_base; then the splits' dQ
+// are summed in order and scaled. One Scratch per parallel chunk.
+template <typename Scratch, typename Body>
+inline void run_backward(const BwdParams& p, Body&& body) {
+  const AttnShape& sh = p.shape;
+  const int64_t dp = sh.head_dim_padded;
+  const int64_t k_blocks = (sh.seqlen_k + kBlockK - 1) / kBlockK;
+  const int64_t splits = key_splits(sh, k_blocks);
+  const int64_t dq_elems = sh.batch * sh.heads * sh.seqlen_q * dp;
+  std::unique_ptr<float[]> extra_dq(splits > 1 ? new float[(splits - 1) * dq_elems]() : nullptr);
+  auto dq_of_split = [&](int64_t split) {
+    return split == 0 ? p.dq : extra_dq.get() + (split - 1) * dq_elems;
+  };
+  at::parallel_for(0, sh.batch * sh.kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(dp);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t split = t % splits, pair = t / splits;
+      body(pair / sh.kv_heads, pair % sh.kv_heads, k_blocks * split / splits,
+           k_blocks * (split + 1) / splits, dq_of_split(split), scratch);
     }
-  }
+  });
+  // dQ = softmax_scale * (sum of the splits' dQ, in split order)
+  at::parallel_for(0, dq_elems, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t split = 1; split < splits; ++split) {
+      const float* src = dq_of_split(split);
+      for (int64_t e = begin; e < end; ++e) p.dq[e] += src[e];
+    }
+    for (int64_t e = begin; e < end; ++e) p.dq[e] *= p.softmax_scale;
+  });
 }
 
 inline void attention_bwd_impl(const BwdParams& p) {
-  const AttnShape& sh = p.shape;
-  const int64_t k_blocks = (sh.seqlen_k + kBlockK - 1) / kBlockK;
-  // One task per (batch, kv head): it owns the dQ rows of its query heads, so no two tasks
-  // write the same element and the result is deterministic.
-  at::parallel_for(0, sh.batch * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    BwdScratch scratch(sh.head_dim_padded);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / sh.kv_heads, hk = t % sh.kv_heads;
-      for (int64_t kb = 0; kb < k_blocks; ++kb) backward_key_block(p, b, hk, kb * kBlockK, scratch);
-      const int64_t dp = sh.head_dim_padded;
-      for (int64_t h = hk * sh.group_size(); h < (hk + 1) * sh.group_size(); ++h) {
-        float* dq = p.dq + (b * sh.heads + h) * sh.seqlen_q * dp;
-        for (int64_t e = 0; e < sh.seqlen_q * dp; ++e) dq[e] *= p.softmax_scale;
-      }
-    }
+  run_backward<BwdScratch>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
+                                  float* dq_base, BwdScratch& scratch) {
+    for (int64_t kb = kb_begin; kb < kb_end; ++kb)
+      backward_key_block(p, b, hk, kb * kBlockK, dq_base, scratch);
   });
 }
 

@@ -6,7 +6,7 @@
 namespace cpattn::cpu {
 namespace {
 
-enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 Isa detect() {
   Isa best = Isa::kGeneric;
@@ -16,12 +16,14 @@ Isa detect() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
     best = Isa::kAvx512;
+  if (best == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16")) best = Isa::kAvx512Bf16;
 #endif
   // CPATTN_CPU_ISA can only lower the choice: asking for more than the CPU has would crash.
   if (const char* want = std::getenv("CPATTN_CPU_ISA")) {
     Isa asked = best;
     if (!std::strcmp(want, "generic")) asked = Isa::kGeneric;
     if (!std::strcmp(want, "avx2")) asked = Isa::kAvx2;
+    if (!std::strcmp(want, "avx512")) asked = Isa::kAvx512;
     if (asked < best) best = asked;
   }
   return best;
@@ -36,14 +38,18 @@ Isa isa() {
 
 const char* active_isa() {
   switch (isa()) {
+    case Isa::kAvx512Bf16: return "avx512bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     default: return "generic";
   }
 }
 
+bool has_bf16_dot() { return isa() == Isa::kAvx512Bf16; }
+
 void attention_fwd(const FwdParams& params) {
   switch (isa()) {
+    case Isa::kAvx512Bf16: return avx512bf16::attention_fwd(params);
     case Isa::kAvx512: return avx512::attention_fwd(params);
     case Isa::kAvx2: return avx2::attention_fwd(params);
     default: return generic::attention_fwd(params);
@@ -52,6 +58,7 @@ void attention_fwd(const FwdParams& params) {
 
 void attention_bwd(const BwdParams& params) {
   switch (isa()) {
+    case Isa::kAvx512Bf16: return avx512bf16::attention_bwd(params);
     case Isa::kAvx512: return avx512::attention_bwd(params);
     case Isa::kAvx2: return avx2::attention_bwd(params);
     default: return generic::attention_bwd(params);

@@ -8,15 +8,19 @@ namespace cpattn::cpu {
 void attention_fwd(const FwdParams& params);
 void attention_bwd(const BwdParams& params);
 
-// The instruction set the kernels run with: "avx512", "avx2" or "generic". The environment
-// variable CPATTN_CPU_ISA may ask for a lower one (tests use it to cover every path).
+// The instruction set the kernels run with: "avx512bf16", "avx512", "avx2" or "generic". The
+// environment variable CPATTN_CPU_ISA may ask for a lower one (tests use it to cover every path).
 const char* active_isa();
+
+// Whether the kernels take bf16 operands (FwdParams::q16...): AVX-512 with bf16 dot products.
+bool has_bf16_dot();
 
 #define CPATTN_DECLARE_ISA(isa)                  \
   namespace isa {                                \
   void attention_fwd(const FwdParams& params);   \
   void attention_bwd(const BwdParams& params);   \
   }
+CPATTN_DECLARE_ISA(avx512bf16)
 CPATTN_DECLARE_ISA(avx512)
 CPATTN_DECLARE_ISA(avx2)
 CPATTN_DECLARE_ISA(generic)

@@ -87,11 +87,19 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   return s;
 }
 
-// (B, S, H, D) any dtype -> (B, H, S, Dp) fp32 contiguous, zero beyond D.
-at::Tensor pack(const at::Tensor& t, int64_t dp) {
-  at::Tensor p = t.to(at::kFloat).transpose(1, 2);
+// (B, S, H, D) any dtype -> (B, H, S, Dp) contiguous in `dtype`, zero beyond D.
+at::Tensor pack(const at::Tensor& t, int64_t dp, at::ScalarType dtype = at::kFloat) {
+  at::Tensor p = t.to(dtype).transpose(1, 2);
   if (dp != t.size(3)) p = at::constant_pad_nd(p, {0, dp - t.size(3)}, 0.0);
   return p.contiguous();
+}
+
+// (B, Hkv, Sk, Dp) -> (B, Hkv, ceil(Sk / 2), Dp, 2): keys 2j and 2j+1 side by side (a zero key
+// past an odd end), the layout bf16 dot products reduce over keys with.
+at::Tensor pair_keys(const at::Tensor& packed) {
+  at::Tensor t = packed;
+  if (t.size(2) % 2) t = at::constant_pad_nd(t, {0, 0, 0, 1}, 0.0);
+  return t.view({t.size(0), t.size(1), t.size(2) / 2, 2, t.size(3)}).transpose(3, 4).contiguous();
 }
 
 Mask make_mask(bool causal, int64_t window_left, int64_t window_right, int64_t q_offset,
@@ -127,17 +135,30 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
                               dtype);
 #endif
 
-  const at::Tensor qp = pack(q, s.head_dim_padded), kp = pack(k, s.head_dim_padded),
-                   vp = pack(v, s.head_dim_padded);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor out = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, f32);
   at::Tensor lse = new_output({s.batch, s.heads, s.seqlen_q}, f32);
 
   FwdParams p;
   p.shape = s;
-  p.q = qp.data_ptr<float>();
-  p.k = kp.data_ptr<float>();
-  p.v = vp.data_ptr<float>();
+  at::Tensor qp, kp, vp;
+  if (q.scalar_type() == at::kBFloat16 && cpu::has_bf16_dot()) {
+    // bf16 dot products: operands stay bf16; V gets its key pairs interleaved.
+    const int64_t dp = s.head_dim_padded;
+    qp = pack(q, dp, at::kBFloat16);
+    kp = pack(k, dp, at::kBFloat16);
+    vp = pair_keys(pack(v, dp, at::kBFloat16));
+    p.q16 = reinterpret_cast<const uint16_t*>(qp.data_ptr<at::BFloat16>());
+    p.k16 = reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>());
+    p.v16 = reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>());
+  } else {
+    qp = pack(q, s.head_dim_padded);
+    kp = pack(k, s.head_dim_padded);
+    vp = pack(v, s.head_dim_padded);
+    p.q = qp.data_ptr<float>();
+    p.k = kp.data_ptr<float>();
+    p.v = vp.data_ptr<float>();
+  }
   p.out = out.data_ptr<float>();
   p.out_strides = strides_of(out);
   p.lse = lse.data_ptr<float>();
@@ -185,7 +206,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 #endif
 
   const int64_t dp = s.head_dim_padded;
-  const at::Tensor qp = pack(q, dp), kp = pack(k, dp), vp = pack(v, dp), dop = pack(dout, dp);
   // delta = rowsum(dout * out) per query row, over the global output.
   at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1).transpose(1, 2);
   if (dlse && dlse->defined()) {
@@ -203,10 +223,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 
   BwdParams p;
   p.shape = s;
-  p.q = qp.data_ptr<float>();
-  p.k = kp.data_ptr<float>();
-  p.v = vp.data_ptr<float>();
-  p.dout = dop.data_ptr<float>();
+  at::Tensor qp, kp, vp, dop, k_pairs;
+  if (q.scalar_type() == at::kBFloat16 && dout.scalar_type() == at::kBFloat16 &&
+      cpu::has_bf16_dot()) {
+    qp = pack(q, dp, at::kBFloat16);
+    kp = pack(k, dp, at::kBFloat16);
+    vp = pack(v, dp, at::kBFloat16);
+    dop = pack(dout, dp, at::kBFloat16);
+    k_pairs = pair_keys(kp);
+    p.q16 = reinterpret_cast<const uint16_t*>(qp.data_ptr<at::BFloat16>());
+    p.k16 = reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>());
+    p.v16 = reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>());
+    p.dout16 = reinterpret_cast<const uint16_t*>(dop.data_ptr<at::BFloat16>());
+    p.k16_pairs = reinterpret_cast<const uint16_t*>(k_pairs.data_ptr<at::BFloat16>());
+  } else {
+    qp = pack(q, dp);
+    kp = pack(k, dp);
+    vp = pack(v, dp);
+    dop = pack(dout, dp);
+    p.q = qp.data_ptr<float>();
+    p.k = kp.data_ptr<float>();
+    p.v = vp.data_ptr<float>();
+    p.dout = dop.data_ptr<float>();
+  }
   p.lse = lse_c.data_ptr<float>();
   p.delta = delta.data_ptr<float>();
   p.dq = dq.data_ptr<float>();

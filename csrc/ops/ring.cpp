@@ -35,17 +35,9 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const RingOptions
   TORCH_CHECK(q.size(1) == k.size(1), "cpattn: ring attention needs q and k/v shards of the same "
               "length, got ", q.size(1), " and ", k.size(1));
   const int64_t local = q.size(1);
-  if (o.layout == Layout::kZigzag)
+  if (o.layout == Layout::kZigzag && o.doc_lengths.empty())
     TORCH_CHECK(local % 2 == 0, "cpattn: the zigzag layout holds two equal chunks per rank, so the "
                 "local sequence length must be even, got ", local);
-}
-
-Mask global_mask(const RingOptions& o) {
-  Mask m;
-  m.causal = o.causal;
-  m.window_left = o.window_left;
-  m.window_right = o.window_right;
-  return m;
 }
 
 using Clock = std::chrono::steady_clock;
@@ -57,6 +49,60 @@ double seconds_since(Clock::time_point t) {
 // (communication not hidden behind compute). Indexed [0] forward, [1] backward.
 thread_local RingStats last_stats[2];
 
+// The sub-problems that `rank` computes at `step`, i.e. against the K/V shard of
+// ring_source(rank, step, world).
+std::vector<SubProblem> plan(const RingOptions& o, int64_t local_len, int64_t world, int64_t rank,
+                             int64_t step) {
+  Mask global;
+  global.causal = o.causal;
+  global.window_left = o.window_left;
+  global.window_right = o.window_right;
+  std::vector<SubProblem> items;
+  if (o.doc_lengths.empty()) {
+    const StepPlan p = plan_step(o.layout, local_len * world, world, rank, step, global);
+    items.assign(p.items, p.items + p.count);
+  } else {
+    plan_step_varlen(o.layout, o.doc_lengths.data(), static_cast<int64_t>(o.doc_lengths.size()),
+                     world, rank, step, global, [&](const SubProblem& sp) { items.push_back(sp); });
+  }
+  return items;
+}
+
+// One step of the forward pass: every sub-problem against the K/V shard `kv` (2, B, L, Hkv, D),
+// merged into the running fp32 (out, lse).
+void forward_step(const at::Tensor& q, const at::Tensor& kv, const std::vector<SubProblem>& items,
+                  double scale, const at::Tensor& out, const at::Tensor& lse) {
+  for (const SubProblem& sp : items) {
+    auto [part_out, part_lse] = attention_fwd(
+        rows(q, sp.q), rows(kv[0], sp.k), rows(kv[1], sp.k), scale, sp.mask.causal,
+        sp.mask.window_left, sp.mask.window_right, sp.mask.q_offset, sp.mask.k_offset, at::kFloat);
+    merge_into(rows(out, sp.q), lse_rows(lse, sp.q), part_out, part_lse);
+  }
+}
+
+// One step of the backward pass: adds the sub-problems' dQ to dq and their dK/dV to dkv
+// (2, B, L, Hkv, D) fp32, from the global out / lse (and dlse) of the queries.
+void backward_step(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv,
+                   const at::Tensor& out, const at::Tensor& lse,
+                   const std::optional<at::Tensor>& dlse, const std::vector<SubProblem>& items,
+                   double scale, const at::Tensor& dq, const at::Tensor& dkv) {
+  for (const SubProblem& sp : items) {
+    auto [dq_part, dk_part, dv_part] = attention_bwd(
+        rows(dout, sp.q), rows(q, sp.q), rows(kv[0], sp.k), rows(kv[1], sp.k), rows(out, sp.q),
+        lse_rows(lse, sp.q), scale, sp.mask.causal, sp.mask.window_left, sp.mask.window_right,
+        sp.mask.q_offset, sp.mask.k_offset, at::kFloat,
+        dlse ? std::optional<at::Tensor>(lse_rows(*dlse, sp.q)) : std::nullopt);
+    rows(dq, sp.q).add_(dq_part);
+    rows(dkv[0], sp.k).add_(dk_part);
+    rows(dkv[1], sp.k).add_(dv_part);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> new_state(const at::Tensor& q) {
+  const auto f32 = q.options().dtype(at::kFloat);
+  return {at::zeros(q.sizes(), f32), at::full({q.size(0), q.size(2), q.size(1)}, -INFINITY, f32)};
+}
+
 }  // namespace
 
 at::Tensor ring_stats() {
@@ -66,25 +112,46 @@ at::Tensor ring_stats() {
 }
 
 RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
-                              int64_t window_right, int64_t layout) {
-  return {softmax_scale, causal, window_left, window_right, checked_layout(layout)};
+                              int64_t window_right, int64_t layout,
+                              const std::optional<at::Tensor>& doc_lengths) {
+  RingOptions o{softmax_scale, causal, window_left, window_right, checked_layout(layout), {}};
+  if (doc_lengths && doc_lengths->defined()) {
+    TORCH_CHECK(doc_lengths->dim() == 1 && doc_lengths->scalar_type() == at::kLong,
+                "cpattn: doc_lengths must be a 1-D int64 tensor, got ", doc_lengths->sizes(), " ",
+                doc_lengths->scalar_type());
+    const at::Tensor l = doc_lengths->cpu().contiguous();
+    o.doc_lengths.assign(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
+    for (int64_t n : o.doc_lengths)
+      TORCH_CHECK(n >= 0, "cpattn: document lengths must be >= 0, got ", n);
+  }
+  return o;
 }
+
+namespace {
+
+void check_local_length(const at::Tensor& q, const RingOptions& o, int64_t world) {
+  if (o.doc_lengths.empty()) return;
+  const int64_t g = layout_granularity(o.layout, world);
+  int64_t local = 0;
+  for (int64_t n : o.doc_lengths) local += (n + g - 1) / g * g / world;
+  TORCH_CHECK(q.size(1) == local, "cpattn: with these documents every rank holds ", local,
+              " tokens (each document padded to a multiple of ", g, ", split over ", world,
+              " ranks), got ", q.size(1));
+}
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, comm::Transport& transport,
-                                                const RingOptions& o) {
+                                                const RingOptions& o, const ShardVisitor& visit) {
   const int64_t world = transport.world(), rank = transport.rank();
   check_ring_args(q, k, o);
-  const int64_t seqlen = q.size(1) * world;
-  const Mask mask = global_mask(o);
-  const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2), q.size(3)}, f32);
-  at::Tensor lse = at::full({q.size(0), q.size(2), q.size(1)}, -INFINITY, f32);
-
-  // K and V travel as one message; two persistent buffers alternate between "being computed on"
-  // and "being received into".
+  check_local_length(q, o, world);
+  auto [out, lse] = new_state(q);
   RingStats& stats = last_stats[0];
   stats = {};
+  // K and V travel as one message; two persistent buffers alternate between "being computed on"
+  // and "being received into".
   at::Tensor kv[2] = {at::stack({k, v}), at::Tensor()};
   if (world > 1) kv[1] = at::empty_like(kv[0]);
   for (int64_t step = 0; step < world; ++step) {
@@ -92,21 +159,14 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
     std::unique_ptr<comm::PendingShift> pending;
     if (step + 1 < world) pending = transport.shift(cur, kv[(step + 1) % 2], step);
     const auto compute_start = Clock::now();
-    const StepPlan plan = plan_step(o.layout, seqlen, world, rank, step, mask);
-    for (int i = 0; i < plan.count; ++i) {
-      const SubProblem& sp = plan.items[i];
-      auto [part_out, part_lse] = attention_fwd(
-          rows(q, sp.q), rows(cur[0], sp.k), rows(cur[1], sp.k), o.softmax_scale, sp.mask.causal,
-          sp.mask.window_left, sp.mask.window_right, sp.mask.q_offset, sp.mask.k_offset,
-          at::kFloat);
-      merge_into(rows(out, sp.q), lse_rows(lse, sp.q), part_out, part_lse);
-    }
+    if (visit) visit(ring_source(rank, step, world), cur);
+    forward_step(q, cur, plan(o, q.size(1), world, rank, step), o.softmax_scale, out, lse);
     stats.compute_s += seconds_since(compute_start);
     const auto wait_start = Clock::now();
     if (pending) pending->wait();
     stats.wait_s += seconds_since(wait_start);
   }
-  return {out.to(q.scalar_type()), lse};
+  return {out.to(o.out_dtype.value_or(q.scalar_type())), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
@@ -115,8 +175,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     comm::Transport& transport, const RingOptions& o) {
   const int64_t world = transport.world(), rank = transport.rank();
   check_ring_args(q, k, o);
-  const int64_t seqlen = q.size(1) * world;
-  const Mask mask = global_mask(o);
+  check_local_length(q, o, world);
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
 
   // K/V go round as in the forward pass. The fp32 dK/dV accumulator of each shard follows it one
@@ -139,18 +198,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     if (step > 0) acc_shift = transport.shift(acc, incoming, 2 * step + 1);
     const auto compute_start = Clock::now();
     partial.zero_();
-    const StepPlan plan = plan_step(o.layout, seqlen, world, rank, step, mask);
-    for (int i = 0; i < plan.count; ++i) {
-      const SubProblem& sp = plan.items[i];
-      auto [dq_part, dk_part, dv_part] = attention_bwd(
-          rows(dout, sp.q), rows(q, sp.q), rows(cur[0], sp.k), rows(cur[1], sp.k), rows(out, sp.q),
-          lse_rows(lse, sp.q), o.softmax_scale, sp.mask.causal, sp.mask.window_left,
-          sp.mask.window_right, sp.mask.q_offset, sp.mask.k_offset, at::kFloat,
-          dlse ? std::optional<at::Tensor>(lse_rows(*dlse, sp.q)) : std::nullopt);
-      rows(dq, sp.q).add_(dq_part);
-      rows(partial[0], sp.k).add_(dk_part);
-      rows(partial[1], sp.k).add_(dv_part);
-    }
+    backward_step(dout, q, cur, out, lse, dlse, plan(o, q.size(1), world, rank, step),
+                  o.softmax_scale, dq, partial);
     stats.compute_s += seconds_since(compute_start);
     const auto wait_start = Clock::now();
     if (kv_shift) kv_shift->wait();
@@ -171,6 +220,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     acc.copy_(incoming);
   }
   return {dq.to(q.scalar_type()), acc[0].to(k.scalar_type()), acc[1].to(v.scalar_type())};
+}
+
+// ---- all-gathered K/V: the same steps against shards that are already local ---------------
+
+std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::Tensor& kv_all,
+                                                int64_t rank, double softmax_scale, bool causal,
+                                                int64_t window_left, int64_t window_right,
+                                                int64_t layout,
+                                                const std::optional<at::Tensor>& doc_lengths) {
+  TORCH_CHECK(kv_all.dim() == 6 && kv_all.size(1) == 2,
+              "cpattn: kv_all must be (world, 2, batch, seqlen_local, kv_heads, head_dim), got ",
+              kv_all.sizes());
+  const int64_t world = kv_all.size(0);
+  TORCH_CHECK(rank >= 0 && rank < world, "cpattn: rank ", rank, " is not in a group of ", world);
+  const RingOptions o =
+      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths);
+  check_ring_args(q, kv_all[0][0], o);
+  check_local_length(q, o, world);
+  auto [out, lse] = new_state(q);
+  for (int64_t step = 0; step < world; ++step)
+    forward_step(q, kv_all[ring_source(rank, step, world)], plan(o, q.size(1), world, rank, step),
+                 o.softmax_scale, out, lse);
+  return {out.to(q.scalar_type()), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> gathered_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv_all, const at::Tensor& out,
+    const at::Tensor& lse, int64_t rank, double softmax_scale, bool causal, int64_t window_left,
+    int64_t window_right, int64_t layout, const std::optional<at::Tensor>& doc_lengths,
+    const std::optional<at::Tensor>& dlse) {
+  TORCH_CHECK(kv_all.dim() == 6 && kv_all.size(1) == 2,
+              "cpattn: kv_all must be (world, 2, batch, seqlen_local, kv_heads, head_dim), got ",
+              kv_all.sizes());
+  const int64_t world = kv_all.size(0);
+  TORCH_CHECK(rank >= 0 && rank < world, "cpattn: rank ", rank, " is not in a group of ", world);
+  const RingOptions o =
+      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths);
+  check_ring_args(q, kv_all[0][0], o);
+  check_local_length(q, o, world);
+  at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  at::Tensor dkv_all = at::zeros(kv_all.sizes(), kv_all.options().dtype(at::kFloat));
+  for (int64_t step = 0; step < world; ++step) {
+    const int64_t source = ring_source(rank, step, world);
+    backward_step(dout, q, kv_all[source], out, lse, dlse, plan(o, q.size(1), world, rank, step),
+                  o.softmax_scale, dq, dkv_all[source]);
+  }
+  // dkv_all[s] holds this rank's contribution to shard s; a reduce-scatter sums them.
+  return {dq.to(q.scalar_type()), dkv_all};
 }
 
 // ---- ops over a torch process group -------------------------------------------------------
@@ -212,20 +309,24 @@ std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& v, c10::string_view group_name,
                                             double softmax_scale, bool causal,
                                             int64_t window_left, int64_t window_right,
-                                            int64_t layout, double timeout_s) {
+                                            int64_t layout, double timeout_s,
+                                            const std::optional<at::Tensor>& doc_lengths) {
   auto transport = group_transport(q, group_name, timeout_s);
-  return ring_forward(q, k, v, *transport,
-                      make_ring_options(softmax_scale, causal, window_left, window_right, layout));
+  return ring_forward(
+      q, k, v, *transport,
+      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
-    double timeout_s, const std::optional<at::Tensor>& dlse) {
+    double timeout_s, const std::optional<at::Tensor>& dlse,
+    const std::optional<at::Tensor>& doc_lengths) {
   auto transport = group_transport(q, group_name, timeout_s);
-  return ring_backward(dout, q, k, v, out, lse, dlse, *transport,
-                       make_ring_options(softmax_scale, causal, window_left, window_right, layout));
+  return ring_backward(
+      dout, q, k, v, out, lse, dlse, *transport,
+      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths));
 }
 
 // ---- W emulated ranks in this process: one thread each ------------------------------------
@@ -276,7 +377,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
   TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size(),
               "cpattn: emulated ring needs one q, k and v per rank, got ", q.size(), ", ",
               k.size(), ", ", v.size());
-  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout);
+  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout, std::nullopt);
   std::vector<at::Tensor> outs(world), lses(world);
   run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
     std::tie(outs[r], lses[r]) = ring_forward(q[r], k[r], v[r], t, o);
@@ -293,7 +394,7 @@ ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::T
   TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size() &&
                   dout.size() == q.size() && out.size() == q.size() && lse.size() == q.size(),
               "cpattn: emulated ring backward needs one of each tensor per rank");
-  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout);
+  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout, std::nullopt);
   std::vector<at::Tensor> dq(world), dk(world), dv(world);
   run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
     std::tie(dq[r], dk[r], dv[r]) = ring_backward(dout[r], q[r], k[r], v[r], out[r], lse[r], std::nullopt, t, o);
@@ -309,7 +410,7 @@ at::Tensor ring_loopback_timing(const at::Tensor& q, const at::Tensor& k, const 
   TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "cpattn: rank ", rank,
               " is not in a group of ", world);
   auto transport = comm::make_loopback_transport(rank, world);
-  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout);
+  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout, std::nullopt);
   auto start = Clock::now();
   auto [out, lse] = ring_forward(q, k, v, *transport, o);
   const double fwd = seconds_since(start);

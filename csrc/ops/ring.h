@@ -4,6 +4,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 
+#include <functional>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -18,15 +20,27 @@ struct RingOptions {
   int64_t window_left;
   int64_t window_right;
   Layout layout;
+  // Empty: one sequence of W * S_local tokens. Otherwise packed documents of these real lengths,
+  // each sharded by the layout on its own (plan_step_varlen in cpattn/schedule.h).
+  std::vector<int64_t> doc_lengths;
+  // dtype of the returned out (default: q's); float32 keeps a result that is merged further exact.
+  std::optional<at::ScalarType> out_dtype = std::nullopt;
 };
 RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
-                              int64_t window_right, int64_t layout);
+                              int64_t window_right, int64_t layout,
+                              const std::optional<at::Tensor>& doc_lengths);
+
+// Called with each K/V shard the ring brings to this rank: its source rank and kv = stack(k, v)
+// (2, B, S_local, Hkv, D), own shard first. Lets a caller use every shard once (prefill stores the
+// tokens it owns in its KV cache) without sending K/V again.
+using ShardVisitor = std::function<void(int64_t source, const at::Tensor& kv)>;
 
 // q, k, v: this rank's shards (B, S_local, H | Hkv, D) in layout order. Returns this rank's out
-// (q's dtype) and lse (B, H, S_local) fp32.
+// (options.out_dtype, default q's dtype) and lse (B, H, S_local) fp32.
 std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, comm::Transport& transport,
-                                                const RingOptions& options);
+                                                const RingOptions& options,
+                                                const ShardVisitor& visit = {});
 // Gradients of this rank's shards from the global out / lse of its queries (and the gradient
 // dlse flowing into lse, if any).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
@@ -38,12 +52,28 @@ std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& v, c10::string_view group_name,
                                             double softmax_scale, bool causal,
                                             int64_t window_left, int64_t window_right,
-                                            int64_t layout, double timeout_s);
+                                            int64_t layout, double timeout_s,
+                                            const std::optional<at::Tensor>& doc_lengths);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
-    double timeout_s, const std::optional<at::Tensor>& dlse);
+    double timeout_s, const std::optional<at::Tensor>& dlse,
+    const std::optional<at::Tensor>& doc_lengths);
+
+// The ring's steps against K/V shards already gathered on this rank: kv_all is
+// (W, 2, B, S_local, Hkv, D). The backward returns dq and this rank's fp32 contributions to every
+// shard's dK/dV (W, 2, B, S_local, Hkv, D), to be reduce-scattered.
+std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::Tensor& kv_all,
+                                                int64_t rank, double softmax_scale, bool causal,
+                                                int64_t window_left, int64_t window_right,
+                                                int64_t layout,
+                                                const std::optional<at::Tensor>& doc_lengths);
+std::tuple<at::Tensor, at::Tensor> gathered_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv_all, const at::Tensor& out,
+    const at::Tensor& lse, int64_t rank, double softmax_scale, bool causal, int64_t window_left,
+    int64_t window_right, int64_t layout, const std::optional<at::Tensor>& doc_lengths,
+    const std::optional<at::Tensor>& dlse);
 
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
     at::TensorList q, at::TensorList k, at::TensorList v, double softmax_scale, bool causal,

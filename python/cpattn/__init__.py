@@ -12,11 +12,31 @@ from cpattn import _ops  # noqa: E402  (registers fake kernels and autograd for 
 from cpattn.attention import attention, merge_state_  # noqa: E402
 from cpattn.ring import (  # noqa: E402
     destroy_communicators,
+    pad_documents,
     positions,
+    positions_varlen,
     ring_attention,
     ring_attention_emulated,
+    ring_attention_varlen,
     shard,
+    shard_varlen,
     unshard,
+    unshard_varlen,
+)
+from cpattn.ulysses import (  # noqa: E402
+    hybrid_attention,
+    hybrid_positions,
+    hybrid_shard,
+    hybrid_unshard,
+    ulysses_attention,
+)
+from cpattn import comm  # noqa: E402
+from cpattn.inference import (  # noqa: E402
+    KVCacheShard,
+    chunk_positions,
+    decode_attention,
+    merge_attention_states,
+    prefill_attention,
 )
 
 __version__ = "0.1.0"
@@ -29,7 +49,23 @@ __all__ = [
     "shard",
     "unshard",
     "positions",
+    "ring_attention_varlen",
+    "shard_varlen",
+    "unshard_varlen",
+    "positions_varlen",
+    "pad_documents",
+    "ulysses_attention",
+    "hybrid_attention",
+    "hybrid_positions",
+    "hybrid_shard",
+    "hybrid_unshard",
+    "comm",
     "build_info",
+    "KVCacheShard",
+    "prefill_attention",
+    "decode_attention",
+    "merge_attention_states",
+    "chunk_positions",
 ]
 
 

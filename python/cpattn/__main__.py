@@ -2,6 +2,7 @@
 
     python -m cpattn demo    ring attention on W local ranks (gloo on CPU) vs one device
     python -m cpattn local   cpattn.attention on one device vs torch SDPA
+    python -m cpattn generate-demo   greedy generation on W ranks with a sharded KV cache
 """
 
 import argparse
@@ -100,7 +101,15 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    from cpattn._generate_demo import add_arguments as _generate_arguments
+
+    _generate_arguments(sub.add_parser(
+        "generate-demo", help="greedy generation on W ranks with a sharded KV cache"))
     args = parser.parse_args(argv)
+    if args.command == "generate-demo":
+        from cpattn._generate_demo import generate_demo
+
+        return generate_demo(args)
     if args.command == "demo":
         from cpattn._demo import ring_demo
 

@@ -15,6 +15,8 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from cpattn import comm
+
 LAYOUTS = {"contiguous": 0, "zigzag": 1, "striped": 2}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -60,56 +62,88 @@ def positions(
     return pos.to(device) if device is not None else pos
 
 
-def shard(x: torch.Tensor, *, group=None, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
-    """This rank's part of the full tensor x along `dim`, in `layout` order."""
-    idx = positions(x.shape[dim], group=group, layout=layout, device=x.device)
-    return x.index_select(dim, idx)
+def shard(
+    x: torch.Tensor,
+    *,
+    group=None,
+    layout: str = "zigzag",
+    dim: int = 1,
+    index: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """This rank's part of the full tensor x along `dim`, in `layout` order.
+
+    `index` (global positions of this rank's tokens) overrides the layout, e.g. for the hybrid
+    or varlen shardings.
+    """
+    if index is None:
+        index = positions(x.shape[dim], group=group, layout=layout)
+    return x.index_select(dim, index.to(x.device))
 
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_local, group, layout, dim):
-        _, rank, world = _group_info(group)
-        ctx.group, ctx.layout, ctx.dim = group, layout, dim
+    def forward(ctx, x_local, index, seqlen, group, dim):
+        ctx.group, ctx.dim = group, dim
+        ctx.save_for_backward(index)
+        world = dist.get_world_size(group)
         parts = [torch.empty_like(x_local) for _ in range(world)]
         dist.all_gather(parts, x_local.contiguous(), group=group)
-        seqlen = x_local.shape[dim] * world
-        order = torch.cat(
-            [positions(seqlen, layout=layout, rank=r, world_size=world) for r in range(world)]
-        ).to(x_local.device)
-        full = torch.empty(
-            (*x_local.shape[:dim], seqlen, *x_local.shape[dim + 1 :]),
-            dtype=x_local.dtype,
-            device=x_local.device,
-        )
-        full.index_copy_(dim, order, torch.cat(parts, dim))
-        return full
+        indices = [torch.empty_like(index) for _ in range(world)]
+        dist.all_gather(indices, index, group=group)
+        # Index -1 marks padding held by no position: it lands in an extra slot, dropped below.
+        slots = torch.cat(indices).to(x_local.device)
+        slots = torch.where(slots < 0, seqlen, slots)
+        full = x_local.new_zeros((*x_local.shape[:dim], seqlen + 1, *x_local.shape[dim + 1 :]))
+        full.index_copy_(dim, slots, torch.cat(parts, dim))
+        return full.narrow(dim, 0, seqlen)
 
     @staticmethod
     def backward(ctx, grad_full):
         # Every rank holds the full gradient of its own copy; the shard's gradient is the sum.
+        (index,) = ctx.saved_tensors
         grad = grad_full.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        return shard(grad, group=ctx.group, layout=ctx.layout, dim=ctx.dim), None, None, None
+        zero_slot = grad.new_zeros((*grad.shape[: ctx.dim], 1, *grad.shape[ctx.dim + 1 :]))
+        grad = torch.cat([grad, zero_slot], ctx.dim)
+        index = torch.where(index < 0, grad.shape[ctx.dim] - 1, index)
+        return grad.index_select(ctx.dim, index.to(grad.device)), None, None, None, None
 
 
-def unshard(x_local: torch.Tensor, *, group=None, layout: str = "zigzag", dim: int = 1):
+def unshard(
+    x_local: torch.Tensor,
+    *,
+    group=None,
+    layout: str = "zigzag",
+    dim: int = 1,
+    index: Optional[torch.Tensor] = None,
+    seqlen: Optional[int] = None,
+) -> torch.Tensor:
     """All-gathers the shards along `dim` and puts the tokens back in sequence order.
 
     Differentiable: the gradient of each shard is the sum of the ranks' gradients of its tokens.
+    `index` (this rank's global positions) overrides the layout; then `seqlen` gives the full
+    length (default: W times the shard length) and positions not held by any rank are 0.
     """
-    return _Unshard.apply(x_local, group, layout, dim)
+    group, _, world = _group_info(group)
+    if index is None:
+        seqlen = x_local.shape[dim] * world
+        index = positions(seqlen, group=group, layout=layout)
+    elif seqlen is None:
+        seqlen = x_local.shape[dim] * world
+    return _Unshard.apply(x_local, index.to(torch.int64).cpu(), seqlen, group, dim)
 
 
-def _validate(q, k, v, group, world, layout_code, causal, window, scale, timeout):
-    """All ranks must agree on shapes and options: one small all-gather, checked on every rank."""
+def _validate(q, k, v, group, world, layout_code, causal, window, scale, timeout, extra=()):
+    """All ranks must agree on shapes and options: one small all-gather, checked on every rank.
+
+    `extra`: (name, int) pairs that must agree too (strategy, documents, ...)."""
     fields = ["batch", "seqlen_local", "heads", "head_dim", "kv_batch", "kv_seqlen_local",
               "kv_heads", "kv_head_dim", "dtype", "layout", "causal", "window_left",
-              "window_right", "softmax_scale"]
+              "window_right", "softmax_scale", *(name for name, _ in extra)]
     scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
     mine = torch.tensor(
         [*q.shape, *k.shape, _DTYPES.get(q.dtype, -1), layout_code, int(causal), *window,
-         scale_bits],
+         scale_bits, *(value for _, value in extra)],
         dtype=torch.int64,
     )
     backend = dist.get_backend(group)
@@ -130,23 +164,113 @@ def _validate(q, k, v, group, world, layout_code, causal, window, scale, timeout
         raise ValueError(f"cpattn.ring_attention: ranks disagree on {', '.join(names)} ({detail})")
 
 
+STRATEGIES = {"ring": 0, "allgather": 1}
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group_name, scale, causal, window, layout_code, timeout):
+    def forward(ctx, q, k, v, group_name, scale, causal, window, layout_code, timeout, docs):
         out, lse = torch.ops.cpattn.ring_fwd(
-            q, k, v, group_name, scale, causal, window[0], window[1], layout_code, timeout
+            q, k, v, group_name, scale, causal, window[0], window[1], layout_code, timeout,
+            doc_lengths=docs,
         )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group_name, scale, causal, window[0], window[1], layout_code, timeout)
+        ctx.docs = docs
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = torch.ops.cpattn.ring_bwd(
-            dout.contiguous(), q, k, v, out, lse, *ctx.args, dlse
+            dout.contiguous(), q, k, v, out, lse, *ctx.args, dlse=dlse, doc_lengths=ctx.docs
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _gather_kv(k, v, group, world):
+    """(W, 2, B, S_local, Hkv, D): every rank's K and V, in rank order."""
+    kv = torch.stack([k, v]).contiguous()
+    kv_all = kv.new_empty((world * 2, *kv.shape[1:]))
+    comm.all_gather_flat(kv_all, kv, group=group)
+    return kv_all.view(world, *kv.shape)
+
+
+class _GatheredAttention(torch.autograd.Function):
+    """All-gather K/V (a chunk of KV heads at a time, so the gathered copy stays bounded), then
+    the ring's steps locally; the backward reduce-scatters every shard's dK/dV to its owner."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, rank, world, scale, causal, window, layout_code, docs,
+                chunk):
+        group_size = q.shape[2] // k.shape[2]
+        outs, lses = [], []
+        for c0 in range(0, k.shape[2], chunk):
+            kh, qh = slice(c0, c0 + chunk), slice(c0 * group_size, (c0 + chunk) * group_size)
+            kv_all = _gather_kv(k[:, :, kh], v[:, :, kh], group, world)
+            out, lse = torch.ops.cpattn.gathered_fwd(
+                q[:, :, qh], kv_all, rank, scale, causal, window[0], window[1], layout_code,
+                doc_lengths=docs,
+            )
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, rank, world, scale, causal, window, layout_code, docs, chunk)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, rank, world, scale, causal, window, layout_code, docs, chunk = ctx.args
+        group_size = q.shape[2] // k.shape[2]
+        dq, dk, dv = [], [], []
+        for c0 in range(0, k.shape[2], chunk):
+            kh, qh = slice(c0, c0 + chunk), slice(c0 * group_size, (c0 + chunk) * group_size)
+            kv_all = _gather_kv(k[:, :, kh], v[:, :, kh], group, world)  # gathered again: bounded
+            dq_c, dkv_all = torch.ops.cpattn.gathered_bwd(
+                dout[:, :, qh].contiguous(), q[:, :, qh], kv_all, out[:, :, qh], lse[:, qh],
+                rank, scale, causal, window[0], window[1], layout_code, doc_lengths=docs,
+                dlse=None if dlse is None else dlse[:, qh],
+            )
+            dkv = dkv_all.new_empty(dkv_all.shape[1:])
+            comm.reduce_scatter_flat(dkv, dkv_all.view(-1, *dkv_all.shape[2:]), group=group)
+            dq.append(dq_c)
+            dk.append(dkv[0].to(k.dtype))
+            dv.append(dkv[1].to(v.dtype))
+        return (torch.cat(dq, dim=2), torch.cat(dk, dim=2), torch.cat(dv, dim=2),
+                *([None] * 9))
+
+
+def _context_parallel(q, k, v, group, causal, layout, softmax_scale, window, timeout, strategy,
+                      allgather_chunk, docs, what):
+    """Shared by ring_attention and ring_attention_varlen (q, k, v here are 4-D)."""
+    from cpattn.attention import _check_window
+
+    group, rank, world = _group_info(group)
+    layout_code = _layout_code(layout)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"cpattn.{what}: strategy must be one of {sorted(STRATEGIES)}, "
+                         f"got {strategy!r}")
+    window = _check_window(window)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    timeout = _default_timeout() if timeout is None else float(timeout)
+    extra = [("strategy", STRATEGIES[strategy])]
+    if docs is not None:
+        extra += [("documents", docs.numel()), ("tokens", int(docs.sum())),
+                  ("document_lengths_hash", int(docs.mul(torch.arange(1, docs.numel() + 1)).sum()))]
+    _validate(q, k, v, group, world, layout_code, causal, window, float(softmax_scale), timeout,
+              extra)
+    if strategy == "ring":
+        return _RingAttention.apply(q, k, v, group.group_name, float(softmax_scale), bool(causal),
+                                    window, layout_code, timeout, docs)
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"cpattn.{what}: query heads ({q.shape[2]}) must be a multiple of kv "
+                         f"heads ({k.shape[2]})")
+    chunk = allgather_chunk or max(1, k.shape[2] // 4)
+    return _GatheredAttention.apply(q, k, v, group, rank, world, float(softmax_scale),
+                                    bool(causal), window, layout_code, docs, int(chunk))
 
 
 def ring_attention(
@@ -160,6 +284,8 @@ def ring_attention(
     softmax_scale: Optional[float] = None,
     window: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
+    strategy: str = "ring",
+    allgather_chunk: Optional[int] = None,
     timeout: Optional[float] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded across the ranks of `group`.
@@ -172,30 +298,22 @@ def ring_attention(
         causal, window, softmax_scale: as cpattn.attention, on global token positions.
         layout: "contiguous", "zigzag" (balanced for causal) or "striped".
         return_lse: also return the LSE (batch, heads, seqlen / W), float32.
+        strategy: "ring" (K/V shards travel while each step computes: overlaps communication,
+            memory per rank 1/W) or "allgather" (all-gather K/V, `allgather_chunk` KV heads at a
+            time, default a quarter of them; simplest, good for short sequences or few KV heads).
         timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
 
     Every rank must call it with the same shapes and options; a mismatch raises on every rank.
     CUDA tensors (bf16 / fp16) shift over cpattn's own NCCL communicator, bootstrapped through
     `group` and cached: call cpattn.destroy_communicators() before destroying the group.
     """
-    group, rank, world = _group_info(group)
-    layout_code = _layout_code(layout)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             "cpattn.ring_attention: q, k, v must be (batch, seqlen_local, heads, head_dim), got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    from cpattn.attention import _check_window
-
-    window = _check_window(window)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    timeout = _default_timeout() if timeout is None else float(timeout)
-    _validate(q, k, v, group, world, layout_code, causal, window, float(softmax_scale), timeout)
-    out, lse = _RingAttention.apply(
-        q, k, v, group.group_name, float(softmax_scale), bool(causal), window, layout_code,
-        timeout,
-    )
+    out, lse = _context_parallel(q, k, v, group, causal, layout, softmax_scale, window, timeout,
+                                 strategy, allgather_chunk, None, "ring_attention")
     return (out, lse) if return_lse else out
 
 
@@ -204,6 +322,115 @@ def destroy_communicators() -> int:
     process group and device, cached across calls); returns how many. Call it before
     dist.destroy_process_group(); the next CUDA ring call makes a new one."""
     return int(torch.ops.cpattn.destroy_communicators())
+
+
+def _document_lengths(cu_seqlens) -> torch.Tensor:
+    cu = torch.as_tensor(cu_seqlens).to(torch.int64).cpu()
+    if cu.dim() != 1 or cu.numel() < 2 or cu[0] != 0 or (cu.diff() < 0).any():
+        raise ValueError("cpattn: cu_seqlens must be 1-D, start at 0 and be non-decreasing, got "
+                         f"{cu.tolist()}")
+    return cu.diff()
+
+
+def ring_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens,
+    *,
+    group=None,
+    causal: bool = False,
+    layout: str = "zigzag",
+    softmax_scale: Optional[float] = None,
+    window: tuple[int, int] = (-1, -1),
+    return_lse: bool = False,
+    strategy: str = "ring",
+    allgather_chunk: Optional[int] = None,
+    timeout: Optional[float] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Ring (or all-gather) attention over packed documents that never attend across each other.
+
+    cu_seqlens: global document boundaries (int, D+1, from 0), the same on every rank. Each
+    document is padded to a multiple of the layout's granularity (2W for zigzag, W otherwise)
+    and sharded on its own (per-document zigzag), so documents straddle ranks.
+    q (T_local, H, D), k/v (T_local, Hkv, D) come from cpattn.shard_varlen; padding tokens give
+    output 0 and LSE -inf. Returns out (T_local, H, D) and optionally lse (H, T_local).
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            "cpattn.ring_attention_varlen: q, k, v must be (tokens_local, heads, head_dim), got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    docs = _document_lengths(cu_seqlens)
+    out, lse = _context_parallel(q[None], k[None], v[None], group, causal, layout, softmax_scale,
+                                 window, timeout, strategy, allgather_chunk, docs,
+                                 "ring_attention_varlen")
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def positions_varlen(
+    cu_seqlens,
+    *,
+    group=None,
+    layout: str = "zigzag",
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each local token of the varlen sharding: (index into the packed global sequence, or -1
+    for padding; position within its document, e.g. for RoPE)."""
+    if rank is None or world_size is None:
+        _, g_rank, g_world = _group_info(group)
+        rank = g_rank if rank is None else rank
+        world_size = g_world if world_size is None else world_size
+    docs = _document_lengths(cu_seqlens)
+    code = _layout_code(layout)
+    granularity = 2 * world_size if layout == "zigzag" else world_size
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), docs.cumsum(0)])
+    index, within = [], []
+    for d, n in enumerate(docs.tolist()):
+        padded = -(-n // granularity) * granularity
+        if padded == 0:
+            continue
+        pos = torch.ops.cpattn.layout_positions(padded, world_size, rank, code)
+        real = pos < n
+        index.append(torch.where(real, starts[d] + pos, -1))
+        within.append(torch.where(real, pos, -1))
+    if not index:
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, empty
+    return torch.cat(index), torch.cat(within)
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens, *, group=None, layout: str = "zigzag",
+                 dim: int = 0) -> torch.Tensor:
+    """This rank's tokens of the packed tensor x (documents padded with zeros on the fly)."""
+    index, _ = positions_varlen(cu_seqlens, group=group, layout=layout)
+    padded = torch.cat([x, x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1 :]))], dim)
+    return padded.index_select(dim, torch.where(index < 0, x.shape[dim], index).to(x.device))
+
+
+def unshard_varlen(x_local: torch.Tensor, cu_seqlens, *, group=None, layout: str = "zigzag",
+                   dim: int = 0) -> torch.Tensor:
+    """All-gathers a varlen shard back into the packed sequence (padding dropped).
+    Differentiable."""
+    index, _ = positions_varlen(cu_seqlens, group=group, layout=layout)
+    total = int(_document_lengths(cu_seqlens).sum())
+    return unshard(x_local, group=group, dim=dim, index=index, seqlen=total)
+
+
+def pad_documents(x: torch.Tensor, cu_seqlens, multiple: int, dim: int = 0):
+    """Pads every document of the packed x with zeros to a multiple of `multiple` tokens.
+    Returns (x_padded, cu_seqlens_padded)."""
+    docs = _document_lengths(cu_seqlens)
+    pieces, lengths, start = [], [], 0
+    for n in docs.tolist():
+        padded = -(-n // multiple) * multiple
+        pieces.append(x.narrow(dim, start, n))
+        pieces.append(x.new_zeros((*x.shape[:dim], padded - n, *x.shape[dim + 1 :])))
+        lengths.append(padded)
+        start += n
+    cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    return torch.cat(pieces, dim), cu
 
 
 def ring_attention_emulated(
@@ -215,6 +442,7 @@ def ring_attention_emulated(
     layout: str = "zigzag",
     softmax_scale: Optional[float] = None,
     window: tuple[int, int] = (-1, -1),
+    strategy: str = "ring",
 ) -> tuple[list, list]:
     """The ring on W ranks emulated in this process (one thread each); lists hold one shard per
     rank. Returns (outs, lses). Forward only; for tests and single-device experiments. On CUDA
@@ -222,10 +450,48 @@ def ring_attention_emulated(
     ordered by events as with NCCL."""
     from cpattn.attention import _check_window
 
+
+    """W ranks emulated in this process; lists hold one shard per rank. Returns (outs, lses).
+
+    strategy "ring": one thread per rank exchanging K/V through an in-process mailbox (the same
+    driver as real ranks, bitwise the same results). "allgather": every rank's steps against
+    the stacked shards. "ulysses" (contiguous layout): the all-to-alls done by concatenation.
+    Forward only; for tests and single-device experiments.
+    """
+    from cpattn.attention import _check_window, attention
+
     window = _check_window(window)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q[0].shape[-1])
-    outs, lses = torch.ops.cpattn.ring_fwd_emulated(
-        q, k, v, float(softmax_scale), bool(causal), window[0], window[1], _layout_code(layout)
-    )
-    return list(outs), list(lses)
+    args = (float(softmax_scale), bool(causal), window[0], window[1])
+    if strategy == "ring":
+        outs, lses = torch.ops.cpattn.ring_fwd_emulated(q, k, v, *args, _layout_code(layout))
+        return list(outs), list(lses)
+    world = len(q)
+    if strategy == "allgather":
+        kv_all = torch.stack([torch.stack([kr, vr]) for kr, vr in zip(k, v)])
+        results = [torch.ops.cpattn.gathered_fwd(q[r], kv_all, r, *args, _layout_code(layout))
+                   for r in range(world)]
+        return [o for o, _ in results], [lse for _, lse in results]
+    if strategy == "ulysses":
+        from cpattn.ulysses import _kv_heads_for_ranks
+
+        full_q, full_k, full_v = (torch.cat(t, dim=1) for t in (q, k, v))
+        heads = full_q.shape[2]
+        idx = _kv_heads_for_ranks(heads, full_k.shape[2], world)
+        if idx is not None:
+            full_k, full_v = full_k[:, :, idx], full_v[:, :, idx]
+        per_rank, kv_per_rank = heads // world, full_k.shape[2] // world
+        outs, lses = [], []
+        for r in range(world):  # rank r: all tokens, its heads
+            qh = slice(r * per_rank, (r + 1) * per_rank)
+            kh = slice(r * kv_per_rank, (r + 1) * kv_per_rank)
+            out, lse = attention(full_q[:, :, qh], full_k[:, :, kh], full_v[:, :, kh],
+                                 causal=causal, softmax_scale=softmax_scale, window=window,
+                                 return_lse=True)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=1)
+        return list(out.chunk(world, dim=1)), list(lse.chunk(world, dim=2))
+    raise ValueError(f"cpattn: emulated strategy must be ring, allgather or ulysses, got "
+                     f"{strategy!r}")

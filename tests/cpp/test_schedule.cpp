@@ -2,6 +2,8 @@
 // and no hidden pair, for every layout, world size up to 16 and a set of masks.
 #include <gtest/gtest.h>
 
+#include <map>
+#include <tuple>
 #include <vector>
 
 #include "cpattn/schedule.h"
@@ -58,6 +60,63 @@ TEST(Schedule, CoversEveryVisiblePairOnce) {
     for (int64_t world = 1; world <= 16; ++world)
       for (const MaskCase& mc : kMasks)
         check_coverage(layout, world, layout_granularity(layout, world) * 3, mc);
+}
+
+// Packed documents: pairs inside a document's real tokens are covered exactly once; nothing
+// crosses documents or touches padding.
+void check_varlen_coverage(Layout layout, int64_t world, const std::vector<int64_t>& lengths,
+                           const MaskCase& mc) {
+  Mask global;
+  global.causal = mc.causal;
+  global.window_left = mc.left;
+  global.window_right = mc.right;
+  const int64_t g = layout_granularity(layout, world);
+  // Each rank's shard: per document, its part of the padded document. Map local index -> (doc,
+  // position in doc) to check pairs.
+  std::vector<int64_t> doc_of, pos_in_doc;
+  std::vector<std::vector<int64_t>> local_doc(world), local_pos(world);
+  for (int64_t r = 0; r < world; ++r)
+    for (size_t d = 0; d < lengths.size(); ++d) {
+      const int64_t padded = (lengths[d] + g - 1) / g * g;
+      for (int64_t l = 0; l < padded / world; ++l) {
+        local_doc[r].push_back(static_cast<int64_t>(d));
+        local_pos[r].push_back(global_position(layout, padded, world, r, l));
+      }
+    }
+  std::map<std::tuple<int64_t, int64_t, int64_t>, int> seen;  // (doc, i, j)
+  for (int64_t rank = 0; rank < world; ++rank)
+    for (int64_t step = 0; step < world; ++step) {
+      const int64_t src = ring_source(rank, step, world);
+      plan_step_varlen(layout, lengths.data(), static_cast<int64_t>(lengths.size()), world, rank,
+                       step, global, [&](const SubProblem& sp) {
+                         for (int64_t a = 0; a < sp.q.length; ++a)
+                           for (int64_t b = 0; b < sp.k.length; ++b) {
+                             if (!sp.mask.visible(a, b)) continue;
+                             const int64_t qa = sp.q.local_begin + a, kb = sp.k.local_begin + b;
+                             const int64_t d = local_doc[rank][qa];
+                             ASSERT_EQ(d, local_doc[src][kb]) << "pair crosses documents";
+                             const int64_t i = local_pos[rank][qa], j = local_pos[src][kb];
+                             ASSERT_LT(i, lengths[d]) << "padding query";
+                             ASSERT_LT(j, lengths[d]) << "padding key";
+                             ASSERT_TRUE(global.visible_pos(i, j));
+                             ++seen[{d, i, j}];
+                           }
+                       });
+    }
+  for (size_t d = 0; d < lengths.size(); ++d)
+    for (int64_t i = 0; i < lengths[d]; ++i)
+      for (int64_t j = 0; j < lengths[d]; ++j) {
+        const auto it = seen.find({static_cast<int64_t>(d), i, j});
+        ASSERT_EQ(it == seen.end() ? 0 : it->second, global.visible_pos(i, j) ? 1 : 0)
+            << "doc " << d << " i=" << i << " j=" << j << " W " << world;
+      }
+}
+
+TEST(Schedule, VarlenCoversEachDocumentOnce) {
+  const std::vector<int64_t> lengths = {1, 0, 13, 5, 2, 31};
+  for (Layout layout : {Layout::kContiguous, Layout::kZigzag, Layout::kStriped})
+    for (int64_t world = 1; world <= 6; ++world)
+      for (const MaskCase& mc : kMasks) check_varlen_coverage(layout, world, lengths, mc);
 }
 
 TEST(Layout, PositionsArePermutation) {

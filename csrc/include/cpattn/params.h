@@ -38,6 +38,12 @@ struct FwdParams {
   float* lse = nullptr;  // (B, H, Sq) contiguous, natural log
   float softmax_scale = 1.f;
   Mask mask;
+  // bf16 operands instead of q/k/v, for CPUs with bf16 dot products (cpu::has_bf16_dot()):
+  // q16 (B, H, Sq, Dp), k16 (B, Hkv, Sk, Dp), v16 (B, Hkv, Sk2, Dp, 2) with Sk2 = ceil(Sk / 2):
+  // V with key pairs interleaved (keys 2j and 2j+1 side by side, a zero key past the end).
+  const uint16_t* q16 = nullptr;
+  const uint16_t* k16 = nullptr;
+  const uint16_t* v16 = nullptr;
 };
 
 // Backward from the *global* out / lse of each query row (delta = rowsum(dout * out)).
@@ -55,6 +61,14 @@ struct BwdParams {
   BshdStrides dkv_strides;
   float softmax_scale = 1.f;
   Mask mask;
+  // bf16 operands instead of q/k/v/dout (cpu::has_bf16_dot()): q16 and dout16 (B, H, Sq, Dp),
+  // k16 and v16 (B, Hkv, Sk, Dp), and K again with key pairs interleaved, k16_pairs
+  // (B, Hkv, ceil(Sk / 2), Dp, 2), for dQ = dS K.
+  const uint16_t* q16 = nullptr;
+  const uint16_t* dout16 = nullptr;
+  const uint16_t* k16 = nullptr;
+  const uint16_t* v16 = nullptr;
+  const uint16_t* k16_pairs = nullptr;
 };
 
 }  // namespace cpattn

@@ -91,4 +91,39 @@ CPATTN_HOST_DEVICE StepPlan plan_step(Layout layout, int64_t seqlen, int64_t wor
   return plan;
 }
 
+// The first `length` tokens of a run, or fewer: those at global positions below `limit`.
+CPATTN_HOST_DEVICE int64_t run_length_below(const Run& run, int64_t limit) {
+  if (run.global_begin >= limit) return 0;
+  const int64_t n = (limit - run.global_begin + run.global_stride - 1) / run.global_stride;
+  return n < run.length ? n : run.length;
+}
+
+// Packed variable-length sequences: document d has lengths[d] real tokens, padded up to a multiple
+// of the layout granularity; each document is sharded on its own by the layout and a rank's shard
+// is its part of document 0, then of document 1, ... Attention never crosses documents, and the
+// padding at the end of a document is neither a query nor a key (runs are clipped to the real
+// tokens), so padded rows stay empty (0 / -inf). Calls emit(SubProblem) for step `step`, with runs
+// in shard-local indices (local_begin) and positions relative to the document.
+template <typename Emit>
+void plan_step_varlen(Layout layout, const int64_t* lengths, int64_t num_docs, int64_t world,
+                      int64_t rank, int64_t step, const Mask& global, Emit&& emit) {
+  const int64_t granularity = layout_granularity(layout, world);
+  int64_t offset = 0;  // where the document starts in every rank's shard
+  for (int64_t d = 0; d < num_docs; ++d) {
+    const int64_t padded = (lengths[d] + granularity - 1) / granularity * granularity;
+    if (padded == 0) continue;
+    const StepPlan plan = plan_step(layout, padded, world, rank, step, global);
+    for (int i = 0; i < plan.count; ++i) {
+      SubProblem sp = plan.items[i];
+      sp.q.length = run_length_below(sp.q, lengths[d]);
+      sp.k.length = run_length_below(sp.k, lengths[d]);
+      if (sp.mask.classify(0, sp.q.length, 0, sp.k.length) == BlockKind::kEmpty) continue;
+      sp.q.local_begin += offset;
+      sp.k.local_begin += offset;
+      emit(sp);
+    }
+    offset += padded / world;
+  }
+}
+
 }  // namespace cpattn

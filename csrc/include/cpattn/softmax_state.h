@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #include "cpattn/config.h"
@@ -33,6 +34,33 @@ CPATTN_HOST_DEVICE MergeWeights merge_weights(float lse_a, float lse_b) {
   const float eb = expf(lse_b - mx);
   const float sum = ea + eb;
   return {ea / sum, eb / sum, mx + logf(sum)};
+}
+
+// N-way form of the same merge, for N partial results over disjoint key sets (one per rank):
+//   lse = max + log(sum_n exp(lse_n - max)),  w_n = exp(lse_n - max) / sum_m exp(lse_m - max).
+// lse_n is read at lse[n * stride]; weights[n] receives w_n. When every part is empty the weights
+// are 0 and the merged lse is -inf (no NaN). For n = 2 it computes exactly what merge_weights does.
+CPATTN_HOST_DEVICE float merge_weights_n(const float* lse, int64_t n, int64_t stride,
+                                         float* weights) {
+  float mx = neg_inf();
+  for (int64_t i = 0; i < n; ++i) mx = lse[i * stride] > mx ? lse[i * stride] : mx;
+  if (mx == neg_inf()) {
+    for (int64_t i = 0; i < n; ++i) weights[i] = 0.f;
+    return neg_inf();
+  }
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    weights[i] = expf(lse[i * stride] - mx);  // exp(-inf) = 0 for an empty part
+    sum += weights[i];
+  }
+  for (int64_t i = 0; i < n; ++i) weights[i] /= sum;
+  return mx + logf(sum);
+}
+
+// The weight w = exp(lse_part - lse_merged) of one part in a merged result, recomputed from the
+// merged lse (the backward of the merge). 0 when the merged row is empty.
+CPATTN_HOST_DEVICE float merged_weight(float lse_part, float lse_merged) {
+  return lse_merged == neg_inf() ? 0.f : expf(lse_part - lse_merged);
 }
 
 // Running state of one query row in base 2: scores are pre-multiplied by scale * log2(e),

@@ -1,0 +1,284 @@
+// Forward and backward attention on bf16 operands with AVX-512 bf16 dot products (vdpbf16ps: each fp32 lane
+// adds the products of one pair of bf16 values), fp32 accumulation. Same algorithm and online
+// softmax as the fp32 kernel (attention_kernel.h); only the two products differ:
+//   S^T = K Q^T  with Q^T packed per query block as (d pairs) x queries x 2,
+//   O  += P V    with P rounded to bf16 and packed as (key pairs) x queries x 2, and V packed by
+//                the op layer as (key pairs) x d x 2.
+// Pairs run along the reduction dim, so one broadcast 32-bit A element and one 64-byte B vector
+// feed 32 multiply-adds.
+#pragma once
+
+#include <immintrin.h>
+
+#include "cpu/attention_kernel.h"
+
+#ifndef __AVX512BF16__
+#error "attention_kernel_bf16.h needs -mavx512bf16"
+#endif
+
+namespace cpattn::cpu {
+namespace CPATTN_CPU_ISA {
+
+// C[MR x 16 NV] (+)= sum over pairs p: A pair (m, p) . B pair row p. A pair (m, p) is the two
+// bf16 at A + m * a_row + p * a_pair; B pair row p is 16 NV pairs at B + p * ldb.
+template <int MR, int NV>
+inline void micro_kernel_bf16(int64_t pairs, const uint16_t* A, int64_t a_row, int64_t a_pair,
+                              const uint16_t* B, int64_t ldb, float* C, int64_t ldc,
+                              bool accumulate) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      acc[m][v] = accumulate ? _mm512_loadu_ps(C + m * ldc + v * kLanes) : _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v)
+      b[v] = (__m512bh)_mm512_loadu_si512(B + p * ldb + v * 2 * kLanes);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, A + m * a_row + p * a_pair, sizeof(pair));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, b[v]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(C + m * ldc + v * kLanes, acc[m][v]);
+}
+
+using MicroKernelBf16Fn = void (*)(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*,
+                                   int64_t, float*, int64_t, bool);
+
+template <int... Ms>
+struct MicroKernelBf16Table {
+  template <int M, int... Vs>
+  static constexpr auto row(std::integer_sequence<int, Vs...>) {
+    return std::array<MicroKernelBf16Fn, sizeof...(Vs)>{&micro_kernel_bf16<M, Vs + 1>...};
+  }
+  static constexpr std::array<std::array<MicroKernelBf16Fn, CPATTN_NV>, sizeof...(Ms)> table{
+      row<Ms + 1>(std::make_integer_sequence<int, CPATTN_NV>{})...};
+};
+template <int... Ms>
+constexpr auto make_table_bf16(std::integer_sequence<int, Ms...>) {
+  return MicroKernelBf16Table<Ms...>::table;
+}
+inline constexpr auto kMicroKernelsBf16 =
+    make_table_bf16(std::make_integer_sequence<int, CPATTN_MR>{});
+
+// C[M x N] (+)= A[M x 2 pairs] B[2 pairs x N]; N a multiple of 16; ldb in bf16 elements.
+inline void gemm_bf16(int64_t M, int64_t N, int64_t pairs, const uint16_t* A, int64_t a_row,
+                      int64_t a_pair, const uint16_t* B, int64_t ldb, float* C, int64_t ldc,
+                      bool accumulate) {
+  constexpr int64_t kTileN = CPATTN_NV * kLanes;
+  for (int64_t n0 = 0; n0 < N; n0 += kTileN) {
+    const int64_t nv = (N - n0 >= kTileN) ? CPATTN_NV : (N - n0) / kLanes;
+    for (int64_t m0 = 0; m0 < M; m0 += CPATTN_MR) {
+      const int64_t mr = (M - m0 >= CPATTN_MR) ? CPATTN_MR : M - m0;
+      kMicroKernelsBf16[mr - 1][nv - 1](pairs, A + m0 * a_row, a_row, a_pair, B + 2 * n0, ldb,
+                                        C + m0 * ldc + n0, ldc, accumulate);
+    }
+  }
+}
+
+// qt[(d / 2) * 2 kBlockQ + 2 i + d % 2] = q[i][d]: Q^T of a query block as d pairs; padded
+// queries are 0.
+inline void pack_pairs_transposed(const uint16_t* q, int64_t rows, int64_t dp, uint16_t* qt) {
+  std::fill(qt, qt + dp * kBlockQ, uint16_t{0});
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t d = 0; d < dp; ++d) qt[(d / 2) * 2 * kBlockQ + 2 * i + d % 2] = q[i * dp + d];
+}
+
+// pp[(c / 2) * 2 kBlockQ + 2 i + c % 2] = bf16(st[c][i]); a zero key completes an odd count.
+inline void pack_probabilities(const float* st, int64_t cols, uint16_t* pp) {
+  // interleave two 16-lane bf16 rows: lane 2i <- row 0 lane i, lane 2i+1 <- row 1 lane i
+  alignas(64) static constexpr int16_t kInterleave[32] = {
+      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i index = _mm512_load_si512(kInterleave);
+  for (int64_t c = 0; c < cols; c += 2) {
+    for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+      const __m512 even = _mm512_loadu_ps(st + c * kBlockQ + i);
+      const __m512 odd = c + 1 < cols ? _mm512_loadu_ps(st + (c + 1) * kBlockQ + i)
+                                      : _mm512_setzero_ps();
+      const __m256i e16 = (__m256i)_mm512_cvtneps_pbh(even);
+      const __m256i o16 = (__m256i)_mm512_cvtneps_pbh(odd);
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(e16), o16, 1);
+      _mm512_storeu_si512(pp + (c / 2) * 2 * kBlockQ + 2 * i,
+                          _mm512_permutexvar_epi16(index, both));
+    }
+  }
+}
+
+struct FwdScratchBf16 {
+  std::unique_ptr<uint16_t[]> qt, pp;
+  std::unique_ptr<float[]> st, acc;
+  explicit FwdScratchBf16(int64_t dp)
+      : qt(new uint16_t[dp * kBlockQ]),
+        pp(new uint16_t[(kBlockK + 1) * kBlockQ]),
+        st(new float[kBlockK * kBlockQ]),
+        acc(new float[kBlockQ * dp]) {}
+};
+
+inline void forward_block_bf16(const FwdParams& p, int64_t b, int64_t h, int64_t qb,
+                               FwdScratchBf16& s) {
+  const AttnShape& sh = p.shape;
+  const int64_t dp = sh.head_dim_padded;
+  const int64_t hk = h / sh.group_size();
+  const int64_t r0 = qb * kBlockQ;
+  const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
+  const int64_t key_pairs = (sh.seqlen_k + 1) / 2;
+  const uint16_t* q = p.q16 + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp;
+  const uint16_t* k = p.k16 + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
+  const uint16_t* v = p.v16 + (b * sh.kv_heads + hk) * key_pairs * dp * 2;
+  const vfloat scale = broadcast(p.softmax_scale * kLog2e);
+
+  pack_pairs_transposed(q, rows, dp, s.qt.get());
+  std::fill(s.acc.get(), s.acc.get() + kBlockQ * dp, 0.f);
+  OnlineSoftmaxRow state[kBlockQ];
+  const PosRange keys = p.mask.key_span(r0, r0 + rows, sh.seqlen_k);
+  for (int64_t c0 = keys.first / kBlockK * kBlockK; c0 <= keys.last; c0 += kBlockK) {
+    const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
+    const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
+    if (kind == BlockKind::kEmpty) continue;
+    float* st = s.st.get();
+    gemm_bf16(cols, kBlockQ, dp / 2, k + c0 * dp, dp, 2, s.qt.get(), 2 * kBlockQ, st, kBlockQ,
+              false);
+    for (int64_t e = 0; e < cols * kBlockQ; e += kLanes) store(st + e, load(st + e) * scale);
+    if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+    softmax_block(st, cols, rows, dp, state, s.acc.get());
+    pack_probabilities(st, cols, s.pp.get());
+    // O[rows x Dp] += P[rows x cols] V[cols x Dp]; c0 is even, so V's pairs start at c0 / 2.
+    gemm_bf16(rows, dp, (cols + 1) / 2, s.pp.get(), 2, 2 * kBlockQ, v + c0 * dp, 2 * dp,
+              s.acc.get(), dp, true);
+  }
+  write_output(p, b, h, r0, rows, state, s.acc.get());
+}
+
+inline void attention_fwd_bf16_impl(const FwdParams& p) {
+  const AttnShape& sh = p.shape;
+  const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
+  at::parallel_for(0, sh.batch * sh.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    FwdScratchBf16 scratch(sh.head_dim_padded);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t qb = t % q_blocks;
+      const int64_t h = (t / q_blocks) % sh.heads;
+      const int64_t b = t / (q_blocks * sh.heads);
+      forward_block_bf16(p, b, h, qb, scratch);
+    }
+  });
+}
+
+// rows[(i / 2) * 2 dp + 2 d + i % 2] = x[i][d]: a block of rows as row pairs (the reduction dim
+// of P^T dO and dS^T Q); an odd count is completed by a zero row.
+inline void pack_row_pairs(const uint16_t* x, int64_t rows, int64_t dp, uint16_t* out) {
+  std::fill(out, out + (rows + 1) / 2 * 2 * dp, uint16_t{0});
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t d = 0; d < dp; ++d) out[(i / 2) * 2 * dp + 2 * d + i % 2] = x[i * dp + d];
+}
+
+// bf16 copy of an fp32 (cols x kBlockQ) block, same layout (pairs along the queries).
+inline void to_bf16(const float* x, int64_t cols, uint16_t* out) {
+  for (int64_t e = 0; e < cols * kBlockQ; e += kLanes)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + e)));
+}
+
+struct BwdScratchBf16 {
+  std::unique_ptr<uint16_t[]> qt, dot, q_rows, do_rows, p16, ds16, ds_pairs;
+  std::unique_ptr<float[]> st, dpt, dk, dv;
+  explicit BwdScratchBf16(int64_t dp)
+      : qt(new uint16_t[dp * kBlockQ]),
+        dot(new uint16_t[dp * kBlockQ]),
+        q_rows(new uint16_t[dp * kBlockQ]),
+        do_rows(new uint16_t[dp * kBlockQ]),
+        p16(new uint16_t[kBlockK * kBlockQ]),
+        ds16(new uint16_t[kBlockK * kBlockQ]),
+        ds_pairs(new uint16_t[(kBlockK + 1) * kBlockQ]),
+        st(new float[kBlockK * kBlockQ]),
+        dpt(new float[kBlockK * kBlockQ]),
+        dk(new float[kBlockK * dp]),
+        dv(new float[kBlockK * dp]) {}
+};
+
+// backward_key_block (attention_kernel.h) with the five products on bf16 operands.
+inline void backward_key_block_bf16(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
+                                    float* dq_base, BwdScratchBf16& s) {
+  const AttnShape& sh = p.shape;
+  const int64_t dp = sh.head_dim_padded;
+  const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
+  const int64_t key_pairs = (sh.seqlen_k + 1) / 2;
+  const uint16_t* k = p.k16 + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
+  const uint16_t* v = p.v16 + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
+  const uint16_t* k_pairs = p.k16_pairs + ((b * sh.kv_heads + hk) * key_pairs + c0 / 2) * dp * 2;
+  std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
+  std::fill(s.dv.get(), s.dv.get() + kBlockK * dp, 0.f);
+  alignas(64) float reference[kBlockQ], delta[kBlockQ];
+  const vfloat scale = broadcast(p.softmax_scale * kLog2e);
+
+  const PosRange queries = p.mask.query_span(c0, c0 + cols, sh.seqlen_q);
+  for (int64_t h = hk * sh.group_size(); h < (hk + 1) * sh.group_size(); ++h) {
+    const int64_t row_base = (b * sh.heads + h) * sh.seqlen_q;
+    for (int64_t r0 = queries.first / kBlockQ * kBlockQ; r0 <= queries.last; r0 += kBlockQ) {
+      const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
+      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
+      if (kind == BlockKind::kEmpty) continue;
+      const uint16_t* q = p.q16 + (row_base + r0) * dp;
+      const uint16_t* dout = p.dout16 + (row_base + r0) * dp;
+      float* dq = dq_base + (row_base + r0) * dp;
+      for (int64_t i = 0; i < kBlockQ; ++i) {
+        reference[i] = i < rows ? backward_reference(p.lse[row_base + r0 + i])
+                                : std::numeric_limits<float>::infinity();
+        delta[i] = i < rows ? p.delta[row_base + r0 + i] : 0.f;
+      }
+      pack_pairs_transposed(q, rows, dp, s.qt.get());
+      pack_pairs_transposed(dout, rows, dp, s.dot.get());
+      pack_row_pairs(q, rows, dp, s.q_rows.get());
+      pack_row_pairs(dout, rows, dp, s.do_rows.get());
+      const int64_t row_pairs = (rows + 1) / 2;
+      float* st = s.st.get();
+      float* dpt = s.dpt.get();
+
+      // P^T = exp2(scale K Q^T - lse)
+      gemm_bf16(cols, kBlockQ, dp / 2, k, dp, 2, s.qt.get(), 2 * kBlockQ, st, kBlockQ, false);
+      for (int64_t e = 0; e < cols * kBlockQ; e += kLanes) store(st + e, load(st + e) * scale);
+      if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+      for (int64_t c = 0; c < cols; ++c)
+        for (int64_t i = 0; i < kBlockQ; i += kLanes)
+          store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
+      // dV += P^T dO
+      to_bf16(st, cols, s.p16.get());
+      gemm_bf16(cols, dp, row_pairs, s.p16.get(), kBlockQ, 2, s.do_rows.get(), 2 * dp,
+                s.dv.get(), dp, true);
+      // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
+      gemm_bf16(cols, kBlockQ, dp / 2, v, dp, 2, s.dot.get(), 2 * kBlockQ, dpt, kBlockQ, false);
+      for (int64_t c = 0; c < cols; ++c)
+        for (int64_t i = 0; i < kBlockQ; i += kLanes)
+          store(dpt + c * kBlockQ + i,
+                load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
+      // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
+      to_bf16(dpt, cols, s.ds16.get());
+      gemm_bf16(cols, dp, row_pairs, s.ds16.get(), kBlockQ, 2, s.q_rows.get(), 2 * dp,
+                s.dk.get(), dp, true);
+      pack_probabilities(dpt, cols, s.ds_pairs.get());
+      gemm_bf16(rows, dp, (cols + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp, dq,
+                dp, true);
+    }
+  }
+  write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
+}
+
+inline void attention_bwd_bf16_impl(const BwdParams& p) {
+  run_backward<BwdScratchBf16>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
+                                      float* dq_base, BwdScratchBf16& scratch) {
+    for (int64_t kb = kb_begin; kb < kb_end; ++kb)
+      backward_key_block_bf16(p, b, hk, kb * kBlockK, dq_base, scratch);
+  });
+}
+
+}  // namespace CPATTN_CPU_ISA
+}  // namespace cpattn::cpu

@@ -1,0 +1,327 @@
+#include "ops/inference.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <vector>
+
+#include "comm/transport.h"
+#include "cpattn/kv_cache.h"
+#include "cpattn/layout.h"
+#include "cpattn/softmax_state.h"
+#include "ops/ops.h"
+#include "ops/ring.h"
+
+namespace cpattn::ops {
+namespace {
+
+bool is_float_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+CacheSharding checked_sharding(int64_t rank, int64_t world, int64_t interleave) {
+  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "cpattn: rank ", rank,
+              " is not in a group of ", world);
+  TORCH_CHECK(interleave >= 1, "cpattn: interleave must be >= 1, got ", interleave);
+  return {world, interleave};
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4,
+              "cpattn: k_cache must be (batch, slots, kv_heads, head_dim), got ", k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "cpattn: v_cache must have k_cache's shape ",
+              k_cache.sizes(), ", got ", v_cache.sizes());
+  TORCH_CHECK(is_float_type(k_cache.scalar_type()) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "cpattn: k_cache and v_cache must have one dtype, float32, bfloat16 or float16, got ",
+              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "cpattn: no KV cache kernel for device ", k_cache.device(), " in this build");
+}
+
+// An int64 CPU tensor of shape (batch,), as a vector.
+std::vector<int64_t> per_sequence(const at::Tensor& t, int64_t batch, const char* name) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == batch && t.scalar_type() == at::kLong &&
+                  t.device().is_cpu(),
+              "cpattn: ", name, " must be an int64 CPU tensor of shape (batch,) = (", batch,
+              ",), got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+  const at::Tensor c = t.contiguous();
+  const int64_t* p = c.data_ptr<int64_t>();
+  std::vector<int64_t> v(p, p + batch);
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(v[b] >= 0, "cpattn: ", name, " must be >= 0, got ", v[b], " for sequence ", b);
+  return v;
+}
+
+// New tokens (k, v) must match the cache in batch, heads, head_dim and dtype.
+void check_tokens(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache) {
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(),
+              "cpattn: new k and v must be (batch, tokens, kv_heads, head_dim) of one shape, got ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.size(0) == k_cache.size(0) && k.size(2) == k_cache.size(2) &&
+                  k.size(3) == k_cache.size(3),
+              "cpattn: new k/v ", k.sizes(), " do not fit the cache ", k_cache.sizes(),
+              " (batch, kv_heads and head_dim must match)");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "cpattn: new k/v must have the cache's dtype ", k_cache.scalar_type(), ", got ",
+              k.scalar_type(), " and ", v.scalar_type());
+  TORCH_CHECK(k.device() == k_cache.device() && v.device() == k_cache.device(),
+              "cpattn: new k/v must be on the cache's device ", k_cache.device());
+}
+
+// Every rank runs this with the same lengths, so an overflow raises on every rank (not only on
+// the owner of the token that would not fit).
+void check_room(const CacheSharding& s, int64_t slots, const std::vector<int64_t>& start,
+                int64_t tokens) {
+  for (size_t b = 0; b < start.size(); ++b)
+    TORCH_CHECK(s.count(0, start[b] + tokens) <= slots, "cpattn: KV cache overflow: sequence ", b,
+                " would hold ", start[b] + tokens, " tokens but the cache shards have ", slots,
+                " slots per rank, room for ", s.max_tokens(slots), " tokens per sequence");
+}
+
+// Writes token l of sequence b of (k, v) to its slot when `rank` owns position(b, l).
+template <typename Position>
+void store_owned(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+                 const at::Tensor& v, const CacheSharding& s, int64_t rank, Position position) {
+  std::vector<int64_t> src, dst;
+  for (int64_t b = 0; b < k.size(0); ++b) {
+    src.clear();
+    dst.clear();
+    for (int64_t l = 0; l < k.size(1); ++l) {
+      const int64_t t = position(b, l);
+      if (s.owner(t) != rank) continue;
+      src.push_back(l);
+      dst.push_back(s.slot(t));
+    }
+    if (src.empty()) continue;
+    const at::Tensor src_idx = at::tensor(src, at::kLong), dst_idx = at::tensor(dst, at::kLong);
+    k_cache.select(0, b).index_copy_(0, dst_idx, k.select(0, b).index_select(0, src_idx));
+    v_cache.select(0, b).index_copy_(0, dst_idx, v.select(0, b).index_select(0, src_idx));
+  }
+}
+
+}  // namespace
+
+// ---- N-way merge ------------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& outs,
+                                                          const at::Tensor& lses,
+                                                          std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(outs.dim() == 5, "cpattn: merge_attention_states outs must be (parts, batch, seqlen, "
+              "heads, head_dim), got ", outs.sizes());
+  const int64_t N = outs.size(0), B = outs.size(1), S = outs.size(2), H = outs.size(3),
+                D = outs.size(4);
+  TORCH_CHECK(N >= 1, "cpattn: merge_attention_states needs at least one part");
+  const std::vector<int64_t> lse_shape{N, B, H, S};
+  TORCH_CHECK(lses.sizes() == at::IntArrayRef(lse_shape),
+              "cpattn: merge_attention_states lses must have shape (parts, batch, heads, seqlen) ",
+              "= ", at::IntArrayRef(lse_shape), ", got ", lses.sizes());
+  TORCH_CHECK(is_float_type(outs.scalar_type()),
+              "cpattn: merge_attention_states outs must be float32, bfloat16 or float16, got ",
+              outs.scalar_type());
+  TORCH_CHECK(lses.scalar_type() == at::kFloat,
+              "cpattn: merge_attention_states lses must be float32, got ", lses.scalar_type());
+  TORCH_CHECK(outs.device().is_cpu() && lses.device().is_cpu(),
+              "cpattn: no merge_attention_states kernel for device ", outs.device(), " / ",
+              lses.device(), " in this build");
+  const at::ScalarType dtype = out_dtype.value_or(outs.scalar_type());
+  TORCH_CHECK(is_float_type(dtype),
+              "cpattn: out_dtype must be float32, bfloat16 or float16, got ", dtype);
+
+  const at::Tensor po = outs.to(at::kFloat).contiguous(), pl = lses.contiguous();
+  at::Tensor out = at::empty({B, S, H, D}, outs.options().dtype(at::kFloat));
+  at::Tensor lse = at::empty({B, H, S}, lses.options());
+  const float* po_ = po.data_ptr<float>();
+  const float* pl_ = pl.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  float* l = lse.data_ptr<float>();
+  const int64_t rows = B * S * H;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(N);
+    for (int64_t row = begin; row < end; ++row) {  // row = (b * S + s) * H + h
+      const int64_t h = row % H, s = (row / H) % S, b = row / (H * S);
+      const int64_t lse_at = (b * H + h) * S + s;
+      l[lse_at] = merge_weights_n(pl_ + lse_at, N, rows, w.data());
+      float* dst = o + row * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = 0.f;
+      for (int64_t n = 0; n < N; ++n) {
+        if (w[n] == 0.f) continue;  // an empty part (its out is 0 anyway)
+        const float* src = po_ + (n * rows + row) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] += w[n] * src[d];
+      }
+    }
+  });
+  return {out.to(dtype), lse};
+}
+
+// out = sum_n w_n o_n with w_n = exp(lse_n - lse):
+//   d o_n = w_n dout,  d lse_n = w_n (dout . o_n - dout . out + dlse).
+std::tuple<at::Tensor, at::Tensor> merge_attention_states_bwd(
+    const at::Tensor& dout, const std::optional<at::Tensor>& dlse, const at::Tensor& outs,
+    const at::Tensor& lses, const at::Tensor& lse) {
+  const int64_t N = outs.size(0), B = outs.size(1), S = outs.size(2), H = outs.size(3),
+                D = outs.size(4);
+  TORCH_CHECK(dout.sizes() == outs.sizes().slice(1) && lse.sizes() == lses.sizes().slice(1),
+              "cpattn: merge_attention_states_bwd: dout ", dout.sizes(), " and lse ", lse.sizes(),
+              " must be one part of outs ", outs.sizes(), " and lses ", lses.sizes());
+  const bool has_dlse = dlse && dlse->defined();
+  if (has_dlse)
+    TORCH_CHECK(dlse->sizes() == lse.sizes(), "cpattn: dlse must have lse's shape ", lse.sizes(),
+                ", got ", dlse->sizes());
+  const at::Tensor po = outs.to(at::kFloat).contiguous(), pl = lses.contiguous();
+  const at::Tensor g = dout.to(at::kFloat).contiguous(), lc = lse.contiguous();
+  const at::Tensor gl = has_dlse ? dlse->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor douts = at::empty(po.sizes(), po.options());
+  at::Tensor dlses = at::empty(pl.sizes(), pl.options());
+  const float* po_ = po.data_ptr<float>();
+  const float* pl_ = pl.data_ptr<float>();
+  const float* g_ = g.data_ptr<float>();
+  const float* l_ = lc.data_ptr<float>();
+  const float* gl_ = has_dlse ? gl.data_ptr<float>() : nullptr;
+  float* do_ = douts.data_ptr<float>();
+  float* dl_ = dlses.data_ptr<float>();
+  const int64_t rows = B * S * H;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(N), dots(N);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t h = row % H, s = (row / H) % S, b = row / (H * S);
+      const int64_t lse_at = (b * H + h) * S + s;
+      const float* grow = g_ + row * D;
+      float dot_out = 0.f;
+      for (int64_t n = 0; n < N; ++n) {
+        w[n] = merged_weight(pl_[n * rows + lse_at], l_[lse_at]);
+        const float* src = po_ + (n * rows + row) * D;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += grow[d] * src[d];
+        dots[n] = dot;
+        dot_out += w[n] * dot;
+      }
+      const float extra = has_dlse ? gl_[lse_at] : 0.f;
+      for (int64_t n = 0; n < N; ++n) {
+        float* dst = do_ + (n * rows + row) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = w[n] * grow[d];
+        dl_[n * rows + lse_at] = w[n] == 0.f ? 0.f : w[n] * (dots[n] - dot_out + extra);
+      }
+    }
+  });
+  return {douts.to(outs.scalar_type()), dlses};
+}
+
+// ---- the cache ----------------------------------------------------------------------------------
+
+void cache_store_(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+                  const at::Tensor& v, const at::Tensor& start, int64_t rank, int64_t world,
+                  int64_t interleave) {
+  const CacheSharding s = checked_sharding(rank, world, interleave);
+  check_cache(k_cache, v_cache);
+  check_tokens(k, v, k_cache);
+  const std::vector<int64_t> first = per_sequence(start, k_cache.size(0), "start");
+  check_room(s, k_cache.size(1), first, k.size(1));
+  store_owned(k_cache, v_cache, k, v, s, rank,
+              [&](int64_t b, int64_t l) { return first[b] + l; });
+}
+
+std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& cache_lens, const at::Tensor& q_start, int64_t rank, int64_t world,
+    int64_t interleave, double softmax_scale, bool causal,
+    std::optional<at::ScalarType> out_dtype) {
+  const CacheSharding s = checked_sharding(rank, world, interleave);
+  check_cache(k_cache, v_cache);
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == k_cache.size(0) && q.size(3) == k_cache.size(3),
+              "cpattn: q must be (batch, seqlen_q, heads, head_dim) with the cache's batch and "
+              "head_dim (", k_cache.size(0), ", ", k_cache.size(3), "), got ", q.sizes());
+  TORCH_CHECK(q.size(2) % k_cache.size(2) == 0, "cpattn: the number of query heads (", q.size(2),
+              ") must be a multiple of the cache's key/value heads (", k_cache.size(2), ")");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "cpattn: q must have the cache's dtype ",
+              k_cache.scalar_type(), ", got ", q.scalar_type());
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
+              "cpattn: softmax_scale must be finite and positive, got ", softmax_scale);
+  const int64_t B = q.size(0), Sq = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t Hkv = k_cache.size(2), group = H / Hkv;
+  const std::vector<int64_t> lens = per_sequence(cache_lens, B, "cache_lens");
+  const std::vector<int64_t> first = per_sequence(q_start, B, "q_start");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(s.count(0, lens[b]) <= k_cache.size(1), "cpattn: cache_lens[", b, "] = ", lens[b],
+                " is more than the cache shards hold (", s.max_tokens(k_cache.size(1)), ")");
+
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor out = at::zeros({B, Sq, H, D}, f32);
+  at::Tensor lse = at::full({B, H, Sq}, -INFINITY, f32);
+  Mask rule;
+  rule.causal = causal;
+  for (int64_t b = 0; b < B; ++b) {
+    const at::Tensor qb = q.narrow(0, b, 1), ob = out.narrow(0, b, 1), lb = lse.narrow(0, b, 1);
+    for_each_cache_span(s, rank, lens[b], rule, first[b], Sq, [&](const CacheSpan& sp) {
+      const int64_t n = sp.slot_end - sp.slot_begin;
+      const at::Tensor kb = k_cache.narrow(0, b, 1).narrow(1, sp.slot_begin, n);
+      const at::Tensor vb = v_cache.narrow(0, b, 1).narrow(1, sp.slot_begin, n);
+      const Mask& m = sp.mask;
+      const bool plain = !m.causal && m.window_left < 0 && m.window_right < 0;
+      if (plain && group > 1) {
+        // Every query sees every key of this span, so positions do not matter and the G query
+        // heads that share a KV head can go in as G x Sq rows of one head: the kernel tiles 64
+        // query rows, and a decode step has only Sq per head.
+        const at::Tensor qf = qb.reshape({1, Sq, Hkv, group, D}).transpose(2, 3).reshape(
+            {1, Sq * group, Hkv, D});
+        auto [part_out, part_lse] = attention_fwd(qf, kb, vb, softmax_scale, false, -1, -1, 0, 0,
+                                                  at::kFloat);
+        merge_into(ob, lb,
+                   part_out.view({1, Sq, group, Hkv, D}).transpose(2, 3).reshape({1, Sq, H, D}),
+                   part_lse.view({1, Hkv, Sq, group}).transpose(2, 3).reshape({1, H, Sq}));
+        return;
+      }
+      auto [part_out, part_lse] = attention_fwd(qb, kb, vb, softmax_scale, m.causal, m.window_left,
+                                                m.window_right, m.q_offset, m.k_offset, at::kFloat);
+      merge_into(ob, lb, part_out, part_lse);
+    });
+  }
+  return {out.to(out_dtype.value_or(q.scalar_type())), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v, const at::Tensor& k_cache,
+                                               const at::Tensor& v_cache,
+                                               const at::Tensor& cache_lens,
+                                               c10::string_view group_name, double softmax_scale,
+                                               int64_t layout, int64_t interleave,
+                                               double timeout_s) {
+  auto transport = comm::make_process_group_transport(
+      std::string(group_name), std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  const int64_t world = transport->world(), rank = transport->rank();
+  const CacheSharding s = checked_sharding(rank, world, interleave);
+  check_cache(k_cache, v_cache);
+  check_tokens(k, v, k_cache);
+  RingOptions o =
+      make_ring_options(softmax_scale, /*causal=*/true, -1, -1, layout, std::nullopt);
+  o.out_dtype = at::kFloat;  // merged with the cached part before the one cast
+  const std::vector<int64_t> start = per_sequence(cache_lens, k_cache.size(0), "cache_lens");
+  const int64_t chunk = k.size(1) * world;
+  check_room(s, k_cache.size(1), start, chunk);
+  // Every K/V shard of the chunk passes through every rank in the ring: each rank keeps the
+  // tokens it owns, so filling the cache costs no communication beyond the ring's.
+  const ShardVisitor store = [&](int64_t source, const at::Tensor& kv) {
+    store_owned(k_cache, v_cache, kv[0], kv[1], s, rank, [&](int64_t b, int64_t l) {
+      return start[b] + global_position(o.layout, chunk, world, source, l);
+    });
+  };
+  return ring_forward(q, k, v, *transport, o, store);
+}
+
+int64_t cache_local_count(int64_t n, int64_t rank, int64_t world, int64_t interleave) {
+  TORCH_CHECK(n >= 0, "cpattn: the number of tokens must be >= 0, got ", n);
+  return checked_sharding(rank, world, interleave).count(rank, n);
+}
+
+at::Tensor cache_positions(int64_t n, int64_t rank, int64_t world, int64_t interleave) {
+  const CacheSharding s = checked_sharding(rank, world, interleave);
+  TORCH_CHECK(n >= 0, "cpattn: the number of tokens must be >= 0, got ", n);
+  at::Tensor pos = at::empty({s.count(rank, n)}, at::kLong);
+  int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pos.size(0); ++i) p[i] = s.position(rank, i);
+  return pos;
+}
+
+}  // namespace cpattn::ops

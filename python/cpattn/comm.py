@@ -1,0 +1,113 @@
+"""Autograd-aware collectives along one tensor dim, for sequence-parallel layers.
+
+Each is differentiable: the backward of an all-gather is a reduce-scatter and vice versa; the
+backward of an all-to-all is the all-to-all with the two dims swapped. Chunks follow rank order
+within `group` (default: the world).
+"""
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+# torch >= 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> None:
+    if x.shape[dim] % world != 0:
+        raise ValueError(
+            f"cpattn.comm.{what}: dim {dim} of size {x.shape[dim]} is not divisible by the group "
+            f"size {world}"
+        )
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = _world(group)
+    if world == 1:
+        return x
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((world * src.shape[0], *src.shape[1:]))
+    all_gather_flat(out, src, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = _world(group)
+    if world == 1:
+        return x
+    _check_divisible(x, dim, world, "reduce_scatter")
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.shape[0] // world, *src.shape[1:]))
+    reduce_scatter_flat(out, src, group=group)
+    return out.movedim(0, dim)
+
+
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    world = _world(group)
+    if world == 1:
+        return x
+    _check_divisible(x, scatter_dim, world, "all_to_all")
+    send = torch.stack(x.chunk(world, dim=scatter_dim), dim=0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def all_gather(x: torch.Tensor, dim: int = 1, group: Optional[dist.ProcessGroup] = None):
+    """Concatenates every rank's x along `dim` (rank order). Backward: reduce-scatter."""
+    return _AllGather.apply(x, dim, group)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int = 1, group: Optional[dist.ProcessGroup] = None):
+    """Sums x over the ranks and keeps this rank's chunk along `dim`. Backward: all-gather."""
+    return _ReduceScatter.apply(x, dim, group)
+
+
+def all_to_all(
+    x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Optional[dist.ProcessGroup] = None
+):
+    """Splits x into W chunks along scatter_dim, sends chunk i to rank i, and concatenates the
+    received chunks along gather_dim (rank order). E.g. (B, S/W, H, D) -> (B, S, H/W, D) with
+    scatter_dim=2, gather_dim=1 (Ulysses)."""
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group)

@@ -1,0 +1,494 @@
+"""Inference with context parallelism: a KV cache sharded over the ranks, prefill of prompt chunks
+through the ring, and decode steps that merge per-rank partial attention exactly.
+
+Token t of a sequence is stored by rank (t // interleave) % W only (csrc/include/cpattn/kv_cache.h),
+so each rank holds about 1/W of every sequence's K/V. A decode step computes each rank's partial
+attention over its shard (with the causal rule on global positions) and merges the W partials with
+their log-sum-exp: it communicates outputs and LSEs (B x Sq x H x (D + 1) numbers per layer),
+never K/V. Prefill runs the ring over the new chunk (which also fills the owners' caches, at no
+extra communication) and, for a chunk after earlier ones, merges in the attention of the chunk's
+queries to the cached tokens the same way decode does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import struct
+import zlib
+from collections.abc import Sequence
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from cpattn import _inference_ops  # noqa: F401  (fake kernels and autograd)
+from cpattn.ring import _default_timeout, _group_info, _layout_code, positions
+
+ops = torch.ops.cpattn
+COMMS = ("all_gather", "reduce_scatter")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_LAYOUT_GRANULARITY = {"contiguous": 1, "zigzag": 2, "striped": 1}  # x W
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"cpattn.KVCacheShard: {name} must be a positive int, got {value!r}")
+    return value
+
+
+class KVCacheShard:
+    """This rank's part of a KV cache for a batch of sequences (one layer).
+
+    Token t of each sequence lives on rank (t // interleave) % world_size, and only there: blocks
+    of `interleave` consecutive tokens are dealt round-robin over the ranks (1 = single tokens).
+    Storage is preallocated for `capacity` tokens per sequence: k and v are
+    (batch, local_slots, kv_heads, head_dim) with local_slots about capacity / world_size.
+    `lengths` (int64, (batch,)) counts each sequence's tokens over all ranks; it is the same on
+    every rank, since every rank appends the same tokens.
+
+    Args:
+        batch, capacity, kv_heads, head_dim: sizes; capacity is the maximum tokens per sequence.
+        interleave: tokens per round-robin block.
+        group: the process group the cache is sharded over (default: the world); or give
+            rank and world_size explicitly (no process group needed to build or fill the cache).
+        dtype, device: of the K/V storage.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        capacity: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        interleave: int = 1,
+        group=None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        for name, value in (("batch", batch), ("capacity", capacity), ("kv_heads", kv_heads),
+                            ("head_dim", head_dim), ("interleave", interleave)):
+            _positive_int(value, name)
+        if rank is None or world_size is None:
+            _, g_rank, g_world = _group_info(group)
+            rank = g_rank if rank is None else rank
+            world_size = g_world if world_size is None else world_size
+        _positive_int(world_size, "world_size")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"cpattn.KVCacheShard: rank {rank} is not in a group of {world_size}")
+        self.capacity, self.interleave = capacity, interleave
+        self.rank, self.world_size = rank, world_size
+        slots = ops.cache_local_count(capacity, 0, world_size, interleave)
+        self.k = torch.zeros(batch, slots, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.lengths = torch.zeros(batch, dtype=torch.int64)
+        self._first = 0  # index of sequence 0 in the full cache (views of sequences)
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def local_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage on this rank."""
+        return self.k.nbytes + self.v.nbytes
+
+    def local_lengths(self) -> torch.Tensor:
+        """Tokens of each sequence stored on this rank (int64, (batch,))."""
+        return torch.tensor(
+            [ops.cache_local_count(int(n), self.rank, self.world_size, self.interleave)
+             for n in self.lengths.tolist()],
+            dtype=torch.int64,
+        )
+
+    def positions(self, index: int) -> torch.Tensor:
+        """Global positions of the tokens of sequence `index` stored here, in slot order."""
+        n = int(self.lengths[index])
+        return ops.cache_positions(n, self.rank, self.world_size, self.interleave)
+
+    def sequences(self, start: int, stop: int) -> "KVCacheShard":
+        """A view of sequences [start, stop): same storage, appends through it update this cache.
+
+        Useful to prefill sequences of different lengths one at a time, then decode them together.
+        """
+        if not 0 <= start < stop <= self.batch:
+            raise ValueError(
+                f"cpattn.KVCacheShard.sequences: need 0 <= start < stop <= {self.batch}, got "
+                f"({start}, {stop})"
+            )
+        view = object.__new__(KVCacheShard)
+        view.__dict__.update(self.__dict__)
+        view.k, view.v = self.k[start:stop], self.v[start:stop]
+        view.lengths = self.lengths[start:stop]
+        view._first = self._first + start
+        return view
+
+    def clear(self) -> None:
+        """Forgets every sequence's tokens (the storage stays allocated)."""
+        self.lengths.zero_()
+
+    def check_room(self, tokens: int, what: str) -> None:
+        """Raises ValueError if some sequence cannot take `tokens` more. The lengths are the same
+        on every rank, so every rank raises."""
+        over = (self.lengths + tokens > self.capacity).nonzero().flatten().tolist()
+        if over:
+            b = over[0]
+            raise ValueError(
+                f"{what}: KV cache capacity exceeded: sequence {self._first + b} holds "
+                f"{int(self.lengths[b])} "
+                f"tokens, {tokens} more would exceed the capacity of {self.capacity}"
+            )
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Appends new tokens to every sequence: k, v (batch, n, kv_heads, head_dim), the same
+        on every rank (e.g. a decode step's K/V); only each token's owner stores it."""
+        if k.dim() != 4 or k.shape != v.shape or k.shape[0] != self.batch or (
+            k.shape[2:] != self.k.shape[2:]
+        ):
+            raise ValueError(
+                "cpattn.KVCacheShard.append: k and v must be (batch, tokens, kv_heads, head_dim) "
+                f"= ({self.batch}, n, {self.kv_heads}, {self.head_dim}), got {tuple(k.shape)} "
+                f"and {tuple(v.shape)}"
+            )
+        self.check_room(k.shape[1], "cpattn.KVCacheShard.append")
+        ops.cache_store_(self.k, self.v, k.to(self.dtype), v.to(self.dtype), self.lengths,
+                         self.rank, self.world_size, self.interleave)
+        self.lengths += k.shape[1]
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheShard(rank {self.rank}/{self.world_size}, interleave {self.interleave}, "
+            f"batch {self.batch}, capacity {self.capacity} ({self.local_slots} slots here), "
+            f"kv_heads {self.kv_heads}, head_dim {self.head_dim}, {self.dtype}, "
+            f"lengths {self.lengths.tolist()})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def merge_attention_states(
+    outs: Union[torch.Tensor, Sequence[torch.Tensor]],
+    lses: Union[torch.Tensor, Sequence[torch.Tensor]],
+    *,
+    out_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merges N partial attention results over disjoint key sets, exactly.
+
+    Args:
+        outs: N outputs (batch, seqlen, heads, head_dim), any float dtype, as a sequence or
+            stacked (N, batch, seqlen, heads, head_dim).
+        lses: their LSEs (batch, heads, seqlen) float32, as a sequence or stacked.
+        out_dtype: dtype of the merged out (default: that of outs).
+
+    Returns (out, lse): computed in float32 with the -inf safe merge (a row empty in every part
+    stays out 0, lse -inf); out cast once to out_dtype. Differentiable in outs and lses.
+    """
+    if not isinstance(outs, torch.Tensor):
+        outs = torch.stack(list(outs))
+    if not isinstance(lses, torch.Tensor):
+        lses = torch.stack(list(lses))
+    return ops.merge_attention_states(outs, lses, out_dtype)
+
+
+def _scale_bits(scale: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", scale))[0]
+
+
+def _wait(work, timeout: float, what: str) -> None:
+    if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+        raise RuntimeError(f"{what}: peers did not answer within {timeout} s")
+
+
+def _agree(group, world: int, fields: dict[str, int], timeout: float, what: str) -> None:
+    """Every rank must pass the same shapes and options: one small all-gather, checked on every
+    rank, so that a mistake raises everywhere instead of hanging or giving garbage."""
+    mine = torch.tensor(list(fields.values()), dtype=torch.int64)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    _wait(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, what)
+    table = torch.stack(gathered)
+    bad = (table != table[0]).any(0).nonzero().flatten().tolist()
+    if bad:
+        names = list(fields)
+        detail = "; ".join(
+            f"{names[i]}: " + ", ".join(f"rank {r}={table[r, i].item()}" for r in range(world))
+            for i in bad
+        )
+        hint = ""
+        if "lengths" in (names[i] for i in bad):
+            hint = " (the cache lengths differ: every rank must append the same tokens)"
+        raise ValueError(
+            f"{what}: ranks disagree on {', '.join(names[i] for i in bad)}{hint} ({detail})"
+        )
+
+
+def _cache_fields(cache: KVCacheShard, rank: int) -> dict[str, int]:
+    return {
+        "cache_world_size": cache.world_size,
+        "cache_rank_is_group_rank": int(cache.rank == rank),
+        "interleave": cache.interleave,
+        "capacity": cache.capacity,
+        "cache_batch": cache.batch,
+        "cache_kv_heads": cache.kv_heads,
+        "cache_head_dim": cache.head_dim,
+        "cache_dtype": _DTYPES.get(cache.dtype, -1),
+        "lengths": zlib.crc32(cache.lengths.numpy().tobytes()),
+    }
+
+
+def _check_cache_group(cache: KVCacheShard, rank: int, world: int, what: str) -> None:
+    # After _agree these values are the same on every rank, so every rank raises.
+    if cache.world_size != world or cache.rank != rank:
+        raise ValueError(
+            f"{what}: the cache was made for rank {cache.rank} of {cache.world_size}, but this is "
+            f"rank {rank} of {world} in the group"
+        )
+
+
+def _check_q(q: torch.Tensor, cache: KVCacheShard, what: str) -> None:
+    if q.dim() != 4 or q.shape[0] != cache.batch or q.shape[3] != cache.head_dim:
+        raise ValueError(
+            f"{what}: q must be (batch, seqlen, heads, head_dim) with the cache's batch "
+            f"{cache.batch} and head_dim {cache.head_dim}, got {tuple(q.shape)}"
+        )
+    if q.shape[2] % cache.kv_heads != 0:
+        raise ValueError(
+            f"{what}: the number of query heads ({q.shape[2]}) must be a multiple of the cache's "
+            f"kv_heads ({cache.kv_heads})"
+        )
+    if q.dtype != cache.dtype:
+        raise ValueError(f"{what}: q must have the cache's dtype {cache.dtype}, got {q.dtype}")
+
+
+def _pack(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) fp32 and (B, H, S) -> one (B, S, H, D + 1) message."""
+    return torch.cat([out, lse.transpose(1, 2).unsqueeze(-1)], dim=-1)
+
+
+def _unpack(msg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, B, S, H, D + 1) -> outs (N, B, S, H, D), lses (N, B, H, S)."""
+    return msg[..., :-1], msg[..., -1].transpose(2, 3).contiguous()
+
+
+def _all_gather(msg: torch.Tensor, group, world: int, timeout: float, what: str) -> torch.Tensor:
+    """(B, ...) on every rank -> (W, B, ...)."""
+    recv = msg.new_empty((world * msg.shape[0], *msg.shape[1:]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _wait(gather(recv, msg.contiguous(), group=group, async_op=True), timeout, what)
+    return recv.view(world, *msg.shape)
+
+
+def _all_to_all(send: torch.Tensor, group, timeout: float, what: str) -> torch.Tensor:
+    """send[s] goes to rank s; returns recv with recv[s] from rank s."""
+    recv = torch.empty_like(send)
+    _wait(dist.all_to_all_single(recv, send, group=group, async_op=True), timeout, what)
+    return recv
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill and decode
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: KVCacheShard,
+    *,
+    group=None,
+    layout: str = "zigzag",
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    timeout: Optional[float] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Causal attention for a chunk of C prompt tokens per sequence, sharded over the ranks, that
+    also stores the chunk's K/V in the owners' cache shards.
+
+    The chunk follows the tokens already in the cache: its token at chunk position c of sequence
+    b is at global position cache.lengths[b] + c (use that for RoPE). Chunked prefill (a chunk
+    after earlier ones) is exact: the chunk's queries also attend to every cached token.
+
+    Args:
+        q: this rank's queries of the chunk (batch, C / W, heads, head_dim) in `layout` order
+            (cpattn.shard / cpattn.positions on a length-C chunk).
+        k, v: this rank's keys / values of the chunk (batch, C / W, kv_heads, head_dim).
+        cache: this rank's KVCacheShard (e.g. cache.sequences(i, i + 1) for one sequence).
+        layout: "contiguous", "zigzag" (balanced for causal) or "striped"; C must be a multiple of
+            W (2 W for zigzag). Shorter tails go through decode_attention (append, then Sq > 1).
+        return_lse: also return the LSE (batch, heads, C / W) float32.
+        timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT or 300).
+
+    Returns this rank's out (batch, C / W, heads, head_dim) in q's dtype. Forward only. Every rank
+    must call it with the same shapes and options; a mismatch or a full cache raises on every rank.
+    """
+    what = "cpattn.prefill_attention"
+    group, rank, world = _group_info(group)
+    layout_code = _layout_code(layout)
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"{what}: q (batch, C / W, heads, head_dim) and k, v (batch, C / W, kv_heads, "
+            f"head_dim) must have one chunk length, got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    timeout = _default_timeout() if timeout is None else float(timeout)
+    _agree(group, world, {
+        "batch": q.shape[0], "chunk_local": q.shape[1], "heads": q.shape[2],
+        "head_dim": q.shape[3], "kv_batch": k.shape[0], "kv_chunk_local": k.shape[1],
+        "kv_heads": k.shape[2], "kv_head_dim": k.shape[3],
+        "dtype": _DTYPES.get(q.dtype, -1), "layout": layout_code,
+        "softmax_scale": _scale_bits(float(softmax_scale)), **_cache_fields(cache, rank),
+    }, timeout, what)
+    _check_cache_group(cache, rank, world, what)
+    _check_q(q, cache, what)
+    chunk = q.shape[1] * world
+    granularity = _LAYOUT_GRANULARITY[layout] * world
+    if chunk % granularity != 0:
+        raise ValueError(
+            f"{what}: the {layout} layout needs a chunk length that is a multiple of "
+            f"{granularity}, got {chunk} ({q.shape[1]} per rank)"
+        )
+    cache.check_room(chunk, what)
+
+    start = cache.lengths.clone()
+    parts_out, parts_lse = [], []
+    if bool((start > 0).any()):
+        # Every query of the chunk sees every cached token. Each rank attends all the chunk's
+        # queries to its shard, then sends each rank the partials of that rank's queries.
+        q_all = _all_gather(q, group, world, timeout, what)  # (W, B, C / W, H, D)
+        q_all = q_all.transpose(0, 1).reshape(q.shape[0], chunk, *q.shape[2:])
+        po, pl = ops.cache_attention_fwd(
+            q_all, cache.k, cache.v, start, start, rank, world, cache.interleave,
+            float(softmax_scale), True, torch.float32,
+        )
+        msg = _pack(po, pl).view(q.shape[0], world, q.shape[1], q.shape[2], q.shape[3] + 1)
+        recv = _all_to_all(msg.transpose(0, 1).contiguous(), group, timeout, what)
+        parts_out, parts_lse = _unpack(recv)
+    ring_out, ring_lse = ops.prefill_fwd(
+        q, k, v, cache.k, cache.v, start, group.group_name, float(softmax_scale), layout_code,
+        cache.interleave, timeout,
+    )
+    cache.lengths += chunk
+    if len(parts_out):
+        out, lse = merge_attention_states(
+            torch.cat([ring_out[None], parts_out]), torch.cat([ring_lse[None], parts_lse]),
+            out_dtype=q.dtype,
+        )
+    else:
+        out, lse = ring_out.to(q.dtype), ring_lse
+    return (out, lse) if return_lse else out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    cache: KVCacheShard,
+    *,
+    group=None,
+    softmax_scale: Optional[float] = None,
+    return_lse: bool = False,
+    comm: str = "all_gather",
+    timeout: Optional[float] = None,
+    validate: bool = True,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Exact causal attention of the newest Sq tokens of each sequence over the sharded cache.
+
+    Append the new tokens' K/V first (cache.append, the same on every rank); query row i of
+    sequence b then sits at global position cache.lengths[b] - Sq + i and sees the keys at
+    positions <= its own (Sq > 1: speculative decoding, or a prompt tail).
+
+    Args:
+        q: (batch, Sq, heads, head_dim), the same on every rank, in the cache's dtype.
+        cache: this rank's KVCacheShard.
+        comm: how the per-rank partial results are merged:
+            "all_gather": all-gather every rank's (out, lse), merge locally; out is replicated,
+                (batch, Sq, heads, head_dim).
+            "reduce_scatter": each rank receives every rank's partials for its heads only and
+                merges them: out (batch, Sq, heads / W, head_dim) for heads
+                [rank * heads / W, (rank + 1) * heads / W), ready for a tensor-parallel output
+                projection. Needs heads % W == 0.
+        return_lse: also return the LSE (batch, heads or heads / W, Sq) float32.
+        timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT or 300).
+        validate: check with one small all-gather that every rank passes the same shapes,
+            options and cache lengths (a mismatch then raises on every rank). It is a second
+            collective per call; without it a mismatch is a timeout or a wrong result.
+
+    The partials travel and merge in float32; out is cast to q's dtype once. Forward only.
+    A rank whose shard holds none of a sequence's tokens contributes an empty partial (lse -inf).
+    """
+    what = "cpattn.decode_attention"
+    group, rank, world = _group_info(group)
+    if comm not in COMMS:
+        raise ValueError(f"{what}: comm must be one of {COMMS}, got {comm!r}")
+    if q.dim() != 4:
+        raise ValueError(f"{what}: q must be (batch, Sq, heads, head_dim), got {tuple(q.shape)}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    timeout = _default_timeout() if timeout is None else float(timeout)
+    if validate:
+        _agree(group, world, {
+            "batch": q.shape[0], "seqlen_q": q.shape[1], "heads": q.shape[2],
+            "head_dim": q.shape[3], "dtype": _DTYPES.get(q.dtype, -1), "comm": COMMS.index(comm),
+            "softmax_scale": _scale_bits(float(softmax_scale)), **_cache_fields(cache, rank),
+        }, timeout, what)
+    _check_cache_group(cache, rank, world, what)
+    _check_q(q, cache, what)
+    b, sq, h, d = q.shape
+    short = (cache.lengths < sq).nonzero().flatten().tolist()
+    if short:
+        raise ValueError(
+            f"{what}: sequence {cache._first + short[0]} holds {int(cache.lengths[short[0]])} "
+            f"tokens, fewer than "
+            f"the {sq} queries: append the new tokens' K/V (cache.append) before attending"
+        )
+    if comm == "reduce_scatter" and h % world != 0:
+        raise ValueError(
+            f"{what}: comm='reduce_scatter' splits the {h} heads over {world} ranks: heads must be "
+            f"a multiple of the world size"
+        )
+
+    po, pl = ops.cache_attention_fwd(
+        q, cache.k, cache.v, cache.lengths, cache.lengths - sq, rank, world, cache.interleave,
+        float(softmax_scale), True, torch.float32,
+    )
+    if world == 1:
+        out, lse = po.to(q.dtype), pl
+    elif comm == "all_gather":
+        outs, lses = _unpack(_all_gather(_pack(po, pl), group, world, timeout, what))
+        out, lse = merge_attention_states(outs, lses, out_dtype=q.dtype)
+    else:
+        msg = _pack(po, pl).view(b, sq, world, h // world, d + 1)
+        outs, lses = _unpack(_all_to_all(msg.permute(2, 0, 1, 3, 4).contiguous(), group, timeout,
+                                         what))
+        out, lse = merge_attention_states(outs, lses, out_dtype=q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def chunk_positions(
+    cache: KVCacheShard, chunk: int, *, layout: str = "zigzag", group=None
+) -> torch.Tensor:
+    """Global positions (int64, (batch, chunk / W)) of this rank's tokens of the next prefill
+    chunk of length `chunk`: cache.lengths[b] + the layout's positions (e.g. for RoPE)."""
+    local = positions(chunk, group=group, layout=layout, rank=cache.rank,
+                      world_size=cache.world_size)
+    return cache.lengths[:, None] + local[None, :]
