@@ -34,6 +34,8 @@ py=$venv/bin/python
 # 2. build and install, CUDA required
 step "build (CPATTN_CUDA=ON, archs $archs, head dims $head_dims), log $work/build.log"
 t0=$(date +%s)
+# The ptxas report below reads the compiler's output: recompile every .cu (C++ stays incremental).
+find "$work/cmake" -name '*.cu.o' -delete 2>/dev/null || true
 if ! CPATTN_CUDA=ON CPATTN_CUDA_ARCH_LIST="$archs" CPATTN_CUDA_HEAD_DIMS="$head_dims" \
     CPATTN_CUDA_PTXAS_VERBOSE=ON "$py" -m pip install --no-build-isolation \
     --config-settings=build-dir="$work/cmake" -v "$repo" >"$work/build.log" 2>&1; then

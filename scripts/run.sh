@@ -54,8 +54,8 @@ case "${1:-}" in
     python -m pytest "$ROOT/tests" -q -p no:cacheprovider
     echo "== CUDA flavour: compile, link, import, ptxas report (no GPU needed)"
     if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
-      # CI keeps to one architecture; the default build compiles 8.0 and 9.0.
-      CPATTN_CUDA_ARCH_LIST=${CPATTN_CUDA_ARCH_LIST:-9.0} bash "$ROOT/.ci/check_cuda_build.sh"
+      # The default archs (8.0;9.0) and head dims (64;128): about a minute on 2 cores.
+      bash "$ROOT/.ci/check_cuda_build.sh"
     else
       echo "nvcc not found: CUDA build check skipped"
     fi
