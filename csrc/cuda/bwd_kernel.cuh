@@ -1,7 +1,8 @@
 // Backward attention kernels for sm80+ (FlashAttention-2 algorithm), from the global lse and
 // delta = rowsum(dout * out) - dlse that the preprocess (bwd_preprocess.cu) left in base-2 form:
 //
-//   dK/dV pass, one thread block per (key block, kv head, batch): each warp owns 16 keys and
+//   dK/dV pass, one thread block per (key block, kv head, batch) (and head-dim slice, for the
+//   largest head dims: kernel_config.h): each warp owns 16 keys and
 //   keeps their dK, dV rows in fp32 registers while the block walks every query tile that sees
 //   the key block, for every query head of the kv head (GQA sums over the group without atomics):
 //     S^T = K Q^T, P^T = exp2(S^T * scale * log2 e - lse_log2), dV += P^T dO,
@@ -46,7 +47,9 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   Elem* const sdS_ = sQ0 + 4 * Cfg::kQElems;  // dS^T [key][query]
   float* const sLse0 = reinterpret_cast<float*>(sdS_ + Cfg::kDSElems);  // lse, delta per stage
 
-  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  // Key block, and the slice [d0, d0 + kSliceDim) of the head dim this block owns in dK / dV / dQ.
+  const int n_block = blockIdx.x / Cfg::kSplit, hk = blockIdx.y, b = blockIdx.z;
+  const int d0 = (Cfg::kSplit > 1 ? blockIdx.x % Cfg::kSplit : 0) * Cfg::kSliceDim;
   const int group = p.shape.heads / p.shape.kv_heads;
   const int seqlen_q = p.shape.seqlen_q, seqlen_k = p.shape.seqlen_k;
   const int rounded = p.seqlen_q_rounded;
@@ -172,7 +175,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         uint32_t bo[4];
-        ldmatrix_x4_trans(bo, b_addr_trans<kStride>(sdO, ms * 16, dp * 16, lane));
+        ldmatrix_x4_trans(bo, b_addr_trans<kStride>(sdO, ms * 16, d0 + dp * 16, lane));
         mma_16816<Elem>(dv[2 * dp], a, bo[0], bo[1]);
         mma_16816<Elem>(dv[2 * dp + 1], a, bo[2], bo[3]);
       }
@@ -210,7 +213,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         uint32_t bq[4];
-        ldmatrix_x4_trans(bq, b_addr_trans<kStride>(sQ, ms * 16, dp * 16, lane));
+        ldmatrix_x4_trans(bq, b_addr_trans<kStride>(sQ, ms * 16, d0 + dp * 16, lane));
         mma_16816<Elem>(dk[2 * dp], a, bq[0], bq[1]);
         mma_16816<Elem>(dk[2 * dp + 1], a, bq[2], bq[3]);
       }
@@ -228,9 +231,9 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       __syncthreads();
       float* const dq_tile =
           p.dq_accum + ((static_cast<int64_t>(b) * p.shape.heads + h_cur) * rounded + m0_cur) * kHeadDim;
-      constexpr int kColUnits = kHeadDim / Cfg::kDqCols;
+      constexpr int kColUnits = Cfg::kSliceDim / Cfg::kDqCols;
       for (int u = warp; u < Cfg::kDqUnits; u += kWarps) {
-        const int r0 = (u / kColUnits) * 16, c0 = (u % kColUnits) * Cfg::kDqCols;
+        const int r0 = (u / kColUnits) * 16, c0 = d0 + (u % kColUnits) * Cfg::kDqCols;
         float acc[4][4];
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -270,8 +273,8 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   for (int half = 0; half < 2; ++half) {
     const int key = n0 + warp_key0 + g + 8 * half;
     if (key < seqlen_k) {
-      GradT* const dkr = dk_out + static_cast<int64_t>(key) * p.dk_strides.seq + 2 * t;
-      GradT* const dvr = dv_out + static_cast<int64_t>(key) * p.dv_strides.seq + 2 * t;
+      GradT* const dkr = dk_out + static_cast<int64_t>(key) * p.dk_strides.seq + d0 + 2 * t;
+      GradT* const dvr = dv_out + static_cast<int64_t>(key) * p.dv_strides.seq + d0 + 2 * t;
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         store2(dkr + dt * 8, dk[dt][2 * half] * scale, dk[dt][2 * half + 1] * scale);
@@ -467,8 +470,8 @@ int launch_bwd_typed(const BwdParamsCuda& p, cudaStream_t stream) {
   using DqCfg = DqConfigFor<kHeadDim>;
   auto dkdv = attention_bwd_dkdv_kernel<Cfg, Elem, GradT>;
   if (const int e = set_smem(dkdv, Cfg::kSmemBytes)) return e;
-  const dim3 grid_kv((p.shape.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.shape.kv_heads,
-                     p.shape.batch);
+  const dim3 grid_kv((p.shape.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN * Cfg::kSplit,
+                     p.shape.kv_heads, p.shape.batch);
   dkdv<<<grid_kv, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
 

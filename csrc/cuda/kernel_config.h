@@ -55,11 +55,16 @@ struct FwdConfigFor<256> : FwdConfig<256, 128, 32, 8, false> {};
 // warps owns 16 keys (kBlockN = 16 * kWarps) and keeps their dK and dV rows in registers while
 // the block walks the query tiles (kBlockM rows, two cp.async stages) of every query head of its
 // kv head. dQ, when accumulated here, goes through a shared dS tile and fp32 atomics.
-template <int kHeadDim_, int kBlockM_, int kWarps_>
+// kSplit > 1 splits the head dim of dK, dV (and of dQ's columns) over kSplit thread blocks per
+// key block, which all recompute S and dP over the full head dim: dK and dV of 16 keys x 256
+// columns would not fit in registers.
+template <int kHeadDim_, int kBlockM_, int kWarps_, int kSplit_ = 1>
 struct BwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kWarps = kWarps_;
+  static constexpr int kSplit = kSplit_;
+  static constexpr int kSliceDim = kHeadDim / kSplit;  // dK / dV / dQ columns per thread block
   static constexpr int kBlockN = 16 * kWarps;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStride = kHeadDim + 8;
@@ -67,9 +72,9 @@ struct BwdConfig {
   static constexpr int kKSteps = kHeadDim / 16;   // k16 steps over the head dim
   static constexpr int kQTiles = kBlockM / 8;     // n8 tiles of S^T (columns: queries)
   static constexpr int kMSteps = kBlockM / 16;    // k16 steps over queries (dV, dK)
-  static constexpr int kDTiles = kHeadDim / 8;    // n8 tiles of dK / dV rows
+  static constexpr int kDTiles = kSliceDim / 8;   // n8 tiles of this block's dK / dV rows
   static constexpr int kDqCols = 32;              // dQ work unit: 16 query rows x 32 columns
-  static constexpr int kDqUnits = (kBlockM / 16) * (kHeadDim / kDqCols);
+  static constexpr int kDqUnits = (kBlockM / 16) * (kSliceDim / kDqCols);
   static constexpr int kKVElems = kBlockN * kStride;
   static constexpr int kQElems = kBlockM * kStride;
   static constexpr int kDSElems = kBlockN * kDSStride;
@@ -77,6 +82,7 @@ struct BwdConfig {
   static constexpr int kSmemBytes =
       2 * (2 * kKVElems + 4 * kQElems + kDSElems) + 2 * 2 * kBlockM * 4;
   static_assert(kHeadDim % 32 == 0, "backward head dims: multiples of 32");
+  static_assert(kSliceDim % 32 == 0, "kSplit must leave slices of multiples of 32 columns");
   static_assert(kBlockM % 16 == 0 && kBlockM >= 16, "kBlockM: a multiple of 16");
 };
 
@@ -95,7 +101,7 @@ struct BwdConfigFor<160> : BwdConfig<160, 16, 4> {};
 template <>
 struct BwdConfigFor<192> : BwdConfig<192, 16, 4> {};
 template <>
-struct BwdConfigFor<256> : BwdConfig<256, 16, 4> {};
+struct BwdConfigFor<256> : BwdConfig<256, 32, 4, 2> {};
 
 // Backward, deterministic dQ pass: the forward's shape (warps split the query rows, one m16 tile
 // each), Q and dO fragments read from shared memory, dQ rows in registers.

@@ -274,7 +274,8 @@ void run_case(const Case& c, uint64_t seed, bool deterministic) {
     emu::launch({unsigned((rows + kPreprocessWarps - 1) / kPreprocessWarps), 1, 1},
                 32 * kPreprocessWarps, 0, [&] { bwd_preprocess_kernel<OutT, Elem>(bp); });
   }
-  emu::launch({unsigned((Sk + BCfg::kBlockN - 1) / BCfg::kBlockN), unsigned(Hk), unsigned(B)},
+  emu::launch({unsigned((Sk + BCfg::kBlockN - 1) / BCfg::kBlockN * BCfg::kSplit), unsigned(Hk),
+               unsigned(B)},
               BCfg::kThreads, BCfg::kSmemBytes,
               [&] { attention_bwd_dkdv_kernel<BCfg, Elem, OutT>(bp); });
   if (deterministic) {
