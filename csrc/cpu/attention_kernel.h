@@ -153,6 +153,18 @@ struct BwdScratch {
         dv(new float[kBlockK * dp]) {}
 };
 
+// The backward's per-query inputs of a query block starting at global row `first`: the
+// reference point of exp2 (from the LSE) and delta. Padded rows get reference +inf, so their
+// probabilities, hence all their terms, are 0.
+inline void load_row_stats(const BwdParams& p, int64_t first, int64_t rows, float* reference,
+                           float* delta) {
+  for (int64_t i = 0; i < kBlockQ; ++i) {
+    reference[i] = i < rows ? backward_reference(p.lse[first + i])
+                            : std::numeric_limits<float>::infinity();
+    delta[i] = i < rows ? p.delta[first + i] : 0.f;
+  }
+}
+
 // Writes a key block's dK (scaled by the softmax scale) and dV, (cols x Dp) fp32 each.
 inline void write_key_block_grads(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
                                   int64_t cols, const float* dk, const float* dv) {
@@ -192,12 +204,7 @@ inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_
       const float* q = p.q + (row_base + r0) * dp;
       const float* dout = p.dout + (row_base + r0) * dp;
       float* dq = dq_base + (row_base + r0) * dp;
-      for (int64_t i = 0; i < kBlockQ; ++i) {
-        // Padded rows get reference +inf: their probabilities, hence all their terms, are 0.
-        reference[i] = i < rows ? backward_reference(p.lse[row_base + r0 + i])
-                                : std::numeric_limits<float>::infinity();
-        delta[i] = i < rows ? p.delta[row_base + r0 + i] : 0.f;
-      }
+      load_row_stats(p, row_base + r0, rows, reference, delta);
       pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, s.qt.get());
       pack_transposed(dout, rows, dp, 1.f, s.dot.get());
       float* st = s.st.get();

@@ -230,11 +230,7 @@ inline void backward_key_block_bf16(const BwdParams& p, int64_t b, int64_t hk, i
       const uint16_t* q = p.q16 + (row_base + r0) * dp;
       const uint16_t* dout = p.dout16 + (row_base + r0) * dp;
       float* dq = dq_base + (row_base + r0) * dp;
-      for (int64_t i = 0; i < kBlockQ; ++i) {
-        reference[i] = i < rows ? backward_reference(p.lse[row_base + r0 + i])
-                                : std::numeric_limits<float>::infinity();
-        delta[i] = i < rows ? p.delta[row_base + r0 + i] : 0.f;
-      }
+      load_row_stats(p, row_base + r0, rows, reference, delta);
       pack_pairs_transposed(q, rows, dp, s.qt.get());
       pack_pairs_transposed(dout, rows, dp, s.dot.get());
       pack_row_pairs(q, rows, dp, s.q_rows.get());

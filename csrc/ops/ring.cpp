@@ -224,20 +224,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
 
 // ---- all-gathered K/V: the same steps against shards that are already local ---------------
 
-std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::Tensor& kv_all,
-                                                int64_t rank, double softmax_scale, bool causal,
-                                                int64_t window_left, int64_t window_right,
-                                                int64_t layout,
-                                                const std::optional<at::Tensor>& doc_lengths) {
+namespace {
+
+RingOptions gathered_options(const at::Tensor& q, const at::Tensor& kv_all, int64_t rank,
+                             double softmax_scale, bool causal, int64_t window_left,
+                             int64_t window_right, int64_t layout,
+                             const std::optional<at::Tensor>& doc_lengths) {
   TORCH_CHECK(kv_all.dim() == 6 && kv_all.size(1) == 2,
               "cpattn: kv_all must be (world, 2, batch, seqlen_local, kv_heads, head_dim), got ",
               kv_all.sizes());
   const int64_t world = kv_all.size(0);
   TORCH_CHECK(rank >= 0 && rank < world, "cpattn: rank ", rank, " is not in a group of ", world);
-  const RingOptions o =
+  RingOptions o =
       make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths);
   check_ring_args(q, kv_all[0][0], o);
   check_local_length(q, o, world);
+  return o;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::Tensor& kv_all,
+                                                int64_t rank, double softmax_scale, bool causal,
+                                                int64_t window_left, int64_t window_right,
+                                                int64_t layout,
+                                                const std::optional<at::Tensor>& doc_lengths) {
+  const RingOptions o = gathered_options(q, kv_all, rank, softmax_scale, causal, window_left,
+                                         window_right, layout, doc_lengths);
+  const int64_t world = kv_all.size(0);
   auto [out, lse] = new_state(q);
   for (int64_t step = 0; step < world; ++step)
     forward_step(q, kv_all[ring_source(rank, step, world)], plan(o, q.size(1), world, rank, step),
@@ -250,15 +264,9 @@ std::tuple<at::Tensor, at::Tensor> gathered_bwd(
     const at::Tensor& lse, int64_t rank, double softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, int64_t layout, const std::optional<at::Tensor>& doc_lengths,
     const std::optional<at::Tensor>& dlse) {
-  TORCH_CHECK(kv_all.dim() == 6 && kv_all.size(1) == 2,
-              "cpattn: kv_all must be (world, 2, batch, seqlen_local, kv_heads, head_dim), got ",
-              kv_all.sizes());
+  const RingOptions o = gathered_options(q, kv_all, rank, softmax_scale, causal, window_left,
+                                         window_right, layout, doc_lengths);
   const int64_t world = kv_all.size(0);
-  TORCH_CHECK(rank >= 0 && rank < world, "cpattn: rank ", rank, " is not in a group of ", world);
-  const RingOptions o =
-      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths);
-  check_ring_args(q, kv_all[0][0], o);
-  check_local_length(q, o, world);
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dkv_all = at::zeros(kv_all.sizes(), kv_all.options().dtype(at::kFloat));
   for (int64_t step = 0; step < world; ++step) {
