@@ -165,6 +165,23 @@ inline void load_row_stats(const BwdParams& p, int64_t first, int64_t rows, floa
   }
 }
 
+// Calls visit(row_base, r0, rows, kind) for every query block, of every query head of kv head hk,
+// that sees some key of the key block [c0, c0 + cols); row_base is the head's first global row.
+template <typename Visit>
+inline void for_each_query_block(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
+                                 int64_t cols, Visit&& visit) {
+  const AttnShape& sh = p.shape;
+  const PosRange queries = p.mask.query_span(c0, c0 + cols, sh.seqlen_q);
+  for (int64_t h = hk * sh.group_size(); h < (hk + 1) * sh.group_size(); ++h) {
+    const int64_t row_base = (b * sh.heads + h) * sh.seqlen_q;
+    for (int64_t r0 = queries.first / kBlockQ * kBlockQ; r0 <= queries.last; r0 += kBlockQ) {
+      const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
+      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
+      if (kind != BlockKind::kEmpty) visit(row_base, r0, rows, kind);
+    }
+  }
+}
+
 // Writes a key block's dK (scaled by the softmax scale) and dV, (cols x Dp) fp32 each.
 inline void write_key_block_grads(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
                                   int64_t cols, const float* dk, const float* dv) {
@@ -192,43 +209,35 @@ inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_
   std::fill(s.dv.get(), s.dv.get() + kBlockK * dp, 0.f);
   alignas(64) float reference[kBlockQ], delta[kBlockQ];
 
-  // Query rows that can see some key of this block.
-  const PosRange queries = p.mask.query_span(c0, c0 + cols, sh.seqlen_q);
+  for_each_query_block(p, b, hk, c0, cols, [&](int64_t row_base, int64_t r0, int64_t rows,
+                                                 BlockKind kind) {
+    const float* q = p.q + (row_base + r0) * dp;
+    const float* dout = p.dout + (row_base + r0) * dp;
+    float* dq = dq_base + (row_base + r0) * dp;
+    load_row_stats(p, row_base + r0, rows, reference, delta);
+    pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, s.qt.get());
+    pack_transposed(dout, rows, dp, 1.f, s.dot.get());
+    float* st = s.st.get();
+    float* dpt = s.dpt.get();
 
-  for (int64_t h = hk * sh.group_size(); h < (hk + 1) * sh.group_size(); ++h) {
-    const int64_t row_base = (b * sh.heads + h) * sh.seqlen_q;
-    for (int64_t r0 = queries.first / kBlockQ * kBlockQ; r0 <= queries.last; r0 += kBlockQ) {
-      const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
-      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
-      if (kind == BlockKind::kEmpty) continue;
-      const float* q = p.q + (row_base + r0) * dp;
-      const float* dout = p.dout + (row_base + r0) * dp;
-      float* dq = dq_base + (row_base + r0) * dp;
-      load_row_stats(p, row_base + r0, rows, reference, delta);
-      pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, s.qt.get());
-      pack_transposed(dout, rows, dp, 1.f, s.dot.get());
-      float* st = s.st.get();
-      float* dpt = s.dpt.get();
-
-      // P^T = exp2(K Q^T - lse)
-      gemm(cols, kBlockQ, dp, k, dp, 1, s.qt.get(), kBlockQ, st, kBlockQ, false);
-      if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-      for (int64_t c = 0; c < cols; ++c)
-        for (int64_t i = 0; i < kBlockQ; i += kLanes)
-          store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
-      // dV += P^T dO
-      gemm(cols, dp, rows, st, kBlockQ, 1, dout, dp, s.dv.get(), dp, true);
-      // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
-      gemm(cols, kBlockQ, dp, v, dp, 1, s.dot.get(), kBlockQ, dpt, kBlockQ, false);
-      for (int64_t c = 0; c < cols; ++c)
-        for (int64_t i = 0; i < kBlockQ; i += kLanes)
-          store(dpt + c * kBlockQ + i,
-                load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
-      // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-      gemm(cols, dp, rows, dpt, kBlockQ, 1, q, dp, s.dk.get(), dp, true);
-      gemm(rows, dp, cols, dpt, 1, kBlockQ, k, dp, dq, dp, true);
-    }
-  }
+    // P^T = exp2(K Q^T - lse)
+    gemm(cols, kBlockQ, dp, k, dp, 1, s.qt.get(), kBlockQ, st, kBlockQ, false);
+    if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t i = 0; i < kBlockQ; i += kLanes)
+        store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
+    // dV += P^T dO
+    gemm(cols, dp, rows, st, kBlockQ, 1, dout, dp, s.dv.get(), dp, true);
+    // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
+    gemm(cols, kBlockQ, dp, v, dp, 1, s.dot.get(), kBlockQ, dpt, kBlockQ, false);
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t i = 0; i < kBlockQ; i += kLanes)
+        store(dpt + c * kBlockQ + i,
+              load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
+    // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
+    gemm(cols, dp, rows, dpt, kBlockQ, 1, q, dp, s.dk.get(), dp, true);
+    gemm(rows, dp, cols, dpt, 1, kBlockQ, k, dp, dq, dp, true);
+  });
 
   write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
 }

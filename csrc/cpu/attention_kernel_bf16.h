@@ -220,51 +220,45 @@ inline void backward_key_block_bf16(const BwdParams& p, int64_t b, int64_t hk, i
   alignas(64) float reference[kBlockQ], delta[kBlockQ];
   const vfloat scale = broadcast(p.softmax_scale * kLog2e);
 
-  const PosRange queries = p.mask.query_span(c0, c0 + cols, sh.seqlen_q);
-  for (int64_t h = hk * sh.group_size(); h < (hk + 1) * sh.group_size(); ++h) {
-    const int64_t row_base = (b * sh.heads + h) * sh.seqlen_q;
-    for (int64_t r0 = queries.first / kBlockQ * kBlockQ; r0 <= queries.last; r0 += kBlockQ) {
-      const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
-      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
-      if (kind == BlockKind::kEmpty) continue;
-      const uint16_t* q = p.q16 + (row_base + r0) * dp;
-      const uint16_t* dout = p.dout16 + (row_base + r0) * dp;
-      float* dq = dq_base + (row_base + r0) * dp;
-      load_row_stats(p, row_base + r0, rows, reference, delta);
-      pack_pairs_transposed(q, rows, dp, s.qt.get());
-      pack_pairs_transposed(dout, rows, dp, s.dot.get());
-      pack_row_pairs(q, rows, dp, s.q_rows.get());
-      pack_row_pairs(dout, rows, dp, s.do_rows.get());
-      const int64_t row_pairs = (rows + 1) / 2;
-      float* st = s.st.get();
-      float* dpt = s.dpt.get();
+  for_each_query_block(p, b, hk, c0, cols, [&](int64_t row_base, int64_t r0, int64_t rows,
+                                                 BlockKind kind) {
+    const uint16_t* q = p.q16 + (row_base + r0) * dp;
+    const uint16_t* dout = p.dout16 + (row_base + r0) * dp;
+    float* dq = dq_base + (row_base + r0) * dp;
+    load_row_stats(p, row_base + r0, rows, reference, delta);
+    pack_pairs_transposed(q, rows, dp, s.qt.get());
+    pack_pairs_transposed(dout, rows, dp, s.dot.get());
+    pack_row_pairs(q, rows, dp, s.q_rows.get());
+    pack_row_pairs(dout, rows, dp, s.do_rows.get());
+    const int64_t row_pairs = (rows + 1) / 2;
+    float* st = s.st.get();
+    float* dpt = s.dpt.get();
 
-      // P^T = exp2(scale K Q^T - lse)
-      gemm_bf16(cols, kBlockQ, dp / 2, k, dp, 2, s.qt.get(), 2 * kBlockQ, st, kBlockQ, false);
-      for (int64_t e = 0; e < cols * kBlockQ; e += kLanes) store(st + e, load(st + e) * scale);
-      if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-      for (int64_t c = 0; c < cols; ++c)
-        for (int64_t i = 0; i < kBlockQ; i += kLanes)
-          store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
-      // dV += P^T dO
-      to_bf16(st, cols, s.p16.get());
-      gemm_bf16(cols, dp, row_pairs, s.p16.get(), kBlockQ, 2, s.do_rows.get(), 2 * dp,
-                s.dv.get(), dp, true);
-      // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
-      gemm_bf16(cols, kBlockQ, dp / 2, v, dp, 2, s.dot.get(), 2 * kBlockQ, dpt, kBlockQ, false);
-      for (int64_t c = 0; c < cols; ++c)
-        for (int64_t i = 0; i < kBlockQ; i += kLanes)
-          store(dpt + c * kBlockQ + i,
-                load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
-      // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-      to_bf16(dpt, cols, s.ds16.get());
-      gemm_bf16(cols, dp, row_pairs, s.ds16.get(), kBlockQ, 2, s.q_rows.get(), 2 * dp,
-                s.dk.get(), dp, true);
-      pack_probabilities(dpt, cols, s.ds_pairs.get());
-      gemm_bf16(rows, dp, (cols + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp, dq,
-                dp, true);
-    }
-  }
+    // P^T = exp2(scale K Q^T - lse)
+    gemm_bf16(cols, kBlockQ, dp / 2, k, dp, 2, s.qt.get(), 2 * kBlockQ, st, kBlockQ, false);
+    for (int64_t e = 0; e < cols * kBlockQ; e += kLanes) store(st + e, load(st + e) * scale);
+    if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t i = 0; i < kBlockQ; i += kLanes)
+        store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
+    // dV += P^T dO
+    to_bf16(st, cols, s.p16.get());
+    gemm_bf16(cols, dp, row_pairs, s.p16.get(), kBlockQ, 2, s.do_rows.get(), 2 * dp,
+              s.dv.get(), dp, true);
+    // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
+    gemm_bf16(cols, kBlockQ, dp / 2, v, dp, 2, s.dot.get(), 2 * kBlockQ, dpt, kBlockQ, false);
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t i = 0; i < kBlockQ; i += kLanes)
+        store(dpt + c * kBlockQ + i,
+              load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
+    // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
+    to_bf16(dpt, cols, s.ds16.get());
+    gemm_bf16(cols, dp, row_pairs, s.ds16.get(), kBlockQ, 2, s.q_rows.get(), 2 * dp,
+              s.dk.get(), dp, true);
+    pack_probabilities(dpt, cols, s.ds_pairs.get());
+    gemm_bf16(rows, dp, (cols + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp, dq,
+              dp, true);
+  });
   write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
 }
 
