@@ -23,6 +23,13 @@ namespace CPATTN_CPU_ISA {
 constexpr int64_t kBlockQ = 64;   // queries per block: the lane dimension of S^T
 constexpr int64_t kBlockK = 128;  // keys per block
 
+// Columns of the key block at c0 up to the last key that the query block sees (keys.last, from
+// Mask::key_span): on a causal diagonal the keys past it are masked for every row, so they are
+// not computed at all. The block's start stays c0, which keeps bf16 key pairs aligned.
+inline int64_t visible_cols(const PosRange& keys, int64_t c0) {
+  return std::min(kBlockK, keys.last + 1 - c0);
+}
+
 // Q^T of one query block, scaled: qt[d * kBlockQ + i] = q[i][d] * factor; padded queries are 0.
 inline void pack_transposed(const float* q, int64_t rows, int64_t dp, float factor, float* qt) {
   std::fill(qt, qt + dp * kBlockQ, 0.f);
@@ -33,37 +40,50 @@ inline void pack_transposed(const float* q, int64_t rows, int64_t dp, float fact
 // Sets st[c][i] = -inf for the pairs of a partial block that the mask hides.
 inline void apply_mask(const Mask& mask, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
                        float* st) {
+  vint lane;
+  for (int i = 0; i < kLanes; ++i) lane[i] = i;
+  const vfloat hidden_score = broadcast(neg_inf());
   for (int64_t c = 0; c < cols; ++c) {
     const PosRange seen = mask.query_span(c0 + c, c0 + c + 1, r0 + rows);
+    // visible lanes are lo..hi; empty: lo > hi, all hidden
+    const int32_t lo = static_cast<int32_t>(std::clamp<int64_t>(seen.first - r0, 0, kBlockQ));
+    const int32_t hi = static_cast<int32_t>(std::clamp<int64_t>(seen.last - r0, -1, kBlockQ));
     float* row = st + c * kBlockQ;
-    const int64_t lo = seen.first - r0, hi = seen.last - r0;  // empty: lo > hi, all hidden
-    for (int64_t i = 0; i < kBlockQ; ++i)
-      if (i < lo || i > hi) row[i] = neg_inf();
+    for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+      const vint query = lane + static_cast<int32_t>(i);
+      const vint hidden = (query < lo) | (query > hi);
+      store(row + i, hidden ? hidden_score : load(row + i));
+    }
   }
 }
 
-// The online-softmax part of a forward step: st holds one key block's base-2 scores (cols keys x
-// kBlockQ queries); they become probabilities in place, the row states take the block, and the
-// accumulator rows (rows x dp) are rescaled where a row's maximum grew.
-inline void softmax_block(float* st, int64_t cols, int64_t rows, int64_t dp,
-                          OnlineSoftmaxRow* state, float* acc) {
+// The online-softmax part of a forward step: st holds one key block's raw scores (cols keys x
+// kBlockQ queries), base 2 after multiplying by `scale`. Each pair of keys' probabilities goes to
+// keep(c, i, p_c, p_c+1) (c even; p_c+1 is 0 past an odd end), the row states take the block,
+// and the accumulator rows (rows x dp) are rescaled where a row's maximum grew.
+template <typename KeepProbabilities>
+inline void softmax_block(const float* st, int64_t cols, int64_t rows, int64_t dp, float scale,
+                          OnlineSoftmaxRow* state, float* acc, KeepProbabilities&& keep) {
   alignas(64) float factor[kBlockQ], reference[kBlockQ], block_max[kBlockQ], block_sum[kBlockQ];
   for (int64_t i = 0; i < kBlockQ; i += kLanes) {
     vfloat mx = broadcast(neg_inf());
     for (int64_t c = 0; c < cols; ++c) mx = vmax(mx, load(st + c * kBlockQ + i));
-    store(block_max + i, mx);
+    store(block_max + i, mx * scale);  // scale > 0, so the max commutes with it
   }
   for (int64_t i = 0; i < kBlockQ; ++i) {
     factor[i] = state[i].rescale_for_block_max(block_max[i]);
     reference[i] = state[i].reference();
   }
+  const vfloat scale_v = broadcast(scale);
   for (int64_t i = 0; i < kBlockQ; i += kLanes) {
     const vfloat ref = load(reference + i);
     vfloat sum{};
-    for (int64_t c = 0; c < cols; ++c) {
-      const vfloat pr = exp2(load(st + c * kBlockQ + i) - ref);
-      store(st + c * kBlockQ + i, pr);
-      sum += pr;
+    for (int64_t c = 0; c < cols; c += 2) {
+      const vfloat p0 = exp2(load(st + c * kBlockQ + i) * scale_v - ref);
+      const vfloat p1 = c + 1 < cols ? exp2(load(st + (c + 1) * kBlockQ + i) * scale_v - ref)
+                                     : vfloat{};
+      sum += p0 + p1;
+      keep(c, i, p0, p1);
     }
     store(block_sum + i, sum);
   }
@@ -114,13 +134,18 @@ inline void forward_block(const FwdParams& p, int64_t b, int64_t h, int64_t qb, 
   // Only the key blocks that some row of this query block can see.
   const PosRange keys = p.mask.key_span(r0, r0 + rows, sh.seqlen_k);
   for (int64_t c0 = keys.first / kBlockK * kBlockK; c0 <= keys.last; c0 += kBlockK) {
-    const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
+    const int64_t cols = visible_cols(keys, c0);
     const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
     if (kind == BlockKind::kEmpty) continue;
     float* st = s.st.get();
     gemm(cols, kBlockQ, dp, k + c0 * dp, dp, 1, s.qt.get(), kBlockQ, st, kBlockQ, false);
     if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-    softmax_block(st, cols, rows, dp, state, s.acc.get());
+    // Q was packed with the scale, so the scores are already base 2; P replaces them in st.
+    softmax_block(st, cols, rows, dp, 1.f, state, s.acc.get(),
+                  [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
+                    store(st + c * kBlockQ + i, p0);
+                    if (c + 1 < cols) store(st + (c + 1) * kBlockQ + i, p1);
+                  });
     // O[rows x Dp] += P[rows x cols] V[cols x Dp], P read from st transposed.
     gemm(rows, dp, cols, st, 1, kBlockQ, v + c0 * dp, dp, s.acc.get(), dp, true);
   }
@@ -143,14 +168,40 @@ inline void attention_fwd_impl(const FwdParams& p) {
 }
 
 struct BwdScratch {
-  std::unique_ptr<float[]> qt, dot, st, dpt, dk, dv;
+  std::unique_ptr<float[]> st, dpt, dk, dv;
   explicit BwdScratch(int64_t dp)
-      : qt(new float[dp * kBlockQ]),
-        dot(new float[dp * kBlockQ]),
-        st(new float[kBlockK * kBlockQ]),
+      : st(new float[kBlockK * kBlockQ]),
         dpt(new float[kBlockK * kBlockQ]),
         dk(new float[kBlockK * dp]),
         dv(new float[kBlockK * dp]) {}
+};
+
+// Every query block of a (B, H, Sq, Dp) operand, packed once by pack(rows_ptr, rows, Dp, out) into
+// kBlockQ * Dp elements per block: the backward visits each query block once per key block, so
+// packing there would repeat the work Sk / kBlockK times.
+template <typename T>
+struct PackedQueryBlocks {
+  int64_t q_blocks, block_elems;
+  std::unique_ptr<T[]> data;
+
+  template <typename Pack>
+  PackedQueryBlocks(const AttnShape& sh, const T* src, Pack&& pack)
+      : q_blocks((sh.seqlen_q + kBlockQ - 1) / kBlockQ),
+        block_elems(kBlockQ * sh.head_dim_padded),
+        data(new T[sh.batch * sh.heads * q_blocks * block_elems]) {
+    at::parallel_for(0, sh.batch * sh.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t r0 = t % q_blocks * kBlockQ;
+        const int64_t first_row = t / q_blocks * sh.seqlen_q + r0;
+        pack(src + first_row * sh.head_dim_padded, std::min(kBlockQ, sh.seqlen_q - r0),
+             sh.head_dim_padded, data.get() + t * block_elems);
+      }
+    });
+  }
+  // The block of query rows r0.. of the head whose first global row is row_base.
+  const T* block(const AttnShape& sh, int64_t row_base, int64_t r0) const {
+    return data.get() + (row_base / sh.seqlen_q * q_blocks + r0 / kBlockQ) * block_elems;
+  }
 };
 
 // The backward's per-query inputs of a query block starting at global row `first`: the
@@ -165,8 +216,10 @@ inline void load_row_stats(const BwdParams& p, int64_t first, int64_t rows, floa
   }
 }
 
-// Calls visit(row_base, r0, rows, kind) for every query block, of every query head of kv head hk,
-// that sees some key of the key block [c0, c0 + cols); row_base is the head's first global row.
+// Calls visit(row_base, r0, rows, seen, kind) for every query block, of every query head of kv
+// head hk, that sees some key of the key block [c0, c0 + cols); row_base is the head's first
+// global row, and the visit covers keys [c0, c0 + seen), up to the last key the query block sees
+// (visible_cols).
 template <typename Visit>
 inline void for_each_query_block(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
                                  int64_t cols, Visit&& visit) {
@@ -176,8 +229,10 @@ inline void for_each_query_block(const BwdParams& p, int64_t b, int64_t hk, int6
     const int64_t row_base = (b * sh.heads + h) * sh.seqlen_q;
     for (int64_t r0 = queries.first / kBlockQ * kBlockQ; r0 <= queries.last; r0 += kBlockQ) {
       const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
-      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
-      if (kind != BlockKind::kEmpty) visit(row_base, r0, rows, kind);
+      const PosRange keys = p.mask.key_span(r0, r0 + rows, sh.seqlen_k);
+      const int64_t seen = std::min(cols, visible_cols(keys, c0));
+      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + seen);  // empty if seen <= 0
+      if (kind != BlockKind::kEmpty) visit(row_base, r0, rows, seen, kind);
     }
   }
 }
@@ -196,10 +251,23 @@ inline void write_key_block_grads(const BwdParams& p, int64_t b, int64_t hk, int
   }
 }
 
+// Q^T (scaled to base-2 scores) and dO^T of every query block, the fp32 backward's B operands.
+struct PackedQueries {
+  PackedQueryBlocks<float> qt, dot;
+  explicit PackedQueries(const BwdParams& p)
+      : qt(p.shape, p.q,
+           [&](const float* q, int64_t rows, int64_t dp, float* out) {
+             pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, out);
+           }),
+        dot(p.shape, p.dout, [](const float* dout, int64_t rows, int64_t dp, float* out) {
+          pack_transposed(dout, rows, dp, 1.f, out);
+        }) {}
+};
+
 // One key block of one kv head: dK and dV of the block in full, and its dQ contributions for
 // every query head of the group (dQ rows of these heads are touched by this task only).
-inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
-                               float* dq_base, BwdScratch& s) {
+inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, int64_t b,
+                               int64_t hk, int64_t c0, float* dq_base, BwdScratch& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -210,33 +278,33 @@ inline void backward_key_block(const BwdParams& p, int64_t b, int64_t hk, int64_
   alignas(64) float reference[kBlockQ], delta[kBlockQ];
 
   for_each_query_block(p, b, hk, c0, cols, [&](int64_t row_base, int64_t r0, int64_t rows,
-                                                 BlockKind kind) {
+                                                 int64_t seen, BlockKind kind) {
     const float* q = p.q + (row_base + r0) * dp;
     const float* dout = p.dout + (row_base + r0) * dp;
     float* dq = dq_base + (row_base + r0) * dp;
     load_row_stats(p, row_base + r0, rows, reference, delta);
-    pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, s.qt.get());
-    pack_transposed(dout, rows, dp, 1.f, s.dot.get());
     float* st = s.st.get();
     float* dpt = s.dpt.get();
 
     // P^T = exp2(K Q^T - lse)
-    gemm(cols, kBlockQ, dp, k, dp, 1, s.qt.get(), kBlockQ, st, kBlockQ, false);
-    if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-    for (int64_t c = 0; c < cols; ++c)
+    gemm(seen, kBlockQ, dp, k, dp, 1, packed.qt.block(sh, row_base, r0), kBlockQ, st, kBlockQ,
+         false);
+    if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
+    for (int64_t c = 0; c < seen; ++c)
       for (int64_t i = 0; i < kBlockQ; i += kLanes)
         store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
     // dV += P^T dO
-    gemm(cols, dp, rows, st, kBlockQ, 1, dout, dp, s.dv.get(), dp, true);
+    gemm(seen, dp, rows, st, kBlockQ, 1, dout, dp, s.dv.get(), dp, true);
     // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
-    gemm(cols, kBlockQ, dp, v, dp, 1, s.dot.get(), kBlockQ, dpt, kBlockQ, false);
-    for (int64_t c = 0; c < cols; ++c)
+    gemm(seen, kBlockQ, dp, v, dp, 1, packed.dot.block(sh, row_base, r0), kBlockQ, dpt, kBlockQ,
+         false);
+    for (int64_t c = 0; c < seen; ++c)
       for (int64_t i = 0; i < kBlockQ; i += kLanes)
         store(dpt + c * kBlockQ + i,
               load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
     // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-    gemm(cols, dp, rows, dpt, kBlockQ, 1, q, dp, s.dk.get(), dp, true);
-    gemm(rows, dp, cols, dpt, 1, kBlockQ, k, dp, dq, dp, true);
+    gemm(seen, dp, rows, dpt, kBlockQ, 1, q, dp, s.dk.get(), dp, true);
+    gemm(rows, dp, seen, dpt, 1, kBlockQ, k, dp, dq, dp, true);
   });
 
   write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
@@ -290,10 +358,11 @@ inline void run_backward(const BwdParams& p, Body&& body) {
 }
 
 inline void attention_bwd_impl(const BwdParams& p) {
+  const PackedQueries packed(p);
   run_backward<BwdScratch>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
                                   float* dq_base, BwdScratch& scratch) {
     for (int64_t kb = kb_begin; kb < kb_end; ++kb)
-      backward_key_block(p, b, hk, kb * kBlockK, dq_base, scratch);
+      backward_key_block(p, packed, b, hk, kb * kBlockK, dq_base, scratch);
   });
 }
 

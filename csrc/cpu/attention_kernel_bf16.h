@@ -93,25 +93,21 @@ inline void pack_pairs_transposed(const uint16_t* q, int64_t rows, int64_t dp, u
     for (int64_t d = 0; d < dp; ++d) qt[(d / 2) * 2 * kBlockQ + 2 * i + d % 2] = q[i * dp + d];
 }
 
-// pp[(c / 2) * 2 kBlockQ + 2 i + c % 2] = bf16(st[c][i]); a zero key completes an odd count.
-inline void pack_probabilities(const float* st, int64_t cols, uint16_t* pp) {
-  // interleave two 16-lane bf16 rows: lane 2i <- row 0 lane i, lane 2i+1 <- row 1 lane i
-  alignas(64) static constexpr int16_t kInterleave[32] = {
-      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i index = _mm512_load_si512(kInterleave);
-  for (int64_t c = 0; c < cols; c += 2) {
-    for (int64_t i = 0; i < kBlockQ; i += kLanes) {
-      const __m512 even = _mm512_loadu_ps(st + c * kBlockQ + i);
-      const __m512 odd = c + 1 < cols ? _mm512_loadu_ps(st + (c + 1) * kBlockQ + i)
-                                      : _mm512_setzero_ps();
-      const __m256i e16 = (__m256i)_mm512_cvtneps_pbh(even);
-      const __m256i o16 = (__m256i)_mm512_cvtneps_pbh(odd);
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(e16), o16, 1);
-      _mm512_storeu_si512(pp + (c / 2) * 2 * kBlockQ + 2 * i,
-                          _mm512_permutexvar_epi16(index, both));
-    }
-  }
+// Stores probabilities of keys c and c + 1 (c even) for queries i..i+15 as bf16 key pairs:
+// pairs[(c / 2) * 2 kBlockQ + 2 (i + l) + {0, 1}] = p0[l], p1[l], the A operand of O += P V.
+inline void store_key_pair(uint16_t* pairs, int64_t c, int64_t i, vfloat p0, vfloat p1) {
+  // interleave the two 16-lane halves: lane 2l <- p0 lane l, lane 2l+1 <- p1 lane l
+  const __m512i interleave =
+      _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0);  // p0 low, p1 high
+  _mm512_storeu_si512(pairs + (c / 2) * 2 * kBlockQ + 2 * i,
+                      _mm512_permutexvar_epi16(interleave, both));
+}
+
+// bf16 copy of 16 fp32 lanes.
+inline void store_bf16(uint16_t* out, vfloat x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh((__m512)x));
 }
 
 struct FwdScratchBf16 {
@@ -119,7 +115,7 @@ struct FwdScratchBf16 {
   std::unique_ptr<float[]> st, acc;
   explicit FwdScratchBf16(int64_t dp)
       : qt(new uint16_t[dp * kBlockQ]),
-        pp(new uint16_t[(kBlockK + 1) * kBlockQ]),
+        pp(new uint16_t[kBlockK * kBlockQ]),
         st(new float[kBlockK * kBlockQ]),
         acc(new float[kBlockQ * dp]) {}
 };
@@ -135,7 +131,7 @@ inline void forward_block_bf16(const FwdParams& p, int64_t b, int64_t h, int64_t
   const uint16_t* q = p.q16 + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp;
   const uint16_t* k = p.k16 + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
   const uint16_t* v = p.v16 + (b * sh.kv_heads + hk) * key_pairs * dp * 2;
-  const vfloat scale = broadcast(p.softmax_scale * kLog2e);
+  const float scale = p.softmax_scale * kLog2e;
 
   pack_pairs_transposed(q, rows, dp, s.qt.get());
   std::fill(s.acc.get(), s.acc.get() + kBlockQ * dp, 0.f);
@@ -148,10 +144,12 @@ inline void forward_block_bf16(const FwdParams& p, int64_t b, int64_t h, int64_t
     float* st = s.st.get();
     gemm_bf16(cols, kBlockQ, dp / 2, k + c0 * dp, dp, 2, s.qt.get(), 2 * kBlockQ, st, kBlockQ,
               false);
-    for (int64_t e = 0; e < cols * kBlockQ; e += kLanes) store(st + e, load(st + e) * scale);
     if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-    softmax_block(st, cols, rows, dp, state, s.acc.get());
-    pack_probabilities(st, cols, s.pp.get());
+    uint16_t* pp = s.pp.get();
+    softmax_block(st, cols, rows, dp, scale, state, s.acc.get(),
+                  [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
+                    store_key_pair(pp, c, i, p0, p1);
+                  });
     // O[rows x Dp] += P[rows x cols] V[cols x Dp]; c0 is even, so V's pairs start at c0 / 2.
     gemm_bf16(rows, dp, (cols + 1) / 2, s.pp.get(), 2, 2 * kBlockQ, v + c0 * dp, 2 * dp,
               s.acc.get(), dp, true);
@@ -181,33 +179,34 @@ inline void pack_row_pairs(const uint16_t* x, int64_t rows, int64_t dp, uint16_t
     for (int64_t d = 0; d < dp; ++d) out[(i / 2) * 2 * dp + 2 * d + i % 2] = x[i * dp + d];
 }
 
-// bf16 copy of an fp32 (cols x kBlockQ) block, same layout (pairs along the queries).
-inline void to_bf16(const float* x, int64_t cols, uint16_t* out) {
-  for (int64_t e = 0; e < cols * kBlockQ; e += kLanes)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + e)));
-}
-
 struct BwdScratchBf16 {
-  std::unique_ptr<uint16_t[]> qt, dot, q_rows, do_rows, p16, ds16, ds_pairs;
+  std::unique_ptr<uint16_t[]> p16, ds16, ds_pairs;
   std::unique_ptr<float[]> st, dpt, dk, dv;
   explicit BwdScratchBf16(int64_t dp)
-      : qt(new uint16_t[dp * kBlockQ]),
-        dot(new uint16_t[dp * kBlockQ]),
-        q_rows(new uint16_t[dp * kBlockQ]),
-        do_rows(new uint16_t[dp * kBlockQ]),
-        p16(new uint16_t[kBlockK * kBlockQ]),
+      : p16(new uint16_t[kBlockK * kBlockQ]),
         ds16(new uint16_t[kBlockK * kBlockQ]),
-        ds_pairs(new uint16_t[(kBlockK + 1) * kBlockQ]),
+        ds_pairs(new uint16_t[kBlockK * kBlockQ]),
         st(new float[kBlockK * kBlockQ]),
         dpt(new float[kBlockK * kBlockQ]),
         dk(new float[kBlockK * dp]),
         dv(new float[kBlockK * dp]) {}
 };
 
+// The bf16 backward's B operands of every query block: Q^T and dO^T as d pairs, Q and dO as row
+// pairs.
+struct PackedQueriesBf16 {
+  PackedQueryBlocks<uint16_t> qt, dot, q_rows, do_rows;
+  explicit PackedQueriesBf16(const BwdParams& p)
+      : qt(p.shape, p.q16, pack_pairs_transposed),
+        dot(p.shape, p.dout16, pack_pairs_transposed),
+        q_rows(p.shape, p.q16, pack_row_pairs),
+        do_rows(p.shape, p.dout16, pack_row_pairs) {}
+};
+
 // backward_key_block (attention_kernel.h) with the five products on bf16 operands.
-inline void backward_key_block_bf16(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
-                                    float* dq_base, BwdScratchBf16& s) {
+inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16& packed,
+                                    int64_t b, int64_t hk, int64_t c0, float* dq_base,
+                                    BwdScratchBf16& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -221,52 +220,60 @@ inline void backward_key_block_bf16(const BwdParams& p, int64_t b, int64_t hk, i
   const vfloat scale = broadcast(p.softmax_scale * kLog2e);
 
   for_each_query_block(p, b, hk, c0, cols, [&](int64_t row_base, int64_t r0, int64_t rows,
-                                                 BlockKind kind) {
-    const uint16_t* q = p.q16 + (row_base + r0) * dp;
-    const uint16_t* dout = p.dout16 + (row_base + r0) * dp;
+                                                 int64_t seen, BlockKind kind) {
     float* dq = dq_base + (row_base + r0) * dp;
     load_row_stats(p, row_base + r0, rows, reference, delta);
-    pack_pairs_transposed(q, rows, dp, s.qt.get());
-    pack_pairs_transposed(dout, rows, dp, s.dot.get());
-    pack_row_pairs(q, rows, dp, s.q_rows.get());
-    pack_row_pairs(dout, rows, dp, s.do_rows.get());
     const int64_t row_pairs = (rows + 1) / 2;
     float* st = s.st.get();
     float* dpt = s.dpt.get();
+    uint16_t* p16 = s.p16.get();
+    uint16_t* ds16 = s.ds16.get();
 
-    // P^T = exp2(scale K Q^T - lse)
-    gemm_bf16(cols, kBlockQ, dp / 2, k, dp, 2, s.qt.get(), 2 * kBlockQ, st, kBlockQ, false);
-    for (int64_t e = 0; e < cols * kBlockQ; e += kLanes) store(st + e, load(st + e) * scale);
-    if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-    for (int64_t c = 0; c < cols; ++c)
-      for (int64_t i = 0; i < kBlockQ; i += kLanes)
-        store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
+    // P^T = exp2(scale K Q^T - lse), kept in fp32 for dS and in bf16 for dV
+    gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.block(sh, row_base, r0), 2 * kBlockQ,
+              st, kBlockQ, false);
+    if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
+    for (int64_t c = 0; c < seen; ++c)
+      for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+        const int64_t e = c * kBlockQ + i;
+        const vfloat pr = exp2(load(st + e) * scale - load(reference + i));
+        store(st + e, pr);
+        store_bf16(p16 + e, pr);
+      }
     // dV += P^T dO
-    to_bf16(st, cols, s.p16.get());
-    gemm_bf16(cols, dp, row_pairs, s.p16.get(), kBlockQ, 2, s.do_rows.get(), 2 * dp,
-              s.dv.get(), dp, true);
-    // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
-    gemm_bf16(cols, kBlockQ, dp / 2, v, dp, 2, s.dot.get(), 2 * kBlockQ, dpt, kBlockQ, false);
-    for (int64_t c = 0; c < cols; ++c)
-      for (int64_t i = 0; i < kBlockQ; i += kLanes)
-        store(dpt + c * kBlockQ + i,
-              load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
+    gemm_bf16(seen, dp, row_pairs, p16, kBlockQ, 2, packed.do_rows.block(sh, row_base, r0),
+              2 * dp, s.dv.get(), dp, true);
+    // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta), in bf16 both as is (for dK) and as key pairs
+    // (for dQ)
+    gemm_bf16(seen, kBlockQ, dp / 2, v, dp, 2, packed.dot.block(sh, row_base, r0), 2 * kBlockQ,
+              dpt, kBlockQ, false);
+    for (int64_t c = 0; c < seen; c += 2)
+      for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+        const int64_t e = c * kBlockQ + i;
+        const vfloat ds0 = load(st + e) * (load(dpt + e) - load(delta + i));
+        store_bf16(ds16 + e, ds0);
+        vfloat ds1{};
+        if (c + 1 < seen) {
+          ds1 = load(st + e + kBlockQ) * (load(dpt + e + kBlockQ) - load(delta + i));
+          store_bf16(ds16 + e + kBlockQ, ds1);
+        }
+        store_key_pair(s.ds_pairs.get(), c, i, ds0, ds1);
+      }
     // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-    to_bf16(dpt, cols, s.ds16.get());
-    gemm_bf16(cols, dp, row_pairs, s.ds16.get(), kBlockQ, 2, s.q_rows.get(), 2 * dp,
-              s.dk.get(), dp, true);
-    pack_probabilities(dpt, cols, s.ds_pairs.get());
-    gemm_bf16(rows, dp, (cols + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp, dq,
+    gemm_bf16(seen, dp, row_pairs, ds16, kBlockQ, 2, packed.q_rows.block(sh, row_base, r0),
+              2 * dp, s.dk.get(), dp, true);
+    gemm_bf16(rows, dp, (seen + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp, dq,
               dp, true);
   });
   write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
 }
 
 inline void attention_bwd_bf16_impl(const BwdParams& p) {
+  const PackedQueriesBf16 packed(p);
   run_backward<BwdScratchBf16>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
                                       float* dq_base, BwdScratchBf16& scratch) {
     for (int64_t kb = kb_begin; kb < kb_end; ++kb)
-      backward_key_block_bf16(p, b, hk, kb * kBlockK, dq_base, scratch);
+      backward_key_block_bf16(p, packed, b, hk, kb * kBlockK, dq_base, scratch);
   });
 }
 
