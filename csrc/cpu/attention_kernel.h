@@ -60,11 +60,12 @@ inline void apply_mask(const Mask& mask, int64_t r0, int64_t rows, int64_t c0, i
 // The online-softmax part of a forward step: st holds one key block's raw scores (cols keys x
 // kBlockQ queries), base 2 after multiplying by `scale`. Each pair of keys' probabilities goes to
 // keep(c, i, p_c, p_c+1) (c even; p_c+1 is 0 past an odd end), the row states take the block,
-// and the accumulator rows (rows x dp) are rescaled where a row's maximum grew.
+// and factor[i] receives what row i's accumulator must be multiplied by before this block's
+// P V is added (its maximum may have grown; the product's C load applies it).
 template <typename KeepProbabilities>
-inline void softmax_block(const float* st, int64_t cols, int64_t rows, int64_t dp, float scale,
-                          OnlineSoftmaxRow* state, float* acc, KeepProbabilities&& keep) {
-  alignas(64) float factor[kBlockQ], reference[kBlockQ], block_max[kBlockQ], block_sum[kBlockQ];
+inline void softmax_block(const float* st, int64_t cols, float scale, OnlineSoftmaxRow* state,
+                          float* factor, KeepProbabilities&& keep) {
+  alignas(64) float reference[kBlockQ], block_max[kBlockQ], block_sum[kBlockQ];
   for (int64_t i = 0; i < kBlockQ; i += kLanes) {
     vfloat mx = broadcast(neg_inf());
     for (int64_t c = 0; c < cols; ++c) mx = vmax(mx, load(st + c * kBlockQ + i));
@@ -87,14 +88,7 @@ inline void softmax_block(const float* st, int64_t cols, int64_t rows, int64_t d
     }
     store(block_sum + i, sum);
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    state[i].sum += block_sum[i];
-    if (factor[i] != 1.f) {
-      const vfloat f = broadcast(factor[i]);
-      float* row = acc + i * dp;
-      for (int64_t d = 0; d < dp; d += kLanes) store(row + d, load(row + d) * f);
-    }
-  }
+  for (int64_t i = 0; i < kBlockQ; ++i) state[i].sum += block_sum[i];
 }
 
 // Normalises the accumulator rows of query block r0 and writes out and lse.
@@ -130,6 +124,7 @@ inline void forward_block(const FwdParams& p, int64_t b, int64_t h, int64_t qb, 
   pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, s.qt.get());
   std::fill(s.acc.get(), s.acc.get() + kBlockQ * dp, 0.f);
   OnlineSoftmaxRow state[kBlockQ];
+  alignas(64) float factor[kBlockQ];
 
   // Only the key blocks that some row of this query block can see.
   const PosRange keys = p.mask.key_span(r0, r0 + rows, sh.seqlen_k);
@@ -141,13 +136,12 @@ inline void forward_block(const FwdParams& p, int64_t b, int64_t h, int64_t qb, 
     gemm(cols, kBlockQ, dp, k + c0 * dp, dp, 1, s.qt.get(), kBlockQ, st, kBlockQ, false);
     if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
     // Q was packed with the scale, so the scores are already base 2; P replaces them in st.
-    softmax_block(st, cols, rows, dp, 1.f, state, s.acc.get(),
-                  [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
-                    store(st + c * kBlockQ + i, p0);
-                    if (c + 1 < cols) store(st + (c + 1) * kBlockQ + i, p1);
-                  });
-    // O[rows x Dp] += P[rows x cols] V[cols x Dp], P read from st transposed.
-    gemm(rows, dp, cols, st, 1, kBlockQ, v + c0 * dp, dp, s.acc.get(), dp, true);
+    softmax_block(st, cols, 1.f, state, factor, [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
+      store(st + c * kBlockQ + i, p0);
+      if (c + 1 < cols) store(st + (c + 1) * kBlockQ + i, p1);
+    });
+    // O[rows x Dp] = factor * O + P[rows x cols] V[cols x Dp], P read from st transposed.
+    gemm(rows, dp, cols, st, 1, kBlockQ, v + c0 * dp, dp, s.acc.get(), dp, true, factor);
   }
   write_output(p, b, h, r0, rows, state, s.acc.get());
 }

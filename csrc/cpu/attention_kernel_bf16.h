@@ -24,13 +24,16 @@ namespace CPATTN_CPU_ISA {
 template <int MR, int NV>
 inline void micro_kernel_bf16(int64_t pairs, const uint16_t* A, int64_t a_row, int64_t a_pair,
                               const uint16_t* B, int64_t ldb, float* C, int64_t ldc,
-                              bool accumulate) {
+                              bool accumulate, const float* c_row_scale) {
   __m512 acc[MR][NV];
 #pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m)
+  for (int m = 0; m < MR; ++m) {
+    const __m512 f = _mm512_set1_ps(c_row_scale ? c_row_scale[m] : 1.f);
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v)
-      acc[m][v] = accumulate ? _mm512_loadu_ps(C + m * ldc + v * kLanes) : _mm512_setzero_ps();
+      acc[m][v] = accumulate ? _mm512_mul_ps(_mm512_loadu_ps(C + m * ldc + v * kLanes), f)
+                             : _mm512_setzero_ps();
+  }
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh b[NV];
 #pragma GCC unroll 4
@@ -52,7 +55,7 @@ inline void micro_kernel_bf16(int64_t pairs, const uint16_t* A, int64_t a_row, i
 }
 
 using MicroKernelBf16Fn = void (*)(int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*,
-                                   int64_t, float*, int64_t, bool);
+                                   int64_t, float*, int64_t, bool, const float*);
 
 template <int... Ms>
 struct MicroKernelBf16Table {
@@ -70,27 +73,33 @@ constexpr auto make_table_bf16(std::integer_sequence<int, Ms...>) {
 inline constexpr auto kMicroKernelsBf16 =
     make_table_bf16(std::make_integer_sequence<int, CPATTN_MR>{});
 
-// C[M x N] (+)= A[M x 2 pairs] B[2 pairs x N]; N a multiple of 16; ldb in bf16 elements.
+// C[M x N] (+)= A[M x 2 pairs] B[2 pairs x N]; N a multiple of 16; ldb in bf16 elements;
+// c_row_scale as in gemm (micro_gemm.h).
 inline void gemm_bf16(int64_t M, int64_t N, int64_t pairs, const uint16_t* A, int64_t a_row,
                       int64_t a_pair, const uint16_t* B, int64_t ldb, float* C, int64_t ldc,
-                      bool accumulate) {
+                      bool accumulate, const float* c_row_scale = nullptr) {
   constexpr int64_t kTileN = CPATTN_NV * kLanes;
   for (int64_t n0 = 0; n0 < N; n0 += kTileN) {
     const int64_t nv = (N - n0 >= kTileN) ? CPATTN_NV : (N - n0) / kLanes;
     for (int64_t m0 = 0; m0 < M; m0 += CPATTN_MR) {
       const int64_t mr = (M - m0 >= CPATTN_MR) ? CPATTN_MR : M - m0;
       kMicroKernelsBf16[mr - 1][nv - 1](pairs, A + m0 * a_row, a_row, a_pair, B + 2 * n0, ldb,
-                                        C + m0 * ldc + n0, ldc, accumulate);
+                                        C + m0 * ldc + n0, ldc, accumulate,
+                                        c_row_scale ? c_row_scale + m0 : nullptr);
     }
   }
 }
 
 // qt[(d / 2) * 2 kBlockQ + 2 i + d % 2] = q[i][d]: Q^T of a query block as d pairs; padded
-// queries are 0.
+// queries are 0. A row's d pair is one 32-bit word, so this is a transpose of 32-bit words.
 inline void pack_pairs_transposed(const uint16_t* q, int64_t rows, int64_t dp, uint16_t* qt) {
-  std::fill(qt, qt + dp * kBlockQ, uint16_t{0});
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t d = 0; d < dp; ++d) qt[(d / 2) * 2 * kBlockQ + 2 * i + d % 2] = q[i * dp + d];
+  const int64_t pairs = dp / 2;
+  for (int64_t j = 0; j < pairs; ++j)
+    for (int64_t i = 0; i < kBlockQ; ++i) {
+      uint32_t pair = 0;
+      if (i < rows) std::memcpy(&pair, q + 2 * (i * pairs + j), sizeof(pair));
+      std::memcpy(qt + 2 * (j * kBlockQ + i), &pair, sizeof(pair));
+    }
 }
 
 // Stores probabilities of keys c and c + 1 (c even) for queries i..i+15 as bf16 key pairs:
@@ -136,9 +145,10 @@ inline void forward_block_bf16(const FwdParams& p, int64_t b, int64_t h, int64_t
   pack_pairs_transposed(q, rows, dp, s.qt.get());
   std::fill(s.acc.get(), s.acc.get() + kBlockQ * dp, 0.f);
   OnlineSoftmaxRow state[kBlockQ];
+  alignas(64) float factor[kBlockQ];
   const PosRange keys = p.mask.key_span(r0, r0 + rows, sh.seqlen_k);
   for (int64_t c0 = keys.first / kBlockK * kBlockK; c0 <= keys.last; c0 += kBlockK) {
-    const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
+    const int64_t cols = visible_cols(keys, c0);
     const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
     if (kind == BlockKind::kEmpty) continue;
     float* st = s.st.get();
@@ -146,13 +156,13 @@ inline void forward_block_bf16(const FwdParams& p, int64_t b, int64_t h, int64_t
               false);
     if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
     uint16_t* pp = s.pp.get();
-    softmax_block(st, cols, rows, dp, scale, state, s.acc.get(),
-                  [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
-                    store_key_pair(pp, c, i, p0, p1);
-                  });
-    // O[rows x Dp] += P[rows x cols] V[cols x Dp]; c0 is even, so V's pairs start at c0 / 2.
-    gemm_bf16(rows, dp, (cols + 1) / 2, s.pp.get(), 2, 2 * kBlockQ, v + c0 * dp, 2 * dp,
-              s.acc.get(), dp, true);
+    softmax_block(st, cols, scale, state, factor, [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
+      store_key_pair(pp, c, i, p0, p1);
+    });
+    // O[rows x Dp] = factor * O + P[rows x cols] V[cols x Dp]; c0 is even, so V's pairs start
+    // at c0 / 2.
+    gemm_bf16(rows, dp, (cols + 1) / 2, pp, 2, 2 * kBlockQ, v + c0 * dp, 2 * dp, s.acc.get(), dp,
+              true, factor);
   }
   write_output(p, b, h, r0, rows, state, s.acc.get());
 }

@@ -20,12 +20,16 @@ namespace CPATTN_CPU_ISA {
 
 template <int MR, int NV>
 inline void micro_kernel(int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B,
-                         int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+                         int64_t ldb, float* C, int64_t ldc, bool accumulate,
+                         const float* c_row_scale) {
   vfloat acc[MR][NV];
 #pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m)
+  for (int m = 0; m < MR; ++m) {
+    const vfloat f = broadcast(c_row_scale ? c_row_scale[m] : 1.f);
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[m][v] = accumulate ? load(C + m * ldc + v * kLanes) : vfloat{};
+    for (int v = 0; v < NV; ++v)
+      acc[m][v] = accumulate ? load(C + m * ldc + v * kLanes) * f : vfloat{};
+  }
   for (int64_t k = 0; k < K; ++k) {
     vfloat b[NV];
 #pragma GCC unroll 4
@@ -44,7 +48,7 @@ inline void micro_kernel(int64_t K, const float* A, int64_t a_row, int64_t a_col
 }
 
 using MicroKernelFn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, int64_t,
-                               float*, int64_t, bool);
+                               float*, int64_t, bool, const float*);
 
 // Table of micro-kernels for every tail shape: [rows - 1][vectors - 1].
 template <int... Ms>
@@ -62,15 +66,19 @@ constexpr auto make_table(std::integer_sequence<int, Ms...>) {
 }
 inline constexpr auto kMicroKernels = make_table(std::make_integer_sequence<int, CPATTN_MR>{});
 
+// With c_row_scale, an accumulated C row m is first multiplied by c_row_scale[m] (the online
+// softmax's rescale of O, fused into the load of C).
 inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row, int64_t a_col,
-                 const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+                 const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate,
+                 const float* c_row_scale = nullptr) {
   constexpr int64_t kTileN = CPATTN_NV * kLanes;
   for (int64_t n0 = 0; n0 < N; n0 += kTileN) {
     const int64_t nv = (N - n0 >= kTileN) ? CPATTN_NV : (N - n0) / kLanes;
     for (int64_t m0 = 0; m0 < M; m0 += CPATTN_MR) {
       const int64_t mr = (M - m0 >= CPATTN_MR) ? CPATTN_MR : M - m0;
       kMicroKernels[mr - 1][nv - 1](K, A + m0 * a_row, a_row, a_col, B + n0, ldb,
-                                    C + m0 * ldc + n0, ldc, accumulate);
+                                    C + m0 * ldc + n0, ldc, accumulate,
+                                    c_row_scale ? c_row_scale + m0 : nullptr);
     }
   }
 }
