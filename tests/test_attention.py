@@ -136,6 +136,15 @@ def test_head_dims(head_dim: int, gen: torch.Generator) -> None:
     check_against_reference(q, k, v, dout, causal=True, window=(-1, -1))
 
 
+@pytest.mark.parametrize("head_dim", [1, 8, 33, 40, 130, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_head_dims(dtype: torch.dtype, head_dim: int, gen: torch.Generator) -> None:
+    """bf16/fp16 with odd and padded head dims (the bf16 kernel packs d pairs itself)."""
+    q, k, v = make_qkv(gen, 1, 33, 70, 2, 1, head_dim, dtype=dtype, requires_grad=True)
+    dout = randn(q.shape, gen, dtype)
+    check_against_reference(q, k, v, dout, causal=True, window=(-1, -1))
+
+
 @pytest.mark.parametrize("scale", [0.05, 0.37, 1.0, 2.5])
 @pytest.mark.parametrize("mask", ["full", "causal", "both"])
 def test_softmax_scale(scale: float, mask: str, gen: torch.Generator) -> None:
@@ -327,30 +336,40 @@ def test_output_dtype_and_shape(dtype: torch.dtype, gen: torch.Generator) -> Non
 # Strides, grad modes, determinism
 
 
-def test_non_contiguous_inputs(gen: torch.Generator) -> None:
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 33])
+def test_non_contiguous_inputs(dtype: torch.dtype, d: int, gen: torch.Generator) -> None:
     """Transposed, strided, sliced and expanded inputs (last dim contiguous) give the right
-    answer, and so does a non-contiguous upstream gradient."""
-    b, sq, sk, h, hkv, d = 2, 37, 70, 4, 2, 64
-    q = randn((b, h, sq, d), gen).transpose(1, 2)  # from (B, H, S, D)
-    k = randn((b, 2 * sk, hkv, d), gen)[:, ::2]  # every other token
-    v = randn((1, sk, hkv, 2 * d), gen)[..., d:].expand(b, -1, -1, -1)  # sliced, batch stride 0
+    answer, and so does a non-contiguous upstream gradient (bf16 reads q and dout in place)."""
+    b, sq, sk, h, hkv = 2, 37, 70, 4, 2
+    q = randn((b, h, sq, d), gen, dtype).transpose(1, 2)  # from (B, H, S, D)
+    k = randn((b, 2 * sk, hkv, d), gen, dtype)[:, ::2]  # every other token
+    # sliced, batch stride 0
+    v = randn((1, sk, hkv, 2 * d), gen, dtype)[..., d:].expand(b, -1, -1, -1)
     for t in (q, k, v):
         assert not t.is_contiguous() and t.stride(-1) == 1
     q.requires_grad_(True)
     k.requires_grad_(True)
     v.requires_grad_(True)
-    dout = randn((b, h, sq, d), gen).transpose(1, 2)
+    dout = randn((b, h, sq, d), gen, dtype).transpose(1, 2)
     check_against_reference(q, k, v, dout, True, (30, -1))
 
 
-def test_non_contiguous_matches_contiguous(gen: torch.Generator) -> None:
-    """Bitwise: the kernel's result does not depend on the input strides."""
-    q = randn((1, 3, 50, 32), gen).transpose(1, 2)
-    k = randn((1, 3, 60, 32), gen).transpose(1, 2)
-    v = randn((1, 60, 3, 64), gen)[..., :32]
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_non_contiguous_matches_contiguous(dtype: torch.dtype, gen: torch.Generator) -> None:
+    """Bitwise: the kernel's results do not depend on the input strides."""
+    q = randn((1, 3, 50, 32), gen, dtype).transpose(1, 2).requires_grad_(True)
+    k = randn((1, 3, 60, 32), gen, dtype).transpose(1, 2).requires_grad_(True)
+    v = randn((1, 60, 3, 64), gen, dtype)[..., :32].requires_grad_(True)
+    dout = randn((1, 3, 50, 32), gen, dtype).transpose(1, 2)
     a = cpattn.attention(q, k, v, causal=True)
-    c = cpattn.attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
+    grads_a = torch.autograd.grad(a, (q, k, v), dout)
+    qc, kc, vc = (t.detach().contiguous().requires_grad_(True) for t in (q, k, v))
+    c = cpattn.attention(qc, kc, vc, causal=True)
+    grads_c = torch.autograd.grad(c, (qc, kc, vc), dout.contiguous())
     assert torch.equal(a, c)
+    for got, want in zip(grads_a, grads_c):
+        assert torch.equal(got, want)
 
 
 def test_inputs_without_grad(gen: torch.Generator) -> None:

@@ -65,7 +65,7 @@ struct Problem {
     out.resize(rows * head_dim);
     lse.resize(rows);
     delta.resize(rows);
-    dq.resize(rows * shape.head_dim_padded);
+    dq.resize(rows * head_dim);
     dk.resize(shape.batch * shape.kv_heads * seqlen * head_dim);
     dv.resize(dk.size());
   }
@@ -87,8 +87,7 @@ struct Problem {
     p.q = q.data();
     p.k = k.data();
     p.v = v.data();
-    p.out = out.data();
-    p.out_strides = bshd_strides(shape.heads);
+    p.out = {out.data(), bshd_strides(shape.heads), cpattn::OutType::kFloat32};
     p.lse = lse.data();
     p.softmax_scale = 1.f / std::sqrt(static_cast<float>(shape.head_dim));
     p.mask = mask();
@@ -104,10 +103,9 @@ struct Problem {
     p.dout = dout.data();
     p.lse = lse.data();
     p.delta = delta.data();
-    p.dq = dq.data();
-    p.dk = dk.data();
-    p.dv = dv.data();
-    p.dkv_strides = bshd_strides(shape.kv_heads);
+    p.dq = {dq.data(), bshd_strides(shape.heads), cpattn::OutType::kFloat32};
+    p.dk = {dk.data(), bshd_strides(shape.kv_heads), cpattn::OutType::kFloat32};
+    p.dv = {dv.data(), bshd_strides(shape.kv_heads), cpattn::OutType::kFloat32};
     p.softmax_scale = 1.f / std::sqrt(static_cast<float>(shape.head_dim));
     p.mask = mask();
     return p;

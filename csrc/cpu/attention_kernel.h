@@ -91,24 +91,36 @@ inline void softmax_block(const float* st, int64_t cols, float scale, OnlineSoft
   for (int64_t i = 0; i < kBlockQ; ++i) state[i].sum += block_sum[i];
 }
 
+// Writes n values src[d] * factor to an output row starting at element `offset`.
+inline void write_row(const BshdOutput& o, int64_t offset, const float* src, float factor,
+                      int64_t n) {
+  if (o.type == OutType::kBFloat16) {
+    uint16_t* dst = static_cast<uint16_t*>(o.data) + offset;
+    for (int64_t d = 0; d < n; ++d) dst[d] = bf16_bits(src[d] * factor);
+  } else {
+    float* dst = static_cast<float*>(o.data) + offset;
+    for (int64_t d = 0; d < n; ++d) dst[d] = src[d] * factor;
+  }
+}
+
 // Normalises the accumulator rows of query block r0 and writes out and lse.
 inline void write_output(const FwdParams& p, int64_t b, int64_t h, int64_t r0, int64_t rows,
                          const OnlineSoftmaxRow* state, const float* acc) {
   const AttnShape& sh = p.shape;
+  const BshdStrides& o = p.out.strides;
   for (int64_t i = 0; i < rows; ++i) {
-    const float inv = state[i].inv_sum();
-    float* dst =
-        p.out + b * p.out_strides.batch + (r0 + i) * p.out_strides.seq + h * p.out_strides.head;
-    const float* src = acc + i * sh.head_dim_padded;
-    for (int64_t d = 0; d < sh.head_dim; ++d) dst[d] = src[d] * inv;
+    write_row(p.out, b * o.batch + (r0 + i) * o.seq + h * o.head, acc + i * sh.head_dim_padded,
+              state[i].inv_sum(), sh.head_dim);
     p.lse[(b * sh.heads + h) * sh.seqlen_q + r0 + i] = state[i].lse();
   }
 }
 
 struct FwdScratch {
-  std::unique_ptr<float[]> qt, st, acc;
+  AlignedArray<float> qt, st, acc;
   explicit FwdScratch(int64_t dp)
-      : qt(new float[dp * kBlockQ]), st(new float[kBlockK * kBlockQ]), acc(new float[kBlockQ * dp]) {}
+      : qt(aligned_array<float>(dp * kBlockQ)),
+        st(aligned_array<float>(kBlockK * kBlockQ)),
+        acc(aligned_array<float>(kBlockQ * dp)) {}
 };
 
 inline void forward_block(const FwdParams& p, int64_t b, int64_t h, int64_t qb, FwdScratch& s) {
@@ -162,33 +174,32 @@ inline void attention_fwd_impl(const FwdParams& p) {
 }
 
 struct BwdScratch {
-  std::unique_ptr<float[]> st, dpt, dk, dv;
+  AlignedArray<float> st, dpt, dk, dv;
   explicit BwdScratch(int64_t dp)
-      : st(new float[kBlockK * kBlockQ]),
-        dpt(new float[kBlockK * kBlockQ]),
-        dk(new float[kBlockK * dp]),
-        dv(new float[kBlockK * dp]) {}
+      : st(aligned_array<float>(kBlockK * kBlockQ)),
+        dpt(aligned_array<float>(kBlockK * kBlockQ)),
+        dk(aligned_array<float>(kBlockK * dp)),
+        dv(aligned_array<float>(kBlockK * dp)) {}
 };
 
-// Every query block of a (B, H, Sq, Dp) operand, packed once by pack(rows_ptr, rows, Dp, out) into
+// Every query block of a query-shaped operand, packed once by pack(b, h, r0, rows, out) into
 // kBlockQ * Dp elements per block: the backward visits each query block once per key block, so
 // packing there would repeat the work Sk / kBlockK times.
 template <typename T>
 struct PackedQueryBlocks {
   int64_t q_blocks, block_elems;
-  std::unique_ptr<T[]> data;
+  AlignedArray<T> data;
 
   template <typename Pack>
-  PackedQueryBlocks(const AttnShape& sh, const T* src, Pack&& pack)
+  PackedQueryBlocks(const AttnShape& sh, Pack&& pack)
       : q_blocks((sh.seqlen_q + kBlockQ - 1) / kBlockQ),
         block_elems(kBlockQ * sh.head_dim_padded),
-        data(new T[sh.batch * sh.heads * q_blocks * block_elems]) {
+        data(aligned_array<T>(sh.batch * sh.heads * q_blocks * block_elems)) {
     at::parallel_for(0, sh.batch * sh.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t r0 = t % q_blocks * kBlockQ;
-        const int64_t first_row = t / q_blocks * sh.seqlen_q + r0;
-        pack(src + first_row * sh.head_dim_padded, std::min(kBlockQ, sh.seqlen_q - r0),
-             sh.head_dim_padded, data.get() + t * block_elems);
+        const int64_t r0 = t % q_blocks * kBlockQ, bh = t / q_blocks;
+        pack(bh / sh.heads, bh % sh.heads, r0, std::min(kBlockQ, sh.seqlen_q - r0),
+             data.get() + t * block_elems);
       }
     });
   }
@@ -231,31 +242,34 @@ inline void for_each_query_block(const BwdParams& p, int64_t b, int64_t hk, int6
   }
 }
 
-// Writes a key block's dK (scaled by the softmax scale) and dV, (cols x Dp) fp32 each.
+// Writes a key block's dK (scaled by the softmax scale) and dV from (cols x Dp) fp32 rows.
 inline void write_key_block_grads(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
                                   int64_t cols, const float* dk, const float* dv) {
-  const BshdStrides& o = p.dkv_strides;
   const int64_t dp = p.shape.head_dim_padded;
   for (int64_t c = 0; c < cols; ++c) {
-    const int64_t offset = b * o.batch + (c0 + c) * o.seq + hk * o.head;
-    for (int64_t d = 0; d < p.shape.head_dim; ++d) {
-      p.dk[offset + d] = dk[c * dp + d] * p.softmax_scale;
-      p.dv[offset + d] = dv[c * dp + d];
-    }
+    const BshdStrides& k = p.dk.strides;
+    const BshdStrides& v = p.dv.strides;
+    write_row(p.dk, b * k.batch + (c0 + c) * k.seq + hk * k.head, dk + c * dp, p.softmax_scale,
+              p.shape.head_dim);
+    write_row(p.dv, b * v.batch + (c0 + c) * v.seq + hk * v.head, dv + c * dp, 1.f,
+              p.shape.head_dim);
   }
+}
+
+// Packs blocks of a (B, H, Sq, Dp) fp32 operand transposed, times factor.
+inline auto transposed_blocks(const AttnShape& sh, const float* x, float factor) {
+  return [&sh, x, factor](int64_t b, int64_t h, int64_t r0, int64_t rows, float* out) {
+    const int64_t dp = sh.head_dim_padded;
+    pack_transposed(x + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp, rows, dp, factor, out);
+  };
 }
 
 // Q^T (scaled to base-2 scores) and dO^T of every query block, the fp32 backward's B operands.
 struct PackedQueries {
   PackedQueryBlocks<float> qt, dot;
   explicit PackedQueries(const BwdParams& p)
-      : qt(p.shape, p.q,
-           [&](const float* q, int64_t rows, int64_t dp, float* out) {
-             pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, out);
-           }),
-        dot(p.shape, p.dout, [](const float* dout, int64_t rows, int64_t dp, float* out) {
-          pack_transposed(dout, rows, dp, 1.f, out);
-        }) {}
+      : qt(p.shape, transposed_blocks(p.shape, p.q, p.softmax_scale * kLog2e)),
+        dot(p.shape, transposed_blocks(p.shape, p.dout, 1.f)) {}
 };
 
 // One key block of one kv head: dK and dV of the block in full, and its dQ contributions for
@@ -320,8 +334,9 @@ inline int64_t key_splits(const AttnShape& sh, int64_t k_blocks) {
 }
 
 // Runs the backward tasks: body(b, hk, kb_begin, kb_end, dq_base, scratch) computes the key
-// blocks [kb_begin, kb_end) of (batch b, kv head hk), adding dQ at dq_base; then the splits' dQ
-// are summed in order and scaled. One Scratch per parallel chunk.
+// blocks [kb_begin, kb_end) of (batch b, kv head hk), adding dQ to the fp32 accumulator dq_base
+// ((B, H, Sq, Dp), zero at first, one per split); then the splits' dQ are summed in order, scaled
+// and written to p.dq. One Scratch per parallel chunk.
 template <typename Scratch, typename Body>
 inline void run_backward(const BwdParams& p, Body&& body) {
   const AttnShape& sh = p.shape;
@@ -329,25 +344,29 @@ inline void run_backward(const BwdParams& p, Body&& body) {
   const int64_t k_blocks = (sh.seqlen_k + kBlockK - 1) / kBlockK;
   const int64_t splits = key_splits(sh, k_blocks);
   const int64_t dq_elems = sh.batch * sh.heads * sh.seqlen_q * dp;
-  std::unique_ptr<float[]> extra_dq(splits > 1 ? new float[(splits - 1) * dq_elems]() : nullptr);
-  auto dq_of_split = [&](int64_t split) {
-    return split == 0 ? p.dq : extra_dq.get() + (split - 1) * dq_elems;
-  };
+  AlignedArray<float> dq_acc = aligned_array<float>(splits * dq_elems);
+  at::parallel_for(0, splits * dq_elems, 1 << 16, [&](int64_t begin, int64_t end) {
+    std::fill(dq_acc.get() + begin, dq_acc.get() + end, 0.f);
+  });
   at::parallel_for(0, sh.batch * sh.kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(dp);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t split = t % splits, pair = t / splits;
       body(pair / sh.kv_heads, pair % sh.kv_heads, k_blocks * split / splits,
-           k_blocks * (split + 1) / splits, dq_of_split(split), scratch);
+           k_blocks * (split + 1) / splits, dq_acc.get() + split * dq_elems, scratch);
     }
   });
-  // dQ = softmax_scale * (sum of the splits' dQ, in split order)
-  at::parallel_for(0, dq_elems, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t split = 1; split < splits; ++split) {
-      const float* src = dq_of_split(split);
-      for (int64_t e = begin; e < end; ++e) p.dq[e] += src[e];
+  // dQ = softmax_scale * (sum of the splits' dQ, in split order), row by row
+  const BshdStrides& o = p.dq.strides;
+  at::parallel_for(0, sh.batch * sh.heads * sh.seqlen_q, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {  // row = (b * H + h) * Sq + i
+      float* sum = dq_acc.get() + row * dp;
+      for (int64_t split = 1; split < splits; ++split)
+        for (int64_t d = 0; d < dp; ++d) sum[d] += sum[split * dq_elems + d];
+      const int64_t i = row % sh.seqlen_q, h = row / sh.seqlen_q % sh.heads,
+                    b = row / (sh.seqlen_q * sh.heads);
+      write_row(p.dq, b * o.batch + i * o.seq + h * o.head, sum, p.softmax_scale, sh.head_dim);
     }
-    for (int64_t e = begin; e < end; ++e) p.dq[e] *= p.softmax_scale;
   });
 }
 

@@ -90,16 +90,27 @@ inline void gemm_bf16(int64_t M, int64_t N, int64_t pairs, const uint16_t* A, in
   }
 }
 
-// qt[(d / 2) * 2 kBlockQ + 2 i + d % 2] = q[i][d]: Q^T of a query block as d pairs; padded
-// queries are 0. A row's d pair is one 32-bit word, so this is a transpose of 32-bit words.
-inline void pack_pairs_transposed(const uint16_t* q, int64_t rows, int64_t dp, uint16_t* qt) {
-  const int64_t pairs = dp / 2;
-  for (int64_t j = 0; j < pairs; ++j)
-    for (int64_t i = 0; i < kBlockQ; ++i) {
-      uint32_t pair = 0;
-      if (i < rows) std::memcpy(&pair, q + 2 * (i * pairs + j), sizeof(pair));
-      std::memcpy(qt + 2 * (j * kBlockQ + i), &pair, sizeof(pair));
+// qt[(d / 2) * 2 kBlockQ + 2 i + d % 2] = q[i][d]: Q^T of a query block as d pairs, from rows of
+// `dim` values `row_stride` apart; d >= dim and padded queries are 0. A row's d pair is one
+// 32-bit word, so this is a transpose of 32-bit words, done by gathering 16 rows' word j.
+inline void pack_pairs_transposed(const uint16_t* q, int64_t row_stride, int64_t rows,
+                                  int64_t dim, int64_t dp, uint16_t* qt) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  // byte offsets of 16 rows; row_stride is far below 2^26 for any tensor that fits in memory
+  const __m512i row_offsets = _mm512_mullo_epi32(lane, _mm512_set1_epi32(int(row_stride * 2)));
+  for (int64_t i0 = 0; i0 < kBlockQ; i0 += kLanes) {
+    const int64_t n = std::clamp<int64_t>(rows - i0, 0, kLanes);
+    const __mmask16 row_mask = static_cast<__mmask16>((1u << n) - 1);
+    const uint16_t* base = q + i0 * row_stride;
+    for (int64_t j = 0; j < dp / 2; ++j) {
+      __m512i words = _mm512_setzero_si512();
+      if (2 * j + 1 < dim)
+        words = _mm512_mask_i32gather_epi32(words, row_mask, row_offsets, base + 2 * j, 1);
+      _mm512_storeu_si512(qt + 2 * (j * kBlockQ + i0), words);
+      if (2 * j + 1 == dim)  // odd dim: the last pair has only its low half
+        for (int64_t i = 0; i < n; ++i) qt[2 * (j * kBlockQ + i0 + i)] = base[i * row_stride + 2 * j];
     }
+  }
 }
 
 // Stores probabilities of keys c and c + 1 (c even) for queries i..i+15 as bf16 key pairs:
@@ -120,13 +131,13 @@ inline void store_bf16(uint16_t* out, vfloat x) {
 }
 
 struct FwdScratchBf16 {
-  std::unique_ptr<uint16_t[]> qt, pp;
-  std::unique_ptr<float[]> st, acc;
+  AlignedArray<uint16_t> qt, pp;
+  AlignedArray<float> st, acc;
   explicit FwdScratchBf16(int64_t dp)
-      : qt(new uint16_t[dp * kBlockQ]),
-        pp(new uint16_t[kBlockK * kBlockQ]),
-        st(new float[kBlockK * kBlockQ]),
-        acc(new float[kBlockQ * dp]) {}
+      : qt(aligned_array<uint16_t>(dp * kBlockQ)),
+        pp(aligned_array<uint16_t>(kBlockK * kBlockQ)),
+        st(aligned_array<float>(kBlockK * kBlockQ)),
+        acc(aligned_array<float>(kBlockQ * dp)) {}
 };
 
 inline void forward_block_bf16(const FwdParams& p, int64_t b, int64_t h, int64_t qb,
@@ -137,12 +148,13 @@ inline void forward_block_bf16(const FwdParams& p, int64_t b, int64_t h, int64_t
   const int64_t r0 = qb * kBlockQ;
   const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
   const int64_t key_pairs = (sh.seqlen_k + 1) / 2;
-  const uint16_t* q = p.q16 + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp;
+  const BshdStrides& qs = p.q16_strides;
+  const uint16_t* q = p.q16 + b * qs.batch + r0 * qs.seq + h * qs.head;
   const uint16_t* k = p.k16 + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
   const uint16_t* v = p.v16 + (b * sh.kv_heads + hk) * key_pairs * dp * 2;
   const float scale = p.softmax_scale * kLog2e;
 
-  pack_pairs_transposed(q, rows, dp, s.qt.get());
+  pack_pairs_transposed(q, qs.seq, rows, sh.head_dim, dp, s.qt.get());
   std::fill(s.acc.get(), s.acc.get() + kBlockQ * dp, 0.f);
   OnlineSoftmaxRow state[kBlockQ];
   alignas(64) float factor[kBlockQ];
@@ -181,36 +193,66 @@ inline void attention_fwd_bf16_impl(const FwdParams& p) {
   });
 }
 
-// rows[(i / 2) * 2 dp + 2 d + i % 2] = x[i][d]: a block of rows as row pairs (the reduction dim
-// of P^T dO and dS^T Q); an odd count is completed by a zero row.
-inline void pack_row_pairs(const uint16_t* x, int64_t rows, int64_t dp, uint16_t* out) {
-  std::fill(out, out + (rows + 1) / 2 * 2 * dp, uint16_t{0});
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t d = 0; d < dp; ++d) out[(i / 2) * 2 * dp + 2 * d + i % 2] = x[i * dp + d];
+// out[(i / 2) * 2 dp + 2 d + i % 2] = x[i][d]: a block of rows (of `dim` values, `row_stride`
+// apart) as row pairs, the reduction dim of P^T dO and dS^T Q; d >= dim and a row completing an
+// odd count are 0.
+inline void pack_row_pairs(const uint16_t* x, int64_t row_stride, int64_t rows, int64_t dim,
+                           int64_t dp, uint16_t* out) {
+  // interleave a (row i) and b (row i + 1), 16 d at a time: lane 2l <- a[l], 2l + 1 <- b[l]
+  alignas(64) int16_t low[32], high[32];
+  for (int l = 0; l < 16; ++l) {
+    low[2 * l] = static_cast<int16_t>(l), low[2 * l + 1] = static_cast<int16_t>(32 + l);
+    high[2 * l] = static_cast<int16_t>(16 + l), high[2 * l + 1] = static_cast<int16_t>(48 + l);
+  }
+  const __m512i low_index = _mm512_load_si512(low), high_index = _mm512_load_si512(high);
+  for (int64_t i = 0; i < rows; i += 2) {
+    uint16_t* dst = out + i * dp;  // row pair i / 2 starts at (i / 2) * 2 dp
+    for (int64_t d0 = 0; d0 < dp; d0 += 32) {
+      const int64_t n = std::clamp<int64_t>(dim - d0, 0, 32);
+      const __mmask32 valid = n == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1);
+      const __m512i a = _mm512_maskz_loadu_epi16(valid, x + i * row_stride + d0);
+      const __m512i b = i + 1 < rows
+                            ? _mm512_maskz_loadu_epi16(valid, x + (i + 1) * row_stride + d0)
+                            : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * d0, _mm512_permutex2var_epi16(a, low_index, b));
+      if (d0 + 16 < dp)
+        _mm512_storeu_si512(dst + 2 * d0 + 32, _mm512_permutex2var_epi16(a, high_index, b));
+    }
+  }
 }
 
 struct BwdScratchBf16 {
-  std::unique_ptr<uint16_t[]> p16, ds16, ds_pairs;
-  std::unique_ptr<float[]> st, dpt, dk, dv;
+  AlignedArray<uint16_t> p16, ds16, ds_pairs;
+  AlignedArray<float> st, dpt, dk, dv;
   explicit BwdScratchBf16(int64_t dp)
-      : p16(new uint16_t[kBlockK * kBlockQ]),
-        ds16(new uint16_t[kBlockK * kBlockQ]),
-        ds_pairs(new uint16_t[kBlockK * kBlockQ]),
-        st(new float[kBlockK * kBlockQ]),
-        dpt(new float[kBlockK * kBlockQ]),
-        dk(new float[kBlockK * dp]),
-        dv(new float[kBlockK * dp]) {}
+      : p16(aligned_array<uint16_t>(kBlockK * kBlockQ)),
+        ds16(aligned_array<uint16_t>(kBlockK * kBlockQ)),
+        ds_pairs(aligned_array<uint16_t>(kBlockK * kBlockQ)),
+        st(aligned_array<float>(kBlockK * kBlockQ)),
+        dpt(aligned_array<float>(kBlockK * kBlockQ)),
+        dk(aligned_array<float>(kBlockK * dp)),
+        dv(aligned_array<float>(kBlockK * dp)) {}
 };
+
+// Packs blocks of a (B, Sq, H, D) bf16 operand with pack (pack_pairs_transposed or
+// pack_row_pairs).
+template <typename Pack>
+inline auto bshd_blocks(const AttnShape& sh, const uint16_t* x, const BshdStrides& st, Pack pack) {
+  return [&sh, x, st, pack](int64_t b, int64_t h, int64_t r0, int64_t rows, uint16_t* out) {
+    pack(x + b * st.batch + r0 * st.seq + h * st.head, st.seq, rows, sh.head_dim,
+         sh.head_dim_padded, out);
+  };
+}
 
 // The bf16 backward's B operands of every query block: Q^T and dO^T as d pairs, Q and dO as row
 // pairs.
 struct PackedQueriesBf16 {
   PackedQueryBlocks<uint16_t> qt, dot, q_rows, do_rows;
   explicit PackedQueriesBf16(const BwdParams& p)
-      : qt(p.shape, p.q16, pack_pairs_transposed),
-        dot(p.shape, p.dout16, pack_pairs_transposed),
-        q_rows(p.shape, p.q16, pack_row_pairs),
-        do_rows(p.shape, p.dout16, pack_row_pairs) {}
+      : qt(p.shape, bshd_blocks(p.shape, p.q16, p.q16_strides, pack_pairs_transposed)),
+        dot(p.shape, bshd_blocks(p.shape, p.dout16, p.dout16_strides, pack_pairs_transposed)),
+        q_rows(p.shape, bshd_blocks(p.shape, p.q16, p.q16_strides, pack_row_pairs)),
+        do_rows(p.shape, bshd_blocks(p.shape, p.dout16, p.dout16_strides, pack_row_pairs)) {}
 };
 
 // backward_key_block (attention_kernel.h) with the five products on bf16 operands.

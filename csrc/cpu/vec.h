@@ -3,7 +3,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -13,6 +16,21 @@ namespace cpattn::cpu {
 namespace CPATTN_CPU_ISA {
 
 constexpr int kLanes = 16;
+
+// Uninitialised array aligned to 64 bytes (a cache line, one AVX-512 vector): operands and
+// scratch that the micro-kernels stream through with full-vector loads must not straddle lines.
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+template <typename T>
+using AlignedArray = std::unique_ptr<T[], FreeDeleter>;
+template <typename T>
+AlignedArray<T> aligned_array(int64_t n) {
+  const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, bytes > 0 ? bytes : 64);
+  if (!p) throw std::bad_alloc();
+  return AlignedArray<T>(static_cast<T*>(p));
+}
 typedef float vfloat __attribute__((vector_size(64)));
 typedef int32_t vint __attribute__((vector_size(64)));
 
@@ -23,6 +41,14 @@ inline vfloat load(const float* p) {
 }
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 inline vfloat broadcast(float x) { return vfloat{} + x; }
+
+// The bf16 bits of x, rounded to nearest even; a NaN stays a (quiet) NaN.
+inline uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 
 // 2^x = 2^n * 2^f with n = round(x), f in [-0.5, 0.5]; 2^f by a degree-5 polynomial fitted for

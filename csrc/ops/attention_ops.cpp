@@ -1,4 +1,5 @@
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -115,6 +116,59 @@ Mask make_mask(bool causal, int64_t window_left, int64_t window_right, int64_t q
 
 BshdStrides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
+// The CPU kernels write fp32 and bf16 outputs themselves; other dtypes go through fp32.
+at::ScalarType kernel_output_dtype(at::ScalarType wanted) {
+  return wanted == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+}
+BshdOutput output_of(const at::Tensor& t) {
+  return {t.data_ptr(), strides_of(t),
+          t.scalar_type() == at::kBFloat16 ? OutType::kBFloat16 : OutType::kFloat32};
+}
+const uint16_t* bf16_data(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+// delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d] in fp32, for contiguous (B, S, H, D)
+// operands: one pass over both (torch's fp32 product and sum(-1) took a tenth of a bf16
+// backward).
+template <typename T>
+void rowwise_dot(const T* dout, const T* out, const AttnShape& s, float* delta) {
+  constexpr int kPartials = 16;  // independent sums, so the loop vectorises
+  const int64_t dim = s.head_dim;
+  at::parallel_for(0, s.batch * s.seqlen_q, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {  // row = b * Sq + i
+      const int64_t b = row / s.seqlen_q, i = row % s.seqlen_q;
+      for (int64_t h = 0; h < s.heads; ++h) {
+        const T* x = dout + (row * s.heads + h) * dim;
+        const T* y = out + (row * s.heads + h) * dim;
+        float partial[kPartials] = {};
+        int64_t d = 0;
+        for (; d + kPartials <= dim; d += kPartials)
+          for (int l = 0; l < kPartials; ++l)
+            partial[l] += static_cast<float>(x[d + l]) * static_cast<float>(y[d + l]);
+        float sum = 0.f;
+        for (; d < dim; ++d) sum += static_cast<float>(x[d]) * static_cast<float>(y[d]);
+        for (int l = 0; l < kPartials; ++l) sum += partial[l];
+        delta[(b * s.heads + h) * s.seqlen_q + i] = sum;
+      }
+    }
+  });
+}
+
+// The backward's delta = rowsum(dout * out), (B, H, Sq) fp32.
+at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out, const AttnShape& s) {
+  const bool same = dout.scalar_type() == out.scalar_type();
+  const at::Tensor x = (same ? dout : dout.to(at::kFloat)).contiguous();
+  const at::Tensor y = (same ? out : out.to(at::kFloat)).contiguous();
+  at::Tensor delta = at::empty({s.batch, s.heads, s.seqlen_q}, dout.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "cpattn_row_delta",
+                                  [&] {
+                                    rowwise_dot(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), s,
+                                                delta.data_ptr<float>());
+                                  });
+  return delta;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
@@ -136,21 +190,23 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
 #endif
 
   const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor out = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, f32);
+  at::Tensor out = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim},
+                              q.options().dtype(kernel_output_dtype(dtype)));
   at::Tensor lse = new_output({s.batch, s.heads, s.seqlen_q}, f32);
 
   FwdParams p;
   p.shape = s;
   at::Tensor qp, kp, vp;
   if (q.scalar_type() == at::kBFloat16 && cpu::has_bf16_dot()) {
-    // bf16 dot products: operands stay bf16; V gets its key pairs interleaved.
+    // bf16 dot products: operands stay bf16, Q is read in place; V gets its key pairs
+    // interleaved.
     const int64_t dp = s.head_dim_padded;
-    qp = pack(q, dp, at::kBFloat16);
     kp = pack(k, dp, at::kBFloat16);
     vp = pair_keys(pack(v, dp, at::kBFloat16));
-    p.q16 = reinterpret_cast<const uint16_t*>(qp.data_ptr<at::BFloat16>());
-    p.k16 = reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>());
-    p.v16 = reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>());
+    p.q16 = bf16_data(q);
+    p.q16_strides = strides_of(q);
+    p.k16 = bf16_data(kp);
+    p.v16 = bf16_data(vp);
   } else {
     qp = pack(q, s.head_dim_padded);
     kp = pack(k, s.head_dim_padded);
@@ -159,13 +215,12 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
     p.k = kp.data_ptr<float>();
     p.v = vp.data_ptr<float>();
   }
-  p.out = out.data_ptr<float>();
-  p.out_strides = strides_of(out);
+  p.out = output_of(out);
   p.lse = lse.data_ptr<float>();
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.mask = make_mask(causal, window_left, window_right, q_offset, k_offset);
   cpu::attention_fwd(p);
-  return {out.to(dtype), lse};
+  return {out.to(dtype), lse};  // no copy when the kernel wrote `dtype`
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
@@ -207,35 +262,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 
   const int64_t dp = s.head_dim_padded;
   // delta = rowsum(dout * out) per query row, over the global output.
-  at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(-1).transpose(1, 2);
+  at::Tensor delta = row_delta(dout, out, s);
   if (dlse && dlse->defined()) {
     TORCH_CHECK(dlse->sizes() == lse.sizes() && dlse->device() == lse.device(),
                 "cpattn: dlse must have lse's shape ", lse.sizes(), " and device, got ",
                 dlse->sizes(), " on ", dlse->device());
-    delta = delta - dlse->to(at::kFloat);
+    delta.sub_(dlse->to(at::kFloat));
   }
-  delta = delta.contiguous();
   const at::Tensor lse_c = lse.contiguous();
-  const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor dq = at::zeros({s.batch, s.heads, s.seqlen_q, dp}, f32);
-  at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, f32);
-  at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, f32);
+  const at::ScalarType grad = grad_dtype.value_or(q.scalar_type());
+  const auto grad_options = q.options().dtype(kernel_output_dtype(grad));
+  at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, grad_options);
+  at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, grad_options);
+  at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, grad_options);
 
   BwdParams p;
   p.shape = s;
   at::Tensor qp, kp, vp, dop, k_pairs;
   if (q.scalar_type() == at::kBFloat16 && dout.scalar_type() == at::kBFloat16 &&
       cpu::has_bf16_dot()) {
-    qp = pack(q, dp, at::kBFloat16);
+    // Q and dO are read in place (the kernel packs its query blocks itself).
     kp = pack(k, dp, at::kBFloat16);
     vp = pack(v, dp, at::kBFloat16);
-    dop = pack(dout, dp, at::kBFloat16);
     k_pairs = pair_keys(kp);
-    p.q16 = reinterpret_cast<const uint16_t*>(qp.data_ptr<at::BFloat16>());
-    p.k16 = reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>());
-    p.v16 = reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>());
-    p.dout16 = reinterpret_cast<const uint16_t*>(dop.data_ptr<at::BFloat16>());
-    p.k16_pairs = reinterpret_cast<const uint16_t*>(k_pairs.data_ptr<at::BFloat16>());
+    p.q16 = bf16_data(q);
+    p.q16_strides = strides_of(q);
+    p.dout16 = bf16_data(dout);
+    p.dout16_strides = strides_of(dout);
+    p.k16 = bf16_data(kp);
+    p.v16 = bf16_data(vp);
+    p.k16_pairs = bf16_data(k_pairs);
   } else {
     qp = pack(q, dp);
     kp = pack(k, dp);
@@ -248,18 +304,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   }
   p.lse = lse_c.data_ptr<float>();
   p.delta = delta.data_ptr<float>();
-  p.dq = dq.data_ptr<float>();
-  p.dk = dk.data_ptr<float>();
-  p.dv = dv.data_ptr<float>();
-  p.dkv_strides = strides_of(dk);
+  p.dq = output_of(dq);
+  p.dk = output_of(dk);
+  p.dv = output_of(dv);
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.mask = make_mask(causal, window_left, window_right, q_offset, k_offset);
   cpu::attention_bwd(p);
-
-  const at::Tensor dq_bshd = dq.narrow(3, 0, s.head_dim).transpose(1, 2);
-  return {dq_bshd.to(grad_dtype.value_or(q.scalar_type())).contiguous(),
-          dk.to(grad_dtype.value_or(k.scalar_type())),
-          dv.to(grad_dtype.value_or(v.scalar_type()))};
+  // no copies when the kernel wrote `grad`
+  return {dq.to(grad), dk.to(grad), dv.to(grad)};
 }
 
 void check_merge_args(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,

@@ -27,21 +27,33 @@ struct BshdStrides {
   int64_t head = 0;
 };
 
+// Element type of a kernel output.
+enum class OutType { kFloat32, kBFloat16 };
+
+// A (batch, seqlen, heads, head_dim) output: D values of `type` per row, contiguous; bf16 values
+// are rounded to nearest even.
+struct BshdOutput {
+  void* data = nullptr;
+  BshdStrides strides;
+  OutType type = OutType::kFloat32;
+};
+
 // Forward. Inputs are packed fp32, (batch, heads, seqlen, Dp) contiguous, zero beyond D.
 struct FwdParams {
   AttnShape shape;
   const float* q = nullptr;  // (B, H, Sq, Dp)
   const float* k = nullptr;  // (B, Hkv, Sk, Dp)
   const float* v = nullptr;  // (B, Hkv, Sk, Dp)
-  float* out = nullptr;      // (B, Sq, H, D), strides out_strides
-  BshdStrides out_strides;
-  float* lse = nullptr;  // (B, H, Sq) contiguous, natural log
+  BshdOutput out;            // (B, Sq, H, D), fully written
+  float* lse = nullptr;      // (B, H, Sq) contiguous, natural log
   float softmax_scale = 1.f;
   Mask mask;
   // bf16 operands instead of q/k/v, for CPUs with bf16 dot products (cpu::has_bf16_dot()):
-  // q16 (B, H, Sq, Dp), k16 (B, Hkv, Sk, Dp), v16 (B, Hkv, Sk2, Dp, 2) with Sk2 = ceil(Sk / 2):
-  // V with key pairs interleaved (keys 2j and 2j+1 side by side, a zero key past the end).
+  // q16 (B, Sq, H, D) as given, strides q16_strides; k16 (B, Hkv, Sk, Dp); v16
+  // (B, Hkv, Sk2, Dp, 2) with Sk2 = ceil(Sk / 2): V with key pairs interleaved (keys 2j and
+  // 2j+1 side by side, a zero key past the end).
   const uint16_t* q16 = nullptr;
+  BshdStrides q16_strides;
   const uint16_t* k16 = nullptr;
   const uint16_t* v16 = nullptr;
 };
@@ -55,17 +67,17 @@ struct BwdParams {
   const float* dout = nullptr;   // (B, H, Sq, Dp)
   const float* lse = nullptr;    // (B, H, Sq), natural log
   const float* delta = nullptr;  // (B, H, Sq)
-  float* dq = nullptr;           // (B, H, Sq, Dp), must be zero on entry; accumulated
-  float* dk = nullptr;           // (B, Sk, Hkv, D), strides dkv_strides, fully written
-  float* dv = nullptr;           // (B, Sk, Hkv, D), strides dkv_strides, fully written
-  BshdStrides dkv_strides;
+  BshdOutput dq;                 // (B, Sq, H, D), fully written
+  BshdOutput dk, dv;             // (B, Sk, Hkv, D) each, fully written
   float softmax_scale = 1.f;
   Mask mask;
-  // bf16 operands instead of q/k/v/dout (cpu::has_bf16_dot()): q16 and dout16 (B, H, Sq, Dp),
-  // k16 and v16 (B, Hkv, Sk, Dp), and K again with key pairs interleaved, k16_pairs
-  // (B, Hkv, ceil(Sk / 2), Dp, 2), for dQ = dS K.
+  // bf16 operands instead of q/k/v/dout (cpu::has_bf16_dot()): q16 and dout16 (B, Sq, H, D) as
+  // given, strides q16_strides and dout16_strides; k16 and v16 (B, Hkv, Sk, Dp), and K again
+  // with key pairs interleaved, k16_pairs (B, Hkv, ceil(Sk / 2), Dp, 2), for dQ = dS K.
   const uint16_t* q16 = nullptr;
+  BshdStrides q16_strides;
   const uint16_t* dout16 = nullptr;
+  BshdStrides dout16_strides;
   const uint16_t* k16 = nullptr;
   const uint16_t* v16 = nullptr;
   const uint16_t* k16_pairs = nullptr;
