@@ -96,7 +96,12 @@ inline void write_row(const BshdOutput& o, int64_t offset, const float* src, flo
                       int64_t n) {
   if (o.type == OutType::kBFloat16) {
     uint16_t* dst = static_cast<uint16_t*>(o.data) + offset;
-    for (int64_t d = 0; d < n; ++d) dst[d] = bf16_bits(src[d] * factor);
+    int64_t d = 0;
+    for (; d + kLanes <= n; d += kLanes) {
+      const vbf16 bits = bf16_bits(load(src + d) * factor);
+      std::memcpy(dst + d, &bits, sizeof(bits));
+    }
+    for (; d < n; ++d) dst[d] = bf16_bits(src[d] * factor);
   } else {
     float* dst = static_cast<float*>(o.data) + offset;
     for (int64_t d = 0; d < n; ++d) dst[d] = src[d] * factor;
@@ -221,6 +226,11 @@ inline void load_row_stats(const BwdParams& p, int64_t first, int64_t rows, floa
   }
 }
 
+// Global row (in (B, H, Sq) order) of the first query row of kv head hk's first query head.
+inline int64_t group_first_row(const AttnShape& sh, int64_t b, int64_t hk) {
+  return (b * sh.heads + hk * sh.group_size()) * sh.seqlen_q;
+}
+
 // Calls visit(row_base, r0, rows, seen, kind) for every query block, of every query head of kv
 // head hk, that sees some key of the key block [c0, c0 + cols); row_base is the head's first
 // global row, and the visit covers keys [c0, c0 + seen), up to the last key the query block sees
@@ -275,7 +285,7 @@ struct PackedQueries {
 // One key block of one kv head: dK and dV of the block in full, and its dQ contributions for
 // every query head of the group (dQ rows of these heads are touched by this task only).
 inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, int64_t b,
-                               int64_t hk, int64_t c0, float* dq_base, BwdScratch& s) {
+                               int64_t hk, int64_t c0, float* dq_group, BwdScratch& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -289,7 +299,7 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
                                                  int64_t seen, BlockKind kind) {
     const float* q = p.q + (row_base + r0) * dp;
     const float* dout = p.dout + (row_base + r0) * dp;
-    float* dq = dq_base + (row_base + r0) * dp;
+    float* dq = dq_group + (row_base - group_first_row(sh, b, hk) + r0) * dp;
     load_row_stats(p, row_base + r0, rows, reference, delta);
     float* st = s.st.get();
     float* dpt = s.dpt.get();
@@ -333,49 +343,78 @@ inline int64_t key_splits(const AttnShape& sh, int64_t k_blocks) {
   return std::max<int64_t>(splits, 1);
 }
 
-// Runs the backward tasks: body(b, hk, kb_begin, kb_end, dq_base, scratch) computes the key
-// blocks [kb_begin, kb_end) of (batch b, kv head hk), adding dQ to the fp32 accumulator dq_base
-// ((B, H, Sq, Dp), zero at first, one per split); then the splits' dQ are summed in order, scaled
-// and written to p.dq. One Scratch per parallel chunk.
+// Writes the dQ rows of the (batch, kv head) pair `pair`, scaled by the softmax scale, from its
+// fp32 accumulators: `splits` of them, `split_stride` apart, each (group heads, Sq, Dp), summed
+// in split order (into the first).
+inline void write_group_dq(const BwdParams& p, int64_t pair, float* acc, int64_t split_stride,
+                           int64_t splits) {
+  const AttnShape& sh = p.shape;
+  const int64_t dp = sh.head_dim_padded;
+  const int64_t b = pair / sh.kv_heads, first_head = pair % sh.kv_heads * sh.group_size();
+  const BshdStrides& o = p.dq.strides;
+  for (int64_t r = 0; r < sh.group_size() * sh.seqlen_q; ++r) {
+    float* row = acc + r * dp;
+    for (int64_t split = 1; split < splits; ++split)
+      for (int64_t d = 0; d < dp; ++d) row[d] += row[split * split_stride + d];
+    const int64_t h = first_head + r / sh.seqlen_q, i = r % sh.seqlen_q;
+    write_row(p.dq, b * o.batch + i * o.seq + h * o.head, row, p.softmax_scale, sh.head_dim);
+  }
+}
+
+// Runs the backward tasks: body(b, hk, kb_begin, kb_end, dq_group, scratch) computes the key
+// blocks [kb_begin, kb_end) of (batch b, kv head hk), adding dQ to the fp32 accumulator
+// dq_group, (group heads, Sq, Dp) and zero at first, the rows of the query heads of hk; then dQ
+// is written to p.dq. One Scratch per parallel chunk.
 template <typename Scratch, typename Body>
 inline void run_backward(const BwdParams& p, Body&& body) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded;
   const int64_t k_blocks = (sh.seqlen_k + kBlockK - 1) / kBlockK;
   const int64_t splits = key_splits(sh, k_blocks);
-  const int64_t dq_elems = sh.batch * sh.heads * sh.seqlen_q * dp;
-  AlignedArray<float> dq_acc = aligned_array<float>(splits * dq_elems);
-  at::parallel_for(0, splits * dq_elems, 1 << 16, [&](int64_t begin, int64_t end) {
-    std::fill(dq_acc.get() + begin, dq_acc.get() + end, 0.f);
+  const int64_t pairs = sh.batch * sh.kv_heads;
+  const int64_t group_elems = sh.group_size() * sh.seqlen_q * dp;
+  if (splits == 1) {
+    // A task owns its pair's dQ rows: they accumulate in a buffer of the parallel chunk, which
+    // stays in cache for moderate lengths, and are written out when the task ends.
+    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+      Scratch scratch(dp);
+      AlignedArray<float> dq = aligned_array<float>(group_elems);
+      for (int64_t pair = begin; pair < end; ++pair) {
+        std::fill(dq.get(), dq.get() + group_elems, 0.f);
+        body(pair / sh.kv_heads, pair % sh.kv_heads, 0, k_blocks, dq.get(), scratch);
+        write_group_dq(p, pair, dq.get(), 0, 1);
+      }
+    });
+    return;
+  }
+  // Few pairs: each split of a pair's key blocks accumulates dQ in a buffer of its own; the
+  // splits are summed afterwards in a fixed order.
+  const int64_t split_stride = pairs * group_elems;
+  AlignedArray<float> dq = aligned_array<float>(splits * split_stride);
+  at::parallel_for(0, splits * split_stride, 1 << 16, [&](int64_t begin, int64_t end) {
+    std::fill(dq.get() + begin, dq.get() + end, 0.f);
   });
-  at::parallel_for(0, sh.batch * sh.kv_heads * splits, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch(dp);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t split = t % splits, pair = t / splits;
       body(pair / sh.kv_heads, pair % sh.kv_heads, k_blocks * split / splits,
-           k_blocks * (split + 1) / splits, dq_acc.get() + split * dq_elems, scratch);
+           k_blocks * (split + 1) / splits, dq.get() + split * split_stride + pair * group_elems,
+           scratch);
     }
   });
-  // dQ = softmax_scale * (sum of the splits' dQ, in split order), row by row
-  const BshdStrides& o = p.dq.strides;
-  at::parallel_for(0, sh.batch * sh.heads * sh.seqlen_q, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {  // row = (b * H + h) * Sq + i
-      float* sum = dq_acc.get() + row * dp;
-      for (int64_t split = 1; split < splits; ++split)
-        for (int64_t d = 0; d < dp; ++d) sum[d] += sum[split * dq_elems + d];
-      const int64_t i = row % sh.seqlen_q, h = row / sh.seqlen_q % sh.heads,
-                    b = row / (sh.seqlen_q * sh.heads);
-      write_row(p.dq, b * o.batch + i * o.seq + h * o.head, sum, p.softmax_scale, sh.head_dim);
-    }
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair)
+      write_group_dq(p, pair, dq.get() + pair * group_elems, split_stride, splits);
   });
 }
 
 inline void attention_bwd_impl(const BwdParams& p) {
   const PackedQueries packed(p);
   run_backward<BwdScratch>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
-                                  float* dq_base, BwdScratch& scratch) {
+                                  float* dq_group, BwdScratch& scratch) {
     for (int64_t kb = kb_begin; kb < kb_end; ++kb)
-      backward_key_block(p, packed, b, hk, kb * kBlockK, dq_base, scratch);
+      backward_key_block(p, packed, b, hk, kb * kBlockK, dq_group, scratch);
   });
 }
 

@@ -90,27 +90,51 @@ inline void gemm_bf16(int64_t M, int64_t N, int64_t pairs, const uint16_t* A, in
   }
 }
 
+// Transposes a 16 x 16 matrix of 32-bit words held as 16 row registers: afterwards r[c] holds
+// column c. Two rounds of in-lane unpacks, then two of 128-bit lane shuffles.
+inline void transpose_16x16_words(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + j], lane L: column 4L + j of rows i..i+3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // gather lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
+    const __m512i lo01 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44);
+    const __m512i hi01 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xee);
+    const __m512i lo23 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i hi23 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xee);
+    t[j] = _mm512_shuffle_i32x4(lo01, lo23, 0x88);       // column j
+    t[4 + j] = _mm512_shuffle_i32x4(lo01, lo23, 0xdd);   // column 4 + j
+    t[8 + j] = _mm512_shuffle_i32x4(hi01, hi23, 0x88);   // column 8 + j
+    t[12 + j] = _mm512_shuffle_i32x4(hi01, hi23, 0xdd);  // column 12 + j
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
 // qt[(d / 2) * 2 kBlockQ + 2 i + d % 2] = q[i][d]: Q^T of a query block as d pairs, from rows of
 // `dim` values `row_stride` apart; d >= dim and padded queries are 0. A row's d pair is one
-// 32-bit word, so this is a transpose of 32-bit words, done by gathering 16 rows' word j.
+// 32-bit word, so this is a transpose of 32-bit words, done in 16 x 16 tiles.
 inline void pack_pairs_transposed(const uint16_t* q, int64_t row_stride, int64_t rows,
                                   int64_t dim, int64_t dp, uint16_t* qt) {
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  // byte offsets of 16 rows; row_stride is far below 2^26 for any tensor that fits in memory
-  const __m512i row_offsets = _mm512_mullo_epi32(lane, _mm512_set1_epi32(int(row_stride * 2)));
-  for (int64_t i0 = 0; i0 < kBlockQ; i0 += kLanes) {
-    const int64_t n = std::clamp<int64_t>(rows - i0, 0, kLanes);
-    const __mmask16 row_mask = static_cast<__mmask16>((1u << n) - 1);
-    const uint16_t* base = q + i0 * row_stride;
-    for (int64_t j = 0; j < dp / 2; ++j) {
-      __m512i words = _mm512_setzero_si512();
-      if (2 * j + 1 < dim)
-        words = _mm512_mask_i32gather_epi32(words, row_mask, row_offsets, base + 2 * j, 1);
-      _mm512_storeu_si512(qt + 2 * (j * kBlockQ + i0), words);
-      if (2 * j + 1 == dim)  // odd dim: the last pair has only its low half
-        for (int64_t i = 0; i < n; ++i) qt[2 * (j * kBlockQ + i0 + i)] = base[i * row_stride + 2 * j];
+  for (int64_t i0 = 0; i0 < kBlockQ; i0 += kLanes)
+    for (int64_t j0 = 0; j0 < dp / 2; j0 += 16) {
+      const int64_t n = std::clamp<int64_t>(dim - 2 * j0, 0, 32);  // values of a row in the tile
+      const __mmask32 valid = n == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << n) - 1);
+      __m512i tile[16];
+      for (int64_t i = 0; i < kLanes; ++i)
+        tile[i] = i0 + i < rows
+                      ? _mm512_maskz_loadu_epi16(valid, q + (i0 + i) * row_stride + 2 * j0)
+                      : _mm512_setzero_si512();
+      transpose_16x16_words(tile);
+      for (int64_t j = 0; j < 16 && j0 + j < dp / 2; ++j)
+        _mm512_storeu_si512(qt + 2 * ((j0 + j) * kBlockQ + i0), tile[j]);
     }
-  }
 }
 
 // Stores probabilities of keys c and c + 1 (c even) for queries i..i+15 as bf16 key pairs:
@@ -257,7 +281,7 @@ struct PackedQueriesBf16 {
 
 // backward_key_block (attention_kernel.h) with the five products on bf16 operands.
 inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16& packed,
-                                    int64_t b, int64_t hk, int64_t c0, float* dq_base,
+                                    int64_t b, int64_t hk, int64_t c0, float* dq_group,
                                     BwdScratchBf16& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded;
@@ -273,7 +297,7 @@ inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16&
 
   for_each_query_block(p, b, hk, c0, cols, [&](int64_t row_base, int64_t r0, int64_t rows,
                                                  int64_t seen, BlockKind kind) {
-    float* dq = dq_base + (row_base + r0) * dp;
+    float* dq = dq_group + (row_base - group_first_row(sh, b, hk) + r0) * dp;
     load_row_stats(p, row_base + r0, rows, reference, delta);
     const int64_t row_pairs = (rows + 1) / 2;
     float* st = s.st.get();
@@ -323,9 +347,9 @@ inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16&
 inline void attention_bwd_bf16_impl(const BwdParams& p) {
   const PackedQueriesBf16 packed(p);
   run_backward<BwdScratchBf16>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
-                                      float* dq_base, BwdScratchBf16& scratch) {
+                                      float* dq_group, BwdScratchBf16& scratch) {
     for (int64_t kb = kb_begin; kb < kb_end; ++kb)
-      backward_key_block_bf16(p, packed, b, hk, kb * kBlockK, dq_base, scratch);
+      backward_key_block_bf16(p, packed, b, hk, kb * kBlockK, dq_group, scratch);
   });
 }
 

@@ -33,6 +33,8 @@ AlignedArray<T> aligned_array(int64_t n) {
 }
 typedef float vfloat __attribute__((vector_size(64)));
 typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+typedef uint16_t vbf16 __attribute__((vector_size(32)));  // 16 bf16 bit patterns
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -48,6 +50,13 @@ inline uint16_t bf16_bits(float x) {
   std::memcpy(&u, &x, sizeof(u));
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline vbf16 bf16_bits(vfloat x) {  // the same, 16 lanes at a time
+  vuint u;
+  std::memcpy(&u, &x, sizeof(u));
+  const vuint rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vuint quiet_nan = (u >> 16) | 0x40u;
+  return __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded, vbf16);
 }
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 
