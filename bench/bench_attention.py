@@ -255,9 +255,16 @@ def gflops(flops: float, seconds: float) -> float:
 _CEILINGS: dict[tuple[torch.dtype, int], float] = {}
 
 
+def ceiling_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype whose GEMM bounds attention in `dtype`: fp16 has no dot-product instruction on
+    these CPUs, so it runs as fp32 products (exact), and torch.mm in fp16 is no GEMM ceiling."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def gemm_ceiling(dtype: torch.dtype, threads: int, size: int = 2048) -> float:
     """GFLOP/s of torch.mm (size^3) in this dtype and thread count: the machine's practical
     ceiling for the matrix products attention is made of. Measured once per (dtype, threads)."""
+    dtype = ceiling_dtype(dtype)
     key = (dtype, threads)
     if key not in _CEILINGS:
         torch.set_num_threads(threads)
@@ -316,7 +323,8 @@ def header_lines(args: argparse.Namespace, probe: dict[str, int] | None) -> list
         + "retained graph (no forward inside the timing); wall clock, median of "
         + f"{args.reps} after {args.warmup} warm-up, cpattn and SDPA interleaved",
         "- GEMM ceiling: torch.mm 2048^3 GFLOP/s in the row's dtype and thread count, measured "
-        + "in the same run (bf16: bf16 products with fp32 accumulation)",
+        + "in the same run (bf16: bf16 products with fp32 accumulation; fp16: the fp32 GEMM, "
+        + "since fp16 has no dot-product instruction here and runs as exact fp32 products)",
         "- units: GFLOP/s, flash-attn convention (fwd 4*B*H*S*S*D, halved for causal; bwd 2.5x "
         + "fwd); ratio = cpattn / sdpa (> 1: cpattn faster); B*H is sized so that one forward "
         + f"is about {args.target_gflop} GFLOP",
