@@ -94,14 +94,16 @@ inline void softmax_block(const float* st, int64_t cols, float scale, OnlineSoft
 // Writes n values src[d] * factor to an output row starting at element `offset`.
 inline void write_row(const BshdOutput& o, int64_t offset, const float* src, float factor,
                       int64_t n) {
-  if (o.type == OutType::kBFloat16) {
+  if (o.type != OutType::kFloat32) {
+    const bool bf16 = o.type == OutType::kBFloat16;
     uint16_t* dst = static_cast<uint16_t*>(o.data) + offset;
     int64_t d = 0;
     for (; d + kLanes <= n; d += kLanes) {
-      const vbf16 bits = bf16_bits(load(src + d) * factor);
+      const vfloat x = load(src + d) * factor;
+      const vbits16 bits = bf16 ? bf16_bits(x) : fp16_bits(x);
       std::memcpy(dst + d, &bits, sizeof(bits));
     }
-    for (; d < n; ++d) dst[d] = bf16_bits(src[d] * factor);
+    for (; d < n; ++d) dst[d] = bf16 ? bf16_bits(src[d] * factor) : fp16_bits(src[d] * factor);
   } else {
     float* dst = static_cast<float*>(o.data) + offset;
     for (int64_t d = 0; d < n; ++d) dst[d] = src[d] * factor;

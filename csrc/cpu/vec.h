@@ -8,7 +8,9 @@
 #include <memory>
 #include <new>
 
-#ifdef __AVX512F__
+#include <cmath>
+
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -34,7 +36,7 @@ AlignedArray<T> aligned_array(int64_t n) {
 typedef float vfloat __attribute__((vector_size(64)));
 typedef int32_t vint __attribute__((vector_size(64)));
 typedef uint32_t vuint __attribute__((vector_size(64)));
-typedef uint16_t vbf16 __attribute__((vector_size(32)));  // 16 bf16 bit patterns
+typedef uint16_t vbits16 __attribute__((vector_size(32)));  // 16 bf16 or fp16 bit patterns
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -51,12 +53,47 @@ inline uint16_t bf16_bits(float x) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-inline vbf16 bf16_bits(vfloat x) {  // the same, 16 lanes at a time
+inline vbits16 bf16_bits(vfloat x) {  // the same, 16 lanes at a time
   vuint u;
   std::memcpy(&u, &x, sizeof(u));
   const vuint rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   const vuint quiet_nan = (u >> 16) | 0x40u;
-  return __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded, vbf16);
+  return __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded, vbits16);
+}
+
+// The fp16 bits of x, rounded to nearest even: beyond the fp16 range to +-inf, below 2^-14 to
+// subnormals; a NaN stays a (quiet) NaN.
+inline uint16_t fp16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (u >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf
+  if (u < 0x38800000u) {                        // below 2^-14: a multiple of 2^-24
+    float magnitude;
+    std::memcpy(&magnitude, &u, sizeof(u));
+    return sign | static_cast<uint16_t>(std::nearbyint(magnitude * 16777216.f));
+  }
+  // rebias the exponent (127 -> 15) and round the mantissa from 23 to 10 bits
+  return sign | static_cast<uint16_t>((u + 0xfffu + ((u >> 13) & 1u) - 0x38000000u) >> 13);
+}
+inline vbits16 fp16_bits(vfloat x) {  // the same, 16 lanes at a time
+  vbits16 bits;
+#ifdef __AVX512F__
+  const __m256i h = _mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  std::memcpy(&bits, &h, sizeof(bits));
+#elif defined(__F16C__)
+  for (int half = 0; half < 2; ++half) {
+    __m256 lanes;
+    std::memcpy(&lanes, reinterpret_cast<const char*>(&x) + 32 * half, sizeof(lanes));
+    const __m128i h = _mm256_cvtps_ph(lanes, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    std::memcpy(reinterpret_cast<char*>(&bits) + 16 * half, &h, sizeof(h));
+  }
+#else
+  for (int l = 0; l < kLanes; ++l) bits[l] = fp16_bits(x[l]);
+#endif
+  return bits;
 }
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
 

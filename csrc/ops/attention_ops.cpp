@@ -116,13 +116,13 @@ Mask make_mask(bool causal, int64_t window_left, int64_t window_right, int64_t q
 
 BshdStrides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
-// The CPU kernels write fp32 and bf16 outputs themselves; other dtypes go through fp32.
-at::ScalarType kernel_output_dtype(at::ScalarType wanted) {
-  return wanted == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
-}
+// The CPU kernels write their outputs in the dtype asked for (no conversion pass afterwards).
 BshdOutput output_of(const at::Tensor& t) {
+  const at::ScalarType dtype = t.scalar_type();
   return {t.data_ptr(), strides_of(t),
-          t.scalar_type() == at::kBFloat16 ? OutType::kBFloat16 : OutType::kFloat32};
+          dtype == at::kBFloat16 ? OutType::kBFloat16
+          : dtype == at::kHalf   ? OutType::kFloat16
+                                 : OutType::kFloat32};
 }
 const uint16_t* bf16_data(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
@@ -190,8 +190,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
 #endif
 
   const auto f32 = q.options().dtype(at::kFloat);
-  at::Tensor out = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim},
-                              q.options().dtype(kernel_output_dtype(dtype)));
+  at::Tensor out =
+      new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, q.options().dtype(dtype));
   at::Tensor lse = new_output({s.batch, s.heads, s.seqlen_q}, f32);
 
   FwdParams p;
@@ -220,7 +220,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.mask = make_mask(causal, window_left, window_right, q_offset, k_offset);
   cpu::attention_fwd(p);
-  return {out.to(dtype), lse};  // no copy when the kernel wrote `dtype`
+  return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
@@ -271,7 +271,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   }
   const at::Tensor lse_c = lse.contiguous();
   const at::ScalarType grad = grad_dtype.value_or(q.scalar_type());
-  const auto grad_options = q.options().dtype(kernel_output_dtype(grad));
+  const auto grad_options = q.options().dtype(grad);
   at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, grad_options);
   at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, grad_options);
   at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, grad_options);
@@ -310,8 +310,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.mask = make_mask(causal, window_left, window_right, q_offset, k_offset);
   cpu::attention_bwd(p);
-  // no copies when the kernel wrote `grad`
-  return {dq.to(grad), dk.to(grad), dv.to(grad)};
+  return {dq, dk, dv};
 }
 
 void check_merge_args(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,

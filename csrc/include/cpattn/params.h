@@ -28,10 +28,10 @@ struct BshdStrides {
 };
 
 // Element type of a kernel output.
-enum class OutType { kFloat32, kBFloat16 };
+enum class OutType { kFloat32, kBFloat16, kFloat16 };
 
-// A (batch, seqlen, heads, head_dim) output: D values of `type` per row, contiguous; bf16 values
-// are rounded to nearest even.
+// A (batch, seqlen, heads, head_dim) output: D values of `type` per row, contiguous; bf16 and
+// fp16 values are rounded to nearest even.
 struct BshdOutput {
   void* data = nullptr;
   BshdStrides strides;
