@@ -317,6 +317,27 @@ def test_out_and_grad_dtype(
     assert all(g.dtype == in_dtype for g in grads)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("v_scale", [1.0, 3e4, 1e5, 1e-6, 3e-8], ids=lambda s: f"v{s:g}")
+def test_low_output_is_rounded_fp32(
+    out_dtype: torch.dtype, v_scale: float, gen: torch.Generator
+) -> None:
+    """The kernel rounds its fp32 result to bf16/fp16 itself, to nearest even: bitwise what
+    torch's conversion of the fp32 output gives, also where fp16 overflows to inf (|v| > 65504)
+    and in its subnormal range (|v| < 2^-14)."""
+    q, k, v = make_qkv(gen, 1, 70, 90, 2, 1, 72)
+    v = v * v_scale
+    args = (1 / 8, True, -1, -1, 0, 0)
+    out_low, _ = ops.attention_fwd(q, k, v, *args, out_dtype)
+    out_fp32, lse = ops.attention_fwd(q, k, v, *args, None)
+    assert torch.equal(out_low, out_fp32.to(out_dtype))
+    dout = randn(q.shape, gen) * v_scale
+    grads_low = ops.attention_bwd(dout, q, k, v, out_fp32, lse, *args, out_dtype)
+    grads_fp32 = ops.attention_bwd(dout, q, k, v, out_fp32, lse, *args, None)
+    for got, want in zip(grads_low, grads_fp32):
+        assert torch.equal(got, want.to(out_dtype))
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=["fp32", "bf16", "fp16"])
 def test_output_dtype_and_shape(dtype: torch.dtype, gen: torch.Generator) -> None:
     """out has q's dtype and shape; lse is float32 (B, H, Sq); gradients match their inputs."""
