@@ -186,6 +186,21 @@ def test_long_sequence(causal: bool, window: Window, gen: torch.Generator) -> No
     check_against_reference(q, k, v, dout, causal, window)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "causal, window", [(False, (-1, -1)), (True, (-1, -1)), (True, (300, -1))]
+)
+def test_query_block_groups(
+    dtype: torch.dtype, causal: bool, window: Window, gen: torch.Generator
+) -> None:
+    """K/V of a head past 1 MiB: the forward takes several query blocks through one pass over
+    the keys (a partial last group here: 2100 queries are 33 blocks); with windows, blocks of a
+    group see different key ranges."""
+    q, k, v = make_qkv(gen, 1, 2100, 2100, 2, 1, 128, dtype=dtype, requires_grad=True)
+    dout = randn(q.shape, gen, dtype)
+    check_against_reference(q, k, v, dout, causal, window)
+
+
 # ---------------------------------------------------------------------------------------------
 # Raw ops with arbitrary global offsets (what a ring step or a zigzag chunk calls)
 
@@ -315,6 +330,19 @@ def test_out_and_grad_dtype(
     assert out_d.dtype == in_dtype
     grads = ops.attention_bwd(dout, q, k, v, out, lse, scale, causal, wl, wr, q_off, 0)
     assert all(g.dtype == in_dtype for g in grads)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_nan_input_propagates(dtype: torch.dtype, gen: torch.Generator) -> None:
+    """A NaN in a query row makes that row's output NaN (as in torch), not a silently empty row
+    (0, lse -inf); the other rows are unaffected."""
+    q, k, v = make_qkv(gen, 1, 40, 40, 2, 2, 64, dtype=dtype)
+    q[0, 7, 1, 3] = float("nan")
+    out, lse = ops.attention_fwd(q, k, v, 1 / 8, True, -1, -1, 0, 0, None)
+    assert torch.isnan(out[0, 7, 1]).all() and torch.isnan(lse[0, 1, 7])
+    mask = torch.ones_like(out, dtype=torch.bool)
+    mask[0, 7, 1] = False
+    assert torch.isfinite(out[mask]).all()
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -138,9 +138,9 @@ def test_window_not_a_pair(window: object) -> None:
         cpattn.attention(q, k, v, window=window)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), float("inf")])
+@pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), float("inf"), 1e-50, 1e39])
 def test_bad_softmax_scale(scale: float) -> None:
-    """softmax_scale must be finite and positive."""
+    """softmax_scale must be finite and positive (as the kernels' float32)."""
     q, k, v = good()
     with pytest.raises(RuntimeError, match=r"softmax_scale"):
         cpattn.attention(q, k, v, softmax_scale=scale)

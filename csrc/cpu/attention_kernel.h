@@ -122,62 +122,123 @@ inline void write_output(const FwdParams& p, int64_t b, int64_t h, int64_t r0, i
   }
 }
 
+// Query blocks that one forward task takes through a single pass over K and V. At long lengths
+// K and V of a head no longer fit in L2 and stream from L3 or memory once per pass; a group uses
+// each key block for all its query blocks while the block is in cache. Grouping changes no
+// block's arithmetic, so results do not depend on it.
+constexpr int64_t kMaxQueryBlocksPerTask = 4;
+
+inline int64_t query_blocks_per_task(const AttnShape& sh, int64_t element_bytes) {
+  constexpr int64_t kCachedKvBytes = int64_t{1} << 20;  // K and V of a head that stay in L2
+  const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
+  if (2 * sh.seqlen_k * sh.head_dim_padded * element_bytes <= kCachedKvBytes) return 1;
+  int64_t group = kMaxQueryBlocksPerTask;
+  // keep several tasks per thread for balance
+  while (group > 1 && sh.batch * sh.heads * ((q_blocks + group - 1) / group) <
+                          4 * at::get_num_threads())
+    group /= 2;
+  return group;
+}
+
+// Runs the forward: blocks(b, h, qb_begin, qb_end, scratch) for every group of query blocks, in
+// parallel, with one Scratch per parallel chunk.
+template <typename Scratch, typename Blocks>
+inline void for_each_query_group(const FwdParams& p, int64_t element_bytes, Blocks&& blocks) {
+  const AttnShape& sh = p.shape;
+  const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
+  const int64_t group = query_blocks_per_task(sh, element_bytes);
+  const int64_t groups = (q_blocks + group - 1) / group;
+  at::parallel_for(0, sh.batch * sh.heads * groups, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(sh.head_dim_padded);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t g = t % groups, bh = t / groups;
+      blocks(bh / sh.heads, bh % sh.heads, g * group, std::min(q_blocks, (g + 1) * group),
+             scratch);
+    }
+  });
+}
+
+// The keys that query blocks [qb_begin, qb_end) see, each block's span in spans[]: the range of
+// key blocks the group's pass covers (empty: first > last).
+inline PosRange group_key_span(const FwdParams& p, int64_t qb_begin, int64_t qb_end,
+                               PosRange* spans) {
+  const AttnShape& sh = p.shape;
+  PosRange all{sh.seqlen_k, -1};
+  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+    const int64_t r0 = qb * kBlockQ, rows = std::min(kBlockQ, sh.seqlen_q - r0);
+    PosRange& keys = spans[qb - qb_begin];
+    keys = p.mask.key_span(r0, r0 + rows, sh.seqlen_k);
+    if (keys.empty()) continue;
+    all.first = std::min(all.first, keys.first);
+    all.last = std::max(all.last, keys.last);
+  }
+  return all;
+}
+
 struct FwdScratch {
-  AlignedArray<float> qt, st, acc;
+  AlignedArray<float> qt, st, acc;  // qt and acc: one per query block of a group
   explicit FwdScratch(int64_t dp)
-      : qt(aligned_array<float>(dp * kBlockQ)),
+      : qt(aligned_array<float>(kMaxQueryBlocksPerTask * dp * kBlockQ)),
         st(aligned_array<float>(kBlockK * kBlockQ)),
-        acc(aligned_array<float>(kBlockQ * dp)) {}
+        acc(aligned_array<float>(kMaxQueryBlocksPerTask * kBlockQ * dp)) {}
 };
 
-inline void forward_block(const FwdParams& p, int64_t b, int64_t h, int64_t qb, FwdScratch& s) {
+// Query blocks [qb_begin, qb_end) of head h of batch b, in one pass over the key blocks.
+inline void forward_blocks(const FwdParams& p, int64_t b, int64_t h, int64_t qb_begin,
+                           int64_t qb_end, FwdScratch& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded;
   const int64_t hk = h / sh.group_size();
-  const int64_t r0 = qb * kBlockQ;
-  const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
-  const float* q = p.q + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp;
   const float* k = p.k + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
   const float* v = p.v + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
-
-  pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, s.qt.get());
-  std::fill(s.acc.get(), s.acc.get() + kBlockQ * dp, 0.f);
-  OnlineSoftmaxRow state[kBlockQ];
+  OnlineSoftmaxRow state[kMaxQueryBlocksPerTask][kBlockQ];
+  PosRange spans[kMaxQueryBlocksPerTask];
   alignas(64) float factor[kBlockQ];
-
-  // Only the key blocks that some row of this query block can see.
-  const PosRange keys = p.mask.key_span(r0, r0 + rows, sh.seqlen_k);
-  for (int64_t c0 = keys.first / kBlockK * kBlockK; c0 <= keys.last; c0 += kBlockK) {
-    const int64_t cols = visible_cols(keys, c0);
-    const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
-    if (kind == BlockKind::kEmpty) continue;
-    float* st = s.st.get();
-    gemm(cols, kBlockQ, dp, k + c0 * dp, dp, 1, s.qt.get(), kBlockQ, st, kBlockQ, false);
-    if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-    // Q was packed with the scale, so the scores are already base 2; P replaces them in st.
-    softmax_block(st, cols, 1.f, state, factor, [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
-      store(st + c * kBlockQ + i, p0);
-      if (c + 1 < cols) store(st + (c + 1) * kBlockQ + i, p1);
-    });
-    // O[rows x Dp] = factor * O + P[rows x cols] V[cols x Dp], P read from st transposed.
-    gemm(rows, dp, cols, st, 1, kBlockQ, v + c0 * dp, dp, s.acc.get(), dp, true, factor);
+  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+    const int64_t j = qb - qb_begin, r0 = qb * kBlockQ;
+    const float* q = p.q + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp;
+    pack_transposed(q, std::min(kBlockQ, sh.seqlen_q - r0), dp, p.softmax_scale * kLog2e,
+                    s.qt.get() + j * dp * kBlockQ);
+    std::fill(s.acc.get() + j * kBlockQ * dp, s.acc.get() + (j + 1) * kBlockQ * dp, 0.f);
   }
-  write_output(p, b, h, r0, rows, state, s.acc.get());
+
+  // Only the key blocks that some row of the group can see.
+  const PosRange all = group_key_span(p, qb_begin, qb_end, spans);
+  for (int64_t c0 = all.first / kBlockK * kBlockK; c0 <= all.last; c0 += kBlockK) {
+    for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+      const int64_t j = qb - qb_begin, r0 = qb * kBlockQ;
+      const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
+      const int64_t cols = visible_cols(spans[j], c0);
+      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);  // empty: cols <= 0
+      if (kind == BlockKind::kEmpty) continue;
+      float* st = s.st.get();
+      float* acc = s.acc.get() + j * kBlockQ * dp;
+      gemm(cols, kBlockQ, dp, k + c0 * dp, dp, 1, s.qt.get() + j * dp * kBlockQ, kBlockQ, st,
+           kBlockQ, false);
+      if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+      // Q was packed with the scale, so the scores are already base 2; P replaces them in st.
+      softmax_block(st, cols, 1.f, state[j], factor,
+                    [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
+                      store(st + c * kBlockQ + i, p0);
+                      if (c + 1 < cols) store(st + (c + 1) * kBlockQ + i, p1);
+                    });
+      // O[rows x Dp] = factor * O + P[rows x cols] V[cols x Dp], P read from st transposed.
+      gemm(rows, dp, cols, st, 1, kBlockQ, v + c0 * dp, dp, acc, dp, true, factor);
+    }
+  }
+  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+    const int64_t j = qb - qb_begin, r0 = qb * kBlockQ;
+    write_output(p, b, h, r0, std::min(kBlockQ, sh.seqlen_q - r0), state[j],
+                 s.acc.get() + j * kBlockQ * dp);
+  }
 }
 
 inline void attention_fwd_impl(const FwdParams& p) {
-  const AttnShape& sh = p.shape;
-  const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
-  const int64_t tasks = sh.batch * sh.heads * q_blocks;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    FwdScratch scratch(sh.head_dim_padded);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t qb = t % q_blocks;
-      const int64_t h = (t / q_blocks) % sh.heads;
-      const int64_t b = t / (q_blocks * sh.heads);
-      forward_block(p, b, h, qb, scratch);
-    }
-  });
+  for_each_query_group<FwdScratch>(
+      p, sizeof(float),
+      [&](int64_t b, int64_t h, int64_t qb_begin, int64_t qb_end, FwdScratch& scratch) {
+        forward_blocks(p, b, h, qb_begin, qb_end, scratch);
+      });
 }
 
 struct BwdScratch {
@@ -332,16 +393,17 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
 
 // How many ranges the key blocks of each (batch, kv head) are split into. Without a split a task
 // per (batch, kv head) owns the dQ rows of its query heads; with few such pairs (small batch,
-// MQA) that leaves threads idle, so each range then accumulates dQ into a buffer of its own,
-// summed afterwards in a fixed order. The choice depends on the shape only, never on the thread
-// count, so results are the same bits with any number of threads.
+// MQA) that leaves threads idle, so each range then accumulates dQ into an fp32 buffer of its
+// own (splits x the size of dQ in all), summed afterwards in a fixed order. The choice depends
+// on the shape only, never on the thread count, so results are the same bits with any number of
+// threads.
 inline int64_t key_splits(const AttnShape& sh, int64_t k_blocks) {
   constexpr int64_t kTargetTasks = 8;
-  constexpr int64_t kMaxExtraBytes = int64_t{256} << 20;
+  constexpr int64_t kMaxBufferBytes = int64_t{256} << 20;
   const int64_t pairs = sh.batch * sh.kv_heads;
   const int64_t dq_bytes = sh.batch * sh.heads * sh.seqlen_q * sh.head_dim_padded * 4;
   int64_t splits = std::min((kTargetTasks + pairs - 1) / pairs, k_blocks);
-  while (splits > 1 && (splits - 1) * dq_bytes > kMaxExtraBytes) --splits;
+  while (splits > 1 && splits * dq_bytes > kMaxBufferBytes) --splits;
   return std::max<int64_t>(splits, 1);
 }
 

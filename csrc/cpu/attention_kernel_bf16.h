@@ -155,66 +155,73 @@ inline void store_bf16(uint16_t* out, vfloat x) {
 }
 
 struct FwdScratchBf16 {
-  AlignedArray<uint16_t> qt, pp;
+  AlignedArray<uint16_t> qt, pp;  // qt and acc: one per query block of a group
   AlignedArray<float> st, acc;
   explicit FwdScratchBf16(int64_t dp)
-      : qt(aligned_array<uint16_t>(dp * kBlockQ)),
+      : qt(aligned_array<uint16_t>(kMaxQueryBlocksPerTask * dp * kBlockQ)),
         pp(aligned_array<uint16_t>(kBlockK * kBlockQ)),
         st(aligned_array<float>(kBlockK * kBlockQ)),
-        acc(aligned_array<float>(kBlockQ * dp)) {}
+        acc(aligned_array<float>(kMaxQueryBlocksPerTask * kBlockQ * dp)) {}
 };
 
-inline void forward_block_bf16(const FwdParams& p, int64_t b, int64_t h, int64_t qb,
-                               FwdScratchBf16& s) {
+// forward_blocks (attention_kernel.h) with both products on bf16 operands.
+inline void forward_blocks_bf16(const FwdParams& p, int64_t b, int64_t h, int64_t qb_begin,
+                                int64_t qb_end, FwdScratchBf16& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded;
   const int64_t hk = h / sh.group_size();
-  const int64_t r0 = qb * kBlockQ;
-  const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
   const int64_t key_pairs = (sh.seqlen_k + 1) / 2;
   const BshdStrides& qs = p.q16_strides;
-  const uint16_t* q = p.q16 + b * qs.batch + r0 * qs.seq + h * qs.head;
   const uint16_t* k = p.k16 + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
   const uint16_t* v = p.v16 + (b * sh.kv_heads + hk) * key_pairs * dp * 2;
   const float scale = p.softmax_scale * kLog2e;
-
-  pack_pairs_transposed(q, qs.seq, rows, sh.head_dim, dp, s.qt.get());
-  std::fill(s.acc.get(), s.acc.get() + kBlockQ * dp, 0.f);
-  OnlineSoftmaxRow state[kBlockQ];
+  OnlineSoftmaxRow state[kMaxQueryBlocksPerTask][kBlockQ];
+  PosRange spans[kMaxQueryBlocksPerTask];
   alignas(64) float factor[kBlockQ];
-  const PosRange keys = p.mask.key_span(r0, r0 + rows, sh.seqlen_k);
-  for (int64_t c0 = keys.first / kBlockK * kBlockK; c0 <= keys.last; c0 += kBlockK) {
-    const int64_t cols = visible_cols(keys, c0);
-    const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);
-    if (kind == BlockKind::kEmpty) continue;
-    float* st = s.st.get();
-    gemm_bf16(cols, kBlockQ, dp / 2, k + c0 * dp, dp, 2, s.qt.get(), 2 * kBlockQ, st, kBlockQ,
-              false);
-    if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-    uint16_t* pp = s.pp.get();
-    softmax_block(st, cols, scale, state, factor, [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
-      store_key_pair(pp, c, i, p0, p1);
-    });
-    // O[rows x Dp] = factor * O + P[rows x cols] V[cols x Dp]; c0 is even, so V's pairs start
-    // at c0 / 2.
-    gemm_bf16(rows, dp, (cols + 1) / 2, pp, 2, 2 * kBlockQ, v + c0 * dp, 2 * dp, s.acc.get(), dp,
-              true, factor);
+  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+    const int64_t j = qb - qb_begin, r0 = qb * kBlockQ;
+    pack_pairs_transposed(p.q16 + b * qs.batch + r0 * qs.seq + h * qs.head, qs.seq,
+                          std::min(kBlockQ, sh.seqlen_q - r0), sh.head_dim, dp,
+                          s.qt.get() + j * dp * kBlockQ);
+    std::fill(s.acc.get() + j * kBlockQ * dp, s.acc.get() + (j + 1) * kBlockQ * dp, 0.f);
   }
-  write_output(p, b, h, r0, rows, state, s.acc.get());
+
+  const PosRange all = group_key_span(p, qb_begin, qb_end, spans);
+  for (int64_t c0 = all.first / kBlockK * kBlockK; c0 <= all.last; c0 += kBlockK) {
+    for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+      const int64_t j = qb - qb_begin, r0 = qb * kBlockQ;
+      const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
+      const int64_t cols = visible_cols(spans[j], c0);
+      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);  // empty: cols <= 0
+      if (kind == BlockKind::kEmpty) continue;
+      float* st = s.st.get();
+      uint16_t* pp = s.pp.get();
+      gemm_bf16(cols, kBlockQ, dp / 2, k + c0 * dp, dp, 2, s.qt.get() + j * dp * kBlockQ,
+                2 * kBlockQ, st, kBlockQ, false);
+      if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+      softmax_block(st, cols, scale, state[j], factor,
+                    [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
+                      store_key_pair(pp, c, i, p0, p1);
+                    });
+      // O[rows x Dp] = factor * O + P[rows x cols] V[cols x Dp]; c0 is even, so V's pairs
+      // start at c0 / 2.
+      gemm_bf16(rows, dp, (cols + 1) / 2, pp, 2, 2 * kBlockQ, v + c0 * dp, 2 * dp,
+                s.acc.get() + j * kBlockQ * dp, dp, true, factor);
+    }
+  }
+  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+    const int64_t j = qb - qb_begin, r0 = qb * kBlockQ;
+    write_output(p, b, h, r0, std::min(kBlockQ, sh.seqlen_q - r0), state[j],
+                 s.acc.get() + j * kBlockQ * dp);
+  }
 }
 
 inline void attention_fwd_bf16_impl(const FwdParams& p) {
-  const AttnShape& sh = p.shape;
-  const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
-  at::parallel_for(0, sh.batch * sh.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    FwdScratchBf16 scratch(sh.head_dim_padded);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t qb = t % q_blocks;
-      const int64_t h = (t / q_blocks) % sh.heads;
-      const int64_t b = t / (q_blocks * sh.heads);
-      forward_block_bf16(p, b, h, qb, scratch);
-    }
-  });
+  for_each_query_group<FwdScratchBf16>(
+      p, sizeof(uint16_t),
+      [&](int64_t b, int64_t h, int64_t qb_begin, int64_t qb_end, FwdScratchBf16& scratch) {
+        forward_blocks_bf16(p, b, h, qb_begin, qb_end, scratch);
+      });
 }
 
 // out[(i / 2) * 2 dp + 2 d + i % 2] = x[i][d]: a block of rows (of `dim` values, `row_stride`

@@ -111,12 +111,13 @@ inline vfloat exp2_fraction(vfloat f) {
 
 #ifdef __AVX512F__
 // AVX-512 has the two steps as instructions: vrndscaleps rounds, vscalefps multiplies by 2^n.
+// A NaN stays NaN (vmaxps returns its second operand when one is NaN; NLT_UQ is true for NaN).
 inline vfloat exp2(vfloat x) {
   const __m512 lo = _mm512_set1_ps(-126.f);
-  const __m512 clamped = _mm512_max_ps((__m512)x, lo);
+  const __m512 clamped = _mm512_max_ps(lo, (__m512)x);
   const __m512 n = _mm512_roundscale_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const vfloat p = exp2_fraction((vfloat)_mm512_sub_ps(clamped, n));
-  const __mmask16 kept = _mm512_cmp_ps_mask((__m512)x, lo, _CMP_GE_OQ);
+  const __mmask16 kept = _mm512_cmp_ps_mask((__m512)x, lo, _CMP_NLT_UQ);
   return (vfloat)_mm512_maskz_scalef_ps(kept, (__m512)p, n);
 }
 #else

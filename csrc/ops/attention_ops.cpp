@@ -46,8 +46,10 @@ void check_mask_args(double softmax_scale, int64_t window_left, int64_t window_r
   TORCH_CHECK(window_left >= -1 && window_right >= -1,
               "cpattn: window must be (left, right) with each >= 0 or -1 for unbounded, got (",
               window_left, ", ", window_right, ")");
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
-              "cpattn: softmax_scale must be finite and positive, got ", softmax_scale);
+  // the kernels use it as a float
+  const float scale = static_cast<float>(softmax_scale);
+  TORCH_CHECK(std::isfinite(scale) && scale > 0,
+              "cpattn: softmax_scale must be finite and positive in float32, got ", softmax_scale);
 }
 
 AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {

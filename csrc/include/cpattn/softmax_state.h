@@ -84,9 +84,9 @@ struct OnlineSoftmaxRow {
 
   // 1 / sum for the final normalisation (0 for an empty row, whose accumulator is 0).
   CPATTN_HOST_DEVICE float inv_sum() const { return sum > 0.f ? 1.f / sum : 0.f; }
-  // Natural-log LSE of the row (-inf for an empty row).
+  // Natural-log LSE of the row (-inf for an empty row; NaN stays NaN).
   CPATTN_HOST_DEVICE float lse() const {
-    return sum > 0.f ? (max + log2f(sum)) * kLn2 : neg_inf();
+    return sum > 0.f ? (max + log2f(sum)) * kLn2 : (sum == 0.f ? neg_inf() : sum);
   }
 };
 
