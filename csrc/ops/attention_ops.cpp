@@ -90,11 +90,14 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   return s;
 }
 
-// (B, S, H, D) any dtype -> (B, H, S, Dp) contiguous in `dtype`, zero beyond D.
+// (B, S, H, D) any dtype -> (B, H, S, Dp) contiguous in `dtype`, zero beyond D: one copy that
+// converts and transposes together.
 at::Tensor pack(const at::Tensor& t, int64_t dp, at::ScalarType dtype = at::kFloat) {
-  at::Tensor p = t.to(dtype).transpose(1, 2);
-  if (dp != t.size(3)) p = at::constant_pad_nd(p, {0, dp - t.size(3)}, 0.0);
-  return p.contiguous();
+  const int64_t dim = t.size(3);
+  at::Tensor p = at::empty({t.size(0), t.size(2), t.size(1), dp}, t.options().dtype(dtype));
+  if (dp != dim) p.narrow(3, dim, dp - dim).zero_();
+  p.narrow(3, 0, dim).copy_(t.transpose(1, 2));
+  return p;
 }
 
 // (B, Hkv, Sk, Dp) -> (B, Hkv, ceil(Sk / 2), Dp, 2): keys 2j and 2j+1 side by side (a zero key
