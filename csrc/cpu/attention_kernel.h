@@ -183,6 +183,39 @@ struct FwdScratch {
         acc(aligned_array<float>(kMaxQueryBlocksPerTask * kBlockQ * dp)) {}
 };
 
+// The pass of query blocks [qb_begin, qb_end) of head h over the key blocks, shared by the fp32
+// and bf16 forwards: pack(j, r0, rows) prepares the group's query block j (rows r0..), and
+// step(j, r0, rows, c0, cols, kind, state, acc, factor) adds key block [c0, c0 + cols) to its
+// row states and accumulator (kBlockQ x Dp per query block, in `acc`); then the outputs are
+// written.
+template <typename Pack, typename Step>
+inline void forward_group(const FwdParams& p, int64_t b, int64_t h, int64_t qb_begin,
+                          int64_t qb_end, float* acc, Pack&& pack, Step&& step) {
+  const AttnShape& sh = p.shape;
+  const int64_t acc_elems = kBlockQ * sh.head_dim_padded;
+  OnlineSoftmaxRow state[kMaxQueryBlocksPerTask][kBlockQ];
+  PosRange spans[kMaxQueryBlocksPerTask];
+  alignas(64) float factor[kBlockQ];
+  auto rows_of = [&](int64_t qb) { return std::min(kBlockQ, sh.seqlen_q - qb * kBlockQ); };
+  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+    pack(qb - qb_begin, qb * kBlockQ, rows_of(qb));
+    std::fill(acc + (qb - qb_begin) * acc_elems, acc + (qb - qb_begin + 1) * acc_elems, 0.f);
+  }
+  // Only the key blocks that some row of the group can see.
+  const PosRange all = group_key_span(p, qb_begin, qb_end, spans);
+  for (int64_t c0 = all.first / kBlockK * kBlockK; c0 <= all.last; c0 += kBlockK)
+    for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+      const int64_t j = qb - qb_begin, r0 = qb * kBlockQ, rows = rows_of(qb);
+      const int64_t cols = visible_cols(spans[j], c0);
+      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);  // empty: cols <= 0
+      if (kind != BlockKind::kEmpty)
+        step(j, r0, rows, c0, cols, kind, state[j], acc + j * acc_elems, factor);
+    }
+  for (int64_t qb = qb_begin; qb < qb_end; ++qb)
+    write_output(p, b, h, qb * kBlockQ, rows_of(qb), state[qb - qb_begin],
+                 acc + (qb - qb_begin) * acc_elems);
+}
+
 // Query blocks [qb_begin, qb_end) of head h of batch b, in one pass over the key blocks.
 inline void forward_blocks(const FwdParams& p, int64_t b, int64_t h, int64_t qb_begin,
                            int64_t qb_end, FwdScratch& s) {
@@ -191,46 +224,27 @@ inline void forward_blocks(const FwdParams& p, int64_t b, int64_t h, int64_t qb_
   const int64_t hk = h / sh.group_size();
   const float* k = p.k + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
   const float* v = p.v + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
-  OnlineSoftmaxRow state[kMaxQueryBlocksPerTask][kBlockQ];
-  PosRange spans[kMaxQueryBlocksPerTask];
-  alignas(64) float factor[kBlockQ];
-  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
-    const int64_t j = qb - qb_begin, r0 = qb * kBlockQ;
-    const float* q = p.q + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp;
-    pack_transposed(q, std::min(kBlockQ, sh.seqlen_q - r0), dp, p.softmax_scale * kLog2e,
-                    s.qt.get() + j * dp * kBlockQ);
-    std::fill(s.acc.get() + j * kBlockQ * dp, s.acc.get() + (j + 1) * kBlockQ * dp, 0.f);
-  }
-
-  // Only the key blocks that some row of the group can see.
-  const PosRange all = group_key_span(p, qb_begin, qb_end, spans);
-  for (int64_t c0 = all.first / kBlockK * kBlockK; c0 <= all.last; c0 += kBlockK) {
-    for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
-      const int64_t j = qb - qb_begin, r0 = qb * kBlockQ;
-      const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
-      const int64_t cols = visible_cols(spans[j], c0);
-      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);  // empty: cols <= 0
-      if (kind == BlockKind::kEmpty) continue;
-      float* st = s.st.get();
-      float* acc = s.acc.get() + j * kBlockQ * dp;
-      gemm(cols, kBlockQ, dp, k + c0 * dp, dp, 1, s.qt.get() + j * dp * kBlockQ, kBlockQ, st,
-           kBlockQ, false);
-      if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-      // Q was packed with the scale, so the scores are already base 2; P replaces them in st.
-      softmax_block(st, cols, 1.f, state[j], factor,
-                    [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
-                      store(st + c * kBlockQ + i, p0);
-                      if (c + 1 < cols) store(st + (c + 1) * kBlockQ + i, p1);
-                    });
-      // O[rows x Dp] = factor * O + P[rows x cols] V[cols x Dp], P read from st transposed.
-      gemm(rows, dp, cols, st, 1, kBlockQ, v + c0 * dp, dp, acc, dp, true, factor);
-    }
-  }
-  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
-    const int64_t j = qb - qb_begin, r0 = qb * kBlockQ;
-    write_output(p, b, h, r0, std::min(kBlockQ, sh.seqlen_q - r0), state[j],
-                 s.acc.get() + j * kBlockQ * dp);
-  }
+  auto qt = [&](int64_t j) { return s.qt.get() + j * dp * kBlockQ; };
+  forward_group(
+      p, b, h, qb_begin, qb_end, s.acc.get(),
+      [&](int64_t j, int64_t r0, int64_t rows) {
+        const float* q = p.q + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp;
+        pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, qt(j));
+      },
+      [&](int64_t j, int64_t r0, int64_t rows, int64_t c0, int64_t cols, BlockKind kind,
+          OnlineSoftmaxRow* state, float* acc, float* factor) {
+        float* st = s.st.get();
+        gemm(cols, kBlockQ, dp, k + c0 * dp, dp, 1, qt(j), kBlockQ, st, kBlockQ, false);
+        if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+        // Q was packed with the scale, so the scores are already base 2; P replaces them in st.
+        softmax_block(st, cols, 1.f, state, factor,
+                      [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
+                        store(st + c * kBlockQ + i, p0);
+                        if (c + 1 < cols) store(st + (c + 1) * kBlockQ + i, p1);
+                      });
+        // O[rows x Dp] = factor * O + P[rows x cols] V[cols x Dp], P read from st transposed.
+        gemm(rows, dp, cols, st, 1, kBlockQ, v + c0 * dp, dp, acc, dp, true, factor);
+      });
 }
 
 inline void attention_fwd_impl(const FwdParams& p) {

@@ -175,45 +175,29 @@ inline void forward_blocks_bf16(const FwdParams& p, int64_t b, int64_t h, int64_
   const uint16_t* k = p.k16 + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
   const uint16_t* v = p.v16 + (b * sh.kv_heads + hk) * key_pairs * dp * 2;
   const float scale = p.softmax_scale * kLog2e;
-  OnlineSoftmaxRow state[kMaxQueryBlocksPerTask][kBlockQ];
-  PosRange spans[kMaxQueryBlocksPerTask];
-  alignas(64) float factor[kBlockQ];
-  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
-    const int64_t j = qb - qb_begin, r0 = qb * kBlockQ;
-    pack_pairs_transposed(p.q16 + b * qs.batch + r0 * qs.seq + h * qs.head, qs.seq,
-                          std::min(kBlockQ, sh.seqlen_q - r0), sh.head_dim, dp,
-                          s.qt.get() + j * dp * kBlockQ);
-    std::fill(s.acc.get() + j * kBlockQ * dp, s.acc.get() + (j + 1) * kBlockQ * dp, 0.f);
-  }
-
-  const PosRange all = group_key_span(p, qb_begin, qb_end, spans);
-  for (int64_t c0 = all.first / kBlockK * kBlockK; c0 <= all.last; c0 += kBlockK) {
-    for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
-      const int64_t j = qb - qb_begin, r0 = qb * kBlockQ;
-      const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
-      const int64_t cols = visible_cols(spans[j], c0);
-      const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);  // empty: cols <= 0
-      if (kind == BlockKind::kEmpty) continue;
-      float* st = s.st.get();
-      uint16_t* pp = s.pp.get();
-      gemm_bf16(cols, kBlockQ, dp / 2, k + c0 * dp, dp, 2, s.qt.get() + j * dp * kBlockQ,
-                2 * kBlockQ, st, kBlockQ, false);
-      if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-      softmax_block(st, cols, scale, state[j], factor,
-                    [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
-                      store_key_pair(pp, c, i, p0, p1);
-                    });
-      // O[rows x Dp] = factor * O + P[rows x cols] V[cols x Dp]; c0 is even, so V's pairs
-      // start at c0 / 2.
-      gemm_bf16(rows, dp, (cols + 1) / 2, pp, 2, 2 * kBlockQ, v + c0 * dp, 2 * dp,
-                s.acc.get() + j * kBlockQ * dp, dp, true, factor);
-    }
-  }
-  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
-    const int64_t j = qb - qb_begin, r0 = qb * kBlockQ;
-    write_output(p, b, h, r0, std::min(kBlockQ, sh.seqlen_q - r0), state[j],
-                 s.acc.get() + j * kBlockQ * dp);
-  }
+  auto qt = [&](int64_t j) { return s.qt.get() + j * dp * kBlockQ; };
+  forward_group(
+      p, b, h, qb_begin, qb_end, s.acc.get(),
+      [&](int64_t j, int64_t r0, int64_t rows) {
+        pack_pairs_transposed(p.q16 + b * qs.batch + r0 * qs.seq + h * qs.head, qs.seq, rows,
+                              sh.head_dim, dp, qt(j));
+      },
+      [&](int64_t j, int64_t r0, int64_t rows, int64_t c0, int64_t cols, BlockKind kind,
+          OnlineSoftmaxRow* state, float* acc, float* factor) {
+        float* st = s.st.get();
+        uint16_t* pp = s.pp.get();
+        gemm_bf16(cols, kBlockQ, dp / 2, k + c0 * dp, dp, 2, qt(j), 2 * kBlockQ, st, kBlockQ,
+                  false);
+        if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+        softmax_block(st, cols, scale, state, factor,
+                      [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
+                        store_key_pair(pp, c, i, p0, p1);
+                      });
+        // O[rows x Dp] = factor * O + P[rows x cols] V[cols x Dp]; c0 is even, so V's pairs
+        // start at c0 / 2.
+        gemm_bf16(rows, dp, (cols + 1) / 2, pp, 2, 2 * kBlockQ, v + c0 * dp, 2 * dp, acc, dp,
+                  true, factor);
+      });
 }
 
 inline void attention_fwd_bf16_impl(const FwdParams& p) {
