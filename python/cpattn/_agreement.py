@@ -55,7 +55,6 @@ def set_rank_check(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"cpattn.set_rank_check: mode must be one of {MODES}, got {mode!r}")
     _mode = mode
-    _checked.clear()
 
 
 def get_rank_check() -> str:
