@@ -406,9 +406,10 @@ def decode_attention(
                 projection. Needs heads % W == 0.
         return_lse: also return the LSE (batch, heads or heads / W, Sq) float32.
         timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT or 300).
-        validate: check with one small all-gather that every rank passes the same shapes,
-            options and cache lengths (a mismatch then raises on every rank). It is a second
-            collective per call; without it a mismatch is a timeout or a wrong result.
+        validate: run the cross-rank agreement check (cpattn.set_rank_check: one small
+            all-gather, a mismatch then raises on every rank). It is a second collective per
+            call; without it a mismatch is a timeout or a wrong result. The arguments are
+            validated locally either way.
 
     The partials travel and merge in float32; out is cast to q's dtype once. Forward only.
     A rank whose shard holds none of a sequence's tokens contributes an empty partial (lse -inf).

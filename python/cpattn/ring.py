@@ -310,7 +310,8 @@ def ring_attention(
             time, default a quarter of them; simplest, good for short sequences or few KV heads).
         timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
 
-    Every rank must call it with the same shapes and options; a mismatch raises on every rank.
+    Every rank must call it with the same shapes and options; a mismatch raises on every rank
+    (the agreement check, see cpattn.set_rank_check), as does a bad argument.
     CUDA tensors (bf16 / fp16) shift over cpattn's own NCCL communicator, bootstrapped through
     `group` and cached: call cpattn.destroy_communicators() before destroying the group.
     """
