@@ -183,12 +183,12 @@ def _worker(rank: int, world: int, init_file: str, loop: int, out_dir: str) -> N
     # (modes interleaved, so that the machine's noise hits them alike)
     times: dict = {"always": [], "once": [], "never": []}
     for _ in range(200):
-        for mode in times:
+        for mode, samples in times.items():
             cpattn.set_rank_check(mode)
             dist.barrier()
             t0 = time.perf_counter()
             cpattn.ring_attention(q, k, v)
-            times[mode].append(1e3 * (time.perf_counter() - t0))
+            samples.append(1e3 * (time.perf_counter() - t0))
     res["check_cost_ms"] = {m: (min(t), sorted(t)[len(t) // 2]) for m, t in times.items()}
     cpattn.set_rank_check("always")
     dist.barrier()
@@ -215,6 +215,11 @@ def _worker(rank: int, world: int, init_file: str, loop: int, out_dir: str) -> N
     os._exit(0)  # the group is broken: skip destroy_process_group
 
 
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, default=2)
@@ -231,9 +236,8 @@ def main() -> None:
         except mp.ProcessExitedException as e:
             crashed = True
             print(f"CRASH: {e}", file=sys.stderr)
-        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.world)]
-        faults = [json.load(open(os.path.join(tmp, f"fault{r}.json")))
-                  for r in range(args.world - 1)]
+        ranks = [_load(os.path.join(tmp, f"rank{r}.json")) for r in range(args.world)]
+        faults = [_load(os.path.join(tmp, f"fault{r}.json")) for r in range(args.world - 1)]
     _report(ranks, faults, args, crashed)
 
 

@@ -78,7 +78,7 @@ def _check_varlen_disagreements(rank: int, world: int) -> None:
     }
     gen = torch.Generator().manual_seed(rank)
     for strategy in ("ring", "allgather"):
-        for name, per_rank in cases.items():
+        for per_rank in cases.values():
             cu = per_rank[rank]
             index, _ = cpattn.positions_varlen(cu)
             x = torch.randn(index.numel(), 2, 16, generator=gen)
@@ -180,8 +180,8 @@ def _bad_ring_inputs(q, k, v):
     r = torch.randn
     return {
         "mixed_dtypes": (q.bfloat16(), k, v, {},
-                         r"\(q.dtype, k.dtype, v.dtype\)=\(torch.bfloat16, torch.float32, "
-                         r"torch.float32\): must be the same dtype \(no promotion\)"),
+                         (r"\(q.dtype, k.dtype, v.dtype\)=\(torch.bfloat16, torch.float32, "
+                          r"torch.float32\): must be the same dtype \(no promotion\)")),
         "int32": (q.int(), k.int(), v.int(), {},
                   r"q.dtype=torch.int32: must be float32, bfloat16 or float16"),
         "head_dim_300": (r(1, 8, 4, 300), r(1, 8, 2, 300), r(1, 8, 2, 300), {},
@@ -200,7 +200,8 @@ def _bad_ring_inputs(q, k, v):
                       r"softmax_scale=nan: must be finite and > 0 in float32"),
         "scale_str": (q, k, v, {"softmax_scale": "0.1"}, r"softmax_scale='0.1': must be a real"),
         "window_-2": (q, k, v, {"window": (-2, 0)}, r"window\[0\] \(left\)=-2: must be >= -1"),
-        "window_float": (q, k, v, {"window": (2.5, 0)}, r"window\[0\] \(left\)=2.5: must be an int"),
+        "window_float": (q, k, v, {"window": (2.5, 0)},
+                         r"window\[0\] \(left\)=2.5: must be an int"),
         "window_triple": (q, k, v, {"window": (1, 2, 3)},
                           r"window=\(1, 2, 3\): must be a pair \(left, right\) of ints"),
         "causal_str": (q, k, v, {"causal": "yes"}, r"causal='yes': must be True or False"),
@@ -285,7 +286,7 @@ def _check_error_inside_the_ring(rank: int, world: int) -> None:
         "heads_not_multiple": (torch.randn(1, 8, 3, 16), k, v, 0.25),
         "scale_0": (q, k, v, 0.0),
     }
-    for case, (bq, bk, bv, scale) in bad.items():
+    for bq, bk, bv, scale in bad.values():
         with pytest.raises(RuntimeError, match="cpattn"):
             torch.ops.cpattn.ring_fwd(bq, bk, bv, name, scale, True, -1, -1, 1, float(TIMEOUT))
         _valid_call_matches(rank, world)

@@ -9,7 +9,7 @@ Protocol (identical on every rank, so it never deadlocks on its own):
    full signature (every field name and value, byte strings such as cu_seqlens in full). Its
    size never depends on the function or the arguments, so different functions on different
    ranks meet in the same collective.
-2. Only if the headers differ: a second fixed-size exchange of (field-name hash, value) pairs,
+2. Only if the headers differ: a second fixed-size exchange of (name hash, kind, value) per field,
    from which every rank builds the same ValueError naming the function on each rank and the
    fields that differ.
 
@@ -26,13 +26,13 @@ import hashlib
 import os
 import struct
 from collections.abc import Callable, Sequence
-from typing import Optional, TypeVar, Union
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 MODES = ("always", "once", "never")
-FieldValue = Union[None, bool, int, float, str, bytes, torch.dtype]
+FieldValue = bool | int | float | str | bytes | torch.dtype | None
 Fields = list[tuple[str, FieldValue]]
 T = TypeVar("T")
 
@@ -44,7 +44,7 @@ _DETAIL_FIELDS = 64  # fields reported in detail on a mismatch (the digest cover
 _ONCE_CACHE_LIMIT = 4096  # signatures remembered in "once" mode (bounded: cu_seqlens vary)
 
 _INVALID = "invalid_arguments"  # agree_on's one field when a rank's arguments fail validation
-_mode: Optional[str] = None
+_mode: str | None = None
 _checked: set = set()
 
 

@@ -13,7 +13,6 @@ import math
 import numbers
 import os
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 
@@ -35,7 +34,7 @@ def _show(value) -> str:
     return repr(value)
 
 
-def check_int(what: str, arg: str, value, minimum: Optional[int] = None) -> int:
+def check_int(what: str, arg: str, value, minimum: int | None = None) -> int:
     """An int (not a bool, not a float, even an integral one), optionally >= minimum."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise error(what, arg, value, "must be an int")

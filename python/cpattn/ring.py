@@ -6,7 +6,6 @@ while the current step computes; results are merged in float32 with their log-su
 driver, the schedule and the layouts live in C++ (csrc/ops/ring.cpp, csrc/include/cpattn/).
 """
 
-import math
 import os
 from typing import Optional, Union
 
@@ -14,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn._autograd import once_differentiable
 from cpattn._agreement import Fields, agree, agree_on, digest_ints, tensor_fields
+from cpattn._autograd import once_differentiable
 from cpattn._validation import (
     check_bool,
     check_choice,
