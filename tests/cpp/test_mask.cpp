@@ -99,6 +99,25 @@ TEST(Mask, HugePositionsDoNotOverflow) {
   EXPECT_EQ(m.classify(0, 64, 0, 128), BlockKind::kFull);
 }
 
+TEST(Mask, WindowsBeyondEveryPositionAreUnbounded) {
+  EXPECT_EQ(normalized_window(-1), -1);
+  EXPECT_EQ(normalized_window(0), 0);
+  EXPECT_EQ(normalized_window(kUnbounded - 1), kUnbounded - 1);
+  EXPECT_EQ(normalized_window(kUnbounded), -1);
+  EXPECT_EQ(normalized_window(INT64_MAX), -1);  // i + window would overflow
+  // At the position limits nothing overflows: a finite window just below kUnbounded stays
+  // exact, a normalised one is unbounded.
+  Mask m;
+  m.window_left = normalized_window(kUnbounded - 1);  // == kMaxPosition: finite
+  m.window_right = normalized_window(INT64_MAX);
+  EXPECT_TRUE(m.visible_pos(kMaxPosition, 0));
+  EXPECT_FALSE(m.visible_pos(kMaxPosition, -1));
+  EXPECT_TRUE(m.visible_pos(-kMaxPosition, kMaxPosition));
+  m.causal = true;
+  EXPECT_FALSE(m.visible_pos(-kMaxPosition, kMaxPosition));
+  EXPECT_EQ(m.classify(0, 64, 0, 64), BlockKind::kPartial);
+}
+
 // Brute-force [min, max] of the key columns that rows [r0, r1) see; empty when none.
 PosRange brute_key_span(const Problem& p, int64_t r0, int64_t r1) {
   PosRange s{p.seqlen_k, -1};
