@@ -79,6 +79,13 @@ struct BwdParamsCuda {
   // dK/dV kernel. nullptr selects the deterministic path (a separate dQ kernel, no atomics).
   float* dq_accum = nullptr;
 
+  // GQA / MQA: the query heads of a kv head are split over head_splits thread blocks
+  // (group % head_splits == 0), so that few kv heads still fill the GPU. With head_splits > 1
+  // each block writes its scaled fp32 dK / dV to dkv_partial (2, head_splits, B, Sk, Hkv,
+  // head_dim) contiguous, and dkv_reduce_kernel sums the splits in a fixed order (deterministic).
+  int head_splits = 1;
+  float* dkv_partial = nullptr;
+
   DType grad_dtype = DType::kBFloat16;  // of dq, dk, dv: q's dtype or fp32
   void* dq = nullptr;
   void* dk = nullptr;
@@ -104,6 +111,8 @@ int run_bwd(const BwdParamsCuda& p, void* stream);
 int run_bwd_preprocess(const BwdParamsCuda& p, void* stream);
 // Head dims with compiled kernels, ascending.
 const int* compiled_head_dims(int* count);
+// dK/dV thread blocks per (kv head, batch) before any head split: key blocks x head-dim slices.
+int bwd_dkdv_blocks(int head_dim, int seqlen_k);
 // Rounding of seqlen_q for the backward workspace.
 constexpr int kBwdSeqRound = 128;
 

@@ -223,10 +223,13 @@ def _wait(work, timeout: float, what: str) -> None:
 def _agree(group, world: int, fields: dict[str, int], timeout: float, what: str) -> None:
     """Every rank must pass the same shapes and options: one small all-gather, checked on every
     rank, so that a mistake raises everywhere instead of hanging or giving garbage."""
-    mine = torch.tensor(list(fields.values()), dtype=torch.int64)
+    # A group without a CPU backend (NCCL only) gathers on the current CUDA device.
+    cpu = "gloo" in str(dist.get_backend(group)) or not torch.cuda.is_available()
+    device = torch.device("cpu") if cpu else torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     _wait(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, what)
-    table = torch.stack(gathered)
+    table = torch.stack(gathered).cpu()
     bad = (table != table[0]).any(0).nonzero().flatten().tolist()
     if bad:
         names = list(fields)
