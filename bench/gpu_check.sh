@@ -37,7 +37,7 @@ py=${PYTHON:-python3}
 archs=${CPATTN_CUDA_ARCH_LIST:-9.0}
 heads=${CPATTN_CUDA_HEAD_DIMS:-ALL}
 t_start=$(date +%s)
-deadline=$((t_start + 465))  # 7 min 45 s: later stages shrink to fit
+deadline=$((t_start + 480))  # 8 min: stages shrink towards their floors to fit
 [[ -d /usr/local/cuda/bin ]] && export PATH=/usr/local/cuda/bin:$PATH
 export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 CPATTN_POISON=1
 checks=(env)
@@ -47,10 +47,12 @@ if ((dry)); then
 fi
 
 left() { echo $((deadline - $(date +%s))); }
-budget() {  # budget CAP RESERVE: min(CAP, time left minus RESERVE for the later stages), >= 5
-  local cap=$1 l=$(($(left) - ${2:-0}))
+# Seconds for a stage: its CAP, less when the time left minus RESERVE (the floors of the later
+# stages) is shorter, but never below its FLOOR (a slow build cannot starve every check).
+budget() {  # budget CAP FLOOR RESERVE
+  local cap=$1 floor=$2 l=$(($(left) - $3))
   ((l < cap)) && cap=$l
-  ((cap < 5)) && cap=5
+  ((cap < floor)) && cap=$floor
   echo "$cap"
 }
 line() { echo "$*" | tee -a "$res/summary.txt"; }
@@ -91,7 +93,7 @@ line "preflight: PASS ($torch_line; $(grep -E '^Python.h' "$work/preflight.txt" 
 if [[ ${GPU_CHECK_SKIP_BUILD:-0} != 1 ]]; then
   t=$(date +%s)
   if CPATTN_CUDA=ON CPATTN_CUDA_ARCH_LIST="$archs" CPATTN_CUDA_HEAD_DIMS="$heads" \
-     CPATTN_CUDA_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(budget 270 190)" \
+     CPATTN_CUDA_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(budget 270 120 220)" \
      "$py" -m pip install --no-build-isolation --no-deps --no-index --force-reinstall \
        --config-settings=build-dir=/tmp/cpattn-gpu-build -v "$repo" >"$work/build.log" 2>&1; then
     line "build: PASS (archs $archs, head dims $heads, $(($(date +%s) - t)) s)"
@@ -116,10 +118,10 @@ fi
 # ---- checks against float64, one process per stage ---------------------------------------------
 quick=()
 ((dry)) && quick=(--first)
-stage() {  # stage NAME CAP RESERVE FILTERS
-  local name=$1 cap=$2 reserve=$3 filters=$4 t rc summary log=$work/stage_$1.log
+stage() {  # stage NAME CAP FLOOR RESERVE FILTERS
+  local name=$1 cap=$2 floor=$3 reserve=$4 filters=$5 t rc summary log=$work/stage_$1.log
   t=$(date +%s)
-  timeout "$(budget "$cap" "$reserve")" "${checks[@]}" "$py" "$repo/tests/cuda/checks.py" \
+  timeout "$(budget "$cap" "$floor" "$reserve")" "${checks[@]}" "$py" "$repo/tests/cuda/checks.py" \
     -k "$filters" "${quick[@]}" >"$log" 2>&1
   rc=$?
   { echo "===== stage $name: checks.py -k $filters (rc $rc)"; cat "$log"; } >>"$res/checks.log"
@@ -134,12 +136,12 @@ stage() {  # stage NAME CAP RESERVE FILTERS
     line "$name: FAIL (rc $rc; ${summary:-no summary}; checks.log)"
   fi
 }
-stage kernels 150 200 "fwd_bwd/,head_dim/,fwd/,errors/,merge_state/"
-stage deterministic_dq 30 190 "bwd/deterministic,bwd/dlse"
-stage ring_emulated 60 160 "ring_emulated/"
-stage nccl_w1 40 150 "ring_nccl/"
-stage strategies_inference 60 130 "strategies/,inference/"
-stage opcheck_compile 60 120 "opcheck/,compile/"
+stage kernels 150 45 175 "fwd_bwd/,head_dim/,fwd/,errors/,merge_state/"
+stage deterministic_dq 30 10 165 "bwd/deterministic,bwd/dlse"
+stage ring_emulated 60 20 145 "ring_emulated/"
+stage nccl_w1 40 20 125 "ring_nccl/"
+stage strategies_inference 60 25 100 "strategies/,inference/"
+stage opcheck_compile 60 25 75 "opcheck/,compile/"
 
 # ---- compute-sanitizer: cpattn's kernels only, a small case -------------------------------------
 if ((dry)); then
@@ -153,9 +155,11 @@ if ((dry)); then
 elif command -v compute-sanitizer >/dev/null; then
   filter=()
   compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name" && filter=(--kernel-name kns=cpattn)
+  reserve=75
   for tool in memcheck racecheck synccheck; do
     t=$(date +%s)
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(budget 30 90)" compute-sanitizer --tool "$tool" \
+    reserve=$((reserve - 15))
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(budget 30 15 "$reserve")" compute-sanitizer --tool "$tool" \
       "${filter[@]}" --error-exitcode 99 "$py" "$repo/tests/cuda/checks.py" --sanitizer-case \
       >"$work/sanitizer_$tool.log" 2>&1
     rc=$?
@@ -170,7 +174,7 @@ fi
 
 # ---- TFLOP/s vs torch SDPA ---------------------------------------------------------------------
 t=$(date +%s)
-b=$(budget 120 10)
+b=$(budget 120 30 0)
 bench=(--budget "$b")
 ((dry)) && bench=(--dry-run)
 timeout "$((b + 30))" "$py" "$repo/bench/gpu_bench.py" --out "$work" "${bench[@]}" \

@@ -164,7 +164,14 @@ class NcclCommunicator : public std::enable_shared_from_this<NcclCommunicator> {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!aborted_) {
-        bool clean = !stale && error_.empty() && cudaStreamSynchronize(stream_.stream()) == cudaSuccess;
+        // Destroyed cleanly only when healthy and the comm stream drains within the timeout (a
+        // stuck peer would block a plain synchronize forever: the watchdog has stopped).
+        const Clock::time_point deadline = Clock::now() + timeout();
+        cudaError_t q = cudaErrorNotReady;
+        while (!stale && error_.empty() && Clock::now() < deadline &&
+               (q = cudaStreamQuery(stream_.stream())) == cudaErrorNotReady)
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        bool clean = !stale && error_.empty() && q == cudaSuccess;
         if (clean)  // finalize flushes the communicator's work; polled like every other call
           clean = settle(comm_, ncclCommFinalize(comm_), Clock::now() + timeout()) == ncclSuccess;
         if (clean)

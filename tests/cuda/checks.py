@@ -418,8 +418,8 @@ for _w in (1, 2, 3, 4):
 
 @check("ring_nccl/W=1")
 def _nccl_w1():
-    """A one-rank process group (gloo): NCCL bootstrap through it, send/recv to self, and the
-    ring forward / backward on CUDA tensors."""
+    """A one-rank process group (gloo): NCCL bootstrap through it, send/recv to self, the ring
+    forward / backward on CUDA tensors, and a re-created WORLD getting its own communicator."""
     import torch.distributed as dist
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -441,7 +441,17 @@ def _nccl_w1():
             check_close("nccl out", out.detach(), ref[0].to(DEV), OUT_TOL[torch.bfloat16])
             for n, x_, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[2:]):
                 check_close(f"nccl {n}", x_, r.to(DEV), GRAD_TOL[torch.bfloat16])
-            assert cpattn.destroy_communicators() == 1
+        finally:
+            dist.destroy_process_group()
+        # WORLD re-created under the same name without destroy_communicators(): the cached
+        # communicator belongs to the old group object and must not be reused (it is aborted and
+        # replaced), and the re-created group works.
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv2", rank=0, world_size=1)
+        try:
+            y = torch.ops.cpattn.ring_shift(x, dist.group.WORLD.group_name, 60.0)
+            assert torch.equal(y, x), "NCCL send/recv to self after re-initialisation"
+            assert cpattn.destroy_communicators() == 1, "one live communicator expected"
+            assert cpattn.destroy_communicators() == 0
         finally:
             dist.destroy_process_group()
 
