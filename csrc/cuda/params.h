@@ -20,6 +20,17 @@ struct Strides {  // of a (batch, seqlen, heads, head_dim) tensor
   int64_t head = 0;
 };
 
+// Whether the kernels can read a (batch, seqlen, heads, head_dim) operand in place: a 16-byte
+// aligned base, every stride but head_dim's a multiple of 8 elements (16-byte cp.async chunks),
+// and 32-bit offsets within a tile of up to 128 rows. The op layer copies an operand that is not.
+inline bool operand_readable(const void* data, const int64_t (&sizes)[3], const Strides& st) {
+  if (reinterpret_cast<uintptr_t>(data) % 16 != 0) return false;
+  const int64_t strides[3] = {st.batch, st.seq, st.head};
+  for (int d = 0; d < 3; ++d)
+    if (sizes[d] > 1 && strides[d] % 8 != 0) return false;
+  return sizes[1] <= 1 || st.seq < (int64_t(1) << 24);
+}
+
 struct LseStrides {  // of a (batch, heads, seqlen) tensor
   int64_t batch = 0;
   int64_t head = 0;

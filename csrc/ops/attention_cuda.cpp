@@ -69,13 +69,9 @@ int kernel_head_dim(int64_t d) {
   return kd;
 }
 
-// Whether the kernels can read t (B, S, H, kd) in place: 16-byte aligned rows, and 32-bit
-// offsets within a tile of up to 128 rows.
-bool kernel_readable(const at::Tensor& t) {
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-  for (int d = 0; d < 3; ++d)
-    if (t.size(d) > 1 && t.stride(d) % 8 != 0) return false;
-  return t.size(1) <= 1 || t.stride(1) < (int64_t(1) << 24);
+bool kernel_readable(const at::Tensor& t) {  // the rule: cuda::operand_readable
+  const int64_t sizes[3] = {t.size(0), t.size(1), t.size(2)};
+  return cuda::operand_readable(t.data_ptr(), sizes, {t.stride(0), t.stride(1), t.stride(2)});
 }
 
 // The operand as the kernels read it: head dim kd (zero-padded) and kernel_readable.

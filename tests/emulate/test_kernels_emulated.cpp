@@ -433,6 +433,24 @@ TEST(EmulatedKernels, OpLayerOperands) {
   run_case<160, __nv_bfloat16, float>(b, 604, Options{false, 2, 8, 130});
 }
 
+// The op layer's rule for reading an operand in place (cuda::operand_readable, the same function
+// it calls): what it accepts the kernel reads (above, rows padded by 8 or 24), and what it rejects
+// really cannot be read by cp.async: the emulation's alignment check throws, so the copy the op
+// layer then makes is needed.
+TEST(EmulatedKernels, OperandReadableRule) {
+  alignas(16) static uint16_t buf[4096];
+  const int64_t sizes[3] = {1, 8, 2};
+  EXPECT_TRUE(operand_readable(buf, sizes, {8 * 136, 136, 64}));    // rows padded by 8
+  EXPECT_FALSE(operand_readable(buf, sizes, {8 * 132, 132, 64}));   // rows padded by 4
+  EXPECT_FALSE(operand_readable(buf + 1, sizes, {8 * 128, 128, 64}));  // base off by 2 bytes
+  EXPECT_FALSE(operand_readable(buf, sizes, {8 * 128, 128, 60}));   // head stride not 8k
+  const int64_t one_row[3] = {1, 1, 1};
+  EXPECT_TRUE(operand_readable(buf, one_row, {3, 5, 7}));  // size-1 dims: strides unused
+  const Case c{1, 16, 16, 1, 1, false, -1, -1, 0, 0, 0.125f};
+  EXPECT_THROW((run_case<64, __nv_bfloat16, __nv_bfloat16>(c, 801, Options{false, 1, 4, 0})),
+               std::runtime_error);
+}
+
 // A NaN in one query row: that row's out and lse are NaN (as on the CPU, softmax_state.h), every
 // other row is unaffected.
 template <int kHeadDim, typename Elem>
