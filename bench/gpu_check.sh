@@ -130,6 +130,8 @@ stage() {  # stage NAME CAP FLOOR RESERVE FILTERS
   summary=$(grep -E "checks passed" "$log" | tail -1)
   if grep -q "^SKIP: no CUDA" "$log"; then
     line "$name: SKIP (no CUDA device, or cpattn built without CUDA)"
+  elif ((rc == 0)) && [[ $summary == 0/0* ]]; then
+    line "$name: SKIP (CUDA-only checks: none in the checks' CPU mode)"
   elif ((rc == 124 || rc == 137)); then
     line "$name: FAIL (timed out after $(($(date +%s) - t)) s; checks.log)"
   elif ((rc == 0)) && [[ -n $summary ]]; then
