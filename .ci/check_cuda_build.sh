@@ -6,12 +6,18 @@
 # Environment (all optional):
 #   CPATTN_CI_PYTHON        interpreter for the venv (default python3)
 #   CPATTN_CI_TORCH         torch requirement (default torch==2.14.1, a CUDA 13 build)
+#   CPATTN_CI_WORK          venv + build folder (default build/ci-cuda)
 #   CPATTN_CUDA_ARCH_LIST   architectures, TORCH_CUDA_ARCH_LIST syntax (default "8.0;9.0")
 #   CPATTN_CUDA_HEAD_DIMS   head dims of the attention kernels (default "64;128")
+# CI runs it twice: as is (torch 2.14.1), and for the GPU machine's torch 2.11.0 at arch 9.0 and
+# head dim 64 only (every torch-touching file compiles, links and registers against 2.11's API):
+#   CPATTN_CI_TORCH=torch==2.11.0 CPATTN_CI_WORK=build/ci-cuda-2.11 CPATTN_CUDA_ARCH_LIST=9.0 \
+#     CPATTN_CUDA_HEAD_DIMS=64 bash .ci/check_cuda_build.sh
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-work=$repo/build/ci-cuda
+work=${CPATTN_CI_WORK:-$repo/build/ci-cuda}
+[[ $work = /* ]] || work=$repo/$work
 venv=$work/venv
 archs=${CPATTN_CUDA_ARCH_LIST:-8.0;9.0}
 head_dims=${CPATTN_CUDA_HEAD_DIMS:-64;128}
@@ -54,7 +60,9 @@ print("build_info:", info)
 assert info["with_cuda"] is True, "built without CUDA"
 assert info["nccl_version"] > 0, "NCCL version not reported"
 for op in ("merge_state_", "attention_fwd", "attention_bwd", "ring_fwd", "ring_bwd",
-           "ring_fwd_emulated", "ring_bwd_emulated", "ring_shift"):
+           "gathered_fwd", "gathered_bwd", "ring_fwd_emulated", "ring_bwd_emulated", "ring_shift",
+           "merge_attention_states", "merge_attention_states_bwd", "cache_store_",
+           "cache_attention_fwd", "prefill_fwd"):
     ok = torch._C._dispatch_has_kernel_for_dispatch_key(f"cpattn::{op}", "CUDA")
     print(f"CUDA kernel of cpattn::{op} registered:", ok)
     assert ok, f"no CUDA kernel registered for {op}"

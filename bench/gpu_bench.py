@@ -1,9 +1,11 @@
 """cpattn's CUDA kernels against torch SDPA (flash and cuDNN backends), same run, same inputs.
 
-    python bench/gpu_bench.py [--out DIR] [--budget SECONDS] [--quick]
+    python bench/gpu_bench.py [--out DIR] [--budget SECONDS] [--quick | --dry-run]
 
-bf16, head dims 64 and 128, S = 1K..16K, causal and not; batch * seqlen = 16K tokens and
-heads * head_dim = 2048 (flash-attn's benchmark shapes). TFLOP/s in flash-attn's convention:
+bf16, head dims 64 and 128, S = 4K..32K, causal and not; batch * seqlen = 16K tokens (one
+sequence from 16K on) and heads * head_dim = 2048 (flash-attn's benchmark shapes). --dry-run runs
+the same code on the CPU at one tiny shape (SDPA's GPU backends then report errors): a test of
+this script, no figures. TFLOP/s in flash-attn's convention:
 forward 4 * B * H * S^2 * D (halved for causal), backward 2.5x the forward. Times are medians of
 CUDA-event-timed calls after warm-up; backward is torch.autograd.grad alone on a retained graph.
 Each case also checks cpattn's output against SDPA flash (max abs difference). Writes
@@ -36,7 +38,16 @@ def flops(b, h, s, d, causal, mode):
     return f * (2.5 if mode == "bwd" else 1.0)
 
 
+DEVICE = "cuda"
+
+
 def time_ms(fn, reps, warmup=2):
+    if DEVICE == "cpu":  # the dry run: wall clock
+        fn()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t) * 1e3 / reps
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -68,11 +79,11 @@ def forward(impl, backend, q, k, v, causal):
     return o.transpose(1, 2)
 
 
-def bench_case(d, s, causal, reps):
-    b, h = max(1, 16384 // s), 2048 // d
-    g = torch.Generator(device="cuda")
+def bench_case(d, s, causal, reps, tiny=False):
+    b, h = (1, 2) if tiny else (max(1, 16384 // s), 2048 // d)
+    g = torch.Generator(device=DEVICE)
     g.manual_seed(s * 1000 + d + int(causal))
-    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    q, k, v, dout = (torch.randn(b, s, h, d, device=DEVICE, generator=g, dtype=torch.bfloat16)
                      for _ in range(4))
     row = {"head_dim": d, "seqlen": s, "batch": b, "heads": h, "causal": causal}
     ref = None
@@ -127,26 +138,32 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--budget", type=float, default=150.0, help="seconds; later cases skipped")
-    parser.add_argument("--quick", action="store_true", help="S = 1K, 4K only, fewer reps")
+    parser.add_argument("--quick", action="store_true", help="S = 4K, 8K only, fewer reps")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, one tiny shape per case")
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    global DEVICE
+    if args.dry_run:
+        DEVICE = "cpu"
+    elif not torch.cuda.is_available():
         print("gpu_bench: no CUDA device")
         return 0
     os.makedirs(args.out, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
-    seqlens = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
+    seqlens = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768]
     reps = 5 if args.quick else args.reps
+    if args.dry_run:
+        seqlens, reps = [256], 1
     t0 = time.time()
     rows, skipped = [], 0
-    # Most informative cases first (the target: hd 128, S >= 4K), so a cut budget keeps them.
+    # Most informative cases first (the target: hd 128, long S), so a cut budget keeps them.
     cases = [(d, s, c) for d in (128, 64) for s in seqlens for c in (False, True)]
-    cases.sort(key=lambda x: (x[0] != 128, x[1] < 4096, x[1], x[2]))
+    cases.sort(key=lambda x: (x[0] != 128, x[1] < 8192, x[1], x[2]))
     for d, s, causal in cases:
         if time.time() - t0 > args.budget:
             skipped += 1
             continue
-        row = bench_case(d, s, causal, reps)
+        row = bench_case(d, s, causal, reps, tiny=args.dry_run)
         rows.append(row)
         errs = {k: v for k, v in row.items() if k.endswith("_error")}
         print(f"hd={d} S={s} causal={causal}: " + ", ".join(
@@ -154,7 +171,7 @@ def main() -> int:
             (f" errors={errs}" if errs else ""), flush=True)
     rows.sort(key=lambda r: (r["head_dim"], r["seqlen"], r["causal"]))
     info = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cpattn": cpattn.build_info(),

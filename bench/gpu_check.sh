@@ -1,104 +1,199 @@
 #!/usr/bin/env bash
-# GPU check of cpattn's CUDA backend in one call, for a fresh one-GPU machine (H200: torch 2.11,
-# CUDA 13, nvcc, no network): builds from source, runs the CUDA checks against float64 (kernels,
-# masks, GQA, odd lengths, poisoned outputs, deterministic dQ, emulated ring W = 1..4, NCCL W = 1),
-# compute-sanitizer (memcheck, racecheck) on a small case, and times forward / backward against
-# torch SDPA (flash, cuDNN). Full logs go to the results folder; a short summary and the timing
-# table print last. Meant to finish in under 8 minutes.
+# One unattended GPU check of cpattn's CUDA backend, for a fresh one-GPU machine (H200: its own
+# python3 with torch 2.11 (CUDA 13), nvcc, nvidia-nccl, compute-sanitizer, no package index).
+# Every stage runs in its own process under `timeout`, so a crash or an illegal address in one
+# cannot poison the next; each gives one PASS / FAIL / SKIP line with its key figure.
 #
-#   bash bench/gpu_check.sh [RESULTS_DIR]     (default: $OUT, else ./gpu_check_results)
+#   bash bench/gpu_check.sh [RESULTS_DIR]   (default: $OUT, else ./gpu_check_results)
+#   bash bench/gpu_check.sh --dry-run [DIR] the same stages on the installed CPU build (the
+#                                           checks' CPU mode, a quick pass): CI runs it, so a
+#                                           change that breaks this script fails CI
 #
-# Environment: PYTHON (default python3), CPATTN_CUDA_ARCH_LIST (default: the device's own, e.g.
-# 9.0), CPATTN_CUDA_HEAD_DIMS (default 64;128), GPU_CHECK_SKIP_BUILD=1 (use the installed cpattn).
+# Stages: preflight (versions), build (all head dims, arch 9.0), checks against float64 (kernels
+# for every head dim, ragged lengths, deterministic dQ, emulated ring, NCCL W = 1, every strategy
+# and the inference API, opcheck + torch.compile), compute-sanitizer (memcheck, racecheck,
+# synccheck on cpattn's kernels only), TFLOP/s vs torch SDPA flash. Meant to finish in 8 minutes.
+#
+# Results (at most 8 files): summary.txt (one line per stage), gpu_bench.md, checks.log (every
+# check stage's output) and gpu_check.tar.gz (everything else: preflight, build log, ptxas
+# report, sanitizer logs, bench json).
+#
+# Environment: PYTHON (default python3), CPATTN_CUDA_ARCH_LIST (default 9.0),
+# CPATTN_CUDA_HEAD_DIMS (default ALL), GPU_CHECK_SKIP_BUILD=1 (use the installed cpattn).
 set -uo pipefail
 
+dry=0
+if [[ ${1:-} == --dry-run ]]; then
+  dry=1
+  shift
+fi
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 res=${1:-${OUT:-$PWD/gpu_check_results}}
 mkdir -p "$res"
 res=$(cd "$res" && pwd)
+rm -f "$res/summary.txt" "$res/checks.log" "$res/gpu_bench.md" "$res/gpu_check.tar.gz"
+work=$(mktemp -d)  # everything but the three text files; packed into the .tar.gz at the end
 py=${PYTHON:-python3}
+archs=${CPATTN_CUDA_ARCH_LIST:-9.0}
+heads=${CPATTN_CUDA_HEAD_DIMS:-ALL}
 t_start=$(date +%s)
-deadline=$((t_start + 465))  # 7 min 45 s: stages shrink to fit
+deadline=$((t_start + 480))  # 8 min: stages shrink towards their floors to fit
 [[ -d /usr/local/cuda/bin ]] && export PATH=/usr/local/cuda/bin:$PATH
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 CPATTN_POISON=1
+checks=(env)
+if ((dry)); then
+  checks=(env CPATTN_CHECKS_DEVICE=cpu)
+  export GPU_CHECK_SKIP_BUILD=1
+fi
 
-elapsed() { echo $(( $(date +%s) - t_start )); }
-left() { echo $(( deadline - $(date +%s) )); }
-budget() {  # budget CAP: min(CAP, time left minus what the later stages need (arg 2))
-  local cap=$1 reserve=${2:-0} l
-  l=$(( $(left) - reserve ))
-  (( l < cap )) && cap=$l
-  (( cap < 5 )) && cap=5
+left() { echo $((deadline - $(date +%s))); }
+# Seconds for a stage: its CAP, less when the time left minus RESERVE (the floors of the later
+# stages) is shorter, but never below its FLOOR (a slow build cannot starve every check).
+# The dry run's CPU speed is unknown (a shared CI machine): only a hang guard there.
+budget() {  # budget CAP FLOOR RESERVE
+  ((dry)) && { echo 600; return; }
+  local cap=$1 floor=$2 l=$(($(left) - $3))
+  ((l < cap)) && cap=$l
+  ((cap < floor)) && cap=$floor
   echo "$cap"
 }
-summary=()
-note() { summary+=("$*"); echo "== $*"; }
+line() { echo "$*" | tee -a "$res/summary.txt"; }
 
-# ---- 0. machine -------------------------------------------------------------------------------
+# ---- preflight: what the machine has -----------------------------------------------------------
 {
-  nvidia-smi 2>&1 || true
-  "$py" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
-  command -v nvcc && nvcc --version | tail -2
-  command -v compute-sanitizer || true
-} >"$res/machine.txt" 2>&1
-cat "$res/machine.txt" | grep -E "python|release|H200|H100|A100|NVIDIA-SMI" | head -5
-archs=${CPATTN_CUDA_ARCH_LIST:-$("$py" -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'{m}.{n}')" 2>/dev/null || echo 9.0)}
-heads=${CPATTN_CUDA_HEAD_DIMS:-64;128}
+  echo "date: $(date -u)   dry run: $dry"
+  "$py" - <<'EOF'
+import importlib, shutil, subprocess, sys, sysconfig, os
+print("python", sys.version.split()[0], sys.executable)
+inc = sysconfig.get_paths()["include"]
+print("Python.h:", os.path.exists(os.path.join(inc, "Python.h")), inc)
+try:
+    import torch
+    print("torch", torch.__version__, "cuda", torch.version.cuda,
+          "device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    if torch.cuda.is_available():
+        print("nccl", ".".join(map(str, torch.cuda.nccl.version())))
+except Exception as e:  # noqa: BLE001
+    print("torch: not importable:", e)
+for mod in ("scikit_build_core", "pybind11", "ninja", "cmake", "pytest"):
+    try:
+        m = importlib.import_module(mod)
+        print(mod, getattr(m, "__version__", "?"))
+    except Exception:  # noqa: BLE001
+        print(mod, "missing")
+for tool in ("cmake", "ninja", "nvcc", "compute-sanitizer", "nvidia-smi"):
+    print(tool, shutil.which(tool))
+EOF
+  command -v nvcc >/dev/null && nvcc --version | tail -2
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total \
+    --format=csv,noheader
+} >"$work/preflight.txt" 2>&1
+torch_line=$(grep -E "^torch " "$work/preflight.txt" | head -1)
+line "preflight: PASS ($torch_line; $(grep -E '^Python.h' "$work/preflight.txt" | cut -d' ' -f1-2))"
 
-# ---- 1. build -----------------------------------------------------------------------------------
+# ---- build ------------------------------------------------------------------------------------
 if [[ ${GPU_CHECK_SKIP_BUILD:-0} != 1 ]]; then
   t=$(date +%s)
-  echo "== build (archs $archs, head dims $heads), log $res/build.log"
   if CPATTN_CUDA=ON CPATTN_CUDA_ARCH_LIST="$archs" CPATTN_CUDA_HEAD_DIMS="$heads" \
-     CPATTN_CUDA_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(budget 240 220)" \
-     "$py" -m pip install --no-build-isolation --no-deps --force-reinstall \
-       --config-settings=build-dir=/tmp/cpattn-gpu-build -v "$repo" >"$res/build.log" 2>&1; then
-    note "build: OK in $(( $(date +%s) - t )) s"
+     CPATTN_CUDA_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(budget 270 120 220)" \
+     "$py" -m pip install --no-build-isolation --no-deps --no-index --force-reinstall \
+       --config-settings=build-dir=/tmp/cpattn-gpu-build -v "$repo" >"$work/build.log" 2>&1; then
+    line "build: PASS (archs $archs, head dims $heads, $(($(date +%s) - t)) s)"
   else
-    tail -30 "$res/build.log"
-    note "build: FAILED after $(( $(date +%s) - t )) s (see build.log)"
-    printf '%s\n' "${summary[@]}" | tee "$res/summary.txt"
-    exit 1
+    line "build: FAIL after $(($(date +%s) - t)) s (build.log in gpu_check.tar.gz)"
+    tail -30 "$work/build.log" >"$res/checks.log"
   fi
+else
+  line "build: SKIP (installed cpattn used)"
 fi
 cd /tmp || exit 1  # import the installed package, not the source tree
-"$py" -c "import cpattn, json; print(json.dumps(cpattn.build_info()))" 2>&1 | tee "$res/build_info.json"
-# ptxas figures of the build's kernels (registers, spills): the build ran with -Xptxas=-v
-if [[ -f $res/build.log ]]; then
-  "$py" "$repo/.ci/ptxas_report.py" "$res/build.log" --out "$res/ptxas.txt" >/dev/null 2>&1
-  note "ptxas: $(awk 'NR > 1 && $(NF-1) != "0/0"' "$res/ptxas.txt" 2>/dev/null | wc -l) kernel builds with spills (ptxas.txt)"
+"$py" -c "import cpattn, json; print(json.dumps(cpattn.build_info()))" >"$work/build_info.json" 2>&1
+if [[ -f $work/build.log ]]; then
+  if "$py" "$repo/.ci/ptxas_report.py" "$work/build.log" --out "$work/ptxas.txt" \
+       --fail-on-spill attention_fwd_kernel attention_bwd_dq_kernel merge_state >/dev/null 2>&1; then
+    line "ptxas: PASS (no spills in the forward / dQ / merge kernels; ptxas.txt)"
+  else
+    line "ptxas: FAIL (spills in a kernel that must not spill, or no report; ptxas.txt)"
+  fi
 fi
 
-# ---- 2. CUDA checks vs float64 ------------------------------------------------------------------
-t=$(date +%s)
-timeout "$(budget 150 130)" "$py" "$repo/tests/cuda/checks.py" >"$res/checks.log" 2>&1
-rc=$?
-grep -E "^(FAIL|  failed)" "$res/checks.log" | head -20
-note "checks: $(grep -E 'checks passed' "$res/checks.log" || echo "no summary (rc $rc)") [rc $rc, $(( $(date +%s) - t )) s]"
+# ---- checks against float64, one process per stage ---------------------------------------------
+quick=()
+((dry)) && quick=(--first)
+stage() {  # stage NAME CAP FLOOR RESERVE FILTERS
+  local name=$1 cap=$2 floor=$3 reserve=$4 filters=$5 t rc summary log=$work/stage_$1.log
+  t=$(date +%s)
+  timeout "$(budget "$cap" "$floor" "$reserve")" "${checks[@]}" "$py" "$repo/tests/cuda/checks.py" \
+    -k "$filters" "${quick[@]}" >"$log" 2>&1
+  rc=$?
+  { echo "===== stage $name: checks.py -k $filters (rc $rc)"; cat "$log"; } >>"$res/checks.log"
+  summary=$(grep -E "checks passed" "$log" | tail -1)
+  if grep -q "^SKIP: no CUDA" "$log"; then
+    line "$name: SKIP (no CUDA device, or cpattn built without CUDA)"
+  elif ((rc == 0)) && [[ $summary == 0/0* ]]; then
+    line "$name: SKIP (CUDA-only checks: none in the checks' CPU mode)"
+  elif ((rc == 124 || rc == 137)); then
+    line "$name: FAIL (timed out after $(($(date +%s) - t)) s; checks.log)"
+  elif ((rc == 0)) && [[ -n $summary ]]; then
+    line "$name: PASS ($summary)"
+  else
+    line "$name: FAIL (rc $rc; ${summary:-no summary}; checks.log)"
+  fi
+}
+stage kernels 150 45 175 "fwd_bwd/,head_dim/,fwd/,errors/,merge_state/"
+stage deterministic_dq 30 10 165 "bwd/deterministic,bwd/dlse"
+stage ring_emulated 60 20 145 "ring_emulated/"
+stage nccl_w1 40 20 125 "ring_nccl/"
+stage strategies_inference 60 25 100 "strategies/,inference/"
+stage opcheck_compile 60 25 75 "opcheck/,compile/"
 
-# ---- 3. compute-sanitizer on a small case -------------------------------------------------------
-if command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck; do
+# ---- compute-sanitizer: cpattn's kernels only, a small case -------------------------------------
+if ((dry)); then
+  t=$(date +%s)
+  if timeout "$(budget 60 60 0)" "${checks[@]}" "$py" "$repo/tests/cuda/checks.py" --sanitizer-case \
+       >"$work/sanitizer_dry.log" 2>&1; then
+    line "sanitizer: SKIP (dry run: the sanitizer case ran on the CPU, $(($(date +%s) - t)) s)"
+  else
+    line "sanitizer: FAIL (the sanitizer case failed on the CPU; sanitizer_dry.log)"
+  fi
+elif command -v compute-sanitizer >/dev/null; then
+  filter=()
+  compute-sanitizer --help 2>&1 | grep -q -- "--kernel-name" && filter=(--kernel-name kns=cpattn)
+  reserve=75
+  for tool in memcheck racecheck synccheck; do
     t=$(date +%s)
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(budget 60 70)" compute-sanitizer --tool "$tool" \
-      --error-exitcode 99 "$py" "$repo/tests/cuda/checks.py" --sanitizer-case \
-      >"$res/sanitizer_$tool.log" 2>&1
+    reserve=$((reserve - 15))
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$(budget 30 15 "$reserve")" compute-sanitizer --tool "$tool" \
+      "${filter[@]}" --error-exitcode 99 "$py" "$repo/tests/cuda/checks.py" --sanitizer-case \
+      >"$work/sanitizer_$tool.log" 2>&1
     rc=$?
-    note "compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$res/sanitizer_$tool.log" | tail -1) [rc $rc, $(( $(date +%s) - t )) s]"
+    verdict=FAIL
+    ((rc == 0)) && verdict=PASS
+    line "sanitizer $tool: $verdict ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' \
+      "$work/sanitizer_$tool.log" | tail -1 | sed 's/^=* *//'); rc $rc, $(($(date +%s) - t)) s)"
   done
 else
-  note "compute-sanitizer: not found"
+  line "sanitizer: SKIP (compute-sanitizer not found)"
 fi
 
-# ---- 4. timing vs SDPA -------------------------------------------------------------------------
+# ---- TFLOP/s vs torch SDPA ---------------------------------------------------------------------
 t=$(date +%s)
-b=$(budget 150 30)
-timeout "$((b + 20))" "$py" "$repo/bench/gpu_bench.py" --out "$res" --budget "$b" \
-  >"$res/bench.log" 2>&1
-note "bench: rc $?, $(( $(date +%s) - t )) s (full table: gpu_bench.md)"
+b=$(budget 120 30 0)
+bench=(--budget "$b")
+((dry)) && bench=(--dry-run)
+timeout "$((b + 30))" "$py" "$repo/bench/gpu_bench.py" --out "$work" "${bench[@]}" \
+  >"$work/bench.log" 2>&1
+rc=$?
+cp "$work/gpu_bench.md" "$res/gpu_bench.md" 2>/dev/null
+if ((rc == 0)) && [[ -f $res/gpu_bench.md ]]; then
+  line "bench: PASS ($(grep -cE '^\| [0-9]' "$res/gpu_bench.md") rows in gpu_bench.md, $(($(date +%s) - t)) s)"
+else
+  line "bench: FAIL (rc $rc; bench.log in gpu_check.tar.gz)"
+fi
 
-note "total: $(elapsed) s"
+line "total: $(($(date +%s) - t_start)) s"
+tar -czf "$res/gpu_check.tar.gz" -C "$work" . && rm -rf "$work"
 echo
-printf '%s\n' "${summary[@]}" | tee "$res/summary.txt"
-echo
-cat "$res/gpu_bench.md" 2>/dev/null || tail -20 "$res/bench.log"
+cat "$res/gpu_bench.md" 2>/dev/null
+# Exit status: 1 when any stage failed (the summary says which).
+! grep -q ": FAIL" "$res/summary.txt"

@@ -52,10 +52,16 @@ case "${1:-}" in
     python -m pytest "$ROOT/bench" -q --benchmark-disable -p no:cacheprovider
     echo "== pytest"
     python -m pytest "$ROOT/tests" -q -p no:cacheprovider
+    echo "== the one-shot GPU check, dry run on the CPU build (bench/gpu_check.sh --dry-run)"
+    PYTHON=python bash "$ROOT/bench/gpu_check.sh" --dry-run "$ROOT/build/gpu_check_dry"
     echo "== CUDA flavour: compile, link, import, ptxas report (no GPU needed)"
     if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
       # The default archs (8.0;9.0) and head dims (64;128): about a minute on 2 cores.
       bash "$ROOT/.ci/check_cuda_build.sh"
+      # The GPU machine's torch 2.11: every torch-touching file against its headers and
+      # libraries, at one arch and head dim (the kernels do not touch torch).
+      CPATTN_CI_TORCH=torch==2.11.0 CPATTN_CI_WORK="$ROOT/build/ci-cuda-2.11" \
+        CPATTN_CUDA_ARCH_LIST=9.0 CPATTN_CUDA_HEAD_DIMS=64 bash "$ROOT/.ci/check_cuda_build.sh"
     else
       echo "nvcc not found: CUDA build check skipped"
     fi

@@ -83,6 +83,8 @@ TORCH_LIBRARY_IMPL(cpattn, CUDA, m) {
   m.impl("merge_state_", &cpattn::ops::merge_state_cuda_);
   m.impl("ring_fwd", &cpattn::ops::ring_fwd);
   m.impl("ring_bwd", &cpattn::ops::ring_bwd);
+  m.impl("gathered_fwd", &cpattn::ops::gathered_fwd);
+  m.impl("gathered_bwd", &cpattn::ops::gathered_bwd);
   m.impl("ring_fwd_emulated", &cpattn::ops::ring_fwd_emulated);
   m.impl("ring_bwd_emulated", &cpattn::ops::ring_bwd_emulated);
   m.impl("ring_loopback_timing", &cpattn::ops::ring_loopback_timing);
@@ -120,6 +122,16 @@ TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
   m.impl("cache_attention_fwd", &cpattn::ops::cache_attention_fwd);
   m.impl("prefill_fwd", &cpattn::ops::prefill_fwd);
 }
+
+#ifdef CPATTN_WITH_CUDA
+TORCH_LIBRARY_IMPL(cpattn, CUDA, m) {
+  m.impl("merge_attention_states", &cpattn::ops::merge_attention_states);
+  m.impl("merge_attention_states_bwd", &cpattn::ops::merge_attention_states_bwd);
+  m.impl("cache_store_", &cpattn::ops::cache_store_);
+  m.impl("cache_attention_fwd", &cpattn::ops::cache_attention_fwd);
+  m.impl("prefill_fwd", &cpattn::ops::prefill_fwd);
+}
+#endif
 
 TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("cache_local_count", &cpattn::ops::cache_local_count);

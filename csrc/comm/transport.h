@@ -30,6 +30,10 @@ class Transport {
   // shifts apart. `send` must stay untouched and `recv` unread until wait() returns.
   virtual std::unique_ptr<PendingShift> shift(const at::Tensor& send, const at::Tensor& recv,
                                               int64_t tag) = 0;
+  // Called by an op after its last wait(), before it returns: raises if a shift of the op
+  // failed after its wait() returned (NCCL: wait() only orders the device, so an error can
+  // surface later; this blocks until the last shift is done). A no-op where wait() already knows.
+  virtual void finish() {}
 };
 
 // The process group registered under `group_name` (ProcessGroup.group_name in Python).

@@ -4,7 +4,9 @@
 //   dK/dV pass, one thread block per (key block, kv head, batch) (and head-dim slice, for the
 //   largest head dims: kernel_config.h): each warp owns 16 keys and
 //   keeps their dK, dV rows in fp32 registers while the block walks every query tile that sees
-//   the key block, for every query head of the kv head (GQA sums over the group without atomics):
+//   the key block, for every query head of the kv head (GQA sums over the group without atomics;
+//   with few kv heads the group is split over head_splits blocks, whose fp32 parts
+//   dkv_reduce_kernel adds in a fixed order):
 //     S^T = K Q^T, P^T = exp2(S^T * scale * log2 e - lse_log2), dV += P^T dO,
 //     dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q,
 //   and, unless deterministic, dQ += dS K through a shared dS^T tile and fp32 atomics.
@@ -47,10 +49,13 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   Elem* const sdS_ = sQ0 + 4 * Cfg::kQElems;  // dS^T [key][query]
   float* const sLse0 = reinterpret_cast<float*>(sdS_ + Cfg::kDSElems);  // lse, delta per stage
 
-  // Key block, and the slice [d0, d0 + kSliceDim) of the head dim this block owns in dK / dV / dQ.
-  const int n_block = blockIdx.x / Cfg::kSplit, hk = blockIdx.y, b = blockIdx.z;
+  // Key block, and the slice [d0, d0 + kSliceDim) of the head dim this block owns in dK / dV / dQ;
+  // kv head, and the share of its query heads (head split) this block walks.
+  const int n_block = blockIdx.x / Cfg::kSplit, b = blockIdx.z;
+  const int hk = blockIdx.y / p.head_splits, split = blockIdx.y % p.head_splits;
   const int d0 = (Cfg::kSplit > 1 ? blockIdx.x % Cfg::kSplit : 0) * Cfg::kSliceDim;
-  const int group = p.shape.heads / p.shape.kv_heads;
+  const int group = p.shape.heads / p.shape.kv_heads / p.head_splits;  // query heads walked here
+  const int h_first = (hk * p.head_splits + split) * group;
   const int seqlen_q = p.shape.seqlen_q, seqlen_k = p.shape.seqlen_k;
   const int rounded = p.seqlen_q_rounded;
   const int n0 = n_block * kBlockN;
@@ -98,7 +103,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
                                                           tid);
     load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(sV_, v, p.v_strides.seq, seqlen_k - n0,
                                                           tid);
-    load_q_tile(hk * group, qb.first * kBlockM, 0);
+    load_q_tile(h_first, qb.first * kBlockM, 0);
     cp_async_commit();
   }
 
@@ -115,7 +120,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 
   const uint32_t sK = smem_u32(sK_), sV = smem_u32(sV_), sdS = smem_u32(sdS_);
   // (h, m0): the current tile's query head and first row; tiles go head-major.
-  int h = hk * group, m0 = qb.first * kBlockM;
+  int h = h_first, m0 = qb.first * kBlockM;
   for (int it = 0; it < total; ++it) {
     const int stage = it & 1;
     // Shared addresses of this stage's Q and dO tiles (stage 1 follows stage 0).
@@ -264,11 +269,30 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     }
   }
 
-  // Epilogue: dK (scaled) and dV of this warp's keys, (B, Sk, Hkv, D) in GradT. A key block that
-  // no query sees writes zeros.
+  // Epilogue: dK (scaled) and dV of this warp's keys, (B, Sk, Hkv, D) in GradT, or this split's
+  // fp32 part of them. A key block that no query sees writes zeros.
+  const float scale = p.softmax_scale;
+  if (p.head_splits > 1) {
+    const int64_t part = static_cast<int64_t>(p.shape.batch) * seqlen_k * p.shape.kv_heads *
+                         kHeadDim;  // one (kind, split) slice of dkv_partial
+    float* const dk_part = p.dkv_partial + split * part +
+                           (static_cast<int64_t>(b) * seqlen_k * p.shape.kv_heads + hk) * kHeadDim;
+    float* const dv_part = dk_part + p.head_splits * part;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = n0 + warp_key0 + g + 8 * half;
+      if (key >= seqlen_k) continue;
+      const int64_t at = static_cast<int64_t>(key) * p.shape.kv_heads * kHeadDim + d0 + 2 * t;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        store2(dk_part + at + dt * 8, dk[dt][2 * half] * scale, dk[dt][2 * half + 1] * scale);
+        store2(dv_part + at + dt * 8, dv[dt][2 * half], dv[dt][2 * half + 1]);
+      }
+    }
+    return;
+  }
   GradT* const dk_out = static_cast<GradT*>(p.dk) + b * p.dk_strides.batch + hk * p.dk_strides.head;
   GradT* const dv_out = static_cast<GradT*>(p.dv) + b * p.dv_strides.batch + hk * p.dv_strides.head;
-  const float scale = p.softmax_scale;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = n0 + warp_key0 + g + 8 * half;
@@ -456,6 +480,35 @@ __global__ void dq_convert_kernel(const __grid_constant__ BwdParamsCuda p) {
   store2(dst, x.x * p.softmax_scale, x.y * p.softmax_scale);
 }
 
+// dk, dv (B, Sk, Hkv, D) in GradT = the sum over the head splits of dkv_partial, in split order.
+template <int kHeadDim, typename GradT>
+__global__ void dkv_reduce_kernel(const __grid_constant__ BwdParamsCuda p) {
+  const int64_t pairs = static_cast<int64_t>(p.shape.batch) * p.shape.seqlen_k *
+                        p.shape.kv_heads * (kHeadDim / 2);
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= pairs) return;
+  const int c = static_cast<int>(i % (kHeadDim / 2)) * 2;
+  const int64_t row = i / (kHeadDim / 2);  // (b * Sk + s) * Hkv + hk
+  const int hk = static_cast<int>(row % p.shape.kv_heads);
+  const int64_t bs = row / p.shape.kv_heads;
+  const int s = static_cast<int>(bs % p.shape.seqlen_k);
+  const int b = static_cast<int>(bs / p.shape.seqlen_k);
+  const int64_t part = pairs * 2;  // elements of one (kind, split) slice
+  for (int kind = 0; kind < 2; ++kind) {
+    const float* src = p.dkv_partial + kind * p.head_splits * part + 2 * i;
+    float x = 0.f, y = 0.f;
+    for (int sp = 0; sp < p.head_splits; ++sp) {
+      const float2 v = *reinterpret_cast<const float2*>(src + sp * part);
+      x += v.x;
+      y += v.y;
+    }
+    const Strides& st = kind == 0 ? p.dk_strides : p.dv_strides;
+    GradT* const dst = static_cast<GradT*>(kind == 0 ? p.dk : p.dv) + b * st.batch +
+                       static_cast<int64_t>(s) * st.seq + hk * st.head + c;
+    store2(dst, x, y);
+  }
+}
+
 #ifndef CPATTN_CUDA_EMULATE  // the tests emulate the kernels on the host, without launchers
 template <typename Kernel>
 int set_smem(Kernel kernel, int bytes) {
@@ -471,9 +524,16 @@ int launch_bwd_typed(const BwdParamsCuda& p, cudaStream_t stream) {
   auto dkdv = attention_bwd_dkdv_kernel<Cfg, Elem, GradT>;
   if (const int e = set_smem(dkdv, Cfg::kSmemBytes)) return e;
   const dim3 grid_kv((p.shape.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN * Cfg::kSplit,
-                     p.shape.kv_heads, p.shape.batch);
+                     p.shape.kv_heads * p.head_splits, p.shape.batch);
   dkdv<<<grid_kv, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
+  if (p.head_splits > 1) {
+    const int64_t pairs = static_cast<int64_t>(p.shape.batch) * p.shape.seqlen_k *
+                          p.shape.kv_heads * (kHeadDim / 2);
+    dkv_reduce_kernel<kHeadDim, GradT>
+        <<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(p);
+    if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
+  }
 
   if (p.dq_accum != nullptr) {
     const int64_t pairs =

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "cpattn_cuda_head_dims.h"
+#include "cuda/kernel_config.h"
 #include "cuda/params.h"
 
 #ifndef CPATTN_HEAD_DIMS
@@ -23,6 +24,15 @@ struct Dispatch {
      ...);
     return result;
   }
+  static int dkdv_blocks(int head_dim, int seqlen_k) {
+    int result = 0;
+    ((head_dim == kDims ? (result = (seqlen_k + BwdConfigFor<kDims>::kBlockN - 1) /
+                                    BwdConfigFor<kDims>::kBlockN * BwdConfigFor<kDims>::kSplit,
+                           true)
+                        : false) ||
+     ...);
+    return result;
+  }
   static int bwd(const BwdParamsCuda& p, void* stream) {
     int result = kErrNoKernel;
     ((p.shape.head_dim == kDims ? (result = launch_bwd<kDtype, kDims>(p, stream), true) : false) ||
@@ -36,6 +46,10 @@ struct Dispatch {
 const int* compiled_head_dims(int* count) {
   *count = static_cast<int>(sizeof(kHeadDims) / sizeof(kHeadDims[0]));
   return kHeadDims;
+}
+
+int bwd_dkdv_blocks(int head_dim, int seqlen_k) {
+  return Dispatch<DType::kBFloat16, CPATTN_HEAD_DIMS>::dkdv_blocks(head_dim, seqlen_k);
 }
 
 int run_fwd(const FwdParamsCuda& p, void* stream) {

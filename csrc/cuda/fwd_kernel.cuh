@@ -99,16 +99,15 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 
   uint32_t q_frag[kQInRegs ? kMTiles : 1][kQInRegs ? kKSteps : 1][4];
   float o[kMTiles][kOTiles][4];
-  float row_max[kMTiles][2], row_sum[kMTiles][2];
+  // The online softmax of softmax_state.h (the CPU kernels' too), base 2; `sum` holds this
+  // thread's part of the row sum (its quad adds the four parts up in the epilogue).
+  OnlineSoftmaxRow row[kMTiles][2];
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
+  for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int dt = 0; dt < kOTiles; ++dt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
-    row_max[mt][0] = row_max[mt][1] = neg_inf();
-    row_sum[mt][0] = row_sum[mt][1] = 0.f;
-  }
   const float scale_log2 = p.scale_log2;
 
   const int n_blocks = kb.count();
@@ -185,16 +184,14 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float mx = row_max[mt][half];
+        float mx = neg_inf();
 #pragma unroll
         for (int nt = 0; nt < kSTiles; ++nt)
           mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-        mx = quad_max(mx);
-        // Reference point in base 2; 0 while the row has seen only masked keys (no inf - inf).
-        const float ref = mx == neg_inf() ? 0.f : mx * scale_log2;
-        const float factor = fast_exp2(row_max[mt][half] * scale_log2 - ref);
-        row_max[mt][half] = mx;
-        row_sum[mt][half] *= factor;
+        // The block maximum in base 2 (scale > 0 commutes with max): the row state rescales
+        // its sum and gives the factor for o and the reference point subtracted before exp2.
+        const float factor = row[mt][half].rescale_for_block_max(quad_max(mx) * scale_log2);
+        const float ref = row[mt][half].reference();
 #pragma unroll
         for (int dt = 0; dt < kOTiles; ++dt) {
           o[mt][dt][2 * half] *= factor;
@@ -209,7 +206,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
             s[mt][nt][2 * half + e] = pv;
             sum += pv;
           }
-        row_sum[mt][half] += sum;
+        row[mt][half].sum += sum;  // NaN scores make it NaN: out and lse NaN, as on the CPU
       }
 
     // O += P V: P from the score registers (C layout -> A layout), V tiles via ldmatrix.trans.
@@ -236,16 +233,16 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float sum = quad_sum(row_sum[mt][half]);
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      OnlineSoftmaxRow full = row[mt][half];
+      full.sum = quad_sum(full.sum);
+      const float inv = full.inv_sum();
       const int r = m0 + warp_row0 + mt * 16 + g + 8 * half;
       if (r < seqlen_q) {
         OutT* const dst = out + static_cast<int64_t>(r) * p.out_strides.seq + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < kOTiles; ++dt)
           store2(dst + dt * 8, o[mt][dt][2 * half] * inv, o[mt][dt][2 * half + 1] * inv);
-        if (t == 0)
-          lse[r] = sum > 0.f ? (row_max[mt][half] * scale_log2 + log2f(sum)) * kLn2 : neg_inf();
+        if (t == 0) lse[r] = full.lse();
       }
     }
 }

@@ -20,6 +20,17 @@ struct Strides {  // of a (batch, seqlen, heads, head_dim) tensor
   int64_t head = 0;
 };
 
+// Whether the kernels can read a (batch, seqlen, heads, head_dim) operand in place: a 16-byte
+// aligned base, every stride but head_dim's a multiple of 8 elements (16-byte cp.async chunks),
+// and 32-bit offsets within a tile of up to 128 rows. The op layer copies an operand that is not.
+inline bool operand_readable(const void* data, const int64_t (&sizes)[3], const Strides& st) {
+  if (reinterpret_cast<uintptr_t>(data) % 16 != 0) return false;
+  const int64_t strides[3] = {st.batch, st.seq, st.head};
+  for (int d = 0; d < 3; ++d)
+    if (sizes[d] > 1 && strides[d] % 8 != 0) return false;
+  return sizes[1] <= 1 || st.seq < (int64_t(1) << 24);
+}
+
 struct LseStrides {  // of a (batch, heads, seqlen) tensor
   int64_t batch = 0;
   int64_t head = 0;
@@ -79,6 +90,13 @@ struct BwdParamsCuda {
   // dK/dV kernel. nullptr selects the deterministic path (a separate dQ kernel, no atomics).
   float* dq_accum = nullptr;
 
+  // GQA / MQA: the query heads of a kv head are split over head_splits thread blocks
+  // (group % head_splits == 0), so that few kv heads still fill the GPU. With head_splits > 1
+  // each block writes its scaled fp32 dK / dV to dkv_partial (2, head_splits, B, Sk, Hkv,
+  // head_dim) contiguous, and dkv_reduce_kernel sums the splits in a fixed order (deterministic).
+  int head_splits = 1;
+  float* dkv_partial = nullptr;
+
   DType grad_dtype = DType::kBFloat16;  // of dq, dk, dv: q's dtype or fp32
   void* dq = nullptr;
   void* dk = nullptr;
@@ -104,6 +122,8 @@ int run_bwd(const BwdParamsCuda& p, void* stream);
 int run_bwd_preprocess(const BwdParamsCuda& p, void* stream);
 // Head dims with compiled kernels, ascending.
 const int* compiled_head_dims(int* count);
+// dK/dV thread blocks per (kv head, batch) before any head split: key blocks x head-dim slices.
+int bwd_dkdv_blocks(int head_dim, int seqlen_k);
 // Rounding of seqlen_q for the backward workspace.
 constexpr int kBwdSeqRound = 128;
 

@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <limits>
 #include <sstream>
@@ -68,13 +69,9 @@ int kernel_head_dim(int64_t d) {
   return kd;
 }
 
-// Whether the kernels can read t (B, S, H, kd) in place: 16-byte aligned rows, and 32-bit
-// offsets within a tile of up to 128 rows.
-bool kernel_readable(const at::Tensor& t) {
-  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-  for (int d = 0; d < 3; ++d)
-    if (t.size(d) > 1 && t.stride(d) % 8 != 0) return false;
-  return t.size(1) <= 1 || t.stride(1) < (int64_t(1) << 24);
+bool kernel_readable(const at::Tensor& t) {  // the rule: cuda::operand_readable
+  const int64_t sizes[3] = {t.size(0), t.size(1), t.size(2)};
+  return cuda::operand_readable(t.data_ptr(), sizes, {t.stride(0), t.stride(1), t.stride(2)});
 }
 
 // The operand as the kernels read it: head dim kd (zero-padded) and kernel_readable.
@@ -119,6 +116,28 @@ void check_launch(int err, const char* what) {
 bool deterministic_backward() {
   static const bool env = env_flag("CPATTN_DETERMINISTIC");
   return env || at::globalContext().deterministicAlgorithms();
+}
+
+// How many thread blocks share the query heads of one kv head in the dK/dV pass: with few kv
+// heads (MQA, small GQA groups) and short keys, (key blocks x kv heads x batch) blocks would leave
+// most SMs idle. Splits the group (a divisor of it) until there are about two blocks per SM.
+// CPATTN_BWD_HEAD_SPLITS=n forces n (tests; rounded down to a divisor of the group).
+int bwd_head_splits(const AttnShape& s, int kd) {
+  const int64_t group = s.heads / s.kv_heads;
+  int64_t want = 1;
+  if (const char* v = std::getenv("CPATTN_BWD_HEAD_SPLITS")) {
+    want = std::max<int64_t>(1, std::atoll(v));
+  } else {
+    const int64_t blocks = int64_t(cuda::bwd_dkdv_blocks(kd, static_cast<int>(s.seqlen_k))) *
+                           s.kv_heads * s.batch;
+    const int64_t target = 2 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    want = (target + blocks - 1) / std::max<int64_t>(blocks, 1);
+  }
+  int64_t splits = std::min(want, group);
+  while (group % splits != 0) --splits;
+  TORCH_CHECK(s.kv_heads * splits <= 65535, "cpattn: too many kv heads for the CUDA backward (",
+              s.kv_heads, ")");
+  return static_cast<int>(splits);
 }
 
 }  // namespace
@@ -184,6 +203,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   const at::Tensor delta = at::empty({s.batch, s.heads, rounded}, f32);
   at::Tensor dq_accum;
   if (!deterministic_backward()) dq_accum = at::zeros({s.batch, s.heads, rounded, kd}, f32);
+  const int head_splits = bwd_head_splits(s, kd);
+  at::Tensor dkv_partial;  // every element written by the dK/dV pass
+  if (head_splits > 1)
+    dkv_partial = at::empty({2, head_splits, s.batch, s.seqlen_k, s.kv_heads, kd}, f32);
   at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, kd}, q.options().dtype(gd));
   at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
   at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
@@ -213,6 +236,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   p.lse_log2 = lse_log2.data_ptr<float>();
   p.delta = delta.data_ptr<float>();
   p.dq_accum = dq_accum.defined() ? dq_accum.data_ptr<float>() : nullptr;
+  p.head_splits = head_splits;
+  p.dkv_partial = dkv_partial.defined() ? dkv_partial.data_ptr<float>() : nullptr;
   p.grad_dtype = to_dtype(gd);
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();

@@ -37,8 +37,15 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
                   v_cache.scalar_type() == k_cache.scalar_type(),
               "cpattn: k_cache and v_cache must have one dtype, float32, bfloat16 or float16, got ",
               k_cache.scalar_type(), " and ", v_cache.scalar_type());
-  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "cpattn: no KV cache kernel for device ", k_cache.device(), " in this build");
+  TORCH_CHECK(v_cache.device() == k_cache.device(), "cpattn: k_cache and v_cache must be on one "
+              "device, got ", k_cache.device(), " and ", v_cache.device());
+#ifdef CPATTN_WITH_CUDA
+  TORCH_CHECK(k_cache.device().is_cpu() || k_cache.device().is_cuda(),
+              "cpattn: no KV cache kernel for device ", k_cache.device(), " (CPU and CUDA only)");
+#else
+  TORCH_CHECK(k_cache.device().is_cpu(), "cpattn: no KV cache kernel for device ",
+              k_cache.device(), " in this build (CPU tensors only)");
+#endif
 }
 
 // An int64 CPU tensor of shape (batch,), as a vector.
@@ -96,7 +103,9 @@ void store_owned(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
       dst.push_back(s.slot(t));
     }
     if (src.empty()) continue;
-    const at::Tensor src_idx = at::tensor(src, at::kLong), dst_idx = at::tensor(dst, at::kLong);
+    const auto on_device = at::TensorOptions().dtype(at::kLong).device(k_cache.device());
+    const at::Tensor src_idx = at::tensor(src, at::kLong).to(on_device),
+                     dst_idx = at::tensor(dst, at::kLong).to(on_device);
     k_cache.select(0, b).index_copy_(0, dst_idx, k.select(0, b).index_select(0, src_idx));
     v_cache.select(0, b).index_copy_(0, dst_idx, v.select(0, b).index_select(0, src_idx));
   }
@@ -123,12 +132,21 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& outs
               outs.scalar_type());
   TORCH_CHECK(lses.scalar_type() == at::kFloat,
               "cpattn: merge_attention_states lses must be float32, got ", lses.scalar_type());
-  TORCH_CHECK(outs.device().is_cpu() && lses.device().is_cpu(),
-              "cpattn: no merge_attention_states kernel for device ", outs.device(), " / ",
-              lses.device(), " in this build");
+  TORCH_CHECK(lses.device() == outs.device(), "cpattn: merge_attention_states outs and lses must "
+              "be on one device, got ", outs.device(), " and ", lses.device());
   const at::ScalarType dtype = out_dtype.value_or(outs.scalar_type());
   TORCH_CHECK(is_float_type(dtype),
               "cpattn: out_dtype must be float32, bfloat16 or float16, got ", dtype);
+#ifdef CPATTN_WITH_CUDA
+  if (outs.is_cuda()) {  // the two-way merge kernel, part by part: the same rule, N - 1 passes
+    at::Tensor out = at::zeros({B, S, H, D}, outs.options().dtype(at::kFloat));
+    at::Tensor lse = at::full({B, H, S}, -INFINITY, lses.options());
+    for (int64_t n = 0; n < N; ++n) merge_into_cuda(out, lse, outs[n], lses[n]);
+    return {out.to(dtype), lse};
+  }
+#endif
+  TORCH_CHECK(outs.device().is_cpu(), "cpattn: no merge_attention_states kernel for device ",
+              outs.device());
 
   const at::Tensor po = outs.to(at::kFloat).contiguous(), pl = lses.contiguous();
   at::Tensor out = at::empty({B, S, H, D}, outs.options().dtype(at::kFloat));
@@ -170,6 +188,13 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states_bwd(
   if (has_dlse)
     TORCH_CHECK(dlse->sizes() == lse.sizes(), "cpattn: dlse must have lse's shape ", lse.sizes(),
                 ", got ", dlse->sizes());
+  if (!outs.device().is_cpu()) {  // no device kernel for this small backward: the CPU's, copied
+    const auto cpu = [](const at::Tensor& t) { return t.cpu(); };
+    auto [douts, dlses] = merge_attention_states_bwd(
+        cpu(dout), has_dlse ? std::optional<at::Tensor>(cpu(*dlse)) : std::nullopt, cpu(outs),
+        cpu(lses), cpu(lse));
+    return {douts.to(outs.device()), dlses.to(outs.device())};
+  }
   const at::Tensor po = outs.to(at::kFloat).contiguous(), pl = lses.contiguous();
   const at::Tensor g = dout.to(at::kFloat).contiguous(), lc = lse.contiguous();
   const at::Tensor gl = has_dlse ? dlse->to(at::kFloat).contiguous() : at::Tensor();
@@ -288,8 +313,7 @@ std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Te
                                                c10::string_view group_name, double softmax_scale,
                                                int64_t layout, int64_t interleave,
                                                double timeout_s) {
-  auto transport = comm::make_process_group_transport(
-      std::string(group_name), std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+  auto transport = group_transport(q, group_name, timeout_s);
   const int64_t world = transport->world(), rank = transport->rank();
   const CacheSharding s = checked_sharding(rank, world, interleave);
   check_cache(k_cache, v_cache);
@@ -307,7 +331,9 @@ std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Te
       return start[b] + global_position(o.layout, chunk, world, source, l);
     });
   };
-  return ring_forward(q, k, v, *transport, o, store);
+  auto result = ring_forward(q, k, v, *transport, o, store);
+  transport->finish();
+  return result;
 }
 
 int64_t cache_local_count(int64_t n, int64_t rank, int64_t world, int64_t interleave) {

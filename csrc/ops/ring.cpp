@@ -305,8 +305,6 @@ std::tuple<at::Tensor, at::Tensor> gathered_bwd(
 
 // ---- ops over a torch process group -------------------------------------------------------
 
-namespace {
-
 // CUDA tensors shift over cpattn's own NCCL communicator (CPATTN_RING_TRANSPORT=c10d: through the
 // process group instead); CPU tensors through the process group.
 std::unique_ptr<comm::Transport> group_transport(const at::Tensor& q, c10::string_view group_name,
@@ -320,13 +318,12 @@ std::unique_ptr<comm::Transport> group_transport(const at::Tensor& q, c10::strin
   return comm::make_process_group_transport(std::string(group_name), timeout);
 }
 
-}  // namespace
-
 at::Tensor ring_shift(const at::Tensor& send, c10::string_view group_name, double timeout_s) {
   auto transport = group_transport(send, group_name, timeout_s);
   const at::Tensor src = send.contiguous();
   at::Tensor recv = at::empty_like(src);
   transport->shift(src, recv, 0)->wait();
+  transport->finish();
   return recv;
 }
 
@@ -345,9 +342,11 @@ std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tenso
                                             int64_t layout, double timeout_s,
                                             const std::optional<at::Tensor>& doc_lengths) {
   auto transport = group_transport(q, group_name, timeout_s);
-  return ring_forward(
+  auto result = ring_forward(
       q, k, v, *transport,
       make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths));
+  transport->finish();
+  return result;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
@@ -357,9 +356,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
     double timeout_s, const std::optional<at::Tensor>& dlse,
     const std::optional<at::Tensor>& doc_lengths) {
   auto transport = group_transport(q, group_name, timeout_s);
-  return ring_backward(
+  auto result = ring_backward(
       dout, q, k, v, out, lse, dlse, *transport,
       make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths));
+  transport->finish();
+  return result;
 }
 
 // ---- W emulated ranks in this process: one thread each ------------------------------------

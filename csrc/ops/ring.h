@@ -97,6 +97,10 @@ at::Tensor ring_loopback_timing(const at::Tensor& q, const at::Tensor& k, const 
                                 double softmax_scale, bool causal, int64_t window_left,
                                 int64_t window_right, int64_t layout);
 
+// The transport the ring ops use for tensors like q over the group `group_name`.
+std::unique_ptr<comm::Transport> group_transport(const at::Tensor& q, c10::string_view group_name,
+                                                 double timeout_s);
+
 // One ring shift of `send` (to rank + 1, from rank - 1) through the transport the ring ops use
 // for its device: a test of the transport itself (at W = 1, NCCL send / recv to self).
 at::Tensor ring_shift(const at::Tensor& send, c10::string_view group_name, double timeout_s);

@@ -96,6 +96,7 @@ class _Unshard(torch.autograd.Function):
         world = dist.get_world_size(group)
         parts = [torch.empty_like(x_local) for _ in range(world)]
         dist.all_gather(parts, x_local.contiguous(), group=group)
+        index = index.to(x_local.device)  # gathered where x is (an NCCL-only group: CUDA)
         indices = [torch.empty_like(index) for _ in range(world)]
         dist.all_gather(indices, index, group=group)
         # Index -1 marks padding held by no position: it lands in an extra slot, dropped below.

@@ -165,13 +165,46 @@ void expect_close(const std::string& what, const std::vector<T>& got,
   EXPECT_LE(err, tol) << what << ": relative error";
 }
 
+// How the op layer may hand operands to the kernels (attention_cuda.cpp), and launch options.
+struct Options {
+  bool deterministic = false;  // the separate dQ pass instead of atomics
+  int head_splits = 1;         // dK/dV: query heads of a kv head split over this many blocks
+  int row_pad = 0;             // q, k, v, dout rows strided: each (token) row padded by this many
+                               // elements (a view of a larger tensor, as a packed qkv)
+  int real_dim = 0;            // > 0: a smaller head dim zero-padded up to the kernel's
+};
+
+// Zeroes columns [real_dim, d) of every row (the op layer's zero padding of the head dim).
+template <typename Elem>
+void zero_pad_columns(std::vector<Elem>* x, std::vector<double>* values, int d, int real_dim) {
+  for (size_t i = 0; i < x->size(); ++i)
+    if (static_cast<int>(i % d) >= real_dim) {
+      (*x)[i] = Host<Elem>::enc(0.f);
+      (*values)[i] = 0.0;
+    }
+}
+
+// Copies the dense (rows, heads * d) tensor into rows of heads * d + pad elements, the pad NaN.
+template <typename Elem>
+std::vector<Elem> with_row_pad(const std::vector<Elem>& x, int row, int pad) {
+  if (pad == 0) return x;
+  const size_t rows = x.size() / row;
+  std::vector<Elem> y(rows * (row + pad), Host<Elem>::enc(NAN));
+  for (size_t r = 0; r < rows; ++r)
+    std::copy(x.begin() + r * row, x.begin() + (r + 1) * row, y.begin() + r * (row + pad));
+  return y;
+}
+
 template <int kHeadDim, typename Elem, typename OutT>
-void run_case(const Case& c, uint64_t seed, bool deterministic) {
+void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
   using FCfg = FwdConfigFor<kHeadDim>;
   using BCfg = BwdConfigFor<kHeadDim>;
   using QCfg = DqConfigFor<kHeadDim>;
   constexpr int d = kHeadDim;
-  const std::string what = name_of(c, d);
+  const bool deterministic = opt.deterministic;
+  const std::string what = name_of(c, d) + " splits " + std::to_string(opt.head_splits) +
+                           " pad " + std::to_string(opt.row_pad) + " dim " +
+                           std::to_string(opt.real_dim);
   SCOPED_TRACE(what);
   std::mt19937 rng(static_cast<uint32_t>(seed));
   const int B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, H = c.heads, Hk = c.kv_heads;
@@ -180,7 +213,19 @@ void run_case(const Case& c, uint64_t seed, bool deterministic) {
   auto k = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &kd);
   auto v = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &vd);
   auto dout = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &dod);
+  if (opt.real_dim > 0) {
+    zero_pad_columns(&q, &qd, d, opt.real_dim);
+    zero_pad_columns(&k, &kd, d, opt.real_dim);
+    zero_pad_columns(&v, &vd, d, opt.real_dim);
+    zero_pad_columns(&dout, &dod, d, opt.real_dim);
+  }
   const Reference ref = reference(c, d, qd, kd, vd, dod);
+  // The kernels' view of the inputs: rows of (heads * d + row_pad) elements.
+  const int pad = opt.row_pad;
+  const auto q_in = with_row_pad(q, H * d, pad), k_in = with_row_pad(k, Hk * d, pad),
+             v_in = with_row_pad(v, Hk * d, pad), dout_in = with_row_pad(dout, H * d, pad);
+  const Strides qs_in{int64_t(Sq) * (H * d + pad), int64_t(H) * d + pad, d};
+  const Strides ks_in{int64_t(Sk) * (Hk * d + pad), int64_t(Hk) * d + pad, d};
 
   Mask m;
   m.causal = c.causal;
@@ -201,12 +246,12 @@ void run_case(const Case& c, uint64_t seed, bool deterministic) {
     std::fill(out.begin(), out.end(), OutT{0x7fff});  // NaN pattern
   FwdParamsCuda fp;
   fp.shape = shape;
-  fp.q = q.data();
-  fp.k = k.data();
-  fp.v = v.data();
-  fp.q_strides = qs;
-  fp.k_strides = ks;
-  fp.v_strides = ks;
+  fp.q = q_in.data();
+  fp.k = k_in.data();
+  fp.v = v_in.data();
+  fp.q_strides = qs_in;
+  fp.k_strides = ks_in;
+  fp.v_strides = ks_in;
   fp.out = out.data();
   fp.out_strides = qs;
   fp.lse = lse.data();
@@ -246,12 +291,12 @@ void run_case(const Case& c, uint64_t seed, bool deterministic) {
   std::fill(dv.begin(), dv.end(), nan_value);
   BwdParamsCuda bp;
   bp.shape = shape;
-  bp.q = q.data();
-  bp.k = k.data();
-  bp.v = v.data();
-  bp.dout = dout.data();
-  bp.q_strides = bp.dout_strides = qs;
-  bp.k_strides = bp.v_strides = ks;
+  bp.q = q_in.data();
+  bp.k = k_in.data();
+  bp.v = v_in.data();
+  bp.dout = dout_in.data();
+  bp.q_strides = bp.dout_strides = qs_in;
+  bp.k_strides = bp.v_strides = ks_in;
   bp.out = out.data();
   bp.out_strides = qs;
   bp.out_head_dim = d;
@@ -269,15 +314,26 @@ void run_case(const Case& c, uint64_t seed, bool deterministic) {
   bp.softmax_scale = c.scale;
   bp.scale_log2 = fp.scale_log2;
   bp.mask = m;
+  std::vector<float> dkv_partial;
+  if (opt.head_splits > 1) {
+    dkv_partial.assign(size_t(2) * opt.head_splits * k.size(), NAN);  // poisoned too
+    bp.head_splits = opt.head_splits;
+    bp.dkv_partial = dkv_partial.data();
+  }
   {
     const int64_t rows = int64_t(B) * H * rounded;
     emu::launch({unsigned((rows + kPreprocessWarps - 1) / kPreprocessWarps), 1, 1},
                 32 * kPreprocessWarps, 0, [&] { bwd_preprocess_kernel<OutT, Elem>(bp); });
   }
-  emu::launch({unsigned((Sk + BCfg::kBlockN - 1) / BCfg::kBlockN * BCfg::kSplit), unsigned(Hk),
-               unsigned(B)},
+  emu::launch({unsigned((Sk + BCfg::kBlockN - 1) / BCfg::kBlockN * BCfg::kSplit),
+               unsigned(Hk * opt.head_splits), unsigned(B)},
               BCfg::kThreads, BCfg::kSmemBytes,
               [&] { attention_bwd_dkdv_kernel<BCfg, Elem, OutT>(bp); });
+  if (opt.head_splits > 1) {
+    const int64_t pairs = int64_t(B) * Sk * Hk * (d / 2);
+    emu::launch({unsigned((pairs + 255) / 256), 1, 1}, 256, 0,
+                [&] { dkv_reduce_kernel<d, OutT>(bp); });
+  }
   if (deterministic) {
     const int smem = (2 * QCfg::kQElems + 2 * QCfg::kStageElems) * 2;
     emu::launch({unsigned((Sq + QCfg::kBlockM - 1) / QCfg::kBlockM), unsigned(H), unsigned(B)},
@@ -291,6 +347,12 @@ void run_case(const Case& c, uint64_t seed, bool deterministic) {
   expect_close("dq", dq, ref.dq, gt);
   expect_close("dk", dk, ref.dk, gt);
   expect_close("dv", dv, ref.dv, gt);
+  if (opt.real_dim > 0) {  // the padded columns of every result are exactly 0 (sliced off later)
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (static_cast<int>(i % d) < opt.real_dim) continue;
+      ASSERT_TRUE(as_double(out[i]) == 0.0 && as_double(dq[i]) == 0.0) << "padded column " << i;
+    }
+  }
 }
 
 std::vector<Case> cases(bool all) {
@@ -318,34 +380,121 @@ bool all_cases() {
 
 TEST(EmulatedKernels, Bf16HeadDim64) {
   uint64_t seed = 1;
-  for (const Case& c : cases(all_cases())) run_case<64, __nv_bfloat16, __nv_bfloat16>(c, seed++, false);
+  for (const Case& c : cases(all_cases())) run_case<64, __nv_bfloat16, __nv_bfloat16>(c, seed++);
 }
 TEST(EmulatedKernels, Bf16HeadDim128Fp32Out) {
   uint64_t seed = 100;
-  for (const Case& c : cases(all_cases())) run_case<128, __nv_bfloat16, float>(c, seed++, false);
+  for (const Case& c : cases(all_cases())) run_case<128, __nv_bfloat16, float>(c, seed++);
 }
 TEST(EmulatedKernels, Fp16HeadDim64Deterministic) {
   uint64_t seed = 200;
-  for (const Case& c : cases(all_cases())) run_case<64, __half, __half>(c, seed++, true);
+  for (const Case& c : cases(all_cases())) run_case<64, __half, __half>(c, seed++, Options{true});
 }
 TEST(EmulatedKernels, Bf16HeadDim128Deterministic) {
   uint64_t seed = 300;
   const auto cs = cases(all_cases());
-  for (size_t i = 0; i < cs.size(); i += 2) run_case<128, __nv_bfloat16, __nv_bfloat16>(cs[i], seed++, true);
+  for (size_t i = 0; i < cs.size(); i += 2) run_case<128, __nv_bfloat16, __nv_bfloat16>(cs[i], seed++, Options{true});
 }
 
 // Every other head dim's tile configuration (kernel_config.h), on two cases each.
 TEST(EmulatedKernels, OtherHeadDims) {
   const Case a{1, 70, 90, 2, 1, true, -1, -1, 20, 0, 0.1f};
   const Case b{2, 33, 140, 4, 2, false, 50, 3, 0, 0, 0.07f};
-  run_case<32, __nv_bfloat16, __nv_bfloat16>(a, 401, false);
-  run_case<32, __half, float>(b, 402, true);
-  run_case<96, __nv_bfloat16, float>(a, 403, true);
-  run_case<96, __nv_bfloat16, __nv_bfloat16>(b, 404, false);
-  run_case<160, __nv_bfloat16, __nv_bfloat16>(a, 405, false);
-  run_case<192, __half, __half>(b, 406, true);
-  run_case<256, __nv_bfloat16, float>(a, 407, false);
-  run_case<256, __nv_bfloat16, __nv_bfloat16>(b, 408, true);
+  run_case<32, __nv_bfloat16, __nv_bfloat16>(a, 401);
+  run_case<32, __half, float>(b, 402, Options{true});
+  run_case<96, __nv_bfloat16, float>(a, 403, Options{true});
+  run_case<96, __nv_bfloat16, __nv_bfloat16>(b, 404);
+  run_case<160, __nv_bfloat16, __nv_bfloat16>(a, 405);
+  run_case<192, __half, __half>(b, 406, Options{true});
+  run_case<256, __nv_bfloat16, float>(a, 407);
+  run_case<256, __nv_bfloat16, __nv_bfloat16>(b, 408, Options{true});
+}
+
+// GQA / MQA with the query heads of a kv head split over blocks (head_splits), atomic and
+// deterministic dQ, and with the head dim's own split (256).
+TEST(EmulatedKernels, HeadSplitGqaMqa) {
+  const Case mqa{1, 90, 130, 4, 1, true, -1, -1, 40, 0, 0.1f};
+  const Case gqa{2, 70, 70, 8, 2, false, 30, 5, 0, 0, 0.09f};
+  run_case<64, __nv_bfloat16, __nv_bfloat16>(mqa, 501, Options{false, 4});
+  run_case<64, __nv_bfloat16, float>(mqa, 502, Options{true, 2});
+  run_case<128, __half, __half>(gqa, 503, Options{false, 2});
+  run_case<128, __nv_bfloat16, __nv_bfloat16>(gqa, 504, Options{true, 4});
+  run_case<256, __nv_bfloat16, float>(mqa, 505, Options{false, 2});
+}
+
+// What the op layer hands the kernels: rows strided inside a larger tensor, and a head dim
+// zero-padded up to the kernel's (40 -> 64, 80 -> 96, 130 -> 160).
+TEST(EmulatedKernels, OpLayerOperands) {
+  const Case a{1, 70, 90, 2, 1, true, -1, -1, 20, 0, 0.1f};
+  const Case b{2, 33, 140, 4, 2, false, 50, 3, 0, 0, 0.07f};
+  run_case<64, __nv_bfloat16, __nv_bfloat16>(a, 601, Options{false, 1, 8, 0});
+  run_case<64, __half, float>(b, 602, Options{true, 1, 24, 40});
+  run_case<96, __nv_bfloat16, __nv_bfloat16>(a, 603, Options{false, 1, 0, 80});
+  run_case<160, __nv_bfloat16, float>(b, 604, Options{false, 2, 8, 130});
+}
+
+// The op layer's rule for reading an operand in place (cuda::operand_readable, the same function
+// it calls): what it accepts the kernel reads (above, rows padded by 8 or 24), and what it rejects
+// really cannot be read by cp.async: the emulation's alignment check throws, so the copy the op
+// layer then makes is needed.
+TEST(EmulatedKernels, OperandReadableRule) {
+  alignas(16) static uint16_t buf[4096];
+  const int64_t sizes[3] = {1, 8, 2};
+  EXPECT_TRUE(operand_readable(buf, sizes, {8 * 136, 136, 64}));    // rows padded by 8
+  EXPECT_FALSE(operand_readable(buf, sizes, {8 * 132, 132, 64}));   // rows padded by 4
+  EXPECT_FALSE(operand_readable(buf + 1, sizes, {8 * 128, 128, 64}));  // base off by 2 bytes
+  EXPECT_FALSE(operand_readable(buf, sizes, {8 * 128, 128, 60}));   // head stride not 8k
+  const int64_t one_row[3] = {1, 1, 1};
+  EXPECT_TRUE(operand_readable(buf, one_row, {3, 5, 7}));  // size-1 dims: strides unused
+  const Case c{1, 16, 16, 1, 1, false, -1, -1, 0, 0, 0.125f};
+  EXPECT_THROW((run_case<64, __nv_bfloat16, __nv_bfloat16>(c, 801, Options{false, 1, 4, 0})),
+               std::runtime_error);
+}
+
+// A NaN in one query row: that row's out and lse are NaN (as on the CPU, softmax_state.h), every
+// other row is unaffected.
+template <int kHeadDim, typename Elem>
+void nan_row_case(uint64_t seed) {
+  using FCfg = FwdConfigFor<kHeadDim>;
+  constexpr int d = kHeadDim;
+  const int Sq = 40, Sk = 50, H = 2, nan_row = 7, nan_head = 1;
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::vector<double> qd, kd, vd;
+  auto q = random_elems<Elem>(size_t(Sq) * H * d, rng, &qd);
+  auto k = random_elems<Elem>(size_t(Sk) * H * d, rng, &kd);
+  auto v = random_elems<Elem>(size_t(Sk) * H * d, rng, &vd);
+  q[(size_t(nan_row) * H + nan_head) * d + 3] = Host<Elem>::enc(NAN);
+  std::vector<float> out(q.size(), 12345.f), lse(size_t(H) * Sq, 12345.f);
+  FwdParamsCuda fp;
+  fp.shape = ShapeCuda{1, H, H, Sq, Sk, d};
+  fp.q = q.data();
+  fp.k = k.data();
+  fp.v = v.data();
+  fp.q_strides = {int64_t(Sq) * H * d, int64_t(H) * d, d};
+  fp.k_strides = fp.v_strides = {int64_t(Sk) * H * d, int64_t(H) * d, d};
+  fp.out_dtype = DType::kFloat32;
+  fp.out = out.data();
+  fp.out_strides = fp.q_strides;
+  fp.lse = lse.data();
+  fp.softmax_scale = 0.125f;
+  fp.scale_log2 = 0.125f * 1.4426950408889634f;
+  fp.mask.causal = true;
+  emu::launch({unsigned((Sq + FCfg::kBlockM - 1) / FCfg::kBlockM), unsigned(H), 1},
+              FCfg::kThreads, FCfg::kSmemBytes,
+              [&] { attention_fwd_kernel<FCfg, Elem, float>(fp); });
+  for (int i = 0; i < Sq; ++i)
+    for (int h = 0; h < H; ++h) {
+      const bool nan = i == nan_row && h == nan_head;
+      EXPECT_EQ(std::isnan(lse[size_t(h) * Sq + i]), nan) << "lse row " << i << " head " << h;
+      for (int e = 0; e < d; ++e)
+        ASSERT_EQ(std::isnan(out[(size_t(i) * H + h) * d + e]), nan)
+            << "out row " << i << " head " << h << " col " << e;
+    }
+}
+
+TEST(EmulatedKernels, NanRowPropagates) {
+  nan_row_case<64, __nv_bfloat16>(701);
+  nan_row_case<128, __half>(702);
 }
 
 }  // namespace
