@@ -167,25 +167,38 @@ def _validate(q, k, v, group, world, layout_code, causal, window, scale, timeout
 STRATEGIES = {"ring": 0, "allgather": 1}
 
 
+def _sink_grad(ctx, sinks, dout, out, lse, dlse):
+    """The gradient of the sinks from this rank's rows: its share, like any parameter gradient
+    under context parallelism (the usual gradient all-reduce over the group sums the shares)."""
+    if sinks is None or not ctx.needs_input_grad[-1]:
+        return None
+    return torch.ops.cpattn.sink_bwd(dout, out, lse, sinks, dlse).to(sinks.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group_name, scale, causal, window, layout_code, timeout, docs):
+    def forward(ctx, q, k, v, group_name, scale, causal, window, layout_code, timeout, docs,
+                softcap, alibi_slopes, prefix_len, sinks):
         out, lse = torch.ops.cpattn.ring_fwd(
             q, k, v, group_name, scale, causal, window[0], window[1], layout_code, timeout,
-            doc_lengths=docs,
+            doc_lengths=docs, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            prefix_len=prefix_len,
         )
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
         ctx.args = (group_name, scale, causal, window[0], window[1], layout_code, timeout)
-        ctx.docs = docs
+        ctx.docs, ctx.softcap, ctx.prefix_len = docs, softcap, prefix_len
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
         dq, dk, dv = torch.ops.cpattn.ring_bwd(
-            dout.contiguous(), q, k, v, out, lse, *ctx.args, dlse=dlse, doc_lengths=ctx.docs
+            dout, q, k, v, out, lse, *ctx.args, dlse=dlse, doc_lengths=ctx.docs,
+            softcap=ctx.softcap, alibi_slopes=alibi_slopes, prefix_len=ctx.prefix_len,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dsinks = _sink_grad(ctx, sinks, dout, out, lse, dlse)
+        return dq, dk, dv, *([None] * 10), dsinks
 
 
 def _gather_kv(k, v, group, world):
@@ -202,7 +215,7 @@ class _GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, rank, world, scale, causal, window, layout_code, docs,
-                chunk):
+                chunk, softcap, alibi_slopes, prefix_len, sinks):
         group_size = q.shape[2] // k.shape[2]
         outs, lses = [], []
         for c0 in range(0, k.shape[2], chunk):
@@ -210,20 +223,23 @@ class _GatheredAttention(torch.autograd.Function):
             kv_all = _gather_kv(k[:, :, kh], v[:, :, kh], group, world)
             out, lse = torch.ops.cpattn.gathered_fwd(
                 q[:, :, qh], kv_all, rank, scale, causal, window[0], window[1], layout_code,
-                doc_lengths=docs,
+                doc_lengths=docs, softcap=softcap, alibi_slopes=_heads(alibi_slopes, qh),
+                sinks=_heads(sinks, qh), prefix_len=prefix_len,
             )
             outs.append(out)
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=1)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
         ctx.args = (group, rank, world, scale, causal, window, layout_code, docs, chunk)
+        ctx.softcap, ctx.prefix_len = softcap, prefix_len
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
         group, rank, world, scale, causal, window, layout_code, docs, chunk = ctx.args
         group_size = q.shape[2] // k.shape[2]
+        dout = dout.contiguous()
         dq, dk, dv = [], [], []
         for c0 in range(0, k.shape[2], chunk):
             kh, qh = slice(c0, c0 + chunk), slice(c0 * group_size, (c0 + chunk) * group_size)
@@ -231,22 +247,49 @@ class _GatheredAttention(torch.autograd.Function):
             dq_c, dkv_all = torch.ops.cpattn.gathered_bwd(
                 dout[:, :, qh].contiguous(), q[:, :, qh], kv_all, out[:, :, qh], lse[:, qh],
                 rank, scale, causal, window[0], window[1], layout_code, doc_lengths=docs,
-                dlse=None if dlse is None else dlse[:, qh],
+                dlse=None if dlse is None else dlse[:, qh], softcap=ctx.softcap,
+                alibi_slopes=_heads(alibi_slopes, qh), prefix_len=ctx.prefix_len,
             )
             dkv = dkv_all.new_empty(dkv_all.shape[1:])
             comm.reduce_scatter_flat(dkv, dkv_all.view(-1, *dkv_all.shape[2:]), group=group)
             dq.append(dq_c)
             dk.append(dkv[0].to(k.dtype))
             dv.append(dkv[1].to(v.dtype))
+        dsinks = _sink_grad(ctx, sinks, dout, out, lse, dlse)
         return (torch.cat(dq, dim=2), torch.cat(dk, dim=2), torch.cat(dv, dim=2),
-                *([None] * 9))
+                *([None] * 12), dsinks)
+
+
+def _heads(per_head: Optional[torch.Tensor], heads: slice) -> Optional[torch.Tensor]:
+    """The entries of a per-head parameter (sinks, ALiBi slopes) for a slice of query heads."""
+    return None if per_head is None else per_head[heads]
+
+
+def _score_fields(softcap: float, alibi_slopes, sinks, prefix_len: int) -> list:
+    """(name, int) pairs of the score options that every rank must agree on (the values of the
+    per-head tensors by a checksum of their float64 sum)."""
+    def bits(x: float) -> int:
+        return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+    def summary(t):
+        return bits(t.detach().double().sum().item()) if t is not None else -1
+
+    return [("softcap", bits(softcap)), ("prefix_len", int(prefix_len)),
+            ("alibi_slopes", summary(alibi_slopes)), ("sinks", summary(sinks))]
 
 
 def _context_parallel(q, k, v, group, causal, layout, softmax_scale, window, timeout, strategy,
-                      allgather_chunk, docs, what):
+                      allgather_chunk, docs, what, sinks=None, softcap=0.0, alibi_slopes=None,
+                      prefix_len=0):
     """Shared by ring_attention and ring_attention_varlen (q, k, v here are 4-D)."""
-    from cpattn.attention import _check_window
+    from cpattn.attention import _check_window, check_score_options
 
+    softcap, prefix_len = check_score_options(what, softcap, alibi_slopes, prefix_len)
+    if v.shape != k.shape:
+        raise ValueError(
+            f"cpattn.{what}: v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)} (a head "
+            "dim of v different from q/k's is supported by cpattn.attention only, for now)"
+        )
     group, rank, world = _group_info(group)
     layout_code = _layout_code(layout)
     if strategy not in STRATEGIES:
@@ -256,7 +299,8 @@ def _context_parallel(q, k, v, group, causal, layout, softmax_scale, window, tim
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     timeout = _default_timeout() if timeout is None else float(timeout)
-    extra = [("strategy", STRATEGIES[strategy])]
+    extra = [("strategy", STRATEGIES[strategy]),
+             *_score_fields(softcap, alibi_slopes, sinks, prefix_len)]
     if docs is not None:
         extra += [("documents", docs.numel()), ("tokens", int(docs.sum())),
                   ("document_lengths_hash", int(docs.mul(torch.arange(1, docs.numel() + 1)).sum()))]
@@ -264,13 +308,15 @@ def _context_parallel(q, k, v, group, causal, layout, softmax_scale, window, tim
               extra)
     if strategy == "ring":
         return _RingAttention.apply(q, k, v, group.group_name, float(softmax_scale), bool(causal),
-                                    window, layout_code, timeout, docs)
+                                    window, layout_code, timeout, docs, softcap, alibi_slopes,
+                                    prefix_len, sinks)
     if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"cpattn.{what}: query heads ({q.shape[2]}) must be a multiple of kv "
                          f"heads ({k.shape[2]})")
     chunk = allgather_chunk or max(1, k.shape[2] // 4)
     return _GatheredAttention.apply(q, k, v, group, rank, world, float(softmax_scale),
-                                    bool(causal), window, layout_code, docs, int(chunk))
+                                    bool(causal), window, layout_code, docs, int(chunk), softcap,
+                                    alibi_slopes, prefix_len, sinks)
 
 
 def ring_attention(
@@ -287,6 +333,10 @@ def ring_attention(
     strategy: str = "ring",
     allgather_chunk: Optional[int] = None,
     timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    prefix_len: int = 0,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -302,6 +352,11 @@ def ring_attention(
             memory per rank 1/W) or "allgather" (all-gather K/V, `allgather_chunk` KV heads at a
             time, default a quarter of them; simplest, good for short sequences or few KV heads).
         timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
+        sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions
+            (the same values on every rank). A sink joins each row once, after every partial
+            result is merged; the LSE returned includes it. The gradient of `sinks` on a rank is
+            its own rows' share, like any parameter gradient under context parallelism: the
+            usual gradient all-reduce over the group (as for the projection weights) sums it.
 
     Every rank must call it with the same shapes and options; a mismatch raises on every rank.
     CUDA tensors (bf16 / fp16) shift over cpattn's own NCCL communicator, bootstrapped through
@@ -313,7 +368,8 @@ def ring_attention(
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     out, lse = _context_parallel(q, k, v, group, causal, layout, softmax_scale, window, timeout,
-                                 strategy, allgather_chunk, None, "ring_attention")
+                                 strategy, allgather_chunk, None, "ring_attention", sinks,
+                                 softcap, alibi_slopes, prefix_len)
     return (out, lse) if return_lse else out
 
 
@@ -347,6 +403,10 @@ def ring_attention_varlen(
     strategy: str = "ring",
     allgather_chunk: Optional[int] = None,
     timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    prefix_len: int = 0,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ring (or all-gather) attention over packed documents that never attend across each other.
 
@@ -355,6 +415,9 @@ def ring_attention_varlen(
     and sharded on its own (per-document zigzag), so documents straddle ranks.
     q (T_local, H, D), k/v (T_local, Hkv, D) come from cpattn.shard_varlen; padding tokens give
     output 0 and LSE -inf. Returns out (T_local, H, D) and optionally lse (H, T_local).
+    sinks, softcap, alibi_slopes: as ring_attention (ALiBi on positions within the document);
+    prefix_len: an int, the same prefix for every document (positions within the document);
+    a prefix per document is not supported yet. Padding rows with a sink: LSE = the sink.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
@@ -364,7 +427,7 @@ def ring_attention_varlen(
     docs = _document_lengths(cu_seqlens)
     out, lse = _context_parallel(q[None], k[None], v[None], group, causal, layout, softmax_scale,
                                  window, timeout, strategy, allgather_chunk, docs,
-                                 "ring_attention_varlen")
+                                 "ring_attention_varlen", sinks, softcap, alibi_slopes, prefix_len)
     return (out[0], lse[0]) if return_lse else out[0]
 
 

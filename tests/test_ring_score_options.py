@@ -1,0 +1,152 @@
+"""Score options (sinks, softcap, ALiBi, prefix-LM) under the ring and all-gather strategies on
+real gloo ranks, against the float64 single-process reference on the full sequence: forward,
+LSE and every gradient, the sinks' summed over ranks (each rank holds its rows' share)."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpattn
+from distributed import run_ranks
+from reference import reference_attention
+
+LAYOUTS = ["contiguous", "zigzag", "striped"]
+# name -> (causal, window, options); sinks / alibi_slopes: True = per-head values drawn below
+CASES = {
+    "sinks_window": (True, (5, 0), {"sinks": True}),
+    "softcap_causal": (True, (-1, -1), {"softcap": 4.0}),
+    "alibi_full": (False, (-1, -1), {"alibi_slopes": True}),
+    "prefix_causal": (True, (-1, -1), {"prefix_len": 7}),
+    "all": (True, (9, -1), {"sinks": True, "softcap": 3.0, "alibi_slopes": True, "prefix_len": 5}),
+}
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def _draw(options: dict, heads: int) -> dict:
+    kwargs = {}
+    if options.get("sinks"):
+        kwargs["sinks"] = torch.randn(heads) * 2
+    if options.get("alibi_slopes"):
+        kwargs["alibi_slopes"] = torch.rand(heads) * 0.5 + 0.01
+    for key in ("softcap", "prefix_len"):
+        if key in options:
+            kwargs[key] = options[key]
+    return kwargs
+
+
+def _check(rank: int, world: int, strategy: str, dtypes: tuple) -> None:
+    seqlen = 2 * world * 5
+    h, hkv = 4, 2
+    for n, (layout, name, dtype) in enumerate(itertools.product(LAYOUTS, CASES, dtypes)):
+        causal, window, options = CASES[name]
+        torch.manual_seed(100 * world + n)  # the same full tensors and options on every rank
+        q, k, v, dout = (torch.randn(1, seqlen, heads, 16).to(dtype) for heads in (h, hkv, hkv, h))
+        kwargs = _draw(options, h)
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_kwargs = dict(kwargs)
+        if "sinks" in kwargs:
+            ref_kwargs["sinks"] = kwargs["sinks"].double().requires_grad_()
+            kwargs["sinks"].requires_grad_()
+        ref_out, ref_lse = reference_attention(*ref_leaves, causal=causal, window=window,
+                                               **ref_kwargs)
+        ref_out.backward(dout.double())
+
+        shards = [cpattn.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
+        out, lse = cpattn.ring_attention(
+            *shards, causal=causal, window=window, layout=layout, return_lse=True,
+            strategy=strategy, allgather_chunk=1, **kwargs,
+        )
+        out.backward(cpattn.shard(dout, layout=layout))
+        full_out = cpattn.unshard(out.detach(), layout=layout)
+        full_lse = cpattn.unshard(lse.detach(), layout=layout, dim=2)
+        grads = [cpattn.unshard(s.grad, layout=layout) for s in shards]
+
+        what = f"W={world} {strategy} {layout} {name} {dtype}"
+        tol = TOL[dtype]
+        torch.testing.assert_close(full_out.double(), ref_out.detach(), atol=tol, rtol=tol,
+                                   msg=lambda m: f"out {what}: {m}")
+        finite = ref_lse.isfinite()
+        assert torch.equal(full_lse.isfinite(), finite), what
+        torch.testing.assert_close(full_lse[finite].double(), ref_lse.detach()[finite],
+                                   atol=2e-5, rtol=2e-5, msg=lambda m: f"lse {what}: {m}")
+        pairs = list(zip("qkv", grads, ref_leaves))
+        if "sinks" in kwargs:
+            dsinks = kwargs["sinks"].grad.clone()
+            dist.all_reduce(dsinks)  # the parameter-gradient reduction of a trainer
+            pairs.append(("sinks", dsinks, ref_kwargs["sinks"]))
+        for gname, g, r in pairs:
+            scale = max(1.0, r.grad.abs().max().item())
+            torch.testing.assert_close(g.double(), r.grad, atol=tol * scale, rtol=tol,
+                                       msg=lambda m: f"d{gname} {what}: {m}")
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_options_match_reference(world: int, strategy: str) -> None:
+    run_ranks(world, _check, strategy, (torch.float32,))
+
+
+def test_options_bf16() -> None:
+    run_ranks(2, _check, "ring", (torch.bfloat16,))
+
+
+def _check_varlen(rank: int, world: int) -> None:
+    cu = torch.tensor([0, 13, 14, 40])
+    torch.manual_seed(5)
+    h, hkv = 4, 2
+    q, k, v, dout = (torch.randn(40, heads, 16) for heads in (h, hkv, hkv, h))
+    sinks = (torch.randn(h) * 2).requires_grad_()
+    slopes = torch.rand(h) * 0.3
+    opts = {"softcap": 5.0, "alibi_slopes": slopes, "prefix_len": 4}
+    # reference: each document on its own (positions within the document)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_sinks = sinks.detach().double().requires_grad_()
+    outs, lses = [], []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        o, l = reference_attention(*(t[None, a:b] for t in ref_leaves), causal=True,
+                                   sinks=ref_sinks, **opts)
+        outs.append(o[0])
+        lses.append(l[0])
+    ref_out, ref_lse = torch.cat(outs), torch.cat(lses, dim=1)
+    ref_out.backward(dout.double())
+
+    shards = [cpattn.shard_varlen(t, cu).requires_grad_() for t in (q, k, v)]
+    out, lse = cpattn.ring_attention_varlen(*shards, cu, causal=True, return_lse=True,
+                                            sinks=sinks, **opts)
+    index, _ = cpattn.positions_varlen(cu)
+    padding = index < 0
+    assert torch.equal(out[padding], torch.zeros_like(out[padding]))
+    assert torch.equal(lse[:, padding], sinks.detach()[:, None].expand(h, int(padding.sum())))
+    out.backward(cpattn.shard_varlen(dout, cu))
+    torch.testing.assert_close(cpattn.unshard_varlen(out.detach(), cu).double(),
+                               ref_out.detach(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(cpattn.unshard_varlen(lse.detach(), cu, dim=1).double(),
+                               ref_lse.detach(), atol=2e-5, rtol=2e-5)
+    for s, r in zip(shards, ref_leaves):
+        torch.testing.assert_close(cpattn.unshard_varlen(s.grad, cu).double(), r.grad,
+                                   atol=1e-4, rtol=1e-4)
+    dsinks = sinks.grad.clone()
+    dist.all_reduce(dsinks)
+    torch.testing.assert_close(dsinks.double(), ref_sinks.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_varlen_options() -> None:
+    run_ranks(2, _check_varlen)
+
+
+def _disagree(rank: int, world: int) -> None:
+    q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
+    with pytest.raises(ValueError, match="ranks disagree on softcap"):
+        cpattn.ring_attention(q, k, v, causal=True, softcap=1.0 + rank)
+    with pytest.raises(ValueError, match="ranks disagree on sinks"):
+        cpattn.ring_attention(q, k, v, causal=True, sinks=torch.full((2,), float(rank)))
+    with pytest.raises(ValueError, match="v must have k's shape"):
+        cpattn.ring_attention(q, k, torch.randn(1, 4, 2, 4), causal=True)
+    # the group stays usable
+    cpattn.ring_attention(q, k, v, causal=True, prefix_len=3)
+
+
+def test_ranks_must_agree_on_options() -> None:
+    run_ranks(2, _disagree)
