@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn.attention import _check_window, attention
-from cpattn.ring import _default_timeout, _group_info, _validate, ring_attention
+from cpattn.attention import _check_window, attention, check_score_options
+from cpattn.ring import _default_timeout, _group_info, _score_fields, _validate, ring_attention
 
 _ULYSSES_CODE = 100  # tells Ulysses calls apart from ring layouts in the cross-rank check
 
@@ -56,6 +56,24 @@ def _check_heads(q, k, world: int, what: str) -> None:
         )
 
 
+def _my_heads(per_head: Optional[torch.Tensor], heads: int, group) -> Optional[torch.Tensor]:
+    """The entries of a per-head parameter (sinks, ALiBi slopes) for the query heads this rank
+    holds after the all-to-all: [r * H/U, (r+1) * H/U). Differentiable (slicing)."""
+    if per_head is None:
+        return None
+    u_rank, u_world = dist.get_rank(group), dist.get_world_size(group)
+    per_rank = heads // u_world
+    return per_head[u_rank * per_rank:(u_rank + 1) * per_rank]
+
+
+def _score_extra(what, v, softcap, alibi_slopes, sinks, prefix_len):
+    """Checked score options and the fields every rank must agree on (v's head dim among them:
+    it may differ from q/k's under Ulysses)."""
+    softcap, prefix_len = check_score_options(what, softcap, alibi_slopes, prefix_len)
+    extra = [("v_head_dim", v.shape[-1]), *_score_fields(softcap, alibi_slopes, sinks, prefix_len)]
+    return softcap, prefix_len, extra
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -67,6 +85,10 @@ def ulysses_attention(
     window: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
     timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    prefix_len: int = 0,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded contiguously (rank r holds tokens
     [r*S/W, (r+1)*S/W)) by all-to-all between sequence and head shards.
@@ -74,19 +96,29 @@ def ulysses_attention(
     q (B, S/W, H, D), k/v (B, S/W, Hkv, D); H % W == 0. GQA: when Hkv % W == 0 each rank receives
     Hkv / W KV heads; otherwise the KV heads a rank needs are replicated before the all-to-all:
     one per rank when a rank's H/W query heads share one KV head (K/V traffic x W / Hkv), else one
-    per query head (K/V traffic x H / Hkv). Returns out (B, S/W, H, D) and optionally the LSE
-    (B, H, S/W). Differentiable.
+    per query head (K/V traffic x H / Hkv). Returns out (B, S/W, H, Dv) and optionally the LSE
+    (B, H, S/W). Differentiable. v may have its own head dim Dv.
+    sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention on global positions; each rank
+    uses the sinks / slopes of the heads it computes, so the gradient of `sinks` on a rank is
+    its heads' share (summed over the group by the usual parameter-gradient all-reduce).
     """
     group, _, world = _group_info(group)
     window = _check_window(window)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     timeout = _default_timeout() if timeout is None else float(timeout)
-    _validate(q, k, v, group, world, _ULYSSES_CODE, causal, window, float(softmax_scale), timeout)
+    softcap, prefix_len, extra = _score_extra("ulysses_attention", v, softcap, alibi_slopes,
+                                              sinks, prefix_len)
+    _validate(q, k, v, group, world, _ULYSSES_CODE, causal, window, float(softmax_scale), timeout,
+              extra)
     _check_heads(q, k, world, "ulysses_attention")
     qh, kh, vh = _scatter_heads(q, k, v, group)
+    heads = q.shape[2]
     out_h, lse_h = attention(qh, kh, vh, causal=causal, softmax_scale=softmax_scale,
-                             window=window, return_lse=True)
+                             window=window, return_lse=True, softcap=softcap,
+                             sinks=_my_heads(sinks, heads, group),
+                             alibi_slopes=_my_heads(alibi_slopes, heads, group),
+                             prefix_len=prefix_len)
     out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=group)
     if not return_lse:
         return out
@@ -107,6 +139,10 @@ def hybrid_attention(
     window: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
     timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    prefix_len: int = 0,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ulysses inside `ulysses_group` (size U), ring across `ring_group` (size R), W = U * R.
 
@@ -114,6 +150,8 @@ def hybrid_attention(
     Sharding (see cpattn.hybrid_positions / hybrid_shard): the sequence is split over the R ring
     ranks by `layout`; the rank at ring index i and Ulysses index u holds the u-th contiguous
     sub-chunk of ring shard i. H % U == 0. Either group may have size 1.
+    sinks, softcap, alibi_slopes, prefix_len: as ulysses_attention (per-head ones sliced to the
+    rank's heads, then as ring_attention across the ring).
     """
     if mesh is not None:
         ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
@@ -124,13 +162,19 @@ def hybrid_attention(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     timeout = _default_timeout() if timeout is None else float(timeout)
+    softcap, prefix_len, extra = _score_extra("hybrid_attention", v, softcap, alibi_slopes,
+                                              sinks, prefix_len)
     _validate(q, k, v, ulysses_group, u_world, _ULYSSES_CODE, causal, window,
-              float(softmax_scale), timeout)
+              float(softmax_scale), timeout, extra)
     _check_heads(q, k, u_world, "hybrid_attention")
     qh, kh, vh = _scatter_heads(q, k, v, ulysses_group)
+    heads = q.shape[2]
     out_h, lse_h = ring_attention(qh, kh, vh, group=ring_group, causal=causal, layout=layout,
                                   softmax_scale=softmax_scale, window=window, return_lse=True,
-                                  timeout=timeout)
+                                  timeout=timeout, softcap=softcap,
+                                  sinks=_my_heads(sinks, heads, ulysses_group),
+                                  alibi_slopes=_my_heads(alibi_slopes, heads, ulysses_group),
+                                  prefix_len=prefix_len)
     out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=ulysses_group)
     if not return_lse:
         return out
