@@ -200,3 +200,37 @@ def _ulysses_and_hybrid(rank: int, world: int) -> None:
 
 def test_ulysses_and_hybrid_options() -> None:
     run_ranks(4, _ulysses_and_hybrid)
+
+
+def _prefill_decode_sinks(rank: int, world: int) -> None:
+    """Prefill and decode with sinks: each row's sink joins once after the W partials (and the
+    cached tokens' partials) are merged, for both decode merges."""
+    torch.manual_seed(9)
+    h, hkv, chunk = 6, 3, 4 * world
+    total = chunk + 3
+    q, k, v = (torch.randn(1, total, heads, 16) for heads in (h, hkv, hkv))
+    sinks = torch.randn(h) * 2
+    r_out, r_lse = reference_attention(q, k, v, causal=True, sinks=sinks)
+    cache = cpattn.KVCacheShard(1, total, hkv, 16, interleave=3)
+    pos = cpattn.positions(chunk, layout="zigzag")
+    out, lse = cpattn.prefill_attention(*(t[:, pos] for t in (q, k, v)), cache, layout="zigzag",
+                                        return_lse=True, sinks=sinks)
+    torch.testing.assert_close(out.double(), r_out[:, pos], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), r_lse[:, :, pos], atol=2e-5, rtol=2e-5)
+    start = chunk
+    for sq in (2, 1):
+        new = slice(start, start + sq)
+        cache.append(k[:, new], v[:, new])
+        for comm in ("all_gather", "reduce_scatter"):
+            out, lse = cpattn.decode_attention(q[:, new], cache, comm=comm, return_lse=True,
+                                               sinks=sinks)
+            heads = slice(None) if comm == "all_gather" else slice(rank * h // world,
+                                                                   (rank + 1) * h // world)
+            torch.testing.assert_close(out.double(), r_out[:, new, heads], atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(lse.double(), r_lse[:, heads, new], atol=2e-5, rtol=2e-5)
+        start += sq
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_prefill_and_decode_with_sinks(world: int) -> None:
+    run_ranks(world, _prefill_decode_sinks)

@@ -33,6 +33,11 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const RingOptions
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "cpattn: ring q and k must be (batch, seqlen_local, "
               "heads, head_dim), got ", q.sizes(), " and ", k.sizes());
   check_score_args("ring_attention", o.softcap, o.alibi_slopes, o.sinks, q.size(2), q.device());
+  // before any message: every rank raises here alike, no shift is left pending
+  TORCH_CHECK(!q.is_cuda() || (o.softcap == 0.0 && !o.alibi_slopes && !o.sinks &&
+                               o.prefix_len == 0),
+              "cpattn.ring_attention: softcap, alibi_slopes, sinks and prefix_len are not "
+              "supported by the CUDA kernels yet (CPU tensors only)");
   TORCH_CHECK(q.size(1) == k.size(1), "cpattn: ring attention needs q and k/v shards of the same "
               "length, got ", q.size(1), " and ", k.size(1));
   const int64_t local = q.size(1);

@@ -309,6 +309,34 @@ def _all_to_all(send: torch.Tensor, group, timeout: float, what: str) -> torch.T
 # Prefill and decode
 
 
+def _check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor, what: str) -> Optional[torch.Tensor]:
+    """(heads,) float sink logits, detached (inference is forward only), or None."""
+    if sinks is None:
+        return None
+    heads = q.shape[2]
+    if q.device.type != "cpu":
+        raise ValueError(f"{what}: sinks are supported on CPU tensors only for now, got q on "
+                         f"{q.device}")
+    if sinks.dim() != 1 or sinks.shape[0] != heads or not sinks.is_floating_point():
+        raise ValueError(f"{what}: sinks must be a float tensor of shape (heads,) = ({heads},), "
+                         f"got {tuple(sinks.shape)} {sinks.dtype}")
+    return sinks.detach()
+
+
+def _sink_field(sinks: Optional[torch.Tensor]) -> dict[str, int]:
+    """The sinks as a field every rank must agree on (a checksum of their values)."""
+    return {"sinks": -1 if sinks is None else _scale_bits(sinks.double().sum().item())}
+
+
+def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the last merge (fp32 out): the sinks join each row once; out cast to dtype."""
+    if sinks is not None:
+        out, lse = out.clone(), lse.clone()
+        ops.apply_sinks_(out, lse, sinks)
+    return out.to(dtype), lse
+
+
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -320,6 +348,7 @@ def prefill_attention(
     softmax_scale: Optional[float] = None,
     return_lse: bool = False,
     timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Causal attention for a chunk of C prompt tokens per sequence, sharded over the ranks, that
     also stores the chunk's K/V in the owners' cache shards.
@@ -337,6 +366,8 @@ def prefill_attention(
             W (2 W for zigzag). Shorter tails go through decode_attention (append, then Sq > 1).
         return_lse: also return the LSE (batch, heads, C / W) float32.
         timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT or 300).
+        sinks: (heads,) attention-sink logits (as cpattn.attention): they join each row once,
+            after the ring's and the cached tokens' partials are merged.
 
     Returns this rank's out (batch, C / W, heads, head_dim) in q's dtype. Forward only. Every rank
     must call it with the same shapes and options; a mismatch or a full cache raises on every rank.
@@ -353,12 +384,14 @@ def prefill_attention(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     timeout = _default_timeout() if timeout is None else float(timeout)
+    sinks = _check_sinks(sinks, q, what)
     _agree(group, world, {
         "batch": q.shape[0], "chunk_local": q.shape[1], "heads": q.shape[2],
         "head_dim": q.shape[3], "kv_batch": k.shape[0], "kv_chunk_local": k.shape[1],
         "kv_heads": k.shape[2], "kv_head_dim": k.shape[3],
         "dtype": _DTYPES.get(q.dtype, -1), "layout": layout_code,
         "softmax_scale": _scale_bits(float(softmax_scale)), **_cache_fields(cache, rank),
+        **_sink_field(sinks),
     }, timeout, what)
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
@@ -393,10 +426,11 @@ def prefill_attention(
     if len(parts_out):
         out, lse = merge_attention_states(
             torch.cat([ring_out[None], parts_out]), torch.cat([ring_lse[None], parts_lse]),
-            out_dtype=q.dtype,
+            out_dtype=torch.float32,
         )
     else:
-        out, lse = ring_out.to(q.dtype), ring_lse
+        out, lse = ring_out, ring_lse  # prefill_fwd returns fp32
+    out, lse = _finish(out, lse, sinks, q.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -410,6 +444,7 @@ def decode_attention(
     comm: str = "all_gather",
     timeout: Optional[float] = None,
     validate: bool = True,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact causal attention of the newest Sq tokens of each sequence over the sharded cache.
 
@@ -432,6 +467,8 @@ def decode_attention(
         validate: check with one small all-gather that every rank passes the same shapes,
             options and cache lengths (a mismatch then raises on every rank). It is a second
             collective per call; without it a mismatch is a timeout or a wrong result.
+        sinks: (heads,) attention-sink logits (as cpattn.attention): they join each row once,
+            after the W partials are merged, whatever W (with "reduce_scatter", the rank's heads').
 
     The partials travel and merge in float32; out is cast to q's dtype once. Forward only.
     A rank whose shard holds none of a sequence's tokens contributes an empty partial (lse -inf).
@@ -445,11 +482,13 @@ def decode_attention(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     timeout = _default_timeout() if timeout is None else float(timeout)
+    sinks = _check_sinks(sinks, q, what)
     if validate:
         _agree(group, world, {
             "batch": q.shape[0], "seqlen_q": q.shape[1], "heads": q.shape[2],
             "head_dim": q.shape[3], "dtype": _DTYPES.get(q.dtype, -1), "comm": COMMS.index(comm),
             "softmax_scale": _scale_bits(float(softmax_scale)), **_cache_fields(cache, rank),
+            **_sink_field(sinks),
         }, timeout, what)
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
@@ -472,15 +511,18 @@ def decode_attention(
         float(softmax_scale), True, torch.float32,
     )
     if world == 1:
-        out, lse = po.to(q.dtype), pl
+        out, lse = po, pl
     elif comm == "all_gather":
         outs, lses = _unpack(_all_gather(_pack(po, pl), group, world, timeout, what))
-        out, lse = merge_attention_states(outs, lses, out_dtype=q.dtype)
+        out, lse = merge_attention_states(outs, lses, out_dtype=torch.float32)
     else:
         msg = _pack(po, pl).view(b, sq, world, h // world, d + 1)
         outs, lses = _unpack(_all_to_all(msg.permute(2, 0, 1, 3, 4).contiguous(), group, timeout,
                                          what))
-        out, lse = merge_attention_states(outs, lses, out_dtype=q.dtype)
+        out, lse = merge_attention_states(outs, lses, out_dtype=torch.float32)
+        if sinks is not None:
+            sinks = sinks[rank * h // world:(rank + 1) * h // world]
+    out, lse = _finish(out, lse, sinks, q.dtype)
     return (out, lse) if return_lse else out
 
 
