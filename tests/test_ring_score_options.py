@@ -234,3 +234,44 @@ def _prefill_decode_sinks(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [1, 3])
 def test_prefill_and_decode_with_sinks(world: int) -> None:
     run_ranks(world, _prefill_decode_sinks)
+
+
+def _any_length(rank: int, world: int) -> None:
+    """S = 2W k + r for several r: shard pads at the end, ring / all-gather with seqlen= give
+    padding rows exactly 0 / -inf and the reference elsewhere, unshard returns S tokens."""
+    for n, (layout, r, strategy) in enumerate(
+        itertools.product(LAYOUTS, [1, world + 1, 2 * world - 1], ["ring", "allgather"])
+    ):
+        seqlen = 2 * world * 3 + r
+        torch.manual_seed(300 + n)
+        q, k, v, dout = (torch.randn(2, seqlen, heads, 16) for heads in (4, 2, 2, 4))
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = reference_attention(*ref_leaves, causal=True, window=(7, -1))
+        ref_out.backward(dout.double())
+        pos = cpattn.positions(seqlen, layout=layout)
+        shards = [cpattn.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
+        assert shards[0].shape[1] == pos.numel()
+        out, lse = cpattn.ring_attention(*shards, causal=True, window=(7, -1), layout=layout,
+                                         return_lse=True, strategy=strategy, seqlen=seqlen)
+        padding = pos < 0
+        assert torch.equal(out[:, padding], torch.zeros_like(out[:, padding]))
+        assert bool((lse[:, :, padding] == float("-inf")).all())
+        out.backward(cpattn.shard(dout, layout=layout))
+        un = lambda t, d=1: cpattn.unshard(t, layout=layout, dim=d, seqlen=seqlen)  # noqa: E731
+        what = f"W={world} {layout} S={seqlen} {strategy}"
+        full = un(out.detach())
+        assert full.shape[1] == seqlen, what
+        torch.testing.assert_close(full.double(), ref_out.detach(), atol=2e-5, rtol=2e-5,
+                                   msg=lambda m: f"out {what}: {m}")
+        torch.testing.assert_close(un(lse.detach(), 2).double(), ref_lse.detach(), atol=2e-5,
+                                   rtol=2e-5, msg=lambda m: f"lse {what}: {m}")
+        for s, ref in zip(shards, ref_leaves):
+            torch.testing.assert_close(un(s.grad).double(), ref.grad, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"grad {what}: {m}")
+    with pytest.raises(ValueError, match="gives shards of"):
+        cpattn.ring_attention(*(torch.randn(1, 3, 2, 8) for _ in range(3)), seqlen=100)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_any_length(world: int) -> None:
+    run_ranks(world, _any_length)

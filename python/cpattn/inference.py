@@ -531,6 +531,10 @@ def chunk_positions(
 ) -> torch.Tensor:
     """Global positions (int64, (batch, chunk / W)) of this rank's tokens of the next prefill
     chunk of length `chunk`: cache.lengths[b] + the layout's positions (e.g. for RoPE)."""
+    granularity = _LAYOUT_GRANULARITY[layout] * cache.world_size
+    if chunk % granularity != 0:
+        raise ValueError(f"cpattn.chunk_positions: the {layout} layout needs a chunk length that "
+                         f"is a multiple of {granularity}, got {chunk}")
     local = positions(chunk, group=group, layout=layout, rank=cache.rank,
                       world_size=cache.world_size)
     return cache.lengths[:, None] + local[None, :]

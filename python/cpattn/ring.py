@@ -50,16 +50,31 @@ def positions(
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """Global positions (int64, (seqlen / W,)) of this rank's tokens, e.g. for RoPE.
+    """Global positions (int64, (padded / W,)) of this rank's tokens, e.g. for RoPE.
 
+    Any length: a sequence whose length is not a multiple of the layout's granularity (2W for
+    zigzag, W otherwise) is padded at its end to the next multiple, `padded`; the padding slots
+    of the shard have position -1 (cpattn.shard fills them with zeros, ring_attention with
+    seqlen= gives them out 0 and LSE -inf, cpattn.unshard with seqlen= drops them).
     `rank` / `world_size` override the group's (to compute another rank's positions).
     """
     if rank is None or world_size is None:
         _, g_rank, g_world = _group_info(group)
         rank = g_rank if rank is None else rank
         world_size = g_world if world_size is None else world_size
-    pos = torch.ops.cpattn.layout_positions(seqlen, world_size, rank, _layout_code(layout))
+    padded = _padded_length(seqlen, layout, world_size)
+    pos = torch.ops.cpattn.layout_positions(padded, world_size, rank, _layout_code(layout))
+    if padded != seqlen:
+        pos = torch.where(pos < seqlen, pos, -1)
     return pos.to(device) if device is not None else pos
+
+
+def _padded_length(seqlen: int, layout: str, world: int) -> int:
+    """seqlen rounded up to the layout's granularity (2W for zigzag, W otherwise)."""
+    granularity = (2 if _layout_code(layout) == LAYOUTS["zigzag"] else 1) * world
+    if seqlen <= 0:
+        raise ValueError(f"cpattn: the sequence length must be positive, got {seqlen}")
+    return -(-seqlen // granularity) * granularity
 
 
 def shard(
@@ -72,12 +87,17 @@ def shard(
 ) -> torch.Tensor:
     """This rank's part of the full tensor x along `dim`, in `layout` order.
 
-    `index` (global positions of this rank's tokens) overrides the layout, e.g. for the hybrid
-    or varlen shardings.
+    Any length: x is padded with zeros at the end of `dim` to the layout's granularity (see
+    cpattn.positions). `index` (global positions of this rank's tokens, -1 for padding)
+    overrides the layout, e.g. for the hybrid or varlen shardings.
     """
     if index is None:
         index = positions(x.shape[dim], group=group, layout=layout)
-    return x.index_select(dim, index.to(x.device))
+    index = index.to(x.device)
+    if bool((index < 0).any()):
+        x = torch.cat([x, x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1:]))], dim)
+        index = torch.where(index < 0, x.shape[dim] - 1, index)
+    return x.index_select(dim, index)
 
 
 class _Unshard(torch.autograd.Function):
@@ -121,13 +141,20 @@ def unshard(
     """All-gathers the shards along `dim` and puts the tokens back in sequence order.
 
     Differentiable: the gradient of each shard is the sum of the ranks' gradients of its tokens.
-    `index` (this rank's global positions) overrides the layout; then `seqlen` gives the full
-    length (default: W times the shard length) and positions not held by any rank are 0.
+    `seqlen`: the full length (default: W times the shard length); a shorter one (any length,
+    see cpattn.positions) drops the padding slots, so exactly `seqlen` tokens come back.
+    `index` (this rank's global positions, -1 for padding) overrides the layout; positions not
+    held by any rank are 0.
     """
     group, _, world = _group_info(group)
     if index is None:
-        seqlen = x_local.shape[dim] * world
+        seqlen = x_local.shape[dim] * world if seqlen is None else int(seqlen)
         index = positions(seqlen, group=group, layout=layout)
+        if index.numel() != x_local.shape[dim]:
+            raise ValueError(
+                f"cpattn.unshard: a shard of a length-{seqlen} sequence holds {index.numel()} "
+                f"tokens under the {layout} layout over {world} ranks, got {x_local.shape[dim]}"
+            )
     elif seqlen is None:
         seqlen = x_local.shape[dim] * world
     return _Unshard.apply(x_local, index.to(torch.int64).cpu(), seqlen, group, dim)
@@ -337,6 +364,7 @@ def ring_attention(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     prefix_len: int = 0,
+    seqlen: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -357,6 +385,10 @@ def ring_attention(
             result is merged; the LSE returned includes it. The gradient of `sinks` on a rank is
             its own rows' share, like any parameter gradient under context parallelism: the
             usual gradient all-reduce over the group (as for the projection weights) sums it.
+        seqlen: the global sequence length, for any length (default: W times the shard length).
+            Shards of a length-S sequence from cpattn.shard are padded at the end to the
+            layout's granularity (cpattn.positions); padding rows get out 0 and LSE -inf (with
+            sinks: LSE = the sink) and padding keys are never attended to.
 
     Every rank must call it with the same shapes and options; a mismatch raises on every rank.
     CUDA tensors (bf16 / fp16) shift over cpattn's own NCCL communicator, bootstrapped through
@@ -367,8 +399,19 @@ def ring_attention(
             "cpattn.ring_attention: q, k, v must be (batch, seqlen_local, heads, head_dim), got "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    docs = None
+    if seqlen is not None:
+        world = _group_info(group)[2]
+        if _padded_length(int(seqlen), layout, world) != q.shape[1] * world:
+            raise ValueError(
+                f"cpattn.ring_attention: a length-{seqlen} sequence gives shards of "
+                f"{_padded_length(int(seqlen), layout, world) // world} tokens under the {layout} "
+                f"layout over {world} ranks, got {q.shape[1]}"
+            )
+        if int(seqlen) != q.shape[1] * world:  # padded: one document of the real length
+            docs = torch.tensor([int(seqlen)], dtype=torch.int64)
     out, lse = _context_parallel(q, k, v, group, causal, layout, softmax_scale, window, timeout,
-                                 strategy, allgather_chunk, None, "ring_attention", sinks,
+                                 strategy, allgather_chunk, docs, "ring_attention", sinks,
                                  softcap, alibi_slopes, prefix_len)
     return (out, lse) if return_lse else out
 

@@ -190,6 +190,11 @@ def hybrid_positions(
     from cpattn.ring import positions
 
     ring_pos = positions(seqlen, layout=layout, rank=r_rank, world_size=r_world, device=device)
+    if ring_pos.numel() * r_world != seqlen:
+        raise ValueError(
+            f"cpattn.hybrid_positions: the sequence length {seqlen} must be a multiple of the "
+            f"{layout} layout's granularity over the {r_world} ring ranks"
+        )
     if ring_pos.numel() % u_world != 0:
         raise ValueError(
             f"cpattn.hybrid_positions: the ring shard length {ring_pos.numel()} is not divisible "
