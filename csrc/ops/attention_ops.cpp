@@ -59,13 +59,13 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK(k.sizes().slice(0, 3) == v.sizes().slice(0, 3),
               "cpattn: k and v must have the same (batch, seqlen, kv_heads), got k ", k.sizes(),
               " and v ", v.sizes());
-  TORCH_CHECK(v.size(3) <= kMaxHeadDim, "cpattn: unsupported head_dim of v ", v.size(3),
-              " (supported: 1 to ", kMaxHeadDim, ")");
   TORCH_CHECK(q.size(0) == k.size(0), "cpattn: q and k must have the same batch size, got ",
               q.size(0), " and ", k.size(0));
   TORCH_CHECK(q.size(3) == k.size(3), "cpattn: q and k must have the same head_dim, got ", q.size(3),
               " and ", k.size(3));
   TORCH_CHECK(q.size(3) <= kMaxHeadDim, "cpattn: unsupported head_dim ", q.size(3),
+              " (supported: 1 to ", kMaxHeadDim, ")");
+  TORCH_CHECK(v.size(3) <= kMaxHeadDim, "cpattn: unsupported head_dim of v ", v.size(3),
               " (supported: 1 to ", kMaxHeadDim, ")");
   TORCH_CHECK(q.size(2) % k.size(2) == 0, "cpattn: the number of query heads (", q.size(2),
               ") must be a multiple of the number of key/value heads (", k.size(2), ")");
@@ -330,10 +330,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
   check_bshd(dout, "dout");
   check_bshd(out, "out");
   const std::vector<int64_t> out_shape{s.batch, s.seqlen_q, s.heads, s.head_dim_v};
-  TORCH_CHECK(dout.sizes() == at::IntArrayRef(out_shape), "cpattn: dout must have out's shape ",
-              at::IntArrayRef(out_shape), ", got ", dout.sizes());
-  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape), "cpattn: out must have shape ",
-              at::IntArrayRef(out_shape), " (q's with v's head_dim), got ", out.sizes());
+  TORCH_CHECK(dout.sizes() == at::IntArrayRef(out_shape),
+              "cpattn: dout must have q's shape with v's head_dim ", at::IntArrayRef(out_shape),
+              ", got ", dout.sizes());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape),
+              "cpattn: out must have q's shape with v's head_dim ", at::IntArrayRef(out_shape),
+              ", got ", out.sizes());
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == s.batch && lse.size(1) == s.heads &&
                   lse.size(2) == s.seqlen_q,
               "cpattn: lse must have shape (batch, heads, seqlen_q) = (", s.batch, ", ", s.heads,
