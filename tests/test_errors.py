@@ -80,7 +80,7 @@ QKV_CASES: dict[str, tuple[Callable[[], QKV], str]] = {
     "kv_heads_0": (lambda: (t(1, 5, 4, 32), t(1, 6, 0, 32), t(1, 6, 0, 32)), r"k is empty"),
     "kv_shape_mismatch": (
         lambda: with_(2, t(1, 7, 2, 32)),
-        r"k and v must have the same shape",
+        r"k and v must have the same \(batch, seqlen, kv_heads\)",
     ),
     "batch_mismatch": (
         lambda: (t(2, 5, 4, 32), t(1, 6, 2, 32), t(1, 6, 2, 32)),

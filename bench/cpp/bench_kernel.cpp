@@ -56,6 +56,8 @@ struct Problem {
     shape.seqlen_q = shape.seqlen_k = seqlen;
     shape.head_dim = head_dim;
     shape.head_dim_padded = round_up16(head_dim);
+    shape.head_dim_v = head_dim;
+    shape.head_dim_v_padded = shape.head_dim_padded;
     std::mt19937 rng(0);
     q = packed_random(shape, shape.heads, seqlen, rng);
     k = packed_random(shape, shape.kv_heads, seqlen, rng);

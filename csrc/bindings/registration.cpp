@@ -9,32 +9,40 @@ TORCH_LIBRARY(cpattn, m) {
   m.def(
       "attention_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
       "int window_left, int window_right, int q_offset, int k_offset, "
-      "ScalarType? out_dtype=None) -> (Tensor out, Tensor lse)");
+      "ScalarType? out_dtype=None, float softcap=0., Tensor? alibi_slopes=None, "
+      "Tensor? sinks=None, int prefix_len=0) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "float softmax_scale, bool causal, int window_left, int window_right, int q_offset, "
-      "int k_offset, ScalarType? grad_dtype=None, Tensor? dlse=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int k_offset, ScalarType? grad_dtype=None, Tensor? dlse=None, float softcap=0., "
+      "Tensor? alibi_slopes=None, int prefix_len=0) -> (Tensor dq, Tensor dk, Tensor dv)");
+  // Attention sinks (softmax_state.h add_sink): added once to merged results, and their gradient.
+  m.def("apply_sinks_(Tensor(a!) out, Tensor(b!) lse, Tensor sinks) -> ()");
+  m.def("sink_bwd(Tensor dout, Tensor out, Tensor lse, Tensor sinks, Tensor? dlse=None) -> Tensor");
   m.def("merge_state_(Tensor(a!) out, Tensor(b!) lse, Tensor part_out, Tensor part_lse) -> ()");
   // Ring attention over the process group registered as group_name; layout: 0 contiguous,
   // 1 zigzag, 2 striped.
   m.def(
       "ring_fwd(Tensor q, Tensor k, Tensor v, str group_name, float softmax_scale, bool causal, "
-      "int window_left, int window_right, int layout, float timeout_s, Tensor? doc_lengths=None) "
+      "int window_left, int window_right, int layout, float timeout_s, Tensor? doc_lengths=None, "
+      "float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None, int prefix_len=0) "
       "-> (Tensor out, Tensor lse)");
   m.def(
       "ring_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, str group_name, "
       "float softmax_scale, bool causal, int window_left, int window_right, int layout, "
-      "float timeout_s, Tensor? dlse=None, Tensor? doc_lengths=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "float timeout_s, Tensor? dlse=None, Tensor? doc_lengths=None, float softcap=0., "
+      "Tensor? alibi_slopes=None, int prefix_len=0) -> (Tensor dq, Tensor dk, Tensor dv)");
   // The same steps against K/V already all-gathered: kv_all (W, 2, B, S_local, Hkv, D).
   m.def(
       "gathered_fwd(Tensor q, Tensor kv_all, int rank, float softmax_scale, bool causal, "
-      "int window_left, int window_right, int layout, Tensor? doc_lengths=None) "
+      "int window_left, int window_right, int layout, Tensor? doc_lengths=None, "
+      "float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None, int prefix_len=0) "
       "-> (Tensor out, Tensor lse)");
   m.def(
       "gathered_bwd(Tensor dout, Tensor q, Tensor kv_all, Tensor out, Tensor lse, int rank, "
       "float softmax_scale, bool causal, int window_left, int window_right, int layout, "
-      "Tensor? doc_lengths=None, Tensor? dlse=None) -> (Tensor dq, Tensor dkv_all)");
+      "Tensor? doc_lengths=None, Tensor? dlse=None, float softcap=0., Tensor? alibi_slopes=None, "
+      "int prefix_len=0) -> (Tensor dq, Tensor dkv_all)");
   // The same driver over W ranks emulated in this process (one list entry per rank).
   m.def(
       "ring_fwd_emulated(Tensor[] q, Tensor[] k, Tensor[] v, float softmax_scale, bool causal, "
@@ -58,6 +66,8 @@ TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
   m.impl("attention_fwd", &cpattn::ops::attention_fwd);
   m.impl("attention_bwd", &cpattn::ops::attention_bwd);
   m.impl("merge_state_", &cpattn::ops::merge_state_);
+  m.impl("apply_sinks_", &cpattn::ops::apply_sinks_);
+  m.impl("sink_bwd", &cpattn::ops::sink_bwd);
   m.impl("ring_fwd", &cpattn::ops::ring_fwd);
   m.impl("ring_bwd", &cpattn::ops::ring_bwd);
   m.impl("gathered_fwd", &cpattn::ops::gathered_fwd);

@@ -57,6 +57,44 @@ inline void apply_mask(const Mask& mask, int64_t r0, int64_t rows, int64_t c0, i
   }
 }
 
+// The score options (ScoreOptions, params.h) on one block of scores, before the mask: on entry
+// st[c * kBlockQ + i] * in_scale is the base-2 score (softmax_scale * log2(e) * q.k) of key
+// c0 + c and query r0 + i of head h; on exit st holds the base-2 logit, softcap first, then
+// ALiBi. With softcap_grad, d(capped score) / d(score) = 1 - tanh^2 goes there for the backward.
+// Called only when o.modifies_scores(), so the plain path runs none of it.
+inline void modify_scores(const ScoreOptions& o, int64_t h, int64_t r0, int64_t c0, int64_t cols,
+                          float in_scale, float* st, float* softcap_grad) {
+  const int64_t n = cols * kBlockQ;
+  if (o.softcap > 0.f) {
+    // cap * tanh(s / cap) keeps its form in base-2 units, with the cap times log2(e)
+    const float cap = o.softcap * kLog2e;
+    const vfloat to_ratio = broadcast(in_scale / cap), cap_v = broadcast(cap);
+    for (int64_t e = 0; e < n; e += kLanes) {
+      const vfloat t = tanh(load(st + e) * to_ratio);
+      store(st + e, t * cap_v);
+      if (softcap_grad) store(softcap_grad + e, 1.f - t * t);
+    }
+  } else if (in_scale != 1.f) {
+    const vfloat scale = broadcast(in_scale);
+    for (int64_t e = 0; e < n; e += kLanes) store(st + e, load(st + e) * scale);
+  }
+  if (o.alibi_slopes) {
+    const vfloat slope = broadcast(o.alibi_slopes[h] * kLog2e);
+    const int64_t stride = o.alibi_stride;
+    vfloat lane_distance;  // position of lane l past lane 0
+    for (int l = 0; l < kLanes; ++l) lane_distance[l] = static_cast<float>(l * stride);
+    for (int64_t c = 0; c < cols; ++c) {
+      // query r0 minus key c0 + c, in global positions (exact in fp32 below 2^24)
+      const int64_t first = o.alibi_q_begin + stride * r0 - o.alibi_k_begin - stride * (c0 + c);
+      float* row = st + c * kBlockQ;
+      for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+        const vfloat distance = vabs(lane_distance + static_cast<float>(first + stride * i));
+        store(row + i, load(row + i) - slope * distance);
+      }
+    }
+  }
+}
+
 // The online-softmax part of a forward step: st holds one key block's raw scores (cols keys x
 // kBlockQ queries), base 2 after multiplying by `scale`. Each pair of keys' probabilities goes to
 // keep(c, i, p_c, p_c+1) (c even; p_c+1 is 0 past an odd end), the row states take the block,
@@ -110,15 +148,22 @@ inline void write_row(const BshdOutput& o, int64_t offset, const float* src, flo
   }
 }
 
-// Normalises the accumulator rows of query block r0 and writes out and lse.
+// Normalises the accumulator rows of query block r0 and writes out and lse; a sink joins each
+// row's denominator here, once (add_sink).
 inline void write_output(const FwdParams& p, int64_t b, int64_t h, int64_t r0, int64_t rows,
                          const OnlineSoftmaxRow* state, const float* acc) {
   const AttnShape& sh = p.shape;
   const BshdStrides& o = p.out.strides;
   for (int64_t i = 0; i < rows; ++i) {
-    write_row(p.out, b * o.batch + (r0 + i) * o.seq + h * o.head, acc + i * sh.head_dim_padded,
-              state[i].inv_sum(), sh.head_dim);
-    p.lse[(b * sh.heads + h) * sh.seqlen_q + r0 + i] = state[i].lse();
+    float factor = state[i].inv_sum(), lse = state[i].lse();
+    if (p.score.sinks) {
+      const SinkNormalisation n = add_sink(lse, p.score.sinks[h]);
+      factor *= n.out_factor;
+      lse = n.lse;
+    }
+    write_row(p.out, b * o.batch + (r0 + i) * o.seq + h * o.head,
+              acc + i * sh.head_dim_v_padded, factor, sh.head_dim_v);
+    p.lse[(b * sh.heads + h) * sh.seqlen_q + r0 + i] = lse;
   }
 }
 
@@ -131,7 +176,8 @@ constexpr int64_t kMaxQueryBlocksPerTask = 4;
 inline int64_t query_blocks_per_task(const AttnShape& sh, int64_t element_bytes) {
   constexpr int64_t kCachedKvBytes = int64_t{1} << 20;  // K and V of a head that stay in L2
   const int64_t q_blocks = (sh.seqlen_q + kBlockQ - 1) / kBlockQ;
-  if (2 * sh.seqlen_k * sh.head_dim_padded * element_bytes <= kCachedKvBytes) return 1;
+  if (sh.seqlen_k * (sh.head_dim_padded + sh.head_dim_v_padded) * element_bytes <= kCachedKvBytes)
+    return 1;
   int64_t group = kMaxQueryBlocksPerTask;
   // keep several tasks per thread for balance
   while (group > 1 && sh.batch * sh.heads * ((q_blocks + group - 1) / group) <
@@ -149,7 +195,7 @@ inline void for_each_query_group(const FwdParams& p, int64_t element_bytes, Bloc
   const int64_t group = query_blocks_per_task(sh, element_bytes);
   const int64_t groups = (q_blocks + group - 1) / group;
   at::parallel_for(0, sh.batch * sh.heads * groups, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(sh.head_dim_padded);
+    Scratch scratch(sh);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t % groups, bh = t / groups;
       blocks(bh / sh.heads, bh % sh.heads, g * group, std::min(q_blocks, (g + 1) * group),
@@ -177,22 +223,22 @@ inline PosRange group_key_span(const FwdParams& p, int64_t qb_begin, int64_t qb_
 
 struct FwdScratch {
   AlignedArray<float> qt, st, acc;  // qt and acc: one per query block of a group
-  explicit FwdScratch(int64_t dp)
-      : qt(aligned_array<float>(kMaxQueryBlocksPerTask * dp * kBlockQ)),
+  explicit FwdScratch(const AttnShape& sh)
+      : qt(aligned_array<float>(kMaxQueryBlocksPerTask * sh.head_dim_padded * kBlockQ)),
         st(aligned_array<float>(kBlockK * kBlockQ)),
-        acc(aligned_array<float>(kMaxQueryBlocksPerTask * kBlockQ * dp)) {}
+        acc(aligned_array<float>(kMaxQueryBlocksPerTask * kBlockQ * sh.head_dim_v_padded)) {}
 };
 
 // The pass of query blocks [qb_begin, qb_end) of head h over the key blocks, shared by the fp32
 // and bf16 forwards: pack(j, r0, rows) prepares the group's query block j (rows r0..), and
 // step(j, r0, rows, c0, cols, kind, state, acc, factor) adds key block [c0, c0 + cols) to its
-// row states and accumulator (kBlockQ x Dp per query block, in `acc`); then the outputs are
+// row states and accumulator (kBlockQ x Dvp per query block, in `acc`); then the outputs are
 // written.
 template <typename Pack, typename Step>
 inline void forward_group(const FwdParams& p, int64_t b, int64_t h, int64_t qb_begin,
                           int64_t qb_end, float* acc, Pack&& pack, Step&& step) {
   const AttnShape& sh = p.shape;
-  const int64_t acc_elems = kBlockQ * sh.head_dim_padded;
+  const int64_t acc_elems = kBlockQ * sh.head_dim_v_padded;
   OnlineSoftmaxRow state[kMaxQueryBlocksPerTask][kBlockQ];
   PosRange spans[kMaxQueryBlocksPerTask];
   alignas(64) float factor[kBlockQ];
@@ -220,10 +266,11 @@ inline void forward_group(const FwdParams& p, int64_t b, int64_t h, int64_t qb_b
 inline void forward_blocks(const FwdParams& p, int64_t b, int64_t h, int64_t qb_begin,
                            int64_t qb_end, FwdScratch& s) {
   const AttnShape& sh = p.shape;
-  const int64_t dp = sh.head_dim_padded;
+  const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t hk = h / sh.group_size();
+  const bool modified = p.score.modifies_scores();
   const float* k = p.k + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
-  const float* v = p.v + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
+  const float* v = p.v + (b * sh.kv_heads + hk) * sh.seqlen_k * dvp;
   auto qt = [&](int64_t j) { return s.qt.get() + j * dp * kBlockQ; };
   forward_group(
       p, b, h, qb_begin, qb_end, s.acc.get(),
@@ -235,6 +282,7 @@ inline void forward_blocks(const FwdParams& p, int64_t b, int64_t h, int64_t qb_
           OnlineSoftmaxRow* state, float* acc, float* factor) {
         float* st = s.st.get();
         gemm(cols, kBlockQ, dp, k + c0 * dp, dp, 1, qt(j), kBlockQ, st, kBlockQ, false);
+        if (modified) modify_scores(p.score, h, r0, c0, cols, 1.f, st, nullptr);
         if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
         // Q was packed with the scale, so the scores are already base 2; P replaces them in st.
         softmax_block(st, cols, 1.f, state, factor,
@@ -242,8 +290,8 @@ inline void forward_blocks(const FwdParams& p, int64_t b, int64_t h, int64_t qb_
                         store(st + c * kBlockQ + i, p0);
                         if (c + 1 < cols) store(st + (c + 1) * kBlockQ + i, p1);
                       });
-        // O[rows x Dp] = factor * O + P[rows x cols] V[cols x Dp], P read from st transposed.
-        gemm(rows, dp, cols, st, 1, kBlockQ, v + c0 * dp, dp, acc, dp, true, factor);
+        // O[rows x Dvp] = factor * O + P[rows x cols] V[cols x Dvp], P read from st transposed.
+        gemm(rows, dvp, cols, st, 1, kBlockQ, v + c0 * dvp, dvp, acc, dvp, true, factor);
       });
 }
 
@@ -256,16 +304,28 @@ inline void attention_fwd_impl(const FwdParams& p) {
 }
 
 struct BwdScratch {
-  AlignedArray<float> st, dpt, dk, dv;
-  explicit BwdScratch(int64_t dp)
+  AlignedArray<float> st, dpt, softcap_grad, dk, dv;
+  explicit BwdScratch(const AttnShape& sh)
       : st(aligned_array<float>(kBlockK * kBlockQ)),
         dpt(aligned_array<float>(kBlockK * kBlockQ)),
-        dk(aligned_array<float>(kBlockK * dp)),
-        dv(aligned_array<float>(kBlockK * dp)) {}
+        softcap_grad(aligned_array<float>(kBlockK * kBlockQ)),
+        dk(aligned_array<float>(kBlockK * sh.head_dim_padded)),
+        dv(aligned_array<float>(kBlockK * sh.head_dim_v_padded)) {}
 };
 
+// The query head of a backward visit, from its first global row (b * H + h) * Sq.
+inline int64_t head_of_row(const AttnShape& sh, int64_t row_base) {
+  return row_base / sh.seqlen_q % sh.heads;
+}
+
+// dS^T *= d(capped score) / d(score): the chain rule through the softcap.
+inline void apply_softcap_grad(int64_t cols, const float* softcap_grad, float* dst) {
+  for (int64_t e = 0; e < cols * kBlockQ; e += kLanes)
+    store(dst + e, load(dst + e) * load(softcap_grad + e));
+}
+
 // Every query block of a query-shaped operand, packed once by pack(b, h, r0, rows, out) into
-// kBlockQ * Dp elements per block: the backward visits each query block once per key block, so
+// kBlockQ * dim_padded elements per block (Dp for q, Dvp for dout): the backward visits each query block once per key block, so
 // packing there would repeat the work Sk / kBlockK times.
 template <typename T>
 struct PackedQueryBlocks {
@@ -273,9 +333,9 @@ struct PackedQueryBlocks {
   AlignedArray<T> data;
 
   template <typename Pack>
-  PackedQueryBlocks(const AttnShape& sh, Pack&& pack)
+  PackedQueryBlocks(const AttnShape& sh, int64_t dim_padded, Pack&& pack)
       : q_blocks((sh.seqlen_q + kBlockQ - 1) / kBlockQ),
-        block_elems(kBlockQ * sh.head_dim_padded),
+        block_elems(kBlockQ * dim_padded),
         data(aligned_array<T>(sh.batch * sh.heads * q_blocks * block_elems)) {
     at::parallel_for(0, sh.batch * sh.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
@@ -329,25 +389,27 @@ inline void for_each_query_block(const BwdParams& p, int64_t b, int64_t hk, int6
   }
 }
 
-// Writes a key block's dK (scaled by the softmax scale) and dV from (cols x Dp) fp32 rows.
+// Writes a key block's dK (scaled by the softmax scale) and dV from fp32 rows of Dp and Dvp.
 inline void write_key_block_grads(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
                                   int64_t cols, const float* dk, const float* dv) {
-  const int64_t dp = p.shape.head_dim_padded;
+  const AttnShape& sh = p.shape;
   for (int64_t c = 0; c < cols; ++c) {
     const BshdStrides& k = p.dk.strides;
     const BshdStrides& v = p.dv.strides;
-    write_row(p.dk, b * k.batch + (c0 + c) * k.seq + hk * k.head, dk + c * dp, p.softmax_scale,
-              p.shape.head_dim);
-    write_row(p.dv, b * v.batch + (c0 + c) * v.seq + hk * v.head, dv + c * dp, 1.f,
-              p.shape.head_dim);
+    write_row(p.dk, b * k.batch + (c0 + c) * k.seq + hk * k.head, dk + c * sh.head_dim_padded,
+              p.softmax_scale, sh.head_dim);
+    write_row(p.dv, b * v.batch + (c0 + c) * v.seq + hk * v.head, dv + c * sh.head_dim_v_padded,
+              1.f, sh.head_dim_v);
   }
 }
 
-// Packs blocks of a (B, H, Sq, Dp) fp32 operand transposed, times factor.
-inline auto transposed_blocks(const AttnShape& sh, const float* x, float factor) {
-  return [&sh, x, factor](int64_t b, int64_t h, int64_t r0, int64_t rows, float* out) {
-    const int64_t dp = sh.head_dim_padded;
-    pack_transposed(x + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp, rows, dp, factor, out);
+// Packs blocks of a (B, H, Sq, dim_padded) fp32 operand transposed, times factor.
+inline auto transposed_blocks(const AttnShape& sh, int64_t dim_padded, const float* x,
+                              float factor) {
+  return [&sh, dim_padded, x, factor](int64_t b, int64_t h, int64_t r0, int64_t rows,
+                                      float* out) {
+    pack_transposed(x + ((b * sh.heads + h) * sh.seqlen_q + r0) * dim_padded, rows, dim_padded,
+                    factor, out);
   };
 }
 
@@ -355,8 +417,10 @@ inline auto transposed_blocks(const AttnShape& sh, const float* x, float factor)
 struct PackedQueries {
   PackedQueryBlocks<float> qt, dot;
   explicit PackedQueries(const BwdParams& p)
-      : qt(p.shape, transposed_blocks(p.shape, p.q, p.softmax_scale * kLog2e)),
-        dot(p.shape, transposed_blocks(p.shape, p.dout, 1.f)) {}
+      : qt(p.shape, p.shape.head_dim_padded,
+           transposed_blocks(p.shape, p.shape.head_dim_padded, p.q, p.softmax_scale * kLog2e)),
+        dot(p.shape, p.shape.head_dim_v_padded,
+            transposed_blocks(p.shape, p.shape.head_dim_v_padded, p.dout, 1.f)) {}
 };
 
 // One key block of one kv head: dK and dV of the block in full, and its dQ contributions for
@@ -364,18 +428,20 @@ struct PackedQueries {
 inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, int64_t b,
                                int64_t hk, int64_t c0, float* dq_group, BwdScratch& s) {
   const AttnShape& sh = p.shape;
-  const int64_t dp = sh.head_dim_padded;
+  const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
+  const bool modified = p.score.modifies_scores();
+  float* softcap_grad = p.score.softcap > 0.f ? s.softcap_grad.get() : nullptr;
   const float* k = p.k + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
-  const float* v = p.v + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
+  const float* v = p.v + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dvp;
   std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
-  std::fill(s.dv.get(), s.dv.get() + kBlockK * dp, 0.f);
+  std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
   alignas(64) float reference[kBlockQ], delta[kBlockQ];
 
   for_each_query_block(p, b, hk, c0, cols, [&](int64_t row_base, int64_t r0, int64_t rows,
                                                  int64_t seen, BlockKind kind) {
     const float* q = p.q + (row_base + r0) * dp;
-    const float* dout = p.dout + (row_base + r0) * dp;
+    const float* dout = p.dout + (row_base + r0) * dvp;
     float* dq = dq_group + (row_base - group_first_row(sh, b, hk) + r0) * dp;
     load_row_stats(p, row_base + r0, rows, reference, delta);
     float* st = s.st.get();
@@ -384,19 +450,22 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
     // P^T = exp2(K Q^T - lse)
     gemm(seen, kBlockQ, dp, k, dp, 1, packed.qt.block(sh, row_base, r0), kBlockQ, st, kBlockQ,
          false);
+    if (modified)
+      modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, 1.f, st, softcap_grad);
     if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
     for (int64_t c = 0; c < seen; ++c)
       for (int64_t i = 0; i < kBlockQ; i += kLanes)
         store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
     // dV += P^T dO
-    gemm(seen, dp, rows, st, kBlockQ, 1, dout, dp, s.dv.get(), dp, true);
+    gemm(seen, dvp, rows, st, kBlockQ, 1, dout, dvp, s.dv.get(), dvp, true);
     // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
-    gemm(seen, kBlockQ, dp, v, dp, 1, packed.dot.block(sh, row_base, r0), kBlockQ, dpt, kBlockQ,
-         false);
+    gemm(seen, kBlockQ, dvp, v, dvp, 1, packed.dot.block(sh, row_base, r0), kBlockQ, dpt,
+         kBlockQ, false);
     for (int64_t c = 0; c < seen; ++c)
       for (int64_t i = 0; i < kBlockQ; i += kLanes)
         store(dpt + c * kBlockQ + i,
               load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
+    if (softcap_grad) apply_softcap_grad(seen, softcap_grad, dpt);
     // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
     gemm(seen, dp, rows, dpt, kBlockQ, 1, q, dp, s.dk.get(), dp, true);
     gemm(rows, dp, seen, dpt, 1, kBlockQ, k, dp, dq, dp, true);
@@ -455,7 +524,7 @@ inline void run_backward(const BwdParams& p, Body&& body) {
     // A task owns its pair's dQ rows: they accumulate in a buffer of the parallel chunk, which
     // stays in cache for moderate lengths, and are written out when the task ends.
     at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-      Scratch scratch(dp);
+      Scratch scratch(sh);
       AlignedArray<float> dq = aligned_array<float>(group_elems);
       for (int64_t pair = begin; pair < end; ++pair) {
         std::fill(dq.get(), dq.get() + group_elems, 0.f);
@@ -473,7 +542,7 @@ inline void run_backward(const BwdParams& p, Body&& body) {
     std::fill(dq.get() + begin, dq.get() + end, 0.f);
   });
   at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(dp);
+    Scratch scratch(sh);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t split = t % splits, pair = t / splits;
       body(pair / sh.kv_heads, pair % sh.kv_heads, k_blocks * split / splits,

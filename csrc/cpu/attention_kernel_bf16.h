@@ -157,24 +157,27 @@ inline void store_bf16(uint16_t* out, vfloat x) {
 struct FwdScratchBf16 {
   AlignedArray<uint16_t> qt, pp;  // qt and acc: one per query block of a group
   AlignedArray<float> st, acc;
-  explicit FwdScratchBf16(int64_t dp)
-      : qt(aligned_array<uint16_t>(kMaxQueryBlocksPerTask * dp * kBlockQ)),
+  explicit FwdScratchBf16(const AttnShape& sh)
+      : qt(aligned_array<uint16_t>(kMaxQueryBlocksPerTask * sh.head_dim_padded * kBlockQ)),
         pp(aligned_array<uint16_t>(kBlockK * kBlockQ)),
         st(aligned_array<float>(kBlockK * kBlockQ)),
-        acc(aligned_array<float>(kMaxQueryBlocksPerTask * kBlockQ * dp)) {}
+        acc(aligned_array<float>(kMaxQueryBlocksPerTask * kBlockQ * sh.head_dim_v_padded)) {}
 };
 
 // forward_blocks (attention_kernel.h) with both products on bf16 operands.
 inline void forward_blocks_bf16(const FwdParams& p, int64_t b, int64_t h, int64_t qb_begin,
                                 int64_t qb_end, FwdScratchBf16& s) {
   const AttnShape& sh = p.shape;
-  const int64_t dp = sh.head_dim_padded;
+  const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t hk = h / sh.group_size();
   const int64_t key_pairs = (sh.seqlen_k + 1) / 2;
   const BshdStrides& qs = p.q16_strides;
   const uint16_t* k = p.k16 + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
-  const uint16_t* v = p.v16 + (b * sh.kv_heads + hk) * key_pairs * dp * 2;
+  const uint16_t* v = p.v16 + (b * sh.kv_heads + hk) * key_pairs * dvp * 2;
+  const bool modified = p.score.modifies_scores();
   const float scale = p.softmax_scale * kLog2e;
+  // modify_scores leaves base-2 logits, which the softmax then takes as they are
+  const float softmax_scale = modified ? 1.f : scale;
   auto qt = [&](int64_t j) { return s.qt.get() + j * dp * kBlockQ; };
   forward_group(
       p, b, h, qb_begin, qb_end, s.acc.get(),
@@ -188,14 +191,15 @@ inline void forward_blocks_bf16(const FwdParams& p, int64_t b, int64_t h, int64_
         uint16_t* pp = s.pp.get();
         gemm_bf16(cols, kBlockQ, dp / 2, k + c0 * dp, dp, 2, qt(j), 2 * kBlockQ, st, kBlockQ,
                   false);
+        if (modified) modify_scores(p.score, h, r0, c0, cols, scale, st, nullptr);
         if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-        softmax_block(st, cols, scale, state, factor,
+        softmax_block(st, cols, softmax_scale, state, factor,
                       [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
                         store_key_pair(pp, c, i, p0, p1);
                       });
-        // O[rows x Dp] = factor * O + P[rows x cols] V[cols x Dp]; c0 is even, so V's pairs
+        // O[rows x Dvp] = factor * O + P[rows x cols] V[cols x Dvp]; c0 is even, so V's pairs
         // start at c0 / 2.
-        gemm_bf16(rows, dp, (cols + 1) / 2, pp, 2, 2 * kBlockQ, v + c0 * dp, 2 * dp, acc, dp,
+        gemm_bf16(rows, dvp, (cols + 1) / 2, pp, 2, 2 * kBlockQ, v + c0 * dvp, 2 * dvp, acc, dvp,
                   true, factor);
       });
 }
@@ -238,24 +242,26 @@ inline void pack_row_pairs(const uint16_t* x, int64_t row_stride, int64_t rows, 
 
 struct BwdScratchBf16 {
   AlignedArray<uint16_t> p16, ds16, ds_pairs;
-  AlignedArray<float> st, dpt, dk, dv;
-  explicit BwdScratchBf16(int64_t dp)
+  AlignedArray<float> st, dpt, softcap_grad, dk, dv;
+  explicit BwdScratchBf16(const AttnShape& sh)
       : p16(aligned_array<uint16_t>(kBlockK * kBlockQ)),
         ds16(aligned_array<uint16_t>(kBlockK * kBlockQ)),
         ds_pairs(aligned_array<uint16_t>(kBlockK * kBlockQ)),
         st(aligned_array<float>(kBlockK * kBlockQ)),
         dpt(aligned_array<float>(kBlockK * kBlockQ)),
-        dk(aligned_array<float>(kBlockK * dp)),
-        dv(aligned_array<float>(kBlockK * dp)) {}
+        softcap_grad(aligned_array<float>(kBlockK * kBlockQ)),
+        dk(aligned_array<float>(kBlockK * sh.head_dim_padded)),
+        dv(aligned_array<float>(kBlockK * sh.head_dim_v_padded)) {}
 };
 
-// Packs blocks of a (B, Sq, H, D) bf16 operand with pack (pack_pairs_transposed or
-// pack_row_pairs).
+// Packs blocks of a (B, Sq, H, dim) bf16 operand with pack (pack_pairs_transposed or
+// pack_row_pairs) to rows of dim_padded.
 template <typename Pack>
-inline auto bshd_blocks(const AttnShape& sh, const uint16_t* x, const BshdStrides& st, Pack pack) {
-  return [&sh, x, st, pack](int64_t b, int64_t h, int64_t r0, int64_t rows, uint16_t* out) {
-    pack(x + b * st.batch + r0 * st.seq + h * st.head, st.seq, rows, sh.head_dim,
-         sh.head_dim_padded, out);
+inline auto bshd_blocks(const uint16_t* x, const BshdStrides& st, int64_t dim,
+                        int64_t dim_padded, Pack pack) {
+  return [x, st, dim, dim_padded, pack](int64_t b, int64_t h, int64_t r0, int64_t rows,
+                                        uint16_t* out) {
+    pack(x + b * st.batch + r0 * st.seq + h * st.head, st.seq, rows, dim, dim_padded, out);
   };
 }
 
@@ -264,10 +270,18 @@ inline auto bshd_blocks(const AttnShape& sh, const uint16_t* x, const BshdStride
 struct PackedQueriesBf16 {
   PackedQueryBlocks<uint16_t> qt, dot, q_rows, do_rows;
   explicit PackedQueriesBf16(const BwdParams& p)
-      : qt(p.shape, bshd_blocks(p.shape, p.q16, p.q16_strides, pack_pairs_transposed)),
-        dot(p.shape, bshd_blocks(p.shape, p.dout16, p.dout16_strides, pack_pairs_transposed)),
-        q_rows(p.shape, bshd_blocks(p.shape, p.q16, p.q16_strides, pack_row_pairs)),
-        do_rows(p.shape, bshd_blocks(p.shape, p.dout16, p.dout16_strides, pack_row_pairs)) {}
+      : qt(p.shape, p.shape.head_dim_padded,
+           bshd_blocks(p.q16, p.q16_strides, p.shape.head_dim, p.shape.head_dim_padded,
+                       pack_pairs_transposed)),
+        dot(p.shape, p.shape.head_dim_v_padded,
+            bshd_blocks(p.dout16, p.dout16_strides, p.shape.head_dim_v,
+                        p.shape.head_dim_v_padded, pack_pairs_transposed)),
+        q_rows(p.shape, p.shape.head_dim_padded,
+               bshd_blocks(p.q16, p.q16_strides, p.shape.head_dim, p.shape.head_dim_padded,
+                           pack_row_pairs)),
+        do_rows(p.shape, p.shape.head_dim_v_padded,
+                bshd_blocks(p.dout16, p.dout16_strides, p.shape.head_dim_v,
+                            p.shape.head_dim_v_padded, pack_row_pairs)) {}
 };
 
 // backward_key_block (attention_kernel.h) with the five products on bf16 operands.
@@ -275,16 +289,20 @@ inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16&
                                     int64_t b, int64_t hk, int64_t c0, float* dq_group,
                                     BwdScratchBf16& s) {
   const AttnShape& sh = p.shape;
-  const int64_t dp = sh.head_dim_padded;
+  const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
   const int64_t key_pairs = (sh.seqlen_k + 1) / 2;
   const uint16_t* k = p.k16 + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
-  const uint16_t* v = p.v16 + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
+  const uint16_t* v = p.v16 + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dvp;
   const uint16_t* k_pairs = p.k16_pairs + ((b * sh.kv_heads + hk) * key_pairs + c0 / 2) * dp * 2;
   std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
-  std::fill(s.dv.get(), s.dv.get() + kBlockK * dp, 0.f);
+  std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
   alignas(64) float reference[kBlockQ], delta[kBlockQ];
-  const vfloat scale = broadcast(p.softmax_scale * kLog2e);
+  const bool modified = p.score.modifies_scores();
+  float* softcap_grad = p.score.softcap > 0.f ? s.softcap_grad.get() : nullptr;
+  const float base2 = p.softmax_scale * kLog2e;
+  // modify_scores leaves base-2 logits, which exp2 then takes as they are
+  const vfloat scale = broadcast(modified ? 1.f : base2);
 
   for_each_query_block(p, b, hk, c0, cols, [&](int64_t row_base, int64_t r0, int64_t rows,
                                                  int64_t seen, BlockKind kind) {
@@ -299,6 +317,8 @@ inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16&
     // P^T = exp2(scale K Q^T - lse), kept in fp32 for dS and in bf16 for dV
     gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.block(sh, row_base, r0), 2 * kBlockQ,
               st, kBlockQ, false);
+    if (modified)
+      modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, base2, st, softcap_grad);
     if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
     for (int64_t c = 0; c < seen; ++c)
       for (int64_t i = 0; i < kBlockQ; i += kLanes) {
@@ -308,12 +328,16 @@ inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16&
         store_bf16(p16 + e, pr);
       }
     // dV += P^T dO
-    gemm_bf16(seen, dp, row_pairs, p16, kBlockQ, 2, packed.do_rows.block(sh, row_base, r0),
-              2 * dp, s.dv.get(), dp, true);
+    gemm_bf16(seen, dvp, row_pairs, p16, kBlockQ, 2, packed.do_rows.block(sh, row_base, r0),
+              2 * dvp, s.dv.get(), dvp, true);
     // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta), in bf16 both as is (for dK) and as key pairs
     // (for dQ)
-    gemm_bf16(seen, kBlockQ, dp / 2, v, dp, 2, packed.dot.block(sh, row_base, r0), 2 * kBlockQ,
-              dpt, kBlockQ, false);
+    gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.block(sh, row_base, r0),
+              2 * kBlockQ, dpt, kBlockQ, false);
+    if (softcap_grad) {  // the chain rule through the softcap, folded into P for dS only
+      for (int64_t e = 0; e < seen * kBlockQ; e += kLanes)
+        store(st + e, load(st + e) * load(softcap_grad + e));
+    }
     for (int64_t c = 0; c < seen; c += 2)
       for (int64_t i = 0; i < kBlockQ; i += kLanes) {
         const int64_t e = c * kBlockQ + i;

@@ -136,5 +136,24 @@ inline vfloat exp2(vfloat x) {
 }
 #endif
 
+inline vfloat vabs(vfloat x) { return x < 0.f ? -x : x; }
+
+// tanh(x), max error about 2e-7 relative: an odd Taylor polynomial below |x| = 1/4 (where
+// 1 - 2 / (e + 1) would lose the small result to cancellation), 1 - 2 / (exp(2x) + 1) above,
+// with 2x clamped to +-40 (tanh is +-1 in fp32 there) so exp2 stays finite.
+inline vfloat tanh(vfloat x) {
+  const vfloat x2 = x * x;
+  vfloat poly = broadcast(62.f / 2835.f);
+  poly = poly * x2 - 17.f / 315.f;
+  poly = poly * x2 + 2.f / 15.f;
+  poly = poly * x2 - 1.f / 3.f;
+  const vfloat small = x + x * x2 * poly;
+  vfloat twice = x * 2.8853900817779268f;  // 2x log2(e)
+  twice = twice > 57.7f ? broadcast(57.7f) : twice;
+  twice = twice < -57.7f ? broadcast(-57.7f) : twice;
+  const vfloat large = 1.f - 2.f / (exp2(twice) + 1.f);
+  return vabs(x) < 0.25f ? small : large;
+}
+
 }  // namespace CPATTN_CPU_ISA
 }  // namespace cpattn::cpu

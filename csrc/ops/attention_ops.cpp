@@ -68,13 +68,16 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   check_bshd(q, "q");
   check_bshd(k, "k");
   check_bshd(v, "v");
-  TORCH_CHECK(k.sizes() == v.sizes(), "cpattn: k and v must have the same shape, got k ", k.sizes(),
+  TORCH_CHECK(k.sizes().slice(0, 3) == v.sizes().slice(0, 3),
+              "cpattn: k and v must have the same (batch, seqlen, kv_heads), got k ", k.sizes(),
               " and v ", v.sizes());
   TORCH_CHECK(q.size(0) == k.size(0), "cpattn: q and k must have the same batch size, got ",
               q.size(0), " and ", k.size(0));
   TORCH_CHECK(q.size(3) == k.size(3), "cpattn: q and k must have the same head_dim, got ", q.size(3),
               " and ", k.size(3));
   TORCH_CHECK(q.size(3) <= kMaxHeadDim, "cpattn: unsupported head_dim ", q.size(3),
+              " (supported: 1 to ", kMaxHeadDim, ")");
+  TORCH_CHECK(v.size(3) <= kMaxHeadDim, "cpattn: unsupported head_dim of v ", v.size(3),
               " (supported: 1 to ", kMaxHeadDim, ")");
   TORCH_CHECK(q.size(2) % k.size(2) == 0, "cpattn: the number of query heads (", q.size(2),
               ") must be a multiple of the number of key/value heads (", k.size(2), ")");
@@ -99,8 +102,56 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   s.seqlen_k = k.size(1);
   s.kv_heads = k.size(2);
   s.head_dim_padded = (s.head_dim + 15) / 16 * 16;
+  s.head_dim_v = v.size(3);
+  s.head_dim_v_padded = (s.head_dim_v + 15) / 16 * 16;
   return s;
 }
+
+// (H,) float tensor -> contiguous fp32 for the kernels.
+at::Tensor per_head_f32(const std::optional<at::Tensor>& t) {
+  return t->to(at::kFloat).contiguous();
+}
+
+// The kernels' ScoreOptions from ScoreArgs; slopes and sinks receive the fp32 copies the
+// pointers point into (the caller keeps them alive).
+ScoreOptions score_options(const ScoreArgs& a, at::Tensor& slopes, at::Tensor& sinks) {
+  ScoreOptions o;
+  o.softcap = static_cast<float>(a.softcap);
+  if (a.alibi_slopes) {
+    slopes = per_head_f32(a.alibi_slopes);
+    o.alibi_slopes = slopes.data_ptr<float>();
+  }
+  if (a.sinks) {
+    sinks = per_head_f32(a.sinks);
+    o.sinks = sinks.data_ptr<float>();
+  }
+  o.alibi_q_begin = a.alibi_q_begin;
+  o.alibi_k_begin = a.alibi_k_begin;
+  o.alibi_stride = a.alibi_stride;
+  return o;
+}
+
+// A mask with the prefix-LM rule on when prefix_len > 0.
+Mask with_prefix(Mask m, int64_t prefix_len) {
+  if (prefix_len > 0) m.prefix_end = prefix_len;
+  return m;
+}
+
+#ifdef CPATTN_WITH_CUDA
+// The options the CUDA kernels do not have yet raise on CUDA tensors (no silent drop).
+void check_cuda_supports(const AttnShape& s, const Mask& mask, const ScoreArgs& score) {
+  TORCH_CHECK(s.head_dim_v == s.head_dim,
+              "cpattn: the CUDA kernels need v's head_dim equal to q's (got ", s.head_dim_v,
+              " and ", s.head_dim, "); head_dim_v != head_dim runs on CPU tensors only");
+  TORCH_CHECK(!mask.has_prefix(), "cpattn: prefix_len is not supported by the CUDA kernels yet "
+              "(CPU tensors only)");
+  TORCH_CHECK(score.softcap == 0.0 && !score.alibi_slopes && !score.sinks,
+              "cpattn: softcap, alibi_slopes and sinks are not supported by the CUDA kernels "
+              "yet (CPU tensors only)");
+}
+#endif
+
+
 
 // (B, S, H, D) any dtype -> (B, H, S, Dp) contiguous in `dtype`, zero beyond D: one copy that
 // converts and transposes together.
@@ -151,7 +202,7 @@ const uint16_t* bf16_data(const at::Tensor& t) {
 template <typename T>
 void rowwise_dot(const T* dout, const T* out, const AttnShape& s, float* delta) {
   constexpr int kPartials = 16;  // independent sums, so the loop vectorises
-  const int64_t dim = s.head_dim;
+  const int64_t dim = s.head_dim_v;
   at::parallel_for(0, s.batch * s.seqlen_q, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {  // row = b * Sq + i
       const int64_t b = row / s.seqlen_q, i = row % s.seqlen_q;
@@ -188,28 +239,46 @@ at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out, const AttnSh
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
-                                                 const at::Tensor& v, double softmax_scale,
-                                                 bool causal, int64_t window_left,
-                                                 int64_t window_right, int64_t q_offset,
-                                                 int64_t k_offset,
-                                                 std::optional<at::ScalarType> out_dtype) {
+void check_score_args(const char* fn, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                      const std::optional<at::Tensor>& sinks, int64_t heads, at::Device device) {
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, "cpattn.", fn,
+              ": softcap must be a finite number >= 0 (0: no softcap), got ", softcap);
+  const std::pair<const char*, const std::optional<at::Tensor>*> per_head[] = {
+      {"alibi_slopes", &alibi_slopes}, {"sinks", &sinks}};
+  for (const auto& [name, t] : per_head) {
+    if (!t->has_value()) continue;
+    const at::Tensor& x = **t;
+    TORCH_CHECK(x.dim() == 1 && x.size(0) == heads, "cpattn.", fn, ": ", name,
+                " must have shape (heads,) = (", heads, ",), got ", x.sizes());
+    TORCH_CHECK(is_float_type(x.scalar_type()), "cpattn.", fn, ": ", name,
+                " must be float32, bfloat16 or float16, got ", x.scalar_type());
+    TORCH_CHECK(x.device() == device, "cpattn.", fn, ": ", name, " must be on q's device ",
+                device, ", got ", x.device());
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd_scored(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, double softmax_scale,
+                                                        const Mask& mask, const ScoreArgs& score,
+                                                        std::optional<at::ScalarType> out_dtype) {
   const AttnShape s = check_qkv(q, k, v);
-  check_mask_args(softmax_scale, window_left, window_right);
-  check_positions(q_offset, s.seqlen_q, k_offset, s.seqlen_k);
+  check_mask_args(softmax_scale, mask.window_left, mask.window_right);
+  check_positions(mask.q_offset, s.seqlen_q, mask.k_offset, s.seqlen_k);
+  check_score_args("attention", score.softcap, score.alibi_slopes, score.sinks, s.heads,
+                   q.device());
   const at::ScalarType dtype = out_dtype.value_or(q.scalar_type());
   TORCH_CHECK(is_float_type(dtype), "cpattn: out_dtype must be float32, bfloat16 or float16, got ",
               dtype);
 #ifdef CPATTN_WITH_CUDA
-  if (q.is_cuda())
-    return attention_fwd_cuda(q, k, v, s, softmax_scale,
-                              make_mask(causal, window_left, window_right, q_offset, k_offset),
-                              dtype);
+  if (q.is_cuda()) {
+    check_cuda_supports(s, mask, score);
+    return attention_fwd_cuda(q, k, v, s, softmax_scale, mask, dtype);
+  }
 #endif
 
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor out =
-      new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, q.options().dtype(dtype));
+      new_output({s.batch, s.seqlen_q, s.heads, s.head_dim_v}, q.options().dtype(dtype));
   at::Tensor lse = new_output({s.batch, s.heads, s.seqlen_q}, f32);
 
   FwdParams p;
@@ -218,9 +287,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
   if (q.scalar_type() == at::kBFloat16 && cpu::has_bf16_dot()) {
     // bf16 dot products: operands stay bf16, Q is read in place; V gets its key pairs
     // interleaved.
-    const int64_t dp = s.head_dim_padded;
-    kp = pack(k, dp, at::kBFloat16);
-    vp = pair_keys(pack(v, dp, at::kBFloat16));
+    kp = pack(k, s.head_dim_padded, at::kBFloat16);
+    vp = pair_keys(pack(v, s.head_dim_v_padded, at::kBFloat16));
     p.q16 = bf16_data(q);
     p.q16_strides = strides_of(q);
     p.k16 = bf16_data(kp);
@@ -228,7 +296,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
   } else {
     qp = pack(q, s.head_dim_padded);
     kp = pack(k, s.head_dim_padded);
-    vp = pack(v, s.head_dim_padded);
+    vp = pack(v, s.head_dim_v_padded);
     p.q = qp.data_ptr<float>();
     p.k = kp.data_ptr<float>();
     p.v = vp.data_ptr<float>();
@@ -236,25 +304,52 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
   p.out = output_of(out);
   p.lse = lse.data_ptr<float>();
   p.softmax_scale = static_cast<float>(softmax_scale);
-  p.mask = make_mask(causal, window_left, window_right, q_offset, k_offset);
+  p.mask = mask;
+  at::Tensor slopes, sinks;  // kept alive for the kernel
+  p.score = score_options(score, slopes, sinks);
   cpu::attention_fwd(p);
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+std::tuple<at::Tensor, at::Tensor> attention_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, int64_t q_offset, int64_t k_offset,
+    std::optional<at::ScalarType> out_dtype, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    int64_t prefix_len) {
+  TORCH_CHECK(prefix_len >= 0, "cpattn.attention: prefix_len must be >= 0 (0: none), got ",
+              prefix_len);
+  ScoreArgs score;
+  score.softcap = softcap;
+  score.alibi_slopes = alibi_slopes;
+  score.sinks = sinks;
+  score.alibi_q_begin = q_offset;
+  score.alibi_k_begin = k_offset;
+  return attention_fwd_scored(
+      q, k, v, softmax_scale,
+      with_prefix(make_mask(causal, window_left, window_right, q_offset, k_offset), prefix_len),
+      score, out_dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, int64_t q_offset, int64_t k_offset,
-    std::optional<at::ScalarType> grad_dtype, const std::optional<at::Tensor>& dlse) {
+    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Mask& mask,
+    const ScoreArgs& score, std::optional<at::ScalarType> grad_dtype,
+    const std::optional<at::Tensor>& dlse) {
   const AttnShape s = check_qkv(q, k, v);
-  check_mask_args(softmax_scale, window_left, window_right);
-  check_positions(q_offset, s.seqlen_q, k_offset, s.seqlen_k);
+  check_mask_args(softmax_scale, mask.window_left, mask.window_right);
+  check_positions(mask.q_offset, s.seqlen_q, mask.k_offset, s.seqlen_k);
+  check_score_args("attention", score.softcap, score.alibi_slopes, score.sinks, s.heads,
+                   q.device());
   check_bshd(dout, "dout");
   check_bshd(out, "out");
-  TORCH_CHECK(dout.sizes() == q.sizes(), "cpattn: dout must have q's shape ", q.sizes(), ", got ",
-              dout.sizes());
-  TORCH_CHECK(out.sizes() == q.sizes(), "cpattn: out must have q's shape ", q.sizes(), ", got ",
-              out.sizes());
+  const std::vector<int64_t> out_shape{s.batch, s.seqlen_q, s.heads, s.head_dim_v};
+  TORCH_CHECK(dout.sizes() == at::IntArrayRef(out_shape),
+              "cpattn: dout must have q's shape with v's head_dim ", at::IntArrayRef(out_shape),
+              ", got ", dout.sizes());
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape),
+              "cpattn: out must have q's shape with v's head_dim ", at::IntArrayRef(out_shape),
+              ", got ", out.sizes());
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == s.batch && lse.size(1) == s.heads &&
                   lse.size(2) == s.seqlen_q,
               "cpattn: lse must have shape (batch, heads, seqlen_q) = (", s.batch, ", ", s.heads,
@@ -267,33 +362,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   if (grad_dtype)
     TORCH_CHECK(is_float_type(*grad_dtype),
                 "cpattn: grad_dtype must be float32, bfloat16 or float16, got ", *grad_dtype);
-#ifdef CPATTN_WITH_CUDA
-  if (q.is_cuda()) {
-    if (dlse && dlse->defined())
-      TORCH_CHECK(dlse->sizes() == lse.sizes() && dlse->device() == lse.device(),
-                  "cpattn: dlse must have lse's shape ", lse.sizes(), " and device, got ",
-                  dlse->sizes(), " on ", dlse->device());
-    return attention_bwd_cuda(dout, q, k, v, out, lse, dlse, s, softmax_scale,
-                              make_mask(causal, window_left, window_right, q_offset, k_offset),
-                              grad_dtype);
-  }
-#endif
-
-  const int64_t dp = s.head_dim_padded;
-  // delta = rowsum(dout * out) per query row, over the global output.
-  at::Tensor delta = row_delta(dout, out, s);
-  if (dlse && dlse->defined()) {
+  if (dlse && dlse->defined())
     TORCH_CHECK(dlse->sizes() == lse.sizes() && dlse->device() == lse.device(),
                 "cpattn: dlse must have lse's shape ", lse.sizes(), " and device, got ",
                 dlse->sizes(), " on ", dlse->device());
-    delta.sub_(dlse->to(at::kFloat));
+#ifdef CPATTN_WITH_CUDA
+  if (q.is_cuda()) {
+    check_cuda_supports(s, mask, score);
+    return attention_bwd_cuda(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, grad_dtype);
   }
+#endif
+
+  const int64_t dp = s.head_dim_padded, dvp = s.head_dim_v_padded;
+  // delta = rowsum(dout * out) per query row, over the global output.
+  at::Tensor delta = row_delta(dout, out, s);
+  if (dlse && dlse->defined()) delta.sub_(dlse->to(at::kFloat));
   const at::Tensor lse_c = lse.contiguous();
   const at::ScalarType grad = grad_dtype.value_or(q.scalar_type());
   const auto grad_options = q.options().dtype(grad);
   at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, grad_options);
   at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, grad_options);
-  at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, grad_options);
+  at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim_v}, grad_options);
 
   BwdParams p;
   p.shape = s;
@@ -302,7 +391,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
       cpu::has_bf16_dot()) {
     // Q and dO are read in place (the kernel packs its query blocks itself).
     kp = pack(k, dp, at::kBFloat16);
-    vp = pack(v, dp, at::kBFloat16);
+    vp = pack(v, dvp, at::kBFloat16);
     k_pairs = pair_keys(kp);
     p.q16 = bf16_data(q);
     p.q16_strides = strides_of(q);
@@ -314,8 +403,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   } else {
     qp = pack(q, dp);
     kp = pack(k, dp);
-    vp = pack(v, dp);
-    dop = pack(dout, dp);
+    vp = pack(v, dvp);
+    dop = pack(dout, dvp);
     p.q = qp.data_ptr<float>();
     p.k = kp.data_ptr<float>();
     p.v = vp.data_ptr<float>();
@@ -327,9 +416,99 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
   p.dk = output_of(dk);
   p.dv = output_of(dv);
   p.softmax_scale = static_cast<float>(softmax_scale);
-  p.mask = make_mask(causal, window_left, window_right, q_offset, k_offset);
+  p.mask = mask;
+  at::Tensor slopes, sinks;
+  p.score = score_options(score, slopes, sinks);
+  p.score.sinks = nullptr;  // already in lse
   cpu::attention_bwd(p);
   return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, int64_t q_offset, int64_t k_offset,
+    std::optional<at::ScalarType> grad_dtype, const std::optional<at::Tensor>& dlse,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
+  TORCH_CHECK(prefix_len >= 0, "cpattn.attention: prefix_len must be >= 0 (0: none), got ",
+              prefix_len);
+  ScoreArgs score;
+  score.softcap = softcap;
+  score.alibi_slopes = alibi_slopes;
+  score.alibi_q_begin = q_offset;
+  score.alibi_k_begin = k_offset;
+  return attention_bwd_scored(
+      dout, q, k, v, out, lse, softmax_scale,
+      with_prefix(make_mask(causal, window_left, window_right, q_offset, k_offset), prefix_len),
+      score, grad_dtype, dlse);
+}
+
+void apply_sinks_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks) {
+  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat &&
+                  lse.dim() == 3 && lse.size(0) == out.size(0) && lse.size(1) == out.size(2) &&
+                  lse.size(2) == out.size(1),
+              "cpattn: apply_sinks_ needs out (B, S, H, Dv) and lse (B, H, S), float32, got ",
+              out.sizes(), " ", out.scalar_type(), " and ", lse.sizes(), " ", lse.scalar_type());
+  check_score_args("apply_sinks_", 0.0, std::nullopt, sinks, out.size(2), out.device());
+  TORCH_CHECK(out.device().is_cpu(), "cpattn: apply_sinks_ runs on CPU tensors only, got ",
+              out.device());
+  const at::Tensor sk = sinks.to(at::kFloat).contiguous();
+  const float* sink = sk.data_ptr<float>();
+  const int64_t B = out.size(0), S = out.size(1), H = out.size(2), D = out.size(3);
+  float* o = out.data_ptr<float>();
+  float* l = lse.data_ptr<float>();
+  at::parallel_for(0, B * S * H, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {  // row = (b * S + s) * H + h
+      const int64_t h = row % H, i = (row / H) % S, b = row / (H * S);
+      float& lse_ref = l[b * lse.stride(0) + h * lse.stride(1) + i * lse.stride(2)];
+      const SinkNormalisation n = add_sink(lse_ref, sink[h]);
+      float* dst = o + b * out.stride(0) + i * out.stride(1) + h * out.stride(2);
+      for (int64_t d = 0; d < D; ++d) dst[d * out.stride(3)] *= n.out_factor;
+      lse_ref = n.lse;
+    }
+  });
+}
+
+at::Tensor sink_bwd(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
+                    const at::Tensor& sinks, const std::optional<at::Tensor>& dlse) {
+  check_bshd(dout, "dout");
+  check_bshd(out, "out");
+  TORCH_CHECK(dout.sizes() == out.sizes(), "cpattn: dout must have out's shape ", out.sizes(),
+              ", got ", dout.sizes());
+  AttnShape s;
+  s.batch = out.size(0);
+  s.seqlen_q = out.size(1);
+  s.heads = out.size(2);
+  s.head_dim_v = out.size(3);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == s.batch &&
+                  lse.size(1) == s.heads && lse.size(2) == s.seqlen_q,
+              "cpattn: lse must be float32 of shape (batch, heads, seqlen) = (", s.batch, ", ",
+              s.heads, ", ", s.seqlen_q, "), got ", lse.sizes(), " ", lse.scalar_type());
+  check_score_args("sink_bwd", 0.0, std::nullopt, sinks, s.heads, out.device());
+  TORCH_CHECK(out.device().is_cpu(), "cpattn: sink_bwd runs on CPU tensors only, got ",
+              out.device());
+  at::Tensor delta = row_delta(dout, out, s);
+  if (dlse && dlse->defined()) {
+    TORCH_CHECK(dlse->sizes() == lse.sizes(), "cpattn: dlse must have lse's shape ", lse.sizes(),
+                ", got ", dlse->sizes());
+    delta.sub_(dlse->to(at::kFloat));
+  }
+  const at::Tensor l = lse.contiguous(), sk = sinks.to(at::kFloat).contiguous();
+  at::Tensor grad = at::empty({s.heads}, out.options().dtype(at::kFloat));
+  const float* lp = l.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* sp = sk.data_ptr<float>();
+  float* gp = grad.data_ptr<float>();
+  for (int64_t h = 0; h < s.heads; ++h) {
+    double sum = 0.0;  // a fixed order: the same bits with any thread count
+    for (int64_t b = 0; b < s.batch; ++b)
+      for (int64_t i = 0; i < s.seqlen_q; ++i) {
+        const int64_t row = (b * s.heads + h) * s.seqlen_q + i;
+        sum += sink_grad(sp[h], lp[row], dp[row]);
+      }
+    gp[h] = static_cast<float>(sum);
+  }
+  return grad;
 }
 
 void check_merge_args(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,

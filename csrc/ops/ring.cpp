@@ -33,12 +33,25 @@ Layout checked_layout(int64_t layout) {
 void check_ring_args(const at::Tensor& q, const at::Tensor& k, const RingOptions& o) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "cpattn: ring q and k must be (batch, seqlen_local, "
               "heads, head_dim), got ", q.sizes(), " and ", k.sizes());
+  check_score_args("ring_attention", o.softcap, o.alibi_slopes, o.sinks, q.size(2), q.device());
+  // before any message: every rank raises here alike, no shift is left pending
+  TORCH_CHECK(!q.is_cuda() || (o.softcap == 0.0 && !o.alibi_slopes && !o.sinks &&
+                               o.prefix_len == 0),
+              "cpattn.ring_attention: softcap, alibi_slopes, sinks and prefix_len are not "
+              "supported by the CUDA kernels yet (CPU tensors only)");
   TORCH_CHECK(q.size(1) == k.size(1), "cpattn: ring attention needs q and k/v shards of the same "
               "length, got ", q.size(1), " and ", k.size(1));
   const int64_t local = q.size(1);
   if (o.layout == Layout::kZigzag && o.doc_lengths.empty())
     TORCH_CHECK(local % 2 == 0, "cpattn: the zigzag layout holds two equal chunks per rank, so the "
                 "local sequence length must be even, got ", local);
+}
+
+// K and V travel as one stacked message.
+void check_same_kv_shape(const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k.sizes() == v.sizes(), "cpattn.ring_attention: v must have k's shape ", k.sizes(),
+              ", got ", v.sizes(), " (a head_dim of v different from q/k's is supported by "
+              "cpattn.attention only, not yet by the context-parallel strategies)");
 }
 
 using Clock = std::chrono::steady_clock;
@@ -58,6 +71,7 @@ std::vector<SubProblem> plan(const RingOptions& o, int64_t local_len, int64_t wo
   global.causal = o.causal;
   global.window_left = o.window_left;
   global.window_right = o.window_right;
+  if (o.prefix_len > 0) global.prefix_end = o.prefix_len;
   std::vector<SubProblem> items;
   if (o.doc_lengths.empty()) {
     const StepPlan p = plan_step(o.layout, local_len * world, world, rank, step, global);
@@ -69,16 +83,36 @@ std::vector<SubProblem> plan(const RingOptions& o, int64_t local_len, int64_t wo
   return items;
 }
 
+// The score options of a sub-problem: ALiBi on the runs' global positions (the sub-problem's
+// mask may use shifted local positions, the striped layout), never the sinks (they join once,
+// after the last merge: finish_forward).
+ScoreArgs sub_problem_score(const RingOptions& o, const SubProblem& sp) {
+  ScoreArgs a;
+  a.softcap = o.softcap;
+  a.alibi_slopes = o.alibi_slopes;
+  a.alibi_q_begin = sp.q.global_begin;
+  a.alibi_k_begin = sp.k.global_begin;
+  a.alibi_stride = sp.q.global_stride;
+  return a;
+}
+
 // One step of the forward pass: every sub-problem against the K/V shard `kv` (2, B, L, Hkv, D),
 // merged into the running fp32 (out, lse).
 void forward_step(const at::Tensor& q, const at::Tensor& kv, const std::vector<SubProblem>& items,
-                  double scale, const at::Tensor& out, const at::Tensor& lse) {
+                  const RingOptions& o, const at::Tensor& out, const at::Tensor& lse) {
   for (const SubProblem& sp : items) {
-    auto [part_out, part_lse] = attention_fwd(
-        rows(q, sp.q), rows(kv[0], sp.k), rows(kv[1], sp.k), scale, sp.mask.causal,
-        sp.mask.window_left, sp.mask.window_right, sp.mask.q_offset, sp.mask.k_offset, at::kFloat);
+    auto [part_out, part_lse] =
+        attention_fwd_scored(rows(q, sp.q), rows(kv[0], sp.k), rows(kv[1], sp.k), o.softmax_scale,
+                             sp.mask, sub_problem_score(o, sp), at::kFloat);
     merge_into(rows(out, sp.q), lse_rows(lse, sp.q), part_out, part_lse);
   }
+}
+
+// After the last merge: the sinks join every row once; out in the asked dtype.
+std::tuple<at::Tensor, at::Tensor> finish_forward(const at::Tensor& q, at::Tensor out,
+                                                  at::Tensor lse, const RingOptions& o) {
+  if (o.sinks) apply_sinks_(out, lse, *o.sinks);
+  return {out.to(o.out_dtype.value_or(q.scalar_type())), lse};
 }
 
 // One step of the backward pass: adds the sub-problems' dQ to dq and their dK/dV to dkv
@@ -86,12 +120,11 @@ void forward_step(const at::Tensor& q, const at::Tensor& kv, const std::vector<S
 void backward_step(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv,
                    const at::Tensor& out, const at::Tensor& lse,
                    const std::optional<at::Tensor>& dlse, const std::vector<SubProblem>& items,
-                   double scale, const at::Tensor& dq, const at::Tensor& dkv) {
+                   const RingOptions& o, const at::Tensor& dq, const at::Tensor& dkv) {
   for (const SubProblem& sp : items) {
-    auto [dq_part, dk_part, dv_part] = attention_bwd(
+    auto [dq_part, dk_part, dv_part] = attention_bwd_scored(
         rows(dout, sp.q), rows(q, sp.q), rows(kv[0], sp.k), rows(kv[1], sp.k), rows(out, sp.q),
-        lse_rows(lse, sp.q), scale, sp.mask.causal, sp.mask.window_left, sp.mask.window_right,
-        sp.mask.q_offset, sp.mask.k_offset, at::kFloat,
+        lse_rows(lse, sp.q), o.softmax_scale, sp.mask, sub_problem_score(o, sp), at::kFloat,
         dlse ? std::optional<at::Tensor>(lse_rows(*dlse, sp.q)) : std::nullopt);
     rows(dq, sp.q).add_(dq_part);
     rows(dkv[0], sp.k).add_(dk_part);
@@ -133,9 +166,17 @@ at::Tensor ring_stats() {
 
 RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
                               int64_t window_right, int64_t layout,
-                              const std::optional<at::Tensor>& doc_lengths) {
+                              const std::optional<at::Tensor>& doc_lengths, double softcap,
+                              const std::optional<at::Tensor>& alibi_slopes,
+                              const std::optional<at::Tensor>& sinks, int64_t prefix_len) {
   RingOptions o{softmax_scale, causal, normalized_window(window_left),
                 normalized_window(window_right), checked_layout(layout), {}};
+  TORCH_CHECK(prefix_len >= 0, "cpattn.ring_attention: prefix_len must be >= 0 (0: none), got ",
+              prefix_len);
+  o.softcap = softcap;
+  o.alibi_slopes = alibi_slopes;
+  o.sinks = sinks;
+  o.prefix_len = prefix_len;
   if (doc_lengths && doc_lengths->defined()) {
     TORCH_CHECK(doc_lengths->dim() == 1 && doc_lengths->scalar_type() == at::kLong,
                 "cpattn: doc_lengths must be a 1-D int64 tensor, got ", doc_lengths->sizes(), " ",
@@ -167,6 +208,7 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
                                                 const RingOptions& o, const ShardVisitor& visit) {
   const int64_t world = transport.world(), rank = transport.rank();
   check_ring_args(q, k, o);
+  check_same_kv_shape(k, v);
   check_local_length(q, o, world);
   auto [out, lse] = new_state(q);
   RingStats& stats = last_stats[0];
@@ -182,14 +224,14 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
     const auto compute_start = Clock::now();
     computing_while_shifting({pending.get()}, [&] {
       if (visit) visit(ring_source(rank, step, world), cur);
-      forward_step(q, cur, plan(o, q.size(1), world, rank, step), o.softmax_scale, out, lse);
+      forward_step(q, cur, plan(o, q.size(1), world, rank, step), o, out, lse);
     });
     stats.compute_s += seconds_since(compute_start);
     const auto wait_start = Clock::now();
     if (pending) pending->wait();
     stats.wait_s += seconds_since(wait_start);
   }
-  return {out.to(o.out_dtype.value_or(q.scalar_type())), lse};
+  return finish_forward(q, out, lse, o);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
@@ -198,6 +240,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     comm::Transport& transport, const RingOptions& o) {
   const int64_t world = transport.world(), rank = transport.rank();
   check_ring_args(q, k, o);
+  check_same_kv_shape(k, v);
   check_local_length(q, o, world);
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
 
@@ -222,8 +265,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     const auto compute_start = Clock::now();
     computing_while_shifting({kv_shift.get(), acc_shift.get()}, [&] {
       partial.zero_();
-      backward_step(dout, q, cur, out, lse, dlse, plan(o, q.size(1), world, rank, step),
-                    o.softmax_scale, dq, partial);
+      backward_step(dout, q, cur, out, lse, dlse, plan(o, q.size(1), world, rank, step), o, dq,
+                    partial);
     });
     stats.compute_s += seconds_since(compute_start);
     const auto wait_start = Clock::now();
@@ -254,14 +297,16 @@ namespace {
 RingOptions gathered_options(const at::Tensor& q, const at::Tensor& kv_all, int64_t rank,
                              double softmax_scale, bool causal, int64_t window_left,
                              int64_t window_right, int64_t layout,
-                             const std::optional<at::Tensor>& doc_lengths) {
+                             const std::optional<at::Tensor>& doc_lengths, double softcap,
+                             const std::optional<at::Tensor>& alibi_slopes,
+                             const std::optional<at::Tensor>& sinks, int64_t prefix_len) {
   TORCH_CHECK(kv_all.dim() == 6 && kv_all.size(1) == 2,
               "cpattn: kv_all must be (world, 2, batch, seqlen_local, kv_heads, head_dim), got ",
               kv_all.sizes());
   const int64_t world = kv_all.size(0);
   TORCH_CHECK(rank >= 0 && rank < world, "cpattn: rank ", rank, " is not in a group of ", world);
-  RingOptions o =
-      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths);
+  RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout,
+                                    doc_lengths, softcap, alibi_slopes, sinks, prefix_len);
   check_ring_args(q, kv_all[0][0], o);
   check_local_length(q, o, world);
   return o;
@@ -273,31 +318,38 @@ std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::T
                                                 int64_t rank, double softmax_scale, bool causal,
                                                 int64_t window_left, int64_t window_right,
                                                 int64_t layout,
-                                                const std::optional<at::Tensor>& doc_lengths) {
+                                                const std::optional<at::Tensor>& doc_lengths,
+                                                double softcap,
+                                                const std::optional<at::Tensor>& alibi_slopes,
+                                                const std::optional<at::Tensor>& sinks,
+                                                int64_t prefix_len) {
   const RingOptions o = gathered_options(q, kv_all, rank, softmax_scale, causal, window_left,
-                                         window_right, layout, doc_lengths);
+                                         window_right, layout, doc_lengths, softcap,
+                                         alibi_slopes, sinks, prefix_len);
   const int64_t world = kv_all.size(0);
   auto [out, lse] = new_state(q);
   for (int64_t step = 0; step < world; ++step)
     forward_step(q, kv_all[ring_source(rank, step, world)], plan(o, q.size(1), world, rank, step),
-                 o.softmax_scale, out, lse);
-  return {out.to(q.scalar_type()), lse};
+                 o, out, lse);
+  return finish_forward(q, out, lse, o);
 }
 
 std::tuple<at::Tensor, at::Tensor> gathered_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv_all, const at::Tensor& out,
     const at::Tensor& lse, int64_t rank, double softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, int64_t layout, const std::optional<at::Tensor>& doc_lengths,
-    const std::optional<at::Tensor>& dlse) {
-  const RingOptions o = gathered_options(q, kv_all, rank, softmax_scale, causal, window_left,
-                                         window_right, layout, doc_lengths);
+    const std::optional<at::Tensor>& dlse, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
+  const RingOptions o =
+      gathered_options(q, kv_all, rank, softmax_scale, causal, window_left, window_right, layout,
+                       doc_lengths, softcap, alibi_slopes, std::nullopt, prefix_len);
   const int64_t world = kv_all.size(0);
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dkv_all = at::zeros(kv_all.sizes(), kv_all.options().dtype(at::kFloat));
   for (int64_t step = 0; step < world; ++step) {
     const int64_t source = ring_source(rank, step, world);
     backward_step(dout, q, kv_all[source], out, lse, dlse, plan(o, q.size(1), world, rank, step),
-                  o.softmax_scale, dq, dkv_all[source]);
+                  o, dq, dkv_all[source]);
   }
   // dkv_all[s] holds this rank's contribution to shard s; a reduce-scatter sums them.
   return {dq.to(q.scalar_type()), dkv_all};
@@ -340,11 +392,16 @@ std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tenso
                                             double softmax_scale, bool causal,
                                             int64_t window_left, int64_t window_right,
                                             int64_t layout, double timeout_s,
-                                            const std::optional<at::Tensor>& doc_lengths) {
+                                            const std::optional<at::Tensor>& doc_lengths,
+                                            double softcap,
+                                            const std::optional<at::Tensor>& alibi_slopes,
+                                            const std::optional<at::Tensor>& sinks,
+                                            int64_t prefix_len) {
   auto transport = group_transport(q, group_name, timeout_s);
-  auto result = ring_forward(
-      q, k, v, *transport,
-      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths));
+  auto result = ring_forward(q, k, v, *transport,
+                             make_ring_options(softmax_scale, causal, window_left, window_right,
+                                               layout, doc_lengths, softcap, alibi_slopes, sinks,
+                                               prefix_len));
   transport->finish();
   return result;
 }
@@ -354,11 +411,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
     const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
     double timeout_s, const std::optional<at::Tensor>& dlse,
-    const std::optional<at::Tensor>& doc_lengths) {
+    const std::optional<at::Tensor>& doc_lengths, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
   auto transport = group_transport(q, group_name, timeout_s);
-  auto result = ring_backward(
-      dout, q, k, v, out, lse, dlse, *transport,
-      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths));
+  auto result = ring_backward(dout, q, k, v, out, lse, dlse, *transport,
+                              make_ring_options(softmax_scale, causal, window_left, window_right,
+                                                layout, doc_lengths, softcap, alibi_slopes,
+                                                std::nullopt, prefix_len));
   transport->finish();
   return result;
 }

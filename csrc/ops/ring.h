@@ -25,10 +25,19 @@ struct RingOptions {
   std::vector<int64_t> doc_lengths;
   // dtype of the returned out (default: q's); float32 keeps a result that is merged further exact.
   std::optional<at::ScalarType> out_dtype = std::nullopt;
+  // Score options (ops.h ScoreArgs): the ALiBi positions of each sub-problem come from its runs;
+  // the sinks join once, after the last merge.
+  double softcap = 0.0;
+  std::optional<at::Tensor> alibi_slopes;
+  std::optional<at::Tensor> sinks;
+  int64_t prefix_len = 0;  // keys at global positions < prefix_len (per document) seen by all
 };
 RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
                               int64_t window_right, int64_t layout,
-                              const std::optional<at::Tensor>& doc_lengths);
+                              const std::optional<at::Tensor>& doc_lengths, double softcap = 0.0,
+                              const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
+                              const std::optional<at::Tensor>& sinks = std::nullopt,
+                              int64_t prefix_len = 0);
 
 // Called with each K/V shard the ring brings to this rank: its source rank and kv = stack(k, v)
 // (2, B, S_local, Hkv, D), own shard first. Lets a caller use every shard once (prefill stores the
@@ -53,13 +62,17 @@ std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tenso
                                             double softmax_scale, bool causal,
                                             int64_t window_left, int64_t window_right,
                                             int64_t layout, double timeout_s,
-                                            const std::optional<at::Tensor>& doc_lengths);
+                                            const std::optional<at::Tensor>& doc_lengths,
+                                            double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                            const std::optional<at::Tensor>& sinks,
+                                            int64_t prefix_len);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name,
     double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
     double timeout_s, const std::optional<at::Tensor>& dlse,
-    const std::optional<at::Tensor>& doc_lengths);
+    const std::optional<at::Tensor>& doc_lengths, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len);
 
 // The ring's steps against K/V shards already gathered on this rank: kv_all is
 // (W, 2, B, S_local, Hkv, D). The backward returns dq and this rank's fp32 contributions to every
@@ -68,12 +81,17 @@ std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::T
                                                 int64_t rank, double softmax_scale, bool causal,
                                                 int64_t window_left, int64_t window_right,
                                                 int64_t layout,
-                                                const std::optional<at::Tensor>& doc_lengths);
+                                                const std::optional<at::Tensor>& doc_lengths,
+                                                double softcap,
+                                                const std::optional<at::Tensor>& alibi_slopes,
+                                                const std::optional<at::Tensor>& sinks,
+                                                int64_t prefix_len);
 std::tuple<at::Tensor, at::Tensor> gathered_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv_all, const at::Tensor& out,
     const at::Tensor& lse, int64_t rank, double softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, int64_t layout, const std::optional<at::Tensor>& doc_lengths,
-    const std::optional<at::Tensor>& dlse);
+    const std::optional<at::Tensor>& dlse, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len);
 
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
     at::TensorList q, at::TensorList k, at::TensorList v, double softmax_scale, bool causal,

@@ -85,6 +85,18 @@ def tensor_fields(
             (f"{name}.dtype", t.dtype), (f"{name}.device", t.device.type)]
 
 
+def score_fields(softcap: float, alibi_slopes, sinks, prefix_len: int) -> list[tuple[str, FieldValue]]:
+    """The score options every rank must agree on; the per-head tensors by their exact values."""
+
+    def values(t):
+        if t is None:
+            return None
+        return t.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()
+
+    return [("softcap", float(softcap)), ("prefix_len", int(prefix_len)),
+            ("alibi_slopes", values(alibi_slopes)), ("sinks", values(sinks))]
+
+
 # Kinds of field values: the detail exchange sends (name hash, kind, word) per field.
 _NONE, _BOOL, _INT, _FLOAT, _STR, _BYTES, _DTYPE, _OTHER = range(8)
 _DTYPES = tuple(v for v in vars(torch).values() if isinstance(v, torch.dtype))

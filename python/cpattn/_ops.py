@@ -25,11 +25,14 @@ def _check_same_device(names: str, *tensors: torch.Tensor) -> None:
 
 @torch.library.register_fake("cpattn::attention_fwd")
 def _attention_fwd_fake(
-    q, k, v, softmax_scale, causal, window_left, window_right, q_offset, k_offset, out_dtype=None
+    q, k, v, softmax_scale, causal, window_left, window_right, q_offset, k_offset, out_dtype=None,
+    softcap=0.0, alibi_slopes=None, sinks=None, prefix_len=0,
 ):
     _check_same_device("q, k and v", q, k, v)
-    b, sq, h, d = q.shape
-    out = q.new_empty((b, sq, h, d), dtype=out_dtype if out_dtype is not None else q.dtype)
+    b, sq, h, _ = q.shape
+    out = q.new_empty(
+        (b, sq, h, v.shape[-1]), dtype=out_dtype if out_dtype is not None else q.dtype
+    )
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
     return out, lse
 
@@ -37,7 +40,7 @@ def _attention_fwd_fake(
 @torch.library.register_fake("cpattn::attention_bwd")
 def _attention_bwd_fake(
     dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, q_offset,
-    k_offset, grad_dtype=None, dlse=None,
+    k_offset, grad_dtype=None, dlse=None, softcap=0.0, alibi_slopes=None, prefix_len=0,
 ):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
 
@@ -53,17 +56,38 @@ def _merge_state_fake(out, lse, part_out, part_lse):
     return None
 
 
+@torch.library.register_fake("cpattn::apply_sinks_")
+def _apply_sinks_fake(out, lse, sinks):
+    _check_same_device("out, lse and sinks", out, lse, sinks)
+    return None
+
+
+@torch.library.register_fake("cpattn::sink_bwd")
+def _sink_bwd_fake(dout, out, lse, sinks, dlse=None):
+    _check_same_device("dout, out, lse and sinks", dout, out, lse, sinks)
+    return sinks.new_empty(sinks.shape, dtype=torch.float32)
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, window_left, window_right, q_offset, k_offset, _ = inputs
+    (q, k, v, softmax_scale, causal, window_left, window_right, q_offset, k_offset, _,
+     softcap, alibi_slopes, sinks, prefix_len) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
     ctx.args = (softmax_scale, causal, window_left, window_right, q_offset, k_offset)
+    ctx.score = (softcap, prefix_len)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = ops.attention_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.args, None, dlse)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
+    softcap, prefix_len = ctx.score
+    dout = dout.contiguous()
+    dq, dk, dv = ops.attention_bwd(
+        dout, q, k, v, out, lse, *ctx.args, None, dlse, softcap, alibi_slopes, prefix_len
+    )
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[12]:
+        dsinks = ops.sink_bwd(dout, out, lse, sinks, dlse).to(sinks.dtype)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, None
 
 
 torch.library.register_autograd("cpattn::attention_fwd", _backward, setup_context=_setup_context)
@@ -80,7 +104,12 @@ def attention_fwd(
     q_offset: int,
     k_offset: int,
     out_dtype: Optional[torch.dtype] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    prefix_len: int = 0,
 ):
     return ops.attention_fwd(
-        q, k, v, softmax_scale, causal, window[0], window[1], q_offset, k_offset, out_dtype
+        q, k, v, softmax_scale, causal, window[0], window[1], q_offset, k_offset, out_dtype,
+        softcap, alibi_slopes, sinks, prefix_len,
     )

@@ -116,11 +116,13 @@ def check_tensor(what: str, arg: str, t, dims: Sequence[str]) -> None:
                     "contiguous (stride 1)")
 
 
-def check_qkv(what: str, q, k, v, *, varlen: bool = False, same_length: bool = True) -> None:
+def check_qkv(what: str, q, k, v, *, varlen: bool = False, same_length: bool = True,
+              v_head_dim_free: bool = False) -> None:
     """q (batch, seqlen, heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim), or
     without the batch dim for varlen (tokens, heads, head_dim): one float dtype for all three
     (no promotion, as cpattn.attention), one device, heads % kv_heads == 0, head_dim <= 256;
-    `same_length`: the shards of q and k/v have the same length (ring / Ulysses)."""
+    `same_length`: the shards of q and k/v have the same length (ring / Ulysses);
+    `v_head_dim_free`: v may have its own head dim (where the strategy supports it)."""
     dims = ("tokens", "heads", "head_dim") if varlen else ("batch", "seqlen", "heads", "head_dim")
     for arg, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(what, arg, t, dims)
@@ -130,9 +132,13 @@ def check_qkv(what: str, q, k, v, *, varlen: bool = False, same_length: bool = T
     if not q.device == k.device == v.device:
         raise error(what, "(q.device, k.device, v.device)", (q.device, k.device, v.device),
                     "must be the same device")
-    if k.shape != v.shape:
-        raise error(what, "(k.shape, v.shape)", (tuple(k.shape), tuple(v.shape)),
-                    "must be equal")
+    if k.shape[:-1] != v.shape[:-1] or (k.shape != v.shape and not v_head_dim_free):
+        rule = ("must be equal but for the head dim" if v_head_dim_free else
+                "must be equal (a head dim of v different from q/k's is supported by "
+                "cpattn.attention, ulysses_attention and hybrid_attention over one ring rank)")
+        raise error(what, "(k.shape, v.shape)", (tuple(k.shape), tuple(v.shape)), rule)
+    if v.shape[-1] > MAX_HEAD_DIM:
+        raise error(what, "v head_dim", v.shape[-1], f"must be between 1 and {MAX_HEAD_DIM}")
     if not varlen and q.shape[0] != k.shape[0]:
         raise error(what, "(q batch, k batch)", (q.shape[0], k.shape[0]), "must be equal")
     if q.shape[-1] != k.shape[-1]:
@@ -171,3 +177,17 @@ def check_cu_seqlens(what: str, cu_seqlens) -> torch.Tensor:
         raise error(what, "cu_seqlens", cu.tolist() if cu.numel() <= 16 else cu,
                     "must be 1-D, start at 0, hold at least one document and be non-decreasing")
     return cu
+
+
+def check_score_options(what: str, softcap, alibi_slopes, prefix_len) -> tuple[float, int]:
+    """The score options' Python-side rules (shapes, dtypes and devices of the per-head tensors
+    are checked in C++): softcap a finite number >= 0 (0: off), fixed ALiBi slopes (no
+    gradient), prefix_len an int >= 0 (0: off). Returns (softcap, prefix_len)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise error(what, "softcap", softcap, "must be a number >= 0 (0: off)")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise error(what, "softcap", softcap, "must be finite and >= 0 (0: off)")
+    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.requires_grad:
+        raise error(what, "alibi_slopes", alibi_slopes, "are fixed and get no gradient: pass a "
+                    "tensor that does not require grad (e.g. alibi_slopes.detach())")
+    return float(softcap), check_int(what, "prefix_len", prefix_len, minimum=0)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn import _inference_ops  # noqa: F401  (fake kernels and autograd)
-from cpattn._agreement import FieldValue, agree_on, digest_ints, tensor_fields
+from cpattn._agreement import FieldValue, agree_on, digest_ints, score_fields, tensor_fields
 from cpattn._validation import (
     check_choice,
     check_qkv,
@@ -291,6 +291,29 @@ def _all_to_all(send: torch.Tensor, group, timeout: float, what: str) -> torch.T
 # Prefill and decode
 
 
+def _check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor, what: str) -> Optional[torch.Tensor]:
+    """(heads,) float sink logits, detached (inference is forward only), or None."""
+    if sinks is None:
+        return None
+    heads = q.shape[2]
+    if q.device.type != "cpu":
+        raise error(what, "sinks", sinks, f"are supported with CPU tensors only for now (q is on "
+                    f"{q.device})")
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.shape[0] != heads or (
+            not sinks.is_floating_point()):
+        raise error(what, "sinks", sinks, f"must be a float tensor of shape (heads,) = ({heads},)")
+    return sinks.detach()
+
+
+def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the last merge (fp32 out): the sinks join each row once; out cast to dtype."""
+    if sinks is not None:
+        out, lse = out.clone(), lse.clone()
+        ops.apply_sinks_(out, lse, sinks)
+    return out.to(dtype), lse
+
+
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -302,6 +325,7 @@ def prefill_attention(
     softmax_scale: Optional[float] = None,
     return_lse: bool = False,
     timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Causal attention for a chunk of C prompt tokens per sequence, sharded over the ranks, that
     also stores the chunk's K/V in the owners' cache shards.
@@ -319,6 +343,8 @@ def prefill_attention(
             W (2 W for zigzag). Shorter tails go through decode_attention (append, then Sq > 1).
         return_lse: also return the LSE (batch, heads, C / W) float32.
         timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT or 300).
+        sinks: (heads,) attention-sink logits (as cpattn.attention): they join each row once,
+            after the ring's and the cached tokens' partials are merged.
 
     Returns this rank's out (batch, C / W, heads, head_dim) in q's dtype. Forward only. Every rank
     must call it with the same shapes and options; a mismatch or a full cache raises on every rank.
@@ -332,10 +358,13 @@ def prefill_attention(
         check_choice(what, "layout", layout, tuple(LAYOUTS))
         scale = check_scale(what, softmax_scale, q.shape[-1])
         _check_cache_type(cache, what)
-        return scale, [*tensor_fields("q", q), *tensor_fields("k", k), *tensor_fields("v", v),
-                       ("layout", layout), ("softmax_scale", scale), *_cache_fields(cache, rank)]
+        checked_sinks = _check_sinks(sinks, q, what)
+        return (scale, checked_sinks), [
+            *tensor_fields("q", q), *tensor_fields("k", k), *tensor_fields("v", v),
+            ("layout", layout), ("softmax_scale", scale), *_cache_fields(cache, rank),
+            *score_fields(0.0, None, checked_sinks, 0)]
 
-    softmax_scale = agree_on(what, group, timeout, check)
+    softmax_scale, sinks = agree_on(what, group, timeout, check)
     layout_code = LAYOUTS[layout]
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
@@ -370,10 +399,11 @@ def prefill_attention(
     if len(parts_out):
         out, lse = merge_attention_states(
             torch.cat([ring_out[None], parts_out]), torch.cat([ring_lse[None], parts_lse]),
-            out_dtype=q.dtype,
+            out_dtype=torch.float32,
         )
     else:
-        out, lse = ring_out.to(q.dtype), ring_lse
+        out, lse = ring_out, ring_lse  # prefill_fwd returns fp32
+    out, lse = _finish(out, lse, sinks, q.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -387,6 +417,7 @@ def decode_attention(
     comm: str = "all_gather",
     timeout: Optional[float] = None,
     validate: bool = True,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact causal attention of the newest Sq tokens of each sequence over the sharded cache.
 
@@ -410,6 +441,8 @@ def decode_attention(
             all-gather, a mismatch then raises on every rank). It is a second collective per
             call; without it a mismatch is a timeout or a wrong result. The arguments are
             validated locally either way.
+        sinks: (heads,) attention-sink logits (as cpattn.attention): they join each row once,
+            after the W partials are merged, whatever W (with "reduce_scatter", the rank's heads').
 
     The partials travel and merge in float32; out is cast to q's dtype once. Forward only.
     A rank whose shard holds none of a sequence's tokens contributes an empty partial (lse -inf).
@@ -423,13 +456,15 @@ def decode_attention(
         check_choice(what, "comm", comm, COMMS)
         scale = check_scale(what, softmax_scale, q.shape[-1])
         _check_cache_type(cache, what)
-        return scale, [*tensor_fields("q", q), ("comm", comm), ("softmax_scale", scale),
-                       *_cache_fields(cache, rank)]
+        checked_sinks = _check_sinks(sinks, q, what)
+        return (scale, checked_sinks), [
+            *tensor_fields("q", q), ("comm", comm), ("softmax_scale", scale),
+            *_cache_fields(cache, rank), *score_fields(0.0, None, checked_sinks, 0)]
 
     if validate:
-        softmax_scale = agree_on(what, group, timeout, check)
+        softmax_scale, sinks = agree_on(what, group, timeout, check)
     else:
-        softmax_scale, _ = check()
+        (softmax_scale, sinks), _ = check()
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
     b, sq, h, d = q.shape
@@ -451,15 +486,18 @@ def decode_attention(
         float(softmax_scale), True, torch.float32,
     )
     if world == 1:
-        out, lse = po.to(q.dtype), pl
+        out, lse = po, pl
     elif comm == "all_gather":
         outs, lses = _unpack(_all_gather(_pack(po, pl), group, world, timeout, what))
-        out, lse = merge_attention_states(outs, lses, out_dtype=q.dtype)
+        out, lse = merge_attention_states(outs, lses, out_dtype=torch.float32)
     else:
         msg = _pack(po, pl).view(b, sq, world, h // world, d + 1)
         outs, lses = _unpack(_all_to_all(msg.permute(2, 0, 1, 3, 4).contiguous(), group, timeout,
                                          what))
-        out, lse = merge_attention_states(outs, lses, out_dtype=q.dtype)
+        out, lse = merge_attention_states(outs, lses, out_dtype=torch.float32)
+        if sinks is not None:
+            sinks = sinks[rank * h // world:(rank + 1) * h // world]
+    out, lse = _finish(out, lse, sinks, q.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -468,6 +506,10 @@ def chunk_positions(
 ) -> torch.Tensor:
     """Global positions (int64, (batch, chunk / W)) of this rank's tokens of the next prefill
     chunk of length `chunk`: cache.lengths[b] + the layout's positions (e.g. for RoPE)."""
+    granularity = _LAYOUT_GRANULARITY[layout] * cache.world_size
+    if chunk % granularity != 0:
+        raise ValueError(f"cpattn.chunk_positions: the {layout} layout needs a chunk length that "
+                         f"is a multiple of {granularity}, got {chunk}")
     local = positions(chunk, group=group, layout=layout, rank=cache.rank,
                       world_size=cache.world_size)
     return cache.lengths[:, None] + local[None, :]

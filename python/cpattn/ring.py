@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn._agreement import Fields, agree, agree_on, digest_ints, tensor_fields
+from cpattn._agreement import Fields, agree, agree_on, digest_ints, score_fields, tensor_fields
 from cpattn._autograd import once_differentiable
 from cpattn._validation import (
     check_bool,
@@ -22,8 +22,10 @@ from cpattn._validation import (
     check_int,
     check_qkv,
     check_scale,
+    check_score_options,
     check_timeout,
     check_window,
+    error,
 )
 
 LAYOUTS = {"contiguous": 0, "zigzag": 1, "striped": 2}
@@ -58,16 +60,31 @@ def positions(
     rank: Optional[int] = None,
     world_size: Optional[int] = None,
 ) -> torch.Tensor:
-    """Global positions (int64, (seqlen / W,)) of this rank's tokens, e.g. for RoPE.
+    """Global positions (int64, (padded / W,)) of this rank's tokens, e.g. for RoPE.
 
+    Any length: a sequence whose length is not a multiple of the layout's granularity (2W for
+    zigzag, W otherwise) is padded at its end to the next multiple, `padded`; the padding slots
+    of the shard have position -1 (cpattn.shard fills them with zeros, ring_attention with
+    seqlen= gives them out 0 and LSE -inf, cpattn.unshard with seqlen= drops them).
     `rank` / `world_size` override the group's (to compute another rank's positions).
     """
     if rank is None or world_size is None:
         _, g_rank, g_world = _group_info(group)
         rank = g_rank if rank is None else rank
         world_size = g_world if world_size is None else world_size
-    pos = torch.ops.cpattn.layout_positions(seqlen, world_size, rank, _layout_code(layout))
+    padded = _padded_length(seqlen, layout, world_size)
+    pos = torch.ops.cpattn.layout_positions(padded, world_size, rank, _layout_code(layout))
+    if padded != seqlen:
+        pos = torch.where(pos < seqlen, pos, -1)
     return pos.to(device) if device is not None else pos
+
+
+def _padded_length(seqlen: int, layout: str, world: int) -> int:
+    """seqlen rounded up to the layout's granularity (2W for zigzag, W otherwise)."""
+    granularity = (2 if _layout_code(layout) == LAYOUTS["zigzag"] else 1) * world
+    if seqlen <= 0:
+        raise ValueError(f"cpattn: the sequence length must be positive, got {seqlen}")
+    return -(-seqlen // granularity) * granularity
 
 
 def shard(
@@ -80,12 +97,17 @@ def shard(
 ) -> torch.Tensor:
     """This rank's part of the full tensor x along `dim`, in `layout` order.
 
-    `index` (global positions of this rank's tokens) overrides the layout, e.g. for the hybrid
-    or varlen shardings.
+    Any length: x is padded with zeros at the end of `dim` to the layout's granularity (see
+    cpattn.positions). `index` (global positions of this rank's tokens, -1 for padding)
+    overrides the layout, e.g. for the hybrid or varlen shardings.
     """
     if index is None:
         index = positions(x.shape[dim], group=group, layout=layout)
-    return x.index_select(dim, index.to(x.device))
+    index = index.to(x.device)
+    if bool((index < 0).any()):
+        x = torch.cat([x, x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1:]))], dim)
+        index = torch.where(index < 0, x.shape[dim] - 1, index)
+    return x.index_select(dim, index)
 
 
 class _Unshard(torch.autograd.Function):
@@ -131,8 +153,10 @@ def unshard(
     """All-gathers the shards along `dim` and puts the tokens back in sequence order.
 
     Differentiable: the gradient of each shard is the sum of the ranks' gradients of its tokens.
-    `index` (this rank's global positions) overrides the layout; then `seqlen` gives the full
-    length (default: W times the shard length) and positions not held by any rank are 0.
+    `seqlen`: the full length (default: W times the shard length); a shorter one (any length,
+    see cpattn.positions) drops the padding slots, so exactly `seqlen` tokens come back.
+    `index` (this rank's global positions, -1 for padding) overrides the layout; positions not
+    held by any rank are 0.
     """
     return _unshard(x_local, group, layout, dim, index, seqlen, "cpattn.unshard")
 
@@ -141,8 +165,13 @@ def _unshard(x_local, group, layout, dim, index, seqlen, what, extra=()) -> torc
     """unshard after the agreement check; `extra`: more fields the ranks must agree on."""
     group, _, world = _group_info(group)
     if index is None:
-        seqlen = x_local.shape[dim] * world
+        seqlen = x_local.shape[dim] * world if seqlen is None else int(seqlen)
         index = positions(seqlen, group=group, layout=layout)
+        if index.numel() != x_local.shape[dim]:
+            raise ValueError(
+                f"cpattn.unshard: a shard of a length-{seqlen} sequence holds {index.numel()} "
+                f"tokens under the {layout} layout over {world} ranks, got {x_local.shape[dim]}"
+            )
     elif seqlen is None:
         seqlen = x_local.shape[dim] * world
     index = index.to(torch.int64).cpu()
@@ -152,10 +181,10 @@ def _unshard(x_local, group, layout, dim, index, seqlen, what, extra=()) -> torc
 
 
 def _attention_args(what, q, k, v, causal, softmax_scale, window, layout="contiguous",
-                    varlen=False) -> tuple[tuple, Fields]:
+                    varlen=False, v_head_dim_free=False) -> tuple[tuple, Fields]:
     """Validates the arguments every attention strategy shares. Returns (causal, layout_code,
     softmax_scale, window) normalised, and the signature fields every rank must share."""
-    check_qkv(what, q, k, v, varlen=varlen)
+    check_qkv(what, q, k, v, varlen=varlen, v_head_dim_free=v_head_dim_free)
     causal = check_bool(what, "causal", causal)
     check_choice(what, "layout", layout, tuple(LAYOUTS))
     window = check_window(window, what)
@@ -170,26 +199,39 @@ def _attention_args(what, q, k, v, causal, softmax_scale, window, layout="contig
 STRATEGIES = {"ring": 0, "allgather": 1}
 
 
+def _sink_grad(ctx, sinks, dout, out, lse, dlse):
+    """The gradient of the sinks from this rank's rows: its share, like any parameter gradient
+    under context parallelism (the usual gradient all-reduce over the group sums the shares)."""
+    if sinks is None or not ctx.needs_input_grad[-1]:
+        return None
+    return torch.ops.cpattn.sink_bwd(dout, out, lse, sinks, dlse).to(sinks.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group_name, scale, causal, window, layout_code, timeout, docs):
+    def forward(ctx, q, k, v, group_name, scale, causal, window, layout_code, timeout, docs,
+                softcap, alibi_slopes, prefix_len, sinks):
         out, lse = torch.ops.cpattn.ring_fwd(
             q, k, v, group_name, scale, causal, window[0], window[1], layout_code, timeout,
-            doc_lengths=docs,
+            doc_lengths=docs, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            prefix_len=prefix_len,
         )
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
         ctx.args = (group_name, scale, causal, window[0], window[1], layout_code, timeout)
-        ctx.docs = docs
+        ctx.docs, ctx.softcap, ctx.prefix_len = docs, softcap, prefix_len
         return out, lse
 
     @staticmethod
     @once_differentiable("cpattn.ring_attention")
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
         dq, dk, dv = torch.ops.cpattn.ring_bwd(
-            dout.contiguous(), q, k, v, out, lse, *ctx.args, dlse=dlse, doc_lengths=ctx.docs
+            dout, q, k, v, out, lse, *ctx.args, dlse=dlse, doc_lengths=ctx.docs,
+            softcap=ctx.softcap, alibi_slopes=alibi_slopes, prefix_len=ctx.prefix_len,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dsinks = _sink_grad(ctx, sinks, dout, out, lse, dlse)
+        return dq, dk, dv, *([None] * 10), dsinks
 
 
 def _gather_kv(k, v, group, world):
@@ -206,7 +248,7 @@ class _GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, rank, world, scale, causal, window, layout_code, docs,
-                chunk):
+                chunk, softcap, alibi_slopes, prefix_len, sinks):
         group_size = q.shape[2] // k.shape[2]
         outs, lses = [], []
         for c0 in range(0, k.shape[2], chunk):
@@ -214,21 +256,24 @@ class _GatheredAttention(torch.autograd.Function):
             kv_all = _gather_kv(k[:, :, kh], v[:, :, kh], group, world)
             out, lse = torch.ops.cpattn.gathered_fwd(
                 q[:, :, qh], kv_all, rank, scale, causal, window[0], window[1], layout_code,
-                doc_lengths=docs,
+                doc_lengths=docs, softcap=softcap, alibi_slopes=_heads(alibi_slopes, qh),
+                sinks=_heads(sinks, qh), prefix_len=prefix_len,
             )
             outs.append(out)
             lses.append(lse)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=1)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
         ctx.args = (group, rank, world, scale, causal, window, layout_code, docs, chunk)
+        ctx.softcap, ctx.prefix_len = softcap, prefix_len
         return out, lse
 
     @staticmethod
     @once_differentiable("cpattn.ring_attention(strategy='allgather')")
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
         group, rank, world, scale, causal, window, layout_code, docs, chunk = ctx.args
         group_size = q.shape[2] // k.shape[2]
+        dout = dout.contiguous()
         dq, dk, dv = [], [], []
         for c0 in range(0, k.shape[2], chunk):
             kh, qh = slice(c0, c0 + chunk), slice(c0 * group_size, (c0 + chunk) * group_size)
@@ -236,21 +281,31 @@ class _GatheredAttention(torch.autograd.Function):
             dq_c, dkv_all = torch.ops.cpattn.gathered_bwd(
                 dout[:, :, qh].contiguous(), q[:, :, qh], kv_all, out[:, :, qh], lse[:, qh],
                 rank, scale, causal, window[0], window[1], layout_code, doc_lengths=docs,
-                dlse=None if dlse is None else dlse[:, qh],
+                dlse=None if dlse is None else dlse[:, qh], softcap=ctx.softcap,
+                alibi_slopes=_heads(alibi_slopes, qh), prefix_len=ctx.prefix_len,
             )
             dkv = dkv_all.new_empty(dkv_all.shape[1:])
             comm.reduce_scatter_flat(dkv, dkv_all.view(-1, *dkv_all.shape[2:]), group=group)
             dq.append(dq_c)
             dk.append(dkv[0].to(k.dtype))
             dv.append(dkv[1].to(v.dtype))
+        dsinks = _sink_grad(ctx, sinks, dout, out, lse, dlse)
         return (torch.cat(dq, dim=2), torch.cat(dk, dim=2), torch.cat(dv, dim=2),
-                *([None] * 9))
+                *([None] * 12), dsinks)
+
+
+def _heads(per_head: Optional[torch.Tensor], heads: slice) -> Optional[torch.Tensor]:
+    """The entries of a per-head parameter (sinks, ALiBi slopes) for a slice of query heads."""
+    return None if per_head is None else per_head[heads]
 
 
 def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, window, timeout,
-                      strategy, allgather_chunk, cu_seqlens):
+                      strategy, allgather_chunk, cu_seqlens, sinks=None, softcap=0.0,
+                      alibi_slopes=None, prefix_len=0, seqlen=None):
     """Shared by ring_attention and ring_attention_varlen (cu_seqlens given: q, k, v are 3-D):
-    validation and the agreement check, then the strategy. Returns 4-D out and lse."""
+    validation and the agreement check, then the strategy. Returns 4-D out and lse.
+    `seqlen` (ring_attention): the real length of a sequence padded to the layout's granularity,
+    handled as one document of that length."""
     group, rank, world = _group_info(group)
     timeout = check_timeout(what, timeout)
 
@@ -261,23 +316,36 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
         chunk = allgather_chunk
         if chunk is not None:
             chunk = check_int(what, "allgather_chunk", chunk, minimum=1)
-        fields += [("strategy", strategy), ("allgather_chunk", chunk)]
+        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
+        fields += [("strategy", strategy), ("allgather_chunk", chunk),
+                   *score_fields(cap, alibi_slopes, sinks, prefix)]
         docs = None
         if cu_seqlens is not None:  # the exact boundaries, not a sum: other splits must not pass
             docs = check_cu_seqlens(what, cu_seqlens).diff()
             fields += [("documents", docs.numel()), ("tokens", int(docs.sum())),
                        ("document_lengths", digest_ints(docs))]
-        return (*args, chunk, docs), fields
+        if seqlen is not None:
+            n = check_int(what, "seqlen", seqlen, minimum=1)
+            if _padded_length(n, layout, world) != q.shape[1] * world:
+                raise error(what, "seqlen", n, f"gives shards of "
+                            f"{_padded_length(n, layout, world) // world} tokens under the "
+                            f"{layout} layout over {world} ranks, not {q.shape[1]}")
+            if n != q.shape[1] * world:  # padded: one document of the real length
+                docs = torch.tensor([n], dtype=torch.int64)
+            fields += [("seqlen", n)]
+        return (*args, chunk, docs, cap, prefix), fields
 
-    causal, layout_code, scale, window, chunk, docs = agree_on(what, group, timeout, check)
-    if docs is not None:
+    causal, layout_code, scale, window, chunk, docs, softcap, prefix_len = agree_on(
+        what, group, timeout, check)
+    if cu_seqlens is not None:
         q, k, v = q[None], k[None], v[None]
     if strategy == "ring":
         return _RingAttention.apply(q, k, v, group.group_name, scale, causal, window, layout_code,
-                                    timeout, docs)
+                                    timeout, docs, softcap, alibi_slopes, prefix_len, sinks)
     chunk = chunk or max(1, k.shape[2] // 4)
     return _GatheredAttention.apply(q, k, v, group, rank, world, scale, causal, window,
-                                    layout_code, docs, chunk)
+                                    layout_code, docs, chunk, softcap, alibi_slopes, prefix_len,
+                                    sinks)
 
 
 def ring_attention(
@@ -294,6 +362,11 @@ def ring_attention(
     strategy: str = "ring",
     allgather_chunk: Optional[int] = None,
     timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    prefix_len: int = 0,
+    seqlen: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -309,6 +382,15 @@ def ring_attention(
             memory per rank 1/W) or "allgather" (all-gather K/V, `allgather_chunk` KV heads at a
             time, default a quarter of them; simplest, good for short sequences or few KV heads).
         timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
+        sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions
+            (the same values on every rank). A sink joins each row once, after every partial
+            result is merged; the LSE returned includes it. The gradient of `sinks` on a rank is
+            its own rows' share, like any parameter gradient under context parallelism: the
+            usual gradient all-reduce over the group (as for the projection weights) sums it.
+        seqlen: the global sequence length, for any length (default: W times the shard length).
+            Shards of a length-S sequence from cpattn.shard are padded at the end to the
+            layout's granularity (cpattn.positions); padding rows get out 0 and LSE -inf (with
+            sinks: LSE = the sink) and padding keys are never attended to.
 
     Every rank must call it with the same shapes and options; a mismatch raises on every rank
     (the agreement check, see cpattn.set_rank_check), as does a bad argument.
@@ -316,7 +398,8 @@ def ring_attention(
     `group` and cached: call cpattn.destroy_communicators() before destroying the group.
     """
     out, lse = _context_parallel("cpattn.ring_attention", q, k, v, group, causal, layout,
-                                 softmax_scale, window, timeout, strategy, allgather_chunk, None)
+                                 softmax_scale, window, timeout, strategy, allgather_chunk, None,
+                                 sinks, softcap, alibi_slopes, prefix_len, seqlen)
     return (out, lse) if return_lse else out
 
 
@@ -346,6 +429,10 @@ def ring_attention_varlen(
     strategy: str = "ring",
     allgather_chunk: Optional[int] = None,
     timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    prefix_len: int = 0,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ring (or all-gather) attention over packed documents that never attend across each other.
 
@@ -354,10 +441,13 @@ def ring_attention_varlen(
     and sharded on its own (per-document zigzag), so documents straddle ranks.
     q (T_local, H, D), k/v (T_local, Hkv, D) come from cpattn.shard_varlen; padding tokens give
     output 0 and LSE -inf. Returns out (T_local, H, D) and optionally lse (H, T_local).
+    sinks, softcap, alibi_slopes: as ring_attention (ALiBi on positions within the document);
+    prefix_len: an int, the same prefix for every document (positions within the document);
+    a prefix per document is not supported yet. Padding rows with a sink: LSE = the sink.
     """
     out, lse = _context_parallel("cpattn.ring_attention_varlen", q, k, v, group, causal, layout,
                                  softmax_scale, window, timeout, strategy, allgather_chunk,
-                                 cu_seqlens)
+                                 cu_seqlens, sinks, softcap, alibi_slopes, prefix_len)
     return (out[0], lse[0]) if return_lse else out[0]
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn._agreement import agree_on
-from cpattn._validation import check_timeout, error
+from cpattn._agreement import agree_on, score_fields
+from cpattn._validation import check_score_options, check_timeout, error
 from cpattn.attention import attention
 from cpattn.ring import _attention_args, _group_info, ring_attention
 
@@ -48,6 +48,16 @@ def _check_heads(what: str, q, world: int) -> None:
                     f"must be divisible by the Ulysses group size ({world})")
 
 
+def _my_heads(per_head: Optional[torch.Tensor], heads: int, group) -> Optional[torch.Tensor]:
+    """The entries of a per-head parameter (sinks, ALiBi slopes) for the query heads this rank
+    holds after the all-to-all: [r * H/U, (r+1) * H/U). Differentiable (slicing)."""
+    if per_head is None:
+        return None
+    u_rank, u_world = dist.get_rank(group), dist.get_world_size(group)
+    per_rank = heads // u_world
+    return per_head[u_rank * per_rank:(u_rank + 1) * per_rank]
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -59,6 +69,10 @@ def ulysses_attention(
     window: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
     timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    prefix_len: int = 0,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded contiguously (rank r holds tokens
     [r*S/W, (r+1)*S/W)) by all-to-all between sequence and head shards.
@@ -66,22 +80,31 @@ def ulysses_attention(
     q (B, S/W, H, D), k/v (B, S/W, Hkv, D); H % W == 0. GQA: when Hkv % W == 0 each rank receives
     Hkv / W KV heads; otherwise the KV heads a rank needs are replicated before the all-to-all:
     one per rank when a rank's H/W query heads share one KV head (K/V traffic x W / Hkv), else one
-    per query head (K/V traffic x H / Hkv). Returns out (B, S/W, H, D) and optionally the LSE
-    (B, H, S/W). Differentiable.
+    per query head (K/V traffic x H / Hkv). Returns out (B, S/W, H, Dv) and optionally the LSE
+    (B, H, S/W). Differentiable. v may have its own head dim Dv.
+    sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention on global positions; each rank
+    uses the sinks / slopes of the heads it computes, so the gradient of `sinks` on a rank is
+    its heads' share (summed over the group by the usual parameter-gradient all-reduce).
     """
     what = "cpattn.ulysses_attention"
     group, _, world = _group_info(group)
     timeout = check_timeout(what, timeout)
 
     def check():
-        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window)
+        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window,
+                                       v_head_dim_free=True)
         _check_heads(what, q, world)
-        return args, fields
+        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
+        return (*args, cap, prefix), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix)]
 
-    causal, _, softmax_scale, window = agree_on(what, group, timeout, check)
+    causal, _, softmax_scale, window, softcap, prefix_len = agree_on(what, group, timeout, check)
     qh, kh, vh = _scatter_heads(q, k, v, group)
+    heads = q.shape[2]
     out_h, lse_h = attention(qh, kh, vh, causal=causal, softmax_scale=softmax_scale,
-                             window=window, return_lse=True)
+                             window=window, return_lse=True, softcap=softcap,
+                             sinks=_my_heads(sinks, heads, group),
+                             alibi_slopes=_my_heads(alibi_slopes, heads, group),
+                             prefix_len=prefix_len)
     out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=group)
     if not return_lse:
         return out
@@ -102,6 +125,10 @@ def hybrid_attention(
     window: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
     timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    prefix_len: int = 0,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ulysses inside `ulysses_group` (size U), ring across `ring_group` (size R), W = U * R.
 
@@ -109,6 +136,8 @@ def hybrid_attention(
     Sharding (see cpattn.hybrid_positions / hybrid_shard): the sequence is split over the R ring
     ranks by `layout`; the rank at ring index i and Ulysses index u holds the u-th contiguous
     sub-chunk of ring shard i. H % U == 0. Either group may have size 1.
+    sinks, softcap, alibi_slopes, prefix_len: as ulysses_attention (per-head ones sliced to the
+    rank's heads, then as ring_attention across the ring).
     """
     if mesh is not None:
         ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
@@ -117,17 +146,26 @@ def hybrid_attention(
     what = "cpattn.hybrid_attention"
     u_world = dist.get_world_size(ulysses_group)
     timeout = check_timeout(what, timeout)
+    ring_world = dist.get_world_size(ring_group)
 
     def check():
-        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout)
+        # v's own head dim passes Ulysses; the ring needs it equal to q/k's.
+        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout,
+                                       v_head_dim_free=ring_world == 1)
         _check_heads(what, q, u_world)
-        return args, fields
+        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
+        return (*args, cap, prefix), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix)]
 
-    causal, _, softmax_scale, window = agree_on(what, ulysses_group, timeout, check)
+    causal, _, softmax_scale, window, softcap, prefix_len = agree_on(what, ulysses_group, timeout,
+                                                                     check)
     qh, kh, vh = _scatter_heads(q, k, v, ulysses_group)
+    heads = q.shape[2]
     out_h, lse_h = ring_attention(qh, kh, vh, group=ring_group, causal=causal, layout=layout,
                                   softmax_scale=softmax_scale, window=window, return_lse=True,
-                                  timeout=timeout)
+                                  timeout=timeout, softcap=softcap,
+                                  sinks=_my_heads(sinks, heads, ulysses_group),
+                                  alibi_slopes=_my_heads(alibi_slopes, heads, ulysses_group),
+                                  prefix_len=prefix_len)
     out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=ulysses_group)
     if not return_lse:
         return out
@@ -143,6 +181,11 @@ def hybrid_positions(
     from cpattn.ring import positions
 
     ring_pos = positions(seqlen, layout=layout, rank=r_rank, world_size=r_world, device=device)
+    if ring_pos.numel() * r_world != seqlen:
+        raise ValueError(
+            f"cpattn.hybrid_positions: the sequence length {seqlen} must be a multiple of the "
+            f"{layout} layout's granularity over the {r_world} ring ranks"
+        )
     if ring_pos.numel() % u_world != 0:
         raise ValueError(
             f"cpattn.hybrid_positions: the ring shard length {ring_pos.numel()} is not divisible "

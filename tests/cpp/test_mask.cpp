@@ -12,6 +12,7 @@ namespace {
 
 // The rule as DESIGN.md states it, on global positions (query i, key j).
 bool brute_visible(const Mask& m, int64_t i, int64_t j) {
+  if (j < m.prefix_end) return true;  // prefix-LM: seen by every query
   return (!m.causal || j <= i) && (m.window_left < 0 || j >= i - m.window_left) &&
          (m.window_right < 0 || j <= i + m.window_right);
 }
@@ -36,6 +37,7 @@ class RandomProblems {
     p.mask.window_right = uniform(0, 3) == 0 ? -1 : uniform(0, 20);
     p.mask.q_offset = uniform(-40, 60);
     p.mask.k_offset = uniform(-40, 60);
+    if (uniform(0, 2) == 0) p.mask.prefix_end = uniform(-45, 80);
     p.seqlen_q = uniform(1, 40);
     p.seqlen_k = uniform(1, 40);
     return p;
@@ -152,7 +154,9 @@ TEST(Mask, KeySpanMatchesBruteForce) {
     if (want.empty()) continue;
     ASSERT_EQ(got.first, want.first) << "trial " << t;
     ASSERT_EQ(got.last, want.last) << "trial " << t;
-    // No gaps: every column in the span is seen by some row of the range.
+    // No gaps: every column in the span is seen by some row of the range (a prefix may leave
+    // a gap between itself and the rows' intervals).
+    if (p.mask.prefix_end > p.mask.k_offset) continue;
     for (int64_t c = want.first; c <= want.last; ++c) {
       bool seen = false;
       for (int64_t r = r0; r < r1 && !seen; ++r) seen = brute_local(p.mask, r, c);
@@ -180,7 +184,7 @@ TEST(Mask, SingleRowAndColumnSpansAreExactlyTheVisibleSets) {
   RandomProblems gen(4);
   for (int t = 0; t < kTrials / 4; ++t) {
     const Problem p = gen.next();
-    for (int64_t r = 0; r < p.seqlen_q; ++r) {
+    for (int64_t r = 0; r < p.seqlen_q && p.mask.prefix_end <= p.mask.k_offset; ++r) {
       const PosRange s = p.mask.key_span(r, r + 1, p.seqlen_k);
       for (int64_t c = 0; c < p.seqlen_k; ++c)
         ASSERT_EQ(!s.empty() && c >= s.first && c <= s.last, brute_local(p.mask, r, c));
@@ -214,6 +218,22 @@ TEST(Mask, ClassifyMatchesBruteForce) {
   EXPECT_GT(counts[0], 100);
   EXPECT_GT(counts[1], 100);
   EXPECT_GT(counts[2], 100);
+}
+
+TEST(Mask, PrefixSpotChecks) {
+  Mask m;  // causal prefix-LM with a prompt of 4 tokens
+  m.causal = true;
+  m.prefix_end = 4;
+  EXPECT_TRUE(m.visible_pos(0, 3));   // a prompt token sees the whole prompt
+  EXPECT_FALSE(m.visible_pos(0, 4));  // but not the continuation
+  EXPECT_TRUE(m.visible_pos(9, 2));
+  EXPECT_FALSE(m.visible_pos(5, 6));
+  m.window_left = 1;  // a window does not hide the prefix
+  EXPECT_TRUE(m.visible_pos(20, 0));
+  EXPECT_FALSE(m.visible_pos(20, 10));
+  EXPECT_EQ(m.classify(0, 4, 0, 4), BlockKind::kFull);
+  EXPECT_EQ(m.classify(10, 12, 4, 6), BlockKind::kEmpty);
+  EXPECT_EQ(m.classify(10, 12, 3, 6), BlockKind::kPartial);
 }
 
 TEST(Mask, ClassifyDegenerateBlocksAreEmpty) {

@@ -14,17 +14,21 @@ namespace {
 struct MaskCase {
   bool causal;
   int64_t left, right;
+  int64_t prefix = -kUnbounded;  // prefix-LM: keys below it seen by every query
 };
 
 const MaskCase kMasks[] = {{false, -1, -1}, {true, -1, -1}, {true, 5, -1},  {true, 0, -1},
                            {false, 7, 3},   {false, 0, 0},  {false, -1, 2}, {false, 9, -1},
-                           {true, 13, 4},   {false, 1, 20}};
+                           {true, 13, 4},   {false, 1, 20}, {true, -1, -1, 5},
+                           {true, 0, -1, 7}, {true, 3, -1, 1}, {false, 2, 2, 11},
+                           {true, -1, -1, 1000}};
 
 void check_coverage(Layout layout, int64_t world, int64_t seqlen, const MaskCase& mc) {
   Mask global;
   global.causal = mc.causal;
   global.window_left = mc.left;
   global.window_right = mc.right;
+  global.prefix_end = mc.prefix;
   std::vector<int> seen(seqlen * seqlen, 0);
   for (int64_t rank = 0; rank < world; ++rank) {
     for (int64_t step = 0; step < world; ++step) {
@@ -52,7 +56,8 @@ void check_coverage(Layout layout, int64_t world, int64_t seqlen, const MaskCase
     for (int64_t j = 0; j < seqlen; ++j)
       ASSERT_EQ(seen[i * seqlen + j], global.visible_pos(i, j) ? 1 : 0)
           << "pair i=" << i << " j=" << j << " layout " << static_cast<int>(layout) << " W "
-          << world << " causal " << mc.causal << " window " << mc.left << "," << mc.right;
+          << world << " causal " << mc.causal << " window " << mc.left << "," << mc.right
+          << " prefix " << mc.prefix;
 }
 
 TEST(Schedule, CoversEveryVisiblePairOnce) {
@@ -70,6 +75,7 @@ void check_varlen_coverage(Layout layout, int64_t world, const std::vector<int64
   global.causal = mc.causal;
   global.window_left = mc.left;
   global.window_right = mc.right;
+  global.prefix_end = mc.prefix;
   const int64_t g = layout_granularity(layout, world);
   // Each rank's shard: per document, its part of the padded document. Map local index -> (doc,
   // position in doc) to check pairs.

@@ -200,5 +200,65 @@ TEST(BackwardReference, RecoversProbabilities) {
   EXPECT_EQ(exp2f(kNegInf - ref), 0.f);
 }
 
+// The sink joins the softmax once, after any number of merges: merging W parts and adding the
+// sink equals the direct softmax over all the scores plus the sink logit.
+TEST(Sink, AddedOnceAfterMergesEqualsDirectSoftmax) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.f, 3.f);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int parts = 1 + trial % 4;
+    const float sink = normal(rng);
+    std::vector<std::vector<float>> scores(parts);
+    std::vector<float> values;  // one scalar value per key, to check the output too
+    double denom = std::exp(double(sink)), numer = 0;
+    float lse = kNegInf, out = 0.f;
+    for (int n = 0; n < parts; ++n) {
+      const int keys = (trial + n) % 3;  // some parts are empty
+      double part_sum = 0, part_numer = 0;
+      for (int j = 0; j < keys; ++j) {
+        const float s = normal(rng), v = normal(rng);
+        part_sum += std::exp(double(s));
+        part_numer += std::exp(double(s)) * v;
+      }
+      denom += part_sum;
+      numer += part_numer;
+      const float part_lse = keys ? float(std::log(part_sum)) : kNegInf;
+      const float part_out = keys ? float(part_numer / part_sum) : 0.f;
+      const MergeWeights w = merge_weights(lse, part_lse);
+      out = w.weight_a * out + w.weight_b * part_out;
+      lse = w.lse;
+    }
+    const SinkNormalisation f = add_sink(lse, sink);
+    EXPECT_NEAR(f.lse, std::log(denom), 1e-5 * std::max(1.0, std::fabs(std::log(denom))));
+    EXPECT_NEAR(out * f.out_factor, numer / denom, 1e-5 * std::max(1.0, std::fabs(numer / denom)));
+  }
+}
+
+TEST(Sink, EmptyRowAndNoSink) {
+  const SinkNormalisation empty = add_sink(kNegInf, 1.5f);  // no key: the sink alone
+  EXPECT_EQ(empty.out_factor, 0.f);
+  EXPECT_EQ(empty.lse, 1.5f);
+  const SinkNormalisation none = add_sink(2.f, kNegInf);  // no sink: nothing changes
+  EXPECT_EQ(none.out_factor, 1.f);
+  EXPECT_EQ(none.lse, 2.f);
+  const SinkNormalisation neither = add_sink(kNegInf, kNegInf);
+  EXPECT_EQ(neither.out_factor, 0.f);
+  EXPECT_EQ(neither.lse, kNegInf);
+  EXPECT_EQ(sink_grad(1.f, kNegInf, 3.f), 0.f);
+  // no overflow at large logits
+  const SinkNormalisation big = add_sink(100.f, 100.f);
+  EXPECT_NEAR(big.lse, 100.f + std::log(2.f), 1e-4);
+  EXPECT_NEAR(big.out_factor, 0.5f, 1e-6);
+}
+
+// d lse'/d sink = p_sink: sink_grad with delta = -1 (dL/dlse' = 1, no output gradient) is p_sink,
+// checked against a finite difference of add_sink.
+TEST(Sink, GradientMatchesFiniteDifference) {
+  const float lse = 0.7f, sink = -0.3f;
+  const double h = 1e-3;
+  const double fd = (add_sink(lse, sink + h).lse - add_sink(lse, sink - h).lse) / (2 * h);
+  EXPECT_NEAR(sink_grad(sink, add_sink(lse, sink).lse, -1.f), fd, 1e-3);
+}
+
 }  // namespace
 }  // namespace cpattn

@@ -31,7 +31,8 @@ struct SubProblem {
 //   b - a <= up    from causal (j <= i) and the right window (j <= i + right),
 //   a - b <= down  from the left window (j >= i - left),
 // with up = floor((bound + rq - rk) / W) and down = floor((left + rk - rq) / W); the band is then
-// written as a causal mask with a key offset (up) and a left window (up + down).
+// written as a causal mask with a key offset (up) and a left window (up + down). A prefix
+// (j < P) becomes the local keys b < ceil((P - rk) / W), shifted like the band.
 CPATTN_HOST_DEVICE bool sub_problem_mask(const Mask& global, const Run& q, const Run& k,
                                          Mask* out) {
   if (q.global_stride == 1) {
@@ -58,11 +59,19 @@ CPATTN_HOST_DEVICE bool sub_problem_mask(const Mask& global, const Run& q, const
     m.q_offset = 0;
     m.window_right = -1;
     // keys shifted by t: local key b is at b + t; the band is then {a - left' <= b + t <= a}.
-    const int64_t t = up_bounded ? -up : (down_bounded && down < 0 ? down : 0);
+    int64_t t = up_bounded ? -up : (down_bounded && down < 0 ? down : 0);
     m.causal = up_bounded;
-    m.k_offset = t;
     m.window_left = down_bounded ? down - t : -1;
-    if (down_bounded && m.window_left < 0) return false;  // a - b <= down < -up: empty band
+    if (down_bounded && m.window_left < 0) {  // a - b <= down < -up: empty band
+      if (!global.has_prefix()) return false;
+      // only the prefix opens keys: a causal band shifted past every query sees nothing else
+      m.causal = true;
+      m.window_left = -1;
+      t = kUnbounded / 2;
+    }
+    m.k_offset = t;
+    // global key j = w b + rk < P  <=>  b < ceil((P - rk) / w)  <=>  b + t < that + t
+    if (global.has_prefix()) m.prefix_end = floor_div(global.prefix_end - rk + w - 1, w) + t;
     *out = m;
   }
   return out->classify(0, q.length, 0, k.length) != BlockKind::kEmpty;

@@ -63,6 +63,34 @@ CPATTN_HOST_DEVICE float merged_weight(float lse_part, float lse_merged) {
   return lse_merged == neg_inf() ? 0.f : expf(lse_part - lse_merged);
 }
 
+// The attention sink of a row (a per-head logit in the softmax denominator, without a value),
+// added once to a row's merged result over all its keys (o, lse):
+//   lse' = log(exp(lse) + exp(sink)),  o' = o * exp(lse - lse').
+// Any number of partial results over disjoint key sets merge first (merge_weights), without the
+// sink; the sink comes last, so it counts once whatever the merge order or the number of parts.
+// The LSE returned with a sink is lse' (what the backward's probabilities are computed from:
+// p_j = exp(s_j - lse'), p_sink = exp(sink - lse')). An empty row (lse = -inf) gets o' = 0 and
+// lse' = sink; no sink (sink = -inf) changes nothing.
+struct SinkNormalisation {
+  float out_factor;  // o' = o * out_factor
+  float lse;         // lse'
+};
+
+CPATTN_HOST_DEVICE SinkNormalisation add_sink(float lse, float sink) {
+  const float mx = lse > sink ? lse : sink;
+  if (mx == neg_inf()) return {0.f, neg_inf()};
+  const float sum = expf(lse - mx) + expf(sink - mx);
+  const float merged = mx + logf(sum);
+  return {lse == neg_inf() ? 0.f : expf(lse - merged), merged};
+}
+
+// The gradient of a row's loss with respect to its sink logit: the sink is a key with value 0,
+// so dL/dsink = p_sink * (0 - delta) with p_sink = exp(sink - lse') and delta = rowsum(dO * O) -
+// dL/dlse' (the same delta the kernels' dS = P (dP - delta) takes). 0 for an empty row.
+CPATTN_HOST_DEVICE float sink_grad(float sink, float lse, float delta) {
+  return lse == neg_inf() ? 0.f : -expf(sink - lse) * delta;
+}
+
 // Running state of one query row in base 2: scores are pre-multiplied by scale * log2(e),
 // max is the running maximum and sum the running sum of exp2(score - max).
 struct OnlineSoftmaxRow {

@@ -1,0 +1,277 @@
+"""Score options (sinks, softcap, ALiBi, prefix-LM) under the ring and all-gather strategies on
+real gloo ranks, against the float64 single-process reference on the full sequence: forward,
+LSE and every gradient, the sinks' summed over ranks (each rank holds its rows' share)."""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpattn
+from distributed import run_ranks
+from reference import reference_attention
+
+LAYOUTS = ["contiguous", "zigzag", "striped"]
+# name -> (causal, window, options); sinks / alibi_slopes: True = per-head values drawn below
+CASES = {
+    "sinks_window": (True, (5, 0), {"sinks": True}),
+    "softcap_causal": (True, (-1, -1), {"softcap": 4.0}),
+    "alibi_full": (False, (-1, -1), {"alibi_slopes": True}),
+    "prefix_causal": (True, (-1, -1), {"prefix_len": 7}),
+    "all": (True, (9, -1), {"sinks": True, "softcap": 3.0, "alibi_slopes": True, "prefix_len": 5}),
+}
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def _draw(options: dict, heads: int) -> dict:
+    kwargs = {}
+    if options.get("sinks"):
+        kwargs["sinks"] = torch.randn(heads) * 2
+    if options.get("alibi_slopes"):
+        kwargs["alibi_slopes"] = torch.rand(heads) * 0.5 + 0.01
+    for key in ("softcap", "prefix_len"):
+        if key in options:
+            kwargs[key] = options[key]
+    return kwargs
+
+
+def _check(rank: int, world: int, strategy: str, dtypes: tuple) -> None:
+    seqlen = 2 * world * 5
+    h, hkv = 4, 2
+    for n, (layout, name, dtype) in enumerate(itertools.product(LAYOUTS, CASES, dtypes)):
+        causal, window, options = CASES[name]
+        torch.manual_seed(100 * world + n)  # the same full tensors and options on every rank
+        q, k, v, dout = (torch.randn(1, seqlen, heads, 16).to(dtype) for heads in (h, hkv, hkv, h))
+        kwargs = _draw(options, h)
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_kwargs = dict(kwargs)
+        if "sinks" in kwargs:
+            ref_kwargs["sinks"] = kwargs["sinks"].double().requires_grad_()
+            kwargs["sinks"].requires_grad_()
+        ref_out, ref_lse = reference_attention(*ref_leaves, causal=causal, window=window,
+                                               **ref_kwargs)
+        ref_out.backward(dout.double())
+
+        shards = [cpattn.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
+        out, lse = cpattn.ring_attention(
+            *shards, causal=causal, window=window, layout=layout, return_lse=True,
+            strategy=strategy, allgather_chunk=1, **kwargs,
+        )
+        out.backward(cpattn.shard(dout, layout=layout))
+        full_out = cpattn.unshard(out.detach(), layout=layout)
+        full_lse = cpattn.unshard(lse.detach(), layout=layout, dim=2)
+        grads = [cpattn.unshard(s.grad, layout=layout) for s in shards]
+
+        what = f"W={world} {strategy} {layout} {name} {dtype}"
+        tol = TOL[dtype]
+        torch.testing.assert_close(full_out.double(), ref_out.detach(), atol=tol, rtol=tol,
+                                   msg=lambda m: f"out {what}: {m}")
+        finite = ref_lse.isfinite()
+        assert torch.equal(full_lse.isfinite(), finite), what
+        torch.testing.assert_close(full_lse[finite].double(), ref_lse.detach()[finite],
+                                   atol=2e-5, rtol=2e-5, msg=lambda m: f"lse {what}: {m}")
+        pairs = list(zip("qkv", grads, ref_leaves))
+        if "sinks" in kwargs:
+            dsinks = kwargs["sinks"].grad.clone()
+            dist.all_reduce(dsinks)  # the parameter-gradient reduction of a trainer
+            pairs.append(("sinks", dsinks, ref_kwargs["sinks"]))
+        for gname, g, r in pairs:
+            scale = max(1.0, r.grad.abs().max().item())
+            torch.testing.assert_close(g.double(), r.grad, atol=tol * scale, rtol=tol,
+                                       msg=lambda m: f"d{gname} {what}: {m}")
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_options_match_reference(world: int, strategy: str) -> None:
+    run_ranks(world, _check, strategy, (torch.float32,))
+
+
+def test_options_bf16() -> None:
+    run_ranks(2, _check, "ring", (torch.bfloat16,))
+
+
+def _check_varlen(rank: int, world: int) -> None:
+    cu = torch.tensor([0, 13, 14, 40])
+    torch.manual_seed(5)
+    h, hkv = 4, 2
+    q, k, v, dout = (torch.randn(40, heads, 16) for heads in (h, hkv, hkv, h))
+    sinks = (torch.randn(h) * 2).requires_grad_()
+    slopes = torch.rand(h) * 0.3
+    opts = {"softcap": 5.0, "alibi_slopes": slopes, "prefix_len": 4}
+    # reference: each document on its own (positions within the document)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_sinks = sinks.detach().double().requires_grad_()
+    outs, lses = [], []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        o, l = reference_attention(*(t[None, a:b] for t in ref_leaves), causal=True,
+                                   sinks=ref_sinks, **opts)
+        outs.append(o[0])
+        lses.append(l[0])
+    ref_out, ref_lse = torch.cat(outs), torch.cat(lses, dim=1)
+    ref_out.backward(dout.double())
+
+    shards = [cpattn.shard_varlen(t, cu).requires_grad_() for t in (q, k, v)]
+    out, lse = cpattn.ring_attention_varlen(*shards, cu, causal=True, return_lse=True,
+                                            sinks=sinks, **opts)
+    index, _ = cpattn.positions_varlen(cu)
+    padding = index < 0
+    assert torch.equal(out[padding], torch.zeros_like(out[padding]))
+    assert torch.equal(lse[:, padding], sinks.detach()[:, None].expand(h, int(padding.sum())))
+    out.backward(cpattn.shard_varlen(dout, cu))
+    torch.testing.assert_close(cpattn.unshard_varlen(out.detach(), cu).double(),
+                               ref_out.detach(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(cpattn.unshard_varlen(lse.detach(), cu, dim=1).double(),
+                               ref_lse.detach(), atol=2e-5, rtol=2e-5)
+    for s, r in zip(shards, ref_leaves):
+        torch.testing.assert_close(cpattn.unshard_varlen(s.grad, cu).double(), r.grad,
+                                   atol=1e-4, rtol=1e-4)
+    dsinks = sinks.grad.clone()
+    dist.all_reduce(dsinks)
+    torch.testing.assert_close(dsinks.double(), ref_sinks.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_varlen_options() -> None:
+    run_ranks(2, _check_varlen)
+
+
+def _disagree(rank: int, world: int) -> None:
+    q, k, v = (torch.randn(1, 4, 2, 8) for _ in range(3))
+    with pytest.raises(ValueError, match="ranks disagree on softcap"):
+        cpattn.ring_attention(q, k, v, causal=True, softcap=1.0 + rank)
+    with pytest.raises(ValueError, match="ranks disagree on sinks"):
+        cpattn.ring_attention(q, k, v, causal=True, sinks=torch.full((2,), float(rank)))
+    with pytest.raises(ValueError, match="v must have k's shape"):
+        cpattn.ring_attention(q, k, torch.randn(1, 4, 2, 4), causal=True)
+    # the group stays usable
+    cpattn.ring_attention(q, k, v, causal=True, prefix_len=3)
+
+
+def test_ranks_must_agree_on_options() -> None:
+    run_ranks(2, _disagree)
+
+
+def _ulysses_and_hybrid(rank: int, world: int) -> None:
+    """Ulysses (W=4, then head_dim_v != head_dim too) and hybrid (U=2 x R=2) with every option:
+    per-head sinks and slopes sliced to each rank's heads."""
+    from test_strategies import _hybrid_groups
+
+    ug, rg = _hybrid_groups(world, 2)
+    seqlen, h, hkv = 24, 4, 2
+    for n, (strategy, dv) in enumerate([("ulysses", 16), ("ulysses", 8), ("hybrid", 16)]):
+        torch.manual_seed(40 + n)
+        q, k, dout_like = (torch.randn(1, seqlen, heads, 16) for heads in (h, hkv, h))
+        v = torch.randn(1, seqlen, hkv, dv)
+        dout = torch.randn(1, seqlen, h, dv)
+        sinks = (torch.randn(h) * 2).requires_grad_()
+        opts = {"softcap": 4.0, "alibi_slopes": torch.rand(h) * 0.3, "prefix_len": 5}
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_sinks = sinks.detach().double().requires_grad_()
+        ref_out, ref_lse = reference_attention(*ref_leaves, causal=True, window=(11, -1),
+                                               sinks=ref_sinks, **opts)
+        ref_out.backward(dout.double())
+        if strategy == "ulysses":
+            shard = lambda t, d=1: t.chunk(world, dim=d)[rank]  # noqa: E731
+            unshard = lambda t, d=1: cpattn.unshard(t, layout="contiguous", dim=d)  # noqa: E731
+            run = lambda *a, **kw: cpattn.ulysses_attention(*a, **kw)  # noqa: E731
+        else:
+            kw = {"ulysses_group": ug, "ring_group": rg, "layout": "zigzag"}
+            shard = lambda t, d=1: cpattn.hybrid_shard(t, dim=d, **kw)  # noqa: E731
+            unshard = lambda t, d=1: cpattn.hybrid_unshard(t, dim=d, **kw)  # noqa: E731
+            run = lambda *a, **k2: cpattn.hybrid_attention(*a, **kw, **k2)  # noqa: E731
+        shards = [shard(t).requires_grad_() for t in (q, k, v)]
+        out, lse = run(*shards, causal=True, window=(11, -1), return_lse=True, sinks=sinks,
+                       **opts)
+        out.backward(shard(dout))
+        what = f"{strategy} dv={dv}"
+        torch.testing.assert_close(unshard(out.detach()).double(), ref_out.detach(), atol=2e-5,
+                                   rtol=2e-5, msg=lambda m: f"out {what}: {m}")
+        torch.testing.assert_close(unshard(lse.detach(), 2).double(), ref_lse.detach(),
+                                   atol=2e-5, rtol=2e-5, msg=lambda m: f"lse {what}: {m}")
+        for s, r in zip(shards, ref_leaves):
+            torch.testing.assert_close(unshard(s.grad).double(), r.grad, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"grad {what}: {m}")
+        dsinks = sinks.grad.clone()
+        dist.all_reduce(dsinks)
+        torch.testing.assert_close(dsinks.double(), ref_sinks.grad, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"dsinks {what}: {m}")
+
+
+def test_ulysses_and_hybrid_options() -> None:
+    run_ranks(4, _ulysses_and_hybrid)
+
+
+def _prefill_decode_sinks(rank: int, world: int) -> None:
+    """Prefill and decode with sinks: each row's sink joins once after the W partials (and the
+    cached tokens' partials) are merged, for both decode merges."""
+    torch.manual_seed(9)
+    h, hkv, chunk = 6, 3, 4 * world
+    total = chunk + 3
+    q, k, v = (torch.randn(1, total, heads, 16) for heads in (h, hkv, hkv))
+    sinks = torch.randn(h) * 2
+    r_out, r_lse = reference_attention(q, k, v, causal=True, sinks=sinks)
+    cache = cpattn.KVCacheShard(1, total, hkv, 16, interleave=3)
+    pos = cpattn.positions(chunk, layout="zigzag")
+    out, lse = cpattn.prefill_attention(*(t[:, pos] for t in (q, k, v)), cache, layout="zigzag",
+                                        return_lse=True, sinks=sinks)
+    torch.testing.assert_close(out.double(), r_out[:, pos], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), r_lse[:, :, pos], atol=2e-5, rtol=2e-5)
+    start = chunk
+    for sq in (2, 1):
+        new = slice(start, start + sq)
+        cache.append(k[:, new], v[:, new])
+        for comm in ("all_gather", "reduce_scatter"):
+            out, lse = cpattn.decode_attention(q[:, new], cache, comm=comm, return_lse=True,
+                                               sinks=sinks)
+            heads = slice(None) if comm == "all_gather" else slice(rank * h // world,
+                                                                   (rank + 1) * h // world)
+            torch.testing.assert_close(out.double(), r_out[:, new, heads], atol=2e-5, rtol=2e-5)
+            torch.testing.assert_close(lse.double(), r_lse[:, heads, new], atol=2e-5, rtol=2e-5)
+        start += sq
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_prefill_and_decode_with_sinks(world: int) -> None:
+    run_ranks(world, _prefill_decode_sinks)
+
+
+def _any_length(rank: int, world: int) -> None:
+    """S = 2W k + r for several r: shard pads at the end, ring / all-gather with seqlen= give
+    padding rows exactly 0 / -inf and the reference elsewhere, unshard returns S tokens."""
+    for n, (layout, r, strategy) in enumerate(
+        itertools.product(LAYOUTS, [1, world + 1, 2 * world - 1], ["ring", "allgather"])
+    ):
+        seqlen = 2 * world * 3 + r
+        torch.manual_seed(300 + n)
+        q, k, v, dout = (torch.randn(2, seqlen, heads, 16) for heads in (4, 2, 2, 4))
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = reference_attention(*ref_leaves, causal=True, window=(7, -1))
+        ref_out.backward(dout.double())
+        pos = cpattn.positions(seqlen, layout=layout)
+        shards = [cpattn.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
+        assert shards[0].shape[1] == pos.numel()
+        out, lse = cpattn.ring_attention(*shards, causal=True, window=(7, -1), layout=layout,
+                                         return_lse=True, strategy=strategy, seqlen=seqlen)
+        padding = pos < 0
+        assert torch.equal(out[:, padding], torch.zeros_like(out[:, padding]))
+        assert bool((lse[:, :, padding] == float("-inf")).all())
+        out.backward(cpattn.shard(dout, layout=layout))
+        un = lambda t, d=1: cpattn.unshard(t, layout=layout, dim=d, seqlen=seqlen)  # noqa: E731
+        what = f"W={world} {layout} S={seqlen} {strategy}"
+        full = un(out.detach())
+        assert full.shape[1] == seqlen, what
+        torch.testing.assert_close(full.double(), ref_out.detach(), atol=2e-5, rtol=2e-5,
+                                   msg=lambda m: f"out {what}: {m}")
+        torch.testing.assert_close(un(lse.detach(), 2).double(), ref_lse.detach(), atol=2e-5,
+                                   rtol=2e-5, msg=lambda m: f"lse {what}: {m}")
+        for s, ref in zip(shards, ref_leaves):
+            torch.testing.assert_close(un(s.grad).double(), ref.grad, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"grad {what}: {m}")
+    with pytest.raises(ValueError, match="gives shards of"):
+        cpattn.ring_attention(*(torch.randn(1, 3, 2, 8) for _ in range(3)), seqlen=100)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_any_length(world: int) -> None:
+    run_ranks(world, _any_length)
