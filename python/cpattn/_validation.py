@@ -137,14 +137,14 @@ def check_qkv(what: str, q, k, v, *, varlen: bool = False, same_length: bool = T
                 "must be equal (a head dim of v different from q/k's is supported by "
                 "cpattn.attention, ulysses_attention and hybrid_attention over one ring rank)")
         raise error(what, "(k.shape, v.shape)", (tuple(k.shape), tuple(v.shape)), rule)
-    if v.shape[-1] > MAX_HEAD_DIM:
-        raise error(what, "v head_dim", v.shape[-1], f"must be between 1 and {MAX_HEAD_DIM}")
     if not varlen and q.shape[0] != k.shape[0]:
         raise error(what, "(q batch, k batch)", (q.shape[0], k.shape[0]), "must be equal")
     if q.shape[-1] != k.shape[-1]:
         raise error(what, "(q head_dim, k head_dim)", (q.shape[-1], k.shape[-1]), "must be equal")
     if q.shape[-1] > MAX_HEAD_DIM:
         raise error(what, "head_dim", q.shape[-1], f"must be between 1 and {MAX_HEAD_DIM}")
+    if v.shape[-1] > MAX_HEAD_DIM:
+        raise error(what, "v head_dim", v.shape[-1], f"must be between 1 and {MAX_HEAD_DIM}")
     if q.shape[-2] % k.shape[-2] != 0:
         raise error(what, "(heads, kv_heads)", (q.shape[-2], k.shape[-2]),
                     "heads must be a multiple of kv_heads")
