@@ -19,10 +19,9 @@ def tiny_config(kind: str = "llama", **overrides):
     common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-6, attention_dropout=0.0, tie_word_embeddings=False)
-    common.update(overrides)
     if kind == "mistral":
-        return MistralConfig(sliding_window=7, **common)
-    return LlamaConfig(**common)
+        return MistralConfig(**{"sliding_window": 7, **common, **overrides})
+    return LlamaConfig(**{**common, **overrides})
 
 
 def tiny_model(config, attn_implementation: str, seed: int = 0):

@@ -139,11 +139,13 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
     layer = _PENDING.pop(id(key), None)
     if layer is not None and layer.pending[0] is key:
         return layer.attend(q, k, v, causal, scale, window), None
-    if key.shape[2] != query.shape[2]:
+    if kwargs.get("use_cache") or key.shape[2] != query.shape[2]:
+        # A transformers cache here would hold this rank's shard of K/V: useless for decoding.
         raise ValueError(
-            f"{WHAT}: {key.shape[2]} keys for {query.shape[2]} queries: the model uses a cache "
-            "other than ContextParallelCache (use_cache=True in a training forward?). Pass "
-            "use_cache=False, or generate with past_key_values=ContextParallelCache(...)"
+            f"{WHAT}: the model caches K/V (use_cache=True, transformers' default, or a cache "
+            "other than ContextParallelCache): pass use_cache=False to the model (or set "
+            "config.use_cache = False) for training, and past_key_values=ContextParallelCache(...) "
+            "to generate"
         )
     _check_positions(cp, kwargs.get("position_ids"), q.shape[1])
     out = cp.attention(q, k, v, causal=causal, softmax_scale=scale, window=window)
