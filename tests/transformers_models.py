@@ -54,14 +54,14 @@ def reference_step(config, batch: dict) -> tuple[float, dict]:
     return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def cp_step(config, batch: dict, cp: "cpattn.ContextParallel", name: str, compile_model=False,
+def cp_step(config, batch: dict, cp: "cpattn.ContextParallel", name: str, compile_model=None,
             loss_group=None):
     """Loss and gradients (averaged over the loss group, as DDP would) of the step under CP."""
     from cpattn.integrations.transformers import register
 
     model = tiny_model(config, register(cp, name))
     local = cpattn.shard_batch(batch, cp)
-    fwd = torch.compile(model, fullgraph=True) if compile_model else model
+    fwd = torch.compile(model, fullgraph=True, backend=compile_model) if compile_model else model
     logits = fwd(input_ids=local["input_ids"], position_ids=local["position_ids"],
                  use_cache=False).logits
     group = loss_group if loss_group is not None else cp.group
