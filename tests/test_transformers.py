@@ -134,3 +134,20 @@ def test_import_without_transformers_elsewhere():
 
     code = "import sys, cpattn; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_example_trains_and_matches_one_process():
+    """examples/train_llama_cp.py --check under torchrun on 2 CPU ranks."""
+    import os
+    import subprocess
+    import sys
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_llama_cp.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         example, "--check", "--steps", "3", "--seqlen", "64"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "check passed: 3 steps" in result.stdout
