@@ -48,10 +48,53 @@ def _training_matches(rank, world, kinds):
             assert_step_matches(ref, got, f"{kind} {strategy} W={world}")
 
 
+def _dp_times_cp(rank, world):
+    """The README's recipe: dp = 2 replicas x cp = 2 ranks, gradients averaged over the flattened
+    mesh by DDP or FSDP2, loss over the flattened group: exactly the gradient of the mean over
+    the global batch (the replicas' batches have different numbers of real targets)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cpattn.integrations.transformers import register
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    cp = cpattn.ContextParallel(mesh["cp"])
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+    config = tiny_config()
+    batches = [tiny_batch(config, seed=1), tiny_batch(config, seed=2)]
+    batches[1]["labels"][:, :20] = -100
+    ref = reference_step(config, {k: torch.cat([b[k] for b in batches]) for k in batches[0]})
+    local = cpattn.shard_batch(batches[mesh["dp"].get_local_rank()], cp)
+    for wrap in ("ddp", "fsdp2"):
+        model = tiny_model(config, register(cp))
+        if wrap == "ddp":
+            forward = DDP(model, process_group=dp_cp.get_group())
+        else:
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=dp_cp)
+            forward = fully_shard(model, mesh=dp_cp)
+        logits = forward(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                         use_cache=False).logits
+        loss = cpattn.cross_entropy(logits, local["shift_labels"], cp, group=dp_cp.get_group())
+        loss.backward()
+        grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
+                 for n, p in model.named_parameters()}
+        assert_step_matches(ref, (loss.item(), grads), wrap)
+
+
+def _training_matches_w4(rank, world):
+    _training_matches(rank, world, ["llama", "mistral"])
+    _dp_times_cp(rank, world)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_training_step_matches_single_process(world):
-    kinds = ["llama", "mistral"] if world > 1 else ["llama"]
-    run_ranks(world, _training_matches, kinds)
+    """W = 4 also runs the dp x cp (2 x 2) gradient reduction with DDP and FSDP2."""
+    if world == 4:
+        run_ranks(world, _training_matches_w4)
+    else:
+        run_ranks(world, _training_matches, ["llama", "mistral"] if world > 1 else ["llama"])
 
 
 def _raises(match: str, fn, *args, **kwargs) -> None:
