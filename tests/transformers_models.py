@@ -54,16 +54,23 @@ def reference_step(config, batch: dict) -> tuple[float, dict]:
     return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def cp_step(config, batch: dict, cp: "cpattn.ContextParallel", name: str, compile_model=None,
-            loss_group=None):
-    """Loss and gradients (averaged over the loss group, as DDP would) of the step under CP."""
+def cp_model(config, cp: "cpattn.ContextParallel", name: str, compile_model=None):
+    """(model, forward): the tiny model with cpattn registered as `name`; forward is the model,
+    or torch.compile(model, fullgraph=True, backend=compile_model)."""
     from cpattn.integrations.transformers import register
 
     model = tiny_model(config, register(cp, name))
+    forward = (torch.compile(model, fullgraph=True, backend=compile_model) if compile_model
+               else model)
+    return model, forward
+
+
+def cp_run(model, forward, batch: dict, cp: "cpattn.ContextParallel", loss_group=None):
+    """Loss and gradients (averaged over the loss group, as DDP would) of one step under CP."""
+    model.zero_grad()
     local = cpattn.shard_batch(batch, cp)
-    fwd = torch.compile(model, fullgraph=True, backend=compile_model) if compile_model else model
-    logits = fwd(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                 use_cache=False).logits
+    logits = forward(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                     use_cache=False).logits
     group = loss_group if loss_group is not None else cp.group
     loss = cpattn.cross_entropy(logits, local["shift_labels"], cp, group=group)
     loss.backward()
@@ -74,6 +81,13 @@ def cp_step(config, batch: dict, cp: "cpattn.ContextParallel", name: str, compil
         dist.all_reduce(g, group=group)
         grads[n] = g / world
     return loss.item(), grads
+
+
+def cp_step(config, batch: dict, cp: "cpattn.ContextParallel", name: str, compile_model=None,
+            loss_group=None):
+    """Loss and gradients of one step of a fresh model under CP (see cp_run)."""
+    model, forward = cp_model(config, cp, name, compile_model)
+    return cp_run(model, forward, batch, cp, loss_group)
 
 
 def assert_step_matches(ref: tuple[float, dict], got: tuple[float, dict], what: str,
