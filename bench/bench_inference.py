@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import cpu_model  # noqa: E402
 
-CHECK_FIELDS = 16  # int64 fields of decode_attention's metadata check
+CHECK_WORDS = 12  # int64 words of the agreement check's fixed-size header (cpattn._agreement)
 
 
 def _rss_mib() -> float:
@@ -60,7 +60,8 @@ def _median_time(fn, iters: int) -> float:
 
 def _worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
     import cpattn
-    from cpattn.inference import _agree, _cache_fields
+    from cpattn._agreement import agree
+    from cpattn.inference import _cache_fields
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -105,8 +106,8 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
             q, cache.k, cache.v, lens, lens - 1, rank, world, 1, d ** -0.5, True, torch.float32),
             cfg["iters"])
         group = dist.group.WORLD
-        fields = {**_cache_fields(cache, rank), **{f"q{i}": 0 for i in range(CHECK_FIELDS - 9)}}
-        row["check"] = _times(lambda: _agree(group, world, fields, 60, "bench"), cfg["iters"])
+        fields = _cache_fields(cache, rank)
+        row["check"] = _times(lambda: agree("bench", group, fields, 60), cfg["iters"])
         res["decode"][ctx] = row
         del cache
 
@@ -191,7 +192,7 @@ def main() -> None:
                 best = 1e3 * max(min(r[key]) for r in rows)
                 return f"{med:.2f} ({best:.2f})"
 
-            check_bytes = (w - 1) * CHECK_FIELDS * 8
+            check_bytes = (w - 1) * CHECK_WORDS * 8
             emit(f"| {ctx} | {w} | {cell('local')} | {cell('all_gather')} | "
                  f"{cell('reduce_scatter')} | {cell('check')} | {cell('unchecked')} | "
                  f"{(w - 1) * msg} / "

@@ -113,7 +113,7 @@ def _check_disagreement_raises(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="ranks disagree on causal"):
         cpattn.ring_attention(q, q, q, causal=(rank == 1), timeout=20)
     bad = torch.randn(1, 8, 2, 16 if rank == 0 else 32)
-    with pytest.raises(ValueError, match="ranks disagree on head_dim"):
+    with pytest.raises(ValueError, match="ranks disagree on q.head_dim"):
         cpattn.ring_attention(bad, bad, bad, timeout=20)
     with pytest.raises(ValueError, match="layout"):
         cpattn.ring_attention(q, q, q, layout="spiral")

@@ -66,7 +66,7 @@ def _ulysses_errors(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="divisible by the Ulysses group size"):
         cpattn.ulysses_attention(q, q, q, timeout=20)
     q = torch.randn(1, 4, 4, 16 if rank == 0 else 8)
-    with pytest.raises(ValueError, match="ranks disagree on head_dim"):
+    with pytest.raises(ValueError, match="ranks disagree on q.head_dim"):
         cpattn.ulysses_attention(q, q, q, timeout=20)
     dist.barrier()
 

@@ -1,7 +1,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+
+#include <tuple>
+#include <utility>
 
 #include "cpattn/params.h"
 #include "cpattn/softmax_state.h"
@@ -50,6 +54,14 @@ void check_mask_args(double softmax_scale, int64_t window_left, int64_t window_r
   const float scale = static_cast<float>(softmax_scale);
   TORCH_CHECK(std::isfinite(scale) && scale > 0,
               "cpattn: softmax_scale must be finite and positive in float32, got ", softmax_scale);
+}
+
+void check_positions(int64_t q_offset, int64_t seqlen_q, int64_t k_offset, int64_t seqlen_k) {
+  for (auto [name, offset, length] : {std::tuple{"q_offset", q_offset, seqlen_q},
+                                      std::tuple{"k_offset", k_offset, seqlen_k}})
+    TORCH_CHECK(offset >= -kMaxPosition && offset <= kMaxPosition - length, "cpattn: ", name,
+                " = ", offset, " puts positions outside [-", kMaxPosition, ", ", kMaxPosition,
+                "] (2^61 - 2) with ", length, " tokens");
 }
 
 AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
@@ -112,8 +124,8 @@ Mask make_mask(bool causal, int64_t window_left, int64_t window_right, int64_t q
                int64_t k_offset) {
   Mask m;
   m.causal = causal;
-  m.window_left = window_left;
-  m.window_right = window_right;
+  m.window_left = normalized_window(window_left);
+  m.window_right = normalized_window(window_right);
   m.q_offset = q_offset;
   m.k_offset = k_offset;
   return m;
@@ -184,6 +196,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::
                                                  std::optional<at::ScalarType> out_dtype) {
   const AttnShape s = check_qkv(q, k, v);
   check_mask_args(softmax_scale, window_left, window_right);
+  check_positions(q_offset, s.seqlen_q, k_offset, s.seqlen_k);
   const at::ScalarType dtype = out_dtype.value_or(q.scalar_type());
   TORCH_CHECK(is_float_type(dtype), "cpattn: out_dtype must be float32, bfloat16 or float16, got ",
               dtype);
@@ -235,6 +248,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     std::optional<at::ScalarType> grad_dtype, const std::optional<at::Tensor>& dlse) {
   const AttnShape s = check_qkv(q, k, v);
   check_mask_args(softmax_scale, window_left, window_right);
+  check_positions(q_offset, s.seqlen_q, k_offset, s.seqlen_k);
   check_bshd(dout, "dout");
   check_bshd(out, "out");
   TORCH_CHECK(dout.sizes() == q.sizes(), "cpattn: dout must have q's shape ", q.sizes(), ", got ",
@@ -338,6 +352,13 @@ void check_merge_args(const at::Tensor& out, const at::Tensor& lse, const at::Te
               at::IntArrayRef(lse_shape), ", got ", lse.sizes(), " and ", part_lse.sizes());
   TORCH_CHECK(out.stride(3) == 1, "cpattn: merge out must be contiguous in its last dim "
               "(head_dim), got stride ", out.stride(3));
+  // Written in place: as torch's in-place ops, refuse elements that share memory (an expanded
+  // out would get every merge written through one element).
+  for (auto [name, t] : {std::pair{"out", &out}, std::pair{"lse", &lse}})
+    TORCH_CHECK(at::has_internal_overlap(*t) != at::MemOverlap::Yes, "cpattn: merge_state_ ",
+                name, " (shape ", t->sizes(), ", strides ", t->strides(),
+                ") has elements that share memory (e.g. an expanded tensor); it is written in "
+                "place, so pass a tensor with distinct elements (.contiguous())");
   TORCH_CHECK(lse.device() == out.device() && part_out.device() == out.device() &&
                   part_lse.device() == out.device(),
               "cpattn: merge tensors must be on one device, got ", out.device(), ", ", lse.device(),

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <initializer_list>
 #include <thread>
 
 #include "comm/transport.h"
@@ -98,6 +99,25 @@ void backward_step(const at::Tensor& dout, const at::Tensor& q, const at::Tensor
   }
 }
 
+// An error between posting shifts and waiting for them (e.g. a kernel that rejects its input):
+// finish the exchanges anyway before rethrowing, since the peers posted theirs. Otherwise the
+// next call's messages would meet this call's leftovers and the process group would be broken.
+template <typename Compute>
+void computing_while_shifting(std::initializer_list<comm::PendingShift*> pending, Compute compute) {
+  try {
+    compute();
+  } catch (...) {
+    for (comm::PendingShift* p : pending) {
+      if (p == nullptr) continue;
+      try {
+        p->wait();
+      } catch (...) {  // a peer that failed too or left: the original error is the one to report
+      }
+    }
+    throw;
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> new_state(const at::Tensor& q) {
   const auto f32 = q.options().dtype(at::kFloat);
   return {at::zeros(q.sizes(), f32), at::full({q.size(0), q.size(2), q.size(1)}, -INFINITY, f32)};
@@ -114,7 +134,8 @@ at::Tensor ring_stats() {
 RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
                               int64_t window_right, int64_t layout,
                               const std::optional<at::Tensor>& doc_lengths) {
-  RingOptions o{softmax_scale, causal, window_left, window_right, checked_layout(layout), {}};
+  RingOptions o{softmax_scale, causal, normalized_window(window_left),
+                normalized_window(window_right), checked_layout(layout), {}};
   if (doc_lengths && doc_lengths->defined()) {
     TORCH_CHECK(doc_lengths->dim() == 1 && doc_lengths->scalar_type() == at::kLong,
                 "cpattn: doc_lengths must be a 1-D int64 tensor, got ", doc_lengths->sizes(), " ",
@@ -159,8 +180,10 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
     std::unique_ptr<comm::PendingShift> pending;
     if (step + 1 < world) pending = transport.shift(cur, kv[(step + 1) % 2], step);
     const auto compute_start = Clock::now();
-    if (visit) visit(ring_source(rank, step, world), cur);
-    forward_step(q, cur, plan(o, q.size(1), world, rank, step), o.softmax_scale, out, lse);
+    computing_while_shifting({pending.get()}, [&] {
+      if (visit) visit(ring_source(rank, step, world), cur);
+      forward_step(q, cur, plan(o, q.size(1), world, rank, step), o.softmax_scale, out, lse);
+    });
     stats.compute_s += seconds_since(compute_start);
     const auto wait_start = Clock::now();
     if (pending) pending->wait();
@@ -197,9 +220,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     if (step + 1 < world) kv_shift = transport.shift(cur, kv[(step + 1) % 2], 2 * step);
     if (step > 0) acc_shift = transport.shift(acc, incoming, 2 * step + 1);
     const auto compute_start = Clock::now();
-    partial.zero_();
-    backward_step(dout, q, cur, out, lse, dlse, plan(o, q.size(1), world, rank, step),
-                  o.softmax_scale, dq, partial);
+    computing_while_shifting({kv_shift.get(), acc_shift.get()}, [&] {
+      partial.zero_();
+      backward_step(dout, q, cur, out, lse, dlse, plan(o, q.size(1), world, rank, step),
+                    o.softmax_scale, dq, partial);
+    });
     stats.compute_s += seconds_since(compute_start);
     const auto wait_start = Clock::now();
     if (kv_shift) kv_shift->wait();

@@ -2,6 +2,8 @@
 
 import torch
 
+from cpattn._autograd import refuse_double_backward
+
 ops = torch.ops.cpattn
 
 
@@ -33,6 +35,7 @@ def _merge_backward(ctx, dout, dlse):
 torch.library.register_autograd(
     "cpattn::merge_attention_states", _merge_backward, setup_context=_merge_setup_context
 )
+refuse_double_backward("cpattn::merge_attention_states_bwd", "cpattn.merge_attention_states")
 
 
 @torch.library.register_fake("cpattn::cache_store_")

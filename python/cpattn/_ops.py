@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from cpattn._autograd import refuse_double_backward
+
 ops = torch.ops.cpattn
 
 
@@ -65,6 +67,7 @@ def _backward(ctx, dout, dlse):
 
 
 torch.library.register_autograd("cpattn::attention_fwd", _backward, setup_context=_setup_context)
+refuse_double_backward("cpattn::attention_bwd", "cpattn.attention")
 
 
 def attention_fwd(

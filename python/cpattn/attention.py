@@ -1,11 +1,11 @@
 """Local (single-device) attention: the primitive every context-parallel strategy builds on."""
 
-import math
 from typing import Optional, Union
 
 import torch
 
 from cpattn import _ops
+from cpattn._validation import check_scale, check_window
 
 
 def attention(
@@ -41,9 +41,8 @@ def attention(
             "cpattn.attention: q and k must be (batch, seqlen, heads, head_dim), got shapes "
             f"{tuple(q.shape)} and {tuple(k.shape)}"
         )
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    window = _check_window(window)
+    softmax_scale = check_scale("cpattn.attention", softmax_scale, max(q.shape[-1], 1))
+    window = check_window(window, "cpattn.attention")
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     out, lse = _ops.attention_fwd(
         q, k, v, float(softmax_scale), bool(causal), window, seqlen_k - seqlen_q, 0
@@ -61,15 +60,3 @@ def merge_state_(
     the result over the union. Rows empty on both sides stay (0, -inf).
     """
     torch.ops.cpattn.merge_state_(out, lse, part_out, part_lse)
-
-
-def _check_window(window) -> tuple[int, int]:
-    try:
-        left, right = (int(w) for w in window)
-    except (TypeError, ValueError):
-        raise ValueError(f"cpattn: window must be a pair (left, right) of ints, got {window!r}")
-    if left < -1 or right < -1:
-        raise ValueError(
-            f"cpattn: window must be (left, right) with each >= 0 or -1 for unbounded, got {window}"
-        )
-    return left, right

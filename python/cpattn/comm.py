@@ -67,8 +67,8 @@ class _AllGather(torch.autograd.Function):
         return _all_gather(x, dim, group)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+    def backward(ctx, grad):  # through apply: differentiable again (double backward)
+        return _ReduceScatter.apply(grad, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -79,7 +79,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return _AllGather.apply(grad, ctx.dim, ctx.group), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -91,7 +91,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+        return _AllToAll.apply(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
 def all_gather(x: torch.Tensor, dim: int = 1, group: Optional[dist.ProcessGroup] = None):

@@ -13,9 +13,6 @@ queries to the cached tokens the same way decode does.
 from __future__ import annotations
 
 import datetime
-import math
-import struct
-import zlib
 from collections.abc import Sequence
 from typing import Optional, Union
 
@@ -23,11 +20,19 @@ import torch
 import torch.distributed as dist
 
 from cpattn import _inference_ops  # noqa: F401  (fake kernels and autograd)
-from cpattn.ring import _default_timeout, _group_info, _layout_code, positions
+from cpattn._agreement import FieldValue, agree_on, digest_ints, tensor_fields
+from cpattn._validation import (
+    check_choice,
+    check_qkv,
+    check_scale,
+    check_tensor,
+    check_timeout,
+    error,
+)
+from cpattn.ring import LAYOUTS, _group_info, positions
 
 ops = torch.ops.cpattn
 COMMS = ("all_gather", "reduce_scatter")
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _LAYOUT_GRANULARITY = {"contiguous": 1, "zigzag": 2, "striped": 1}  # x W
 
 
@@ -211,53 +216,30 @@ def merge_attention_states(
     return ops.merge_attention_states(outs, lses, out_dtype)
 
 
-def _scale_bits(scale: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", scale))[0]
-
-
 def _wait(work, timeout: float, what: str) -> None:
     if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
         raise RuntimeError(f"{what}: peers did not answer within {timeout} s")
 
 
-def _agree(group, world: int, fields: dict[str, int], timeout: float, what: str) -> None:
-    """Every rank must pass the same shapes and options: one small all-gather, checked on every
-    rank, so that a mistake raises everywhere instead of hanging or giving garbage."""
-    mine = torch.tensor(list(fields.values()), dtype=torch.int64)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    _wait(dist.all_gather(gathered, mine, group=group, async_op=True), timeout, what)
-    table = torch.stack(gathered)
-    bad = (table != table[0]).any(0).nonzero().flatten().tolist()
-    if bad:
-        names = list(fields)
-        detail = "; ".join(
-            f"{names[i]}: " + ", ".join(f"rank {r}={table[r, i].item()}" for r in range(world))
-            for i in bad
-        )
-        hint = ""
-        if "lengths" in (names[i] for i in bad):
-            hint = " (the cache lengths differ: every rank must append the same tokens)"
-        raise ValueError(
-            f"{what}: ranks disagree on {', '.join(names[i] for i in bad)}{hint} ({detail})"
-        )
+def _cache_fields(cache: KVCacheShard, rank: int) -> list[tuple[str, FieldValue]]:
+    return [
+        ("cache.world_size", cache.world_size),
+        ("cache.rank_is_group_rank", int(cache.rank == rank)),
+        ("cache.interleave", cache.interleave),
+        ("cache.capacity", cache.capacity),
+        *tensor_fields("cache.k", cache.k),
+        # the exact lengths: every rank must have appended the same tokens
+        ("cache.lengths", digest_ints(cache.lengths)),
+    ]
 
 
-def _cache_fields(cache: KVCacheShard, rank: int) -> dict[str, int]:
-    return {
-        "cache_world_size": cache.world_size,
-        "cache_rank_is_group_rank": int(cache.rank == rank),
-        "interleave": cache.interleave,
-        "capacity": cache.capacity,
-        "cache_batch": cache.batch,
-        "cache_kv_heads": cache.kv_heads,
-        "cache_head_dim": cache.head_dim,
-        "cache_dtype": _DTYPES.get(cache.dtype, -1),
-        "lengths": zlib.crc32(cache.lengths.numpy().tobytes()),
-    }
+def _check_cache_type(cache, what: str) -> None:
+    if not isinstance(cache, KVCacheShard):
+        raise error(what, "cache", cache, "must be a cpattn.KVCacheShard")
 
 
 def _check_cache_group(cache: KVCacheShard, rank: int, world: int, what: str) -> None:
-    # After _agree these values are the same on every rank, so every rank raises.
+    # After agree() these values are the same on every rank, so every rank raises.
     if cache.world_size != world or cache.rank != rank:
         raise ValueError(
             f"{what}: the cache was made for rank {cache.rank} of {cache.world_size}, but this is "
@@ -343,23 +325,18 @@ def prefill_attention(
     """
     what = "cpattn.prefill_attention"
     group, rank, world = _group_info(group)
-    layout_code = _layout_code(layout)
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"{what}: q (batch, C / W, heads, head_dim) and k, v (batch, C / W, kv_heads, "
-            f"head_dim) must have one chunk length, got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}"
-        )
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    timeout = _default_timeout() if timeout is None else float(timeout)
-    _agree(group, world, {
-        "batch": q.shape[0], "chunk_local": q.shape[1], "heads": q.shape[2],
-        "head_dim": q.shape[3], "kv_batch": k.shape[0], "kv_chunk_local": k.shape[1],
-        "kv_heads": k.shape[2], "kv_head_dim": k.shape[3],
-        "dtype": _DTYPES.get(q.dtype, -1), "layout": layout_code,
-        "softmax_scale": _scale_bits(float(softmax_scale)), **_cache_fields(cache, rank),
-    }, timeout, what)
+    timeout = check_timeout(what, timeout)
+
+    def check():
+        check_qkv(what, q, k, v)
+        check_choice(what, "layout", layout, tuple(LAYOUTS))
+        scale = check_scale(what, softmax_scale, q.shape[-1])
+        _check_cache_type(cache, what)
+        return scale, [*tensor_fields("q", q), *tensor_fields("k", k), *tensor_fields("v", v),
+                       ("layout", layout), ("softmax_scale", scale), *_cache_fields(cache, rank)]
+
+    softmax_scale = agree_on(what, group, timeout, check)
+    layout_code = LAYOUTS[layout]
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
     chunk = q.shape[1] * world
@@ -438,19 +415,20 @@ def decode_attention(
     """
     what = "cpattn.decode_attention"
     group, rank, world = _group_info(group)
-    if comm not in COMMS:
-        raise ValueError(f"{what}: comm must be one of {COMMS}, got {comm!r}")
-    if q.dim() != 4:
-        raise ValueError(f"{what}: q must be (batch, Sq, heads, head_dim), got {tuple(q.shape)}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    timeout = _default_timeout() if timeout is None else float(timeout)
+    timeout = check_timeout(what, timeout)
+
+    def check():
+        check_tensor(what, "q", q, ("batch", "seqlen_q", "heads", "head_dim"))
+        check_choice(what, "comm", comm, COMMS)
+        scale = check_scale(what, softmax_scale, q.shape[-1])
+        _check_cache_type(cache, what)
+        return scale, [*tensor_fields("q", q), ("comm", comm), ("softmax_scale", scale),
+                       *_cache_fields(cache, rank)]
+
     if validate:
-        _agree(group, world, {
-            "batch": q.shape[0], "seqlen_q": q.shape[1], "heads": q.shape[2],
-            "head_dim": q.shape[3], "dtype": _DTYPES.get(q.dtype, -1), "comm": COMMS.index(comm),
-            "softmax_scale": _scale_bits(float(softmax_scale)), **_cache_fields(cache, rank),
-        }, timeout, what)
+        softmax_scale = agree_on(what, group, timeout, check)
+    else:
+        softmax_scale, _ = check()
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
     b, sq, h, d = q.shape

@@ -6,19 +6,28 @@ while the current step computes; results are merged in float32 with their log-su
 driver, the schedule and the layouts live in C++ (csrc/ops/ring.cpp, csrc/include/cpattn/).
 """
 
-import datetime
 import math
 import os
-import struct
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from cpattn import comm
+from cpattn._autograd import once_differentiable
+from cpattn._agreement import Fields, agree, agree_on, digest_ints, tensor_fields
+from cpattn._validation import (
+    check_bool,
+    check_choice,
+    check_cu_seqlens,
+    check_int,
+    check_qkv,
+    check_scale,
+    check_timeout,
+    check_window,
+)
 
 LAYOUTS = {"contiguous": 0, "zigzag": 1, "striped": 2}
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _default_timeout() -> float:
@@ -98,10 +107,11 @@ class _Unshard(torch.autograd.Function):
         return full.narrow(dim, 0, seqlen)
 
     @staticmethod
+    @once_differentiable("cpattn.unshard")
     def backward(ctx, grad_full):
         # Every rank holds the full gradient of its own copy; the shard's gradient is the sum.
         (index,) = ctx.saved_tensors
-        grad = grad_full.contiguous()
+        grad = grad_full.clone(memory_format=torch.contiguous_format)  # never write into grad_full
         dist.all_reduce(grad, group=ctx.group)
         zero_slot = grad.new_zeros((*grad.shape[: ctx.dim], 1, *grad.shape[ctx.dim + 1 :]))
         grad = torch.cat([grad, zero_slot], ctx.dim)
@@ -124,44 +134,37 @@ def unshard(
     `index` (this rank's global positions) overrides the layout; then `seqlen` gives the full
     length (default: W times the shard length) and positions not held by any rank are 0.
     """
+    return _unshard(x_local, group, layout, dim, index, seqlen, "cpattn.unshard")
+
+
+def _unshard(x_local, group, layout, dim, index, seqlen, what, extra=()) -> torch.Tensor:
+    """unshard after the agreement check; `extra`: more fields the ranks must agree on."""
     group, _, world = _group_info(group)
     if index is None:
         seqlen = x_local.shape[dim] * world
         index = positions(seqlen, group=group, layout=layout)
     elif seqlen is None:
         seqlen = x_local.shape[dim] * world
-    return _Unshard.apply(x_local, index.to(torch.int64).cpu(), seqlen, group, dim)
+    index = index.to(torch.int64).cpu()
+    agree(what, group, [*tensor_fields("x_local", x_local, ()), ("dim", dim), ("seqlen", seqlen),
+                        ("index.numel", index.numel()), *extra], _default_timeout())
+    return _Unshard.apply(x_local, index, seqlen, group, dim)
 
 
-def _validate(q, k, v, group, world, layout_code, causal, window, scale, timeout, extra=()):
-    """All ranks must agree on shapes and options: one small all-gather, checked on every rank.
-
-    `extra`: (name, int) pairs that must agree too (strategy, documents, ...)."""
-    fields = ["batch", "seqlen_local", "heads", "head_dim", "kv_batch", "kv_seqlen_local",
-              "kv_heads", "kv_head_dim", "dtype", "layout", "causal", "window_left",
-              "window_right", "softmax_scale", *(name for name, _ in extra)]
-    scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
-    mine = torch.tensor(
-        [*q.shape, *k.shape, _DTYPES.get(q.dtype, -1), layout_code, int(causal), *window,
-         scale_bits, *(value for _, value in extra)],
-        dtype=torch.int64,
-    )
-    backend = dist.get_backend(group)
-    device = q.device if backend != "gloo" else torch.device("cpu")
-    gathered = [torch.empty_like(mine, device=device) for _ in range(world)]
-    work = dist.all_gather(gathered, mine.to(device), group=group, async_op=True)
-    if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
-        raise RuntimeError(f"cpattn.ring_attention: peers did not answer within {timeout} s")
-    table = torch.stack([g.cpu() for g in gathered])
-    bad = (table != table[0]).any(0)
-    if bad.any():
-        names = [fields[i] for i in bad.nonzero().flatten().tolist()]
-        detail = "; ".join(
-            f"{name}: " + ", ".join(f"rank {r}={table[r, fields.index(name)].item()}"
-                                    for r in range(world))
-            for name in names
-        )
-        raise ValueError(f"cpattn.ring_attention: ranks disagree on {', '.join(names)} ({detail})")
+def _attention_args(what, q, k, v, causal, softmax_scale, window, layout="contiguous",
+                    varlen=False) -> tuple[tuple, Fields]:
+    """Validates the arguments every attention strategy shares. Returns (causal, layout_code,
+    softmax_scale, window) normalised, and the signature fields every rank must share."""
+    check_qkv(what, q, k, v, varlen=varlen)
+    causal = check_bool(what, "causal", causal)
+    check_choice(what, "layout", layout, tuple(LAYOUTS))
+    window = check_window(window, what)
+    scale = check_scale(what, softmax_scale, q.shape[-1])
+    dims = ("tokens", "heads", "head_dim") if varlen else ("batch", "seqlen", "heads", "head_dim")
+    fields = [*tensor_fields("q", q, dims), *tensor_fields("k", k, dims),
+              *tensor_fields("v", v, dims), ("causal", causal), ("layout", layout),
+              ("window_left", window[0]), ("window_right", window[1]), ("softmax_scale", scale)]
+    return (causal, LAYOUTS[layout], scale, window), fields
 
 
 STRATEGIES = {"ring": 0, "allgather": 1}
@@ -180,6 +183,7 @@ class _RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable("cpattn.ring_attention")
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = torch.ops.cpattn.ring_bwd(
@@ -220,6 +224,7 @@ class _GatheredAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable("cpattn.ring_attention(strategy='allgather')")
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         group, rank, world, scale, causal, window, layout_code, docs, chunk = ctx.args
@@ -242,35 +247,37 @@ class _GatheredAttention(torch.autograd.Function):
                 *([None] * 9))
 
 
-def _context_parallel(q, k, v, group, causal, layout, softmax_scale, window, timeout, strategy,
-                      allgather_chunk, docs, what):
-    """Shared by ring_attention and ring_attention_varlen (q, k, v here are 4-D)."""
-    from cpattn.attention import _check_window
-
+def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, window, timeout,
+                      strategy, allgather_chunk, cu_seqlens):
+    """Shared by ring_attention and ring_attention_varlen (cu_seqlens given: q, k, v are 3-D):
+    validation and the agreement check, then the strategy. Returns 4-D out and lse."""
     group, rank, world = _group_info(group)
-    layout_code = _layout_code(layout)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"cpattn.{what}: strategy must be one of {sorted(STRATEGIES)}, "
-                         f"got {strategy!r}")
-    window = _check_window(window)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    timeout = _default_timeout() if timeout is None else float(timeout)
-    extra = [("strategy", STRATEGIES[strategy])]
+    timeout = check_timeout(what, timeout)
+
+    def check():
+        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout,
+                                       varlen=cu_seqlens is not None)
+        check_choice(what, "strategy", strategy, tuple(STRATEGIES))
+        chunk = allgather_chunk
+        if chunk is not None:
+            chunk = check_int(what, "allgather_chunk", chunk, minimum=1)
+        fields += [("strategy", strategy), ("allgather_chunk", chunk)]
+        docs = None
+        if cu_seqlens is not None:  # the exact boundaries, not a sum: other splits must not pass
+            docs = check_cu_seqlens(what, cu_seqlens).diff()
+            fields += [("documents", docs.numel()), ("tokens", int(docs.sum())),
+                       ("document_lengths", digest_ints(docs))]
+        return (*args, chunk, docs), fields
+
+    causal, layout_code, scale, window, chunk, docs = agree_on(what, group, timeout, check)
     if docs is not None:
-        extra += [("documents", docs.numel()), ("tokens", int(docs.sum())),
-                  ("document_lengths_hash", int(docs.mul(torch.arange(1, docs.numel() + 1)).sum()))]
-    _validate(q, k, v, group, world, layout_code, causal, window, float(softmax_scale), timeout,
-              extra)
+        q, k, v = q[None], k[None], v[None]
     if strategy == "ring":
-        return _RingAttention.apply(q, k, v, group.group_name, float(softmax_scale), bool(causal),
-                                    window, layout_code, timeout, docs)
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(f"cpattn.{what}: query heads ({q.shape[2]}) must be a multiple of kv "
-                         f"heads ({k.shape[2]})")
-    chunk = allgather_chunk or max(1, k.shape[2] // 4)
-    return _GatheredAttention.apply(q, k, v, group, rank, world, float(softmax_scale),
-                                    bool(causal), window, layout_code, docs, int(chunk))
+        return _RingAttention.apply(q, k, v, group.group_name, scale, causal, window, layout_code,
+                                    timeout, docs)
+    chunk = chunk or max(1, k.shape[2] // 4)
+    return _GatheredAttention.apply(q, k, v, group, rank, world, scale, causal, window,
+                                    layout_code, docs, chunk)
 
 
 def ring_attention(
@@ -307,13 +314,8 @@ def ring_attention(
     CUDA tensors (bf16 / fp16) shift over cpattn's own NCCL communicator, bootstrapped through
     `group` and cached: call cpattn.destroy_communicators() before destroying the group.
     """
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            "cpattn.ring_attention: q, k, v must be (batch, seqlen_local, heads, head_dim), got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    out, lse = _context_parallel(q, k, v, group, causal, layout, softmax_scale, window, timeout,
-                                 strategy, allgather_chunk, None, "ring_attention")
+    out, lse = _context_parallel("cpattn.ring_attention", q, k, v, group, causal, layout,
+                                 softmax_scale, window, timeout, strategy, allgather_chunk, None)
     return (out, lse) if return_lse else out
 
 
@@ -324,12 +326,8 @@ def destroy_communicators() -> int:
     return int(torch.ops.cpattn.destroy_communicators())
 
 
-def _document_lengths(cu_seqlens) -> torch.Tensor:
-    cu = torch.as_tensor(cu_seqlens).to(torch.int64).cpu()
-    if cu.dim() != 1 or cu.numel() < 2 or cu[0] != 0 or (cu.diff() < 0).any():
-        raise ValueError("cpattn: cu_seqlens must be 1-D, start at 0 and be non-decreasing, got "
-                         f"{cu.tolist()}")
-    return cu.diff()
+def _document_lengths(cu_seqlens, what: str) -> torch.Tensor:
+    return check_cu_seqlens(what, cu_seqlens).diff()
 
 
 def ring_attention_varlen(
@@ -356,15 +354,9 @@ def ring_attention_varlen(
     q (T_local, H, D), k/v (T_local, Hkv, D) come from cpattn.shard_varlen; padding tokens give
     output 0 and LSE -inf. Returns out (T_local, H, D) and optionally lse (H, T_local).
     """
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(
-            "cpattn.ring_attention_varlen: q, k, v must be (tokens_local, heads, head_dim), got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    docs = _document_lengths(cu_seqlens)
-    out, lse = _context_parallel(q[None], k[None], v[None], group, causal, layout, softmax_scale,
-                                 window, timeout, strategy, allgather_chunk, docs,
-                                 "ring_attention_varlen")
+    out, lse = _context_parallel("cpattn.ring_attention_varlen", q, k, v, group, causal, layout,
+                                 softmax_scale, window, timeout, strategy, allgather_chunk,
+                                 cu_seqlens)
     return (out[0], lse[0]) if return_lse else out[0]
 
 
@@ -382,7 +374,7 @@ def positions_varlen(
         _, g_rank, g_world = _group_info(group)
         rank = g_rank if rank is None else rank
         world_size = g_world if world_size is None else world_size
-    docs = _document_lengths(cu_seqlens)
+    docs = _document_lengths(cu_seqlens, "cpattn.positions_varlen")
     code = _layout_code(layout)
     granularity = 2 * world_size if layout == "zigzag" else world_size
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), docs.cumsum(0)])
@@ -414,14 +406,15 @@ def unshard_varlen(x_local: torch.Tensor, cu_seqlens, *, group=None, layout: str
     """All-gathers a varlen shard back into the packed sequence (padding dropped).
     Differentiable."""
     index, _ = positions_varlen(cu_seqlens, group=group, layout=layout)
-    total = int(_document_lengths(cu_seqlens).sum())
-    return unshard(x_local, group=group, dim=dim, index=index, seqlen=total)
+    total = int(_document_lengths(cu_seqlens, "cpattn.unshard_varlen").sum())
+    return _unshard(x_local, group, layout, dim, index, total, "cpattn.unshard_varlen",
+                    [("layout", _layout_code(layout)), ("cu_seqlens", digest_ints(cu_seqlens))])
 
 
 def pad_documents(x: torch.Tensor, cu_seqlens, multiple: int, dim: int = 0):
     """Pads every document of the packed x with zeros to a multiple of `multiple` tokens.
     Returns (x_padded, cu_seqlens_padded)."""
-    docs = _document_lengths(cu_seqlens)
+    docs = _document_lengths(cu_seqlens, "cpattn.pad_documents")
     pieces, lengths, start = [], [], 0
     for n in docs.tolist():
         padded = -(-n // multiple) * multiple
@@ -444,25 +437,25 @@ def ring_attention_emulated(
     window: tuple[int, int] = (-1, -1),
     strategy: str = "ring",
 ) -> tuple[list, list]:
-    """The ring on W ranks emulated in this process (one thread each); lists hold one shard per
-    rank. Returns (outs, lses). Forward only; for tests and single-device experiments. On CUDA
-    tensors each virtual rank computes on its own stream and receives on its own comm stream,
-    ordered by events as with NCCL."""
-    from cpattn.attention import _check_window
-
-
     """W ranks emulated in this process; lists hold one shard per rank. Returns (outs, lses).
 
     strategy "ring": one thread per rank exchanging K/V through an in-process mailbox (the same
-    driver as real ranks, bitwise the same results). "allgather": every rank's steps against
-    the stacked shards. "ulysses" (contiguous layout): the all-to-alls done by concatenation.
+    driver as real ranks, bitwise the same results; on CUDA tensors each virtual rank computes
+    on its own stream and receives on its own comm stream, ordered by events as with NCCL).
+    "allgather": every rank's steps against the stacked shards. "ulysses": the all-to-alls done
+    by concatenation; Ulysses shards contiguously, so it needs layout="contiguous".
     Forward only; for tests and single-device experiments.
     """
-    from cpattn.attention import _check_window, attention
+    from cpattn.attention import attention
 
-    window = _check_window(window)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q[0].shape[-1])
+    what = "cpattn.ring_attention_emulated"
+    check_choice(what, "strategy", strategy, ("ring", "allgather", "ulysses"))
+    check_choice(what, "layout", layout, tuple(LAYOUTS))
+    if strategy == "ulysses" and layout != "contiguous":
+        raise ValueError(f"{what}: layout={layout!r}: strategy='ulysses' shards the sequence "
+                         "contiguously, so it needs layout='contiguous'")
+    window = check_window(window, what)
+    softmax_scale = check_scale(what, softmax_scale, q[0].shape[-1])
     args = (float(softmax_scale), bool(causal), window[0], window[1])
     if strategy == "ring":
         outs, lses = torch.ops.cpattn.ring_fwd_emulated(q, k, v, *args, _layout_code(layout))
@@ -473,25 +466,25 @@ def ring_attention_emulated(
         results = [torch.ops.cpattn.gathered_fwd(q[r], kv_all, r, *args, _layout_code(layout))
                    for r in range(world)]
         return [o for o, _ in results], [lse for _, lse in results]
-    if strategy == "ulysses":
-        from cpattn.ulysses import _kv_heads_for_ranks
+    from cpattn.ulysses import _kv_heads_for_ranks
 
-        full_q, full_k, full_v = (torch.cat(t, dim=1) for t in (q, k, v))
-        heads = full_q.shape[2]
-        idx = _kv_heads_for_ranks(heads, full_k.shape[2], world)
-        if idx is not None:
-            full_k, full_v = full_k[:, :, idx], full_v[:, :, idx]
-        per_rank, kv_per_rank = heads // world, full_k.shape[2] // world
-        outs, lses = [], []
-        for r in range(world):  # rank r: all tokens, its heads
-            qh = slice(r * per_rank, (r + 1) * per_rank)
-            kh = slice(r * kv_per_rank, (r + 1) * kv_per_rank)
-            out, lse = attention(full_q[:, :, qh], full_k[:, :, kh], full_v[:, :, kh],
-                                 causal=causal, softmax_scale=softmax_scale, window=window,
-                                 return_lse=True)
-            outs.append(out)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=1)
-        return list(out.chunk(world, dim=1)), list(lse.chunk(world, dim=2))
-    raise ValueError(f"cpattn: emulated strategy must be ring, allgather or ulysses, got "
-                     f"{strategy!r}")
+    if q[0].shape[2] % world != 0:
+        raise ValueError(f"{what}: heads={q[0].shape[2]}: strategy='ulysses' needs heads "
+                         f"divisible by the number of ranks ({world})")
+    full_q, full_k, full_v = (torch.cat(t, dim=1) for t in (q, k, v))
+    heads = full_q.shape[2]
+    idx = _kv_heads_for_ranks(heads, full_k.shape[2], world)
+    if idx is not None:
+        full_k, full_v = full_k[:, :, idx], full_v[:, :, idx]
+    per_rank, kv_per_rank = heads // world, full_k.shape[2] // world
+    outs, lses = [], []
+    for r in range(world):  # rank r: all tokens, its heads
+        qh = slice(r * per_rank, (r + 1) * per_rank)
+        kh = slice(r * kv_per_rank, (r + 1) * kv_per_rank)
+        out, lse = attention(full_q[:, :, qh], full_k[:, :, kh], full_v[:, :, kh],
+                             causal=causal, softmax_scale=softmax_scale, window=window,
+                             return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=1)
+    return list(out.chunk(world, dim=1)), list(lse.chunk(world, dim=2))

@@ -6,17 +6,16 @@ back to sequence shards. Communication per rank is ~4 tensors of its shard size,
 W, over all-to-all links; it needs H % W == 0.
 """
 
-import math
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn.attention import _check_window, attention
-from cpattn.ring import _default_timeout, _group_info, _validate, ring_attention
-
-_ULYSSES_CODE = 100  # tells Ulysses calls apart from ring layouts in the cross-rank check
+from cpattn._agreement import agree_on
+from cpattn._validation import check_timeout, error
+from cpattn.attention import attention
+from cpattn.ring import _attention_args, _group_info, ring_attention
 
 
 def _kv_heads_for_ranks(heads: int, kv_heads: int, world: int) -> Optional[list]:
@@ -43,17 +42,10 @@ def _scatter_heads(q, k, v, group):
     return tuple(comm.all_to_all(t, scatter_dim=2, gather_dim=1, group=group) for t in (q, k, v))
 
 
-def _check_heads(q, k, world: int, what: str) -> None:
+def _check_heads(what: str, q, world: int) -> None:
     if q.shape[2] % world != 0:
-        raise ValueError(
-            f"cpattn.{what}: the number of query heads ({q.shape[2]}) must be divisible by the "
-            f"Ulysses group size ({world})"
-        )
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise ValueError(
-            f"cpattn.{what}: query heads ({q.shape[2]}) must be a multiple of kv heads "
-            f"({k.shape[2]})"
-        )
+        raise error(what, "heads", q.shape[2],
+                    f"must be divisible by the Ulysses group size ({world})")
 
 
 def ulysses_attention(
@@ -77,13 +69,16 @@ def ulysses_attention(
     per query head (K/V traffic x H / Hkv). Returns out (B, S/W, H, D) and optionally the LSE
     (B, H, S/W). Differentiable.
     """
+    what = "cpattn.ulysses_attention"
     group, _, world = _group_info(group)
-    window = _check_window(window)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    timeout = _default_timeout() if timeout is None else float(timeout)
-    _validate(q, k, v, group, world, _ULYSSES_CODE, causal, window, float(softmax_scale), timeout)
-    _check_heads(q, k, world, "ulysses_attention")
+    timeout = check_timeout(what, timeout)
+
+    def check():
+        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window)
+        _check_heads(what, q, world)
+        return args, fields
+
+    causal, _, softmax_scale, window = agree_on(what, group, timeout, check)
     qh, kh, vh = _scatter_heads(q, k, v, group)
     out_h, lse_h = attention(qh, kh, vh, causal=causal, softmax_scale=softmax_scale,
                              window=window, return_lse=True)
@@ -119,14 +114,16 @@ def hybrid_attention(
         ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
     if ulysses_group is None or ring_group is None:
         raise ValueError("cpattn.hybrid_attention: give ulysses_group and ring_group, or a 2D mesh")
+    what = "cpattn.hybrid_attention"
     u_world = dist.get_world_size(ulysses_group)
-    window = _check_window(window)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    timeout = _default_timeout() if timeout is None else float(timeout)
-    _validate(q, k, v, ulysses_group, u_world, _ULYSSES_CODE, causal, window,
-              float(softmax_scale), timeout)
-    _check_heads(q, k, u_world, "hybrid_attention")
+    timeout = check_timeout(what, timeout)
+
+    def check():
+        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout)
+        _check_heads(what, q, u_world)
+        return args, fields
+
+    causal, _, softmax_scale, window = agree_on(what, ulysses_group, timeout, check)
     qh, kh, vh = _scatter_heads(q, k, v, ulysses_group)
     out_h, lse_h = ring_attention(qh, kh, vh, group=ring_group, causal=causal, layout=layout,
                                   softmax_scale=softmax_scale, window=window, return_lse=True,

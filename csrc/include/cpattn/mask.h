@@ -26,6 +26,14 @@ struct PosRange {
 enum class BlockKind : int { kEmpty = 0, kPartial = 1, kFull = 2 };
 
 constexpr int64_t kUnbounded = INT64_MAX / 4;  // stands for +-infinity, safe to add offsets to
+// Token positions (offsets, and offsets plus lengths) must stay within +-kMaxPosition, so that the
+// sentinels above lie beyond every position and position +- window never overflows.
+constexpr int64_t kMaxPosition = kUnbounded - 1;
+
+// A window side that reaches kUnbounded reaches past every position: it means unbounded (-1).
+CPATTN_HOST_DEVICE int64_t normalized_window(int64_t side) {
+  return side >= kUnbounded ? -1 : side;
+}
 
 struct Mask {
   bool causal = false;

@@ -1,0 +1,307 @@
+"""The cross-rank agreement check that every distributed cpattn function runs first.
+
+Before its first message, a distributed call checks that every rank of the group makes the same
+call: the same function with the same shapes, dtypes and options (the "signature"). A mismatch
+would otherwise hang, abort gloo on a size mismatch, or silently compute garbage.
+
+Protocol (identical on every rank, so it never deadlocks on its own):
+1. A fixed-size header is all-gathered: the function's name and a 256-bit blake2b digest of the
+   full signature (every field name and value, byte strings such as cu_seqlens in full). Its
+   size never depends on the function or the arguments, so different functions on different
+   ranks meet in the same collective.
+2. Only if the headers differ: a second fixed-size exchange of (field-name hash, value) pairs,
+   from which every rank builds the same ValueError naming the function on each rank and the
+   fields that differ.
+
+Modes (cpattn.set_rank_check, or $CPATTN_RANK_CHECK when never set): "always" (default) checks
+every call; "once" checks each distinct (function, group, signature) once and then trusts it
+(later identical calls send nothing; a rank that starts a new signature while the others repeat
+a checked one is then not caught); "never" skips the check.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import struct
+from collections.abc import Callable, Sequence
+from typing import Optional, TypeVar, Union
+
+import torch
+import torch.distributed as dist
+
+MODES = ("always", "once", "never")
+FieldValue = Union[None, bool, int, float, str, bytes, torch.dtype]
+Fields = list[tuple[str, FieldValue]]
+T = TypeVar("T")
+
+_MAGIC = 0x63706174746E  # "cpattn": tells an agreement header apart from other traffic
+_VERSION = 1
+_NAME_WORDS = 6  # function name: 48 bytes in the header (the digest covers the full name)
+_DIGEST_WORDS = 4  # 256-bit signature digest
+_DETAIL_FIELDS = 64  # fields reported in detail on a mismatch (the digest covers all of them)
+_ONCE_CACHE_LIMIT = 4096  # signatures remembered in "once" mode (bounded: cu_seqlens vary)
+
+_INVALID = "invalid_arguments"  # agree_on's one field when a rank's arguments fail validation
+_mode: Optional[str] = None
+_checked: set = set()
+
+
+def set_rank_check(mode: str) -> None:
+    """Sets how distributed cpattn calls check that the ranks agree (see the module docstring):
+    "always" (default), "once" or "never". Overrides $CPATTN_RANK_CHECK."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"cpattn.set_rank_check: mode must be one of {MODES}, got {mode!r}")
+    _mode = mode
+    _checked.clear()
+
+
+def get_rank_check() -> str:
+    """The current mode: set_rank_check's, else $CPATTN_RANK_CHECK, else "always"."""
+    if _mode is not None:
+        return _mode
+    mode = os.environ.get("CPATTN_RANK_CHECK", "always")
+    if mode not in MODES:
+        raise ValueError(f"cpattn: $CPATTN_RANK_CHECK must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def digest_ints(values) -> bytes:
+    """The exact bytes of an integer sequence (e.g. cu_seqlens), as an agree() field value."""
+    return torch.as_tensor(values).to(torch.int64).cpu().contiguous().numpy().tobytes()
+
+
+def tensor_fields(
+    name: str, t, dims: Sequence[str] = ("batch", "seqlen", "heads", "head_dim")
+) -> list[tuple[str, FieldValue]]:
+    """The fields of a tensor argument that every rank must agree on: its sizes (named by `dims`
+    when it has that many, e.g. "q.head_dim"), dtype and device type (not the device index:
+    ranks use different GPUs). Anything else than a tensor gives one field: its repr."""
+    if not isinstance(t, torch.Tensor):
+        return [(name, repr(t))]
+    names = dims if len(dims) == t.dim() else [f"size{i}" for i in range(t.dim())]
+    return [(f"{name}.dims", t.dim()), *((f"{name}.{d}", s) for d, s in zip(names, t.shape)),
+            (f"{name}.dtype", t.dtype), (f"{name}.device", t.device.type)]
+
+
+# Kinds of field values: the detail exchange sends (name hash, kind, word) per field.
+_NONE, _BOOL, _INT, _FLOAT, _STR, _BYTES, _DTYPE, _OTHER = range(8)
+_DTYPES = tuple(v for v in vars(torch).values() if isinstance(v, torch.dtype))
+
+
+def _kind(value) -> int:
+    if value is None:
+        return _NONE
+    for kind, types in ((_BOOL, bool), (_INT, int), (_FLOAT, float), (_STR, str),
+                        (_BYTES, bytes), (_DTYPE, torch.dtype)):
+        if isinstance(value, types):
+            return kind
+    return _OTHER
+
+
+def _encode(value) -> bytes:
+    """Exact, typed bytes of a field value (for the digest)."""
+    kind = _kind(value)
+    if kind == _FLOAT:
+        raw = struct.pack("<d", value)
+    elif kind == _BYTES:
+        raw = value
+    elif kind == _INT:
+        raw = str(int(value)).encode()  # also ints beyond int64
+    else:
+        raw = repr(value).encode()
+    return bytes([kind]) + raw
+
+
+def _hash63(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+_INVALID_KEY = _hash63(_INVALID.encode())
+
+
+def _word(value) -> int:
+    """One int64 for the detail exchange: the value itself where it fits, else a hash."""
+    kind = _kind(value)
+    if kind in (_BOOL, _INT) and -(2**63) <= value < 2**63:
+        return int(value)
+    if kind == _FLOAT:
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return _hash63(_encode(value))
+
+
+def _show(kind: int, word: int, local) -> str:
+    """A rank's value, from its (kind, word), as an error message shows it."""
+    if kind == _NONE:
+        return "None"
+    if kind == _BOOL:
+        return str(bool(word))
+    if kind == _FLOAT:
+        return repr(struct.unpack("<d", struct.pack("<q", word))[0])
+    if kind == _INT:
+        return str(word)  # (an int beyond int64 shows its hash)
+    if kind == _DTYPE:
+        return next((str(d) for d in _DTYPES if _word(d) == word), f"<dtype {word:#x}>")
+    if _kind(local) == kind and _word(local) == word and kind != _BYTES:
+        return repr(local)
+    return f"<digest {word:#x}>"
+
+
+def _signature_digest(function_name: str, fields: Sequence[tuple[str, FieldValue]]) -> bytes:
+    h = hashlib.blake2b(digest_size=8 * _DIGEST_WORDS)
+    h.update(function_name.encode() + b"\0")
+    for name, value in fields:
+        raw = _encode(value)
+        # Lengths first, so that no two different signatures serialise to the same bytes.
+        h.update(struct.pack("<qq", len(name), len(raw)) + name.encode() + raw)
+    return h.digest()
+
+
+def _exchange(mine: torch.Tensor, group, world: int, timeout: float, what: str) -> torch.Tensor:
+    """All-gathers a fixed-size int64 vector: (world, n), waiting at most `timeout` seconds."""
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    gathered = [torch.empty_like(mine, device=device) for _ in range(world)]
+    try:
+        work = dist.all_gather(gathered, mine.to(device), group=group, async_op=True)
+        done = work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"{what}: the cross-rank agreement check failed after at most {timeout} s: a peer "
+            f"did not make a cpattn call in time or left the group ({e})"
+        ) from e
+    if done is False:
+        raise RuntimeError(
+            f"{what}: peers did not answer the cross-rank agreement check within {timeout} s"
+        )
+    return torch.stack([g.cpu() for g in gathered])
+
+
+def _header(function_name: str, digest: bytes) -> torch.Tensor:
+    name = function_name.encode()[: 8 * _NAME_WORDS].ljust(8 * _NAME_WORDS, b"\0")
+    words = struct.unpack(f"<{_NAME_WORDS}q", name) + struct.unpack(f"<{_DIGEST_WORDS}q", digest)
+    return torch.tensor([_MAGIC, _VERSION, *words], dtype=torch.int64)
+
+
+def _name_of(header: torch.Tensor) -> str:
+    raw = struct.pack(f"<{_NAME_WORDS}q", *header[2 : 2 + _NAME_WORDS].tolist())
+    return raw.rstrip(b"\0").decode(errors="replace")
+
+
+def _mismatch_message(
+    function_name: str,
+    fields: Sequence[tuple[str, FieldValue]],
+    headers: torch.Tensor,
+    details: torch.Tensor,
+) -> str:
+    world = headers.shape[0]
+    names = [_name_of(h) for h in headers]
+    if len(set(names)) > 1:
+        calls = ", ".join(f"rank {r} called {n}" for r, n in enumerate(names))
+        return (f"{function_name}: ranks called different cpattn functions ({calls}); every rank "
+                "of the group must make the same cpattn calls in the same order")
+    # details[r] = [count, (name hash, kind, word) per field]
+    per_rank = []
+    for r in range(world):
+        n = int(details[r, 0])
+        triples = details[r, 1 : 1 + 3 * n].view(n, 3).tolist()
+        per_rank.append({h: (kind, word) for h, kind, word in triples})
+    invalid = [_INVALID_KEY in d for d in per_rank]
+    if any(invalid):  # some ranks failed validation, others did not: say so, not every field
+        bad = ", ".join(str(r) for r, b in enumerate(invalid) if b)
+        good = ", ".join(str(r) for r, b in enumerate(invalid) if not b)
+        return (f"{function_name}: the arguments are invalid on rank(s) {bad} but not on rank(s) "
+                f"{good}; every rank must pass the same shapes and options")
+    shown = []
+    for name, value in fields[:_DETAIL_FIELDS]:
+        key = _hash63(name.encode())
+        values = [d.get(key) for d in per_rank]
+        if len(set(values)) > 1:
+            text = ", ".join(f"rank {r}=" + ("absent" if v is None else _show(*v, value))
+                             for r, v in enumerate(values))
+            shown.append((name, text))
+    if not shown:
+        return (f"{function_name}: ranks disagree on the call's shapes or options (signature "
+                "digests differ beyond the fields reported in detail)")
+    return (f"{function_name}: ranks disagree on {', '.join(n for n, _ in shown)} ("
+            + "; ".join(f"{n}: {t}" for n, t in shown)
+            + "); every rank must pass the same shapes and options")
+
+
+def agree(
+    function_name: str,
+    group,
+    fields: Sequence[tuple[str, FieldValue]],
+    timeout: float,
+) -> None:
+    """Raises ValueError on every rank unless every rank of `group` calls `function_name` with the
+    same `fields`; RuntimeError if a peer does not join within `timeout` seconds.
+
+    Args:
+        function_name: the public name, e.g. "cpattn.ring_attention"; it names the call in errors.
+        group: a torch.distributed process group (None: the world).
+        fields: (name, value) pairs that must agree across the ranks, compared exactly: None,
+            bool, int, float, str, torch.dtype, or bytes (e.g. digest_ints(cu_seqlens)); see
+            tensor_fields for tensors. Built from the raw arguments, before validating them, so
+            that a bad input on one rank only is a disagreement, not a one-sided error.
+        timeout: seconds to wait for the peers.
+
+    Must be called identically on every rank before the call's first message. Costs one
+    all-gather of 12 int64 per call in "always" mode (a second one only on a mismatch).
+    """
+    mode = get_rank_check()
+    fields = list(fields)
+    if mode == "never":
+        return
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    digest = _signature_digest(function_name, fields)
+    key = (function_name, group.group_name, digest)
+    if mode == "once" and key in _checked:
+        return
+    headers = _exchange(_header(function_name, digest), group, world, timeout, function_name)
+    if (headers != headers[0]).any():
+        # Every rank saw the same headers, so every rank takes this branch: a second exchange.
+        shown = fields[:_DETAIL_FIELDS]
+        detail = torch.zeros(1 + 3 * _DETAIL_FIELDS, dtype=torch.int64)
+        detail[0] = len(shown)
+        for i, (name, value) in enumerate(shown):
+            detail[1 + 3 * i : 4 + 3 * i] = torch.tensor(
+                [_hash63(name.encode()), _kind(value), _word(value)])
+        details = _exchange(detail, group, world, timeout, function_name)
+        raise ValueError(_mismatch_message(function_name, fields, headers, details))
+    if mode == "once":
+        if len(_checked) >= _ONCE_CACHE_LIMIT:
+            _checked.clear()  # every rank clears at the same call: the caches stay identical
+        _checked.add(key)
+
+
+def agree_on(
+    function_name: str, group, timeout: float, check: Callable[[], tuple[T, Fields]]
+) -> T:
+    """Validates a call's arguments and agrees on them across the ranks, in that order.
+
+    check() validates this rank's arguments and returns (the checked arguments, the signature
+    fields). If it raises ValueError or TypeError, the ranks agree on that error instead: when
+    every rank has it (the same bad input everywhere) every rank raises it; when only some do,
+    every rank raises the disagreement (chained to the local error). Either way no rank is left
+    waiting in the call's first message. Returns check()'s checked arguments.
+    """
+    try:
+        checked, fields = check()
+        error = None
+    except (ValueError, TypeError) as e:
+        checked, fields, error = None, [(_INVALID, f"{type(e).__name__}: {e}")], e
+    try:
+        agree(function_name, group, fields, timeout)
+    except ValueError as mismatch:
+        if error is None:
+            raise
+        raise ValueError(f"{mismatch} (here: {error})") from error
+    if error is not None:
+        raise error
+    return checked

@@ -1,0 +1,174 @@
+"""Argument validation for the public functions, each rule written once.
+
+Every message names the function, the argument, the value and the rule:
+    "cpattn.ring_attention: softmax_scale=0.0: must be finite and > 0 in float32".
+The distributed functions run these checks before any message, on values every rank agrees on
+(after or independent of the agreement check), so a bad input raises on every rank and leaves
+the process group usable.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256  # the CPU kernels' limit (csrc/ops/attention_ops.cpp)
+# Window sizes at or beyond this reach past any sequence cpattn can index: "unbounded" (-1).
+# Positions stay below it too, so that position +- window never overflows int64 (cpattn/mask.h).
+MAX_POSITION = 2**61 - 1
+
+
+def error(what: str, arg: str, value, rule: str) -> ValueError:
+    """The ValueError for `arg` = `value` of function `what` breaking `rule`."""
+    return ValueError(f"{what}: {arg}={_show(value)}: {rule}")
+
+
+def _show(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+    return repr(value)
+
+
+def check_int(what: str, arg: str, value, minimum: Optional[int] = None) -> int:
+    """An int (not a bool, not a float, even an integral one), optionally >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise error(what, arg, value, "must be an int")
+    if minimum is not None and value < minimum:
+        raise error(what, arg, value, f"must be >= {minimum}")
+    return int(value)
+
+
+def check_bool(what: str, arg: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise error(what, arg, value, "must be True or False")
+    return value
+
+
+def check_choice(what: str, arg: str, value, choices: Sequence) -> None:
+    if value not in choices:
+        raise error(what, arg, value, f"must be one of {', '.join(map(repr, choices))}")
+
+
+def check_window(window, what: str = "cpattn") -> tuple[int, int]:
+    """(left, right): ints, each >= 0, or -1 for unbounded. A side at or beyond MAX_POSITION
+    reaches past any sequence, so it is returned as -1 (e.g. (-1, 2**63 - 1) == (-1, -1))."""
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise error(what, "window", window, "must be a pair (left, right) of ints") from None
+    sides = []
+    for name, side in (("window[0] (left)", left), ("window[1] (right)", right)):
+        side = check_int(what, name, side, minimum=-1)
+        sides.append(-1 if side >= MAX_POSITION else side)
+    return sides[0], sides[1]
+
+
+def check_scale(what: str, softmax_scale, head_dim: int) -> float:
+    """The softmax scale (default 1 / sqrt(head_dim)): a real number, finite and > 0 as the
+    float32 the kernels use."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise error(what, "softmax_scale", softmax_scale, "must be a real number")
+    as_f32 = float(torch.tensor(float(softmax_scale), dtype=torch.float32))
+    if not (math.isfinite(as_f32) and as_f32 > 0):
+        raise error(what, "softmax_scale", softmax_scale, "must be finite and > 0 in float32")
+    return float(softmax_scale)
+
+
+def check_timeout(what: str, timeout) -> float:
+    """Seconds to wait for a peer: default $CPATTN_COMM_TIMEOUT or 300; finite and > 0."""
+    source = "timeout"
+    if timeout is None:
+        timeout, source = os.environ.get("CPATTN_COMM_TIMEOUT", "300"), "$CPATTN_COMM_TIMEOUT"
+        try:
+            timeout = float(timeout)
+        except ValueError:
+            raise error(what, source, timeout, "must be a number of seconds") from None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise error(what, source, timeout, "must be a number of seconds")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise error(what, source, timeout, "must be finite and > 0 (seconds)")
+    return float(timeout)
+
+
+def check_tensor(what: str, arg: str, t, dims: Sequence[str]) -> None:
+    """A float32 / bfloat16 / float16 tensor of len(dims) dims, each >= 1, on CPU or CUDA,
+    contiguous in its last dim (what the kernels read)."""
+    if not isinstance(t, torch.Tensor):
+        raise error(what, arg, t, "must be a torch.Tensor")
+    if t.dim() != len(dims):
+        raise error(what, f"{arg}.shape", tuple(t.shape), f"must be ({', '.join(dims)})")
+    if t.dtype not in FLOAT_DTYPES:
+        raise error(what, f"{arg}.dtype", t.dtype, "must be float32, bfloat16 or float16")
+    if t.device.type not in ("cpu", "cuda"):
+        raise error(what, f"{arg}.device", t.device, "must be a CPU or CUDA device")
+    for name, size in zip(dims, t.shape):
+        if size < 1:
+            raise error(what, f"{arg}.shape", tuple(t.shape), f"{name} must be >= 1")
+    if t.stride(-1) != 1:
+        raise error(what, f"{arg}.stride()", t.stride(), "the last dim (head_dim) must be "
+                    "contiguous (stride 1)")
+
+
+def check_qkv(what: str, q, k, v, *, varlen: bool = False, same_length: bool = True) -> None:
+    """q (batch, seqlen, heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim), or
+    without the batch dim for varlen (tokens, heads, head_dim): one float dtype for all three
+    (no promotion, as cpattn.attention), one device, heads % kv_heads == 0, head_dim <= 256;
+    `same_length`: the shards of q and k/v have the same length (ring / Ulysses)."""
+    dims = ("tokens", "heads", "head_dim") if varlen else ("batch", "seqlen", "heads", "head_dim")
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(what, arg, t, dims)
+    if not q.dtype == k.dtype == v.dtype:
+        raise error(what, "(q.dtype, k.dtype, v.dtype)", (q.dtype, k.dtype, v.dtype),
+                    "must be the same dtype (no promotion)")
+    if not q.device == k.device == v.device:
+        raise error(what, "(q.device, k.device, v.device)", (q.device, k.device, v.device),
+                    "must be the same device")
+    if k.shape != v.shape:
+        raise error(what, "(k.shape, v.shape)", (tuple(k.shape), tuple(v.shape)),
+                    "must be equal")
+    if not varlen and q.shape[0] != k.shape[0]:
+        raise error(what, "(q batch, k batch)", (q.shape[0], k.shape[0]), "must be equal")
+    if q.shape[-1] != k.shape[-1]:
+        raise error(what, "(q head_dim, k head_dim)", (q.shape[-1], k.shape[-1]), "must be equal")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise error(what, "head_dim", q.shape[-1], f"must be between 1 and {MAX_HEAD_DIM}")
+    if q.shape[-2] % k.shape[-2] != 0:
+        raise error(what, "(heads, kv_heads)", (q.shape[-2], k.shape[-2]),
+                    "heads must be a multiple of kv_heads")
+    seq = 0 if varlen else 1
+    if same_length and q.shape[seq] != k.shape[seq]:
+        raise error(what, "(q length, k length)", (q.shape[seq], k.shape[seq]),
+                    "the q and k/v shards must have the same length")
+
+
+def check_cu_seqlens(what: str, cu_seqlens) -> torch.Tensor:
+    """Document boundaries: integers (a float tensor or float entries are rejected, never
+    truncated), 1-D, at least [0, n], starting at 0, non-decreasing. Returns them as int64 on
+    the CPU."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or (
+            cu_seqlens.dtype == torch.bool
+        ):
+            raise error(what, "cu_seqlens.dtype", cu_seqlens.dtype, "must be an integer dtype")
+        cu = cu_seqlens.detach().to("cpu", torch.int64)
+    else:
+        try:
+            values = list(cu_seqlens)
+        except TypeError:
+            raise error(what, "cu_seqlens", cu_seqlens, "must be a 1-D sequence of ints") from None
+        for x in values:
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+                raise error(what, "cu_seqlens", cu_seqlens, "must hold ints only")
+        cu = torch.tensor(values, dtype=torch.int64)
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or bool((cu.diff() < 0).any()):
+        raise error(what, "cu_seqlens", cu.tolist() if cu.numel() <= 16 else cu,
+                    "must be 1-D, start at 0, hold at least one document and be non-decreasing")
+    return cu

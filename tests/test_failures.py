@@ -1,0 +1,425 @@
+"""Failure semantics across real gloo ranks: the cross-rank agreement check names mismatched calls
+on every rank, quickly, and an error never leaves the group unusable for the next call."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import cpattn
+import pytest
+import torch
+import torch.distributed as dist
+from cpattn import _agreement
+from distributed import run_ranks
+
+TIMEOUT = 20  # a test that hangs fails on this instead of the CI limit
+
+
+def _qkv(seed: int, b=1, s=8, h=2, hkv=2, d=16, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, s, h, d, generator=gen, dtype=dtype),
+            torch.randn(b, s, hkv, d, generator=gen, dtype=dtype),
+            torch.randn(b, s, hkv, d, generator=gen, dtype=dtype))
+
+
+def _valid_call_matches(rank: int, world: int) -> None:
+    """A valid ring call on the group returns the emulated ring's result (the group works)."""
+    shards = [_qkv(100 + r) for r in range(world)]
+    outs, _ = cpattn.ring_attention_emulated([s[0] for s in shards], [s[1] for s in shards],
+                                             [s[2] for s in shards], causal=True)
+    out = cpattn.ring_attention(*shards[rank], causal=True, timeout=TIMEOUT)
+    assert torch.equal(out, outs[rank])
+
+
+def _one_of_each(rank: int, world: int) -> None:
+    """Rank r makes a different cpattn call than its neighbours."""
+    q, k, v = _qkv(rank, s=4 * world, h=world * 2)
+    cache = cpattn.KVCacheShard(1, 16, 2, 16)
+    cache.append(k[:, :2, :2], v[:, :2, :2])
+    calls = [
+        lambda: cpattn.ring_attention(q, k, v, timeout=TIMEOUT),
+        lambda: cpattn.ulysses_attention(q, k, v, timeout=TIMEOUT),
+        lambda: cpattn.decode_attention(q[:, :1], cache, timeout=TIMEOUT),
+        lambda: cpattn.ring_attention_varlen(q[0], k[0], v[0], [0, 4 * world], timeout=TIMEOUT),
+    ]
+    return calls
+
+
+def _check_mismatched_functions(rank: int, world: int, first: int) -> None:
+    calls = _one_of_each(rank, world)
+    names = ["ring_attention", "ulysses_attention", "decode_attention", "ring_attention_varlen"]
+    mine = (first + rank) % len(calls)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="ranks called different cpattn functions") as err:
+        calls[mine]()
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0, f"rank {rank}: the mismatch took {elapsed:.2f} s to raise"
+    for r in range(world):  # the message names every rank's function
+        assert f"rank {r} called cpattn.{names[(first + r) % len(calls)]}" in str(err.value)
+    _valid_call_matches(rank, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mismatched_functions_raise_on_every_rank_within_1s(world):
+    run_ranks(world, _check_mismatched_functions, 0)
+
+
+def test_mismatched_functions_any_pair():
+    run_ranks(2, _check_mismatched_functions, 2)  # decode vs varlen
+
+
+def _check_varlen_disagreements(rank: int, world: int) -> None:
+    # Same number of documents and tokens, different boundaries: must not pass (issue 17).
+    cases = {
+        "same_total": [[0, 2, 6, 8], [0, 3, 5, 8], [0, 1, 7, 8]],
+        "documents": [[0, 8], [0, 4, 8], [0, 2, 4, 8]],
+        "tokens": [[0, 4, 8], [0, 4, 10], [0, 4, 12]],
+    }
+    gen = torch.Generator().manual_seed(rank)
+    for strategy in ("ring", "allgather"):
+        for name, per_rank in cases.items():
+            cu = per_rank[rank]
+            index, _ = cpattn.positions_varlen(cu)
+            x = torch.randn(index.numel(), 2, 16, generator=gen)
+            with pytest.raises(ValueError, match="ranks disagree on .*document_lengths"):
+                cpattn.ring_attention_varlen(x, x, x, cu, strategy=strategy, timeout=TIMEOUT)
+        with pytest.raises(ValueError, match="ranks disagree on .*cu_seqlens"):
+            cpattn.unshard_varlen(torch.randn(4, 2), [[0, 2, 6, 8], [0, 3, 5, 8], [0, 1, 7, 8]]
+                                  [rank])
+    _valid_call_matches(rank, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_varlen_disagreement_raises_on_every_rank(world):
+    run_ranks(world, _check_varlen_disagreements)
+
+
+def _check_field_report(rank: int, world: int) -> None:
+    q, k, v = _qkv(rank)
+    with pytest.raises(ValueError, match=r"ranks disagree on window_left \(window_left: rank 0=-1, "
+                                         r"rank 1=3\)"):
+        cpattn.ring_attention(q, k, v, window=(-1 if rank == 0 else 3, -1), timeout=TIMEOUT)
+    dtype = torch.bfloat16 if rank else torch.float32
+    with pytest.raises(ValueError, match=r"k.dtype: rank 0=torch.float32, rank 1=torch.bfloat16"):
+        cpattn.ring_attention(q.to(dtype), k.to(dtype), v.to(dtype), timeout=TIMEOUT)
+    # A bad input on one rank only: every rank raises, the bad one says what is wrong with it.
+    here = r" \(here: cpattn.ring_attention: \(q.dtype, k.dtype, v.dtype\)=" if rank else "$"
+    with pytest.raises(ValueError, match=r"the arguments are invalid on rank\(s\) 1 but not on "
+                                         r"rank\(s\) 0; every rank must pass the same shapes and "
+                                         r"options" + here):
+        cpattn.ring_attention(q, k.to(dtype), v, timeout=TIMEOUT)
+    _valid_call_matches(rank, world)
+
+
+def test_disagreement_names_fields_and_values():
+    run_ranks(2, _check_field_report)
+
+
+def _check_modes(rank: int, world: int) -> None:
+    sent = []
+    exchange = _agreement._exchange
+
+    def counting(mine, *args):
+        sent.append(mine.numel())
+        return exchange(mine, *args)
+
+    _agreement._exchange = counting
+    q, k, v = _qkv(rank)
+    try:
+        assert cpattn.get_rank_check() == "always"
+        cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
+        cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
+        assert sent == [12, 12], sent  # one fixed-size header per call
+        cpattn.set_rank_check("once")
+        sent.clear()
+        for _ in range(3):
+            cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
+        cpattn.ring_attention(q, k, v, causal=True, timeout=TIMEOUT)  # a new signature
+        assert sent == [12, 12], sent
+        cpattn.set_rank_check("never")
+        sent.clear()
+        cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
+        assert sent == []
+    finally:
+        _agreement._exchange = exchange
+        cpattn.set_rank_check("always")
+    _valid_call_matches(rank, world)
+
+
+def test_rank_check_modes():
+    run_ranks(2, _check_modes)
+
+
+def test_rank_check_mode_is_validated(monkeypatch):
+    with pytest.raises(ValueError, match="set_rank_check: mode must be one of"):
+        cpattn.set_rank_check("sometimes")
+    monkeypatch.setattr(_agreement, "_mode", None)
+    monkeypatch.setenv("CPATTN_RANK_CHECK", "once")
+    assert cpattn.get_rank_check() == "once"
+    monkeypatch.setenv("CPATTN_RANK_CHECK", "bogus")
+    with pytest.raises(ValueError, match="CPATTN_RANK_CHECK must be one of"):
+        cpattn.get_rank_check()
+
+
+def test_signature_digest_is_unambiguous():
+    digest = _agreement._signature_digest
+    assert digest("f", [("a", 12), ("b", 3)]) != digest("f", [("a", 1), ("b", 23)])
+    assert digest("f", [("ab", 1)]) != digest("f", [("a", 1), ("b", 1)])
+    assert digest("f", [("cu", bytes([0, 2, 6, 8]))]) != digest("f", [("cu", bytes([0, 3, 5, 8]))])
+    assert digest("f", [("a", 1)]) != digest("g", [("a", 1)])
+    assert digest("f", [("a", 1)]) == digest("f", [("a", 1)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs: each raises its own clear error on every rank, and the group stays usable.
+
+
+def _bad_ring_inputs(q, k, v):
+    """name -> (q, k, v, options, message pattern) for ring_attention, the same on every rank."""
+    r = torch.randn
+    return {
+        "mixed_dtypes": (q.bfloat16(), k, v, {},
+                         r"\(q.dtype, k.dtype, v.dtype\)=\(torch.bfloat16, torch.float32, "
+                         r"torch.float32\): must be the same dtype \(no promotion\)"),
+        "int32": (q.int(), k.int(), v.int(), {},
+                  r"q.dtype=torch.int32: must be float32, bfloat16 or float16"),
+        "head_dim_300": (r(1, 8, 4, 300), r(1, 8, 2, 300), r(1, 8, 2, 300), {},
+                         r"head_dim=300: must be between 1 and 256"),
+        "head_dim_0": (r(1, 8, 4, 0), r(1, 8, 2, 0), r(1, 8, 2, 0), {},
+                       r"q.shape=\(1, 8, 4, 0\): head_dim must be >= 1"),
+        "heads_not_multiple": (r(1, 8, 3, 16), k, v, {},
+                               r"\(heads, kv_heads\)=\(3, 2\): heads must be a multiple"),
+        "batch_0": (r(0, 8, 4, 16), r(0, 8, 2, 16), r(0, 8, 2, 16), {},
+                    r"q.shape=\(0, 8, 4, 16\): batch must be >= 1"),
+        "q_k_lengths": (q, k[:, :4], v[:, :4], {},
+                        r"\(q length, k length\)=\(8, 4\): the q and k/v shards must have"),
+        "scale_0": (q, k, v, {"softmax_scale": 0.0},
+                    r"softmax_scale=0.0: must be finite and > 0 in float32"),
+        "scale_nan": (q, k, v, {"softmax_scale": float("nan")},
+                      r"softmax_scale=nan: must be finite and > 0 in float32"),
+        "scale_str": (q, k, v, {"softmax_scale": "0.1"}, r"softmax_scale='0.1': must be a real"),
+        "window_-2": (q, k, v, {"window": (-2, 0)}, r"window\[0\] \(left\)=-2: must be >= -1"),
+        "window_float": (q, k, v, {"window": (2.5, 0)}, r"window\[0\] \(left\)=2.5: must be an int"),
+        "window_triple": (q, k, v, {"window": (1, 2, 3)},
+                          r"window=\(1, 2, 3\): must be a pair \(left, right\) of ints"),
+        "causal_str": (q, k, v, {"causal": "yes"}, r"causal='yes': must be True or False"),
+        "layout": (q, k, v, {"layout": "spiral"},
+                   r"layout='spiral': must be one of 'contiguous', 'zigzag', 'striped'"),
+        "strategy": (q, k, v, {"strategy": "magic"},
+                     r"strategy='magic': must be one of 'ring', 'allgather'"),
+        "allgather_chunk_-1": (q, k, v, {"strategy": "allgather", "allgather_chunk": -1},
+                               r"allgather_chunk=-1: must be >= 1"),
+        "allgather_chunk_0": (q, k, v, {"strategy": "allgather", "allgather_chunk": 0},
+                              r"allgather_chunk=0: must be >= 1"),
+        "timeout_-1": (q, k, v, {"timeout": -1}, r"timeout=-1: must be finite and > 0"),
+        "timeout_0": (q, k, v, {"timeout": 0}, r"timeout=0: must be finite and > 0"),
+        "q_3d": (q[0], k, v, {}, r"q.shape=\(8, 4, 16\): must be \(batch, seqlen, heads, "),
+        "not_a_tensor": ([1.0], k, v, {}, r"q=\[1.0\]: must be a torch.Tensor"),
+    }
+
+
+def _check_bad_inputs(rank: int, world: int) -> None:
+    q, k, v = _qkv(rank, h=4)
+    cases = _bad_ring_inputs(q, k, v)
+    for name, (bq, bk, bv, options) in ((n, c[:4]) for n, c in cases.items()):
+        pattern = cases[name][4]
+        for strategy in ("ring", "allgather"):
+            kw = {"strategy": strategy, "timeout": TIMEOUT, **options}
+            with pytest.raises(ValueError, match="cpattn.ring_attention: " + pattern):
+                cpattn.ring_attention(bq, bk, bv, **kw)
+    # The ring's local-length rule is checked in C++ before its first message.
+    odd = torch.randn(1, 7, 2, 16)
+    with pytest.raises(RuntimeError, match="zigzag layout holds two equal chunks"):
+        cpattn.ring_attention(odd, odd, odd, timeout=TIMEOUT)
+
+    x = torch.randn(8 // world * 2, 2, 16)
+    varlen = {
+        "float_tensor": (torch.tensor([0.0, 4.0, 8.0]),
+                         r"cu_seqlens.dtype=torch.float32: must be an integer dtype"),
+        "float_list": ([0, 4.5, 8], r"cu_seqlens=\[0, 4.5, 8\]: must hold ints only"),
+        "not_from_0": ([1, 4, 8], r"cu_seqlens=\[1, 4, 8\]: must be 1-D, start at 0"),
+        "decreasing": ([0, 6, 4], r"cu_seqlens=\[0, 6, 4\]: must be 1-D, start at 0"),
+        "one_entry": ([0], r"cu_seqlens=\[0\]: must be 1-D, start at 0, hold at least one"),
+    }
+    for strategy in ("ring", "allgather"):
+        for name, (cu, pattern) in varlen.items():
+            with pytest.raises(ValueError, match="cpattn.ring_attention_varlen: " + pattern):
+                cpattn.ring_attention_varlen(x, x, x, cu, strategy=strategy, timeout=TIMEOUT)
+        with pytest.raises(RuntimeError, match="every rank holds"):  # wrong local length
+            cpattn.ring_attention_varlen(x[:3], x[:3], x[:3], [0, 8], strategy=strategy,
+                                         timeout=TIMEOUT)
+
+    # Ulysses: its own rules (contiguous shards of equal length, heads split over the ranks).
+    with pytest.raises(ValueError, match=r"cpattn.ulysses_attention: \(q length, k length\)"):
+        cpattn.ulysses_attention(q, k[:, :4], v[:, :4], timeout=TIMEOUT)
+    uneven = torch.randn(1, 8, world + 1, 16)
+    with pytest.raises(ValueError, match=f"cpattn.ulysses_attention: heads={world + 1}: must be "
+                                         "divisible by the Ulysses group size"):
+        cpattn.ulysses_attention(uneven, uneven, uneven, timeout=TIMEOUT)
+    with pytest.raises(ValueError, match=r"cpattn.ulysses_attention: \(q.dtype, k.dtype"):
+        cpattn.ulysses_attention(q.bfloat16(), k, v, timeout=TIMEOUT)
+    with pytest.raises(ValueError, match=r"cpattn.decode_attention: cache=None: must be a "):
+        cpattn.decode_attention(q[:, :1], None, timeout=TIMEOUT)
+    with pytest.raises(ValueError, match=r"cpattn.decode_attention: q.dtype=torch.int64"):
+        cpattn.decode_attention(q[:, :1].long(), cpattn.KVCacheShard(1, 8, 2, 16),
+                                timeout=TIMEOUT)
+    _valid_call_matches(rank, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_inputs_raise_clearly_and_the_group_stays_usable(world):
+    run_ranks(world, _check_bad_inputs)
+
+
+def _check_error_inside_the_ring(rank: int, world: int) -> None:
+    """The raw ops skip the Python checks: a kernel error after the first shift was posted must
+    drain the shifts, so that the next call on the group works (issue 17: it used to time out
+    and abort)."""
+    q, k, v = _qkv(rank, h=4)
+    name = dist.group.WORLD.group_name
+    bad = {
+        "mixed_dtypes": (q.bfloat16(), k, v, 0.25),
+        "head_dim_300": (torch.randn(1, 8, 4, 300), torch.randn(1, 8, 2, 300),
+                         torch.randn(1, 8, 2, 300), 0.25),
+        "heads_not_multiple": (torch.randn(1, 8, 3, 16), k, v, 0.25),
+        "scale_0": (q, k, v, 0.0),
+    }
+    for case, (bq, bk, bv, scale) in bad.items():
+        with pytest.raises(RuntimeError, match="cpattn"):
+            torch.ops.cpattn.ring_fwd(bq, bk, bv, name, scale, True, -1, -1, 1, float(TIMEOUT))
+        _valid_call_matches(rank, world)
+    out, lse = torch.ops.cpattn.ring_fwd(q, k, v, name, 0.25, True, -1, -1, 1, float(TIMEOUT))
+    with pytest.raises(RuntimeError, match="cpattn: dout must have q's shape"):  # in backward
+        torch.ops.cpattn.ring_bwd(out[..., :8].contiguous(), q, k, v, out, lse, name, 0.25, True,
+                                  -1, -1, 1, float(TIMEOUT))
+    _valid_call_matches(rank, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_error_inside_the_ring_leaves_the_group_usable(world):
+    run_ranks(world, _check_error_inside_the_ring)
+
+
+# ---------------------------------------------------------------------------------------------
+# Silently wrong before: now exact or an error.
+
+
+def _double_backward_cases(rank: int, world: int) -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv(rank, h=4))
+    u_groups = [dist.new_group([r]) for r in range(world)]  # hybrid: Ulysses over all, ring of 1
+    calls = [  # (the call, the op whose backward refuses a second order)
+        (lambda: cpattn.ring_attention(q, k, v, causal=True), "cpattn.ring_attention"),
+        (lambda: cpattn.ring_attention(q, k, v, causal=True, strategy="allgather"),
+         "cpattn.ring_attention(strategy='allgather')"),
+        (lambda: cpattn.ring_attention_varlen(q[0], k[0], v[0], [0, 4 * world, 8 * world],
+                                              causal=True), "cpattn.ring_attention"),
+        (lambda: cpattn.ring_attention_varlen(q[0], k[0], v[0], [0, 4 * world, 8 * world],
+                                              causal=True, strategy="allgather"),
+         "cpattn.ring_attention(strategy='allgather')"),
+        (lambda: cpattn.ulysses_attention(q, k, v, causal=True), "cpattn.attention"),
+        (lambda: cpattn.hybrid_attention(q, k, v, ulysses_group=dist.group.WORLD,
+                                         ring_group=u_groups[rank], causal=True,
+                                         layout="contiguous"), "cpattn.ring_attention"),
+    ]
+    for call, what in calls:
+        out = call()
+        (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        pattern = re.escape(what) + ": double backward .* is not implemented"
+        with pytest.raises(RuntimeError, match=pattern):
+            dq.square().sum().backward()
+    # First-order gradients are unaffected by the guard.
+    out = cpattn.ring_attention(q, k, v, causal=True)
+    (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    (dq_plain,) = torch.autograd.grad(cpattn.ring_attention(q, k, v, causal=True).square().sum(), q)
+    assert torch.equal(dq.detach(), dq_plain)
+
+
+def test_double_backward_raises_for_every_distributed_function():
+    run_ranks(2, _double_backward_cases)
+
+
+def test_double_backward_raises_locally():
+    q, k, v = (t.double().float().requires_grad_() for t in _qkv(0, h=4))
+    out, lse = cpattn.attention(q, k, v, causal=True, return_lse=True)
+    (dq,) = torch.autograd.grad(out.square().sum() + lse.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"cpattn.attention: double backward"):
+        dq.sum().backward()
+    outs = torch.randn(2, 1, 3, 2, 4, requires_grad=True)
+    lses = torch.randn(2, 1, 2, 3, requires_grad=True)
+    merged, _ = cpattn.merge_attention_states(outs, lses)
+    (douts,) = torch.autograd.grad(merged.square().sum(), outs, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"cpattn.merge_attention_states: double backward"):
+        douts.sum().backward()
+
+
+def _unshard_keeps_the_gradient(rank: int, world: int) -> None:
+    x = torch.randn(1, 4, 2, 3, requires_grad=True)
+    full = cpattn.unshard(x, layout="zigzag")
+    grad = torch.randn(full.shape)
+    kept = grad.clone()
+    full.backward(grad)
+    assert torch.equal(grad, kept), "unshard's backward wrote into the incoming gradient"
+    # The gradient of a shard is the sum over ranks of the gradients of its tokens.
+    grads = [torch.empty_like(grad) for _ in range(world)]
+    dist.all_gather(grads, grad)
+    expected = cpattn.shard(torch.stack(grads).sum(0), layout="zigzag")
+    torch.testing.assert_close(x.grad, expected)
+
+
+def test_unshard_never_writes_into_the_incoming_gradient():
+    run_ranks(2, _unshard_keeps_the_gradient)
+
+
+def test_window_beyond_the_sequence_is_unbounded():
+    q, k, v = _qkv(3, h=4)
+    expected = cpattn.attention(q, k, v)
+    for window in [(-1, 2**63 - 1), (2**63 - 1, -1), (2**62, 2**61), (2**61 - 1, 2**40)]:
+        # (a finite window beyond the sequence may sum in another order: fp32 tolerance)
+        torch.testing.assert_close(cpattn.attention(q, k, v, window=window), expected)
+        out, _ = torch.ops.cpattn.attention_fwd(q, k, v, 0.25, False, *window, 0, 0, None)
+        torch.testing.assert_close(out, expected)
+    causal = cpattn.attention(q, k, v, causal=True)
+    torch.testing.assert_close(cpattn.attention(q, k, v, causal=True, window=(2**63 - 1, 0)),
+                               causal, atol=0, rtol=0)
+    qs, ks, vs = ([t] for t in (q, k, v))  # the ring's rule too (one emulated rank)
+    outs, _ = cpattn.ring_attention_emulated(qs, ks, vs, window=(-1, 2**63 - 1))
+    torch.testing.assert_close(outs[0], expected)  # (merged in the ring's fp32 state)
+
+
+def test_positions_near_the_int64_limit_raise():
+    q, k, v = _qkv(4, h=4)
+    causal = cpattn.attention(q, k, v, causal=True)
+    far = 2**61 - 2 - 8  # the last offset that keeps 8 positions in range: exact
+    out, _ = torch.ops.cpattn.attention_fwd(q, k, v, 0.25, True, -1, -1, far, far, None)
+    torch.testing.assert_close(out, causal, atol=0, rtol=0)
+    for offset in [far + 1, 2**62, 2**63 - 10, -(2**62)]:
+        with pytest.raises(RuntimeError, match=r"q_offset = .* puts positions outside"):
+            torch.ops.cpattn.attention_fwd(q, k, v, 0.25, True, -1, -1, offset, 0, None)
+        with pytest.raises(RuntimeError, match=r"k_offset = .* puts positions outside"):
+            torch.ops.cpattn.attention_bwd(q, q, k, v, q, torch.zeros(1, 4, 8), 0.25, True, -1,
+                                           -1, 0, offset)
+
+
+def test_emulated_ulysses_needs_the_contiguous_layout():
+    shards = [_qkv(r, h=4) for r in range(2)]
+    q, k, v = ([s[i] for s in shards] for i in range(3))
+    for layout in ("zigzag", "striped"):
+        with pytest.raises(ValueError, match=r"cpattn.ring_attention_emulated: layout='"
+                                             + layout + "': strategy='ulysses'"):
+            cpattn.ring_attention_emulated(q, k, v, strategy="ulysses", layout=layout)
+    outs, _ = cpattn.ring_attention_emulated(q, k, v, strategy="ulysses", layout="contiguous",
+                                             causal=True)
+    expected, _ = cpattn.ring_attention_emulated(q, k, v, layout="contiguous", causal=True)
+    for a, b in zip(outs, expected):
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
+
+
+def test_merge_state_refuses_an_aliased_out():
+    part_out, part_lse = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4)
+    out = torch.zeros(1, 1, 2, 8).expand(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match=r"merge_state_ out .* share memory"):
+        cpattn.merge_state_(out, torch.full((1, 2, 4), -float("inf")), part_out, part_lse)
+    lse = torch.full((1, 2, 1), -float("inf")).expand(1, 2, 4)
+    with pytest.raises(RuntimeError, match=r"merge_state_ lse .* share memory"):
+        cpattn.merge_state_(torch.zeros(1, 4, 2, 8), lse, part_out, part_lse)
