@@ -68,7 +68,9 @@ def _compiled_mismatch(rank, world):
                       backend="aot_eager")
     with pytest.raises(Exception, match="disagree"):
         f(q, k, v)
-    # The group is still usable afterwards.
+    # The group is still usable afterwards (reset: rank 1 would now compile head_dim as dynamic,
+    # rank 0 not, and a dynamic dimension is compared by name only).
+    torch._dynamo.reset()
     q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
     f(q, k, v)
 
