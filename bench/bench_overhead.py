@@ -6,11 +6,14 @@ Two spawned gloo ranks (one thread each) time, alternately and in lock step, `cp
 (the public call: argument checks, the rank-agreement check, autograd Function, op) and the bare op
 it ends in, `torch.ops.cpattn.ring_fwd` with the same arguments (kernel plus the ring's
 communication). Overhead = public call - bare op, per call, forward only, no grad; the median over
-`repeats` blocks of `iters` calls each is reported (rank 0's clock). With --rank-check the
-agreement check's mode is set (where this cpattn has cpattn.set_rank_check).
+`repeats` blocks of `iters` calls each is reported (rank 0's clock). --rank-check: the
+agreement check's modes to time (where this cpattn has cpattn.set_rank_check; older versions
+check every call), and "compiled": the call under torch.compile(fullgraph=True) (inductor),
+where the check runs once, while tracing.
 """
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -34,17 +37,21 @@ def _worker(rank, world, init_file, args, queue):
     code = {"contiguous": 0, "zigzag": 1, "striped": 2}["zigzag"]
     results = {}
     for mode in args.rank_check:
+        call = functools.partial(cpattn.ring_attention, causal=True)
         if hasattr(cpattn, "set_rank_check"):
-            cpattn.set_rank_check(mode)
-        elif mode != "always":
+            cpattn.set_rank_check("always" if mode == "compiled" else mode)
+        if mode == "compiled":
+            call = torch.compile(call, fullgraph=True)
+        elif mode in ("once", "never") and not hasattr(cpattn, "set_rank_check"):
             continue  # this cpattn checks every call
         public, bare = [], []
         with torch.no_grad():
+            call(q, k, v)  # warm-up (compiles)
             for _ in range(args.repeats):
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(args.iters):
-                    cpattn.ring_attention(q, k, v, causal=True)
+                    call(q, k, v)
                 t1 = time.perf_counter()
                 dist.barrier()
                 t2 = time.perf_counter()
@@ -64,7 +71,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rank-check", nargs="+", default=["always", "once", "never"])
+    parser.add_argument("--rank-check", nargs="+",
+                        default=["always", "once", "never", "compiled"],
+                        help="agreement-check modes to time; 'compiled': torch.compile(fullgraph)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -118,8 +118,9 @@ def cross_entropy(
         group: the ranks whose tokens the mean runs over. Give the flattened data-parallel x
             context-parallel group to average over the whole global batch.
 
-    Returns the same scalar on every rank (float32, or float64 for float64 logits): the sum of the token losses of all ranks
-    divided by the number of non-ignored tokens of all ranks (not a mean of per-rank means).
+    Returns the same scalar on every rank (float32; float64 for float64 logits): the sum of the
+    token losses of all ranks divided by the number of non-ignored tokens of all ranks (not a
+    mean of per-rank means).
     Gradients: each rank's backward gives the gradient of this loss times the group size, so
     that averaging the parameter gradients over the group (what DDP and FSDP do over their
     group) gives exactly the gradient of the global mean; see README "Training a transformers
@@ -138,8 +139,8 @@ def cross_entropy(
             f"(batch, seqlen) disagree: {tuple(logits.shape)} vs {tuple(shift_labels.shape)}"
         )
     token_loss = torch.nn.functional.cross_entropy(
-        logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32)), shift_labels.flatten().to(logits.device),
-        ignore_index=ignore_index, reduction="sum",
+        logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32)),
+        shift_labels.flatten().to(logits.device), ignore_index=ignore_index, reduction="sum",
     )
     count = (shift_labels != ignore_index).sum().to(torch.float32)
     total = _SumOverGroup.apply(token_loss, group)
