@@ -27,6 +27,8 @@ fi
 . .venv/bin/activate
 python -m pip install -q "$TORCH_SPEC" numpy pytest pytest-benchmark expecttest \
   "scikit-build-core>=0.10" ninja "cmake>=3.25"
+# The transformers integration's tests and example (cpattn itself does not need it).
+python -m pip install -q "transformers==5.24.0"
 echo "== building cpattn"
 python -m pip install -q --no-build-isolation --no-deps .
 cd /tmp  # import the installed package, not the source tree

@@ -287,7 +287,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     stats.wait_s += seconds_since(wait_start);
     acc.copy_(incoming);
   }
-  return {dq.to(q.scalar_type()), acc[0].to(k.scalar_type()), acc[1].to(v.scalar_type())};
+  // copy=true: dk and dv must not be views of one buffer (autograd may accumulate into either,
+  // and the op's schema and fake kernel promise separate tensors).
+  return {dq.to(q.scalar_type()), acc[0].to(k.scalar_type(), false, true),
+          acc[1].to(v.scalar_type(), false, true)};
 }
 
 // ---- all-gathered K/V: the same steps against shards that are already local ---------------

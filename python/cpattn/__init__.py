@@ -39,6 +39,8 @@ from cpattn.inference import (  # noqa: E402
     merge_attention_states,
     prefill_attention,
 )
+from cpattn.parallel import ContextParallel  # noqa: E402
+from cpattn.training import cross_entropy, shard_batch  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
@@ -67,6 +69,9 @@ __all__ = [
     "decode_attention",
     "merge_attention_states",
     "chunk_positions",
+    "ContextParallel",
+    "shard_batch",
+    "cross_entropy",
     "set_rank_check",
     "get_rank_check",
 ]

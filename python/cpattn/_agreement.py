@@ -17,6 +17,15 @@ Modes (cpattn.set_rank_check, or $CPATTN_RANK_CHECK when never set): "always" (d
 every call; "once" checks each distinct (function, group, signature) once and then trusts it
 (later identical calls send nothing; a rank that starts a new signature while the others repeat
 a checked one is then not caught); "never" skips the check.
+
+Under torch.compile (modes "always" and "once"), the check runs while dynamo traces the call, not
+in the compiled graph: every rank traces the same calls in the same order, so every rank checks
+(and a mismatch raises on every rank, wrapped by dynamo), and a graph is traced again whenever
+its guards (shapes, dtypes, options) fail, so each compiled signature is checked once, like
+"once", with the same blind spot (a rank that retraces while the others reuse their graph). The
+compiled graph itself holds no collective and no graph break. A dimension compiled as dynamic
+(symbolic) is compared as "<dynamic>", not by value: ranks must make the same dynamic-shape
+decisions, which they do when they see the same shapes.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ _ONCE_CACHE_LIMIT = 4096  # signatures remembered in "once" mode (bounded: cu_se
 
 _INVALID = "invalid_arguments"  # agree_on's one field when a rank's arguments fail validation
 _mode: str | None = None
+exchanges = 0  # header exchanges made by this process (tests count the check's collectives)
 _checked: set = set()
 
 
@@ -266,6 +276,16 @@ def agree(
     fields = list(fields)
     if mode == "never":
         return
+    if torch.compiler.is_compiling():
+        group = group if group is not None else dist.group.WORLD
+        _agree_while_tracing(function_name, group.group_name, _traced_fields(fields), timeout)
+        return
+    _agree_now(function_name, group, fields, timeout, mode)
+
+
+def _agree_now(function_name: str, group, fields: Fields, timeout: float, mode: str) -> None:
+    """agree() in Python, now, in mode "always" or "once"."""
+    global exchanges
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if world == 1:
@@ -274,6 +294,7 @@ def agree(
     key = (function_name, group.group_name, digest)
     if mode == "once" and key in _checked:
         return
+    exchanges += 1
     headers = _exchange(_header(function_name, digest), group, world, timeout, function_name)
     if (headers != headers[0]).any():
         # Every rank saw the same headers, so every rank takes this branch: a second exchange.
@@ -289,6 +310,28 @@ def agree(
         if len(_checked) >= _ONCE_CACHE_LIMIT:
             _checked.clear()  # every rank clears at the same call: the caches stay identical
         _checked.add(key)
+
+
+def _traced_fields(fields: Fields) -> tuple:
+    """The fields as compile-time constants. A dimension the graph keeps symbolic (dynamic
+    shapes) has no value while tracing: it is compared as "<dynamic>" (see the module docstring)."""
+    return tuple((name, "<dynamic>" if isinstance(value, torch.SymInt) else value)
+                 for name, value in fields)
+
+
+@torch._dynamo.assume_constant_result
+def _agree_while_tracing(function_name: str, group_name: str, fields: tuple,
+                         timeout: float) -> bool:
+    """agree() for a call that torch.compile is tracing. Dynamo runs a function marked
+    assume_constant_result in Python at trace time and keeps only its (constant) result, so the
+    check happens now, with the values the graph is specialised to, and the compiled graph holds
+    no collective and no graph break. The group travels by name: dynamo hands process groups to
+    traced code as opaque objects."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    _agree_now(function_name, _resolve_process_group(group_name), list(fields), timeout,
+               "always")
+    return True
 
 
 def agree_on(

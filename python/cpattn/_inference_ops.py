@@ -59,3 +59,9 @@ def _prefill_fake(
 ):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.register_fake("cpattn::cache_positions")
+def _cache_positions_fake(n, rank, world, interleave):
+    count = ops.cache_local_count(n, rank, world, interleave)
+    return torch.empty((count,), dtype=torch.int64)

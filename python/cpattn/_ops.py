@@ -113,3 +113,65 @@ def attention_fwd(
         q, k, v, softmax_scale, causal, window[0], window[1], q_offset, k_offset, out_dtype,
         softcap, alibi_slopes, sinks, prefix_len,
     )
+
+
+# Context-parallel ops (csrc/ops/ring.cpp): outputs in the inputs' dtypes, LSE float32.
+
+
+@torch.library.register_fake("cpattn::ring_fwd")
+def _ring_fwd_fake(q, k, v, group_name, softmax_scale, causal, window_left, window_right,
+                   layout, timeout_s, doc_lengths=None):
+    _check_same_device("q, k and v", q, k, v)
+    b, s, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.register_fake("cpattn::ring_bwd")
+def _ring_bwd_fake(dout, q, k, v, out, lse, group_name, softmax_scale, causal, window_left,
+                   window_right, layout, timeout_s, dlse=None, doc_lengths=None):
+    _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.register_fake("cpattn::gathered_fwd")
+def _gathered_fwd_fake(q, kv_all, rank, softmax_scale, causal, window_left, window_right, layout,
+                       doc_lengths=None):
+    _check_same_device("q and kv_all", q, kv_all)
+    b, s, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.register_fake("cpattn::gathered_bwd")
+def _gathered_bwd_fake(dout, q, kv_all, out, lse, rank, softmax_scale, causal, window_left,
+                       window_right, layout, doc_lengths=None, dlse=None):
+    _check_same_device("dout, q, kv_all, out and lse", dout, q, kv_all, out, lse)
+    return q.new_empty(q.shape), kv_all.new_empty(kv_all.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("cpattn::layout_positions")
+def _layout_positions_fake(seqlen, world, rank, layout):
+    return torch.empty((seqlen // world,), dtype=torch.int64)
+
+
+@torch.library.register_fake("cpattn::ring_fwd_emulated")
+def _ring_fwd_emulated_fake(q, k, v, softmax_scale, causal, window_left, window_right, layout):
+    return ([t.new_empty(t.shape) for t in q],
+            [t.new_empty((t.shape[0], t.shape[2], t.shape[1]), dtype=torch.float32) for t in q])
+
+
+@torch.library.register_fake("cpattn::ring_bwd_emulated")
+def _ring_bwd_emulated_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
+                            window_right, layout):
+    return ([t.new_empty(t.shape) for t in q], [t.new_empty(t.shape) for t in k],
+            [t.new_empty(t.shape) for t in v])
+
+
+@torch.library.register_fake("cpattn::ring_shift")
+def _ring_shift_fake(send, group_name, timeout_s):
+    return send.new_empty(send.shape)
+
+
+@torch.library.register_fake("cpattn::ring_loopback_timing")
+def _ring_loopback_timing_fake(q, k, v, dout, rank, world, softmax_scale, causal, window_left,
+                               window_right, layout):
+    return q.new_empty((2,), dtype=torch.float64)

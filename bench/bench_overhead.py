@@ -1,0 +1,95 @@
+"""Per-call overhead of cpattn's Python layer on a W = 2 ring call with tiny tensors.
+
+    python bench/bench_overhead.py [--iters 2000] [--repeats 5] [--rank-check always once never]
+
+Two spawned gloo ranks (one thread each) time, alternately and in lock step, `cpattn.ring_attention`
+(the public call: argument checks, the rank-agreement check, autograd Function, op) and the bare op
+it ends in, `torch.ops.cpattn.ring_fwd` with the same arguments (kernel plus the ring's
+communication). Overhead = public call - bare op, per call, forward only, no grad; the median over
+`repeats` blocks of `iters` calls each is reported (rank 0's clock). --rank-check: the
+agreement check's modes to time (where this cpattn has cpattn.set_rank_check; older versions
+check every call), and "compiled": the call under torch.compile(fullgraph=True) (inductor),
+where the check runs once, while tracing.
+"""
+
+import argparse
+import functools
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world, init_file, args, queue):
+    import cpattn
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(rank)
+    q = torch.randn(1, 16, 2, 16)
+    k, v = torch.randn(1, 16, 2, 16), torch.randn(1, 16, 2, 16)
+    group_name = dist.group.WORLD.group_name
+    code = {"contiguous": 0, "zigzag": 1, "striped": 2}["zigzag"]
+    results = {}
+    for mode in args.rank_check:
+        call = functools.partial(cpattn.ring_attention, causal=True)
+        if hasattr(cpattn, "set_rank_check"):
+            cpattn.set_rank_check("always" if mode == "compiled" else mode)
+        if mode == "compiled":
+            call = torch.compile(call, fullgraph=True)
+        elif mode in ("once", "never") and not hasattr(cpattn, "set_rank_check"):
+            continue  # this cpattn checks every call
+        public, bare = [], []
+        with torch.no_grad():
+            call(q, k, v)  # warm-up (compiles)
+            for _ in range(args.repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    call(q, k, v)
+                t1 = time.perf_counter()
+                dist.barrier()
+                t2 = time.perf_counter()
+                for _ in range(args.iters):
+                    torch.ops.cpattn.ring_fwd(q, k, v, group_name, 0.25, True, -1, -1, code,
+                                              300.0)
+                t3 = time.perf_counter()
+                public.append((t1 - t0) / args.iters)
+                bare.append((t3 - t2) / args.iters)
+        results[mode] = (statistics.median(public), statistics.median(bare))
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rank-check", nargs="+",
+                        default=["always", "once", "never", "compiled"],
+                        help="agreement-check modes to time; 'compiled': torch.compile(fullgraph)")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_worker, args=(r, 2, init, args, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        results = queue.get()
+        for p in procs:
+            p.join()
+    print("| rank check | public call (us) | bare ring_fwd op (us) | Python-layer overhead (us) |")
+    print("|---|---|---|---|")
+    for mode, (public, bare) in results.items():
+        print(f"| {mode} | {public * 1e6:.1f} | {bare * 1e6:.1f} | {(public - bare) * 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

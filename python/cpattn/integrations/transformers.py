@@ -1,0 +1,292 @@
+"""cpattn as a transformers attention implementation (through the public `AttentionInterface`).
+
+    cp = cpattn.ContextParallel(group, strategy="ring")          # once, on every rank
+    name = cpattn.integrations.transformers.register(cp)         # "cpattn"
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=name)
+    batch = cpattn.shard_batch({"input_ids": ids, "labels": ids}, cp)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                   use_cache=False).logits
+    loss = cpattn.cross_entropy(logits, batch["shift_labels"], cp)
+
+transformers calls the attention function with q / k / v as (batch, heads, seqlen, head_dim);
+cpattn works on (batch, seqlen, heads, head_dim): the function transposes views, never expands
+the GQA K/V heads, and returns (batch, seqlen, heads, head_dim) as transformers expects.
+
+Every keyword the model passes is either honoured exactly or raises (`_score_options` is the one
+place that maps them): scaling, causal or bidirectional, `sliding_window` (a causal window on
+global positions), GQA. A padding mask, dropout > 0, softcap, attention sinks, attention
+weights, packed-sequence (flash varlen) keywords and any keyword this module does not know raise
+ValueError, the same on every rank (they are the same on every rank). `position_ids`, when the
+model passes them, must be the tokens' global positions (from `cpattn.shard_batch`), else
+ValueError (checked on each rank in eager mode).
+
+Generation: `ContextParallelCache` is a transformers `Cache` whose layers are cpattn
+`KVCacheShard`s: `model.generate(..., past_key_values=ContextParallelCache(cp, model.config,
+capacity))` on every rank, with the full prompt on every rank. Prompt attention runs sharded
+through `cpattn.prefill_attention` (the leading multiple of the layout granularity) and
+`cpattn.decode_attention` (the rest, and every new token); the cache holds each token's K/V on
+one rank only. Everything outside attention (embeddings, MLPs, logits) runs replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from cpattn.inference import KVCacheShard, decode_attention, prefill_attention
+from cpattn.parallel import ContextParallel
+
+try:
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:  # pragma: no cover - only without transformers
+    raise ImportError(
+        "cpattn.integrations.transformers needs the transformers package (pip install "
+        "transformers); cpattn itself does not"
+    ) from e
+
+WHAT = "cpattn.integrations.transformers"
+
+# Keywords transformers passes that do not change the attention math.
+_INERT = frozenset({"use_cache", "output_hidden_states", "output_router_logits",
+                    "num_items_in_batch", "return_dict", "cache_position", "layer_idx"})
+# Keywords that change the math and that cpattn cannot honour yet: value -> whether it is in use.
+# (Issue 12 adds softcap / sinks / ALiBi to the kernels: map them in _score_options then.)
+_UNSUPPORTED = {
+    "softcap": lambda v: v is not None and v != 0,
+    "s_aux": lambda v: v is not None,  # attention sinks (gpt-oss)
+    "sinks": lambda v: v is not None,
+    "position_bias": lambda v: v is not None,  # additive score bias (T5-like)
+    "output_attentions": bool,
+    "cu_seq_lens_q": lambda v: v is not None,  # packed sequences (flash varlen)
+    "cu_seq_lens_k": lambda v: v is not None,
+    "max_length_q": lambda v: v is not None,
+    "max_length_k": lambda v: v is not None,
+    "seq_idx": lambda v: v is not None,
+}
+_MISPLACED = {"labels", "shift_labels"}  # reach attention when a batch is passed as **batch
+
+
+def _score_options(module: torch.nn.Module, head_dim: int, scaling, dropout: float,
+                   kwargs: dict[str, Any]) -> tuple[bool, float, tuple[int, int]]:
+    """Maps what transformers passes to cpattn's (causal, softmax_scale, window), or raises."""
+    if dropout:
+        raise ValueError(f"{WHAT}: attention dropout {dropout} cannot be honoured (cpattn has no "
+                         "attention dropout): set config.attention_dropout = 0.0")
+    for name, value in kwargs.items():
+        if name in _UNSUPPORTED:
+            if _UNSUPPORTED[name](value):
+                raise ValueError(f"{WHAT}: the model passes {name}={_short(value)}, which cpattn "
+                                 "cannot honour yet; use another attention implementation")
+        elif name in _MISPLACED:
+            raise ValueError(f"{WHAT}: '{name}' reached the attention layer: pass the batch's "
+                             "labels to cpattn.cross_entropy, not to the model")
+        elif name not in _INERT and name not in ("position_ids", "is_causal", "sliding_window"):
+            raise ValueError(f"{WHAT}: unknown keyword {name}={_short(value)} passed to the "
+                             "attention; cpattn does not know whether it changes the math")
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    scale = float(scaling) if scaling is not None else head_dim ** -0.5
+    window = (-1, -1)
+    sliding = kwargs.get("sliding_window")
+    if sliding is not None:
+        if not causal:
+            raise ValueError(f"{WHAT}: a bidirectional sliding window ({sliding}) has no single "
+                             "convention in transformers; cpattn supports causal windows only")
+        if isinstance(sliding, bool) or not isinstance(sliding, int) or sliding < 1:
+            raise ValueError(f"{WHAT}: sliding_window must be a positive int, got {sliding!r}")
+        window = (sliding - 1, -1)  # key j visible iff i - j < sliding_window
+    return causal, scale, window
+
+
+def _short(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)} {value.dtype}>"
+    return repr(value)
+
+
+def _check_positions(cp: ContextParallel, position_ids: Optional[torch.Tensor],
+                     local_len: int) -> None:
+    """position_ids (batch or 1, local) must hold this rank's global positions (RoPE used them)."""
+    if position_ids is None or torch.compiler.is_compiling():
+        return  # under compile the tensor's values are unknown; shard_batch made them
+    expected = cp.positions(local_len * cp.world_size, device=position_ids.device)
+    if position_ids.shape[-1] != local_len or not bool((position_ids == expected).all()):
+        raise ValueError(
+            f"{WHAT}: position_ids are not the global positions of this rank's tokens (rank "
+            f"{cp.rank} of {cp.world_size}, layout {cp.layout!r}): pass "
+            "position_ids=cpattn.shard_batch(...)['position_ids'] to the model, else RoPE sees "
+            "local positions and the model is wrong"
+        )
+
+
+def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torch.Tensor,
+                       key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                       scaling: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """The AttentionInterface function: query (B, H, S, D), key / value (B, Hkv, S, D) of this
+    rank's tokens. Returns ((B, S, H, D), None)."""
+    if attention_mask is not None:
+        raise ValueError(
+            f"{WHAT}: the model passes an attention mask (padding, or a custom 4-D mask): cpattn "
+            "cannot apply it under context parallelism. Pass no attention_mask (or all ones); "
+            "pack documents with cpattn.ring_attention_varlen instead of padding"
+        )
+    causal, scale, window = _score_options(module, query.shape[-1], scaling, dropout, kwargs)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    layer = _PENDING.pop(id(key), None)
+    if layer is not None and layer.pending[0] is key:
+        return layer.attend(q, k, v, causal, scale, window), None
+    if kwargs.get("use_cache") or key.shape[2] != query.shape[2]:
+        # A transformers cache here would hold this rank's shard of K/V: useless for decoding.
+        raise ValueError(
+            f"{WHAT}: the model caches K/V (use_cache=True, transformers' default, or a cache "
+            "other than ContextParallelCache): pass use_cache=False to the model (or set "
+            "config.use_cache = False) for training, and past_key_values=ContextParallelCache(...) "
+            "to generate"
+        )
+    _check_positions(cp, kwargs.get("position_ids"), q.shape[1])
+    out = cp.attention(q, k, v, causal=causal, softmax_scale=scale, window=window)
+    return out, None
+
+
+def _mask(*args, attention_mask: Optional[torch.Tensor] = None, **kwargs):
+    """The AttentionMaskInterface function: no mask is built (cpattn applies causality and
+    windows on global positions); a 2-D padding mask is handed on, for the attention to refuse,
+    unless it is all ones."""
+    if attention_mask is None:
+        return None
+    if not torch.compiler.is_compiling() and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def register(cp: ContextParallel, name: str = "cpattn") -> str:
+    """Registers cpattn with the settings `cp` as the transformers attention implementation
+    `name` (and its mask function). Returns `name`: pass it as `attn_implementation=` to
+    from_pretrained / from_config, or to model.set_attn_implementation. Registering the same name
+    again replaces the settings."""
+    if not isinstance(cp, ContextParallel):
+        raise TypeError(f"{WHAT}.register: cp must be a cpattn.ContextParallel, got {type(cp)}")
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return _attention_forward(cp, module, query, key, value, attention_mask, **kwargs)
+
+    attention.__name__ = attention.__qualname__ = f"cpattn_attention_{name}"
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, _mask)
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation: a transformers Cache over cpattn's sharded KV cache
+
+_PENDING: dict[int, "_ShardedLayer"] = {}  # id(key handed to attention) -> its cache layer
+
+
+class _ShardedLayer(CacheLayerMixin):
+    """One layer's cache: this rank's KVCacheShard. update() does not concatenate: it hands the
+    new K/V to the attention function, which stores them in the owners' shards and attends."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cp: ContextParallel, capacity: int, interleave: int) -> None:
+        super().__init__()
+        self.cp, self.capacity, self.interleave = cp, capacity, interleave
+        self.shard: Optional[KVCacheShard] = None
+        self.pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, hkv, _, d = key_states.shape
+        self.shard = KVCacheShard(b, self.capacity, hkv, d, interleave=self.interleave,
+                                  group=self.cp.group, dtype=key_states.dtype,
+                                  device=key_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.shard is None:
+            self.lazy_initialization(key_states, value_states)
+        self.pending = (key_states, value_states)
+        _PENDING[id(key_states)] = self
+        return key_states, value_states
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               scale: float, window: tuple[int, int]) -> torch.Tensor:
+        """q (B, n, H, D), k / v (B, n, Hkv, D): the n new tokens, the same on every rank.
+        Stores their K/V in the sharded cache; returns their attention output (B, n, H, D)."""
+        self.pending = None
+        if not causal or window != (-1, -1):
+            raise ValueError(f"{WHAT}: ContextParallelCache supports causal attention without a "
+                             f"sliding window, got causal={causal}, window={window}")
+        cp, shard = self.cp, self.shard
+        n = q.shape[1]
+        step = 2 * cp.world_size if cp.layout == "zigzag" else cp.world_size
+        lead = n - n % step
+        outs = []
+        if lead:
+            # The prompt's leading part: each rank attends its layout shard through the ring,
+            # which also stores every token's K/V on its owner.
+            index = cp.positions(lead, device=q.device)
+            qs, ks, vs = (t[:, :lead].index_select(1, index).contiguous() for t in (q, k, v))
+            out = prefill_attention(qs, ks, vs, shard, group=cp.group, layout=cp.layout,
+                                    softmax_scale=scale, timeout=cp.timeout)
+            outs.append(cp.unshard(out))
+        if n > lead:
+            shard.append(k[:, lead:].contiguous(), v[:, lead:].contiguous())
+            outs.append(decode_attention(q[:, lead:].contiguous(), shard, group=cp.group,
+                                         softmax_scale=scale, timeout=cp.timeout))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0 if self.shard is None else int(self.shard.lengths[0])
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        if self.shard is not None:
+            self.shard.clear()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(f"{WHAT}: ContextParallelCache does not support beam search")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(f"{WHAT}: ContextParallelCache cannot be cropped")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(f"{WHAT}: ContextParallelCache cannot repeat sequences "
+                                  "(num_return_sequences > 1)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError(f"{WHAT}: ContextParallelCache cannot select sequences")
+
+
+class ContextParallelCache(Cache):
+    """A transformers Cache whose K/V are sharded over cp's ranks (cpattn.KVCacheShard per layer:
+    token t lives on rank (t // interleave) % W only).
+
+    Args:
+        cp: the ContextParallel settings (its group; strategy "hybrid" is not supported).
+        config: the model's config (for the number of layers).
+        capacity: the most tokens per sequence (prompt plus generated).
+        interleave: tokens per round-robin block of the cache.
+
+    Pass it as `past_key_values=` to `model.generate` (greedy or sampling, batch of equal-length
+    prompts without padding) on every rank, with the same inputs on every rank.
+    """
+
+    def __init__(self, cp: ContextParallel, config, capacity: int, *, interleave: int = 1):
+        if cp.strategy == "hybrid":
+            raise ValueError(f"{WHAT}: ContextParallelCache needs a single process group; "
+                             "strategy 'hybrid' has two")
+        layers = [_ShardedLayer(cp, capacity, interleave)
+                  for _ in range(config.get_text_config().num_hidden_layers)]
+        super().__init__(layers=layers)
+        self.cp = cp

@@ -1,0 +1,169 @@
+"""`cpattn.ContextParallel`: the context-parallel settings a model uses, made once.
+
+One object holds the process group(s), the strategy and the layout, and answers everything that
+depends on them: which tokens this rank holds (`positions`, `shard`, `unshard`) and the attention
+call itself (`attention`). The transformers integration, `cpattn.shard_batch` and
+`cpattn.cross_entropy` all take it, so positions, labels and attention cannot disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from cpattn.ring import LAYOUTS, _group_info, positions, ring_attention
+from cpattn.ulysses import hybrid_attention, hybrid_positions, ulysses_attention
+
+STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
+
+
+def _is_mesh(obj) -> bool:
+    return hasattr(obj, "get_group") and hasattr(obj, "ndim")
+
+
+class ContextParallel:
+    """Context-parallel settings: who shares a sequence, and how attention runs over it.
+
+    Args:
+        group: the ranks that share each sequence: a torch.distributed ProcessGroup (default: the
+            world) or a 1-D DeviceMesh. For strategy "hybrid": a 2-D DeviceMesh whose dim 0 is
+            the ring and dim 1 Ulysses, or a pair (ring_group, ulysses_group).
+        strategy: "ring" (K/V shards travel the ring), "allgather" (all-gather K/V), "ulysses"
+            (all-to-all sequence <-> heads; heads % W == 0) or "hybrid" (Ulysses inside, ring
+            across).
+        layout: how the sequence is cut over the ranks: "zigzag" (default; balanced for causal),
+            "contiguous" or "striped". Ulysses needs (and defaults to) "contiguous"; for hybrid
+            the layout is that of the ring dimension.
+        allgather_chunk: KV heads gathered at a time by "allgather" (default: a quarter).
+        timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
+
+    Every rank of the group must make the same object (same strategy and layout).
+    """
+
+    def __init__(
+        self,
+        group=None,
+        *,
+        strategy: str = "ring",
+        layout: Optional[str] = None,
+        allgather_chunk: Optional[int] = None,
+        timeout: Optional[float] = None,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(
+                f"cpattn.ContextParallel: strategy must be one of {STRATEGIES}, got {strategy!r}"
+            )
+        if layout is None:
+            layout = "contiguous" if strategy == "ulysses" else "zigzag"
+        if layout not in LAYOUTS:
+            raise ValueError(
+                f"cpattn.ContextParallel: layout must be one of {sorted(LAYOUTS)}, got {layout!r}"
+            )
+        if strategy == "ulysses" and layout != "contiguous":
+            raise ValueError(
+                "cpattn.ContextParallel: strategy 'ulysses' shards the sequence contiguously: "
+                f"layout must be 'contiguous', got {layout!r}"
+            )
+        self.strategy, self.layout = strategy, layout
+        self.allgather_chunk, self.timeout = allgather_chunk, timeout
+        self.ring_group = self.ulysses_group = None
+        if strategy == "hybrid":
+            if _is_mesh(group) and group.ndim == 2:
+                self.ring_group, self.ulysses_group = group.get_group(0), group.get_group(1)
+            elif isinstance(group, (tuple, list)) and len(group) == 2:
+                self.ring_group, self.ulysses_group = group
+            else:
+                raise ValueError(
+                    "cpattn.ContextParallel: strategy 'hybrid' needs group = a 2-D DeviceMesh "
+                    f"(ring, ulysses) or a pair (ring_group, ulysses_group), got {group!r}"
+                )
+            self.group = None  # the sequence spans both groups; see `rank` / `world_size`
+            _, r_rank, r_world = _group_info(self.ring_group)
+            _, u_rank, u_world = _group_info(self.ulysses_group)
+            self.rank, self.world_size = r_rank * u_world + u_rank, r_world * u_world
+        else:
+            if _is_mesh(group):
+                if group.ndim != 1:
+                    raise ValueError(
+                        f"cpattn.ContextParallel: strategy {strategy!r} needs a 1-D DeviceMesh, "
+                        f"got {group.ndim} dims (use mesh['cp'] for the context-parallel dim)"
+                    )
+                group = group.get_group()
+            self.group, self.rank, self.world_size = _group_info(group)
+
+    def __repr__(self) -> str:
+        return (f"ContextParallel(strategy={self.strategy!r}, layout={self.layout!r}, "
+                f"rank={self.rank}, world_size={self.world_size})")
+
+    @property
+    def granularity(self) -> int:
+        """Sequence lengths must be a multiple of this (2W for zigzag, W otherwise; for hybrid
+        the ring's granularity times the Ulysses size)."""
+        if self.strategy == "hybrid":
+            r_world = dist.get_world_size(self.ring_group)
+            u_world = dist.get_world_size(self.ulysses_group)
+            return (2 * r_world if self.layout == "zigzag" else r_world) * u_world
+        return 2 * self.world_size if self.layout == "zigzag" else self.world_size
+
+    def check_seqlen(self, seqlen: int, what: str) -> None:
+        """Raises ValueError naming `what` unless seqlen splits evenly under this layout."""
+        if seqlen % self.granularity != 0:
+            raise ValueError(
+                f"{what}: the sequence length ({seqlen}) must be a multiple of "
+                f"{self.granularity} for strategy {self.strategy!r} with layout {self.layout!r} "
+                f"on {self.world_size} ranks (pad or trim the batch)"
+            )
+
+    def positions(self, seqlen: int, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Global positions (int64, (seqlen / W,)) of this rank's tokens, in local order."""
+        self.check_seqlen(seqlen, "cpattn.ContextParallel.positions")
+        if self.strategy == "hybrid":
+            return hybrid_positions(seqlen, ulysses_group=self.ulysses_group,
+                                    ring_group=self.ring_group, layout=self.layout,
+                                    device=device)
+        return positions(seqlen, layout=self.layout, rank=self.rank,
+                         world_size=self.world_size, device=device)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of the full tensor x (sequence along `dim`)."""
+        index = self.positions(x.shape[dim], device=x.device)
+        return x.index_select(dim, index)
+
+    def unshard(self, x_local: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """All-gathers the shards of every rank back into sequence order (differentiable).
+        For hybrid the whole world must be the mesh's ranks."""
+        from cpattn.ring import unshard
+
+        seqlen = x_local.shape[dim] * self.world_size
+        return unshard(x_local, group=self.group, dim=dim, seqlen=seqlen,
+                       index=self.positions(seqlen))
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: Optional[float] = None,
+        window: tuple[int, int] = (-1, -1),
+        return_lse: bool = False,
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Exact attention over the sharded sequence with this object's strategy.
+
+        q (batch, seqlen / W, heads, head_dim), k / v (batch, seqlen / W, kv_heads, head_dim),
+        this rank's tokens in `positions` order. Returns out like q (and the LSE
+        (batch, heads, seqlen / W) with return_lse). Differentiable.
+        """
+        common = dict(causal=causal, softmax_scale=softmax_scale, window=window,
+                      return_lse=return_lse, timeout=self.timeout)
+        if self.strategy in ("ring", "allgather"):
+            return ring_attention(q, k, v, group=self.group, layout=self.layout,
+                                  strategy=self.strategy, allgather_chunk=self.allgather_chunk,
+                                  **common)
+        if self.strategy == "ulysses":
+            return ulysses_attention(q, k, v, group=self.group, **common)
+        return hybrid_attention(q, k, v, ulysses_group=self.ulysses_group,
+                                ring_group=self.ring_group, layout=self.layout, **common)
