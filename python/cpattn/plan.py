@@ -66,7 +66,9 @@ class Machine:
     seconds per kernel call. mem_bandwidth: bytes/s of the elementwise work (merges, copies,
     decode's K/V reads). overlap: the fraction of a ring step's communication that runs during
     its compute (1: separate copy engines; lower where the transfer takes CPU time from the
-    cores that compute). block: the kernel's (query, key) tile.
+    cores that compute). block: the kernel's (query, key) tile. reduce_scatter_factor: bytes a
+    reduce-scatter sends relative to the ideal (W-1) parts (2: gloo runs it as a ring
+    all-reduce of the whole buffer).
     """
 
     name: str
@@ -81,6 +83,7 @@ class Machine:
     memory: float
     overlap: float = 1.0
     block: tuple = (128, 128)
+    reduce_scatter_factor: float = 1.0
 
     def link(self, span: int) -> Link:
         """The link between members of a group spread over `span` consecutive ranks: inside a
@@ -135,7 +138,8 @@ PRESETS = {
         ranks_per_node=1 << 30, intra=Link(1.0e9, 100e-6), inter=Link(1.0e9, 100e-6),
         fwd_flops={"float32": 60e9, "bfloat16": 90e9, "float16": 55e9},
         bwd_flops={"float32": 45e9, "bfloat16": 55e9, "float16": 40e9},
-        call_overhead=50e-6, mem_bandwidth=5e9, memory=12e9, overlap=0.5, block=(64, 128)),
+        call_overhead=50e-6, mem_bandwidth=5e9, memory=12e9, overlap=0.5, block=(64, 128),
+        reduce_scatter_factor=2.0),
 }
 
 
@@ -374,11 +378,11 @@ def _predict_one(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction
         if train:
             bwd_c = _compute_steps(p, m, world, c.layout, H, backward=True).sum(1).amax().item()
             acc_chunk = r["acc"] / Hkv * c.chunk
-            rs = chunks * _all_gather_time(link, acc_chunk, world)
+            rs = chunks * _all_gather_time(link, acc_chunk * m.reduce_scatter_factor, world)
             exposed += gather + rs
             compute += bwd_c
             time_ += bwd_c + gather + rs + copies + 2 * world * r["acc"] / m.mem_bandwidth
-            sent += (world - 1) * (r["kv"] + r["acc"])
+            sent += (world - 1) * (r["kv"] + r["acc"] * m.reduce_scatter_factor)
             peak += world * (kv_chunk + acc_chunk) + local_io + r["state"]
         return Prediction(c, time_, compute, exposed, sent, peak)
     if c.strategy in ("ulysses", "hybrid"):
@@ -403,9 +407,12 @@ def _predict_one(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction
             comm += 2 * a2a(q_rank) + a2a(kv_rank)  # dout and dq, dk and dv
             sent += (u - 1) / u * (2 * q_rank + kv_rank)
         time_ = compute + ring_exposed + comm
-        peak = (2 * q_rank + 2 * full_kv / world) + u * (2 * q_rank + kv_rank) + ring_state
+        # all-to-alls keep a rank's bytes: q, k, v, out by heads as large as the inputs, with a
+        # transient copy each (chunk / concatenate), plus the fp32 state
+        local_io = 2 * q_rank + 2 * full_kv / world
+        peak = local_io + 2 * (2 * q_rank + kv_rank) + ring_state
         if train:
-            peak *= 2
+            peak += local_io + 2 * q_rank + kv_rank
         return Prediction(c, time_, compute, comm + ring_exposed, sent + ring_sent, peak)
     if c.strategy == "sharded-cache":
         # decode: each rank reads its 1/W of the cache; W partial (out, lse) are all-gathered.
@@ -624,7 +631,8 @@ def calibrate(group=None, *, dtypes: Sequence[str] = (), refresh: bool = False,
         bwd_flops={d: 1 / v[n + i] for i, d in enumerate(dtypes)},
         call_overhead=v[2 * n], mem_bandwidth=1 / v[2 * n + 1], memory=float(memory),
         # CPU ranks: gloo's TCP transfers take CPU time from the cores that compute
-        overlap=0.5 if device.type == "cpu" else 1.0, block=block)
+        overlap=0.5 if device.type == "cpu" else 1.0, block=block,
+        reduce_scatter_factor=2.0 if backend == "gloo" else 1.0)
     if me == 0:
         path = _cache_path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)

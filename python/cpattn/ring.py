@@ -164,7 +164,7 @@ def _validate(q, k, v, group, world, layout_code, causal, window, scale, timeout
         raise ValueError(f"cpattn.ring_attention: ranks disagree on {', '.join(names)} ({detail})")
 
 
-STRATEGIES = {"ring": 0, "allgather": 1}
+STRATEGIES = {"ring": 0, "allgather": 1, "auto": 2}
 
 
 class _RingAttention(torch.autograd.Function):
@@ -260,8 +260,16 @@ def _context_parallel(q, k, v, group, causal, layout, softmax_scale, window, tim
     if docs is not None:
         extra += [("documents", docs.numel()), ("tokens", int(docs.sum())),
                   ("document_lengths_hash", int(docs.mul(torch.arange(1, docs.numel() + 1)).sum()))]
+    if strategy == "auto":  # the choice may only depend on what the ranks agree on
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        extra.append(("requires_grad", int(needs_grad)))
     _validate(q, k, v, group, world, layout_code, causal, window, float(softmax_scale), timeout,
               extra)
+    if strategy == "auto":
+        from cpattn.plan_attention import auto_strategy
+
+        strategy = auto_strategy(q, k, world, group, causal, layout, window, docs,
+                                 allgather_chunk, what)
     if strategy == "ring":
         return _RingAttention.apply(q, k, v, group.group_name, float(softmax_scale), bool(causal),
                                     window, layout_code, timeout, docs)
@@ -301,6 +309,8 @@ def ring_attention(
         strategy: "ring" (K/V shards travel while each step computes: overlaps communication,
             memory per rank 1/W) or "allgather" (all-gather K/V, `allgather_chunk` KV heads at a
             time, default a quarter of them; simplest, good for short sequences or few KV heads).
+            "auto": the cost model (cpattn.plan) picks one of the two for this problem and
+            machine, once per distinct problem, the same on every rank (logged at debug level).
         timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
 
     Every rank must call it with the same shapes and options; a mismatch raises on every rank.

@@ -42,14 +42,15 @@ inline Work sub_problem_work(const Mask& m, int64_t nq, int64_t nk, int block_m,
   int64_t last = m.window_right >= 0 ? d + m.window_right : kUnbounded;
   if (m.causal && d < last) last = d;
   w.pairs = sum_clamped(last, nq, -1, nk - 1) - sum_clamped(first, nq, 0, nk) + nq;
+  // The keys a block of rows sees form one interval (the rows' intervals move by one per row and
+  // are never empty), so every key block between its first and last is visited.
   for (int64_t r0 = 0; r0 < nq; r0 += block_m) {
     const int64_t r1 = min_i64(r0 + block_m, nq);
     const BlockRange kb = key_blocks_of_rows(m, r0, r1, nk, block_n);
-    for (int b = kb.first; b <= kb.last; ++b) {
-      const int64_t c0 = static_cast<int64_t>(b) * block_n;
-      if (tile_is_empty(m, r0, block_m, c0, block_n, nq, nk)) continue;
-      w.tile_pairs += (r1 - r0) * (min_i64(c0 + block_n, nk) - c0);
-    }
+    if (kb.empty()) continue;
+    const int64_t c0 = static_cast<int64_t>(kb.first) * block_n;
+    const int64_t c1 = min_i64((static_cast<int64_t>(kb.last) + 1) * block_n, nk);
+    w.tile_pairs += (r1 - r0) * (c1 - c0);
   }
   w.calls = w.pairs > 0 ? 1 : 0;
   return w;
