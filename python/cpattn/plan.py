@@ -176,6 +176,9 @@ class Problem:
     def __post_init__(self):
         mode = "forward" if self.mode == "prefill" else self.mode
         object.__setattr__(self, "mode", mode)
+        if self.documents is not None:
+            object.__setattr__(self, "documents", tuple(int(n) for n in self.documents))
+            object.__setattr__(self, "seqlen", sum(self.documents))
         checks = [
             (mode in MODES, "mode", self.mode, f"one of {MODES} or 'prefill'"),
             (self.dtype in _DTYPE_BYTES, "dtype", self.dtype, f"one of {sorted(_DTYPE_BYTES)}"),
@@ -189,9 +192,6 @@ class Problem:
             if not ok:
                 raise ValueError(f"cpattn.plan.Problem: {name} must be {rule}, got {value!r}")
         object.__setattr__(self, "window", tuple(int(w) for w in self.window))
-        if self.documents is not None:
-            object.__setattr__(self, "documents", tuple(int(n) for n in self.documents))
-            object.__setattr__(self, "seqlen", sum(self.documents))
 
     @property
     def elem(self) -> int:
