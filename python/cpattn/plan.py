@@ -346,7 +346,23 @@ def _kv_heads_sent(heads: int, kv_heads: int, u: int) -> int:
     return heads
 
 
+def _agreement(m: Machine, world: int) -> float:
+    """The rank-agreement check every call starts with: one small all-gather."""
+    return _all_gather_time(m.link(world), 256, world)
+
+
 def _predict_one(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction:
+    pred = _predict_strategy(p, m, world, c)
+    if c.strategy in ("ring", "allgather", "ulysses", "hybrid") and world > 1:
+        check = _agreement(m, c.ulysses if c.strategy == "hybrid" else world)
+        if c.strategy == "hybrid":
+            check += _agreement(m, world)  # and the ring's, across
+        pred.time += check
+        pred.exposed_comm += check
+    return pred
+
+
+def _predict_strategy(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction:
     e, B, D, H, Hkv = p.elem, p.batch, p.head_dim, p.heads, p.kv_heads
     train = p.mode == "train"
     full_q = B * p.seqlen * H * D * e
@@ -524,28 +540,33 @@ def _cache_path(key: str) -> str:
     return os.path.join(root, f"machine-{key}.json")
 
 
-def _timed(fn, repeats: int) -> float:
+def _timed(fn, repeats: int, sync=None) -> float:
+    """Best of `repeats` after a warm-up (the least disturbed run); sync() before each run lines
+    the ranks up, so that they compute (and share cores) at the same time."""
     fn()  # warm-up
     best = math.inf
     for _ in range(repeats):
+        if sync is not None:
+            sync()
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def _probe_kernel(device, dtype: torch.dtype, block: tuple) -> tuple:
+def _probe_kernel(device, dtype: torch.dtype, block: tuple, sync) -> tuple:
     """(fwd FLOP/s, bwd FLOP/s, seconds per call) from two sizes of a non-causal problem."""
     from cpattn.attention import attention
 
     heads, dim = 4, 64
+    big = 2048 if device.type == "cpu" else 8192
     results = []
-    for seqlen in (256, 1024):
+    for seqlen in (big // 4, big):
         q, k, v = (torch.randn(1, seqlen, heads, dim, device=device, dtype=dtype)
                    .requires_grad_() for _ in range(3))
         dout = torch.randn_like(q)
-        t_fwd = _timed(lambda: attention(q, k, v), 3)
-        t_all = _timed(lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout), 2)
+        t_fwd = _timed(lambda: attention(q, k, v), 3, sync)
+        t_all = _timed(lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout), 3, sync)
         tiles = -(-seqlen // block[0]) * block[0] * (-(-seqlen // block[1]) * block[1])
         results.append((tiles * heads * dim, t_fwd, max(t_all - t_fwd, 1e-9)))
     (w0, f0, b0), (w1, f1, b1) = results
@@ -593,15 +614,15 @@ def calibrate(group=None, *, dtypes: Sequence[str] = (), refresh: bool = False,
         return Machine.from_json(box[0])
 
     block = (64, 128) if device.type == "cpu" else (128, 128)
-    dist.barrier(group=group)
+    sync = functools.partial(dist.barrier, group=group)
     fwd, bwd, overhead = {}, {}, 0.0
     for dt in dtypes:
-        f, b, o = _probe_kernel(device, getattr(torch, dt), block)
+        f, b, o = _probe_kernel(device, getattr(torch, dt), block, sync)
         fwd[dt], bwd[dt], overhead = f, b, max(overhead, o)
     # elementwise bandwidth: a 32 MiB copy
     src_t = torch.randn(8 << 20, device=device)
     dst_t = torch.empty_like(src_t)
-    mem_bw = 2 * src_t.numel() * 4 / _timed(lambda: dst_t.copy_(src_t), 3)
+    mem_bw = 2 * src_t.numel() * 4 / _timed(lambda: dst_t.copy_(src_t), 3, sync)
     # the ring link: one shift of two sizes
     if world > 1:
         small = torch.zeros(1024, device=device)
@@ -612,12 +633,12 @@ def calibrate(group=None, *, dtypes: Sequence[str] = (), refresh: bool = False,
         lat = max(t_small - small.numel() * 4 / bw, 1e-7)
     else:
         bw, lat = 1e12, 1e-6
-    # every rank gets the slowest rank's figures
+    # every rank gets the mean over ranks of the seconds per unit (one rank's noise is diluted)
     mine = torch.tensor([1 / fwd[d] for d in dtypes] + [1 / bwd[d] for d in dtypes] +
                         [overhead, 1 / mem_bw, 1 / bw, lat], dtype=torch.float64)
     mine = mine.to(device)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-    v = mine.cpu().tolist()
+    dist.all_reduce(mine, group=group)
+    v = (mine / world).cpu().tolist()
     n = len(dtypes)
     link = Link(1 / v[2 * n + 2], v[2 * n + 3])
     if memory is None:
