@@ -27,6 +27,7 @@ fi
 . .venv/bin/activate
 python -m pip install -q "$TORCH_SPEC" numpy pytest pytest-benchmark expecttest \
   "scikit-build-core>=0.10" ninja "cmake>=3.25"
+python -m pip install -q "matplotlib==3.11.2"  # plots: python -m cpattn plan --plot, bench/
 echo "== building cpattn"
 python -m pip install -q --no-build-isolation --no-deps .
 cd /tmp  # import the installed package, not the source tree
