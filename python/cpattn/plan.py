@@ -414,15 +414,17 @@ def _predict_strategy(p: Problem, m: Machine, world: int, c: Candidate) -> Predi
             compute = steps.sum().item() + 3 * B * p.seqlen * H // u * D * 4 / m.mem_bandwidth
             if train:
                 compute += _compute_steps(p, m, 1, "contiguous", H // u, backward=True).sum().item()
-            ring_exposed, ring_sent, ring_state = 0.0, 0.0, B * p.seqlen * H // u * D * 4
+            inner, ring_exposed, ring_sent = compute, 0.0, 0.0
+            ring_state = B * p.seqlen * H // u * D * 4
         else:
             r = _ring(p, m, rr, c.layout, H // u, kv_sent // u, m.link(world), seqlen=p.seqlen)
+            inner = r["fwd"] + r.get("bwd", 0.0)
             compute, ring_exposed, ring_sent, ring_state = (r["compute"], r["exposed"], r["sent"],
                                                             r["state"] * 2)
         if train:
             comm += 2 * a2a(q_rank) + a2a(kv_rank)  # dout and dq, dk and dv
             sent += (u - 1) / u * (2 * q_rank + kv_rank)
-        time_ = compute + ring_exposed + comm
+        time_ = inner + comm
         # all-to-alls keep a rank's bytes: q, k, v, out by heads as large as the inputs, with a
         # transient copy each (chunk / concatenate), plus the fp32 state
         local_io = 2 * q_rank + 2 * full_kv / world
@@ -508,7 +510,7 @@ def explain(ranked: Sequence[Prediction]) -> str:
         nxt = others[0]
         line += f", {nxt.time / best.time:.2f}x faster than {nxt.name}"
     none = next((r for r in ranked if r.candidate.strategy == "none"), None)
-    if none is not None and none is not best:
+    if none is not None and none is not best and (not others or none is not others[0]):
         line += f", {none.time / best.time:.2f}x faster than no CP"
     if not best.fits:
         line += "; nothing fits in memory"
