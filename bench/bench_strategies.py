@@ -3,12 +3,16 @@ forward + backward, bytes sent per rank, peak memory per rank.
 
     python bench/bench_strategies.py [--seqlen 8192] [--out FILE]
 
-Bytes sent per rank are counted by construction from the messages each strategy sends (gloo has
-no per-process byte counter), per forward + backward:
-  ring       (W-1) K/V shards + W fp32 dK/dV shards (W-1 hops behind K/V, one final hop)
-  allgather  2 (W-1) K/V shards (gather in forward and again in backward) + (W-1) fp32 dK/dV
+Bytes sent per rank come from the cost model (cpattn.plan, `bytes_sent`), whose figures
+tests/test_plan_distributed.py checks against the bytes gloo really sends, per forward + backward:
+  ring       2 (W-1) K/V shards (once round in forward, again in backward) + W fp32 dK/dV shards
+  allgather  2 (W-1) K/V shards + (W-1) fp32 dK/dV, twice over gloo (its reduce-scatter is a
+             ring all-reduce)
   ulysses    (W-1)/W of q, K/V (after any GQA replication), out, dout, dq, dK/dV (all-to-alls)
   hybrid     ulysses within U, then ring across R on H/U heads of a U-times longer shard
+
+With --out FILE.md (or --plot FILE.png) it also draws time, bytes and peak memory per rank against
+W and against the sequence length (FILE.png next to FILE.md).
 """
 
 import argparse
@@ -25,24 +29,15 @@ from bench_ring import run
 
 
 def _bytes_sent(strategy: str, cfg: dict, world: int) -> float:
-    b, sl, h, hkv, d = cfg["batch"], cfg["slocal"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    e = 4  # fp32 inputs
-    q = b * sl * h * d * e
-    kv = 2 * b * sl * hkv * d * e
-    kv32 = 2 * b * sl * hkv * d * 4
-    if world == 1:
-        return 0.0
-    if strategy == "ring":
-        return (world - 1) * kv + world * kv32
-    if strategy == "allgather":
-        return 2 * (world - 1) * kv + (world - 1) * kv32
+    from cpattn import plan as P
+
     u = cfg.get("ulysses", world)
-    kv_u = kv if hkv % u == 0 else (kv * u // hkv if (h // hkv) % (h // u) == 0 else kv * h // hkv)
-    ulysses = (u - 1) / u * (3 * q + 2 * kv_u)
-    if strategy == "ulysses":
-        return ulysses
-    r = world // u  # hybrid: ring over R ranks with H/U heads and a U-times longer shard
-    return ulysses + (r - 1) * kv_u + (r if r > 1 else 0) * kv_u * 4 / e
+    layout = "contiguous" if strategy == "ulysses" else "zigzag"
+    cand = P.Candidate(strategy, layout, u, world // u if strategy == "hybrid" else 1,
+                       chunk=max(1, cfg["kv_heads"] // 4))
+    p = P.Problem(cfg["slocal"] * world, cfg["heads"], cfg["kv_heads"], cfg["head_dim"],
+                  batch=cfg["batch"], dtype="float32", causal=True)
+    return P.predict(p, P.PRESETS["cpu-gloo"], world, [cand])[0].bytes_sent
 
 
 def _worker(rank, world, init_file, cfg, queue):
@@ -87,12 +82,13 @@ def _worker(rank, world, init_file, cfg, queue):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--seqlen", type=int, nargs="+", default=[8192])
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--out")
+    parser.add_argument("--plot", help="PNG of the table (default: next to --out)")
     args = parser.parse_args()
     import cpattn
 
@@ -104,30 +100,57 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
-    emit(f"Causal attention, global seqlen {args.seqlen}, heads {args.heads}, head_dim "
-         f"{args.head_dim}, fp32, forward + backward (median of {args.iters} after a warm-up); "
-         "time = slowest rank; memory = max over ranks of the peak RSS growth.")
+    emit(f"Causal attention, global seqlen {', '.join(map(str, args.seqlen))}, heads "
+         f"{args.heads}, head_dim {args.head_dim}, fp32, forward + backward (median of "
+         f"{args.iters} after a warm-up); time = slowest rank; memory = max over ranks of the peak "
+         "RSS growth.")
     emit()
-    emit("| W | kv heads | strategy | time (s) | MiB sent per rank | peak MiB per rank |")
-    emit("|---|---|---|---|---|---|")
-    for world, strategies in ((2, [("ring", 0), ("allgather", 0), ("ulysses", 0)]),
-                              (4, [("ring", 0), ("allgather", 0), ("ulysses", 0),
-                                   ("hybrid", 2)])):
-        for hkv in args.kv_heads:
-            for strategy, u in strategies:
-                cfg = {"batch": 1, "slocal": args.seqlen // world, "heads": args.heads,
-                       "kv_heads": hkv, "head_dim": args.head_dim, "iters": args.iters,
-                       "strategy": strategy}
-                if u:
-                    cfg["ulysses"] = u
-                name = f"hybrid U={u} x R={world // u}" if u else strategy
-                res = run(world, cfg, _worker)
-                emit(f"| {world} | {hkv} | {name} | {max(r['time'] for r in res):.3f} | "
-                     f"{_bytes_sent(strategy, cfg, world) / 2**20:.1f} | "
-                     f"{max(r['peak_mib'] for r in res):.0f} |")
+    emit("| S | W | kv heads | strategy | time (s) | MiB sent per rank | peak MiB per rank |")
+    emit("|---|---|---|---|---|---|---|")
+    rows = []
+    for seqlen in args.seqlen:
+        for world, strategies in ((2, [("ring", 0), ("allgather", 0), ("ulysses", 0)]),
+                                  (4, [("ring", 0), ("allgather", 0), ("ulysses", 0),
+                                       ("hybrid", 2)])):
+            for hkv in args.kv_heads:
+                for strategy, u in strategies:
+                    cfg = {"batch": 1, "slocal": seqlen // world, "heads": args.heads,
+                           "kv_heads": hkv, "head_dim": args.head_dim, "iters": args.iters,
+                           "strategy": strategy}
+                    if u:
+                        cfg["ulysses"] = u
+                    name = f"hybrid U={u} x R={world // u}" if u else strategy
+                    res = run(world, cfg, _worker)
+                    row = {"S": seqlen, "W": world, "kv heads": hkv, "strategy": name,
+                           "time (s)": max(r["time"] for r in res),
+                           "MiB sent per rank": _bytes_sent(strategy, cfg, world) / 2**20,
+                           "peak MiB per rank": max(r["peak_mib"] for r in res)}
+                    rows.append(row)
+                    emit(f"| {seqlen} | {world} | {hkv} | {name} | {row['time (s)']:.3f} | "
+                         f"{row['MiB sent per rank']:.1f} | {row['peak MiB per rank']:.0f} |")
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
+    png = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
+    if png:
+        _plot(rows, png)
+
+
+def _plot(rows: list, png: str) -> None:
+    """Against W at the longest S, and against S at the largest W (one line per strategy and
+    KV-head count)."""
+    from cpattn.plan_plot import plot_rows
+
+    for r in rows:
+        r["line"] = f"{r['strategy']}, kv {r['kv heads']}"
+    ys = ["time (s)", "MiB sent per rank", "peak MiB per rank"]
+    longest, widest = max(r["S"] for r in rows), max(r["W"] for r in rows)
+    base = os.path.splitext(png)[0]
+    plot_rows([r for r in rows if r["S"] == longest], "W", ys, "line", png,
+              f"strategies on CPU gloo ranks, causal, S = {longest}: scaling with W")
+    if len({r["S"] for r in rows}) > 1:
+        plot_rows([r for r in rows if r["W"] == widest], "S", ys, "line", base + "_seqlen.png",
+                  f"strategies on CPU gloo ranks, causal, W = {widest}: scaling with S")
 
 
 if __name__ == "__main__":

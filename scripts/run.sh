@@ -29,6 +29,7 @@ python -m pip install -q "$TORCH_SPEC" numpy pytest pytest-benchmark expecttest 
   "scikit-build-core>=0.10" ninja "cmake>=3.25"
 # The transformers integration's tests and example (cpattn itself does not need it).
 python -m pip install -q "transformers==5.24.0"
+python -m pip install -q "matplotlib==3.11.2"  # plots: python -m cpattn plan --plot, bench/
 echo "== building cpattn"
 python -m pip install -q --no-build-isolation --no-deps .
 cd /tmp  # import the installed package, not the source tree

@@ -52,6 +52,10 @@ TORCH_LIBRARY(cpattn, m) {
       "Tensor[] lse, float softmax_scale, bool causal, int window_left, int window_right, "
       "int layout) -> (Tensor[] dq, Tensor[] dk, Tensor[] dv)");
   m.def("layout_positions(int seqlen, int world, int rank, int layout) -> Tensor");
+  // The cost model's view of the schedule: (world, world, 3) work per (rank, step).
+  m.def(
+      "schedule_work(int seqlen, int world, int layout, bool causal, int window_left, "
+      "int window_right, int block_m, int block_n, Tensor? doc_lengths=None) -> Tensor");
   m.def("ring_stats() -> Tensor");
   m.def("destroy_communicators() -> int");
   // Test of the ring transport: one shift of `send` over the group (NCCL for CUDA tensors).
@@ -81,6 +85,7 @@ TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
 // No tensor argument to dispatch on.
 TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("layout_positions", &cpattn::ops::layout_positions);
+  m.impl("schedule_work", &cpattn::ops::schedule_work);
   m.impl("ring_stats", &cpattn::ops::ring_stats);
   m.impl("destroy_communicators", &cpattn::ops::destroy_communicators);
 }

@@ -130,4 +130,11 @@ int64_t destroy_communicators();
 // Global positions (int64) of the local tokens of `rank`.
 at::Tensor layout_positions(int64_t seqlen, int64_t world, int64_t rank, int64_t layout);
 
+// (world, world, 3) int64: for each (rank, step) of the ring schedule, the visible pairs, the pairs
+// in visited block_m x block_n tiles and the kernel calls (csrc/include/cpattn/work.h); per head
+// and batch row. doc_lengths: packed documents (varlen) instead of one sequence of seqlen.
+at::Tensor schedule_work(int64_t seqlen, int64_t world, int64_t layout, bool causal,
+                         int64_t window_left, int64_t window_right, int64_t block_m,
+                         int64_t block_n, const std::optional<at::Tensor>& doc_lengths);
+
 }  // namespace cpattn::ops

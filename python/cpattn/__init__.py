@@ -32,6 +32,8 @@ from cpattn.ulysses import (  # noqa: E402
     ulysses_attention,
 )
 from cpattn import comm  # noqa: E402
+from cpattn import plan  # noqa: E402  (the cost model behind strategy="auto")
+from cpattn.plan_attention import context_attention  # noqa: E402
 from cpattn.inference import (  # noqa: E402
     KVCacheShard,
     chunk_positions,
@@ -63,6 +65,8 @@ __all__ = [
     "hybrid_shard",
     "hybrid_unshard",
     "comm",
+    "plan",
+    "context_attention",
     "build_info",
     "KVCacheShard",
     "prefill_attention",

@@ -3,6 +3,7 @@
     python -m cpattn demo    ring attention on W local ranks (gloo on CPU) vs one device
     python -m cpattn local   cpattn.attention on one device vs torch SDPA
     python -m cpattn generate-demo   greedy generation on W ranks with a sharded KV cache
+    python -m cpattn plan    which strategy: the cost model's ranked table (and --plot FILE.png)
 """
 
 import argparse
@@ -80,6 +81,68 @@ def local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    """1024, 32K, 1M -> int (K = 1024, M = 1024 * 1024)."""
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+    return int(float(text[:-1] if mult > 1 else text) * mult)
+
+
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seqlen", type=_count, default=None, help="global tokens, e.g. 128K, 1M")
+    p.add_argument("--documents", default=None,
+                   help="packed document lengths (varlen), comma separated, e.g. 30K,2K,96K")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"))
+    p.add_argument("--mode", choices=["train", "forward", "prefill", "decode"], default="train")
+    p.add_argument("--decode-tokens", type=int, default=1)
+    p.add_argument("--world", type=int, default=8, help="ranks (W)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="default: the machine's")
+    p.add_argument("--machine", default="h100-ib",
+                   help="a preset (h100-ib, h200-ib, a100-ib, cpu-gloo) or a calibration file")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw time and memory per rank against W and sequence length")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from cpattn import plan as P
+
+    machine = P.machine(args.machine)
+    if args.ranks_per_node:
+        machine = dataclasses.replace(machine, ranks_per_node=args.ranks_per_node)
+    docs = tuple(_count(x) for x in args.documents.split(",")) if args.documents else None
+    if args.seqlen is None and docs is None:
+        print("python -m cpattn plan: give --seqlen or --documents", file=sys.stderr)
+        return 2
+    problem = P.Problem(
+        args.seqlen or 0, args.heads, args.kv_heads or args.heads, args.head_dim,
+        batch=args.batch, dtype=args.dtype, causal=args.causal, window=tuple(args.window),
+        documents=docs, mode=args.mode, decode_tokens=args.decode_tokens)
+    ranked, why = P.plan(problem, machine, args.world)
+    print(f"machine: {machine.name} ({machine.source}); {machine.ranks_per_node} ranks per node")
+    print(f"problem: {problem}")
+    print(f"W = {args.world}\n")
+    print(P.table(ranked))
+    print(f"\nchoice: {why}")
+    if args.plot:
+        from cpattn.plan_plot import plot_plan
+
+        worlds = [w for w in (1, 2, 4, 8, 16, 32, 64, 128, 256) if w <= max(8, 4 * args.world)]
+        seqlens = [problem.seqlen * f for f in (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4)]
+        step = 2 * max(worlds) * max(args.heads, 1)
+        seqlens = sorted({max(step, int(s) // step * step) for s in seqlens})
+        plot_plan(problem, machine, worlds, seqlens, args.world, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cpattn")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,11 +164,15 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    _plan_arguments(sub.add_parser(
+        "plan", help="which strategy for a problem and machine: the cost model's ranking"))
     from cpattn._generate_demo import add_arguments as _generate_arguments
 
     _generate_arguments(sub.add_parser(
         "generate-demo", help="greedy generation on W ranks with a sharded KV cache"))
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return plan_command(args)
     if args.command == "generate-demo":
         from cpattn._generate_demo import generate_demo
 

@@ -196,7 +196,7 @@ def _attention_args(what, q, k, v, causal, softmax_scale, window, layout="contig
     return (causal, LAYOUTS[layout], scale, window), fields
 
 
-STRATEGIES = {"ring": 0, "allgather": 1}
+STRATEGIES = {"ring": 0, "allgather": 1, "auto": 2}
 
 
 def _sink_grad(ctx, sinks, dout, out, lse, dlse):
@@ -333,12 +333,19 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
             if n != q.shape[1] * world:  # padded: one document of the real length
                 docs = torch.tensor([n], dtype=torch.int64)
             fields += [("seqlen", n)]
+        if strategy == "auto":  # the choice may only depend on what the ranks agree on
+            fields += [("requires_grad", torch.is_grad_enabled() and any(
+                t.requires_grad for t in (q, k, v)))]
         return (*args, chunk, docs, cap, prefix), fields
 
     causal, layout_code, scale, window, chunk, docs, softcap, prefix_len = agree_on(
         what, group, timeout, check)
     if cu_seqlens is not None:
         q, k, v = q[None], k[None], v[None]
+    if strategy == "auto":
+        from cpattn.plan_attention import auto_strategy
+
+        strategy = auto_strategy(q, k, world, group, causal, layout, window, docs, chunk, what)
     if strategy == "ring":
         return _RingAttention.apply(q, k, v, group.group_name, scale, causal, window, layout_code,
                                     timeout, docs, softcap, alibi_slopes, prefix_len, sinks)
@@ -381,6 +388,8 @@ def ring_attention(
         strategy: "ring" (K/V shards travel while each step computes: overlaps communication,
             memory per rank 1/W) or "allgather" (all-gather K/V, `allgather_chunk` KV heads at a
             time, default a quarter of them; simplest, good for short sequences or few KV heads).
+            "auto": the cost model (cpattn.plan) picks one of the two for this problem and
+            machine, once per distinct problem, the same on every rank (logged at debug level).
         timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
         sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions
             (the same values on every rank). A sink joins each row once, after every partial

@@ -1,0 +1,712 @@
+"""Which context-parallel strategy to use: a cost model, machine descriptions and the choice.
+
+For a problem (shapes, dtype, mask, documents, training / forward / decode) and a machine (ranks,
+links, kernel throughput, memory), `predict` gives every candidate's time per call, bytes sent
+per rank and peak memory per rank, and `rank` orders them and explains the first in one line:
+
+    none                    one rank computes everything, no communication
+    ring/<layout>           K/V shards travel the ring, each step overlapped with the compute of
+                            the shard held; backward sends fp32 dK/dV one step behind, plus a
+                            final exposed hop (csrc/ops/ring.cpp)
+    allgather/<layout>      K/V all-gathered a chunk of KV heads at a time, not overlapped;
+                            backward gathers again and reduce-scatters fp32 dK/dV
+    ulysses                 all-to-alls of q, k, v (GQA-replicated as ulysses.py does), out and
+                            their gradients around one local kernel on the whole sequence
+    hybrid UxR              Ulysses within U consecutive ranks, ring across R, for every U*R = W
+
+The per-(rank, step) work comes from the schedule itself (torch.ops.cpattn.schedule_work, the
+rule in csrc/include/cpattn/work.h): visited kernel tiles, so layouts, masks, windows and packed
+documents are counted exactly. Times are max over ranks per ring step (the ring is synchronous).
+
+Machines: `calibrate(group)` measures this group (seconds, cached to a file, identical on every
+rank), `PRESETS` hold published / nominal figures (marked as such in `Machine.source`).
+No torch.distributed is needed except by `calibrate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+log = logging.getLogger("cpattn.plan")
+
+_LAYOUT_CODES = {"contiguous": 0, "zigzag": 1, "striped": 2}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MODES = ("train", "forward", "decode")  # "prefill" is an alias of "forward"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of a rank's link: bytes/s it can send while receiving as much, and the
+    fixed cost of one message (s)."""
+
+    bandwidth: float
+    latency: float
+
+    def time(self, nbytes: float, messages: int = 1) -> float:
+        return messages * self.latency + nbytes / self.bandwidth if messages else 0.0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the model needs to know about the ranks.
+
+    fwd_flops / bwd_flops: attention kernel throughput per rank and dtype, FLOP/s counted as
+    4 * D per visited (query, key) pair forward and 10 * D backward, while every rank of the
+    group computes at once (so shared cores show up as a lower figure). call_overhead: fixed
+    seconds per kernel call. mem_bandwidth: bytes/s of the elementwise work (merges, copies,
+    decode's K/V reads). overlap: the fraction of a ring step's communication that runs during
+    its compute (1: separate copy engines; lower where the transfer takes CPU time from the
+    cores that compute). block: the kernel's (query, key) tile. reduce_scatter_factor: bytes a
+    reduce-scatter sends relative to the ideal (W-1) parts (2: gloo runs it as a ring
+    all-reduce of the whole buffer).
+    """
+
+    name: str
+    source: str
+    ranks_per_node: int
+    intra: Link
+    inter: Link
+    fwd_flops: dict
+    bwd_flops: dict
+    call_overhead: float
+    mem_bandwidth: float
+    memory: float
+    overlap: float = 1.0
+    block: tuple = (128, 128)
+    reduce_scatter_factor: float = 1.0
+
+    def link(self, span: int) -> Link:
+        """The link between members of a group spread over `span` consecutive ranks: inside a
+        node iff span <= ranks_per_node."""
+        return self.intra if span <= self.ranks_per_node else self.inter
+
+    def flops(self, dtype: str, backward: bool) -> float:
+        table = self.bwd_flops if backward else self.fwd_flops
+        if dtype not in table:
+            raise ValueError(f"cpattn.plan: machine {self.name!r} has no {dtype} throughput "
+                             f"(has {sorted(table)})")
+        return table[dtype]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> "Machine":
+        d = json.loads(text)
+        d["intra"], d["inter"] = Link(**d["intra"]), Link(**d["inter"])
+        d["block"] = tuple(d["block"])
+        return Machine(**d)
+
+
+def _gpu(name, source, flops_bf16, nvlink, ib, hbm, memory, ranks_per_node=8):
+    # FlashAttention-2-class kernels reach about 70 % of the dense bf16 peak forward and 55 %
+    # backward on long sequences (FA2 paper, Dao 2023, figs. on A100/H100): nominal, not measured.
+    fwd, bwd = 0.70 * flops_bf16, 0.55 * flops_bf16
+    return Machine(
+        name=name, source=source, ranks_per_node=ranks_per_node,
+        intra=Link(nvlink, 10e-6), inter=Link(ib, 20e-6),
+        fwd_flops={"bfloat16": fwd, "float16": fwd},
+        bwd_flops={"bfloat16": bwd, "float16": bwd},
+        call_overhead=10e-6, mem_bandwidth=hbm, memory=memory, overlap=1.0, block=(128, 128))
+
+
+PRESETS = {
+    "h100-ib": _gpu("h100-ib", "published/nominal: H100 SXM 989 TFLOP/s dense bf16, 80 GB HBM3 "
+                    "3.35 TB/s, NVLink 4 450 GB/s per direction, InfiniBand NDR 400 Gb/s per GPU",
+                    989e12, 450e9, 50e9, 3.35e12, 80e9),
+    "h200-ib": _gpu("h200-ib", "published/nominal: H200 SXM 989 TFLOP/s dense bf16, 141 GB HBM3e "
+                    "4.8 TB/s, NVLink 4 450 GB/s per direction, InfiniBand NDR 400 Gb/s per GPU",
+                    989e12, 450e9, 50e9, 4.8e12, 141e9),
+    "a100-ib": _gpu("a100-ib", "published/nominal: A100 SXM 80 GB 312 TFLOP/s dense bf16, HBM2e "
+                    "2.0 TB/s, NVLink 3 300 GB/s per direction, InfiniBand HDR 200 Gb/s per GPU",
+                    312e12, 300e9, 25e9, 2.0e12, 80e9),
+    # The project's CI machine kind (2 AMD EPYC cores, bench/RESULTS.md), 2 ranks x 1 thread over
+    # gloo on loopback TCP: nominal figures of that machine; calibrate() measures yours.
+    "cpu-gloo": Machine(
+        name="cpu-gloo", source="nominal: 2-core AMD EPYC (AVX-512) CI machine, 1 thread per "
+        "rank, gloo over loopback TCP (figures of the order measured there; use calibrate())",
+        ranks_per_node=1 << 30, intra=Link(1.0e9, 100e-6), inter=Link(1.0e9, 100e-6),
+        fwd_flops={"float32": 60e9, "bfloat16": 90e9, "float16": 55e9},
+        bwd_flops={"float32": 45e9, "bfloat16": 55e9, "float16": 40e9},
+        call_overhead=50e-6, mem_bandwidth=5e9, memory=12e9, overlap=0.5, block=(64, 128),
+        reduce_scatter_factor=2.0),
+}
+
+
+def machine(name_or_path: str) -> Machine:
+    """A preset by name, or a JSON file written by calibrate()."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    if os.path.exists(name_or_path):
+        with open(name_or_path) as f:
+            return Machine.from_json(f.read())
+    raise ValueError(f"cpattn.plan: machine must be one of {sorted(PRESETS)} or a calibration "
+                     f"file, got {name_or_path!r}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention call. seqlen: global tokens (with documents: their sum); heads / kv_heads /
+    head_dim as q (B, S, H, D), k/v (B, S, Hkv, D); documents: packed document lengths (varlen);
+    mode: "train" (forward + backward), "forward" (or "prefill"), "decode" (decode_tokens new
+    queries against a cache of seqlen tokens)."""
+
+    seqlen: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    batch: int = 1
+    dtype: str = "bfloat16"
+    causal: bool = False
+    window: tuple = (-1, -1)
+    documents: Optional[tuple] = None
+    mode: str = "train"
+    decode_tokens: int = 1
+
+    def __post_init__(self):
+        mode = "forward" if self.mode == "prefill" else self.mode
+        object.__setattr__(self, "mode", mode)
+        if self.documents is not None:
+            object.__setattr__(self, "documents", tuple(int(n) for n in self.documents))
+            object.__setattr__(self, "seqlen", sum(self.documents))
+        checks = [
+            (mode in MODES, "mode", self.mode, f"one of {MODES} or 'prefill'"),
+            (self.dtype in _DTYPE_BYTES, "dtype", self.dtype, f"one of {sorted(_DTYPE_BYTES)}"),
+            (self.seqlen > 0, "seqlen", self.seqlen, "> 0"),
+            (self.batch > 0 and self.head_dim > 0, "batch/head_dim",
+             (self.batch, self.head_dim), "> 0"),
+            (self.kv_heads > 0 and self.heads % self.kv_heads == 0, "heads/kv_heads",
+             (self.heads, self.kv_heads), "heads a positive multiple of kv_heads"),
+        ]
+        for ok, name, value, rule in checks:
+            if not ok:
+                raise ValueError(f"cpattn.plan.Problem: {name} must be {rule}, got {value!r}")
+        object.__setattr__(self, "window", tuple(int(w) for w in self.window))
+
+    @property
+    def elem(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str  # none, ring, allgather, ulysses, hybrid, sharded-cache
+    layout: str = ""
+    ulysses: int = 1
+    ring: int = 1
+    chunk: int = 0  # allgather: KV heads per gather
+
+    @property
+    def name(self) -> str:
+        if self.strategy in ("ring", "allgather"):
+            return f"{self.strategy}/{self.layout}"
+        if self.strategy == "hybrid":
+            return f"hybrid {self.ulysses}x{self.ring}/{self.layout}"
+        return self.strategy
+
+
+@dataclass
+class Prediction:
+    """Seconds per call (time = compute + exposed communication + elementwise work), bytes sent
+    per rank, peak bytes of attention state per rank (inputs included)."""
+
+    candidate: Candidate
+    time: float
+    compute: float
+    exposed_comm: float
+    bytes_sent: float
+    peak_memory: float
+    fits: bool = True
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.candidate.name
+
+
+# ---- work from the schedule -----------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4096)
+def _work(seqlen: int, world: int, layout: str, causal: bool, window: tuple,
+          block: tuple, documents: Optional[tuple]) -> torch.Tensor:
+    """(world, world, 3) float64: visible pairs, visited tile pairs, kernel calls per
+    (rank, step), per batch row and head."""
+    docs = torch.tensor(documents, dtype=torch.int64) if documents is not None else None
+    w = torch.ops.cpattn.schedule_work(seqlen, world, _LAYOUT_CODES[layout], causal, window[0],
+                                       window[1], block[0], block[1], docs)
+    return w.double()
+
+
+def _padded(p: Problem, world: int, layout: str) -> int:
+    """Tokens per rank (documents padded per document as ring_attention_varlen does)."""
+    g = 2 * world if layout == "zigzag" else world
+    if p.documents is None:
+        return p.seqlen // world
+    return sum(-(-n // g) * g for n in p.documents) // world
+
+
+def _compute_steps(p: Problem, m: Machine, world: int, layout: str, heads: int,
+                   seqlen: Optional[int] = None, backward: bool = False) -> torch.Tensor:
+    """(world ranks, world steps) kernel seconds."""
+    w = _work(seqlen or p.seqlen, world, layout, p.causal, tuple(p.window), tuple(m.block),
+              p.documents if seqlen is None else None)
+    per_pair = (10 if backward else 4) * p.head_dim * p.batch * heads
+    return w[..., 1] * per_pair / m.flops(p.dtype, backward) + w[..., 2] * m.call_overhead
+
+
+def _divisible(p: Problem, world: int, layout: str) -> bool:
+    g = 2 * world if layout == "zigzag" else world
+    return p.documents is not None or p.seqlen % g == 0
+
+
+# ---- the strategies --------------------------------------------------------------------------
+
+def _combine(compute: float, comm: float, overlap: float) -> float:
+    """A step whose transfer runs during its compute: the longer of the two, plus the part of
+    the shorter one that does not overlap."""
+    return max(compute, comm) + (1.0 - overlap) * min(compute, comm)
+
+
+def _ring(p: Problem, m: Machine, world: int, layout: str, heads: int, kv_heads: int,
+          link: Link, seqlen: Optional[int] = None) -> dict:
+    """Time and traffic of the ring driver (csrc/ops/ring.cpp) over `world` ranks."""
+    local = _padded(p, world, layout) if seqlen is None else seqlen // world
+    e = p.elem
+    kv = 2 * p.batch * local * kv_heads * p.head_dim * e
+    acc = 2 * p.batch * local * kv_heads * p.head_dim * 4
+    state = p.batch * local * heads * p.head_dim * 4  # fp32 out / dq of the local queries
+    fwd = _compute_steps(p, m, world, layout, heads, seqlen).amax(0).tolist()
+    merge = 3 * state / m.mem_bandwidth  # part_out + out read, out written per step
+    shift = link.time(kv) if world > 1 else 0.0
+    t_fwd = kv / m.mem_bandwidth  # stacking K and V
+    compute = exposed = 0.0
+    for t, c in enumerate(fwd):
+        c += merge if c > 0 else 0.0
+        step = _combine(c, shift, m.overlap) if t + 1 < world else c
+        compute += c
+        exposed += step - c
+        t_fwd += step
+    res = {"fwd": t_fwd, "compute": compute, "exposed": exposed,
+           "sent": (world - 1) * kv, "kv": kv, "acc": acc, "state": state}
+    if p.mode != "train":
+        return res
+    bwd = _compute_steps(p, m, world, layout, heads, seqlen, backward=True).amax(0).tolist()
+    t_bwd = 2 * state / m.mem_bandwidth  # dq zeroed and cast
+    for t, c in enumerate(bwd):
+        c += (3 * acc + state) / m.mem_bandwidth  # partial zeroed, acc added, dq accumulated
+        nbytes = (kv if t + 1 < world else 0) + (acc if t > 0 else 0)
+        comm = link.time(nbytes, (t + 1 < world) + (t > 0))
+        step = _combine(c, comm, m.overlap)
+        compute += c
+        exposed += step - c
+        t_bwd += step
+    if world > 1:  # the accumulators' final hop home, nothing left to hide it behind
+        final = link.time(acc) + acc / m.mem_bandwidth
+        exposed += final
+        t_bwd += final
+    res.update(bwd=t_bwd, compute=compute, exposed=exposed, sent=2 * (world - 1) * kv + world * acc
+               if world > 1 else 0.0)
+    return res
+
+
+def _all_gather_time(link: Link, per_rank: float, world: int) -> float:
+    """Ring all-gather / reduce-scatter: W - 1 messages of one rank's part."""
+    return link.time((world - 1) * per_rank, world - 1) if world > 1 else 0.0
+
+
+def _all_to_all_time(m: Machine, total: float, world: int, span: int) -> float:
+    """All-to-all of `total` bytes per rank over `world` ranks, `span` consecutive ranks wide:
+    (W-1)/W of it leaves the rank; the part to other nodes goes over the slower link."""
+    if world == 1:
+        return 0.0
+    if span <= m.ranks_per_node:
+        t = m.intra.time(total * (world - 1) / world, world - 1)
+    else:
+        near, far = m.ranks_per_node - 1, world - m.ranks_per_node
+        t = max(m.intra.time(total * near / world, near), m.inter.time(total * far / world, far))
+    return t + 2 * total / m.mem_bandwidth  # chunk and concatenate copies
+
+
+def _kv_heads_sent(heads: int, kv_heads: int, u: int) -> int:
+    """KV heads each rank puts into Ulysses' all-to-all (ulysses._kv_heads_for_ranks)."""
+    if kv_heads % u == 0:
+        return kv_heads
+    if (heads // kv_heads) % (heads // u) == 0:
+        return u
+    return heads
+
+
+def _agreement(m: Machine, world: int) -> float:
+    """The rank-agreement check every call starts with: one small all-gather."""
+    return _all_gather_time(m.link(world), 256, world)
+
+
+def _predict_one(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction:
+    pred = _predict_strategy(p, m, world, c)
+    if c.strategy in ("ring", "allgather", "ulysses", "hybrid") and world > 1:
+        check = _agreement(m, c.ulysses if c.strategy == "hybrid" else world)
+        if c.strategy == "hybrid":
+            check += _agreement(m, world)  # and the ring's, across
+        pred.time += check
+        pred.exposed_comm += check
+    return pred
+
+
+def _predict_strategy(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction:
+    e, B, D, H, Hkv = p.elem, p.batch, p.head_dim, p.heads, p.kv_heads
+    train = p.mode == "train"
+    full_q = B * p.seqlen * H * D * e
+    full_kv = 2 * B * p.seqlen * Hkv * D * e
+    if c.strategy == "none":
+        r = _ring(p, m, 1, "contiguous", H, Hkv, m.intra)
+        time_ = r["fwd"] + r.get("bwd", 0.0)
+        grads = (full_q + full_kv) * 4 / e if train else 0.0
+        peak = 2 * full_q + full_kv + r["state"] + grads
+        return Prediction(c, time_, r["compute"], 0.0, 0.0, peak)
+    if c.strategy in ("ring", "allgather"):
+        link = m.link(world)
+        r = _ring(p, m, world, c.layout, H, Hkv, link)
+        local_io = (full_q * 2 + full_kv) / world  # q, out, k, v held
+        if c.strategy == "ring":
+            time_ = r["fwd"] + r.get("bwd", 0.0)
+            peak = local_io + 2 * r["kv"] + 2 * r["state"]
+            if train:
+                peak += 4 * r["acc"] + r["state"] + local_io
+            return Prediction(c, time_, r["compute"], r["exposed"], r["sent"], peak)
+        chunks = math.ceil(Hkv / c.chunk)
+        fwd_c = _compute_steps(p, m, world, c.layout, H).sum(1).amax().item()
+        kv_chunk = r["kv"] / Hkv * c.chunk
+        gather = chunks * _all_gather_time(link, kv_chunk, world)
+        copies = world * r["kv"] / m.mem_bandwidth
+        compute = fwd_c + world * r["state"] * 3 / m.mem_bandwidth
+        time_, exposed, sent = compute + gather + copies, gather, (world - 1) * r["kv"]
+        peak = local_io + world * kv_chunk + 2 * r["state"]
+        if train:
+            bwd_c = _compute_steps(p, m, world, c.layout, H, backward=True).sum(1).amax().item()
+            acc_chunk = r["acc"] / Hkv * c.chunk
+            rs = chunks * _all_gather_time(link, acc_chunk * m.reduce_scatter_factor, world)
+            exposed += gather + rs
+            compute += bwd_c
+            time_ += bwd_c + gather + rs + copies + 2 * world * r["acc"] / m.mem_bandwidth
+            sent += (world - 1) * (r["kv"] + r["acc"] * m.reduce_scatter_factor)
+            peak += world * (kv_chunk + acc_chunk) + local_io + r["state"]
+        return Prediction(c, time_, compute, exposed, sent, peak)
+    if c.strategy in ("ulysses", "hybrid"):
+        u, rr = c.ulysses, c.ring
+        kv_sent = _kv_heads_sent(H, Hkv, u)
+        q_rank = full_q / world  # this rank's q shard (also out, dout, dq)
+        kv_rank = 2 * B * (p.seqlen // world) * kv_sent * D * e
+        a2a = lambda total: _all_to_all_time(m, total, u, u)  # noqa: E731
+        comm = 2 * a2a(q_rank) + a2a(kv_rank)  # q and out, k and v
+        sent = (u - 1) / u * (2 * q_rank + kv_rank)
+        if rr == 1:
+            steps = _compute_steps(p, m, 1, "contiguous", H // u)
+            compute = steps.sum().item() + 3 * B * p.seqlen * H // u * D * 4 / m.mem_bandwidth
+            if train:
+                compute += _compute_steps(p, m, 1, "contiguous", H // u, backward=True).sum().item()
+            inner, ring_exposed, ring_sent = compute, 0.0, 0.0
+            ring_state = B * p.seqlen * H // u * D * 4
+        else:
+            r = _ring(p, m, rr, c.layout, H // u, kv_sent // u, m.link(world), seqlen=p.seqlen)
+            inner = r["fwd"] + r.get("bwd", 0.0)
+            compute, ring_exposed, ring_sent, ring_state = (r["compute"], r["exposed"], r["sent"],
+                                                            r["state"] * 2)
+        if train:
+            comm += 2 * a2a(q_rank) + a2a(kv_rank)  # dout and dq, dk and dv
+            sent += (u - 1) / u * (2 * q_rank + kv_rank)
+        time_ = inner + comm
+        # all-to-alls keep a rank's bytes: q, k, v, out by heads as large as the inputs, with a
+        # transient copy each (chunk / concatenate), plus the fp32 state
+        local_io = 2 * q_rank + 2 * full_kv / world
+        peak = local_io + 2 * (2 * q_rank + kv_rank) + ring_state
+        if train:
+            peak += local_io + 2 * q_rank + kv_rank
+        return Prediction(c, time_, compute, comm + ring_exposed, sent + ring_sent, peak)
+    if c.strategy == "sharded-cache":
+        # decode: each rank reads its 1/W of the cache; W partial (out, lse) are all-gathered.
+        sq = p.decode_tokens
+        reads = full_kv / world
+        flops = 4 * B * H * sq * (p.seqlen / world) * D / m.flops(p.dtype, False)
+        compute = max(flops, reads / m.mem_bandwidth) + m.call_overhead
+        part = B * sq * H * (D + 1) * 4
+        comm = _all_gather_time(m.link(world), part, world)
+        return Prediction(c, compute + comm, compute, comm, (world - 1) * part,
+                          reads + world * part)
+    raise ValueError(f"cpattn.plan: unknown strategy {c.strategy!r}")
+
+
+def candidates(p: Problem, world: int, layouts: Sequence[str] = ("zigzag", "contiguous",
+                                                                  "striped")) -> list:
+    """Every strategy that can run the problem on `world` ranks."""
+    if p.mode == "decode":
+        return [Candidate("none")] + ([Candidate("sharded-cache")] if world > 1 else [])
+    out = [Candidate("none")]
+    if world == 1:
+        return out
+    for layout in layouts:
+        if _divisible(p, world, layout):
+            out.append(Candidate("ring", layout))
+            out.append(Candidate("allgather", layout, chunk=max(1, p.kv_heads // 4)))
+    if p.documents is None:  # Ulysses and hybrid take one sequence
+        for u in range(2, world + 1):
+            r = world // u
+            if world % u or p.heads % u:
+                continue
+            # hybrid_positions: the ring shards (zigzag over R) split into U contiguous parts
+            ok = p.seqlen % u == 0 if r == 1 else (p.seqlen % (2 * r) == 0
+                                                     and (p.seqlen // r) % u == 0)
+            if ok:
+                out.append(Candidate("hybrid" if r > 1 else "ulysses",
+                                     "zigzag" if r > 1 else "contiguous", u, r))
+    return out
+
+
+def _decode_none(p: Problem, m: Machine) -> Prediction:
+    full_kv = 2 * p.batch * p.seqlen * p.kv_heads * p.head_dim * p.elem
+    flops = 4 * p.batch * p.heads * p.decode_tokens * p.seqlen * p.head_dim
+    t = max(flops / m.flops(p.dtype, False), full_kv / m.mem_bandwidth) + m.call_overhead
+    return Prediction(Candidate("none"), t, t, 0.0, 0.0, full_kv)
+
+
+def predict(p: Problem, m: Machine, world: int, cands: Optional[Sequence[Candidate]] = None
+            ) -> list:
+    """Predictions for every candidate (default: all that can run), in candidate order."""
+    if world < 1:
+        raise ValueError(f"cpattn.plan.predict: world must be >= 1, got {world}")
+    out = []
+    for c in cands if cands is not None else candidates(p, world):
+        pred = _decode_none(p, m) if (p.mode == "decode" and c.strategy == "none") else \
+            _predict_one(p, m, world, c)
+        pred.fits = pred.peak_memory <= m.memory
+        out.append(pred)
+    return out
+
+
+def rank(preds: Sequence[Prediction]) -> list:
+    """Fastest first; candidates that do not fit in memory last."""
+    return sorted(preds, key=lambda r: (not r.fits, r.time))
+
+
+def explain(ranked: Sequence[Prediction]) -> str:
+    """One line: the choice and why."""
+    best = ranked[0]
+    others = [r for r in ranked[1:] if r.fits]
+    if best.exposed_comm <= 0.05 * best.time:
+        why = "communication hidden or absent"
+    else:
+        why = f"{100 * best.exposed_comm / best.time:.0f} % of it exposed communication"
+    line = f"{best.name}: {best.time * 1e3:.3g} ms per call ({why})"
+    if others:
+        nxt = others[0]
+        line += f", {nxt.time / best.time:.2f}x faster than {nxt.name}"
+    none = next((r for r in ranked if r.candidate.strategy == "none"), None)
+    if none is not None and none is not best and (not others or none is not others[0]):
+        line += f", {none.time / best.time:.2f}x faster than no CP"
+    if not best.fits:
+        line += "; nothing fits in memory"
+    return line
+
+
+def plan(p: Problem, m: Machine, world: int, cands: Optional[Sequence[Candidate]] = None):
+    """(ranked predictions, one-line explanation)."""
+    ranked = rank(predict(p, m, world, cands))
+    return ranked, explain(ranked)
+
+
+def table(ranked: Sequence[Prediction]) -> str:
+    """The ranked predictions as a markdown table."""
+    lines = ["| # | strategy | time (ms) | compute (ms) | exposed comm (ms) | MiB sent per rank "
+             "| peak MiB per rank | fits |", "|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(ranked, 1):
+        lines.append(f"| {i} | {r.name} | {r.time * 1e3:.4g} | {r.compute * 1e3:.4g} | "
+                     f"{r.exposed_comm * 1e3:.3g} | {r.bytes_sent / 2**20:.4g} | "
+                     f"{r.peak_memory / 2**20:.5g} | {'yes' if r.fits else 'no'} |")
+    return "\n".join(lines)
+
+
+# ---- calibration -----------------------------------------------------------------------------
+
+def _cache_path(key: str) -> str:
+    root = os.environ.get("CPATTN_PLAN_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "cpattn")
+    return os.path.join(root, f"machine-{key}.json")
+
+
+def _timed(fn, repeats: int, sync=None) -> float:
+    """Best of `repeats` after a warm-up (the least disturbed run); sync() before each run lines
+    the ranks up, so that they compute (and share cores) at the same time."""
+    fn()  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _probe_kernel(device, dtype: torch.dtype, block: tuple, sync) -> tuple:
+    """(fwd FLOP/s, bwd FLOP/s, seconds per call) from two sizes of a non-causal problem."""
+    from cpattn.attention import attention
+
+    heads, dim = 4, 64
+    big = 2048 if device.type == "cpu" else 8192
+    results = []
+    for seqlen in (big // 4, big):
+        q, k, v = (torch.randn(1, seqlen, heads, dim, device=device, dtype=dtype)
+                   .requires_grad_() for _ in range(3))
+        dout = torch.randn_like(q)
+        t_fwd = _timed(lambda: attention(q, k, v), 3, sync)
+        t_all = _timed(lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout), 3, sync)
+        tiles = -(-seqlen // block[0]) * block[0] * (-(-seqlen // block[1]) * block[1])
+        results.append((tiles * heads * dim, t_fwd, max(t_all - t_fwd, 1e-9)))
+    (w0, f0, b0), (w1, f1, b1) = results
+    fwd_rate = 4 * (w1 - w0) / max(f1 - f0, 1e-9)
+    bwd_rate = 10 * (w1 - w0) / max(b1 - b0, 1e-9)
+    overhead = max(f0 - 4 * w0 / fwd_rate, 0.0)
+    return fwd_rate, bwd_rate, overhead
+
+
+def calibrate(group=None, *, dtypes: Sequence[str] = (), refresh: bool = False,
+              memory: Optional[float] = None) -> Machine:
+    """Measures this group (a few seconds, every rank at once, so shared cores count) and caches
+    the result to ~/.cache/cpattn (or $CPATTN_PLAN_CACHE). Collective: every rank of `group`
+    must call it; all get the same Machine (rank 0's cache or the max over ranks of the probes).
+
+    dtypes: those to probe (default: float32 on CPU, bfloat16 and float16 on CUDA).
+    """
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else \
+        torch.device("cpu")
+    if not dtypes:
+        dtypes = ("float32",) if device.type == "cpu" else ("bfloat16", "float16")
+    import socket
+
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    ranks_per_node = max(hosts.count(h) for h in hosts)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    key_text = json.dumps([backend, world, ranks_per_node, name, torch.__version__,
+                           torch.get_num_threads(), sorted(dtypes)])
+    import hashlib
+
+    key = hashlib.sha1(key_text.encode()).hexdigest()[:16]
+    box = [None]
+    if me == 0 and not refresh and os.path.exists(_cache_path(key)):
+        with open(_cache_path(key)) as f:
+            box[0] = f.read()
+    src = dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
+    if box[0] is not None:
+        return Machine.from_json(box[0])
+
+    block = (64, 128) if device.type == "cpu" else (128, 128)
+    sync = functools.partial(dist.barrier, group=group)
+    fwd, bwd, overhead = {}, {}, 0.0
+    for dt in dtypes:
+        f, b, o = _probe_kernel(device, getattr(torch, dt), block, sync)
+        fwd[dt], bwd[dt], overhead = f, b, max(overhead, o)
+    # elementwise bandwidth: a 32 MiB copy
+    src_t = torch.randn(8 << 20, device=device)
+    dst_t = torch.empty_like(src_t)
+    mem_bw = 2 * src_t.numel() * 4 / _timed(lambda: dst_t.copy_(src_t), 3, sync)
+    # the ring link: one shift of two sizes
+    if world > 1:
+        small = torch.zeros(1024, device=device)
+        big = torch.zeros(2 << 20, device=device)
+        shift = lambda t: torch.ops.cpattn.ring_shift(t, group.group_name, 60.0)  # noqa: E731
+        t_small, t_big = _timed(lambda: shift(small), 5), _timed(lambda: shift(big), 3)
+        bw = (big.numel() - small.numel()) * 4 / max(t_big - t_small, 1e-9)
+        lat = max(t_small - small.numel() * 4 / bw, 1e-7)
+    else:
+        bw, lat = 1e12, 1e-6
+    # every rank gets the mean over ranks of the seconds per unit (one rank's noise is diluted)
+    mine = torch.tensor([1 / fwd[d] for d in dtypes] + [1 / bwd[d] for d in dtypes] +
+                        [overhead, 1 / mem_bw, 1 / bw, lat], dtype=torch.float64)
+    mine = mine.to(device)
+    dist.all_reduce(mine, group=group)
+    v = (mine / world).cpu().tolist()
+    n = len(dtypes)
+    link = Link(1 / v[2 * n + 2], v[2 * n + 3])
+    if memory is None:
+        memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
+                  else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world)
+    m = Machine(
+        name=f"calibrated-{name}-W{world}", source=f"measured by cpattn.plan.calibrate on "
+        f"{time.strftime('%Y-%m-%d %H:%M')} ({backend}, {world} ranks, {ranks_per_node} per node)",
+        ranks_per_node=ranks_per_node, intra=link, inter=link,
+        fwd_flops={d: 1 / v[i] for i, d in enumerate(dtypes)},
+        bwd_flops={d: 1 / v[n + i] for i, d in enumerate(dtypes)},
+        call_overhead=v[2 * n], mem_bandwidth=1 / v[2 * n + 1], memory=float(memory),
+        # CPU ranks: gloo's TCP transfers take CPU time from the cores that compute
+        overlap=0.5 if device.type == "cpu" else 1.0, block=block,
+        reduce_scatter_factor=2.0 if backend == "gloo" else 1.0)
+    if me == 0:
+        path = _cache_path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(m.to_json())
+    return m
+
+
+# ---- strategy="auto" -------------------------------------------------------------------------
+
+_MACHINES: dict = {}
+_DECISIONS: dict = {}
+
+
+def set_machine(m: Optional[Machine], group=None) -> None:
+    """The machine strategy="auto" plans with for `group` (None: forget it, calibrate again)."""
+    key = _group_key(group)
+    if m is None:
+        _MACHINES.pop(key, None)
+    else:
+        _MACHINES[key] = m
+    for k in [k for k in _DECISIONS if k[0] == key]:
+        del _DECISIONS[k]
+
+
+def _group_key(group):
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.group.WORLD
+    return group.group_name
+
+
+def machine_for(group=None) -> Machine:
+    """The machine for `group`: set_machine's, else $CPATTN_PLAN_MACHINE (a preset name or a
+    calibration file), else calibrate(group) (collective, cached). The same on every rank."""
+    key = _group_key(group)
+    if key not in _MACHINES:
+        env = os.environ.get("CPATTN_PLAN_MACHINE")
+        _MACHINES[key] = machine(env) if env else calibrate(group)
+    return _MACHINES[key]
+
+
+def choose(p: Problem, world: int, cands: Sequence[Candidate], group=None,
+           what: str = "cpattn") -> Prediction:
+    """The fastest of `cands` for problem p on the ranks of `group`, decided once per distinct
+    (group, problem, candidate set) and logged at debug level. Every input must be agreed by all
+    ranks (shapes and options validated, machine identical), so the choice is too."""
+    key = (_group_key(group), p, tuple(cands))
+    if key not in _DECISIONS:
+        m = machine_for(group)
+        ranked, why = plan(p, m, world, cands)
+        _DECISIONS[key] = ranked[0]
+        log.debug("%s strategy='auto' on %d ranks (%s): %s", what, world, m.name, why)
+    return _DECISIONS[key]

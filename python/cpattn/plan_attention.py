@@ -1,0 +1,165 @@
+"""Attention over a whole sequence held by every rank of a group, with the strategy (or no context
+parallelism at all) chosen by the cost model (cpattn.plan), and strategy="auto" of ring_attention.
+"""
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from cpattn import plan as _plan
+from cpattn._agreement import agree_on
+from cpattn._validation import check_timeout, error
+from cpattn.attention import attention
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def auto_strategy(q, k, world: int, group, causal: bool, layout: str, window, docs,
+                  allgather_chunk: Optional[int], what: str) -> str:
+    """ring_attention(strategy="auto"): "ring" or "allgather" for this rank's shards q
+    (B, S/W, H, D), k (B, S/W, Hkv, D) in `layout`. Call it only after the ranks agreed on the
+    shapes, options, documents and on whether gradients are needed."""
+    p = _plan.Problem(
+        seqlen=q.shape[1] * world, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
+        batch=q.shape[0], dtype=_DTYPE_NAMES[q.dtype], causal=bool(causal), window=tuple(window),
+        documents=None if docs is None else tuple(docs.tolist()),
+        mode="train" if _needs_grad(q, k) else "forward")
+    chunk = allgather_chunk or max(1, k.shape[2] // 4)
+    cands = [_plan.Candidate("ring", layout), _plan.Candidate("allgather", layout, chunk=chunk)]
+    return _plan.choose(p, world, cands, group, what).candidate.strategy
+
+
+class _Split(torch.autograd.Function):
+    """This rank's tokens of a tensor every rank holds whole; backward all-gathers the shards'
+    gradients so every rank gets the whole gradient (the loss is the same on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, index, group, dim):
+        ctx.args = (index, x.shape[dim], group, dim)
+        return x.index_select(dim, index.to(x.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        from cpattn.ring import unshard
+
+        index, seqlen, group, dim = ctx.args
+        return unshard(grad.contiguous(), group=group, index=index, seqlen=seqlen, dim=dim), \
+            None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    """Every rank's shard put together in sequence order; backward keeps this rank's part of
+    the (identical on every rank) whole gradient."""
+
+    @staticmethod
+    def forward(ctx, x_local, index, seqlen, group, dim):
+        from cpattn.ring import unshard
+
+        ctx.args = (index, dim)
+        return unshard(x_local.contiguous(), group=group, index=index, seqlen=seqlen, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        index, dim = ctx.args
+        return grad.index_select(dim, index.to(grad.device)), None, None, None, None
+
+
+_HYBRID_GROUPS: dict = {}
+
+
+def _hybrid_groups(group, u: int):
+    """(ulysses_group, ring_group) of this rank: U consecutive ranks of `group`, and the ranks
+    U apart. Made once per (group, U), by the members of each new group only."""
+    key = (group.group_name, u)
+    if key not in _HYBRID_GROUPS:
+        ranks = dist.get_process_group_ranks(group)
+        me = dist.get_rank(group)
+        i, j = divmod(me, u)
+        ulysses = dist.new_group(ranks[i * u:(i + 1) * u], use_local_synchronization=True)
+        ring = dist.new_group(ranks[j::u], use_local_synchronization=True)
+        _HYBRID_GROUPS[key] = (ulysses, ring)
+    return _HYBRID_GROUPS[key]
+
+
+def context_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group=None,
+    causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    window: tuple = (-1, -1),
+    return_lse: bool = False,
+    strategy: str = "auto",
+    timeout: Optional[float] = None,
+) -> Union[torch.Tensor, tuple]:
+    """cpattn.attention over the ranks of `group`, each holding the whole q (B, S, H, D) and k, v
+    (B, S, Hkv, D) (the same tensors), returning the whole output (and LSE (B, H, S)) on every
+    rank; gradients are whole on every rank too (the loss must be the same on every rank).
+
+    strategy: "auto" (the cost model picks, no context parallelism included: short sequences
+    are not split), "none", "ring/<layout>", "allgather/<layout>", "ulysses" or
+    "hybrid UxR/zigzag" (names as in `python -m cpattn plan`). The choice is made once per
+    distinct problem, the same on every rank, and logged at debug level ("cpattn.plan").
+    """
+    from cpattn.ring import _attention_args, _group_info, positions, ring_attention
+    from cpattn.ulysses import hybrid_attention, hybrid_positions, ulysses_attention
+
+    what = "cpattn.context_attention"
+    group, _, world = _group_info(group)
+    timeout = check_timeout(what, timeout)
+    train = _needs_grad(q, k, v)
+
+    def check():
+        (causal_, _, scale_, window_), fields = _attention_args(
+            what, q, k, v, causal, softmax_scale, window)
+        if not isinstance(strategy, str):
+            raise error(what, "strategy", strategy, "must be a str")
+        return (causal_, scale_, window_), [*fields, ("requires_grad", train),
+                                            ("strategy", strategy)]
+
+    causal, scale, window = agree_on(what, group, timeout, check)
+    p = _plan.Problem(q.shape[1], q.shape[2], k.shape[2], q.shape[3], batch=q.shape[0],
+                      dtype=_DTYPE_NAMES[q.dtype], causal=bool(causal), window=window,
+                      mode="train" if train else "forward")
+    cands = _plan.candidates(p, world)
+    if strategy == "auto":
+        chosen = _plan.choose(p, world, cands, group, "cpattn.context_attention").candidate
+    else:
+        named = [c for c in cands if c.name == strategy]
+        if not named:
+            raise ValueError(f"cpattn.context_attention: strategy must be 'auto' or one of "
+                             f"{[c.name for c in cands]} for this problem, got {strategy!r}")
+        chosen = named[0]
+
+    opts = dict(causal=causal, softmax_scale=scale, window=window, return_lse=True)
+    if chosen.strategy == "none":
+        out, lse = attention(q, k, v, **opts)
+    else:
+        seqlen = q.shape[1]
+        if chosen.strategy == "hybrid":
+            u_group, r_group = _hybrid_groups(group, chosen.ulysses)
+            index = hybrid_positions(seqlen, ulysses_group=u_group, ring_group=r_group,
+                                     layout=chosen.layout)
+        else:
+            layout = "contiguous" if chosen.strategy == "ulysses" else chosen.layout
+            index = positions(seqlen, group=group, layout=layout)
+        shards = [_Split.apply(t, index, group, 1) for t in (q, k, v)]
+        if chosen.strategy == "ulysses":
+            out, lse = ulysses_attention(*shards, group=group, timeout=timeout, **opts)
+        elif chosen.strategy == "hybrid":
+            out, lse = hybrid_attention(*shards, ulysses_group=u_group, ring_group=r_group,
+                                        layout=chosen.layout, timeout=timeout, **opts)
+        else:
+            out, lse = ring_attention(*shards, group=group, layout=chosen.layout,
+                                      strategy=chosen.strategy, allgather_chunk=chosen.chunk or None,
+                                      timeout=timeout, **opts)
+        out = _Gather.apply(out, index, seqlen, group, 1)
+        lse = _Gather.apply(lse, index, seqlen, group, 2)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,96 @@
+"""Plots of the cost model (python -m cpattn plan --plot) and of measured tables (bench/).
+Needs matplotlib; nothing else in cpattn does."""
+
+from typing import Sequence
+
+from cpattn import plan as P
+
+_FAMILIES = ("none", "ring/zigzag", "allgather/zigzag", "ulysses", "hybrid")
+
+
+def _family(pred) -> str:
+    return "hybrid" if pred.candidate.strategy == "hybrid" else pred.name
+
+
+def _best_by_family(preds) -> dict:
+    best = {}
+    for r in preds:
+        f = _family(r)
+        if f in _FAMILIES and (f not in best or r.time < best[f].time):
+            best[f] = r
+    return best
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_plan(problem: P.Problem, machine: P.Machine, worlds: Sequence[int],
+              seqlens: Sequence[int], world: int, path: str) -> None:
+    """Time and peak memory per rank against W, and time against sequence length at `world`
+    ranks, for each strategy (hybrid: its best U x R at each point)."""
+    import dataclasses
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    series_w = {f: ([], [], []) for f in _FAMILIES}
+    for w in worlds:
+        for f, r in _best_by_family(P.predict(problem, machine, w)).items():
+            series_w[f][0].append(w)
+            series_w[f][1].append(r.time * 1e3)
+            series_w[f][2].append(r.peak_memory / 2**30)
+    series_s = {f: ([], []) for f in _FAMILIES}
+    for s in seqlens:
+        p = dataclasses.replace(problem, seqlen=s, documents=None)
+        for f, r in _best_by_family(P.predict(p, machine, world)).items():
+            series_s[f][0].append(s)
+            series_s[f][1].append(r.time * 1e3)
+    for f in _FAMILIES:
+        if series_w[f][0]:
+            axes[0].plot(series_w[f][0], series_w[f][1], marker="o", label=f)
+            axes[1].plot(series_w[f][0], series_w[f][2], marker="o", label=f)
+        if series_s[f][0]:
+            axes[2].plot(series_s[f][0], series_s[f][1], marker="o", label=f)
+    axes[0].set(xscale="log", yscale="log", xlabel="ranks W", ylabel="time per call (ms)",
+                title=f"S = {problem.seqlen}")
+    axes[1].set(xscale="log", yscale="log", xlabel="ranks W", ylabel="peak memory per rank (GiB)")
+    axes[1].axhline(machine.memory / 2**30, color="grey", linestyle="--", label="rank memory")
+    axes[2].set(xscale="log", yscale="log", xlabel="sequence length",
+                ylabel="time per call (ms)", title=f"W = {world}")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"cpattn plan: H {problem.heads}, Hkv {problem.kv_heads}, D "
+                 f"{problem.head_dim}, {problem.dtype}, {'causal' if problem.causal else 'full'},"
+                 f" {problem.mode}; machine {machine.name} ({machine.source[:60]}...)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_rows(rows: Sequence[dict], x: str, ys: Sequence[str], group: str, path: str,
+              title: str = "", logx: bool = True) -> None:
+    """A measured table as lines: one panel per column in `ys`, one line per value of `group`,
+    against column `x`. rows: dicts of column -> value."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(ys), figsize=(5.5 * len(ys), 4.2), squeeze=False)
+    keys = list(dict.fromkeys(r[group] for r in rows))
+    for ax, y in zip(axes[0], ys):
+        for key in keys:
+            pts = sorted((r[x], r[y]) for r in rows if r[group] == key)
+            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=str(key))
+        ax.set(xlabel=x, ylabel=y)
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
