@@ -188,7 +188,9 @@ class NcclCommunicator : public std::enable_shared_from_this<NcclCommunicator> {
   }
 
  private:
-  std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeout_ms_.load()); }
+  std::chrono::milliseconds timeout() const {
+    return std::chrono::milliseconds(timeout_ms_.load());
+  }
 
   // Callers hold mutex_.
   void raise_if_failed() const { TORCH_CHECK(error_.empty(), error_); }
