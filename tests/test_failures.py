@@ -248,6 +248,12 @@ def _check_bad_inputs(rank: int, world: int) -> None:
         cpattn.ulysses_attention(uneven, uneven, uneven, timeout=TIMEOUT)
     with pytest.raises(ValueError, match=r"cpattn.ulysses_attention: \(q.dtype, k.dtype"):
         cpattn.ulysses_attention(q.bfloat16(), k, v, timeout=TIMEOUT)
+    with pytest.raises(ValueError, match=r"cpattn.unshard: dim=4: must index one of x_local's 4"):
+        cpattn.unshard(q, dim=4)
+    with pytest.raises(ValueError, match=r"cpattn.unshard: layout='spiral': must be one of"):
+        cpattn.unshard(q, layout="spiral")
+    with pytest.raises(ValueError, match=r"cpattn.unshard_varlen: cu_seqlens=\[0, 4.5\]"):
+        cpattn.unshard_varlen(q[0], [0, 4.5])
     with pytest.raises(ValueError, match=r"cpattn.decode_attention: cache=None: must be a "):
         cpattn.decode_attention(q[:, :1], None, timeout=TIMEOUT)
     with pytest.raises(ValueError, match=r"cpattn.decode_attention: q.dtype=torch.int64"):
@@ -307,6 +313,13 @@ def _double_backward_cases(rank: int, world: int) -> None:
         pattern = re.escape(what) + ": double backward .* is not implemented"
         with pytest.raises(RuntimeError, match=pattern):
             dq.square().sum().backward()
+    # cpattn.comm's collectives are differentiable twice: loss = sum(all_gather(x)^2) on every
+    # rank gives dx = 2 W x (summed over the ranks) and d(sum dx)/dx = 2 W.
+    x = torch.randn(1, 3, 2, requires_grad=True)
+    (dx,) = torch.autograd.grad(cpattn.comm.all_gather(x).square().sum(), x, create_graph=True)
+    torch.testing.assert_close(dx, 2 * world * x)
+    dx.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0 * world))
     # First-order gradients are unaffected by the guard.
     out = cpattn.ring_attention(q, k, v, causal=True)
     (dq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
