@@ -340,7 +340,8 @@ def agree_on(
     """Validates a call's arguments and agrees on them across the ranks, in that order.
 
     check() validates this rank's arguments and returns (the checked arguments, the signature
-    fields). If it raises ValueError or TypeError, the ranks agree on that error instead: when
+    fields). If it raises ValueError, TypeError or RuntimeError (a C++ check), the ranks agree on
+    that error instead: when
     every rank has it (the same bad input everywhere) every rank raises it; when only some do,
     every rank raises the disagreement (chained to the local error). Either way no rank is left
     waiting in the call's first message. Returns check()'s checked arguments.
@@ -348,7 +349,7 @@ def agree_on(
     try:
         checked, fields = check()
         error = None
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RuntimeError) as e:
         checked, fields, error = None, [(_INVALID, f"{type(e).__name__}: {e}")], e
     try:
         agree(function_name, group, fields, timeout)

@@ -6,14 +6,14 @@ while the current step computes; results are merged in float32 with their log-su
 driver, the schedule and the layouts live in C++ (csrc/ops/ring.cpp, csrc/include/cpattn/).
 """
 
-import os
+from collections.abc import Callable
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn._agreement import Fields, agree, agree_on, digest_ints, score_fields, tensor_fields
+from cpattn._agreement import Fields, agree_on, digest_ints, score_fields, tensor_fields
 from cpattn._autograd import once_differentiable
 from cpattn._validation import (
     check_bool,
@@ -29,10 +29,6 @@ from cpattn._validation import (
 )
 
 LAYOUTS = {"contiguous": 0, "zigzag": 1, "striped": 2}
-
-
-def _default_timeout() -> float:
-    return float(os.environ.get("CPATTN_COMM_TIMEOUT", "300"))
 
 
 def _layout_code(layout: str) -> int:
@@ -158,26 +154,41 @@ def unshard(
     `index` (this rank's global positions, -1 for padding) overrides the layout; positions not
     held by any rank are 0.
     """
-    return _unshard(x_local, group, layout, dim, index, seqlen, "cpattn.unshard")
+    what = "cpattn.unshard"
+
+    def locate(local: int, world: int) -> tuple[torch.Tensor, int, Fields]:
+        if index is not None:
+            return index.to(torch.int64).cpu(), local * world if seqlen is None else seqlen, []
+        check_choice(what, "layout", layout, tuple(LAYOUTS))
+        n = local * world if seqlen is None else check_int(what, "seqlen", seqlen, minimum=1)
+        pos = positions(n, group=group, layout=layout)
+        if pos.numel() != local:
+            raise error(what, "seqlen", n, f"gives shards of {pos.numel()} tokens under the "
+                        f"{layout} layout over {world} ranks, not {local}")
+        return pos, n, [("layout", layout)]
+
+    return _unshard(what, x_local, group, dim, locate)
 
 
-def _unshard(x_local, group, layout, dim, index, seqlen, what, extra=()) -> torch.Tensor:
-    """unshard after the agreement check; `extra`: more fields the ranks must agree on."""
+def _unshard(what: str, x_local, group, dim, locate: Callable) -> torch.Tensor:
+    """unshard after validation and the agreement check. locate(local length, world) gives this
+    rank's global positions, the full length and more fields the ranks must agree on."""
     group, _, world = _group_info(group)
-    if index is None:
-        seqlen = x_local.shape[dim] * world if seqlen is None else int(seqlen)
-        index = positions(seqlen, group=group, layout=layout)
-        if index.numel() != x_local.shape[dim]:
-            raise ValueError(
-                f"cpattn.unshard: a shard of a length-{seqlen} sequence holds {index.numel()} "
-                f"tokens under the {layout} layout over {world} ranks, got {x_local.shape[dim]}"
-            )
-    elif seqlen is None:
-        seqlen = x_local.shape[dim] * world
-    index = index.to(torch.int64).cpu()
-    agree(what, group, [*tensor_fields("x_local", x_local, ()), ("dim", dim), ("seqlen", seqlen),
-                        ("index.numel", index.numel()), *extra], _default_timeout())
-    return _Unshard.apply(x_local, index, seqlen, group, dim)
+
+    def check():
+        if not isinstance(x_local, torch.Tensor):
+            raise error(what, "x_local", x_local, "must be a torch.Tensor")
+        d = check_int(what, "dim", dim)
+        if not -x_local.dim() <= d < x_local.dim():
+            raise error(what, "dim", dim, f"must index one of x_local's {x_local.dim()} dims")
+        d %= x_local.dim()
+        index, seqlen, fields = locate(x_local.shape[d], world)
+        seqlen = check_int(what, "seqlen", seqlen, minimum=0)
+        return (d, index, seqlen), [*tensor_fields("x_local", x_local, ()), ("dim", d),
+                                    ("seqlen", seqlen), ("index.numel", index.numel()), *fields]
+
+    d, index, seqlen = agree_on(what, group, check_timeout(what, None), check)
+    return _Unshard.apply(x_local, index, seqlen, group, d)
 
 
 def _attention_args(what, q, k, v, causal, softmax_scale, window, layout="contiguous",
@@ -505,10 +516,15 @@ def unshard_varlen(x_local: torch.Tensor, cu_seqlens, *, group=None, layout: str
                    dim: int = 0) -> torch.Tensor:
     """All-gathers a varlen shard back into the packed sequence (padding dropped).
     Differentiable."""
-    index, _ = positions_varlen(cu_seqlens, group=group, layout=layout)
-    total = int(_document_lengths(cu_seqlens, "cpattn.unshard_varlen").sum())
-    return _unshard(x_local, group, layout, dim, index, total, "cpattn.unshard_varlen",
-                    [("layout", _layout_code(layout)), ("cu_seqlens", digest_ints(cu_seqlens))])
+    what = "cpattn.unshard_varlen"
+
+    def locate(local: int, world: int) -> tuple[torch.Tensor, int, Fields]:
+        docs = _document_lengths(cu_seqlens, what)
+        check_choice(what, "layout", layout, tuple(LAYOUTS))
+        index, _ = positions_varlen(cu_seqlens, group=group, layout=layout)
+        return index, int(docs.sum()), [("layout", layout), ("cu_seqlens", digest_ints(docs))]
+
+    return _unshard(what, x_local, group, dim, locate)
 
 
 def pad_documents(x: torch.Tensor, cu_seqlens, multiple: int, dim: int = 0):
