@@ -77,14 +77,18 @@ def check_score_options(
     except (TypeError, ValueError):
         raise ValueError(f"cpattn.{fn}: softcap must be a number >= 0 (0: off), got {softcap!r}")
     if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"cpattn.{fn}: softcap must be a finite number >= 0 (0: off), got {softcap}")
+        raise ValueError(
+            f"cpattn.{fn}: softcap must be a finite number >= 0 (0: off), got {softcap}"
+        )
     if alibi_slopes is not None and alibi_slopes.requires_grad:
         raise ValueError(
             f"cpattn.{fn}: alibi_slopes are fixed and get no gradient; pass a tensor that does "
             "not require grad (e.g. alibi_slopes.detach())"
         )
     if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 0:
-        raise ValueError(f"cpattn.{fn}: prefix_len must be an int >= 0 (0: off), got {prefix_len!r}")
+        raise ValueError(
+            f"cpattn.{fn}: prefix_len must be an int >= 0 (0: off), got {prefix_len!r}"
+        )
     return softcap, prefix_len
 
 
