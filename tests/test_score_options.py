@@ -125,7 +125,9 @@ def check_bf16_sink_grad(got, want, sinks, r_out, r_lse, dout) -> None:
 
 def test_lse_gradient_with_sinks(gen) -> None:
     """A loss on the LSE too: the sink gradient takes dL/dlse into account."""
-    q, k, v, kwargs, dout = make_inputs(gen, SHAPES[0], {"sinks": True, "softcap": 6.0}, torch.float32)
+    q, k, v, kwargs, dout = make_inputs(
+        gen, SHAPES[0], {"sinks": True, "softcap": 6.0}, torch.float32
+    )
     dlse = randn((1, 4, 130), gen)
     out, lse = cpattn.attention(q, k, v, causal=True, return_lse=True, **kwargs)
     got = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), (q, k, v, kwargs["sinks"]))
@@ -182,7 +184,9 @@ def test_bad_options_raise(kwargs, match, gen) -> None:
 def test_head_dim_v_mismatch_raises(gen) -> None:
     q, k = randn((1, 8, 2, 16), gen), randn((1, 8, 2, 16), gen)
     v = randn((1, 9, 2, 32), gen)
-    with pytest.raises(RuntimeError, match=r"k and v must have the same \(batch, seqlen, kv_heads\)"):
+    with pytest.raises(
+        RuntimeError, match=r"k and v must have the same \(batch, seqlen, kv_heads\)"
+    ):
         cpattn.attention(q, k, v)
 
 

@@ -325,8 +325,8 @@ inline void apply_softcap_grad(int64_t cols, const float* softcap_grad, float* d
 }
 
 // Every query block of a query-shaped operand, packed once by pack(b, h, r0, rows, out) into
-// kBlockQ * dim_padded elements per block (Dp for q, Dvp for dout): the backward visits each query block once per key block, so
-// packing there would repeat the work Sk / kBlockK times.
+// kBlockQ * dim_padded elements per block (Dp for q, Dvp for dout): the backward visits each
+// query block once per key block, so packing there would repeat the work Sk / kBlockK times.
 template <typename T>
 struct PackedQueryBlocks {
   int64_t q_blocks, block_elems;

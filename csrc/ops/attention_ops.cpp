@@ -239,7 +239,8 @@ at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out, const AttnSh
 
 }  // namespace
 
-void check_score_args(const char* fn, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+void check_score_args(const char* fn, double softcap,
+                      const std::optional<at::Tensor>& alibi_slopes,
                       const std::optional<at::Tensor>& sinks, int64_t heads, at::Device device) {
   TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, "cpattn.", fn,
               ": softcap must be a finite number >= 0 (0: no softcap), got ", softcap);
@@ -444,8 +445,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 }
 
 void apply_sinks_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks) {
-  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kFloat && lse.scalar_type() == at::kFloat &&
-                  lse.dim() == 3 && lse.size(0) == out.size(0) && lse.size(1) == out.size(2) &&
+  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kFloat &&
+                  lse.scalar_type() == at::kFloat && lse.dim() == 3 &&
+                  lse.size(0) == out.size(0) && lse.size(1) == out.size(2) &&
                   lse.size(2) == out.size(1),
               "cpattn: apply_sinks_ needs out (B, S, H, Dv) and lse (B, H, S), float32, got ",
               out.sizes(), " ", out.scalar_type(), " and ", lse.sizes(), " ", lse.scalar_type());

@@ -26,7 +26,8 @@ struct ScoreArgs {
 
 // Checks softcap, alibi_slopes and sinks for `heads` query heads on `device`; `fn` names the
 // calling function in the messages.
-void check_score_args(const char* fn, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+void check_score_args(const char* fn, double softcap,
+                      const std::optional<at::Tensor>& alibi_slopes,
                       const std::optional<at::Tensor>& sinks, int64_t heads, at::Device device);
 
 // Local attention on global positions: query row r at q_offset + r, key column c at k_offset + c.

@@ -63,7 +63,8 @@ std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tenso
                                             int64_t window_left, int64_t window_right,
                                             int64_t layout, double timeout_s,
                                             const std::optional<at::Tensor>& doc_lengths,
-                                            double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                            double softcap,
+                                            const std::optional<at::Tensor>& alibi_slopes,
                                             const std::optional<at::Tensor>& sinks,
                                             int64_t prefix_len);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(

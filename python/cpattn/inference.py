@@ -291,7 +291,9 @@ def _all_to_all(send: torch.Tensor, group, timeout: float, what: str) -> torch.T
 # Prefill and decode
 
 
-def _check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor, what: str) -> Optional[torch.Tensor]:
+def _check_sinks(
+    sinks: Optional[torch.Tensor], q: torch.Tensor, what: str
+) -> Optional[torch.Tensor]:
     """(heads,) float sink logits, detached (inference is forward only), or None."""
     if sinks is None:
         return None

@@ -82,8 +82,8 @@ struct Mask {
   // first to the last such column (with a prefix it may hold columns between the prefix and the
   // rows' intervals that no row sees).
   CPATTN_HOST_DEVICE PosRange key_span(int64_t r0, int64_t r1, int64_t num_keys) const {
-    PosRange span = clip(first_key(q_offset + r0) - k_offset, last_key(q_offset + r1 - 1) - k_offset,
-                         num_keys);
+    PosRange span = clip(first_key(q_offset + r0) - k_offset,
+                         last_key(q_offset + r1 - 1) - k_offset, num_keys);
     if (k_offset < prefix_end) {  // the prefix keys [0, prefix_end - k_offset) join the span
       const PosRange prefix = clip(0, prefix_end - 1 - k_offset, num_keys);
       if (span.empty()) return prefix;
