@@ -21,11 +21,11 @@ model passes them, must be the tokens' global positions (from `cpattn.shard_batc
 ValueError (checked on each rank in eager mode).
 
 Generation: `ContextParallelCache` is a transformers `Cache` whose layers are cpattn
-`KVCacheShard`s: `model.generate(..., past_key_values=ContextParallelCache(cp, model.config,
-capacity))` on every rank, with the full prompt on every rank. Prompt attention runs sharded
-through `cpattn.prefill_attention` (the leading multiple of the layout granularity) and
-`cpattn.decode_attention` (the rest, and every new token); the cache holds each token's K/V on
-one rank only. Everything outside attention (embeddings, MLPs, logits) runs replicated.
+`KVCacheShard`s: `model.generate(..., cache=ContextParallelCache(cp, model.config, capacity))`
+(transformers 5's name; `past_key_values=` is its deprecated alias) on every rank, with the full
+prompt on every rank. Prompt attention runs sharded through `cpattn.prefill_attention` (the
+leading multiple of the layout granularity) and `cpattn.decode_attention` (the rest, and every
+new token); the cache holds each token's K/V on one rank only. Everything outside attention (embeddings, MLPs, logits) runs replicated.
 """
 
 from __future__ import annotations
@@ -144,8 +144,8 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
         raise ValueError(
             f"{WHAT}: the model caches K/V (use_cache=True, transformers' default, or a cache "
             "other than ContextParallelCache): pass use_cache=False to the model (or set "
-            "config.use_cache = False) for training, and past_key_values=ContextParallelCache(...) "
-            "to generate"
+            "config.use_cache = False) for training, and cache=ContextParallelCache(...) to "
+            "generate"
         )
     _check_positions(cp, kwargs.get("position_ids"), q.shape[1])
     out = cp.attention(q, k, v, causal=causal, softmax_scale=scale, window=window)
@@ -278,8 +278,8 @@ class ContextParallelCache(Cache):
         capacity: the most tokens per sequence (prompt plus generated).
         interleave: tokens per round-robin block of the cache.
 
-    Pass it as `past_key_values=` to `model.generate` (greedy or sampling, batch of equal-length
-    prompts without padding) on every rank, with the same inputs on every rank.
+    Pass it as `cache=` to `model.generate` (greedy or sampling, batch of equal-length prompts
+    without padding) on every rank, with the same inputs on every rank.
     """
 
     def __init__(self, cp: ContextParallel, config, capacity: int, *, interleave: int = 1):
