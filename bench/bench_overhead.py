@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from cpattn._layout import LAYOUTS
 
 
 def _worker(rank, world, init_file, args, queue):
@@ -35,7 +36,7 @@ def _worker(rank, world, init_file, args, queue):
     q = torch.randn(1, 16, 2, 16)
     k, v = torch.randn(1, 16, 2, 16), torch.randn(1, 16, 2, 16)
     group_name = dist.group.WORLD.group_name
-    code = {"contiguous": 0, "zigzag": 1, "striped": 2}["zigzag"]
+    code = LAYOUTS["zigzag"]
     results = {}
     for mode in args.rank_check:
         call = functools.partial(cpattn.ring_attention, causal=True)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import cpattn
+from cpattn._layout import LAYOUTS
 from distributed import run_ranks
 from reference import reference_attention
 
-LAYOUTS = ["contiguous", "zigzag", "striped"]
 MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (7, 0)), (False, (4, 6))]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cpattn._layout import granularity as layout_granularity
+
 DEFAULT_PROMPT_LENS = (29, 3, 50, 17)
 
 
@@ -204,7 +206,7 @@ def generate_sharded(
 
         return attend
 
-    granularity = (2 if layout == "zigzag" else 1) * world
+    granularity = layout_granularity(layout, world)
     last = torch.empty(len(prompts), cfg.vocab)
     for b, prompt in enumerate(prompts):
         views = [c.sequences(b, b + 1) for c in caches]
