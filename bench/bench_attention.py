@@ -31,14 +31,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import cpattn
+from cpattn._flops import BACKWARD_FLOP_FACTOR, attention_flops
+from cpattn._layout import DTYPES
 import torch
 import torch.nn.functional as F
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 # A case passes when max|cpattn - sdpa| <= tolerance * max|sdpa|, for the output and for each
 # gradient. A wrong kernel (mask, scale, a missed block) is off by O(1) of that.
 TOLERANCE: dict[torch.dtype, float] = {
@@ -48,17 +45,6 @@ TOLERANCE: dict[torch.dtype, float] = {
 }
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
-
-
-def attention_flops(
-    batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool
-) -> float:
-    """Forward FLOPs, flash-attn convention: 4 * B * H * Sq * Sk * D, halved when causal."""
-    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
-    return flops / 2 if causal else flops
-
-
-BACKWARD_FLOP_FACTOR = 2.5  # backward FLOPs = 2.5 x forward FLOPs (flash-attn convention)
 
 
 def run_cpattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
