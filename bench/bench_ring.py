@@ -21,19 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from bench_attention import cpu_model
-
-LAYOUT_CODES = {"contiguous": 0, "zigzag": 1, "striped": 2}
-
-
-def visible_pairs(positions: torch.Tensor, seqlen: int, causal: bool, window=(-1, -1)) -> int:
-    """Number of (query, key) pairs the mask leaves visible for the given query positions."""
-    first = torch.zeros_like(positions) if window[0] < 0 else (positions - window[0]).clamp(min=0)
-    last = torch.full_like(positions, seqlen - 1)
-    if causal:
-        last = torch.minimum(last, positions)
-    if window[1] >= 0:
-        last = torch.minimum(last, positions + window[1])
-    return int((last - first + 1).clamp(min=0).sum())
+from cpattn._layout import LAYOUTS
 
 
 def _worker(rank, world, init_file, cfg, queue):
@@ -61,7 +49,7 @@ def _worker(rank, world, init_file, cfg, queue):
         t2 = time.perf_counter()
         dist.barrier()
         fwd_s, bwd_s = torch.ops.cpattn.ring_loopback_timing(
-            q, k, v, dout, rank, world, scale, causal, -1, -1, LAYOUT_CODES[layout]).tolist()
+            q, k, v, dout, rank, world, scale, causal, -1, -1, LAYOUTS[layout]).tolist()
         if it > 0:
             ring_f.append(t1 - t0)
             ring_b.append(t2 - t1)
@@ -134,9 +122,9 @@ def main() -> None:
     for world in (2, 4):
         seqlen = sl * world
         for layout in ("contiguous", "zigzag", "striped"):
-            work = [visible_pairs(cpattn.positions(seqlen, layout=layout, rank=r,
-                                                   world_size=world), seqlen, True)
-                    for r in range(world)]
+            # visible (query, key) pairs per rank, from the ring's own schedule
+            work = torch.ops.cpattn.schedule_work(seqlen, world, LAYOUTS[layout], True, -1, -1,
+                                                  64, 64)[:, :, 0].sum(1).tolist()
             res = run(world, {**base, "slocal": sl, "layout": layout, "causal": True,
                               "iters": 1})
             times = [r["local_fwd"] + r["local_bwd"] for r in res]

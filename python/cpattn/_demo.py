@@ -83,7 +83,7 @@ def _single_device(args):
 
 def ring_demo(args: argparse.Namespace) -> int:
     import cpattn
-    from cpattn.__main__ import _reference_rows
+    from cpattn.testing.reference import reference_rows
 
     w = args.world
     print(f"cpattn {cpattn.__version__}: ring attention, {w} ranks (gloo on CPU), "
@@ -109,9 +109,7 @@ def ring_demo(args: argparse.Namespace) -> int:
     print("single-device run of the same problem (cpattn.attention, all cores) ...")
     (q, k, v), single, single_time, single_peak = _single_device(args)
     rows = torch.linspace(0, args.seqlen - 1, steps=min(args.seqlen, 64)).long()
-    kk = k.repeat_interleave(args.heads // args.kv_heads, 2)
-    vv = v.repeat_interleave(args.heads // args.kv_heads, 2)
-    exact = _reference_rows(q, kk, vv, rows, args.causal, args.head_dim ** -0.5)
+    exact = reference_rows(q, k, v, rows, args.causal)
     err_out = (res["full"][0][:, rows].double() - exact).abs().max().item()
     err_single = max((a - b).abs().max().item() for a, b in zip(res["full"], single))
 
