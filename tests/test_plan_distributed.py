@@ -110,7 +110,7 @@ def _problem(seed, seqlen, heads, kv_heads, causal, window):
 
 
 def _auto_ring_cases(rank: int, world: int) -> None:
-    from cpattn.plan_attention import auto_strategy
+    from cpattn.ring import auto_strategy
 
     chosen = set()
     for n, (machine, layout, causal, window) in enumerate([

@@ -340,7 +340,7 @@ def _all_to_all_time(m: Machine, total: float, world: int, span: int) -> float:
 
 
 def _kv_heads_sent(heads: int, kv_heads: int, u: int) -> int:
-    """KV heads each rank puts into Ulysses' all-to-all (ulysses._kv_heads_for_ranks)."""
+    """KV heads each rank puts into Ulysses' all-to-all (_layout.kv_heads_for_ranks)."""
     if kv_heads % u == 0:
         return kv_heads
     if (heads // kv_heads) % (heads // u) == 0:

@@ -211,8 +211,8 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _auto_strategy(q, k, world: int, group, causal: bool, layout: str, window, docs, chunk: int,
-                   what: str) -> str:
+def auto_strategy(q, k, world: int, group, causal: bool, layout: str, window, docs,
+                  allgather_chunk: Optional[int], what: str) -> str:
     """ring_attention(strategy="auto"): "ring" or "allgather" for this rank's shards q
     (B, S/W, H, D), k (B, S/W, Hkv, D) in `layout`. Call it only after the ranks agreed on the
     shapes, options, documents and on whether gradients are needed."""
@@ -221,6 +221,7 @@ def _auto_strategy(q, k, world: int, group, causal: bool, layout: str, window, d
         batch=q.shape[0], dtype=DTYPE_NAMES[q.dtype], causal=bool(causal), window=tuple(window),
         documents=None if docs is None else tuple(docs.tolist()),
         mode="train" if needs_grad(q, k) else "forward")
+    chunk = allgather_chunk or max(1, k.shape[2] // 4)
     cands = [plan.Candidate("ring", layout), plan.Candidate("allgather", layout, chunk=chunk)]
     return plan.choose(p, world, cands, group, what).candidate.strategy
 
@@ -368,12 +369,12 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
         what, group, timeout, check)
     if cu_seqlens is not None:
         q, k, v = q[None], k[None], v[None]
-    chunk = chunk or max(1, k.shape[2] // 4)  # KV heads gathered at a time: a quarter
     if strategy == "auto":
-        strategy = _auto_strategy(q, k, world, group, causal, layout, window, docs, chunk, what)
+        strategy = auto_strategy(q, k, world, group, causal, layout, window, docs, chunk, what)
     if strategy == "ring":
         return _RingAttention.apply(q, k, v, group.group_name, scale, causal, window, layout_code,
                                     timeout, docs, softcap, alibi_slopes, prefix_len, sinks)
+    chunk = chunk or max(1, k.shape[2] // 4)
     return _GatheredAttention.apply(q, k, v, group, rank, world, scale, causal, window,
                                     layout_code, docs, chunk, softcap, alibi_slopes, prefix_len,
                                     sinks)
