@@ -25,14 +25,14 @@ import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cpattn.testing.distributed import run_ranks  # noqa: E402
+
 from bench_attention import cpu_model  # noqa: E402
 
 CHECK_WORDS = 12  # int64 words of the agreement check's fixed-size header (cpattn._agreement)
@@ -58,14 +58,11 @@ def _median_time(fn, iters: int) -> float:
     return statistics.median(_times(fn, iters))
 
 
-def _worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
+def _worker(rank: int, world: int, cfg: dict) -> dict:
     import cpattn
     from cpattn._agreement import agree
     from cpattn.inference import _cache_fields
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
     h, hkv, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     ops = torch.ops.cpattn
     res: dict = {"rank": rank, "decode": {}, "prefill": {}}
@@ -126,24 +123,11 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
             return cache
 
         res["prefill"][chunks] = _median_time(prefill, cfg["prefill_iters"])
-    queue.put(res)
-    dist.destroy_process_group()
+    return res
 
 
 def run(world: int, cfg: dict) -> list:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "rv"), cfg, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results = [queue.get() for _ in procs]
-        for p in procs:
-            p.join()
-            if p.exitcode != 0:
-                raise RuntimeError(f"a rank of W={world} failed (exit code {p.exitcode})")
-    return sorted(results, key=lambda r: r["rank"])
+    return run_ranks(world, _worker, cfg, poison=False)
 
 
 def main() -> None:

@@ -14,22 +14,20 @@ import datetime
 import os
 import resource
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from bench_attention import cpu_model
+
 from cpattn._layout import LAYOUTS
+from cpattn.testing.distributed import run_ranks
+
+from bench_attention import cpu_model
 
 
-def _worker(rank, world, init_file, cfg, queue):
+def _worker(rank: int, world: int, cfg: dict) -> dict:
     import cpattn
 
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
     torch.manual_seed(rank)
     b, h, hkv, d, sl = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["slocal"]
     q = torch.randn(b, sl, h, d)
@@ -56,27 +54,15 @@ def _worker(rank, world, init_file, cfg, queue):
             loop_f.append(fwd_s)
             loop_b.append(bwd_s)
     peak_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-    queue.put({"rank": rank, "ring_fwd": statistics.median(ring_f),
-               "ring_bwd": statistics.median(ring_b), "local_fwd": statistics.median(loop_f),
-               "local_bwd": statistics.median(loop_b), "peak_mib": peak_mib})
-    dist.destroy_process_group()
+    return {"rank": rank, "ring_fwd": statistics.median(ring_f),
+            "ring_bwd": statistics.median(ring_b), "local_fwd": statistics.median(loop_f),
+            "local_bwd": statistics.median(loop_b), "peak_mib": peak_mib}
 
 
 def run(world: int, cfg: dict, worker=_worker) -> list:
-    """Spawns `world` gloo ranks running worker(rank, world, init_file, cfg, queue); returns what
-    each put on the queue, by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=worker,
-                             args=(r, world, os.path.join(tmp, "rv"), cfg, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results = [queue.get() for _ in procs]
-        for p in procs:
-            p.join()
-    return sorted(results, key=lambda r: r["rank"])
+    """worker(rank, world, cfg) on `world` spawned gloo ranks (cfg["threads"] torch threads each,
+    default 1, no output poisoning); what each returned, by rank."""
+    return run_ranks(world, worker, cfg, threads=cfg.get("threads", 1), poison=False)
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+
 from bench_attention import cpu_model
 from bench_ring import run
 
@@ -40,12 +41,9 @@ def _bytes_sent(strategy: str, cfg: dict, world: int) -> float:
     return P.predict(p, P.PRESETS["cpu-gloo"], world, [cand])[0].bytes_sent
 
 
-def _worker(rank, world, init_file, cfg, queue):
+def _worker(rank: int, world: int, cfg: dict) -> dict:
     import cpattn
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
     torch.manual_seed(rank)
     b, sl, h, hkv, d = cfg["batch"], cfg["slocal"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     q = torch.randn(b, sl, h, d)
@@ -76,8 +74,7 @@ def _worker(rank, world, init_file, cfg, queue):
         if it > 0:
             times.append(time.perf_counter() - t0)
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-    queue.put({"rank": rank, "time": statistics.median(times), "peak_mib": peak})
-    dist.destroy_process_group()
+    return {"rank": rank, "time": statistics.median(times), "peak_mib": peak}
 
 
 def main() -> None:
