@@ -30,11 +30,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
 import cpattn
 from cpattn._flops import BACKWARD_FLOP_FACTOR, attention_flops
 from cpattn._layout import DTYPES
-import torch
-import torch.nn.functional as F
 
 # A case passes when max|cpattn - sdpa| <= tolerance * max|sdpa|, for the output and for each
 # gradient. A wrong kernel (mask, scale, a missed block) is off by O(1) of that.

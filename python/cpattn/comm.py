@@ -10,7 +10,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-
 # torch >= 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

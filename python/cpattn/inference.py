@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn._agreement import FieldValue, agree_on, digest_ints, score_fields, tensor_fields
-from cpattn.comm import all_gather_flat
+from cpattn._layout import LAYOUTS, check_chunk
 from cpattn._validation import (
     check_choice,
     check_qkv,
@@ -29,7 +29,7 @@ from cpattn._validation import (
     check_timeout,
     error,
 )
-from cpattn._layout import LAYOUTS, check_chunk
+from cpattn.comm import all_gather_flat
 from cpattn.ring import _group_info, positions, rank_and_world
 
 ops = torch.ops.cpattn

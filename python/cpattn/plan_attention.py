@@ -22,6 +22,7 @@ from cpattn.ring import (
 )
 from cpattn.ulysses import hybrid_attention, hybrid_positions, ulysses_attention
 
+
 class _Split(torch.autograd.Function):
     """This rank's tokens of a tensor every rank holds whole; backward all-gathers the shards'
     gradients so every rank gets the whole gradient (the loss is the same on every rank)."""
@@ -139,8 +140,9 @@ def context_attention(
                                         layout=chosen.layout, timeout=timeout, **opts)
         else:
             out, lse = ring_attention(*shards, group=group, layout=chosen.layout,
-                                      strategy=chosen.strategy, allgather_chunk=chosen.chunk or None,
-                                      timeout=timeout, **opts)
+                                      strategy=chosen.strategy,
+                                      allgather_chunk=chosen.chunk or None, timeout=timeout,
+                                      **opts)
         out = _Gather.apply(out, index, seqlen, group, 1)
         lse = _Gather.apply(lse, index, seqlen, group, 2)
     return (out, lse) if return_lse else out

@@ -38,6 +38,7 @@ from cpattn._validation import (
     error,
 )
 
+
 def _group_info(group) -> tuple:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
