@@ -224,6 +224,25 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+class Report:
+    """A benchmark's markdown: a title and machine line, then each line printed as it comes;
+    write() saves it all (the --out file)."""
+
+    def __init__(self, title: str, setup: str = "") -> None:
+        self.lines = [f"# {title}, {datetime.date.today()}",
+                      f"CPU: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+                      f"cpattn ISA {cpattn.build_info()['cpu_isa']}{setup}", ""]
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def write(self, path: str | None) -> None:
+        if path:
+            with open(path, "w") as f:
+                f.write("\n".join(self.lines) + "\n")
+
+
 def sdpa_backend(dtype: torch.dtype) -> str:
     """The fused SDPA backend torch picks on the CPU for this dtype (e.g. FLASH_ATTENTION)."""
     try:

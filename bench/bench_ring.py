@@ -10,8 +10,6 @@ The ratio ring / local is the cost of communication that compute did not hide.
 """
 
 import argparse
-import datetime
-import os
 import resource
 import statistics
 import time
@@ -22,7 +20,7 @@ import torch.distributed as dist
 from cpattn._layout import LAYOUTS
 from cpattn.testing.distributed import run_ranks
 
-from bench_attention import cpu_model
+from bench_attention import Report
 
 
 def _worker(rank: int, world: int, cfg: dict) -> dict:
@@ -75,15 +73,8 @@ def main() -> None:
     parser.add_argument("--memory-seqlen", type=int, default=16384)
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
     args = parser.parse_args()
-    import cpattn
 
-    lines = [f"# ring benchmark, {datetime.date.today()}",
-             f"CPU: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
-             f"cpattn ISA {cpattn.build_info()['cpu_isa']}", ""]
-
-    def emit(line=""):
-        print(line, flush=True)
-        lines.append(line)
+    emit = Report("ring benchmark")
 
     base = {"batch": 1, "heads": args.heads, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "iters": args.iters, "threads": 1}
@@ -127,9 +118,7 @@ def main() -> None:
                           "iters": 1})
         emit(f"| {world} | {s // world} | {max(r['peak_mib'] for r in res):.0f} |")
 
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit.write(args.out)
 
 
 if __name__ == "__main__":

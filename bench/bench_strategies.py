@@ -16,7 +16,6 @@ W and against the sequence length (FILE.png next to FILE.md).
 """
 
 import argparse
-import datetime
 import os
 import resource
 import statistics
@@ -25,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench_attention import cpu_model
+from bench_attention import Report
 from bench_ring import run
 
 
@@ -87,15 +86,8 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--plot", help="PNG of the table (default: next to --out)")
     args = parser.parse_args()
-    import cpattn
 
-    lines = [f"# strategies benchmark, {datetime.date.today()}",
-             f"CPU: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
-             f"cpattn ISA {cpattn.build_info()['cpu_isa']}; 1 thread per rank", ""]
-
-    def emit(line=""):
-        print(line, flush=True)
-        lines.append(line)
+    emit = Report("strategies benchmark", "; 1 thread per rank")
 
     emit(f"Causal attention, global seqlen {', '.join(map(str, args.seqlen))}, heads "
          f"{args.heads}, head_dim {args.head_dim}, fp32, forward + backward (median of "
@@ -125,9 +117,7 @@ def main() -> None:
                     rows.append(row)
                     emit(f"| {seqlen} | {world} | {hkv} | {name} | {row['time (s)']:.3f} | "
                          f"{row['MiB sent per rank']:.1f} | {row['peak MiB per rank']:.0f} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit.write(args.out)
     png = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
     if png:
         _plot(rows, png)
