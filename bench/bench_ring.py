@@ -23,14 +23,20 @@ from cpattn.testing.distributed import run_ranks
 from bench_attention import Report
 
 
-def _worker(rank: int, world: int, cfg: dict) -> dict:
-    import cpattn
-
+def rank_inputs(rank: int, cfg: dict) -> tuple[torch.Tensor, ...]:
+    """This rank's random q, dout (batch, slocal, heads, head_dim) and k, v (kv_heads)."""
     torch.manual_seed(rank)
     b, h, hkv, d, sl = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["slocal"]
     q = torch.randn(b, sl, h, d)
     k, v = torch.randn(b, sl, hkv, d), torch.randn(b, sl, hkv, d)
-    dout = torch.randn(b, sl, h, d)
+    return q, k, v, torch.randn(b, sl, h, d)
+
+
+def _worker(rank: int, world: int, cfg: dict) -> dict:
+    import cpattn
+
+    q, k, v, dout = rank_inputs(rank, cfg)
+    d = cfg["head_dim"]
     layout, causal = cfg["layout"], cfg["causal"]
     scale = d ** -0.5
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -21,11 +21,10 @@ import resource
 import statistics
 import time
 
-import torch
 import torch.distributed as dist
 
 from bench_attention import Report
-from bench_ring import run
+from bench_ring import rank_inputs, run
 
 
 def _bytes_sent(strategy: str, cfg: dict, world: int) -> float:
@@ -43,11 +42,7 @@ def _bytes_sent(strategy: str, cfg: dict, world: int) -> float:
 def _worker(rank: int, world: int, cfg: dict) -> dict:
     import cpattn
 
-    torch.manual_seed(rank)
-    b, sl, h, hkv, d = cfg["batch"], cfg["slocal"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    q = torch.randn(b, sl, h, d)
-    k, v = torch.randn(b, sl, hkv, d), torch.randn(b, sl, hkv, d)
-    dout = torch.randn(b, sl, h, d)
+    q, k, v, dout = rank_inputs(rank, cfg)
     strategy = cfg["strategy"]
     if strategy == "hybrid":
         from torch.distributed.device_mesh import init_device_mesh
