@@ -5,7 +5,8 @@ layout balance for causal masks, and per-rank peak memory against W.
 
 Ring efficiency: W = 2 spawned ranks (gloo), one thread each, run cpattn.ring_attention forward
 and backward; in the same processes, at the same time, each rank then runs exactly its share of
-the ring's work with every shift replaced by a local copy (torch.ops.cpattn.ring_loopback_timing).
+the ring's work with every shift replaced by a local copy
+(torch.ops.cpattn_testing.ring_loopback_timing).
 The ratio ring / local is the cost of communication that compute did not hide.
 """
 
@@ -50,7 +51,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         out.backward(dout)
         t2 = time.perf_counter()
         dist.barrier()
-        fwd_s, bwd_s = torch.ops.cpattn.ring_loopback_timing(
+        fwd_s, bwd_s = torch.ops.cpattn_testing.ring_loopback_timing(
             q, k, v, dout, rank, world, scale, causal, -1, -1, LAYOUTS[layout]).tolist()
         if it > 0:
             ring_f.append(t1 - t0)

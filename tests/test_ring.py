@@ -91,7 +91,7 @@ def _check_emulator_bitwise(rank: int, world: int) -> None:
         qs, ks, vs, dos = ([t[:, p] for p in pos] for t in (q, k, v, dout))
         outs, lses = cpattn.ring_attention_emulated(qs, ks, vs, causal=causal, layout=layout,
                                                     window=window)
-        dqs, dks, dvs = torch.ops.cpattn.ring_bwd_emulated(
+        dqs, dks, dvs = torch.ops.cpattn_testing.ring_bwd_emulated(
             dos, qs, ks, vs, outs, lses, 1 / math.sqrt(32), causal, *window,
             LAYOUTS[layout])
         mine = [t.clone().requires_grad_() for t in (qs[rank], ks[rank], vs[rank])]

@@ -154,25 +154,25 @@ def _layout_positions_fake(seqlen, world, rank, layout):
     return torch.empty((seqlen // world,), dtype=torch.int64)
 
 
-@torch.library.register_fake("cpattn::ring_fwd_emulated")
+@torch.library.register_fake("cpattn_testing::ring_fwd_emulated")
 def _ring_fwd_emulated_fake(q, k, v, softmax_scale, causal, window_left, window_right, layout):
     return ([t.new_empty(t.shape) for t in q],
             [t.new_empty((t.shape[0], t.shape[2], t.shape[1]), dtype=torch.float32) for t in q])
 
 
-@torch.library.register_fake("cpattn::ring_bwd_emulated")
+@torch.library.register_fake("cpattn_testing::ring_bwd_emulated")
 def _ring_bwd_emulated_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
                             window_right, layout):
     return ([t.new_empty(t.shape) for t in q], [t.new_empty(t.shape) for t in k],
             [t.new_empty(t.shape) for t in v])
 
 
-@torch.library.register_fake("cpattn::ring_shift")
+@torch.library.register_fake("cpattn_testing::ring_shift")
 def _ring_shift_fake(send, group_name, timeout_s):
     return send.new_empty(send.shape)
 
 
-@torch.library.register_fake("cpattn::ring_loopback_timing")
+@torch.library.register_fake("cpattn_testing::ring_loopback_timing")
 def _ring_loopback_timing_fake(q, k, v, dout, rank, world, softmax_scale, causal, window_left,
                                window_right, layout):
     return q.new_empty((2,), dtype=torch.float64)

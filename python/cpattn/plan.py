@@ -631,7 +631,8 @@ def calibrate(group=None, *, dtypes: Sequence[str] = (), refresh: bool = False,
     if world > 1:
         small = torch.zeros(1024, device=device)
         big = torch.zeros(2 << 20, device=device)
-        shift = lambda t: torch.ops.cpattn.ring_shift(t, group.group_name, 60.0)  # noqa: E731
+        ring_shift = torch.ops.cpattn_testing.ring_shift
+        shift = lambda t: ring_shift(t, group.group_name, 60.0)  # noqa: E731
         t_small, t_big = _timed(lambda: shift(small), 5), _timed(lambda: shift(big), 3)
         bw = (big.numel() - small.numel()) * 4 / max(t_big - t_small, 1e-9)
         lat = max(t_small - small.numel() * 4 / bw, 1e-7)

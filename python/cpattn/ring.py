@@ -571,7 +571,7 @@ def ring_attention_emulated(
     softmax_scale = check_scale(what, softmax_scale, q[0].shape[-1])
     args = (float(softmax_scale), bool(causal), window[0], window[1])
     if strategy == "ring":
-        outs, lses = torch.ops.cpattn.ring_fwd_emulated(q, k, v, *args, layout_code(layout))
+        outs, lses = torch.ops.cpattn_testing.ring_fwd_emulated(q, k, v, *args, layout_code(layout))
         return list(outs), list(lses)
     world = len(q)
     if strategy == "allgather":
