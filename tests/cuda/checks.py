@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from reference import reference_attention  # noqa: E402
 
 import cpattn  # noqa: E402
+from cpattn._layout import LAYOUTS  # noqa: E402
 
 ops = torch.ops.cpattn
 # CPATTN_CHECKS_DEVICE=cpu runs the device-independent checks on the CPU kernels: a test of the
@@ -365,9 +366,6 @@ def _merge():
     assert torch.equal(torch.isinf(l_), torch.isinf(ref_lse))
 
 
-LAYOUTS = ["contiguous", "zigzag", "striped"]
-
-
 def _shard(x, layout, world, rank, dim=1):
     pos = cpattn.positions(x.shape[dim], layout=layout, rank=rank, world_size=world)
     return x.index_select(dim, pos.to(x.device))
@@ -396,10 +394,10 @@ def _emulated_ring_case(world):
             what = f"W={world} {layout} causal={causal} window={window} heads={h}/{hkv}"
             sh = [[_shard(t, layout, world, r) for r in range(world)] for t in (q, k, v, dout)]
             outs, lses = torch.ops.cpattn_testing.ring_fwd_emulated(
-                sh[0], sh[1], sh[2], 0.125, causal, window[0], window[1], LAYOUTS.index(layout))
+                sh[0], sh[1], sh[2], 0.125, causal, window[0], window[1], LAYOUTS[layout])
             dqs, dks, dvs = torch.ops.cpattn_testing.ring_bwd_emulated(
                 sh[3], sh[0], sh[1], sh[2], list(outs), list(lses), 0.125, causal, window[0],
-                window[1], LAYOUTS.index(layout))
+                window[1], LAYOUTS[layout])
             sync()
             ref = reference(q, k, v, dout, causal=causal, window=window, scale=0.125)
             check_close(f"{what} out", _unshard(list(outs), layout, world), ref[0].to(DEV),
