@@ -3,7 +3,8 @@
 # cpattn, then runs what was asked.
 #   bash scripts/run.sh demo   the main job (python -m cpattn demo)
 #   bash scripts/run.sh test   every test: C++ header tests and the emulated CUDA kernels (ctest),
-#                              pytest, benchmark smoke runs, the CUDA flavour's build check
+#                              pytest, benchmark smoke runs, the CUDA flavour's build check,
+#                              the C++ format check (scripts/check_format.sh)
 #   bash scripts/run.sh bench  the benchmark table vs torch SDPA (bench/bench_attention.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ ROOT=$PWD
 TORCH_SPEC=${CPATTN_TORCH_SPEC:-torch==2.13.0}
 
 need_apt=()
-for pkg in libgtest-dev libbenchmark-dev; do
+for pkg in libgtest-dev libbenchmark-dev clang-format; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -71,6 +72,8 @@ case "${1:-}" in
     else
       echo "nvcc not found: CUDA build check skipped"
     fi
+    echo "== C++ / CUDA formatting (.clang-format, check mode)"
+    bash "$ROOT/scripts/check_format.sh"
     ;;
   bench)
     shift

@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "cpattn/params.h"
 #include "cpu/kernels.h"
+#include "cpu/params.h"
 
 namespace {
 
@@ -72,44 +72,42 @@ struct Problem {
     dv.resize(dk.size());
   }
 
-  cpattn::Mask mask() const {
-    cpattn::Mask m;
-    m.causal = causal;
-    return m;
-  }
-
   // out is (B, S, H, D); dk / dv are (B, S, Hkv, D).
   cpattn::BshdStrides bshd_strides(int64_t heads) const {
     return {shape.seqlen_q * heads * shape.head_dim, heads * shape.head_dim, shape.head_dim};
   }
+  cpattn::BshdOutput output(std::vector<float>& t, int64_t heads) const {
+    return {t.data(), bshd_strides(heads), cpattn::DType::kFloat32};
+  }
 
-  cpattn::FwdParams fwd_params() {
-    cpattn::FwdParams p;
+  // What both passes read: shape, packed q, k, v, the scale and the mask.
+  template <typename Params>
+  Params inputs() const {
+    Params p;
     p.shape = shape;
     p.q = q.data();
     p.k = k.data();
     p.v = v.data();
-    p.out = {out.data(), bshd_strides(shape.heads), cpattn::OutType::kFloat32};
-    p.lse = lse.data();
     p.softmax_scale = 1.f / std::sqrt(static_cast<float>(shape.head_dim));
-    p.mask = mask();
+    p.mask.causal = causal;
+    return p;
+  }
+
+  cpattn::FwdParams fwd_params() {
+    auto p = inputs<cpattn::FwdParams>();
+    p.out = output(out, shape.heads);
+    p.lse = lse.data();
     return p;
   }
 
   cpattn::BwdParams bwd_params() {
-    cpattn::BwdParams p;
-    p.shape = shape;
-    p.q = q.data();
-    p.k = k.data();
-    p.v = v.data();
+    auto p = inputs<cpattn::BwdParams>();
     p.dout = dout.data();
     p.lse = lse.data();
     p.delta = delta.data();
-    p.dq = {dq.data(), bshd_strides(shape.heads), cpattn::OutType::kFloat32};
-    p.dk = {dk.data(), bshd_strides(shape.kv_heads), cpattn::OutType::kFloat32};
-    p.dv = {dv.data(), bshd_strides(shape.kv_heads), cpattn::OutType::kFloat32};
-    p.softmax_scale = 1.f / std::sqrt(static_cast<float>(shape.head_dim));
-    p.mask = mask();
+    p.dq = output(dq, shape.heads);
+    p.dk = output(dk, shape.kv_heads);
+    p.dv = output(dv, shape.kv_heads);
     return p;
   }
 

@@ -13,9 +13,9 @@
 #include <memory>
 
 #include "cpattn/mask.h"
-#include "cpattn/params.h"
 #include "cpattn/softmax_state.h"
 #include "cpu/micro_gemm.h"
+#include "cpu/params.h"
 
 namespace cpattn::cpu {
 namespace CPATTN_CPU_ISA {
@@ -132,8 +132,8 @@ inline void softmax_block(const float* st, int64_t cols, float scale, OnlineSoft
 // Writes n values src[d] * factor to an output row starting at element `offset`.
 inline void write_row(const BshdOutput& o, int64_t offset, const float* src, float factor,
                       int64_t n) {
-  if (o.type != OutType::kFloat32) {
-    const bool bf16 = o.type == OutType::kBFloat16;
+  if (o.type != DType::kFloat32) {
+    const bool bf16 = o.type == DType::kBFloat16;
     uint16_t* dst = static_cast<uint16_t*>(o.data) + offset;
     int64_t d = 0;
     for (; d + kLanes <= n; d += kLanes) {
@@ -556,13 +556,20 @@ inline void run_backward(const BwdParams& p, Body&& body) {
   });
 }
 
-inline void attention_bwd_impl(const BwdParams& p) {
-  const PackedQueries packed(p);
-  run_backward<BwdScratch>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
-                                  float* dq_group, BwdScratch& scratch) {
+// The backward with one operand flavour: its packed queries, scratch and per-key-block step
+// (fp32 here, bf16 in attention_kernel_bf16.h).
+template <typename Packed, typename Scratch, typename KeyBlock>
+inline void backward_key_blocks(const BwdParams& p, KeyBlock key_block) {
+  const Packed packed(p);
+  run_backward<Scratch>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
+                               float* dq_group, Scratch& scratch) {
     for (int64_t kb = kb_begin; kb < kb_end; ++kb)
-      backward_key_block(p, packed, b, hk, kb * kBlockK, dq_group, scratch);
+      key_block(p, packed, b, hk, kb * kBlockK, dq_group, scratch);
   });
+}
+
+inline void attention_bwd_impl(const BwdParams& p) {
+  backward_key_blocks<PackedQueries, BwdScratch>(p, backward_key_block);
 }
 
 }  // namespace CPATTN_CPU_ISA

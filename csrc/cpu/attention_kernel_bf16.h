@@ -360,12 +360,7 @@ inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16&
 }
 
 inline void attention_bwd_bf16_impl(const BwdParams& p) {
-  const PackedQueriesBf16 packed(p);
-  run_backward<BwdScratchBf16>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
-                                      float* dq_group, BwdScratchBf16& scratch) {
-    for (int64_t kb = kb_begin; kb < kb_end; ++kb)
-      backward_key_block_bf16(p, packed, b, hk, kb * kBlockK, dq_group, scratch);
-  });
+  backward_key_blocks<PackedQueriesBf16, BwdScratchBf16>(p, backward_key_block_bf16);
 }
 
 }  // namespace CPATTN_CPU_ISA

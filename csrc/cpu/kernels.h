@@ -1,7 +1,7 @@
 // Entry points of the CPU kernels. The instruction set is chosen at run time (dispatch.cpp).
 #pragma once
 
-#include "cpattn/params.h"
+#include "cpu/params.h"
 
 namespace cpattn::cpu {
 

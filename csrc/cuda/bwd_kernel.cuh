@@ -145,22 +145,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 
     // S^T = K Q^T: this warp's 16 keys x the tile's kBlockM queries.
     float st[kQTiles][4];
-#pragma unroll
-    for (int qt = 0; qt < kQTiles; ++qt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st[qt][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t a[4];
-      ldmatrix_x4(a, a_addr<kStride>(sK, warp_key0, ks * 16, lane));
-#pragma unroll
-      for (int qp = 0; qp < kQTiles / 2; ++qp) {
-        uint32_t bq[4];
-        ldmatrix_x4(bq, bt_addr<kStride>(sQ, qp * 16, ks * 16, lane));
-        mma_16816<Elem>(st[2 * qp], a, bq[0], bq[1]);
-        mma_16816<Elem>(st[2 * qp + 1], a, bq[2], bq[3]);
-      }
-    }
+    mma_a_bt<Elem, kKSteps, kQTiles, kStride>(st, sK, warp_key0, sQ, lane);
     // P^T from the global lse (base 2; +inf for an empty row gives 0).
 #pragma unroll
     for (int qt = 0; qt < kQTiles; ++qt) {
@@ -187,22 +172,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     }
     // dP^T = V dO^T.
     float dpt[kQTiles][4];
-#pragma unroll
-    for (int qt = 0; qt < kQTiles; ++qt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dpt[qt][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t a[4];
-      ldmatrix_x4(a, a_addr<kStride>(sV, warp_key0, ks * 16, lane));
-#pragma unroll
-      for (int qp = 0; qp < kQTiles / 2; ++qp) {
-        uint32_t bo[4];
-        ldmatrix_x4(bo, bt_addr<kStride>(sdO, qp * 16, ks * 16, lane));
-        mma_16816<Elem>(dpt[2 * qp], a, bo[0], bo[1]);
-        mma_16816<Elem>(dpt[2 * qp + 1], a, bo[2], bo[3]);
-      }
-    }
+    mma_a_bt<Elem, kKSteps, kQTiles, kStride>(dpt, sV, warp_key0, sdO, lane);
     // dS^T = P^T (dP^T - delta), in place of dP^T.
 #pragma unroll
     for (int qt = 0; qt < kQTiles; ++qt) {
@@ -463,8 +433,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 // dq (B, Sq, H, D) in GradT = scale * dq_accum (B, H, rounded, D) fp32.
 template <int kHeadDim, typename GradT>
 __global__ void dq_convert_kernel(const __grid_constant__ BwdParamsCuda p) {
-  const int64_t pairs = static_cast<int64_t>(p.shape.batch) * p.shape.heads * p.shape.seqlen_q *
-                        (kHeadDim / 2);
+  const int64_t pairs = dq_pairs(p.shape);  // p.shape.head_dim == kHeadDim
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= pairs) return;
   const int c = static_cast<int>(i % (kHeadDim / 2)) * 2;
@@ -483,8 +452,7 @@ __global__ void dq_convert_kernel(const __grid_constant__ BwdParamsCuda p) {
 // dk, dv (B, Sk, Hkv, D) in GradT = the sum over the head splits of dkv_partial, in split order.
 template <int kHeadDim, typename GradT>
 __global__ void dkv_reduce_kernel(const __grid_constant__ BwdParamsCuda p) {
-  const int64_t pairs = static_cast<int64_t>(p.shape.batch) * p.shape.seqlen_k *
-                        p.shape.kv_heads * (kHeadDim / 2);
+  const int64_t pairs = dkv_pairs(p.shape);  // p.shape.head_dim == kHeadDim
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= pairs) return;
   const int c = static_cast<int>(i % (kHeadDim / 2)) * 2;
@@ -502,7 +470,7 @@ __global__ void dkv_reduce_kernel(const __grid_constant__ BwdParamsCuda p) {
       x += v.x;
       y += v.y;
     }
-    const Strides& st = kind == 0 ? p.dk_strides : p.dv_strides;
+    const BshdStrides& st = kind == 0 ? p.dk_strides : p.dv_strides;
     GradT* const dst = static_cast<GradT*>(kind == 0 ? p.dk : p.dv) + b * st.batch +
                        static_cast<int64_t>(s) * st.seq + hk * st.head + c;
     store2(dst, x, y);
@@ -510,46 +478,23 @@ __global__ void dkv_reduce_kernel(const __grid_constant__ BwdParamsCuda p) {
 }
 
 #ifndef CPATTN_CUDA_EMULATE  // the tests emulate the kernels on the host, without launchers
-template <typename Kernel>
-int set_smem(Kernel kernel, int bytes) {
-  if (bytes <= 48 * 1024) return 0;
-  return static_cast<int>(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-}
-
 template <int kHeadDim, typename Elem, typename GradT>
 int launch_bwd_typed(const BwdParamsCuda& p, cudaStream_t stream) {
   using Cfg = BwdConfigFor<kHeadDim>;
   using DqCfg = DqConfigFor<kHeadDim>;
-  auto dkdv = attention_bwd_dkdv_kernel<Cfg, Elem, GradT>;
-  if (const int e = set_smem(dkdv, Cfg::kSmemBytes)) return e;
-  const dim3 grid_kv((p.shape.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN * Cfg::kSplit,
-                     p.shape.kv_heads * p.head_splits, p.shape.batch);
-  dkdv<<<grid_kv, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
+  if (const int e = launch_kernel(attention_bwd_dkdv_kernel<Cfg, Elem, GradT>,
+                                  dkdv_launch<Cfg>(p.shape, p.head_splits), p, stream))
+    return e;
   if (p.head_splits > 1) {
-    const int64_t pairs = static_cast<int64_t>(p.shape.batch) * p.shape.seqlen_k *
-                          p.shape.kv_heads * (kHeadDim / 2);
-    dkv_reduce_kernel<kHeadDim, GradT>
-        <<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(p);
-    if (const cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
+    const int e = launch_kernel(dkv_reduce_kernel<kHeadDim, GradT>, pairs_launch(dkv_pairs(p.shape)),
+                                p, stream);
+    if (e != 0) return e;
   }
-
-  if (p.dq_accum != nullptr) {
-    const int64_t pairs =
-        static_cast<int64_t>(p.shape.batch) * p.shape.heads * p.shape.seqlen_q * (kHeadDim / 2);
-    const int threads = 256;
-    dq_convert_kernel<kHeadDim, GradT>
-        <<<static_cast<unsigned>((pairs + threads - 1) / threads), threads, 0, stream>>>(p);
-    return static_cast<int>(cudaGetLastError());
-  }
-  auto dq = attention_bwd_dq_kernel<DqCfg, Elem, GradT>;
-  constexpr int kDqSmem = (2 * DqCfg::kQElems + 2 * DqCfg::kStageElems) * 2;
-  if (const int e = set_smem(dq, kDqSmem)) return e;
-  const dim3 grid_q((p.shape.seqlen_q + DqCfg::kBlockM - 1) / DqCfg::kBlockM, p.shape.heads,
-                    p.shape.batch);
-  dq<<<grid_q, DqCfg::kThreads, kDqSmem, stream>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  if (p.dq_accum != nullptr)
+    return launch_kernel(dq_convert_kernel<kHeadDim, GradT>, pairs_launch(dq_pairs(p.shape)), p,
+                         stream);
+  return launch_kernel(attention_bwd_dq_kernel<DqCfg, Elem, GradT>, dq_launch<DqCfg>(p.shape), p,
+                       stream);
 }
 
 template <DType kDtype, int kHeadDim>

@@ -13,9 +13,8 @@ namespace {
 
 template <typename TOut, typename TdOut>
 int launch(const BwdParamsCuda& p, cudaStream_t stream) {
-  const int64_t rows = static_cast<int64_t>(p.shape.batch) * p.shape.heads * p.seqlen_q_rounded;
-  const unsigned blocks = static_cast<unsigned>((rows + kPreprocessWarps - 1) / kPreprocessWarps);
-  bwd_preprocess_kernel<TOut, TdOut><<<blocks, 32 * kPreprocessWarps, 0, stream>>>(p);
+  const LaunchShape l = preprocess_launch(p.shape, p.seqlen_q_rounded);
+  bwd_preprocess_kernel<TOut, TdOut><<<l.grid[0], l.threads, l.smem_bytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

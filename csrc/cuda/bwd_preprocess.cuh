@@ -6,12 +6,12 @@
 #include <cstdint>
 
 #include "cpattn/softmax_state.h"
+#include "cuda/kernel_config.h"
 #include "cuda/params.h"
 #include "cuda/ptx.cuh"
 
 namespace cpattn::cuda {
 
-constexpr int kPreprocessWarps = 8;
 
 template <typename TOut, typename TdOut>
 __global__ void __launch_bounds__(32 * kPreprocessWarps)

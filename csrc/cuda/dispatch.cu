@@ -25,11 +25,13 @@ struct Dispatch {
     return result;
   }
   static int dkdv_blocks(int head_dim, int seqlen_k) {
+    ShapeCuda s;
+    s.batch = s.kv_heads = 1;
+    s.seqlen_k = seqlen_k;
     int result = 0;
-    ((head_dim == kDims ? (result = (seqlen_k + BwdConfigFor<kDims>::kBlockN - 1) /
-                                    BwdConfigFor<kDims>::kBlockN * BwdConfigFor<kDims>::kSplit,
-                           true)
-                        : false) ||
+    ((head_dim == kDims
+          ? (result = static_cast<int>(dkdv_launch<BwdConfigFor<kDims>>(s, 1).grid[0]), true)
+          : false) ||
      ...);
     return result;
   }

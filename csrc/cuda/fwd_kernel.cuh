@@ -248,19 +248,21 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 }
 
 #ifndef CPATTN_CUDA_EMULATE  // the tests emulate the kernels on the host, without launchers
-template <typename Cfg, typename Elem, typename OutT>
-int launch_fwd_config(const FwdParamsCuda& p, cudaStream_t stream) {
-  auto kernel = attention_fwd_kernel<Cfg, Elem, OutT>;
-  constexpr int kSmem = Cfg::kSmemBytes;
-  if (kSmem > 48 * 1024) {
+// Launches kernel(p) as `l` says (above 48 KiB of shared memory the kernel must opt in first).
+template <typename Kernel, typename Params>
+int launch_kernel(Kernel kernel, const LaunchShape& l, const Params& p, cudaStream_t stream) {
+  if (l.smem_bytes > 48 * 1024) {
     const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, l.smem_bytes);
     if (e != cudaSuccess) return static_cast<int>(e);
   }
-  const dim3 grid((p.shape.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.shape.heads,
-                  p.shape.batch);
-  kernel<<<grid, Cfg::kThreads, kSmem, stream>>>(p);
+  kernel<<<dim3(l.grid[0], l.grid[1], l.grid[2]), l.threads, l.smem_bytes, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
+}
+
+template <typename Cfg, typename Elem, typename OutT>
+int launch_fwd_config(const FwdParamsCuda& p, cudaStream_t stream) {
+  return launch_kernel(attention_fwd_kernel<Cfg, Elem, OutT>, fwd_launch<Cfg>(p.shape), p, stream);
 }
 
 #endif  // CPATTN_CUDA_EMULATE

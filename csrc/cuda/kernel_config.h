@@ -3,6 +3,10 @@
 // different 16-byte bank groups (no bank conflicts, no swizzle arithmetic).
 #pragma once
 
+#include <cstdint>
+
+#include "cuda/params.h"
+
 namespace cpattn::cuda {
 
 // Forward (and the tile vocabulary of the deterministic dQ pass): one thread block per
@@ -18,11 +22,11 @@ struct FwdConfig {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr bool kQInRegs = kQInRegs_;
   static constexpr int kMTiles = kBlockM / (16 * kWarps);  // m16 tiles per warp
-  static constexpr int kStride = kHeadDim + 8;               // shared row stride, elements
-  static constexpr int kKSteps = kHeadDim / 16;              // k16 steps of Q K^T
-  static constexpr int kSTiles = kBlockN / 8;                // n8 tiles of a score row block
-  static constexpr int kOTiles = kHeadDim / 8;               // n8 tiles of an output row block
-  static constexpr int kPSteps = kBlockN / 16;               // k16 steps of P V
+  static constexpr int kStride = kHeadDim + 8;             // shared row stride, elements
+  static constexpr int kKSteps = kHeadDim / 16;            // k16 steps of Q K^T
+  static constexpr int kSTiles = kBlockN / 8;              // n8 tiles of a score row block
+  static constexpr int kOTiles = kHeadDim / 8;             // n8 tiles of an output row block
+  static constexpr int kPSteps = kBlockN / 16;             // k16 steps of P V
   static constexpr int kQElems = kBlockM * kStride;
   static constexpr int kKVElems = kBlockN * kStride;  // one K or V tile
   static constexpr int kStageElems = 2 * kKVElems;    // K and V
@@ -68,12 +72,12 @@ struct BwdConfig {
   static constexpr int kBlockN = 16 * kWarps;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStride = kHeadDim + 8;
-  static constexpr int kDSStride = kBlockM + 8;   // shared dS^T tile [key][query]
-  static constexpr int kKSteps = kHeadDim / 16;   // k16 steps over the head dim
-  static constexpr int kQTiles = kBlockM / 8;     // n8 tiles of S^T (columns: queries)
-  static constexpr int kMSteps = kBlockM / 16;    // k16 steps over queries (dV, dK)
-  static constexpr int kDTiles = kSliceDim / 8;   // n8 tiles of this block's dK / dV rows
-  static constexpr int kDqCols = 32;              // dQ work unit: 16 query rows x 32 columns
+  static constexpr int kDSStride = kBlockM + 8;  // shared dS^T tile [key][query]
+  static constexpr int kKSteps = kHeadDim / 16;  // k16 steps over the head dim
+  static constexpr int kQTiles = kBlockM / 8;    // n8 tiles of S^T (columns: queries)
+  static constexpr int kMSteps = kBlockM / 16;   // k16 steps over queries (dV, dK)
+  static constexpr int kDTiles = kSliceDim / 8;  // n8 tiles of this block's dK / dV rows
+  static constexpr int kDqCols = 32;             // dQ work unit: 16 query rows x 32 columns
   static constexpr int kDqUnits = (kBlockM / 16) * (kSliceDim / kDqCols);
   static constexpr int kKVElems = kBlockN * kStride;
   static constexpr int kQElems = kBlockM * kStride;
@@ -121,5 +125,62 @@ template <>
 struct DqConfigFor<192> : FwdConfig<192, 64, 32, 4, false> {};
 template <>
 struct DqConfigFor<256> : FwdConfig<256, 64, 32, 4, false> {};
+
+// How a kernel is launched: grid, threads per block and dynamic shared memory, derived once from
+// the configs above for the launchers (fwd_kernel.cuh, bwd_kernel.cuh, bwd_preprocess.cu) and the
+// host emulation of the kernels (tests/emulate) alike.
+struct LaunchShape {
+  unsigned grid[3] = {1, 1, 1};
+  int threads = 0;
+  int smem_bytes = 0;
+};
+
+// Forward: one thread block per (query block, head, batch).
+template <typename Cfg>
+LaunchShape fwd_launch(const ShapeCuda& s) {
+  return {{static_cast<unsigned>((s.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM),
+           static_cast<unsigned>(s.heads), static_cast<unsigned>(s.batch)},
+          Cfg::kThreads,
+          Cfg::kSmemBytes};
+}
+
+// dK/dV pass: one thread block per (key block and head-dim slice, kv head and head split, batch).
+template <typename Cfg>
+LaunchShape dkdv_launch(const ShapeCuda& s, int head_splits) {
+  return {{static_cast<unsigned>((s.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN * Cfg::kSplit),
+           static_cast<unsigned>(s.kv_heads * head_splits), static_cast<unsigned>(s.batch)},
+          Cfg::kThreads,
+          Cfg::kSmemBytes};
+}
+
+// Deterministic dQ pass: the forward's grid; two stages of K/V and the Q and dO tiles in shared
+// memory.
+template <typename Cfg>
+LaunchShape dq_launch(const ShapeCuda& s) {
+  LaunchShape l = fwd_launch<Cfg>(s);
+  l.smem_bytes = (2 * Cfg::kQElems + 2 * Cfg::kStageElems) * 2;
+  return l;
+}
+
+// Backward preprocess: one warp per (batch, head, query row up to seqlen_q_rounded).
+constexpr int kPreprocessWarps = 8;
+inline LaunchShape preprocess_launch(const ShapeCuda& s, int seqlen_q_rounded) {
+  const int64_t rows = static_cast<int64_t>(s.batch) * s.heads * seqlen_q_rounded;
+  return {{static_cast<unsigned>((rows + kPreprocessWarps - 1) / kPreprocessWarps), 1, 1},
+          32 * kPreprocessWarps,
+          0};
+}
+
+// Element-wise passes over pairs of fp32 values: one thread per pair.
+inline LaunchShape pairs_launch(int64_t pairs) {
+  return {{static_cast<unsigned>((pairs + 255) / 256), 1, 1}, 256, 0};
+}
+// dq_convert_kernel: (B, H, Sq, D / 2) pairs; dkv_reduce_kernel: (B, Sk, Hkv, D / 2) pairs.
+CPATTN_HOST_DEVICE int64_t dq_pairs(const ShapeCuda& s) {
+  return static_cast<int64_t>(s.batch) * s.heads * s.seqlen_q * (s.head_dim / 2);
+}
+CPATTN_HOST_DEVICE int64_t dkv_pairs(const ShapeCuda& s) {
+  return static_cast<int64_t>(s.batch) * s.seqlen_k * s.kv_heads * (s.head_dim / 2);
+}
 
 }  // namespace cpattn::cuda

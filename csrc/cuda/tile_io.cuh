@@ -72,4 +72,30 @@ __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c0)[4],
   a[3] = pack2<Elem>(c1[2], c1[3]);
 }
 
+// acc = A B^T for one warp: A is the 16 rows from a_row0 of a shared tile, B^T the first
+// 8 * kNTiles rows of another (both row-major, kKSteps * 16 columns, row stride kStride); acc is
+// kNTiles n8 accumulator tiles (C layout), overwritten. The backward's S^T = K Q^T and
+// dP^T = V dO^T.
+template <typename Elem, int kKSteps, int kNTiles, int kStride>
+__device__ __forceinline__ void mma_a_bt(float (&acc)[kNTiles][4], uint32_t a_tile, int a_row0,
+                                         uint32_t b_tile, int lane) {
+  static_assert(kNTiles % 2 == 0, "n8 tiles come in pairs (one ldmatrix_x4)");
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    uint32_t a[4];
+    ldmatrix_x4(a, a_addr<kStride>(a_tile, a_row0, ks * 16, lane));
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, bt_addr<kStride>(b_tile, np * 16, ks * 16, lane));
+      mma_16816<Elem>(acc[2 * np], a, b[0], b[1]);
+      mma_16816<Elem>(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
 }  // namespace cpattn::cuda

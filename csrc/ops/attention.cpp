@@ -35,8 +35,7 @@ Mask public_mask(bool causal, int64_t window_left, int64_t window_right, int64_t
   return m;
 }
 ScoreArgs public_score(double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                       const std::optional<at::Tensor>& sinks, int64_t q_offset,
-                       int64_t k_offset) {
+                       const std::optional<at::Tensor>& sinks, int64_t q_offset, int64_t k_offset) {
   ScoreArgs a;
   a.softcap = softcap;
   a.alibi_slopes = alibi_slopes;
@@ -74,8 +73,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, int64_t q_offset, int64_t k_offset,
-    std::optional<at::ScalarType> grad_dtype, const std::optional<at::Tensor>& dlse,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
+    std::optional<at::ScalarType> grad_dtype, const std::optional<at::Tensor>& dlse, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
   return attention_bwd_scored(
       dout, q, k, v, out, lse, softmax_scale,
       public_mask(causal, window_left, window_right, q_offset, k_offset, prefix_len),
@@ -124,8 +123,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
     const std::optional<at::Tensor>& dlse) {
   const AttnShape s = check_attention_args(q, k, v, softmax_scale, mask, score);
   check_bwd_args(dout, q, out, lse, dlse, grad_dtype, s);
-  return backend_for(q.device()).bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score,
-                                     grad_dtype);
+  return backend_for(q.device())
+      .bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, grad_dtype);
 }
 
 void merge_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,

@@ -8,9 +8,9 @@
 
 #include <tuple>
 
-#include "cpattn/params.h"
 #include "cpattn/softmax_state.h"
 #include "cpu/kernels.h"
+#include "cpu/params.h"
 #include "ops/backend.h"
 #include "ops/checks.h"
 #include "ops/ops.h"
@@ -60,15 +60,9 @@ at::Tensor pair_keys(const at::Tensor& packed) {
   return t.view({t.size(0), t.size(1), t.size(2) / 2, 2, t.size(3)}).transpose(3, 4).contiguous();
 }
 
-BshdStrides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
-
 // The CPU kernels write their outputs in the dtype asked for (no conversion pass afterwards).
 BshdOutput output_of(const at::Tensor& t) {
-  const at::ScalarType dtype = t.scalar_type();
-  return {t.data_ptr(), strides_of(t),
-          dtype == at::kBFloat16 ? OutType::kBFloat16
-          : dtype == at::kHalf   ? OutType::kFloat16
-                                 : OutType::kFloat32};
+  return {t.data_ptr(), strides_of(t), to_dtype(t.scalar_type())};
 }
 const uint16_t* bf16_data(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
@@ -107,11 +101,10 @@ at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out, const AttnSh
   const at::Tensor x = (same ? dout : dout.to(at::kFloat)).contiguous();
   const at::Tensor y = (same ? out : out.to(at::kFloat)).contiguous();
   at::Tensor delta = at::empty({s.batch, s.heads, s.seqlen_q}, dout.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "cpattn_row_delta",
-                                  [&] {
-                                    rowwise_dot(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), s,
-                                                delta.data_ptr<float>());
-                                  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, x.scalar_type(), "cpattn_row_delta", [&] {
+        rowwise_dot(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), s, delta.data_ptr<float>());
+      });
   return delta;
 }
 
@@ -121,8 +114,7 @@ void check_options_cpu(const char*, const AttnShape&, const Mask&, const ScoreAr
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, const AttnShape& s,
                                                      double softmax_scale, const Mask& mask,
-                                                     const ScoreArgs& score,
-                                                     at::ScalarType dtype) {
+                                                     const ScoreArgs& score, at::ScalarType dtype) {
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor out =
       new_output({s.batch, s.seqlen_q, s.heads, s.head_dim_v}, q.options().dtype(dtype));
@@ -278,17 +270,16 @@ at::Tensor sink_bwd(const at::Tensor& dout, const at::Tensor& out, const at::Ten
   return grad;
 }
 
-[[maybe_unused]] const bool registered = register_backend(
-    c10::DeviceType::CPU,
-    {&check_options_cpu, &attention_fwd_cpu, &attention_bwd_cpu, &merge_into_cpu});
+[[maybe_unused]] const bool registered =
+    register_backend(c10::DeviceType::CPU,
+                     {&check_options_cpu, &attention_fwd_cpu, &attention_bwd_cpu, &merge_into_cpu});
 
 }  // namespace
 
 void apply_sinks_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks) {
   TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kFloat &&
-                  lse.scalar_type() == at::kFloat && lse.dim() == 3 &&
-                  lse.size(0) == out.size(0) && lse.size(1) == out.size(2) &&
-                  lse.size(2) == out.size(1),
+                  lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == out.size(0) &&
+                  lse.size(1) == out.size(2) && lse.size(2) == out.size(1),
               "cpattn: apply_sinks_ needs out (B, S, H, Dv) and lse (B, H, S), float32, got ",
               out.sizes(), " ", out.scalar_type(), " and ", lse.sizes(), " ", lse.scalar_type());
   check_score_args("apply_sinks_", 0.0, std::nullopt, sinks, out.size(2), out.device());

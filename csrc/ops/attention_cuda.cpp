@@ -30,17 +30,6 @@ bool env_flag(const char* name) {
   return v && v[0] == '1';
 }
 
-cuda::DType to_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16:
-      return cuda::DType::kBFloat16;
-    case at::kHalf:
-      return cuda::DType::kFloat16;
-    default:
-      return cuda::DType::kFloat32;
-  }
-}
-
 void check_half_inputs(const at::Tensor& q) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               "cpattn: the CUDA kernels take bfloat16 or float16 q, k, v, got ", q.scalar_type(),
@@ -59,9 +48,13 @@ int kernel_head_dim(int64_t d) {
   int n = 0;
   const int* dims = cuda::compiled_head_dims(&n);
   const int kd = pick_kernel_head_dim(static_cast<int>(d), dims, n);
-  TORCH_CHECK(kd > 0, "cpattn: no CUDA kernel for head_dim ", d, " in this build (compiled head "
-              "dims: ", compiled_list(), "; smaller ones are zero-padded up); rebuild with "
-              "CPATTN_CUDA_HEAD_DIMS including a head dim >= ", d);
+  TORCH_CHECK(kd > 0, "cpattn: no CUDA kernel for head_dim ", d,
+              " in this build (compiled head "
+              "dims: ",
+              compiled_list(),
+              "; smaller ones are zero-padded up); rebuild with "
+              "CPATTN_CUDA_HEAD_DIMS including a head dim >= ",
+              d);
   return kd;
 }
 
@@ -77,10 +70,7 @@ at::Tensor kernel_operand(const at::Tensor& t, int64_t kd) {
   return t.clone(at::MemoryFormat::Contiguous);
 }
 
-cuda::Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
-cuda::LseStrides lse_strides_of(const at::Tensor& t) {
-  return {t.stride(0), t.stride(1), t.stride(2)};
-}
+BhsStrides lse_strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
 cuda::ShapeCuda shape_of(const AttnShape& s, int kd) {
   TORCH_CHECK(s.seqlen_q < (int64_t(1) << 31) - 256 && s.seqlen_k < (int64_t(1) << 31) - 256,
@@ -101,10 +91,12 @@ cuda::ShapeCuda shape_of(const AttnShape& s, int kd) {
 
 void check_launch(int err, const char* what) {
   if (err == 0) return;
-  TORCH_CHECK(err != cuda::kErrNoKernel, "cpattn: no CUDA kernel compiled for this dtype and head "
-              "dim (", what, "; compiled head dims: ", compiled_list(), ")");
-  TORCH_CHECK(false, "cpattn: CUDA ", what, " kernel launch failed: ",
-              cudaGetErrorString(static_cast<cudaError_t>(err)));
+  TORCH_CHECK(err != cuda::kErrNoKernel,
+              "cpattn: no CUDA kernel compiled for this dtype and head "
+              "dim (",
+              what, "; compiled head dims: ", compiled_list(), ")");
+  TORCH_CHECK(false, "cpattn: CUDA ", what,
+              " kernel launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
 // torch.use_deterministic_algorithms(True) or CPATTN_DETERMINISTIC=1: dQ by a separate pass
@@ -124,8 +116,8 @@ int bwd_head_splits(const AttnShape& s, int kd) {
   if (const char* v = std::getenv("CPATTN_BWD_HEAD_SPLITS")) {
     want = std::max<int64_t>(1, std::atoll(v));
   } else {
-    const int64_t blocks = int64_t(cuda::bwd_dkdv_blocks(kd, static_cast<int>(s.seqlen_k))) *
-                           s.kv_heads * s.batch;
+    const int64_t blocks =
+        int64_t(cuda::bwd_dkdv_blocks(kd, static_cast<int>(s.seqlen_k))) * s.kv_heads * s.batch;
     const int64_t target = 2 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     want = (target + blocks - 1) / std::max<int64_t>(blocks, 1);
   }
@@ -212,8 +204,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   at::Tensor dlse_f;
   if (dlse && dlse->defined()) dlse_f = dlse->to(at::kFloat);
   const auto f32 = q.options().dtype(at::kFloat);
-  const int64_t rounded = (s.seqlen_q + cuda::kBwdSeqRound - 1) / cuda::kBwdSeqRound *
-                          cuda::kBwdSeqRound;
+  const int64_t rounded =
+      (s.seqlen_q + cuda::kBwdSeqRound - 1) / cuda::kBwdSeqRound * cuda::kBwdSeqRound;
   const at::Tensor lse_log2 = at::empty({s.batch, s.heads, rounded}, f32);
   const at::Tensor delta = at::empty({s.batch, s.heads, rounded}, f32);
   at::Tensor dq_accum;
@@ -269,10 +261,9 @@ void merge_into_cuda(const at::Tensor& out, const at::Tensor& lse, const at::Ten
   const at::Tensor pl = part_lse.to(at::kFloat).contiguous();
   const cuda::MergeStrides st{out.stride(0), out.stride(1), out.stride(2),
                               lse.stride(0), lse.stride(1), lse.stride(2)};
-  const int err = cuda::merge_state(out.data_ptr<float>(), lse.data_ptr<float>(),
-                                    po.data_ptr<float>(), pl.data_ptr<float>(), out.size(0),
-                                    out.size(1), out.size(2), out.size(3), st,
-                                    at::cuda::getCurrentCUDAStream());
+  const int err = cuda::merge_state(
+      out.data_ptr<float>(), lse.data_ptr<float>(), po.data_ptr<float>(), pl.data_ptr<float>(),
+      out.size(0), out.size(1), out.size(2), out.size(3), st, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "cpattn: merge_state_ CUDA kernel failed: ",
               cudaGetErrorString(static_cast<cudaError_t>(err)));
 }

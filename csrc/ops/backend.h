@@ -39,6 +39,16 @@ struct Backend {
                 const at::Tensor& part_lse);
 };
 
+// The kernels' name of a float dtype (float32, bfloat16, float16).
+inline DType to_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? DType::kBFloat16 : t == at::kHalf ? DType::kFloat16 : DType::kFloat32;
+}
+
+// Strides of a (batch, seqlen, heads, head_dim) tensor, head_dim contiguous.
+inline BshdStrides strides_of(const at::Tensor& t) {
+  return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
 // Called once per device type at load time (a static initialiser in the backend's file).
 bool register_backend(c10::DeviceType type, const Backend& backend);
 

@@ -30,8 +30,9 @@ at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
 }
 
 void check_bshd(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 4, "cpattn: ", name, " must have 4 dims (batch, seqlen, heads, head_dim), got ",
-              t.dim(), " dims with shape ", t.sizes());
+  TORCH_CHECK(t.dim() == 4, "cpattn: ", name,
+              " must have 4 dims (batch, seqlen, heads, head_dim), got ", t.dim(),
+              " dims with shape ", t.sizes());
   TORCH_CHECK(is_float_type(t.scalar_type()), "cpattn: ", name,
               " must be float32, bfloat16 or float16, got ", t.scalar_type());
   TORCH_CHECK(t.stride(-1) == 1, "cpattn: ", name,
@@ -48,8 +49,8 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
               " and v ", v.sizes());
   TORCH_CHECK(q.size(0) == k.size(0), "cpattn: q and k must have the same batch size, got ",
               q.size(0), " and ", k.size(0));
-  TORCH_CHECK(q.size(3) == k.size(3), "cpattn: q and k must have the same head_dim, got ", q.size(3),
-              " and ", k.size(3));
+  TORCH_CHECK(q.size(3) == k.size(3), "cpattn: q and k must have the same head_dim, got ",
+              q.size(3), " and ", k.size(3));
   TORCH_CHECK(q.size(3) <= kMaxHeadDim, "cpattn: unsupported head_dim ", q.size(3),
               " (supported: 1 to ", kMaxHeadDim, ")");
   TORCH_CHECK(v.size(3) <= kMaxHeadDim, "cpattn: unsupported head_dim of v ", v.size(3),
@@ -87,10 +88,10 @@ void check_mask_args(double softmax_scale, int64_t window_left, int64_t window_r
 }
 
 void check_positions(int64_t q_offset, int64_t seqlen_q, int64_t k_offset, int64_t seqlen_k) {
-  for (auto [name, offset, length] : {std::tuple{"q_offset", q_offset, seqlen_q},
-                                      std::tuple{"k_offset", k_offset, seqlen_k}})
-    TORCH_CHECK(offset >= -kMaxPosition && offset <= kMaxPosition - length, "cpattn: ", name,
-                " = ", offset, " puts positions outside [-", kMaxPosition, ", ", kMaxPosition,
+  for (auto [name, offset, length] :
+       {std::tuple{"q_offset", q_offset, seqlen_q}, std::tuple{"k_offset", k_offset, seqlen_k}})
+    TORCH_CHECK(offset >= -kMaxPosition && offset <= kMaxPosition - length, "cpattn: ", name, " = ",
+                offset, " puts positions outside [-", kMaxPosition, ", ", kMaxPosition,
                 "] (2^61 - 2) with ", length, " tokens");
 }
 
@@ -99,8 +100,7 @@ void check_prefix_len(const char* fn, int64_t prefix_len) {
               prefix_len);
 }
 
-void check_score_args(const char* fn, double softcap,
-                      const std::optional<at::Tensor>& alibi_slopes,
+void check_score_args(const char* fn, double softcap, const std::optional<at::Tensor>& alibi_slopes,
                       const std::optional<at::Tensor>& sinks, int64_t heads, at::Device device) {
   TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, "cpattn.", fn,
               ": softcap must be a finite number >= 0 (0: no softcap), got ", softcap);
@@ -113,8 +113,8 @@ void check_score_args(const char* fn, double softcap,
                 " must have shape (heads,) = (", heads, ",), got ", x.sizes());
     TORCH_CHECK(is_float_type(x.scalar_type()), "cpattn.", fn, ": ", name,
                 " must be float32, bfloat16 or float16, got ", x.scalar_type());
-    TORCH_CHECK(x.device() == device, "cpattn.", fn, ": ", name, " must be on q's device ",
-                device, ", got ", x.device());
+    TORCH_CHECK(x.device() == device, "cpattn.", fn, ": ", name, " must be on q's device ", device,
+                ", got ", x.device());
   }
 }
 
@@ -136,9 +136,9 @@ void check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::Tenso
               ", ", s.seqlen_q, "), got ", lse.sizes());
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "cpattn: lse must be float32, got ",
               lse.scalar_type());
-  TORCH_CHECK(dout.device() == q.device() && out.device() == q.device() &&
-                  lse.device() == q.device(),
-              "cpattn: dout, out and lse must be on q's device ", q.device());
+  TORCH_CHECK(
+      dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
+      "cpattn: dout, out and lse must be on q's device ", q.device());
   if (grad_dtype)
     TORCH_CHECK(is_float_type(*grad_dtype),
                 "cpattn: grad_dtype must be float32, bfloat16 or float16, got ", *grad_dtype);
@@ -162,17 +162,19 @@ void check_merge_args(const at::Tensor& out, const at::Tensor& lse, const at::Te
   TORCH_CHECK(part_out.sizes() == out.sizes(), "cpattn: merge part_out must have out's shape ",
               out.sizes(), ", got ", part_out.sizes());
   const std::vector<int64_t> lse_shape{out.size(0), out.size(2), out.size(1)};
-  TORCH_CHECK(lse.sizes() == at::IntArrayRef(lse_shape) &&
-                  part_lse.sizes() == at::IntArrayRef(lse_shape),
-              "cpattn: merge lse and part_lse must have shape (batch, heads, seqlen) = ",
-              at::IntArrayRef(lse_shape), ", got ", lse.sizes(), " and ", part_lse.sizes());
-  TORCH_CHECK(out.stride(3) == 1, "cpattn: merge out must be contiguous in its last dim "
-              "(head_dim), got stride ", out.stride(3));
+  TORCH_CHECK(
+      lse.sizes() == at::IntArrayRef(lse_shape) && part_lse.sizes() == at::IntArrayRef(lse_shape),
+      "cpattn: merge lse and part_lse must have shape (batch, heads, seqlen) = ",
+      at::IntArrayRef(lse_shape), ", got ", lse.sizes(), " and ", part_lse.sizes());
+  TORCH_CHECK(out.stride(3) == 1,
+              "cpattn: merge out must be contiguous in its last dim "
+              "(head_dim), got stride ",
+              out.stride(3));
   // Written in place: as torch's in-place ops, refuse elements that share memory (an expanded
   // out would get every merge written through one element).
   for (auto [name, t] : {std::pair{"out", &out}, std::pair{"lse", &lse}})
-    TORCH_CHECK(at::has_internal_overlap(*t) != at::MemOverlap::Yes, "cpattn: merge_state_ ",
-                name, " (shape ", t->sizes(), ", strides ", t->strides(),
+    TORCH_CHECK(at::has_internal_overlap(*t) != at::MemOverlap::Yes, "cpattn: merge_state_ ", name,
+                " (shape ", t->sizes(), ", strides ", t->strides(),
                 ") has elements that share memory (e.g. an expanded tensor); it is written in "
                 "place, so pass a tensor with distinct elements (.contiguous())");
   TORCH_CHECK(lse.device() == out.device() && part_out.device() == out.device() &&
@@ -182,8 +184,10 @@ void check_merge_args(const at::Tensor& out, const at::Tensor& lse, const at::Te
 }
 
 Layout checked_layout(int64_t layout) {
-  TORCH_CHECK(layout >= 0 && layout <= 2, "cpattn: layout code must be 0 (contiguous), 1 (zigzag) "
-              "or 2 (striped), got ", layout);
+  TORCH_CHECK(layout >= 0 && layout <= 2,
+              "cpattn: layout code must be 0 (contiguous), 1 (zigzag) "
+              "or 2 (striped), got ",
+              layout);
   return static_cast<Layout>(layout);
 }
 

@@ -36,8 +36,7 @@ void check_positions(int64_t q_offset, int64_t seqlen_q, int64_t k_offset, int64
 void check_prefix_len(const char* fn, int64_t prefix_len);
 
 // Checks softcap, alibi_slopes and sinks for `heads` query heads on `device`.
-void check_score_args(const char* fn, double softcap,
-                      const std::optional<at::Tensor>& alibi_slopes,
+void check_score_args(const char* fn, double softcap, const std::optional<at::Tensor>& alibi_slopes,
                       const std::optional<at::Tensor>& sinks, int64_t heads, at::Device device);
 
 // dout, out, lse, dlse and grad_dtype of a backward call on q, k, v of shape s.

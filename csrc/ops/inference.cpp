@@ -32,21 +32,23 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
               "cpattn: k_cache must be (batch, slots, kv_heads, head_dim), got ", k_cache.sizes());
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "cpattn: v_cache must have k_cache's shape ",
               k_cache.sizes(), ", got ", v_cache.sizes());
-  TORCH_CHECK(is_float_type(k_cache.scalar_type()) &&
-                  v_cache.scalar_type() == k_cache.scalar_type(),
-              "cpattn: k_cache and v_cache must have one dtype, float32, bfloat16 or float16, got ",
-              k_cache.scalar_type(), " and ", v_cache.scalar_type());
-  TORCH_CHECK(v_cache.device() == k_cache.device(), "cpattn: k_cache and v_cache must be on one "
-              "device, got ", k_cache.device(), " and ", v_cache.device());
+  TORCH_CHECK(
+      is_float_type(k_cache.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
+      "cpattn: k_cache and v_cache must have one dtype, float32, bfloat16 or float16, got ",
+      k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  TORCH_CHECK(v_cache.device() == k_cache.device(),
+              "cpattn: k_cache and v_cache must be on one "
+              "device, got ",
+              k_cache.device(), " and ", v_cache.device());
   backend_for(k_cache.device());  // raises for a device without kernels in this build
 }
 
 // An int64 CPU tensor of shape (batch,), as a vector.
 std::vector<int64_t> per_sequence(const at::Tensor& t, int64_t batch, const char* name) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == batch && t.scalar_type() == at::kLong &&
-                  t.device().is_cpu(),
-              "cpattn: ", name, " must be an int64 CPU tensor of shape (batch,) = (", batch,
-              ",), got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+  TORCH_CHECK(
+      t.dim() == 1 && t.size(0) == batch && t.scalar_type() == at::kLong && t.device().is_cpu(),
+      "cpattn: ", name, " must be an int64 CPU tensor of shape (batch,) = (", batch, ",), got ",
+      t.scalar_type(), " ", t.sizes(), " on ", t.device());
   const at::Tensor c = t.contiguous();
   const int64_t* p = c.data_ptr<int64_t>();
   std::vector<int64_t> v(p, p + batch);
@@ -60,10 +62,10 @@ void check_tokens(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes(),
               "cpattn: new k and v must be (batch, tokens, kv_heads, head_dim) of one shape, got ",
               k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(k.size(0) == k_cache.size(0) && k.size(2) == k_cache.size(2) &&
-                  k.size(3) == k_cache.size(3),
-              "cpattn: new k/v ", k.sizes(), " do not fit the cache ", k_cache.sizes(),
-              " (batch, kv_heads and head_dim must match)");
+  TORCH_CHECK(
+      k.size(0) == k_cache.size(0) && k.size(2) == k_cache.size(2) && k.size(3) == k_cache.size(3),
+      "cpattn: new k/v ", k.sizes(), " do not fit the cache ", k_cache.sizes(),
+      " (batch, kv_heads and head_dim must match)");
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
               "cpattn: new k/v must have the cache's dtype ", k_cache.scalar_type(), ", got ",
               k.scalar_type(), " and ", v.scalar_type());
@@ -112,8 +114,10 @@ void store_owned(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
 std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& outs,
                                                           const at::Tensor& lses,
                                                           std::optional<at::ScalarType> out_dtype) {
-  TORCH_CHECK(outs.dim() == 5, "cpattn: merge_attention_states outs must be (parts, batch, seqlen, "
-              "heads, head_dim), got ", outs.sizes());
+  TORCH_CHECK(outs.dim() == 5,
+              "cpattn: merge_attention_states outs must be (parts, batch, seqlen, "
+              "heads, head_dim), got ",
+              outs.sizes());
   const int64_t N = outs.size(0), B = outs.size(1), S = outs.size(2), H = outs.size(3),
                 D = outs.size(4);
   TORCH_CHECK(N >= 1, "cpattn: merge_attention_states needs at least one part");
@@ -126,11 +130,13 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& outs
               outs.scalar_type());
   TORCH_CHECK(lses.scalar_type() == at::kFloat,
               "cpattn: merge_attention_states lses must be float32, got ", lses.scalar_type());
-  TORCH_CHECK(lses.device() == outs.device(), "cpattn: merge_attention_states outs and lses must "
-              "be on one device, got ", outs.device(), " and ", lses.device());
+  TORCH_CHECK(lses.device() == outs.device(),
+              "cpattn: merge_attention_states outs and lses must "
+              "be on one device, got ",
+              outs.device(), " and ", lses.device());
   const at::ScalarType dtype = out_dtype.value_or(outs.scalar_type());
-  TORCH_CHECK(is_float_type(dtype),
-              "cpattn: out_dtype must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(is_float_type(dtype), "cpattn: out_dtype must be float32, bfloat16 or float16, got ",
+              dtype);
   if (!outs.device().is_cpu()) {  // the device's two-way merge, part by part: the same rule
     at::Tensor out = at::zeros({B, S, H, D}, outs.options().dtype(at::kFloat));
     at::Tensor lse = at::full({B, H, S}, -INFINITY, lses.options());
@@ -167,9 +173,11 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& outs
 // out = sum_n w_n o_n with w_n = exp(lse_n - lse):
 //   d o_n = w_n dout,  d lse_n = w_n (dout . o_n - dout . out + dlse).
 // Gradients of outs and lses from dout (and dlse, if any), given the merged lse.
-std::tuple<at::Tensor, at::Tensor> merge_attention_states_bwd(
-    const at::Tensor& dout, const std::optional<at::Tensor>& dlse, const at::Tensor& outs,
-    const at::Tensor& lses, const at::Tensor& lse) {
+std::tuple<at::Tensor, at::Tensor> merge_attention_states_bwd(const at::Tensor& dout,
+                                                              const std::optional<at::Tensor>& dlse,
+                                                              const at::Tensor& outs,
+                                                              const at::Tensor& lses,
+                                                              const at::Tensor& lse) {
   const int64_t N = outs.size(0), B = outs.size(1), S = outs.size(2), H = outs.size(3),
                 D = outs.size(4);
   TORCH_CHECK(dout.sizes() == outs.sizes().slice(1) && lse.sizes() == lses.sizes().slice(1),
@@ -237,8 +245,7 @@ void cache_store_(const at::Tensor& k_cache, const at::Tensor& v_cache, const at
   check_tokens(k, v, k_cache);
   const std::vector<int64_t> first = per_sequence(start, k_cache.size(0), "start");
   check_room(s, k_cache.size(1), first, k.size(1));
-  store_owned(k_cache, v_cache, k, v, s, rank,
-              [&](int64_t b, int64_t l) { return first[b] + l; });
+  store_owned(k_cache, v_cache, k, v, s, rank, [&](int64_t b, int64_t l) { return first[b] + l; });
 }
 
 // Partial attention of q (B, Sq, H, D), query row i of sequence b at position q_start[b] + i,
@@ -253,7 +260,8 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
   check_cache(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 4 && q.size(0) == k_cache.size(0) && q.size(3) == k_cache.size(3),
               "cpattn: q must be (batch, seqlen_q, heads, head_dim) with the cache's batch and "
-              "head_dim (", k_cache.size(0), ", ", k_cache.size(3), "), got ", q.sizes());
+              "head_dim (",
+              k_cache.size(0), ", ", k_cache.size(3), "), got ", q.sizes());
   TORCH_CHECK(q.size(2) % k_cache.size(2) == 0, "cpattn: the number of query heads (", q.size(2),
               ") must be a multiple of the cache's key/value heads (", k_cache.size(2), ")");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "cpattn: q must have the cache's dtype ",
@@ -285,8 +293,8 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
         // Every query sees every key of this span, so positions do not matter and the G query
         // heads that share a KV head can go in as G x Sq rows of one head: the kernel tiles 64
         // query rows, and a decode step has only Sq per head.
-        const at::Tensor qf = qb.reshape({1, Sq, Hkv, group, D}).transpose(2, 3).reshape(
-            {1, Sq * group, Hkv, D});
+        const at::Tensor qf =
+            qb.reshape({1, Sq, Hkv, group, D}).transpose(2, 3).reshape({1, Sq * group, Hkv, D});
         auto [part_out, part_lse] =
             attention_fwd_scored(qf, kb, vb, softmax_scale, Mask{}, ScoreArgs{}, at::kFloat);
         merge_into(ob, lb,
@@ -309,20 +317,16 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
 // ring_fwd), which also stores each chunk token in its owner's cache at position
 // cache_lens[b] + (its position in the chunk). Attention to earlier cached tokens is not included.
 // Returns out in float32 and lse.
-std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Tensor& k,
-                                               const at::Tensor& v, const at::Tensor& k_cache,
-                                               const at::Tensor& v_cache,
-                                               const at::Tensor& cache_lens,
-                                               c10::string_view group_name, double softmax_scale,
-                                               int64_t layout, int64_t interleave,
-                                               double timeout_s) {
+std::tuple<at::Tensor, at::Tensor> prefill_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& cache_lens, c10::string_view group_name,
+    double softmax_scale, int64_t layout, int64_t interleave, double timeout_s) {
   auto transport = group_transport(q, group_name, timeout_s);
   const int64_t world = transport->world(), rank = transport->rank();
   const CacheSharding s = checked_sharding(rank, world, interleave);
   check_cache(k_cache, v_cache);
   check_tokens(k, v, k_cache);
-  RingOptions o =
-      make_ring_options(softmax_scale, /*causal=*/true, -1, -1, layout, std::nullopt);
+  RingOptions o = make_ring_options(softmax_scale, /*causal=*/true, -1, -1, layout, std::nullopt);
   o.out_dtype = at::kFloat;  // merged with the cached part before the one cast
   const std::vector<int64_t> start = per_sequence(cache_lens, k_cache.size(0), "cache_lens");
   const int64_t chunk = k.size(1) * world;

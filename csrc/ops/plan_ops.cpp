@@ -17,13 +17,19 @@ namespace {
 at::Tensor schedule_work(int64_t seqlen, int64_t world, int64_t layout, bool causal,
                          int64_t window_left, int64_t window_right, int64_t block_m,
                          int64_t block_n, const std::optional<at::Tensor>& doc_lengths) {
-  TORCH_CHECK(layout >= 0 && layout <= 2, "cpattn.schedule_work: layout code must be 0, 1 or 2, "
-              "got ", layout);
+  TORCH_CHECK(layout >= 0 && layout <= 2,
+              "cpattn.schedule_work: layout code must be 0, 1 or 2, "
+              "got ",
+              layout);
   TORCH_CHECK(world >= 1, "cpattn.schedule_work: world must be >= 1, got ", world);
-  TORCH_CHECK(block_m >= 1 && block_n >= 1, "cpattn.schedule_work: block sizes must be >= 1, "
-              "got ", block_m, " x ", block_n);
-  TORCH_CHECK(window_left >= -1 && window_right >= -1, "cpattn.schedule_work: window must be "
-              ">= -1, got (", window_left, ", ", window_right, ")");
+  TORCH_CHECK(block_m >= 1 && block_n >= 1,
+              "cpattn.schedule_work: block sizes must be >= 1, "
+              "got ",
+              block_m, " x ", block_n);
+  TORCH_CHECK(window_left >= -1 && window_right >= -1,
+              "cpattn.schedule_work: window must be "
+              ">= -1, got (",
+              window_left, ", ", window_right, ")");
   const Layout l = static_cast<Layout>(layout);
   std::vector<int64_t> docs;
   if (doc_lengths && doc_lengths->defined()) {
@@ -44,9 +50,9 @@ at::Tensor schedule_work(int64_t seqlen, int64_t world, int64_t layout, bool cau
   int64_t* p = out.data_ptr<int64_t>();
   for (int64_t rank = 0; rank < world; ++rank)
     for (int64_t step = 0; step < world; ++step) {
-      const Work w = step_work(l, seqlen, docs.data(), static_cast<int64_t>(docs.size()), world,
-                               rank, step, global, static_cast<int>(block_m),
-                               static_cast<int>(block_n));
+      const Work w =
+          step_work(l, seqlen, docs.data(), static_cast<int64_t>(docs.size()), world, rank, step,
+                    global, static_cast<int>(block_m), static_cast<int>(block_n));
       int64_t* cell = p + (rank * world + step) * 3;
       cell[0] = w.pairs;
       cell[1] = w.tile_pairs;

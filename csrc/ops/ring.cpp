@@ -37,11 +37,14 @@ Mask global_mask(const RingOptions& o) {
 // Checks before any message: every rank raises here alike, no shift is left pending.
 void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const RingOptions& o) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "cpattn: ring q and k must be (batch, seqlen_local, "
-              "heads, head_dim), got ", q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4,
+              "cpattn: ring q and k must be (batch, seqlen_local, "
+              "heads, head_dim), got ",
+              q.sizes(), " and ", k.sizes());
   // K and V travel as one stacked message.
   TORCH_CHECK(k.sizes() == v.sizes(), "cpattn.ring_attention: v must have k's shape ", k.sizes(),
-              ", got ", v.sizes(), " (a head_dim of v different from q/k's is supported by "
+              ", got ", v.sizes(),
+              " (a head_dim of v different from q/k's is supported by "
               "cpattn.attention only, not yet by the context-parallel strategies)");
   check_score_args("ring_attention", o.softcap, o.alibi_slopes, o.sinks, q.size(2), q.device());
   AttnShape s;
@@ -51,12 +54,16 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   score.alibi_slopes = o.alibi_slopes;
   score.sinks = o.sinks;
   backend_for(q.device()).check_options("ring_attention", s, global_mask(o), score);
-  TORCH_CHECK(q.size(1) == k.size(1), "cpattn: ring attention needs q and k/v shards of the same "
-              "length, got ", q.size(1), " and ", k.size(1));
+  TORCH_CHECK(q.size(1) == k.size(1),
+              "cpattn: ring attention needs q and k/v shards of the same "
+              "length, got ",
+              q.size(1), " and ", k.size(1));
   const int64_t local = q.size(1);
   if (o.layout == Layout::kZigzag && o.doc_lengths.empty())
-    TORCH_CHECK(local % 2 == 0, "cpattn: the zigzag layout holds two equal chunks per rank, so the "
-                "local sequence length must be even, got ", local);
+    TORCH_CHECK(local % 2 == 0,
+                "cpattn: the zigzag layout holds two equal chunks per rank, so the "
+                "local sequence length must be even, got ",
+                local);
 }
 
 using Clock = std::chrono::steady_clock;
@@ -166,8 +173,12 @@ RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_
                               const std::optional<at::Tensor>& doc_lengths, double softcap,
                               const std::optional<at::Tensor>& alibi_slopes,
                               const std::optional<at::Tensor>& sinks, int64_t prefix_len) {
-  RingOptions o{softmax_scale, causal, normalized_window(window_left),
-                normalized_window(window_right), checked_layout(layout), {}};
+  RingOptions o;
+  o.softmax_scale = softmax_scale;
+  o.causal = causal;
+  o.window_left = normalized_window(window_left);
+  o.window_right = normalized_window(window_right);
+  o.layout = checked_layout(layout);
   TORCH_CHECK(prefix_len >= 0, "cpattn.ring_attention: prefix_len must be >= 0 (0: none), got ",
               prefix_len);
   o.softcap = softcap;
@@ -243,8 +254,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   // step behind: at step t a rank receives the accumulator of the shard it now holds while it
   // computes that shard's new contributions into `partial`, and adds the two afterwards.
   at::Tensor kv[2] = {at::stack({k, v}), at::Tensor()};
-  at::Tensor acc = at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)},
-                             k.options().dtype(at::kFloat));
+  at::Tensor acc =
+      at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, k.options().dtype(at::kFloat));
   at::Tensor partial = at::empty_like(acc), incoming;
   if (world > 1) {
     kv[1] = at::empty_like(kv[0]);
@@ -327,8 +338,8 @@ std::tuple<at::Tensor, at::Tensor> gathered_backward(const at::Tensor& dout, con
   at::Tensor dkv_all = at::zeros(kv_all.sizes(), kv_all.options().dtype(at::kFloat));
   for (int64_t step = 0; step < world; ++step) {
     const int64_t source = ring_source(rank, step, world);
-    backward_step(dout, q, kv_all[source], out, lse, dlse, plan(o, q.size(1), world, rank, step),
-                  o, dq, dkv_all[source]);
+    backward_step(dout, q, kv_all[source], out, lse, dlse, plan(o, q.size(1), world, rank, step), o,
+                  dq, dkv_all[source]);
   }
   // dkv_all[s] holds this rank's contribution to shard s; a reduce-scatter sums them.
   return {dq.to(q.scalar_type()), dkv_all};

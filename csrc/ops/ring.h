@@ -17,11 +17,11 @@
 namespace cpattn::ops {
 
 struct RingOptions {
-  double softmax_scale;
-  bool causal;
-  int64_t window_left;
-  int64_t window_right;
-  Layout layout;
+  double softmax_scale = 1.0;
+  bool causal = false;
+  int64_t window_left = -1;  // -1: unbounded
+  int64_t window_right = -1;
+  Layout layout = Layout::kContiguous;
   // Empty: one sequence of W * S_local tokens. Otherwise packed documents of these real lengths,
   // each sharded by the layout on its own (plan_step_varlen in cpattn/schedule.h).
   std::vector<int64_t> doc_lengths;

@@ -19,8 +19,8 @@ namespace cpattn::ops {
 
 // CUDA tensors shift over cpattn's own NCCL communicator (CPATTN_RING_TRANSPORT=c10d: through the
 // process group instead); CPU tensors through the process group.
-std::unique_ptr<comm::Transport> group_transport(const at::Tensor& q, c10::string_view group_name,
-                                                 double timeout_s) {
+std::unique_ptr<comm::Transport> group_transport([[maybe_unused]] const at::Tensor& q,
+                                                 c10::string_view group_name, double timeout_s) {
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
 #ifdef CPATTN_WITH_CUDA
   const char* choice = std::getenv("CPATTN_RING_TRANSPORT");
@@ -32,54 +32,46 @@ std::unique_ptr<comm::Transport> group_transport(const at::Tensor& q, c10::strin
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tensor& k,
-                                            const at::Tensor& v, c10::string_view group_name,
-                                            double softmax_scale, bool causal,
-                                            int64_t window_left, int64_t window_right,
-                                            int64_t layout, double timeout_s,
-                                            const std::optional<at::Tensor>& doc_lengths,
-                                            double softcap,
-                                            const std::optional<at::Tensor>& alibi_slopes,
-                                            const std::optional<at::Tensor>& sinks,
-                                            int64_t prefix_len) {
+std::tuple<at::Tensor, at::Tensor> ring_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::string_view group_name,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
+    double timeout_s, const std::optional<at::Tensor>& doc_lengths, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    int64_t prefix_len) {
   auto transport = group_transport(q, group_name, timeout_s);
-  auto result = ring_forward(q, k, v, *transport,
-                             make_ring_options(softmax_scale, causal, window_left, window_right,
-                                               layout, doc_lengths, softcap, alibi_slopes, sinks,
-                                               prefix_len));
+  auto result =
+      ring_forward(q, k, v, *transport,
+                   make_ring_options(softmax_scale, causal, window_left, window_right, layout,
+                                     doc_lengths, softcap, alibi_slopes, sinks, prefix_len));
   transport->finish();
   return result;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name,
-    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
-    double timeout_s, const std::optional<at::Tensor>& dlse,
-    const std::optional<at::Tensor>& doc_lengths, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
+    const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name, double softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, int64_t layout, double timeout_s,
+    const std::optional<at::Tensor>& dlse, const std::optional<at::Tensor>& doc_lengths,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
   auto transport = group_transport(q, group_name, timeout_s);
-  auto result = ring_backward(dout, q, k, v, out, lse, dlse, *transport,
-                              make_ring_options(softmax_scale, causal, window_left, window_right,
-                                                layout, doc_lengths, softcap, alibi_slopes,
-                                                std::nullopt, prefix_len));
+  auto result = ring_backward(
+      dout, q, k, v, out, lse, dlse, *transport,
+      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths,
+                        softcap, alibi_slopes, std::nullopt, prefix_len));
   transport->finish();
   return result;
 }
 
-std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::Tensor& kv_all,
-                                                int64_t rank, double softmax_scale, bool causal,
-                                                int64_t window_left, int64_t window_right,
-                                                int64_t layout,
-                                                const std::optional<at::Tensor>& doc_lengths,
-                                                double softcap,
-                                                const std::optional<at::Tensor>& alibi_slopes,
-                                                const std::optional<at::Tensor>& sinks,
-                                                int64_t prefix_len) {
-  return gathered_forward(q, kv_all, rank,
-                          make_ring_options(softmax_scale, causal, window_left, window_right,
-                                            layout, doc_lengths, softcap, alibi_slopes, sinks,
-                                            prefix_len));
+std::tuple<at::Tensor, at::Tensor> gathered_fwd(
+    const at::Tensor& q, const at::Tensor& kv_all, int64_t rank, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, int64_t layout,
+    const std::optional<at::Tensor>& doc_lengths, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    int64_t prefix_len) {
+  return gathered_forward(
+      q, kv_all, rank,
+      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths,
+                        softcap, alibi_slopes, sinks, prefix_len));
 }
 
 std::tuple<at::Tensor, at::Tensor> gathered_bwd(
@@ -88,10 +80,10 @@ std::tuple<at::Tensor, at::Tensor> gathered_bwd(
     int64_t window_right, int64_t layout, const std::optional<at::Tensor>& doc_lengths,
     const std::optional<at::Tensor>& dlse, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
-  return gathered_backward(dout, q, kv_all, out, lse, dlse, rank,
-                           make_ring_options(softmax_scale, causal, window_left, window_right,
-                                             layout, doc_lengths, softcap, alibi_slopes,
-                                             std::nullopt, prefix_len));
+  return gathered_backward(
+      dout, q, kv_all, out, lse, dlse, rank,
+      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths,
+                        softcap, alibi_slopes, std::nullopt, prefix_len));
 }
 
 // float64 (fwd compute, fwd wait, bwd compute, bwd wait) of the last ring calls on this thread.

@@ -22,7 +22,7 @@ namespace {
 // Runs body(rank, transport) on W threads; body returns the tensors it hands back. On CUDA each
 // virtual rank computes on its own stream (see make_emulated_cuda_transport).
 template <typename Body>
-void run_emulated(int64_t world, const at::Tensor& like, Body body) {
+void run_emulated(int64_t world, [[maybe_unused]] const at::Tensor& like, Body body) {
   std::vector<std::thread> threads;
   std::vector<std::exception_ptr> errors(world);
   std::vector<std::vector<at::Tensor>> outputs(world);
@@ -60,10 +60,10 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
     int64_t window_left, int64_t window_right, int64_t layout) {
   const int64_t world = static_cast<int64_t>(q.size());
   TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size(),
-              "cpattn: emulated ring needs one q, k and v per rank, got ", q.size(), ", ",
-              k.size(), ", ", v.size());
-  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout,
-                                          std::nullopt);
+              "cpattn: emulated ring needs one q, k and v per rank, got ", q.size(), ", ", k.size(),
+              ", ", v.size());
+  const RingOptions o =
+      make_ring_options(softmax_scale, causal, window_left, window_right, layout, std::nullopt);
   std::vector<at::Tensor> outs(world), lses(world);
   run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
     std::tie(outs[r], lses[r]) = ring_forward(q[r], k[r], v[r], t, o);
@@ -80,8 +80,8 @@ ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::T
   TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size() &&
                   dout.size() == q.size() && out.size() == q.size() && lse.size() == q.size(),
               "cpattn: emulated ring backward needs one of each tensor per rank");
-  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout,
-                                          std::nullopt);
+  const RingOptions o =
+      make_ring_options(softmax_scale, causal, window_left, window_right, layout, std::nullopt);
   std::vector<at::Tensor> dq(world), dk(world), dv(world);
   run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
     std::tie(dq[r], dk[r], dv[r]) =
@@ -97,8 +97,8 @@ at::Tensor ring_loopback_timing(const at::Tensor& q, const at::Tensor& k, const 
                                 int64_t window_right, int64_t layout) {
   check_rank(rank, world);
   auto transport = comm::make_loopback_transport(rank, world);
-  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout,
-                                          std::nullopt);
+  const RingOptions o =
+      make_ring_options(softmax_scale, causal, window_left, window_right, layout, std::nullopt);
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   auto [out, lse] = ring_forward(q, k, v, *transport, o);

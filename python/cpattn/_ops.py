@@ -178,7 +178,7 @@ def _ring_loopback_timing_fake(q, k, v, dout, rank, world, softmax_scale, causal
     return q.new_empty((2,), dtype=torch.float64)
 
 
-# Inference over a KV cache sharded across ranks (csrc/ops/inference.h).
+# Inference over a KV cache sharded across ranks (csrc/ops/inference.cpp).
 
 
 @torch.library.register_fake("cpattn::merge_attention_states")

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_HEAD_DIM = 256  # the CPU kernels' limit (csrc/ops/attention_ops.cpp)
+MAX_HEAD_DIM = 256  # the CPU kernels' limit (kMaxHeadDim in csrc/ops/checks.h)
 # Window sizes at or beyond this reach past any sequence cpattn can index: "unbounded" (-1).
 # Positions stay below it too, so that position +- window never overflows int64 (cpattn/mask.h).
 MAX_POSITION = 2**61 - 1

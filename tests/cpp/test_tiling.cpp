@@ -38,6 +38,33 @@ Case random_case(std::mt19937_64& rng) {
   return c;
 }
 
+// One tile (r0, c0) a kernel visits, out-of-range rows and columns included: an unmasked tile
+// holds only visible pairs, and what the kernel keeps of a masked one, keeps(r, col) (its per-row
+// or per-key bounds), is exactly the visible pairs. Counts the visible pairs in seen.
+template <typename Keeps>
+void check_tile(const Case& c, int trial, int64_t r0, int64_t c0, bool masked, Keeps keeps,
+                std::vector<int>& seen) {
+  for (int64_t r = r0; r < r0 + c.block_m; ++r)
+    for (int64_t col = c0; col < c0 + c.block_n; ++col) {
+      const bool vis = r < c.seqlen_q && col < c.seqlen_k && c.mask.visible(r, col);
+      if (!masked) {
+        ASSERT_TRUE(vis) << "trial " << trial << ": unmasked tile holds a hidden pair (" << r
+                         << ", " << col << ")";
+      }
+      ASSERT_EQ(masked ? keeps(r, col) : true, vis)
+          << "trial " << trial << " (" << r << ", " << col << ")";
+      if (vis) ++seen[r * c.seqlen_k + col];
+    }
+}
+
+// Every visible pair was visited exactly once.
+void check_seen_once(const Case& c, int trial, const std::vector<int>& seen) {
+  for (int64_t r = 0; r < c.seqlen_q; ++r)
+    for (int64_t col = 0; col < c.seqlen_k; ++col)
+      ASSERT_EQ(seen[r * c.seqlen_k + col], c.mask.visible(r, col) ? 1 : 0)
+          << "trial " << trial << " pair (" << r << ", " << col << ")";
+}
+
 // Forward / dQ direction: per query block, the key blocks it visits.
 TEST(Tiling, ForwardVisitsEveryVisiblePairOnce) {
   std::mt19937_64 rng(7);
@@ -54,31 +81,13 @@ TEST(Tiling, ForwardVisitsEveryVisiblePairOnce) {
         if (tile_is_empty(m, r0, c.block_m, c0, c.block_n, c.seqlen_q, c.seqlen_k)) continue;
         const bool masked =
             tile_needs_mask(m, r0, c.block_m, c0, c.block_n, c.seqlen_q, c.seqlen_k);
-        for (int64_t r = r0; r < r0 + c.block_m; ++r) {
-          const IndexBounds kb_row = visible_keys_of_row(m, r, c.seqlen_k);
-          for (int64_t col = c0; col < c0 + c.block_n; ++col) {
-            const bool in_range = r < c.seqlen_q && col < c.seqlen_k;
-            const bool vis = in_range && m.visible(r, col);
-            if (!masked) {
-              ASSERT_TRUE(vis) << "trial " << trial << ": unmasked tile holds a hidden pair ("
-                               << r << ", " << col << ")";
-            }
-            // What the kernel computes for the pair: all of an unmasked tile, the bounds of a
-            // masked one (out-of-range rows are never stored).
-            const bool kernel_keeps = masked ? kb_row.contains(int(col)) : true;
-            if (r < c.seqlen_q) {
-              ASSERT_EQ(kernel_keeps, vis)
-                  << "trial " << trial << " (" << r << ", " << col << ")";
-              if (vis) ++seen[r * c.seqlen_k + col];
-            }
-          }
-        }
+        // the kernel's bounds: per row (rows past seqlen_q are never stored)
+        check_tile(c, trial, r0, c0, masked, [&](int64_t r, int64_t col) {
+          return r < c.seqlen_q && visible_keys_of_row(m, r, c.seqlen_k).contains(int(col));
+        }, seen);
       }
     }
-    for (int64_t r = 0; r < c.seqlen_q; ++r)
-      for (int64_t col = 0; col < c.seqlen_k; ++col)
-        ASSERT_EQ(seen[r * c.seqlen_k + col], m.visible(r, col) ? 1 : 0)
-            << "trial " << trial << " pair (" << r << ", " << col << ")";
+    check_seen_once(c, trial, seen);
   }
 }
 
@@ -98,24 +107,13 @@ TEST(Tiling, BackwardVisitsEveryVisiblePairOnce) {
         if (tile_is_empty(m, r0, c.block_m, c0, c.block_n, c.seqlen_q, c.seqlen_k)) continue;
         const bool masked =
             tile_needs_mask(m, r0, c.block_m, c0, c.block_n, c.seqlen_q, c.seqlen_k);
-        for (int64_t col = c0; col < c0 + c.block_n; ++col) {
-          const IndexBounds rows = visible_rows_of_key(m, col, c.seqlen_q);
-          for (int64_t r = r0; r < r0 + c.block_m; ++r) {
-            const bool in_range = r < c.seqlen_q && col < c.seqlen_k;
-            const bool vis = in_range && m.visible(r, col);
-            if (!masked) {
-              ASSERT_TRUE(vis) << "trial " << trial;
-            }
-            const bool keeps = masked ? (col < c.seqlen_k && rows.contains(int(r))) : true;
-            ASSERT_EQ(keeps, vis) << "trial " << trial << " (" << r << ", " << col << ")";
-            if (vis) ++seen[r * c.seqlen_k + col];
-          }
-        }
+        // the kernel's bounds: per key
+        check_tile(c, trial, r0, c0, masked, [&](int64_t r, int64_t col) {
+          return col < c.seqlen_k && visible_rows_of_key(m, col, c.seqlen_q).contains(int(r));
+        }, seen);
       }
     }
-    for (int64_t r = 0; r < c.seqlen_q; ++r)
-      for (int64_t col = 0; col < c.seqlen_k; ++col)
-        ASSERT_EQ(seen[r * c.seqlen_k + col], m.visible(r, col) ? 1 : 0) << "trial " << trial;
+    check_seen_once(c, trial, seen);
   }
 }
 

@@ -329,22 +329,22 @@ def _large_scores():
         check_close(f"large {n}", x, r.to(DEV), 3 * GRAD_TOL[torch.bfloat16])
 
 
+def _must_raise(fn, needle: str, what: str) -> None:
+    """fn() raises a RuntimeError whose message contains needle."""
+    try:
+        fn()
+    except RuntimeError as e:
+        assert needle in str(e), str(e)
+    else:
+        raise AssertionError(f"{what} must raise")
+
+
 @check("errors/fp32_and_head_dim")
 def _errors():
     q = torch.randn(1, 8, 2, 64, device=DEV)
-    try:
-        cpattn.attention(q, q, q)
-    except RuntimeError as e:
-        assert "bfloat16 or float16" in str(e), str(e)
-    else:
-        raise AssertionError("fp32 CUDA inputs must raise")
+    _must_raise(lambda: cpattn.attention(q, q, q), "bfloat16 or float16", "fp32 CUDA inputs")
     big = torch.randn(1, 8, 2, 512, device=DEV, dtype=torch.bfloat16)
-    try:
-        cpattn.attention(big, big, big)
-    except RuntimeError as e:
-        assert "head_dim" in str(e), str(e)
-    else:
-        raise AssertionError("head_dim 512 must raise")
+    _must_raise(lambda: cpattn.attention(big, big, big), "head_dim", "head_dim 512")
 
 
 @check("merge_state/cuda")

@@ -20,12 +20,27 @@
 namespace cpattn::cuda {
 namespace {
 
+// Runs body on the host emulation with the launch geometry the launchers use (kernel_config.h).
+void launch(const LaunchShape& l, const std::function<void()>& body) {
+  emu::launch({l.grid[0], l.grid[1], l.grid[2]}, l.threads, l.smem_bytes, body);
+}
+
 struct Case {
   int batch, seqlen_q, seqlen_k, heads, kv_heads;
   bool causal;
   int64_t window_left, window_right, q_offset, k_offset;
   float scale;
 };
+
+Mask mask_of(const Case& c) {
+  Mask m;
+  m.causal = c.causal;
+  m.window_left = c.window_left;
+  m.window_right = c.window_right;
+  m.q_offset = c.q_offset;
+  m.k_offset = c.k_offset;
+  return m;
+}
 
 std::string name_of(const Case& c, int d) {
   std::ostringstream os;
@@ -67,12 +82,7 @@ struct Reference {
 Reference reference(const Case& c, int d, const std::vector<double>& q,
                     const std::vector<double>& k, const std::vector<double>& v,
                     const std::vector<double>& dout) {
-  Mask m;
-  m.causal = c.causal;
-  m.window_left = c.window_left;
-  m.window_right = c.window_right;
-  m.q_offset = c.q_offset;
-  m.k_offset = c.k_offset;
+  const Mask m = mask_of(c);
   const int B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, H = c.heads, Hk = c.kv_heads;
   const int group = H / Hk;
   Reference r;
@@ -224,17 +234,12 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
   const int pad = opt.row_pad;
   const auto q_in = with_row_pad(q, H * d, pad), k_in = with_row_pad(k, Hk * d, pad),
              v_in = with_row_pad(v, Hk * d, pad), dout_in = with_row_pad(dout, H * d, pad);
-  const Strides qs_in{int64_t(Sq) * (H * d + pad), int64_t(H) * d + pad, d};
-  const Strides ks_in{int64_t(Sk) * (Hk * d + pad), int64_t(Hk) * d + pad, d};
+  const BshdStrides qs_in{int64_t(Sq) * (H * d + pad), int64_t(H) * d + pad, d};
+  const BshdStrides ks_in{int64_t(Sk) * (Hk * d + pad), int64_t(Hk) * d + pad, d};
 
-  Mask m;
-  m.causal = c.causal;
-  m.window_left = c.window_left;
-  m.window_right = c.window_right;
-  m.q_offset = c.q_offset;
-  m.k_offset = c.k_offset;
-  const Strides qs{int64_t(Sq) * H * d, int64_t(H) * d, d};
-  const Strides ks{int64_t(Sk) * Hk * d, int64_t(Hk) * d, d};
+  const Mask m = mask_of(c);
+  const BshdStrides qs{int64_t(Sq) * H * d, int64_t(H) * d, d};
+  const BshdStrides ks{int64_t(Sk) * Hk * d, int64_t(Hk) * d, d};
   ShapeCuda shape{B, H, Hk, Sq, Sk, d};
 
   // ---- forward
@@ -258,9 +263,7 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
   fp.softmax_scale = c.scale;
   fp.scale_log2 = c.scale * 1.4426950408889634f;
   fp.mask = m;
-  emu::launch({unsigned((Sq + FCfg::kBlockM - 1) / FCfg::kBlockM), unsigned(H), unsigned(B)},
-              FCfg::kThreads, FCfg::kSmemBytes,
-              [&] { attention_fwd_kernel<FCfg, Elem, OutT>(fp); });
+  launch(fwd_launch<FCfg>(fp.shape), [&] { attention_fwd_kernel<FCfg, Elem, OutT>(fp); });
   expect_close("out", out, ref.out, std::is_same_v<OutT, float> ? Host<Elem>::kOutTol / 2
                                                                  : Host<Elem>::kOutTol);
   for (size_t i = 0; i < lse.size(); ++i) {
@@ -320,29 +323,15 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
     bp.head_splits = opt.head_splits;
     bp.dkv_partial = dkv_partial.data();
   }
-  {
-    const int64_t rows = int64_t(B) * H * rounded;
-    emu::launch({unsigned((rows + kPreprocessWarps - 1) / kPreprocessWarps), 1, 1},
-                32 * kPreprocessWarps, 0, [&] { bwd_preprocess_kernel<OutT, Elem>(bp); });
-  }
-  emu::launch({unsigned((Sk + BCfg::kBlockN - 1) / BCfg::kBlockN * BCfg::kSplit),
-               unsigned(Hk * opt.head_splits), unsigned(B)},
-              BCfg::kThreads, BCfg::kSmemBytes,
-              [&] { attention_bwd_dkdv_kernel<BCfg, Elem, OutT>(bp); });
-  if (opt.head_splits > 1) {
-    const int64_t pairs = int64_t(B) * Sk * Hk * (d / 2);
-    emu::launch({unsigned((pairs + 255) / 256), 1, 1}, 256, 0,
-                [&] { dkv_reduce_kernel<d, OutT>(bp); });
-  }
-  if (deterministic) {
-    const int smem = (2 * QCfg::kQElems + 2 * QCfg::kStageElems) * 2;
-    emu::launch({unsigned((Sq + QCfg::kBlockM - 1) / QCfg::kBlockM), unsigned(H), unsigned(B)},
-                QCfg::kThreads, smem, [&] { attention_bwd_dq_kernel<QCfg, Elem, OutT>(bp); });
-  } else {
-    const int64_t pairs = int64_t(B) * H * Sq * (d / 2);
-    emu::launch({unsigned((pairs + 255) / 256), 1, 1}, 256, 0,
-                [&] { dq_convert_kernel<d, OutT>(bp); });
-  }
+  launch(preprocess_launch(bp.shape, rounded), [&] { bwd_preprocess_kernel<OutT, Elem>(bp); });
+  launch(dkdv_launch<BCfg>(bp.shape, bp.head_splits),
+         [&] { attention_bwd_dkdv_kernel<BCfg, Elem, OutT>(bp); });
+  if (opt.head_splits > 1)
+    launch(pairs_launch(dkv_pairs(bp.shape)), [&] { dkv_reduce_kernel<d, OutT>(bp); });
+  if (deterministic)
+    launch(dq_launch<QCfg>(bp.shape), [&] { attention_bwd_dq_kernel<QCfg, Elem, OutT>(bp); });
+  else
+    launch(pairs_launch(dq_pairs(bp.shape)), [&] { dq_convert_kernel<d, OutT>(bp); });
   const double gt = Host<Elem>::kGradTol;
   expect_close("dq", dq, ref.dq, gt);
   expect_close("dk", dk, ref.dk, gt);
@@ -479,9 +468,7 @@ void nan_row_case(uint64_t seed) {
   fp.softmax_scale = 0.125f;
   fp.scale_log2 = 0.125f * 1.4426950408889634f;
   fp.mask.causal = true;
-  emu::launch({unsigned((Sq + FCfg::kBlockM - 1) / FCfg::kBlockM), unsigned(H), 1},
-              FCfg::kThreads, FCfg::kSmemBytes,
-              [&] { attention_fwd_kernel<FCfg, Elem, float>(fp); });
+  launch(fwd_launch<FCfg>(fp.shape), [&] { attention_fwd_kernel<FCfg, Elem, float>(fp); });
   for (int i = 0; i < Sq; ++i)
     for (int h = 0; h < H; ++h) {
       const bool nan = i == nan_row && h == nan_head;

@@ -1,0 +1,54 @@
+// Parameters of the CPU kernels: the shared description (cpattn/params.h) plus the CPU's own
+// operand packing (fp32 operands packed (batch, heads, seqlen, Dp), or bf16 ones with key pairs
+// interleaved). Private to csrc/cpu and the op layer's CPU backend (ops/attention_cpu.cpp).
+#pragma once
+
+#include <cstdint>
+
+#include "cpattn/params.h"
+
+namespace cpattn {
+
+// Forward. Inputs are packed fp32, (batch, heads, seqlen, Dp) contiguous, zero beyond D.
+struct FwdParams : AttnScoring {  // score.sinks: applied to out and lse when rows are written
+  AttnShape shape;
+  const float* q = nullptr;  // (B, H, Sq, Dp)
+  const float* k = nullptr;  // (B, Hkv, Sk, Dp)
+  const float* v = nullptr;  // (B, Hkv, Sk, Dvp)
+  BshdOutput out;            // (B, Sq, H, Dv), fully written
+  float* lse = nullptr;      // (B, H, Sq) contiguous, natural log
+  // bf16 operands instead of q/k/v, for CPUs with bf16 dot products (cpu::has_bf16_dot()):
+  // q16 (B, Sq, H, D) as given, strides q16_strides; k16 (B, Hkv, Sk, Dp); v16
+  // (B, Hkv, Sk2, Dp, 2) with Sk2 = ceil(Sk / 2): V with key pairs interleaved (keys 2j and
+  // 2j+1 side by side, a zero key past the end), Dvp in place of Dp.
+  const uint16_t* q16 = nullptr;
+  BshdStrides q16_strides;
+  const uint16_t* k16 = nullptr;
+  const uint16_t* v16 = nullptr;
+};
+
+// Backward from the *global* out / lse of each query row (delta = rowsum(dout * out)).
+struct BwdParams : AttnScoring {  // score.sinks unused: the sink is already in lse
+  AttnShape shape;
+  const float* q = nullptr;      // (B, H, Sq, Dp)
+  const float* k = nullptr;      // (B, Hkv, Sk, Dp)
+  const float* v = nullptr;      // (B, Hkv, Sk, Dvp)
+  const float* dout = nullptr;   // (B, H, Sq, Dvp)
+  const float* lse = nullptr;    // (B, H, Sq), natural log, sinks included (the final LSE)
+  const float* delta = nullptr;  // (B, H, Sq)
+  BshdOutput dq;                 // (B, Sq, H, D), fully written
+  BshdOutput dk, dv;             // (B, Sk, Hkv, D) and (B, Sk, Hkv, Dv), fully written
+  // bf16 operands instead of q/k/v/dout (cpu::has_bf16_dot()): q16 and dout16 (B, Sq, H, D) as
+  // given, strides q16_strides and dout16_strides; k16 (B, Hkv, Sk, Dp) and v16 (B, Hkv, Sk,
+  // Dvp), and K again
+  // with key pairs interleaved, k16_pairs (B, Hkv, ceil(Sk / 2), Dp, 2), for dQ = dS K.
+  const uint16_t* q16 = nullptr;
+  BshdStrides q16_strides;
+  const uint16_t* dout16 = nullptr;
+  BshdStrides dout16_strides;
+  const uint16_t* k16 = nullptr;
+  const uint16_t* v16 = nullptr;
+  const uint16_t* k16_pairs = nullptr;
+};
+
+}  // namespace cpattn
