@@ -6,6 +6,7 @@ back to sequence shards. Communication per rank is ~4 tensors of its shard size,
 W, over all-to-all links; it needs H % W == 0.
 """
 
+from collections.abc import Callable
 from typing import Optional, Union
 
 import torch
@@ -13,9 +14,9 @@ import torch.distributed as dist
 
 from cpattn import comm
 from cpattn._agreement import agree_on, score_fields
-from cpattn._validation import check_score_options, check_timeout, error
+from cpattn._validation import check_int, check_score_options, check_timeout, error
 from cpattn.attention import attention
-from cpattn.ring import _attention_args, _group_info, ring_attention
+from cpattn.ring import _attention_args, _group_info, _padded_length, positions, ring_attention
 
 
 def _kv_heads_for_ranks(heads: int, kv_heads: int, world: int) -> Optional[list]:
@@ -58,6 +59,32 @@ def _my_heads(per_head: Optional[torch.Tensor], heads: int, group) -> Optional[t
     return per_head[u_rank * per_rank:(u_rank + 1) * per_rank]
 
 
+def _check_seqlen(what: str, seqlen, padded: int, rule: Callable[[int], int]) -> int:
+    """The real sequence length (default: every token is real): `rule(seqlen)` must give
+    `padded`, the number of tokens the shards hold in all."""
+    if seqlen is None:
+        return padded
+    n = check_int(what, "seqlen", seqlen, minimum=1)
+    if rule(n) != padded:
+        raise error(what, "seqlen", n, f"gives {rule(n)} tokens in all once padded (see "
+                    f"cpattn.positions), but the shards hold {padded}")
+    return n
+
+
+def _pad_rows(out: torch.Tensor, lse: torch.Tensor, length: int,
+              sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (B, L, H, Dv) and lse (B, H, L) padded at the end of the sequence to `length` rows:
+    out 0 and LSE -inf (with sinks: the sink, as the ring's padding rows)."""
+    extra = length - out.shape[1]
+    if extra == 0:
+        return out, lse
+    b, _, h, _ = out.shape
+    pad_lse = (lse.new_full((b, h, extra), float("-inf")) if sinks is None else
+               sinks.to(lse.dtype)[None, :, None].expand(b, h, extra))
+    return (torch.cat([out, out.new_zeros((b, extra, *out.shape[2:]))], dim=1),
+            torch.cat([lse, pad_lse], dim=2))
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -73,6 +100,7 @@ def ulysses_attention(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     prefix_len: int = 0,
+    seqlen: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded contiguously (rank r holds tokens
     [r*S/W, (r+1)*S/W)) by all-to-all between sequence and head shards.
@@ -85,26 +113,36 @@ def ulysses_attention(
     sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention on global positions; each rank
     uses the sinks / slopes of the heads it computes, so the gradient of `sinks` on a rank is
     its heads' share (summed over the group by the usual parameter-gradient all-reduce).
+    seqlen: the global sequence length, for any length (default: W times the shard length):
+    cpattn.shard(x, layout="contiguous") pads a length-S sequence at its end to a multiple of W
+    (cpattn.positions marks the padding with -1); padding rows get out 0 and LSE -inf (with
+    sinks: the sink), padding keys are never attended to; cpattn.unshard(..., seqlen=S).
     """
     what = "cpattn.ulysses_attention"
     group, _, world = _group_info(group)
     timeout = check_timeout(what, timeout)
 
     def check():
-        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window,
-                                       v_head_dim_free=True)
+        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window)
         _check_heads(what, q, world)
         cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
-        return (*args, cap, prefix), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix)]
+        n = _check_seqlen(what, seqlen, q.shape[1] * world,
+                          lambda n: _padded_length(n, "contiguous", world))
+        return (*args, cap, prefix, n), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix),
+                                         ("seqlen", n)]
 
-    causal, _, softmax_scale, window, softcap, prefix_len = agree_on(what, group, timeout, check)
+    causal, _, softmax_scale, window, softcap, prefix_len, n = agree_on(what, group, timeout,
+                                                                       check)
     qh, kh, vh = _scatter_heads(q, k, v, group)
     heads = q.shape[2]
-    out_h, lse_h = attention(qh, kh, vh, causal=causal, softmax_scale=softmax_scale,
-                             window=window, return_lse=True, softcap=softcap,
-                             sinks=_my_heads(sinks, heads, group),
+    my_sinks = _my_heads(sinks, heads, group)
+    # the whole sequence is here now: attention over its real tokens only, padding rows after
+    out_h, lse_h = attention(qh[:, :n], kh[:, :n], vh[:, :n], causal=causal,
+                             softmax_scale=softmax_scale, window=window, return_lse=True,
+                             softcap=softcap, sinks=my_sinks,
                              alibi_slopes=_my_heads(alibi_slopes, heads, group),
                              prefix_len=prefix_len)
+    out_h, lse_h = _pad_rows(out_h, lse_h, qh.shape[1], my_sinks)
     out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=group)
     if not return_lse:
         return out
@@ -129,6 +167,7 @@ def hybrid_attention(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     prefix_len: int = 0,
+    seqlen: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ulysses inside `ulysses_group` (size U), ring across `ring_group` (size R), W = U * R.
 
@@ -138,6 +177,9 @@ def hybrid_attention(
     sub-chunk of ring shard i. H % U == 0. Either group may have size 1.
     sinks, softcap, alibi_slopes, prefix_len: as ulysses_attention (per-head ones sliced to the
     rank's heads, then as ring_attention across the ring).
+    seqlen: the global sequence length, for any length (default: W times the shard length):
+    hybrid_shard pads as hybrid_positions says; padding rows get out 0 and LSE -inf (with
+    sinks: the sink); hybrid_unshard(..., seqlen=S) gives S tokens back.
     """
     if mesh is not None:
         ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
@@ -149,48 +191,57 @@ def hybrid_attention(
     ring_world = dist.get_world_size(ring_group)
 
     def check():
-        # v's own head dim passes Ulysses; the ring needs it equal to q/k's.
-        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout,
-                                       v_head_dim_free=ring_world == 1)
+        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout)
         _check_heads(what, q, u_world)
         cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
-        return (*args, cap, prefix), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix)]
+        n = _check_seqlen(what, seqlen, q.shape[1] * u_world * ring_world,
+                          lambda n: _hybrid_ring_shard(n, layout, ring_world, u_world)[1]
+                          * ring_world)
+        return (*args, cap, prefix, n), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix),
+                                         ("seqlen", n)]
 
-    causal, _, softmax_scale, window, softcap, prefix_len = agree_on(what, ulysses_group, timeout,
-                                                                     check)
+    causal, _, softmax_scale, window, softcap, prefix_len, n = agree_on(what, ulysses_group,
+                                                                       timeout, check)
     qh, kh, vh = _scatter_heads(q, k, v, ulysses_group)
     heads = q.shape[2]
-    out_h, lse_h = ring_attention(qh, kh, vh, group=ring_group, causal=causal, layout=layout,
+    # this rank's ring shard of the sequence padded for the ring, then for Ulysses: the ring
+    # gets the first, the Ulysses padding rows come back as 0 / -inf
+    ring_shard, _ = _hybrid_ring_shard(n, layout, ring_world, u_world)
+    my_sinks = _my_heads(sinks, heads, ulysses_group)
+    out_h, lse_h = ring_attention(qh[:, :ring_shard], kh[:, :ring_shard], vh[:, :ring_shard],
+                                  group=ring_group, causal=causal, layout=layout,
                                   softmax_scale=softmax_scale, window=window, return_lse=True,
-                                  timeout=timeout, softcap=softcap,
-                                  sinks=_my_heads(sinks, heads, ulysses_group),
+                                  timeout=timeout, softcap=softcap, sinks=my_sinks,
                                   alibi_slopes=_my_heads(alibi_slopes, heads, ulysses_group),
-                                  prefix_len=prefix_len)
+                                  prefix_len=prefix_len, seqlen=n)
+    out_h, lse_h = _pad_rows(out_h, lse_h, qh.shape[1], my_sinks)
     out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=ulysses_group)
     if not return_lse:
         return out
     return out, comm.all_to_all(lse_h, scatter_dim=2, gather_dim=1, group=ulysses_group)
 
 
+def _hybrid_ring_shard(seqlen: int, layout: str, r_world: int, u_world: int) -> tuple[int, int]:
+    """(tokens of a ring shard of the sequence padded to the layout's granularity over the ring,
+    that number padded to a multiple of U): hybrid's two paddings."""
+    ring_shard = _padded_length(seqlen, layout, r_world) // r_world
+    return ring_shard, -(-ring_shard // u_world) * u_world
+
+
 def hybrid_positions(
     seqlen: int, *, ulysses_group, ring_group, layout: str = "zigzag", device=None
 ) -> torch.Tensor:
-    """Global positions of this rank's tokens under hybrid_attention's sharding."""
+    """Global positions of this rank's tokens under hybrid_attention's sharding.
+
+    Any length: the sequence is padded at its end to the ring layout's granularity (as
+    cpattn.positions over the R ring ranks), each ring shard then at its end to a multiple of U;
+    padding slots have position -1."""
     _, r_rank, r_world = _group_info(ring_group)
     _, u_rank, u_world = _group_info(ulysses_group)
-    from cpattn.ring import positions
-
     ring_pos = positions(seqlen, layout=layout, rank=r_rank, world_size=r_world, device=device)
-    if ring_pos.numel() * r_world != seqlen:
-        raise ValueError(
-            f"cpattn.hybrid_positions: the sequence length {seqlen} must be a multiple of the "
-            f"{layout} layout's granularity over the {r_world} ring ranks"
-        )
-    if ring_pos.numel() % u_world != 0:
-        raise ValueError(
-            f"cpattn.hybrid_positions: the ring shard length {ring_pos.numel()} is not divisible "
-            f"by the Ulysses group size {u_world}"
-        )
+    _, padded = _hybrid_ring_shard(seqlen, layout, r_world, u_world)
+    if padded != ring_pos.numel():
+        ring_pos = torch.cat([ring_pos, ring_pos.new_full((padded - ring_pos.numel(),), -1)])
     return ring_pos.chunk(u_world)[u_rank]
 
 
@@ -205,13 +256,18 @@ def hybrid_shard(x: torch.Tensor, *, ulysses_group, ring_group, layout: str = "z
 
 
 def hybrid_unshard(x_local: torch.Tensor, *, ulysses_group, ring_group, layout: str = "zigzag",
-                   dim: int = 1, group=None) -> torch.Tensor:
+                   dim: int = 1, group=None, seqlen: Optional[int] = None) -> torch.Tensor:
     """Inverse of hybrid_shard over `group` (default: the world, which must hold exactly the
-    ranks of the mesh). Differentiable."""
+    ranks of the mesh). `seqlen`: the real length (default: W times the shard length); the
+    padding slots are dropped. Differentiable."""
     from cpattn.ring import unshard
 
     world = dist.get_world_size(ulysses_group) * dist.get_world_size(ring_group)
-    seqlen = x_local.shape[dim] * world
+    if seqlen is None:
+        seqlen = x_local.shape[dim] * world
     idx = hybrid_positions(seqlen, ulysses_group=ulysses_group, ring_group=ring_group,
                            layout=layout)
+    if idx.numel() != x_local.shape[dim]:
+        raise error("cpattn.hybrid_unshard", "seqlen", seqlen, f"gives shards of {idx.numel()} "
+                    f"tokens, not {x_local.shape[dim]}")
     return unshard(x_local, group=group, index=idx, seqlen=seqlen, dim=dim)
