@@ -46,7 +46,7 @@ def _cache_store_fake(k_cache, v_cache, k, v, start, rank, world, interleave):
 @torch.library.register_fake("cpattn::cache_attention_fwd")
 def _cache_attention_fake(
     q, k_cache, v_cache, cache_lens, q_start, rank, world, interleave, softmax_scale, causal,
-    out_dtype=None,
+    out_dtype=None, softcap=0.0, alibi_slopes=None, prefix_len=0,
 ):
     b, sq, h, _ = q.shape
     out = q.new_empty(q.shape, dtype=out_dtype if out_dtype is not None else q.dtype)
@@ -55,7 +55,8 @@ def _cache_attention_fake(
 
 @torch.library.register_fake("cpattn::prefill_fwd")
 def _prefill_fake(
-    q, k, v, k_cache, v_cache, cache_lens, group_name, softmax_scale, layout, interleave, timeout_s
+    q, k, v, k_cache, v_cache, cache_lens, group_name, softmax_scale, layout, interleave, timeout_s,
+    softcap=0.0, alibi_slopes=None, prefix_len=0,
 ):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty((b, h, s), dtype=torch.float32)
