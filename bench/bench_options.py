@@ -5,14 +5,23 @@ interleaved round by round so that machine noise hits them alike; min and median
     python bench/bench_options.py                  # every variant, fp32 and bf16
     python bench/bench_options.py --plain-only     # plain causal only: also runs on older builds
                                                    # (e.g. main's wheel) to compare the plain path
+    python bench/bench_options.py --baseline /path/to/old/venv/bin/python
+        # then "plain path not slower than before": plain causal timed by this build and by the
+        # baseline interpreter's build (its own installed cpattn), alternating --repeats times
+        # in subprocesses (--plain-only --json), min over all rounds of each side
 
-Prints a markdown table (times in ms, ratio = median / plain median).
+Prints markdown tables (times in ms, ratio = median / plain median; baseline ratio = this
+build's min / the baseline's min).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -56,15 +65,64 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--plain-only", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the raw times as JSON only")
+    parser.add_argument("--baseline", help="python of an older build to compare the plain path")
+    parser.add_argument("--repeats", type=int, default=4, help="alternations with --baseline")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variants = {"plain causal": {}} if args.plain_only else VARIANTS
+    times = measure(args, variants)
+    if args.json:
+        print(json.dumps(times))
+        return
     print(f"cpattn {cpattn.__file__}, cpu isa {cpattn.build_info().get('cpu_isa')}, "
           f"{args.threads} threads, B=1 S={args.seqlen} H={args.heads} D={args.head_dim}, "
           f"{args.rounds} interleaved rounds (min / median ms)\n")
     print("| dtype | variant | fwd min | fwd median | fwd ratio | fwd+bwd min | fwd+bwd median "
           "| fwd+bwd ratio |")
     print("|---|---|---|---|---|---|---|---|")
+    for dtype, per_variant in times.items():
+        base_f = statistics.median(per_variant["plain causal"]["fwd"])
+        base_b = statistics.median(per_variant["plain causal"]["bwd"])
+        for name, t in per_variant.items():
+            mf, mb = statistics.median(t["fwd"]), statistics.median(t["bwd"])
+            print(f"| {dtype} | {name} | {min(t['fwd']) * 1e3:.1f} | {mf * 1e3:.1f} | "
+                  f"{mf / base_f:.3f} | {min(t['bwd']) * 1e3:.1f} | {mb * 1e3:.1f} | "
+                  f"{mb / base_b:.3f} |")
+    if args.baseline:
+        compare_plain(args)
+
+
+def compare_plain(args) -> None:
+    """Plain causal, this build against the baseline interpreter's, in alternating
+    subprocesses (so that machine noise hits both alike); min over every round of each side."""
+    cmd = [__file__, "--plain-only", "--json", "--seqlen", str(args.seqlen), "--heads",
+           str(args.heads), "--head-dim", str(args.head_dim), "--rounds", str(args.rounds),
+           "--threads", str(args.threads), "--dtypes", args.dtypes]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    sides = {"baseline": args.baseline, "this build": sys.executable}
+    best: dict = {side: {} for side in sides}
+    for _ in range(args.repeats):
+        for side, python in sides.items():
+            out = subprocess.run([python, *cmd], env=env, check=True, capture_output=True,
+                                 text=True, cwd="/tmp").stdout
+            for dtype, per_variant in json.loads(out.splitlines()[-1]).items():
+                t = per_variant["plain causal"]
+                old = best[side].get(dtype, (float("inf"), float("inf")))
+                best[side][dtype] = (min(old[0], min(t["fwd"])), min(old[1], min(t["bwd"])))
+    print(f"\nPlain causal, this build ({sys.executable}) vs baseline ({args.baseline}): "
+          f"{args.repeats} alternating runs of {args.rounds} rounds each, min (ms)\n")
+    print("| dtype | baseline fwd | this fwd | ratio | baseline fwd+bwd | this fwd+bwd | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype, (bf, bb) in best["baseline"].items():
+        tf, tb = best["this build"][dtype]
+        print(f"| {dtype} | {bf * 1e3:.1f} | {tf * 1e3:.1f} | {tf / bf:.3f} | {bb * 1e3:.1f} | "
+              f"{tb * 1e3:.1f} | {tb / bb:.3f} |")
+
+
+def measure(args, variants: dict) -> dict:
+    """{dtype: {variant: {"fwd": [s, ...], "bwd": [s, ...]}}}, the variants interleaved."""
+    times = {}
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         gen = torch.Generator().manual_seed(0)
         shape = (1, args.seqlen, args.heads, args.head_dim)
@@ -91,13 +149,9 @@ def main() -> None:
             for name in variants:
                 fwd[name].append(timed(lambda: forward(name)))
                 bwd[name].append(timed(lambda: both(name)))
-        base_f = statistics.median(fwd["plain causal"])
-        base_b = statistics.median(bwd["plain causal"])
-        for name in variants:
-            mf, mb = statistics.median(fwd[name]), statistics.median(bwd[name])
-            print(f"| {str(dtype).replace('torch.', '')} | {name} | {min(fwd[name]) * 1e3:.1f} | "
-                  f"{mf * 1e3:.1f} | {mf / base_f:.3f} | {min(bwd[name]) * 1e3:.1f} | "
-                  f"{mb * 1e3:.1f} | {mb / base_b:.3f} |")
+        times[str(dtype).replace("torch.", "")] = {
+            name: {"fwd": fwd[name], "bwd": bwd[name]} for name in variants}
+    return times
 
 
 if __name__ == "__main__":
