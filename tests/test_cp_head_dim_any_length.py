@@ -137,17 +137,17 @@ def _ulysses_hybrid_any_length(rank: int, world: int) -> None:
         kwargs = _options(h, every)
         if strategy == "ulysses":
             pos = cpattn.positions(seqlen, layout="contiguous")
-            shard = lambda t: cpattn.shard(t, layout="contiguous")  # noqa: E731
-            unshard = lambda t, dim=1: cpattn.unshard(  # noqa: E731
+            shard = lambda t: cpattn.shard(t, layout="contiguous")
+            unshard = lambda t, dim=1: cpattn.unshard(
                 t, layout="contiguous", dim=dim, seqlen=seqlen)
-            run = lambda *a, **kw: cpattn.ulysses_attention(*a, **kw, seqlen=seqlen)  # noqa
+            run = lambda *a, **kw: cpattn.ulysses_attention(*a, **kw, seqlen=seqlen)
         else:
             groups = {"ulysses_group": ug, "ring_group": rg, "layout": layout}
             pos = cpattn.hybrid_positions(seqlen, **groups)
-            shard = lambda t: cpattn.hybrid_shard(t, **groups)  # noqa: E731
-            unshard = lambda t, dim=1: cpattn.hybrid_unshard(  # noqa: E731
+            shard = lambda t: cpattn.hybrid_shard(t, **groups)
+            unshard = lambda t, dim=1: cpattn.hybrid_unshard(
                 t, dim=dim, seqlen=seqlen, **groups)
-            run = lambda *a, **kw: cpattn.hybrid_attention(  # noqa: E731
+            run = lambda *a, **kw: cpattn.hybrid_attention(
                 *a, **kw, **groups, seqlen=seqlen)
         _compare(f"{strategy} {layout} S={seqlen} dv={dv} options={every}", run, shard, unshard,
                  pos, full, True, (-1, -1) if every else (6, -1), kwargs, 2e-5)
@@ -193,7 +193,7 @@ def _prefix_per_document(rank: int, world: int) -> None:
                                                 layout=layout, strategy=strategy, sinks=sinks,
                                                 prefix_len=prefixes, allgather_chunk=1, **opts)
         out.backward(cpattn.shard_varlen(dout, cu, layout=layout))
-        un = lambda t, dim=0: cpattn.unshard_varlen(t, cu, layout=layout, dim=dim)  # noqa: E731
+        un = lambda t, dim=0: cpattn.unshard_varlen(t, cu, layout=layout, dim=dim)
         what = f"W={world} {layout} {strategy}"
         torch.testing.assert_close(un(out.detach()).double(), ref_out.detach(), atol=2e-5,
                                    rtol=2e-5, msg=lambda m: f"out {what}: {m}")
@@ -211,8 +211,8 @@ def _prefix_per_document(rank: int, world: int) -> None:
     bad = [
         (prefixes.int(), r"prefix_len.dtype=torch.int32: a prefix per document must be an int64"),
         (prefixes[:3], r"prefix_len.shape=\(3,\): must be \(4,\)"),
-        (torch.tensor([4, 2, 0, 0]), r"prefix_len\[1\]=2: must be between 0 and the document's "
-                                     r"length 1"),
+        (torch.tensor([4, 2, 0, 0]), (r"prefix_len\[1\]=2: must be between 0 and the "
+                                      r"document's length 1")),
         (torch.tensor([4, 0, 0, -1]), r"prefix_len\[3\]=-1"),
     ]
     for prefix, match in bad:

@@ -153,8 +153,8 @@ def test_ranks_must_agree_on_options() -> None:
 
 
 def _ulysses_and_hybrid(rank: int, world: int) -> None:
-    """Ulysses (W=4) and hybrid (U=2 x R=2), each also with head_dim_v != head_dim, with every option:
-    per-head sinks and slopes sliced to each rank's heads."""
+    """Ulysses (W=4) and hybrid (U=2 x R=2), each also with head_dim_v != head_dim, with every
+    option: per-head sinks and slopes sliced to each rank's heads."""
     from test_strategies import _hybrid_groups
 
     ug, rg = _hybrid_groups(world, 2)

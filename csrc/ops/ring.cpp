@@ -324,9 +324,9 @@ RingOptions gathered_options(const at::Tensor& q, const at::Tensor& kv_all, int6
                              const std::optional<at::Tensor>& alibi_slopes,
                              const std::optional<at::Tensor>& sinks, int64_t prefix_len) {
   TORCH_CHECK(kv_all.dim() == 5 && q.dim() == 4 && kv_all.size(4) > q.size(3),
-              "cpattn: kv_all must be (world, batch, seqlen_local, kv_heads, head_dim + v_head_dim) "
-              "for q (batch, seqlen_local, heads, head_dim), got ", kv_all.sizes(), " and ",
-              q.sizes());
+              "cpattn: kv_all must be (world, batch, seqlen_local, kv_heads, head_dim + "
+              "v_head_dim) for q (batch, seqlen_local, heads, head_dim), got ", kv_all.sizes(),
+              " and ", q.sizes());
   const int64_t world = kv_all.size(0);
   TORCH_CHECK(rank >= 0 && rank < world, "cpattn: rank ", rank, " is not in a group of ", world);
   RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout,

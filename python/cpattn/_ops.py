@@ -159,7 +159,7 @@ def _layout_positions_fake(seqlen, world, rank, layout):
 
 @torch.library.register_fake("cpattn::ring_fwd_emulated")
 def _ring_fwd_emulated_fake(q, k, v, softmax_scale, causal, window_left, window_right, layout):
-    return ([t.new_empty(t.shape) for t in q],
+    return ([t.new_empty((*t.shape[:-1], vt.shape[-1])) for t, vt in zip(q, v)],
             [t.new_empty((t.shape[0], t.shape[2], t.shape[1]), dtype=torch.float32) for t in q])
 
 
