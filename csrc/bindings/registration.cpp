@@ -127,8 +127,8 @@ TORCH_LIBRARY_FRAGMENT(cpattn, m) {
   m.def(
       "prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor cache_lens, str group_name, float softmax_scale, int layout, int interleave, "
-      "float timeout_s, float softcap=0., Tensor? alibi_slopes=None, int prefix_len=0) "
-      "-> (Tensor out, Tensor lse)");
+      "float timeout_s, float softcap=0., Tensor? alibi_slopes=None, int prefix_len=0, "
+      "int seqlen=0) -> (Tensor out, Tensor lse)");
   m.def("cache_local_count(int n, int rank, int world, int interleave) -> int");
   m.def("cache_positions(int n, int rank, int world, int interleave) -> Tensor");
 }

@@ -88,7 +88,8 @@ void check_room(const CacheSharding& s, int64_t slots, const std::vector<int64_t
                 " slots per rank, room for ", s.max_tokens(slots), " tokens per sequence");
 }
 
-// Writes token l of sequence b of (k, v) to its slot when `rank` owns position(b, l).
+// Writes token l of sequence b of (k, v) to its slot when `rank` owns position(b, l) (-1: a
+// padding token, stored nowhere).
 template <typename Position>
 void store_owned(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
                  const at::Tensor& v, const CacheSharding& s, int64_t rank, Position position) {
@@ -98,7 +99,7 @@ void store_owned(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
     dst.clear();
     for (int64_t l = 0; l < k.size(1); ++l) {
       const int64_t t = position(b, l);
-      if (s.owner(t) != rank) continue;
+      if (t < 0 || s.owner(t) != rank) continue;
       src.push_back(l);
       dst.push_back(s.slot(t));
     }
@@ -325,7 +326,7 @@ std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Te
                                                int64_t layout, int64_t interleave,
                                                double timeout_s, double softcap,
                                                const std::optional<at::Tensor>& alibi_slopes,
-                                               int64_t prefix_len) {
+                                               int64_t prefix_len, int64_t seqlen) {
   auto transport = group_transport(q, group_name, timeout_s);
   const int64_t world = transport->world(), rank = transport->rank();
   const CacheSharding s = checked_sharding(rank, world, interleave);
@@ -336,13 +337,20 @@ std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Te
   o.out_dtype = at::kFloat;  // merged with the cached part before the one cast
   const std::vector<int64_t> start = per_sequence(cache_lens, k_cache.size(0), "cache_lens");
   const int64_t chunk = k.size(1) * world;
-  check_room(s, k_cache.size(1), start, chunk);
+  // Any length: a chunk of seqlen real tokens padded at its end is one document of that length
+  // (padding rows 0 / -inf, padding keys never seen, never stored).
+  TORCH_CHECK(seqlen >= 0 && seqlen <= chunk, "cpattn.prefill_attention: seqlen must be between 0 "
+              "(the whole chunk) and the chunk's ", chunk, " tokens, got ", seqlen);
+  const int64_t real = seqlen > 0 ? seqlen : chunk;
+  if (real != chunk) o.doc_lengths = {real};
+  check_room(s, k_cache.size(1), start, real);
   // Every K/V shard of the chunk passes through every rank in the ring: each rank keeps the
   // tokens it owns, so filling the cache costs no communication beyond the ring's.
   const ShardVisitor store = [&](int64_t source, const at::Tensor& k_shard,
                                 const at::Tensor& v_shard) {
     store_owned(k_cache, v_cache, k_shard, v_shard, s, rank, [&](int64_t b, int64_t l) {
-      return start[b] + global_position(o.layout, chunk, world, source, l);
+      const int64_t c = global_position(o.layout, chunk, world, source, l);
+      return c < real ? start[b] + c : -1;
     });
   };
   auto result = ring_forward(q, k, v, *transport, o, store);

@@ -43,7 +43,8 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
 // ring_fwd), which also stores each chunk token in its owner's cache at position
 // cache_lens[b] + (its position in the chunk). Attention to earlier cached tokens is not included.
 // Returns out in float32 and lse. Score options as ring_fwd, on positions within the chunk
-// (prefix_len: the prefix's end relative to the chunk's first token).
+// (prefix_len: the prefix's end relative to the chunk's first token). seqlen > 0: the chunk's
+// real length, the shards padded at its end (padding rows 0 / -inf, padding never stored).
 std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, const at::Tensor& k_cache,
                                                const at::Tensor& v_cache,
@@ -53,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Te
                                                double timeout_s, double softcap = 0.0,
                                                const std::optional<at::Tensor>& alibi_slopes =
                                                    std::nullopt,
-                                               int64_t prefix_len = 0);
+                                               int64_t prefix_len = 0, int64_t seqlen = 0);
 
 // Slots `rank` uses for the tokens of positions [0, n), and their global positions.
 int64_t cache_local_count(int64_t n, int64_t rank, int64_t world, int64_t interleave);

@@ -56,7 +56,7 @@ def _cache_attention_fake(
 @torch.library.register_fake("cpattn::prefill_fwd")
 def _prefill_fake(
     q, k, v, k_cache, v_cache, cache_lens, group_name, softmax_scale, layout, interleave, timeout_s,
-    softcap=0.0, alibi_slopes=None, prefix_len=0,
+    softcap=0.0, alibi_slopes=None, prefix_len=0, seqlen=0,
 ):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty((b, h, s), dtype=torch.float32)

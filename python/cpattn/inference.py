@@ -23,6 +23,7 @@ from cpattn import _inference_ops  # noqa: F401  (fake kernels and autograd)
 from cpattn._agreement import FieldValue, agree_on, digest_ints, score_fields, tensor_fields
 from cpattn._validation import (
     check_choice,
+    check_int,
     check_qkv,
     check_scale,
     check_score_options,
@@ -30,11 +31,10 @@ from cpattn._validation import (
     check_timeout,
     error,
 )
-from cpattn.ring import LAYOUTS, _group_info, positions
+from cpattn.ring import LAYOUTS, _group_info, _padded_length, positions
 
 ops = torch.ops.cpattn
 COMMS = ("all_gather", "reduce_scatter")
-_LAYOUT_GRANULARITY = {"contiguous": 1, "zigzag": 2, "striped": 1}  # x W
 
 
 def _positive_int(value, name: str) -> int:
@@ -332,6 +332,7 @@ def prefill_attention(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     prefix_len: int = 0,
+    seqlen: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Causal attention for a chunk of C prompt tokens per sequence, sharded over the ranks, that
     also stores the chunk's K/V in the owners' cache shards.
@@ -354,6 +355,11 @@ def prefill_attention(
         softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions (the
             sequence's, counted from its first cached token). A prefix that reaches into the
             chunk needs every sequence of the batch at the same cache length.
+        seqlen: the chunk's length C, for any length (default: W times the shard length): the
+            shards of cpattn.shard on a length-C chunk are padded at its end to the layout's
+            granularity (cpattn.positions(C) marks the padding -1); padding rows get out 0 and
+            LSE -inf (with sinks: the sink), padding tokens are never attended to nor stored,
+            and the cache grows by C.
 
     Returns this rank's out (batch, C / W, heads, head_dim) in q's dtype. Forward only. Every rank
     must call it with the same shapes and options; a mismatch or a full cache raises on every rank.
@@ -369,29 +375,34 @@ def prefill_attention(
         _check_cache_type(cache, what)
         checked_sinks = _check_sinks(sinks, q, what)
         cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
+        padded = q.shape[1] * world
+        n = padded if seqlen is None else check_int(what, "seqlen", seqlen, minimum=1)
+        if seqlen is None and padded != _padded_length(padded, layout, world):
+            raise error(what, "q.shape[1]", q.shape[1], f"the {layout} layout needs a chunk "
+                        f"length that is a multiple of {_padded_length(1, layout, world)}, got "
+                        f"{padded} (pass seqlen= for a chunk of any length)")
+        if _padded_length(n, layout, world) != padded:
+            raise error(what, "seqlen", n, f"gives shards of "
+                        f"{_padded_length(n, layout, world) // world} tokens under the {layout} "
+                        f"layout over {world} ranks, not {q.shape[1]}")
         # the ring runs on positions within the chunk: the prefix's end relative to it
         ring_prefix = (prefix - cache.lengths).clamp(min=0).unique().tolist() if prefix else [0]
         if len(ring_prefix) > 1:
             raise error(what, "prefix_len", prefix, "reaches into this chunk at different "
                         "positions of the batch's sequences (their cache lengths differ): "
                         "prefill them one at a time (cache.sequences(i, i + 1))")
-        return (scale, checked_sinks, cap, prefix, ring_prefix[0]), [
+        return (scale, checked_sinks, cap, prefix, ring_prefix[0], n), [
             *tensor_fields("q", q), *tensor_fields("k", k), *tensor_fields("v", v),
             ("layout", layout), ("softmax_scale", scale), *_cache_fields(cache, rank),
-            *score_fields(cap, alibi_slopes, checked_sinks, prefix)]
+            *score_fields(cap, alibi_slopes, checked_sinks, prefix), ("seqlen", n)]
 
-    softmax_scale, sinks, softcap, prefix_len, ring_prefix = agree_on(what, group, timeout, check)
+    softmax_scale, sinks, softcap, prefix_len, ring_prefix, n = agree_on(what, group, timeout,
+                                                                         check)
     layout_code = LAYOUTS[layout]
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
-    chunk = q.shape[1] * world
-    granularity = _LAYOUT_GRANULARITY[layout] * world
-    if chunk % granularity != 0:
-        raise ValueError(
-            f"{what}: the {layout} layout needs a chunk length that is a multiple of "
-            f"{granularity}, got {chunk} ({q.shape[1]} per rank)"
-        )
-    cache.check_room(chunk, what)
+    chunk = q.shape[1] * world  # padded to the layout's granularity: n real tokens
+    cache.check_room(n, what)
 
     start = cache.lengths.clone()
     parts_out, parts_lse = [], []
@@ -417,14 +428,18 @@ def prefill_attention(
     ring_out, ring_lse = ops.prefill_fwd(
         q, k, v, cache.k, cache.v, start, group.group_name, float(softmax_scale), layout_code,
         cache.interleave, timeout, softcap=softcap, alibi_slopes=alibi_slopes,
-        prefix_len=ring_prefix,
+        prefix_len=ring_prefix, seqlen=n,
     )
-    cache.lengths += chunk
+    cache.lengths += n
     if len(parts_out):
         out, lse = merge_attention_states(
             torch.cat([ring_out[None], parts_out]), torch.cat([ring_lse[None], parts_lse]),
             out_dtype=torch.float32,
         )
+        if n != chunk:  # the cached tokens' partials of padding rows: dropped
+            padding = (positions(n, layout=layout, rank=rank, world_size=world) < 0).to(q.device)
+            out[:, padding] = 0.0
+            lse[:, :, padding] = float("-inf")
     else:
         out, lse = ring_out, ring_lse  # prefill_fwd returns fp32
     out, lse = _finish(out, lse, sinks, q.dtype)
@@ -536,12 +551,9 @@ def decode_attention(
 def chunk_positions(
     cache: KVCacheShard, chunk: int, *, layout: str = "zigzag", group=None
 ) -> torch.Tensor:
-    """Global positions (int64, (batch, chunk / W)) of this rank's tokens of the next prefill
-    chunk of length `chunk`: cache.lengths[b] + the layout's positions (e.g. for RoPE)."""
-    granularity = _LAYOUT_GRANULARITY[layout] * cache.world_size
-    if chunk % granularity != 0:
-        raise ValueError(f"cpattn.chunk_positions: the {layout} layout needs a chunk length that "
-                         f"is a multiple of {granularity}, got {chunk}")
+    """Global positions (int64, (batch, padded chunk / W)) of this rank's tokens of the next
+    prefill chunk of length `chunk`: cache.lengths[b] + the layout's positions (e.g. for RoPE);
+    any length: -1 for the padding slots (see prefill_attention's seqlen)."""
     local = positions(chunk, group=group, layout=layout, rank=cache.rank,
                       world_size=cache.world_size)
-    return cache.lengths[:, None] + local[None, :]
+    return torch.where(local[None, :] >= 0, cache.lengths[:, None] + local[None, :], -1)
