@@ -6,9 +6,10 @@ interleaved round by round so that machine noise hits them alike; min and median
     python bench/bench_options.py --plain-only     # plain causal only: also runs on older builds
                                                    # (e.g. main's wheel) to compare the plain path
     python bench/bench_options.py --baseline /path/to/old/venv/bin/python
-        # then "plain path not slower than before": plain causal timed by this build and by the
-        # baseline interpreter's build (its own installed cpattn), alternating --repeats times
-        # in subprocesses (--plain-only --json), min over all rounds of each side
+        # then "plain path not slower than before": plain causal (cpattn.attention, and the
+        # ring's work of rank 0 at W=2 with the shifts as local copies) timed by this build and
+        # by the baseline interpreter's build (its own installed cpattn), alternating --repeats
+        # times in subprocesses (--plain-only --json), min over all rounds of each side
 
 Prints markdown tables (times in ms, ratio = median / plain median; baseline ratio = this
 build's min / the baseline's min).
@@ -101,23 +102,25 @@ def compare_plain(args) -> None:
            "--threads", str(args.threads), "--dtypes", args.dtypes]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     sides = {"baseline": args.baseline, "this build": sys.executable}
-    best: dict = {side: {} for side in sides}
+    best: dict = {side: {} for side in sides}  # (dtype, path) -> (fwd min, fwd+bwd min)
     for _ in range(args.repeats):
         for side, python in sides.items():
             out = subprocess.run([python, *cmd], env=env, check=True, capture_output=True,
                                  text=True, cwd="/tmp").stdout
             for dtype, per_variant in json.loads(out.splitlines()[-1]).items():
-                t = per_variant["plain causal"]
-                old = best[side].get(dtype, (float("inf"), float("inf")))
-                best[side][dtype] = (min(old[0], min(t["fwd"])), min(old[1], min(t["bwd"])))
-    print(f"\nPlain causal, this build ({sys.executable}) vs baseline ({args.baseline}): "
+                for path, t in per_variant.items():
+                    old = best[side].get((dtype, path), (float("inf"), float("inf")))
+                    best[side][dtype, path] = (min(old[0], min(t["fwd"])),
+                                               min(old[1], min(t["bwd"])))
+    print(f"\nPlain path, this build ({sys.executable}) vs baseline ({args.baseline}): "
           f"{args.repeats} alternating runs of {args.rounds} rounds each, min (ms)\n")
-    print("| dtype | baseline fwd | this fwd | ratio | baseline fwd+bwd | this fwd+bwd | ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for dtype, (bf, bb) in best["baseline"].items():
-        tf, tb = best["this build"][dtype]
-        print(f"| {dtype} | {bf * 1e3:.1f} | {tf * 1e3:.1f} | {tf / bf:.3f} | {bb * 1e3:.1f} | "
-              f"{tb * 1e3:.1f} | {tb / bb:.3f} |")
+    print("| dtype | path | baseline fwd | this fwd | ratio | baseline fwd+bwd | this fwd+bwd "
+          "| ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (dtype, path), (bf, bb) in best["baseline"].items():
+        tf, tb = best["this build"][dtype, path]
+        print(f"| {dtype} | {path} | {bf * 1e3:.1f} | {tf * 1e3:.1f} | {tf / bf:.3f} | "
+              f"{bb * 1e3:.1f} | {tb * 1e3:.1f} | {tb / bb:.3f} |")
 
 
 def measure(args, variants: dict) -> dict:
@@ -151,6 +154,16 @@ def measure(args, variants: dict) -> dict:
                 bwd[name].append(timed(lambda: both(name)))
         times[str(dtype).replace("torch.", "")] = {
             name: {"fwd": fwd[name], "bwd": bwd[name]} for name in variants}
+        if args.plain_only:  # the plain ring path too: rank 0 of W=2, shifts as local copies
+            shard = [t.detach()[:, : args.seqlen // 2] for t in (q, k, v, dout)]
+            ring = {"fwd": [], "bwd": []}
+            for _ in range(args.rounds + 1):
+                f, b = torch.ops.cpattn.ring_loopback_timing(
+                    *shard, 0, 2, args.head_dim ** -0.5, True, -1, -1, 1).tolist()
+                ring["fwd"].append(f)
+                ring["bwd"].append(f + b)
+            times[str(dtype).replace("torch.", "")]["ring W=2 zigzag (loopback)"] = {
+                key: values[1:] for key, values in ring.items()}  # without the warm-up
     return times
 
 
