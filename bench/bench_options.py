@@ -123,6 +123,15 @@ def compare_plain(args) -> None:
               f"{bb * 1e3:.1f} | {tb * 1e3:.1f} | {tb / bb:.3f} |")
 
 
+def loopback_op():
+    """The ring's loopback timing op: in cpattn_testing, or in cpattn in older builds (so that
+    --baseline can run on them)."""
+    for namespace in (torch.ops.cpattn_testing, torch.ops.cpattn):
+        if hasattr(namespace, "ring_loopback_timing"):
+            return namespace.ring_loopback_timing
+    raise RuntimeError("bench_options: this cpattn build has no ring_loopback_timing op")
+
+
 def measure(args, variants: dict) -> dict:
     """{dtype: {variant: {"fwd": [s, ...], "bwd": [s, ...]}}}, the variants interleaved."""
     times = {}
@@ -158,7 +167,7 @@ def measure(args, variants: dict) -> dict:
             shard = [t.detach()[:, : args.seqlen // 2] for t in (q, k, v, dout)]
             ring = {"fwd": [], "bwd": []}
             for _ in range(args.rounds + 1):
-                f, b = torch.ops.cpattn.ring_loopback_timing(
+                f, b = loopback_op()(
                     *shard, 0, 2, args.head_dim ** -0.5, True, -1, -1, 1).tolist()
                 ring["fwd"].append(f)
                 ring["bwd"].append(f + b)

@@ -137,23 +137,32 @@ def _ulysses_hybrid_any_length(rank: int, world: int) -> None:
         kwargs = _options(h, every)
         if strategy == "ulysses":
             pos = cpattn.positions(seqlen, layout="contiguous")
-            shard = lambda t: cpattn.shard(t, layout="contiguous")
-            unshard = lambda t, dim=1: cpattn.unshard(
-                t, layout="contiguous", dim=dim, seqlen=seqlen)
-            run = lambda *a, **kw: cpattn.ulysses_attention(*a, **kw, seqlen=seqlen)
+
+            def shard(t):
+                return cpattn.shard(t, layout="contiguous")
+
+            def unshard(t, dim=1):
+                return cpattn.unshard(t, layout="contiguous", dim=dim, seqlen=seqlen)
+
+            def run(*a, **kw):
+                return cpattn.ulysses_attention(*a, **kw, seqlen=seqlen)
         else:
             groups = {"ulysses_group": ug, "ring_group": rg, "layout": layout}
             pos = cpattn.hybrid_positions(seqlen, **groups)
-            shard = lambda t: cpattn.hybrid_shard(t, **groups)
-            unshard = lambda t, dim=1: cpattn.hybrid_unshard(
-                t, dim=dim, seqlen=seqlen, **groups)
-            run = lambda *a, **kw: cpattn.hybrid_attention(
-                *a, **kw, **groups, seqlen=seqlen)
+
+            def shard(t):
+                return cpattn.hybrid_shard(t, **groups)
+
+            def unshard(t, dim=1):
+                return cpattn.hybrid_unshard(t, dim=dim, seqlen=seqlen, **groups)
+
+            def run(*a, **kw):
+                return cpattn.hybrid_attention(*a, **kw, **groups, seqlen=seqlen)
         _compare(f"{strategy} {layout} S={seqlen} dv={dv} options={every}", run, shard, unshard,
                  pos, full, True, (-1, -1) if every else (6, -1), kwargs, 2e-5)
     # a seqlen the shards do not hold raises on every rank, and the groups stay usable
     q = torch.randn(1, 3, h, d)
-    with pytest.raises(ValueError, match=r"ulysses_attention: seqlen=20: gives 20 tokens"):
+    with pytest.raises(ValueError, match=r"ulysses_attention: seqlen=20: gives head shards of 20"):
         cpattn.ulysses_attention(q, q[:, :, :hkv], q[:, :, :hkv], seqlen=20)
     with pytest.raises(ValueError, match=r"hybrid_attention: seqlen=3: gives"):
         cpattn.hybrid_attention(q, q[:, :, :hkv], q[:, :, :hkv], ulysses_group=ug, ring_group=rg,
@@ -193,7 +202,10 @@ def _prefix_per_document(rank: int, world: int) -> None:
                                                 layout=layout, strategy=strategy, sinks=sinks,
                                                 prefix_len=prefixes, allgather_chunk=1, **opts)
         out.backward(cpattn.shard_varlen(dout, cu, layout=layout))
-        un = lambda t, dim=0: cpattn.unshard_varlen(t, cu, layout=layout, dim=dim)
+
+        def un(t, dim=0):
+            return cpattn.unshard_varlen(t, cu, layout=layout, dim=dim)
+
         what = f"W={world} {layout} {strategy}"
         torch.testing.assert_close(un(out.detach()).double(), ref_out.detach(), atol=2e-5,
                                    rtol=2e-5, msg=lambda m: f"out {what}: {m}")

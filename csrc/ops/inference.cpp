@@ -1,8 +1,10 @@
-#include "ops/inference.h"
-
+// Inference over a KV cache sharded across ranks (cpattn/kv_cache.h): storing tokens on their
+// owners, attention of queries over one rank's shard, the N-way merge of partial results, and
+// prefill of a prompt chunk over a process group.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <chrono>
 #include <vector>
@@ -11,19 +13,16 @@
 #include "cpattn/kv_cache.h"
 #include "cpattn/layout.h"
 #include "cpattn/softmax_state.h"
+#include "ops/backend.h"
+#include "ops/checks.h"
 #include "ops/ops.h"
 #include "ops/ring.h"
 
 namespace cpattn::ops {
 namespace {
 
-bool is_float_type(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
-
 CacheSharding checked_sharding(int64_t rank, int64_t world, int64_t interleave) {
-  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "cpattn: rank ", rank,
-              " is not in a group of ", world);
+  check_rank(rank, world);
   TORCH_CHECK(interleave >= 1, "cpattn: interleave must be >= 1, got ", interleave);
   return {world, interleave};
 }
@@ -39,13 +38,7 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
               k_cache.scalar_type(), " and ", v_cache.scalar_type());
   TORCH_CHECK(v_cache.device() == k_cache.device(), "cpattn: k_cache and v_cache must be on one "
               "device, got ", k_cache.device(), " and ", v_cache.device());
-#ifdef CPATTN_WITH_CUDA
-  TORCH_CHECK(k_cache.device().is_cpu() || k_cache.device().is_cuda(),
-              "cpattn: no KV cache kernel for device ", k_cache.device(), " (CPU and CUDA only)");
-#else
-  TORCH_CHECK(k_cache.device().is_cpu(), "cpattn: no KV cache kernel for device ",
-              k_cache.device(), " in this build (CPU tensors only)");
-#endif
+  backend_for(k_cache.device());  // raises for a device without kernels in this build
 }
 
 // An int64 CPU tensor of shape (batch,), as a vector.
@@ -112,10 +105,11 @@ void store_owned(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
   }
 }
 
-}  // namespace
-
 // ---- N-way merge ------------------------------------------------------------------------------
 
+// Merges N partial results over disjoint key sets: outs (N, B, S, H, D) any float dtype, lses
+// (N, B, H, S) float32. Returns out (B, S, H, D) in out_dtype (default outs' dtype), computed in
+// fp32, and lse (B, H, S) float32. Rows empty in every part stay (0, -inf).
 std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& outs,
                                                           const at::Tensor& lses,
                                                           std::optional<at::ScalarType> out_dtype) {
@@ -138,16 +132,12 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& outs
   const at::ScalarType dtype = out_dtype.value_or(outs.scalar_type());
   TORCH_CHECK(is_float_type(dtype),
               "cpattn: out_dtype must be float32, bfloat16 or float16, got ", dtype);
-#ifdef CPATTN_WITH_CUDA
-  if (outs.is_cuda()) {  // the two-way merge kernel, part by part: the same rule, N - 1 passes
+  if (!outs.device().is_cpu()) {  // the device's two-way merge, part by part: the same rule
     at::Tensor out = at::zeros({B, S, H, D}, outs.options().dtype(at::kFloat));
     at::Tensor lse = at::full({B, H, S}, -INFINITY, lses.options());
-    for (int64_t n = 0; n < N; ++n) merge_into_cuda(out, lse, outs[n], lses[n]);
+    for (int64_t n = 0; n < N; ++n) merge_into(out, lse, outs[n], lses[n]);
     return {out.to(dtype), lse};
   }
-#endif
-  TORCH_CHECK(outs.device().is_cpu(), "cpattn: no merge_attention_states kernel for device ",
-              outs.device());
 
   const at::Tensor po = outs.to(at::kFloat).contiguous(), pl = lses.contiguous();
   at::Tensor out = at::empty({B, S, H, D}, outs.options().dtype(at::kFloat));
@@ -177,6 +167,7 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& outs
 
 // out = sum_n w_n o_n with w_n = exp(lse_n - lse):
 //   d o_n = w_n dout,  d lse_n = w_n (dout . o_n - dout . out + dlse).
+// Gradients of outs and lses from dout (and dlse, if any), given the merged lse.
 std::tuple<at::Tensor, at::Tensor> merge_attention_states_bwd(
     const at::Tensor& dout, const std::optional<at::Tensor>& dlse, const at::Tensor& outs,
     const at::Tensor& lses, const at::Tensor& lse) {
@@ -237,6 +228,8 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states_bwd(
 
 // ---- the cache ----------------------------------------------------------------------------------
 
+// Token l of sequence b of (k, v) (B, L, Hkv, D), at global position start[b] + l, is written to
+// (k_cache, v_cache) (B, slots, Hkv, D) when `rank` owns it. start: int64 (B,).
 void cache_store_(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& start, int64_t rank, int64_t world,
                   int64_t interleave) {
@@ -249,6 +242,10 @@ void cache_store_(const at::Tensor& k_cache, const at::Tensor& v_cache, const at
               [&](int64_t b, int64_t l) { return first[b] + l; });
 }
 
+// Partial attention of q (B, Sq, H, D), query row i of sequence b at position q_start[b] + i,
+// over the keys of positions [0, cache_lens[b]) that `rank` stores. Returns out (out_dtype,
+// default q's) and lse (B, H, Sq) fp32; a row that sees no key here is (0, -inf). Score options
+// (ops.h) on global positions: softcap, alibi_slopes (H,), keys below prefix_len seen by all.
 std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_lens, const at::Tensor& q_start, int64_t rank, int64_t world,
@@ -318,6 +315,12 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
   return {out.to(out_dtype.value_or(q.scalar_type())), lse};
 }
 
+// Causal ring attention of a prompt chunk sharded over the group in `layout` (q, k, v as for
+// ring_fwd), which also stores each chunk token in its owner's cache at position
+// cache_lens[b] + (its position in the chunk). Attention to earlier cached tokens is not included.
+// Returns out in float32 and lse. Score options as ring_fwd, on positions within the chunk
+// (prefix_len: the prefix's end relative to the chunk's first token). seqlen > 0: the chunk's
+// real length, the shards padded at its end (padding rows 0 / -inf, padding never stored).
 std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, const at::Tensor& k_cache,
                                                const at::Tensor& v_cache,
@@ -358,6 +361,7 @@ std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Te
   return result;
 }
 
+// Slots `rank` uses for the tokens of positions [0, n), and their global positions.
 int64_t cache_local_count(int64_t n, int64_t rank, int64_t world, int64_t interleave) {
   TORCH_CHECK(n >= 0, "cpattn: the number of tokens must be >= 0, got ", n);
   return checked_sharding(rank, world, interleave).count(rank, n);
@@ -372,4 +376,20 @@ at::Tensor cache_positions(int64_t n, int64_t rank, int64_t world, int64_t inter
   return pos;
 }
 
+}  // namespace
+
+void impl_inference_ops(torch::Library& m) {
+  m.impl("merge_attention_states", &merge_attention_states);
+  m.impl("merge_attention_states_bwd", &merge_attention_states_bwd);
+  m.impl("cache_store_", &cache_store_);
+  m.impl("cache_attention_fwd", &cache_attention_fwd);
+  m.impl("prefill_fwd", &prefill_fwd);
+}
+
 }  // namespace cpattn::ops
+
+// No tensor argument to dispatch on.
+TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
+  m.impl("cache_local_count", &cpattn::ops::cache_local_count);
+  m.impl("cache_positions", &cpattn::ops::cache_positions);
+}

@@ -19,8 +19,8 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from cpattn import _inference_ops  # noqa: F401  (fake kernels and autograd)
 from cpattn._agreement import FieldValue, agree_on, digest_ints, score_fields, tensor_fields
+from cpattn._layout import LAYOUTS, check_chunk, padded_length
 from cpattn._validation import (
     check_choice,
     check_int,
@@ -31,7 +31,8 @@ from cpattn._validation import (
     check_timeout,
     error,
 )
-from cpattn.ring import LAYOUTS, _group_info, _padded_length, positions
+from cpattn.comm import all_gather_flat
+from cpattn.ring import _group_info, positions, rank_and_world
 
 ops = torch.ops.cpattn
 COMMS = ("all_gather", "reduce_scatter")
@@ -78,10 +79,7 @@ class KVCacheShard:
         for name, value in (("batch", batch), ("capacity", capacity), ("kv_heads", kv_heads),
                             ("head_dim", head_dim), ("interleave", interleave)):
             _positive_int(value, name)
-        if rank is None or world_size is None:
-            _, g_rank, g_world = _group_info(group)
-            rank = g_rank if rank is None else rank
-            world_size = g_world if world_size is None else world_size
+        rank, world_size = rank_and_world(group, rank, world_size)
         _positive_int(world_size, "world_size")
         if not 0 <= rank < world_size:
             raise ValueError(f"cpattn.KVCacheShard: rank {rank} is not in a group of {world_size}")
@@ -276,8 +274,7 @@ def _unpack(msg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _all_gather(msg: torch.Tensor, group, world: int, timeout: float, what: str) -> torch.Tensor:
     """(B, ...) on every rank -> (W, B, ...)."""
     recv = msg.new_empty((world * msg.shape[0], *msg.shape[1:]))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    _wait(gather(recv, msg.contiguous(), group=group, async_op=True), timeout, what)
+    _wait(all_gather_flat(recv, msg.contiguous(), group=group, async_op=True), timeout, what)
     return recv.view(world, *msg.shape)
 
 
@@ -377,13 +374,11 @@ def prefill_attention(
         cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
         padded = q.shape[1] * world
         n = padded if seqlen is None else check_int(what, "seqlen", seqlen, minimum=1)
-        if seqlen is None and padded != _padded_length(padded, layout, world):
-            raise error(what, "q.shape[1]", q.shape[1], f"the {layout} layout needs a chunk "
-                        f"length that is a multiple of {_padded_length(1, layout, world)}, got "
-                        f"{padded} (pass seqlen= for a chunk of any length)")
-        if _padded_length(n, layout, world) != padded:
+        if seqlen is None:  # any length: seqlen=
+            check_chunk(what, padded, layout, world, per_rank=q.shape[1])
+        if padded_length(n, layout, world) != padded:
             raise error(what, "seqlen", n, f"gives shards of "
-                        f"{_padded_length(n, layout, world) // world} tokens under the {layout} "
+                        f"{padded_length(n, layout, world) // world} tokens under the {layout} "
                         f"layout over {world} ranks, not {q.shape[1]}")
         # the ring runs on positions within the chunk: the prefix's end relative to it
         ring_prefix = (prefix - cache.lengths).clamp(min=0).unique().tolist() if prefix else [0]

@@ -6,6 +6,7 @@ back to sequence shards. Communication per rank is ~4 tensors of its shard size,
 W, over all-to-all links; it needs H % W == 0.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Optional, Union
 
@@ -14,29 +15,16 @@ import torch.distributed as dist
 
 from cpattn import comm
 from cpattn._agreement import agree_on, score_fields
+from cpattn._layout import kv_heads_for_ranks, padded_length, round_up
 from cpattn._validation import check_int, check_score_options, check_timeout, error
 from cpattn.attention import attention
-from cpattn.ring import _attention_args, _group_info, _padded_length, positions, ring_attention
-
-
-def _kv_heads_for_ranks(heads: int, kv_heads: int, world: int) -> Optional[list]:
-    """KV heads to send so that after the all-to-all rank r holds the KV heads of its query heads
-    [r * H/W, (r+1) * H/W), with a uniform group size. None: send K/V as they are."""
-    per_rank = heads // world
-    group = heads // kv_heads
-    if kv_heads % world == 0:
-        return None  # each rank gets kv_heads / W heads, group size unchanged
-    if group % per_rank == 0:
-        # all query heads of a rank share one KV head: replicate it W / kv_heads times
-        return [(r * per_rank) // group for r in range(world)]
-    # otherwise one KV head per query head (group size 1)
-    return [h // group for h in range(heads)]
+from cpattn.ring import _attention_args, _group_info, positions, ring_attention, shard, unshard
 
 
 def _scatter_heads(q, k, v, group):
     world = dist.get_world_size(group)
     heads, kv_heads = q.shape[2], k.shape[2]
-    idx = _kv_heads_for_ranks(heads, kv_heads, world)
+    idx = kv_heads_for_ranks(heads, kv_heads, world)
     if idx is not None:
         index = torch.tensor(idx, device=k.device)
         k, v = k.index_select(2, index), v.index_select(2, index)
@@ -59,18 +47,6 @@ def _my_heads(per_head: Optional[torch.Tensor], heads: int, group) -> Optional[t
     return per_head[u_rank * per_rank:(u_rank + 1) * per_rank]
 
 
-def _check_seqlen(what: str, seqlen, padded: int, rule: Callable[[int], int]) -> int:
-    """The real sequence length (default: every token is real): `rule(seqlen)` must give
-    `padded`, the number of tokens the shards hold in all."""
-    if seqlen is None:
-        return padded
-    n = check_int(what, "seqlen", seqlen, minimum=1)
-    if rule(n) != padded:
-        raise error(what, "seqlen", n, f"gives {rule(n)} tokens in all once padded (see "
-                    f"cpattn.positions), but the shards hold {padded}")
-    return n
-
-
 def _pad_rows(out: torch.Tensor, lse: torch.Tensor, length: int,
               sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, L, H, Dv) and lse (B, H, L) padded at the end of the sequence to `length` rows:
@@ -83,6 +59,49 @@ def _pad_rows(out: torch.Tensor, lse: torch.Tensor, length: int,
                sinks.to(lse.dtype)[None, :, None].expand(b, h, extra))
     return (torch.cat([out, out.new_zeros((b, extra, *out.shape[2:]))], dim=1),
             torch.cat([lse, pad_lse], dim=2))
+
+
+def _across_heads(what: str, q, k, v, group, timeout: float, attend: Callable, return_lse: bool,
+                  *, causal, softmax_scale, window, sinks, softcap, alibi_slopes, prefix_len,
+                  seqlen, rows: Callable[[int], tuple[int, int]], layout: str = "contiguous"):
+    """The Ulysses steps of ulysses_attention and hybrid_attention: validation and the agreement
+    check over `group`, the all-to-all to head shards, attend(qh, kh, vh, n, **options) ->
+    (out_h, lse_h) on this rank's heads (per-head options sliced to them) for a sequence of n
+    real tokens, and the all-to-all back.
+    Any length: rows(n) gives (the length of a head shard once a length-n sequence is padded,
+    the rows of it that attend gets); the rows after those come back as padding (0 / -inf)."""
+    world = dist.get_world_size(group)
+
+    def check():
+        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout)
+        _check_heads(what, q, world)
+        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
+        held = q.shape[1] * world  # tokens of a head shard
+        n = None
+        if seqlen is not None:
+            n = check_int(what, "seqlen", seqlen, minimum=1)
+            if rows(n)[0] != held:
+                raise error(what, "seqlen", n, f"gives head shards of {rows(n)[0]} tokens once "
+                            f"padded (see cpattn.positions), but the shards hold {held}")
+        return (*args, cap, prefix, n), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix),
+                                         ("seqlen", n)]
+
+    causal, _, softmax_scale, window, softcap, prefix_len, n = agree_on(what, group, timeout,
+                                                                       check)
+    qh, kh, vh = _scatter_heads(q, k, v, group)
+    heads = q.shape[2]
+    real = qh.shape[1] if n is None else rows(n)[1]
+    my_sinks = _my_heads(sinks, heads, group)
+    out_h, lse_h = attend(qh[:, :real], kh[:, :real], vh[:, :real], n, causal=causal,
+                          softmax_scale=softmax_scale, window=window, return_lse=True,
+                          softcap=softcap, sinks=my_sinks,
+                          alibi_slopes=_my_heads(alibi_slopes, heads, group),
+                          prefix_len=prefix_len)
+    out_h, lse_h = _pad_rows(out_h, lse_h, qh.shape[1], my_sinks)
+    out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=group)
+    if not return_lse:
+        return out
+    return out, comm.all_to_all(lse_h, scatter_dim=2, gather_dim=1, group=group)
 
 
 def ulysses_attention(
@@ -120,33 +139,15 @@ def ulysses_attention(
     """
     what = "cpattn.ulysses_attention"
     group, _, world = _group_info(group)
-    timeout = check_timeout(what, timeout)
 
-    def check():
-        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window)
-        _check_heads(what, q, world)
-        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
-        n = _check_seqlen(what, seqlen, q.shape[1] * world,
-                          lambda n: _padded_length(n, "contiguous", world))
-        return (*args, cap, prefix, n), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix),
-                                         ("seqlen", n)]
+    def attend(qh, kh, vh, n, **options):  # the whole sequence, its real tokens only
+        return attention(qh, kh, vh, **options)
 
-    causal, _, softmax_scale, window, softcap, prefix_len, n = agree_on(what, group, timeout,
-                                                                       check)
-    qh, kh, vh = _scatter_heads(q, k, v, group)
-    heads = q.shape[2]
-    my_sinks = _my_heads(sinks, heads, group)
-    # the whole sequence is here now: attention over its real tokens only, padding rows after
-    out_h, lse_h = attention(qh[:, :n], kh[:, :n], vh[:, :n], causal=causal,
-                             softmax_scale=softmax_scale, window=window, return_lse=True,
-                             softcap=softcap, sinks=my_sinks,
-                             alibi_slopes=_my_heads(alibi_slopes, heads, group),
-                             prefix_len=prefix_len)
-    out_h, lse_h = _pad_rows(out_h, lse_h, qh.shape[1], my_sinks)
-    out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=group)
-    if not return_lse:
-        return out
-    return out, comm.all_to_all(lse_h, scatter_dim=2, gather_dim=1, group=group)
+    return _across_heads(what, q, k, v, group, check_timeout(what, timeout), attend,
+                         return_lse, causal=causal, softmax_scale=softmax_scale, window=window,
+                         sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
+                         prefix_len=prefix_len, seqlen=seqlen,
+                         rows=lambda n: (padded_length(n, "contiguous", world), n))
 
 
 def hybrid_attention(
@@ -176,7 +177,7 @@ def hybrid_attention(
     ranks by `layout`; the rank at ring index i and Ulysses index u holds the u-th contiguous
     sub-chunk of ring shard i. H % U == 0. Either group may have size 1.
     sinks, softcap, alibi_slopes, prefix_len: as ulysses_attention (per-head ones sliced to the
-    rank's heads, then as ring_attention across the ring).
+    rank's heads, then as ring_attention across the ring). v may have its own head dim.
     seqlen: the global sequence length, for any length (default: W times the shard length):
     hybrid_shard pads as hybrid_positions says; padding rows get out 0 and LSE -inf (with
     sinks: the sink); hybrid_unshard(..., seqlen=S) gives S tokens back.
@@ -186,46 +187,25 @@ def hybrid_attention(
     if ulysses_group is None or ring_group is None:
         raise ValueError("cpattn.hybrid_attention: give ulysses_group and ring_group, or a 2D mesh")
     what = "cpattn.hybrid_attention"
-    u_world = dist.get_world_size(ulysses_group)
     timeout = check_timeout(what, timeout)
-    ring_world = dist.get_world_size(ring_group)
+    ring = functools.partial(ring_attention, group=ring_group, layout=layout, timeout=timeout)
+    r_world, u_world = dist.get_world_size(ring_group), dist.get_world_size(ulysses_group)
 
-    def check():
-        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout)
-        _check_heads(what, q, u_world)
-        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
-        n = _check_seqlen(what, seqlen, q.shape[1] * u_world * ring_world,
-                          lambda n: _hybrid_ring_shard(n, layout, ring_world, u_world)[1]
-                          * ring_world)
-        return (*args, cap, prefix, n), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix),
-                                         ("seqlen", n)]
+    def attend(qh, kh, vh, n, **options):  # this rank's ring shard, padded for the ring only
+        return ring(qh, kh, vh, seqlen=n, **options)
 
-    causal, _, softmax_scale, window, softcap, prefix_len, n = agree_on(what, ulysses_group,
-                                                                       timeout, check)
-    qh, kh, vh = _scatter_heads(q, k, v, ulysses_group)
-    heads = q.shape[2]
-    # this rank's ring shard of the sequence padded for the ring, then for Ulysses: the ring
-    # gets the first, the Ulysses padding rows come back as 0 / -inf
-    ring_shard, _ = _hybrid_ring_shard(n, layout, ring_world, u_world)
-    my_sinks = _my_heads(sinks, heads, ulysses_group)
-    out_h, lse_h = ring_attention(qh[:, :ring_shard], kh[:, :ring_shard], vh[:, :ring_shard],
-                                  group=ring_group, causal=causal, layout=layout,
-                                  softmax_scale=softmax_scale, window=window, return_lse=True,
-                                  timeout=timeout, softcap=softcap, sinks=my_sinks,
-                                  alibi_slopes=_my_heads(alibi_slopes, heads, ulysses_group),
-                                  prefix_len=prefix_len, seqlen=n)
-    out_h, lse_h = _pad_rows(out_h, lse_h, qh.shape[1], my_sinks)
-    out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=ulysses_group)
-    if not return_lse:
-        return out
-    return out, comm.all_to_all(lse_h, scatter_dim=2, gather_dim=1, group=ulysses_group)
+    return _across_heads(what, q, k, v, ulysses_group, timeout, attend, return_lse,
+                         causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
+                         softcap=softcap, alibi_slopes=alibi_slopes, prefix_len=prefix_len,
+                         layout=layout, seqlen=seqlen,
+                         rows=lambda n: _hybrid_ring_shard(n, layout, r_world, u_world)[::-1])
 
 
 def _hybrid_ring_shard(seqlen: int, layout: str, r_world: int, u_world: int) -> tuple[int, int]:
     """(tokens of a ring shard of the sequence padded to the layout's granularity over the ring,
     that number padded to a multiple of U): hybrid's two paddings."""
-    ring_shard = _padded_length(seqlen, layout, r_world) // r_world
-    return ring_shard, -(-ring_shard // u_world) * u_world
+    ring_shard = padded_length(seqlen, layout, r_world) // r_world
+    return ring_shard, round_up(ring_shard, u_world)
 
 
 def hybrid_positions(
@@ -248,8 +228,6 @@ def hybrid_positions(
 def hybrid_shard(x: torch.Tensor, *, ulysses_group, ring_group, layout: str = "zigzag",
                  dim: int = 1) -> torch.Tensor:
     """This rank's part of the full tensor x under hybrid_attention's sharding."""
-    from cpattn.ring import shard
-
     idx = hybrid_positions(x.shape[dim], ulysses_group=ulysses_group, ring_group=ring_group,
                            layout=layout)
     return shard(x, index=idx, dim=dim)
@@ -260,8 +238,6 @@ def hybrid_unshard(x_local: torch.Tensor, *, ulysses_group, ring_group, layout: 
     """Inverse of hybrid_shard over `group` (default: the world, which must hold exactly the
     ranks of the mesh). `seqlen`: the real length (default: W times the shard length); the
     padding slots are dropped. Differentiable."""
-    from cpattn.ring import unshard
-
     world = dist.get_world_size(ulysses_group) * dist.get_world_size(ring_group)
     if seqlen is None:
         seqlen = x_local.shape[dim] * world
