@@ -5,14 +5,24 @@ interleaved round by round so that machine noise hits them alike; min and median
     python bench/bench_options.py                  # every variant, fp32 and bf16
     python bench/bench_options.py --plain-only     # plain causal only: also runs on older builds
                                                    # (e.g. main's wheel) to compare the plain path
+    python bench/bench_options.py --baseline /path/to/old/venv/bin/python
+        # then "plain path not slower than before": plain causal (cpattn.attention, and the
+        # ring's work of rank 0 at W=2 with the shifts as local copies) timed by this build and
+        # by the baseline interpreter's build (its own installed cpattn), alternating --repeats
+        # times in subprocesses (--plain-only --json), min over all rounds of each side
 
-Prints a markdown table (times in ms, ratio = median / plain median).
+Prints markdown tables (times in ms, ratio = median / plain median; baseline ratio = this
+build's min / the baseline's min).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -56,15 +66,75 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--plain-only", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the raw times as JSON only")
+    parser.add_argument("--baseline", help="python of an older build to compare the plain path")
+    parser.add_argument("--repeats", type=int, default=4, help="alternations with --baseline")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     variants = {"plain causal": {}} if args.plain_only else VARIANTS
+    times = measure(args, variants)
+    if args.json:
+        print(json.dumps(times))
+        return
     print(f"cpattn {cpattn.__file__}, cpu isa {cpattn.build_info().get('cpu_isa')}, "
           f"{args.threads} threads, B=1 S={args.seqlen} H={args.heads} D={args.head_dim}, "
           f"{args.rounds} interleaved rounds (min / median ms)\n")
     print("| dtype | variant | fwd min | fwd median | fwd ratio | fwd+bwd min | fwd+bwd median "
           "| fwd+bwd ratio |")
     print("|---|---|---|---|---|---|---|---|")
+    for dtype, per_variant in times.items():
+        base_f = statistics.median(per_variant["plain causal"]["fwd"])
+        base_b = statistics.median(per_variant["plain causal"]["bwd"])
+        for name, t in per_variant.items():
+            mf, mb = statistics.median(t["fwd"]), statistics.median(t["bwd"])
+            print(f"| {dtype} | {name} | {min(t['fwd']) * 1e3:.1f} | {mf * 1e3:.1f} | "
+                  f"{mf / base_f:.3f} | {min(t['bwd']) * 1e3:.1f} | {mb * 1e3:.1f} | "
+                  f"{mb / base_b:.3f} |")
+    if args.baseline:
+        compare_plain(args)
+
+
+def compare_plain(args) -> None:
+    """Plain causal, this build against the baseline interpreter's, in alternating
+    subprocesses (so that machine noise hits both alike); min over every round of each side."""
+    cmd = [__file__, "--plain-only", "--json", "--seqlen", str(args.seqlen), "--heads",
+           str(args.heads), "--head-dim", str(args.head_dim), "--rounds", str(args.rounds),
+           "--threads", str(args.threads), "--dtypes", args.dtypes]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    sides = {"baseline": args.baseline, "this build": sys.executable}
+    best: dict = {side: {} for side in sides}  # (dtype, path) -> (fwd min, fwd+bwd min)
+    for _ in range(args.repeats):
+        for side, python in sides.items():
+            out = subprocess.run([python, *cmd], env=env, check=True, capture_output=True,
+                                 text=True, cwd="/tmp").stdout
+            for dtype, per_variant in json.loads(out.splitlines()[-1]).items():
+                for path, t in per_variant.items():
+                    old = best[side].get((dtype, path), (float("inf"), float("inf")))
+                    best[side][dtype, path] = (min(old[0], min(t["fwd"])),
+                                               min(old[1], min(t["bwd"])))
+    print(f"\nPlain path, this build ({sys.executable}) vs baseline ({args.baseline}): "
+          f"{args.repeats} alternating runs of {args.rounds} rounds each, min (ms)\n")
+    print("| dtype | path | baseline fwd | this fwd | ratio | baseline fwd+bwd | this fwd+bwd "
+          "| ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (dtype, path), (bf, bb) in best["baseline"].items():
+        tf, tb = best["this build"][dtype, path]
+        print(f"| {dtype} | {path} | {bf * 1e3:.1f} | {tf * 1e3:.1f} | {tf / bf:.3f} | "
+              f"{bb * 1e3:.1f} | {tb * 1e3:.1f} | {tb / bb:.3f} |")
+
+
+def loopback_op():
+    """The ring's loopback timing op: in cpattn_testing, or in cpattn in older builds (so that
+    --baseline can run on them)."""
+    for namespace in (torch.ops.cpattn_testing, torch.ops.cpattn):
+        if hasattr(namespace, "ring_loopback_timing"):
+            return namespace.ring_loopback_timing
+    raise RuntimeError("bench_options: this cpattn build has no ring_loopback_timing op")
+
+
+def measure(args, variants: dict) -> dict:
+    """{dtype: {variant: {"fwd": [s, ...], "bwd": [s, ...]}}}, the variants interleaved."""
+    times = {}
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         gen = torch.Generator().manual_seed(0)
         shape = (1, args.seqlen, args.heads, args.head_dim)
@@ -91,13 +161,19 @@ def main() -> None:
             for name in variants:
                 fwd[name].append(timed(lambda: forward(name)))
                 bwd[name].append(timed(lambda: both(name)))
-        base_f = statistics.median(fwd["plain causal"])
-        base_b = statistics.median(bwd["plain causal"])
-        for name in variants:
-            mf, mb = statistics.median(fwd[name]), statistics.median(bwd[name])
-            print(f"| {str(dtype).replace('torch.', '')} | {name} | {min(fwd[name]) * 1e3:.1f} | "
-                  f"{mf * 1e3:.1f} | {mf / base_f:.3f} | {min(bwd[name]) * 1e3:.1f} | "
-                  f"{mb * 1e3:.1f} | {mb / base_b:.3f} |")
+        times[str(dtype).replace("torch.", "")] = {
+            name: {"fwd": fwd[name], "bwd": bwd[name]} for name in variants}
+        if args.plain_only:  # the plain ring path too: rank 0 of W=2, shifts as local copies
+            shard = [t.detach()[:, : args.seqlen // 2] for t in (q, k, v, dout)]
+            ring = {"fwd": [], "bwd": []}
+            for _ in range(args.rounds + 1):
+                f, b = loopback_op()(
+                    *shard, 0, 2, args.head_dim ** -0.5, True, -1, -1, 1).tolist()
+                ring["fwd"].append(f)
+                ring["bwd"].append(f + b)
+            times[str(dtype).replace("torch.", "")]["ring W=2 zigzag (loopback)"] = {
+                key: values[1:] for key, values in ring.items()}  # without the warm-up
+    return times
 
 
 if __name__ == "__main__":

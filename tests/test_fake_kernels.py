@@ -15,7 +15,7 @@ TESTS = ("test_schema", "test_faketensor")
 def _inputs(seed: int, world: int = 2):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, 8, 4, 16, generator=g)
-    kv_all = torch.randn(world, 2, 2, 8, 2, 16, generator=g)
+    kv_all = torch.randn(world, 2, 8, 2, 16 + 8, generator=g)  # (W, B, S, Hkv, D + Dv)
     return q, kv_all
 
 
@@ -38,7 +38,7 @@ def test_positions_fakes_match():
 
 def _ring_ops(rank, world):
     q, kv_all = _inputs(1, world=1)
-    k, v = kv_all[0, 0].contiguous(), kv_all[0, 1].contiguous()
+    k, v = kv_all[0, ..., :16].contiguous(), kv_all[0, ..., 16:].contiguous()  # Dv != D
     name = dist.group.WORLD.group_name
     args = (name, 0.25, True, -1, -1, 1, 60.0)
     torch.library.opcheck(ops.ring_fwd, (q, k, v, *args), test_utils=TESTS)
@@ -53,7 +53,7 @@ def _separate_gradients(rank, world):
     """dK and dV are separate tensors: accumulating a second backward into leaf K's gradient
     must not change V's (they once were views of one buffer)."""
     q, kv_all = _inputs(2, world=1)
-    k, v = (kv_all[0, i].clone().requires_grad_() for i in range(2))
+    k, v = (t.clone().requires_grad_() for t in (kv_all[0, ..., :16], kv_all[0, ..., 16:]))
     cpattn.ring_attention(q, k, v, causal=True).sum().backward()
     dv = v.grad.clone()
     cpattn.ring_attention(q, k, v, causal=True).sum().backward()

@@ -142,8 +142,8 @@ def _disagree(rank: int, world: int) -> None:
         cpattn.ring_attention(q, k, v, causal=True, softcap=1.0 + rank)
     with pytest.raises(ValueError, match="ranks disagree on sinks"):
         cpattn.ring_attention(q, k, v, causal=True, sinks=torch.full((2,), float(rank)))
-    with pytest.raises(ValueError, match=r"\(k.shape, v.shape\).*must be equal"):
-        cpattn.ring_attention(q, k, torch.randn(1, 4, 2, 4), causal=True)
+    with pytest.raises(ValueError, match=r"\(k.shape, v.shape\).*must be equal but for the head"):
+        cpattn.ring_attention(q, k, torch.randn(1, 4, 1, 4), causal=True)
     # the group stays usable
     cpattn.ring_attention(q, k, v, causal=True, prefix_len=3)
 
@@ -153,13 +153,14 @@ def test_ranks_must_agree_on_options() -> None:
 
 
 def _ulysses_and_hybrid(rank: int, world: int) -> None:
-    """Ulysses (W=4, then head_dim_v != head_dim too) and hybrid (U=2 x R=2) with every option:
-    per-head sinks and slopes sliced to each rank's heads."""
+    """Ulysses (W=4) and hybrid (U=2 x R=2), each also with head_dim_v != head_dim, with every
+    option: per-head sinks and slopes sliced to each rank's heads."""
     from test_strategies import _hybrid_groups
 
     ug, rg = _hybrid_groups(world, 2)
     seqlen, h, hkv = 24, 4, 2
-    for n, (strategy, dv) in enumerate([("ulysses", 16), ("ulysses", 8), ("hybrid", 16)]):
+    for n, (strategy, dv) in enumerate([("ulysses", 16), ("ulysses", 8), ("hybrid", 16),
+                                                 ("hybrid", 8)]):
         torch.manual_seed(40 + n)
         q, k, dout_like = (torch.randn(1, seqlen, heads, 16) for heads in (h, hkv, h))
         v = torch.randn(1, seqlen, hkv, dv)

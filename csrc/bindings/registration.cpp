@@ -20,7 +20,8 @@ TORCH_LIBRARY(cpattn, m) {
   m.def("sink_bwd(Tensor dout, Tensor out, Tensor lse, Tensor sinks, Tensor? dlse=None) -> Tensor");
   m.def("merge_state_(Tensor(a!) out, Tensor(b!) lse, Tensor part_out, Tensor part_lse) -> ()");
   // Ring attention over the process group registered as group_name; layout: 0 contiguous,
-  // 1 zigzag, 2 striped.
+  // 1 zigzag, 2 striped. doc_lengths: (D,) packed documents' lengths, or (2, D) with each
+  // document's prefix-LM length as the second row.
   m.def(
       "ring_fwd(Tensor q, Tensor k, Tensor v, str group_name, float softmax_scale, bool causal, "
       "int window_left, int window_right, int layout, float timeout_s, Tensor? doc_lengths=None, "
@@ -31,7 +32,7 @@ TORCH_LIBRARY(cpattn, m) {
       "float softmax_scale, bool causal, int window_left, int window_right, int layout, "
       "float timeout_s, Tensor? dlse=None, Tensor? doc_lengths=None, float softcap=0., "
       "Tensor? alibi_slopes=None, int prefix_len=0) -> (Tensor dq, Tensor dk, Tensor dv)");
-  // The same steps against K/V already all-gathered: kv_all (W, 2, B, S_local, Hkv, D).
+  // The same steps against K/V already all-gathered: kv_all (W, B, S_local, Hkv, D + Dv).
   m.def(
       "gathered_fwd(Tensor q, Tensor kv_all, int rank, float softmax_scale, bool causal, "
       "int window_left, int window_right, int layout, Tensor? doc_lengths=None, "
@@ -62,11 +63,13 @@ TORCH_LIBRARY(cpattn, m) {
   m.def(
       "cache_attention_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
       "Tensor q_start, int rank, int world, int interleave, float softmax_scale, bool causal, "
-      "ScalarType? out_dtype=None) -> (Tensor out, Tensor lse)");
+      "ScalarType? out_dtype=None, float softcap=0., Tensor? alibi_slopes=None, "
+      "int prefix_len=0) -> (Tensor out, Tensor lse)");
   m.def(
       "prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor cache_lens, str group_name, float softmax_scale, int layout, int interleave, "
-      "float timeout_s) -> (Tensor out, Tensor lse)");
+      "float timeout_s, float softcap=0., Tensor? alibi_slopes=None, int prefix_len=0, "
+      "int seqlen=0) -> (Tensor out, Tensor lse)");
   m.def("cache_local_count(int n, int rank, int world, int interleave) -> int");
   m.def("cache_positions(int n, int rank, int world, int interleave) -> Tensor");
 }

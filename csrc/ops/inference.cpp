@@ -83,7 +83,8 @@ void check_room(const CacheSharding& s, int64_t slots, const std::vector<int64_t
                 " slots per rank, room for ", s.max_tokens(slots), " tokens per sequence");
 }
 
-// Writes token l of sequence b of (k, v) to its slot when `rank` owns position(b, l).
+// Writes token l of sequence b of (k, v) to its slot when `rank` owns position(b, l) (-1: a
+// padding token, stored nowhere).
 template <typename Position>
 void store_owned(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
                  const at::Tensor& v, const CacheSharding& s, int64_t rank, Position position) {
@@ -93,7 +94,7 @@ void store_owned(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
     dst.clear();
     for (int64_t l = 0; l < k.size(1); ++l) {
       const int64_t t = position(b, l);
-      if (s.owner(t) != rank) continue;
+      if (t < 0 || s.owner(t) != rank) continue;
       src.push_back(l);
       dst.push_back(s.slot(t));
     }
@@ -250,12 +251,14 @@ void cache_store_(const at::Tensor& k_cache, const at::Tensor& v_cache, const at
 
 // Partial attention of q (B, Sq, H, D), query row i of sequence b at position q_start[b] + i,
 // over the keys of positions [0, cache_lens[b]) that `rank` stores. Returns out (out_dtype,
-// default q's) and lse (B, H, Sq) fp32; a row that sees no key here is (0, -inf).
+// default q's) and lse (B, H, Sq) fp32; a row that sees no key here is (0, -inf). Score options
+// (ops.h) on global positions: softcap, alibi_slopes (H,), keys below prefix_len seen by all.
 std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_lens, const at::Tensor& q_start, int64_t rank, int64_t world,
     int64_t interleave, double softmax_scale, bool causal,
-    std::optional<at::ScalarType> out_dtype) {
+    std::optional<at::ScalarType> out_dtype, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
   const CacheSharding s = checked_sharding(rank, world, interleave);
   check_cache(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 4 && q.size(0) == k_cache.size(0) && q.size(3) == k_cache.size(3),
@@ -272,6 +275,8 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
   const int64_t Hkv = k_cache.size(2), group = H / Hkv;
   const std::vector<int64_t> lens = per_sequence(cache_lens, B, "cache_lens");
   const std::vector<int64_t> first = per_sequence(q_start, B, "q_start");
+  check_score_args("decode_attention", softcap, alibi_slopes, std::nullopt, H, q.device());
+  TORCH_CHECK(prefix_len >= 0, "cpattn: prefix_len must be >= 0 (0: none), got ", prefix_len);
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(s.count(0, lens[b]) <= k_cache.size(1), "cpattn: cache_lens[", b, "] = ", lens[b],
                 " is more than the cache shards hold (", s.max_tokens(k_cache.size(1)), ")");
@@ -281,6 +286,11 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
   at::Tensor lse = at::full({B, H, Sq}, -INFINITY, f32);
   Mask rule;
   rule.causal = causal;
+  if (prefix_len > 0) rule.prefix_end = prefix_len;
+  ScoreArgs score;
+  score.softcap = softcap;
+  score.alibi_slopes = alibi_slopes;
+  const bool alibi = alibi_slopes.has_value();
   for (int64_t b = 0; b < B; ++b) {
     const at::Tensor qb = q.narrow(0, b, 1), ob = out.narrow(0, b, 1), lb = lse.narrow(0, b, 1);
     for_each_cache_span(s, rank, lens[b], rule, first[b], Sq, [&](const CacheSpan& sp) {
@@ -289,26 +299,26 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
       const at::Tensor vb = v_cache.narrow(0, b, 1).narrow(1, sp.slot_begin, n);
       const Mask& m = sp.mask;
       const bool plain = !m.causal && m.window_left < 0 && m.window_right < 0;
-      if (plain && group > 1) {
+      if (plain && group > 1 && !alibi) {
         // Every query sees every key of this span, so positions do not matter and the G query
         // heads that share a KV head can go in as G x Sq rows of one head: the kernel tiles 64
         // query rows, and a decode step has only Sq per head.
         const at::Tensor qf =
             qb.reshape({1, Sq, Hkv, group, D}).transpose(2, 3).reshape({1, Sq * group, Hkv, D});
         auto [part_out, part_lse] =
-            attention_fwd_scored(qf, kb, vb, softmax_scale, Mask{}, ScoreArgs{}, at::kFloat);
+            attention_fwd_scored(qf, kb, vb, softmax_scale, Mask{}, score, at::kFloat);
         merge_into(ob, lb,
                    part_out.view({1, Sq, group, Hkv, D}).transpose(2, 3).reshape({1, Sq, H, D}),
                    part_lse.view({1, Hkv, Sq, group}).transpose(2, 3).reshape({1, H, Sq}));
         return;
       }
-      ScoreArgs none;  // positions for ALiBi, were it given
-      none.alibi_q_begin = m.q_offset;
-      none.alibi_k_begin = m.k_offset;
+      ScoreArgs run_score = score;  // ALiBi on the run's global positions
+      run_score.alibi_q_begin = m.q_offset;
+      run_score.alibi_k_begin = m.k_offset;
       auto [part_out, part_lse] =
-          attention_fwd_scored(qb, kb, vb, softmax_scale, m, none, at::kFloat);
+          attention_fwd_scored(qb, kb, vb, softmax_scale, m, run_score, at::kFloat);
       merge_into(ob, lb, part_out, part_lse);
-    });
+    }, /*runs_only=*/alibi);
   }
   return {out.to(out_dtype.value_or(q.scalar_type())), lse};
 }
@@ -316,26 +326,42 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
 // Causal ring attention of a prompt chunk sharded over the group in `layout` (q, k, v as for
 // ring_fwd), which also stores each chunk token in its owner's cache at position
 // cache_lens[b] + (its position in the chunk). Attention to earlier cached tokens is not included.
-// Returns out in float32 and lse.
-std::tuple<at::Tensor, at::Tensor> prefill_fwd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
-    const at::Tensor& v_cache, const at::Tensor& cache_lens, c10::string_view group_name,
-    double softmax_scale, int64_t layout, int64_t interleave, double timeout_s) {
+// Returns out in float32 and lse. Score options as ring_fwd, on positions within the chunk
+// (prefix_len: the prefix's end relative to the chunk's first token). seqlen > 0: the chunk's
+// real length, the shards padded at its end (padding rows 0 / -inf, padding never stored).
+std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& v, const at::Tensor& k_cache,
+                                               const at::Tensor& v_cache,
+                                               const at::Tensor& cache_lens,
+                                               c10::string_view group_name, double softmax_scale,
+                                               int64_t layout, int64_t interleave,
+                                               double timeout_s, double softcap,
+                                               const std::optional<at::Tensor>& alibi_slopes,
+                                               int64_t prefix_len, int64_t seqlen) {
   auto transport = group_transport(q, group_name, timeout_s);
   const int64_t world = transport->world(), rank = transport->rank();
   const CacheSharding s = checked_sharding(rank, world, interleave);
   check_cache(k_cache, v_cache);
   check_tokens(k, v, k_cache);
-  RingOptions o = make_ring_options(softmax_scale, /*causal=*/true, -1, -1, layout, std::nullopt);
+  RingOptions o = make_ring_options(softmax_scale, /*causal=*/true, -1, -1, layout, std::nullopt,
+                                    softcap, alibi_slopes, std::nullopt, prefix_len);
   o.out_dtype = at::kFloat;  // merged with the cached part before the one cast
   const std::vector<int64_t> start = per_sequence(cache_lens, k_cache.size(0), "cache_lens");
   const int64_t chunk = k.size(1) * world;
-  check_room(s, k_cache.size(1), start, chunk);
+  // Any length: a chunk of seqlen real tokens padded at its end is one document of that length
+  // (padding rows 0 / -inf, padding keys never seen, never stored).
+  TORCH_CHECK(seqlen >= 0 && seqlen <= chunk, "cpattn.prefill_attention: seqlen must be between 0 "
+              "(the whole chunk) and the chunk's ", chunk, " tokens, got ", seqlen);
+  const int64_t real = seqlen > 0 ? seqlen : chunk;
+  if (real != chunk) o.doc_lengths = {real};
+  check_room(s, k_cache.size(1), start, real);
   // Every K/V shard of the chunk passes through every rank in the ring: each rank keeps the
   // tokens it owns, so filling the cache costs no communication beyond the ring's.
-  const ShardVisitor store = [&](int64_t source, const at::Tensor& kv) {
-    store_owned(k_cache, v_cache, kv[0], kv[1], s, rank, [&](int64_t b, int64_t l) {
-      return start[b] + global_position(o.layout, chunk, world, source, l);
+  const ShardVisitor store = [&](int64_t source, const at::Tensor& k_shard,
+                                const at::Tensor& v_shard) {
+    store_owned(k_cache, v_cache, k_shard, v_shard, s, rank, [&](int64_t b, int64_t l) {
+      const int64_t c = global_position(o.layout, chunk, world, source, l);
+      return c < real ? start[b] + c : -1;
     });
   };
   auto result = ring_forward(q, k, v, *transport, o, store);

@@ -37,18 +37,16 @@ Mask global_mask(const RingOptions& o) {
 // Checks before any message: every rank raises here alike, no shift is left pending.
 void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const RingOptions& o) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4,
-              "cpattn: ring q and k must be (batch, seqlen_local, "
-              "heads, head_dim), got ",
-              q.sizes(), " and ", k.sizes());
-  // K and V travel as one stacked message.
-  TORCH_CHECK(k.sizes() == v.sizes(), "cpattn.ring_attention: v must have k's shape ", k.sizes(),
-              ", got ", v.sizes(),
-              " (a head_dim of v different from q/k's is supported by "
-              "cpattn.attention only, not yet by the context-parallel strategies)");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "cpattn: ring q and k must be (batch, seqlen_local, "
+              "heads, head_dim), got ", q.sizes(), " and ", k.sizes());
+  // K and V travel as one message, concatenated along the head dim (pack_kv): v may have its own.
+  TORCH_CHECK(v.dim() == 4 && k.sizes().slice(0, 3) == v.sizes().slice(0, 3),
+              "cpattn.ring_attention: v must have k's shape but for the head dim, got k ",
+              k.sizes(), " and v ", v.sizes());
   check_score_args("ring_attention", o.softcap, o.alibi_slopes, o.sinks, q.size(2), q.device());
   AttnShape s;
-  s.head_dim = s.head_dim_v = q.size(3);
+  s.head_dim = q.size(3);
+  s.head_dim_v = v.size(3);
   ScoreArgs score;
   score.softcap = o.softcap;
   score.alibi_slopes = o.alibi_slopes;
@@ -65,6 +63,13 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                 "local sequence length must be even, got ",
                 local);
 }
+
+// K and V travel as one message, concatenated along the head dim: (B, L, Hkv, D + Dv), so that
+// v may have its own head dim Dv (MLA-style models).
+at::Tensor pack_kv(const at::Tensor& k, const at::Tensor& v) { return at::cat({k, v}, 3); }
+// The keys and values of a packed shard whose keys have head dim d.
+at::Tensor keys_of(const at::Tensor& kv, int64_t d) { return kv.narrow(-1, 0, d); }
+at::Tensor values_of(const at::Tensor& kv, int64_t d) { return kv.narrow(-1, d, kv.size(-1) - d); }
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) {
@@ -86,7 +91,8 @@ std::vector<SubProblem> plan(const RingOptions& o, int64_t local_len, int64_t wo
     items.assign(p.items, p.items + p.count);
   } else {
     plan_step_varlen(o.layout, o.doc_lengths.data(), static_cast<int64_t>(o.doc_lengths.size()),
-                     world, rank, step, global, [&](const SubProblem& sp) { items.push_back(sp); });
+                     world, rank, step, global, [&](const SubProblem& sp) { items.push_back(sp); },
+                     o.doc_prefix_lens.empty() ? nullptr : o.doc_prefix_lens.data());
   }
   return items;
 }
@@ -104,13 +110,14 @@ ScoreArgs sub_problem_score(const RingOptions& o, const SubProblem& sp) {
   return a;
 }
 
-// One step of the forward pass: every sub-problem against the K/V shard `kv` (2, B, L, Hkv, D),
-// merged into the running fp32 (out, lse).
+// One step of the forward pass: every sub-problem against the packed K/V shard `kv`
+// (B, L, Hkv, D + Dv), merged into the running fp32 (out, lse).
 void forward_step(const at::Tensor& q, const at::Tensor& kv, const std::vector<SubProblem>& items,
                   const RingOptions& o, const at::Tensor& out, const at::Tensor& lse) {
+  const at::Tensor k = keys_of(kv, q.size(3)), v = values_of(kv, q.size(3));
   for (const SubProblem& sp : items) {
     auto [part_out, part_lse] =
-        attention_fwd_scored(rows(q, sp.q), rows(kv[0], sp.k), rows(kv[1], sp.k), o.softmax_scale,
+        attention_fwd_scored(rows(q, sp.q), rows(k, sp.k), rows(v, sp.k), o.softmax_scale,
                              sp.mask, sub_problem_score(o, sp), at::kFloat);
     merge_into(rows(out, sp.q), lse_rows(lse, sp.q), part_out, part_lse);
   }
@@ -124,19 +131,21 @@ std::tuple<at::Tensor, at::Tensor> finish_forward(const at::Tensor& q, at::Tenso
 }
 
 // One step of the backward pass: adds the sub-problems' dQ to dq and their dK/dV to dkv
-// (2, B, L, Hkv, D) fp32, from the global out / lse (and dlse) of the queries.
+// (B, L, Hkv, D + Dv) fp32 (packed as kv), from the global out / lse (and dlse) of the queries.
 void backward_step(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv,
                    const at::Tensor& out, const at::Tensor& lse,
                    const std::optional<at::Tensor>& dlse, const std::vector<SubProblem>& items,
                    const RingOptions& o, const at::Tensor& dq, const at::Tensor& dkv) {
+  const int64_t d = q.size(3);
+  const at::Tensor k = keys_of(kv, d), v = values_of(kv, d);
   for (const SubProblem& sp : items) {
     auto [dq_part, dk_part, dv_part] = attention_bwd_scored(
-        rows(dout, sp.q), rows(q, sp.q), rows(kv[0], sp.k), rows(kv[1], sp.k), rows(out, sp.q),
+        rows(dout, sp.q), rows(q, sp.q), rows(k, sp.k), rows(v, sp.k), rows(out, sp.q),
         lse_rows(lse, sp.q), o.softmax_scale, sp.mask, sub_problem_score(o, sp), at::kFloat,
         dlse ? std::optional<at::Tensor>(lse_rows(*dlse, sp.q)) : std::nullopt);
     rows(dq, sp.q).add_(dq_part);
-    rows(dkv[0], sp.k).add_(dk_part);
-    rows(dkv[1], sp.k).add_(dv_part);
+    rows(keys_of(dkv, d), sp.k).add_(dk_part);
+    rows(values_of(dkv, d), sp.k).add_(dv_part);
   }
 }
 
@@ -159,9 +168,11 @@ void computing_while_shifting(std::initializer_list<comm::PendingShift*> pending
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> new_state(const at::Tensor& q) {
+// The running fp32 (out, lse) of q's rows for values of head dim dv.
+std::tuple<at::Tensor, at::Tensor> new_state(const at::Tensor& q, int64_t dv) {
   const auto f32 = q.options().dtype(at::kFloat);
-  return {at::zeros(q.sizes(), f32), at::full({q.size(0), q.size(2), q.size(1)}, -INFINITY, f32)};
+  return {at::zeros({q.size(0), q.size(1), q.size(2), dv}, f32),
+          at::full({q.size(0), q.size(2), q.size(1)}, -INFINITY, f32)};
 }
 
 }  // namespace
@@ -186,13 +197,22 @@ RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_
   o.sinks = sinks;
   o.prefix_len = prefix_len;
   if (doc_lengths && doc_lengths->defined()) {
-    TORCH_CHECK(doc_lengths->dim() == 1 && doc_lengths->scalar_type() == at::kLong,
-                "cpattn: doc_lengths must be a 1-D int64 tensor, got ", doc_lengths->sizes(), " ",
-                doc_lengths->scalar_type());
+    const int64_t dims = doc_lengths->dim();
+    TORCH_CHECK((dims == 1 || (dims == 2 && doc_lengths->size(0) == 2)) &&
+                    doc_lengths->scalar_type() == at::kLong,
+                "cpattn: doc_lengths must be a (D,) or (2, D) int64 tensor, got ",
+                doc_lengths->sizes(), " ", doc_lengths->scalar_type());
     const at::Tensor l = doc_lengths->cpu().contiguous();
-    o.doc_lengths.assign(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
+    const int64_t docs = l.size(-1);
+    o.doc_lengths.assign(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + docs);
     for (int64_t n : o.doc_lengths)
       TORCH_CHECK(n >= 0, "cpattn: document lengths must be >= 0, got ", n);
+    if (dims == 2) {
+      TORCH_CHECK(prefix_len == 0, "cpattn: give prefix_len or a prefix per document, not both");
+      o.doc_prefix_lens.assign(l.data_ptr<int64_t>() + docs, l.data_ptr<int64_t>() + 2 * docs);
+      for (int64_t p : o.doc_prefix_lens)
+        TORCH_CHECK(p >= 0, "cpattn: document prefix lengths must be >= 0, got ", p);
+    }
   }
   return o;
 }
@@ -217,12 +237,12 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
   const int64_t world = transport.world(), rank = transport.rank();
   check_ring_args(q, k, v, o);
   check_local_length(q, o, world);
-  auto [out, lse] = new_state(q);
+  auto [out, lse] = new_state(q, v.size(3));
   RingStats& stats = last_stats[0];
   stats = {};
   // K and V travel as one message; two persistent buffers alternate between "being computed on"
   // and "being received into".
-  at::Tensor kv[2] = {at::stack({k, v}), at::Tensor()};
+  at::Tensor kv[2] = {pack_kv(k, v), at::Tensor()};
   if (world > 1) kv[1] = at::empty_like(kv[0]);
   for (int64_t step = 0; step < world; ++step) {
     const at::Tensor& cur = kv[step % 2];
@@ -230,7 +250,8 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
     if (step + 1 < world) pending = transport.shift(cur, kv[(step + 1) % 2], step);
     const auto compute_start = Clock::now();
     computing_while_shifting({pending.get()}, [&] {
-      if (visit) visit(ring_source(rank, step, world), cur);
+      if (visit)
+        visit(ring_source(rank, step, world), keys_of(cur, k.size(3)), values_of(cur, k.size(3)));
       forward_step(q, cur, plan(o, q.size(1), world, rank, step), o, out, lse);
     });
     stats.compute_s += seconds_since(compute_start);
@@ -253,9 +274,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   // K/V go round as in the forward pass. The fp32 dK/dV accumulator of each shard follows it one
   // step behind: at step t a rank receives the accumulator of the shard it now holds while it
   // computes that shard's new contributions into `partial`, and adds the two afterwards.
-  at::Tensor kv[2] = {at::stack({k, v}), at::Tensor()};
-  at::Tensor acc =
-      at::empty({2, k.size(0), k.size(1), k.size(2), k.size(3)}, k.options().dtype(at::kFloat));
+  at::Tensor kv[2] = {pack_kv(k, v), at::Tensor()};
+  at::Tensor acc = at::empty(kv[0].sizes(), k.options().dtype(at::kFloat));
   at::Tensor partial = at::empty_like(acc), incoming;
   if (world > 1) {
     kv[1] = at::empty_like(kv[0]);
@@ -295,8 +315,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   }
   // copy=true: dk and dv must not be views of one buffer (autograd may accumulate into either,
   // and the op's schema and fake kernel promise separate tensors).
-  return {dq.to(q.scalar_type()), acc[0].to(k.scalar_type(), false, true),
-          acc[1].to(v.scalar_type(), false, true)};
+  return {dq.to(q.scalar_type()), keys_of(acc, k.size(3)).to(k.scalar_type(), false, true),
+          values_of(acc, k.size(3)).to(v.scalar_type(), false, true)};
 }
 
 // ---- all-gathered K/V: the same steps against shards that are already local ---------------
@@ -305,12 +325,13 @@ namespace {
 
 void check_gathered_args(const at::Tensor& q, const at::Tensor& kv_all, int64_t rank,
                          const RingOptions& o) {
-  TORCH_CHECK(kv_all.dim() == 6 && kv_all.size(1) == 2,
-              "cpattn: kv_all must be (world, 2, batch, seqlen_local, kv_heads, head_dim), got ",
-              kv_all.sizes());
+  TORCH_CHECK(kv_all.dim() == 5 && q.dim() == 4 && kv_all.size(4) > q.size(3),
+              "cpattn: kv_all must be (world, batch, seqlen_local, kv_heads, head_dim + "
+              "v_head_dim) for q (batch, seqlen_local, heads, head_dim), got ", kv_all.sizes(),
+              " and ", q.sizes());
   const int64_t world = kv_all.size(0);
   check_rank(rank, world);
-  check_ring_args(q, kv_all[0][0], kv_all[0][1], o);
+  check_ring_args(q, keys_of(kv_all[0], q.size(3)), values_of(kv_all[0], q.size(3)), o);
   check_local_length(q, o, world);
 }
 
@@ -320,7 +341,7 @@ std::tuple<at::Tensor, at::Tensor> gathered_forward(const at::Tensor& q, const a
                                                     int64_t rank, const RingOptions& o) {
   check_gathered_args(q, kv_all, rank, o);
   const int64_t world = kv_all.size(0);
-  auto [out, lse] = new_state(q);
+  auto [out, lse] = new_state(q, kv_all.size(4) - q.size(3));
   for (int64_t step = 0; step < world; ++step)
     forward_step(q, kv_all[ring_source(rank, step, world)], plan(o, q.size(1), world, rank, step),
                  o, out, lse);

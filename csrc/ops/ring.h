@@ -33,7 +33,11 @@ struct RingOptions {
   std::optional<at::Tensor> alibi_slopes;
   std::optional<at::Tensor> sinks;
   int64_t prefix_len = 0;  // keys at global positions < prefix_len (per document) seen by all
+  // Packed documents only: each document's own prefix length (0: none), in place of prefix_len.
+  std::vector<int64_t> doc_prefix_lens;
 };
+// doc_lengths: (D,) int64 document lengths, or (2, D): the lengths and each document's prefix-LM
+// length (a prefix per document, ring_attention_varlen).
 RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
                               int64_t window_right, int64_t layout,
                               const std::optional<at::Tensor>& doc_lengths, double softcap = 0.0,
@@ -41,13 +45,15 @@ RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_
                               const std::optional<at::Tensor>& sinks = std::nullopt,
                               int64_t prefix_len = 0);
 
-// Called with each K/V shard the ring brings to this rank: its source rank and kv = stack(k, v)
-// (2, B, S_local, Hkv, D), own shard first. Lets a caller use every shard once (prefill stores the
-// tokens it owns in its KV cache) without sending K/V again.
-using ShardVisitor = std::function<void(int64_t source, const at::Tensor& kv)>;
+// Called with each K/V shard the ring brings to this rank: its source rank, k (B, S_local, Hkv, D)
+// and v (B, S_local, Hkv, Dv), own shard first. Lets a caller use every shard once (prefill stores
+// the tokens it owns in its KV cache) without sending K/V again.
+using ShardVisitor =
+    std::function<void(int64_t source, const at::Tensor& k, const at::Tensor& v)>;
 
-// q, k, v: this rank's shards (B, S_local, H | Hkv, D) in layout order. Returns this rank's out
-// (options.out_dtype, default q's dtype) and lse (B, H, S_local) fp32.
+// q, k: this rank's shards (B, S_local, H | Hkv, D) in layout order, v (B, S_local, Hkv, Dv).
+// Returns this rank's out (B, S_local, H, Dv) (options.out_dtype, default q's dtype) and lse
+// (B, H, S_local) fp32.
 std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::Tensor& k,
                                                 const at::Tensor& v, comm::Transport& transport,
                                                 const RingOptions& options,
@@ -60,8 +66,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     comm::Transport& transport, const RingOptions& options);
 
 // The ring's steps against K/V shards already gathered on this rank: kv_all is
-// (W, 2, B, S_local, Hkv, D), rank this rank's index. The backward returns dq and this rank's
-// fp32 contributions to every shard's dK/dV (W, 2, B, S_local, Hkv, D), to be reduce-scattered.
+// (W, B, S_local, Hkv, D + Dv), every rank's k and v concatenated along the head dim, rank this
+// rank's index. The backward returns dq and this rank's fp32 contributions to every shard's dK/dV,
+// packed as kv_all, to be reduce-scattered.
 std::tuple<at::Tensor, at::Tensor> gathered_forward(const at::Tensor& q, const at::Tensor& kv_all,
                                                     int64_t rank, const RingOptions& options);
 std::tuple<at::Tensor, at::Tensor> gathered_backward(const at::Tensor& dout, const at::Tensor& q,

@@ -45,8 +45,8 @@ def padded_length(seqlen: int, layout: str, world: int) -> int:
 
 def check_chunk(what: str, chunk: int, layout: str, world: int, per_rank: Optional[int] = None
                 ) -> None:
-    """Raises ValueError unless a chunk of `chunk` tokens splits evenly under `layout` (prefill
-    chunks are not padded). `per_rank`: the shard length, named in the message."""
+    """Raises ValueError unless a chunk of `chunk` tokens splits evenly under `layout` (a prefill
+    chunk without seqlen= is not padded). `per_rank`: the shard length, named in the message."""
     g = granularity(layout, world)
     if chunk % g != 0:
         shard = "" if per_rank is None else f" ({per_rank} per rank)"

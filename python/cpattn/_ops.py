@@ -121,30 +121,34 @@ def attention_fwd(
 
 @torch.library.register_fake("cpattn::ring_fwd")
 def _ring_fwd_fake(q, k, v, group_name, softmax_scale, causal, window_left, window_right,
-                   layout, timeout_s, doc_lengths=None):
+                   layout, timeout_s, doc_lengths=None, softcap=0.0, alibi_slopes=None, sinks=None,
+                   prefix_len=0):
     _check_same_device("q, k and v", q, k, v)
     b, s, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+    return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.register_fake("cpattn::ring_bwd")
 def _ring_bwd_fake(dout, q, k, v, out, lse, group_name, softmax_scale, causal, window_left,
-                   window_right, layout, timeout_s, dlse=None, doc_lengths=None):
+                   window_right, layout, timeout_s, dlse=None, doc_lengths=None, softcap=0.0,
+                   alibi_slopes=None, prefix_len=0):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("cpattn::gathered_fwd")
 def _gathered_fwd_fake(q, kv_all, rank, softmax_scale, causal, window_left, window_right, layout,
-                       doc_lengths=None):
+                       doc_lengths=None, softcap=0.0, alibi_slopes=None, sinks=None, prefix_len=0):
     _check_same_device("q and kv_all", q, kv_all)
-    b, s, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+    b, s, h, d = q.shape  # kv_all (W, B, S, Hkv, D + Dv)
+    return (q.new_empty((b, s, h, kv_all.shape[-1] - d)),
+            q.new_empty((b, h, s), dtype=torch.float32))
 
 
 @torch.library.register_fake("cpattn::gathered_bwd")
 def _gathered_bwd_fake(dout, q, kv_all, out, lse, rank, softmax_scale, causal, window_left,
-                       window_right, layout, doc_lengths=None, dlse=None):
+                       window_right, layout, doc_lengths=None, dlse=None, softcap=0.0,
+                       alibi_slopes=None, prefix_len=0):
     _check_same_device("dout, q, kv_all, out and lse", dout, q, kv_all, out, lse)
     return q.new_empty(q.shape), kv_all.new_empty(kv_all.shape, dtype=torch.float32)
 
@@ -156,7 +160,7 @@ def _layout_positions_fake(seqlen, world, rank, layout):
 
 @torch.library.register_fake("cpattn_testing::ring_fwd_emulated")
 def _ring_fwd_emulated_fake(q, k, v, softmax_scale, causal, window_left, window_right, layout):
-    return ([t.new_empty(t.shape) for t in q],
+    return ([t.new_empty((*t.shape[:-1], vt.shape[-1])) for t, vt in zip(q, v)],
             [t.new_empty((t.shape[0], t.shape[2], t.shape[1]), dtype=torch.float32) for t in q])
 
 
@@ -220,7 +224,7 @@ def _cache_store_fake(k_cache, v_cache, k, v, start, rank, world, interleave):
 @torch.library.register_fake("cpattn::cache_attention_fwd")
 def _cache_attention_fake(
     q, k_cache, v_cache, cache_lens, q_start, rank, world, interleave, softmax_scale, causal,
-    out_dtype=None,
+    out_dtype=None, softcap=0.0, alibi_slopes=None, prefix_len=0,
 ):
     b, sq, h, _ = q.shape
     out = q.new_empty(q.shape, dtype=out_dtype if out_dtype is not None else q.dtype)
@@ -229,7 +233,8 @@ def _cache_attention_fake(
 
 @torch.library.register_fake("cpattn::prefill_fwd")
 def _prefill_fake(
-    q, k, v, k_cache, v_cache, cache_lens, group_name, softmax_scale, layout, interleave, timeout_s
+    q, k, v, k_cache, v_cache, cache_lens, group_name, softmax_scale, layout, interleave, timeout_s,
+    softcap=0.0, alibi_slopes=None, prefix_len=0, seqlen=0,
 ):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty((b, h, s), dtype=torch.float32)

@@ -135,7 +135,7 @@ def check_qkv(what: str, q, k, v, *, varlen: bool = False, same_length: bool = T
     if k.shape[:-1] != v.shape[:-1] or (k.shape != v.shape and not v_head_dim_free):
         rule = ("must be equal but for the head dim" if v_head_dim_free else
                 "must be equal (a head dim of v different from q/k's is supported by "
-                "cpattn.attention, ulysses_attention and hybrid_attention over one ring rank)")
+                "cpattn.attention and the context-parallel strategies)")
         raise error(what, "(k.shape, v.shape)", (tuple(k.shape), tuple(v.shape)), rule)
     if not varlen and q.shape[0] != k.shape[0]:
         raise error(what, "(q batch, k batch)", (q.shape[0], k.shape[0]), "must be equal")
@@ -191,3 +191,21 @@ def check_score_options(what: str, softcap, alibi_slopes, prefix_len) -> tuple[f
         raise error(what, "alibi_slopes", alibi_slopes, "are fixed and get no gradient: pass a "
                     "tensor that does not require grad (e.g. alibi_slopes.detach())")
     return float(softcap), check_int(what, "prefix_len", prefix_len, minimum=0)
+
+
+def check_prefix_per_document(what: str, prefix_len, doc_lengths: torch.Tensor) -> torch.Tensor:
+    """One prefix-LM length per document: an int64 tensor (D,) for D documents, each entry
+    0 <= P_d <= the document's length (0: no prefix). Returns it as int64 on the CPU."""
+    if prefix_len.dtype != torch.int64:
+        raise error(what, "prefix_len.dtype", prefix_len.dtype,
+                    "a prefix per document must be an int64 tensor")
+    if tuple(prefix_len.shape) != (doc_lengths.numel(),):
+        raise error(what, "prefix_len.shape", tuple(prefix_len.shape),
+                    f"must be ({doc_lengths.numel()},): one prefix per document of cu_seqlens")
+    prefix = prefix_len.detach().cpu()
+    bad = (prefix < 0) | (prefix > doc_lengths)
+    if bool(bad.any()):
+        d = int(bad.nonzero()[0])
+        raise error(what, f"prefix_len[{d}]", int(prefix[d]),
+                    f"must be between 0 and the document's length {int(doc_lengths[d])}")
+    return prefix

@@ -20,11 +20,13 @@ import torch
 import torch.distributed as dist
 
 from cpattn._agreement import FieldValue, agree_on, digest_ints, score_fields, tensor_fields
-from cpattn._layout import LAYOUTS, check_chunk
+from cpattn._layout import LAYOUTS, check_chunk, padded_length
 from cpattn._validation import (
     check_choice,
+    check_int,
     check_qkv,
     check_scale,
+    check_score_options,
     check_tensor,
     check_timeout,
     error,
@@ -324,6 +326,10 @@ def prefill_attention(
     return_lse: bool = False,
     timeout: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    prefix_len: int = 0,
+    seqlen: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Causal attention for a chunk of C prompt tokens per sequence, sharded over the ranks, that
     also stores the chunk's K/V in the owners' cache shards.
@@ -343,6 +349,14 @@ def prefill_attention(
         timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT or 300).
         sinks: (heads,) attention-sink logits (as cpattn.attention): they join each row once,
             after the ring's and the cached tokens' partials are merged.
+        softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions (the
+            sequence's, counted from its first cached token). A prefix that reaches into the
+            chunk needs every sequence of the batch at the same cache length.
+        seqlen: the chunk's length C, for any length (default: W times the shard length): the
+            shards of cpattn.shard on a length-C chunk are padded at its end to the layout's
+            granularity (cpattn.positions(C) marks the padding -1); padding rows get out 0 and
+            LSE -inf (with sinks: the sink), padding tokens are never attended to nor stored,
+            and the cache grows by C.
 
     Returns this rank's out (batch, C / W, heads, head_dim) in q's dtype. Forward only. Every rank
     must call it with the same shapes and options; a mismatch or a full cache raises on every rank.
@@ -357,18 +371,33 @@ def prefill_attention(
         scale = check_scale(what, softmax_scale, q.shape[-1])
         _check_cache_type(cache, what)
         checked_sinks = _check_sinks(sinks, q, what)
-        return (scale, checked_sinks), [
+        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
+        padded = q.shape[1] * world
+        n = padded if seqlen is None else check_int(what, "seqlen", seqlen, minimum=1)
+        if seqlen is None:  # any length: seqlen=
+            check_chunk(what, padded, layout, world, per_rank=q.shape[1])
+        if padded_length(n, layout, world) != padded:
+            raise error(what, "seqlen", n, f"gives shards of "
+                        f"{padded_length(n, layout, world) // world} tokens under the {layout} "
+                        f"layout over {world} ranks, not {q.shape[1]}")
+        # the ring runs on positions within the chunk: the prefix's end relative to it
+        ring_prefix = (prefix - cache.lengths).clamp(min=0).unique().tolist() if prefix else [0]
+        if len(ring_prefix) > 1:
+            raise error(what, "prefix_len", prefix, "reaches into this chunk at different "
+                        "positions of the batch's sequences (their cache lengths differ): "
+                        "prefill them one at a time (cache.sequences(i, i + 1))")
+        return (scale, checked_sinks, cap, prefix, ring_prefix[0], n), [
             *tensor_fields("q", q), *tensor_fields("k", k), *tensor_fields("v", v),
             ("layout", layout), ("softmax_scale", scale), *_cache_fields(cache, rank),
-            *score_fields(0.0, None, checked_sinks, 0)]
+            *score_fields(cap, alibi_slopes, checked_sinks, prefix), ("seqlen", n)]
 
-    softmax_scale, sinks = agree_on(what, group, timeout, check)
+    softmax_scale, sinks, softcap, prefix_len, ring_prefix, n = agree_on(what, group, timeout,
+                                                                         check)
     layout_code = LAYOUTS[layout]
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
-    chunk = q.shape[1] * world
-    check_chunk(what, chunk, layout, world, per_rank=q.shape[1])
-    cache.check_room(chunk, what)
+    chunk = q.shape[1] * world  # padded to the layout's granularity: n real tokens
+    cache.check_room(n, what)
 
     start = cache.lengths.clone()
     parts_out, parts_lse = [], []
@@ -377,23 +406,35 @@ def prefill_attention(
         # queries to its shard, then sends each rank the partials of that rank's queries.
         q_all = _all_gather(q, group, world, timeout, what)  # (W, B, C / W, H, D)
         q_all = q_all.transpose(0, 1).reshape(q.shape[0], chunk, *q.shape[2:])
+        # in chunk order (row c at position start + c, for ALiBi's distances), then back to the
+        # ranks' order for the all-to-all
+        order = torch.cat([positions(chunk, layout=layout, rank=r, world_size=world)
+                           for r in range(world)]).to(q.device)
         po, pl = ops.cache_attention_fwd(
-            q_all, cache.k, cache.v, start, start, rank, world, cache.interleave,
-            float(softmax_scale), True, torch.float32,
+            q_all.index_select(1, order.argsort()), cache.k, cache.v, start, start, rank, world,
+            cache.interleave, float(softmax_scale), True, torch.float32, softcap=softcap,
+            alibi_slopes=alibi_slopes, prefix_len=prefix_len,
         )
+        po, pl = po.index_select(1, order), pl.index_select(2, order)
         msg = _pack(po, pl).view(q.shape[0], world, q.shape[1], q.shape[2], q.shape[3] + 1)
         recv = _all_to_all(msg.transpose(0, 1).contiguous(), group, timeout, what)
         parts_out, parts_lse = _unpack(recv)
+    # the ring on positions within the chunk: ALiBi depends on position differences only
     ring_out, ring_lse = ops.prefill_fwd(
         q, k, v, cache.k, cache.v, start, group.group_name, float(softmax_scale), layout_code,
-        cache.interleave, timeout,
+        cache.interleave, timeout, softcap=softcap, alibi_slopes=alibi_slopes,
+        prefix_len=ring_prefix, seqlen=n,
     )
-    cache.lengths += chunk
+    cache.lengths += n
     if len(parts_out):
         out, lse = merge_attention_states(
             torch.cat([ring_out[None], parts_out]), torch.cat([ring_lse[None], parts_lse]),
             out_dtype=torch.float32,
         )
+        if n != chunk:  # the cached tokens' partials of padding rows: dropped
+            padding = (positions(n, layout=layout, rank=rank, world_size=world) < 0).to(q.device)
+            out[:, padding] = 0.0
+            lse[:, :, padding] = float("-inf")
     else:
         out, lse = ring_out, ring_lse  # prefill_fwd returns fp32
     out, lse = _finish(out, lse, sinks, q.dtype)
@@ -411,6 +452,9 @@ def decode_attention(
     timeout: Optional[float] = None,
     validate: bool = True,
     sinks: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    prefix_len: int = 0,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact causal attention of the newest Sq tokens of each sequence over the sharded cache.
 
@@ -436,6 +480,9 @@ def decode_attention(
             validated locally either way.
         sinks: (heads,) attention-sink logits (as cpattn.attention): they join each row once,
             after the W partials are merged, whatever W (with "reduce_scatter", the rank's heads').
+        softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions (query row
+            i at cache.lengths[b] - Sq + i); each rank's partial over its keys applies them.
+            With ALiBi or a prefix the cache shard is visited in runs of `interleave` tokens.
 
     The partials travel and merge in float32; out is cast to q's dtype once. Forward only.
     A rank whose shard holds none of a sequence's tokens contributes an empty partial (lse -inf).
@@ -450,14 +497,15 @@ def decode_attention(
         scale = check_scale(what, softmax_scale, q.shape[-1])
         _check_cache_type(cache, what)
         checked_sinks = _check_sinks(sinks, q, what)
-        return (scale, checked_sinks), [
+        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
+        return (scale, checked_sinks, cap, prefix), [
             *tensor_fields("q", q), ("comm", comm), ("softmax_scale", scale),
-            *_cache_fields(cache, rank), *score_fields(0.0, None, checked_sinks, 0)]
+            *_cache_fields(cache, rank), *score_fields(cap, alibi_slopes, checked_sinks, prefix)]
 
     if validate:
-        softmax_scale, sinks = agree_on(what, group, timeout, check)
+        softmax_scale, sinks, softcap, prefix_len = agree_on(what, group, timeout, check)
     else:
-        (softmax_scale, sinks), _ = check()
+        (softmax_scale, sinks, softcap, prefix_len), _ = check()
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
     b, sq, h, d = q.shape
@@ -476,7 +524,8 @@ def decode_attention(
 
     po, pl = ops.cache_attention_fwd(
         q, cache.k, cache.v, cache.lengths, cache.lengths - sq, rank, world, cache.interleave,
-        float(softmax_scale), True, torch.float32,
+        float(softmax_scale), True, torch.float32, softcap=softcap, alibi_slopes=alibi_slopes,
+        prefix_len=prefix_len,
     )
     if world == 1:
         out, lse = po, pl
@@ -497,9 +546,9 @@ def decode_attention(
 def chunk_positions(
     cache: KVCacheShard, chunk: int, *, layout: str = "zigzag", group=None
 ) -> torch.Tensor:
-    """Global positions (int64, (batch, chunk / W)) of this rank's tokens of the next prefill
-    chunk of length `chunk`: cache.lengths[b] + the layout's positions (e.g. for RoPE)."""
-    check_chunk("cpattn.chunk_positions", chunk, layout, cache.world_size)
+    """Global positions (int64, (batch, padded chunk / W)) of this rank's tokens of the next
+    prefill chunk of length `chunk`: cache.lengths[b] + the layout's positions (e.g. for RoPE);
+    any length: -1 for the padding slots (see prefill_attention's seqlen)."""
     local = positions(chunk, group=group, layout=layout, rank=cache.rank,
                       world_size=cache.world_size)
-    return cache.lengths[:, None] + local[None, :]
+    return torch.where(local[None, :] >= 0, cache.lengths[:, None] + local[None, :], -1)

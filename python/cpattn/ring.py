@@ -30,6 +30,7 @@ from cpattn._validation import (
     check_choice,
     check_cu_seqlens,
     check_int,
+    check_prefix_per_document,
     check_qkv,
     check_scale,
     check_score_options,
@@ -189,10 +190,10 @@ def _unshard(what: str, x_local, group, dim, locate: Callable) -> torch.Tensor:
 
 
 def _attention_args(what, q, k, v, causal, softmax_scale, window, layout="contiguous",
-                    varlen=False, v_head_dim_free=False) -> tuple[tuple, Fields]:
+                    varlen=False) -> tuple[tuple, Fields]:
     """Validates the arguments every attention strategy shares. Returns (causal, layout_code,
     softmax_scale, window) normalised, and the signature fields every rank must share."""
-    check_qkv(what, q, k, v, varlen=varlen, v_head_dim_free=v_head_dim_free)
+    check_qkv(what, q, k, v, varlen=varlen, v_head_dim_free=True)  # v: its own head dim Dv
     causal = check_bool(what, "causal", causal)
     check_choice(what, "layout", layout, tuple(LAYOUTS))
     window = check_window(window, what)
@@ -264,9 +265,10 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _gather_kv(k, v, group, world):
-    """(W, 2, B, S_local, Hkv, D): every rank's K and V, in rank order."""
-    kv = torch.stack([k, v]).contiguous()
-    kv_all = kv.new_empty((world * 2, *kv.shape[1:]))
+    """(W, B, S_local, Hkv, D + Dv): every rank's K and V concatenated along the head dim (v may
+    have its own head dim), in rank order."""
+    kv = torch.cat([k, v], dim=-1)
+    kv_all = kv.new_empty((world * kv.shape[0], *kv.shape[1:]))
     comm.all_gather_flat(kv_all, kv, group=group)
     return kv_all.view(world, *kv.shape)
 
@@ -316,8 +318,8 @@ class _GatheredAttention(torch.autograd.Function):
             dkv = dkv_all.new_empty(dkv_all.shape[1:])
             comm.reduce_scatter_flat(dkv, dkv_all.view(-1, *dkv_all.shape[2:]), group=group)
             dq.append(dq_c)
-            dk.append(dkv[0].to(k.dtype))
-            dv.append(dkv[1].to(v.dtype))
+            dk.append(dkv[..., :k.shape[-1]].to(k.dtype))
+            dv.append(dkv[..., k.shape[-1]:].to(v.dtype))
         dsinks = _sink_grad(ctx, sinks, dout, out, lse, dlse)
         return (torch.cat(dq, dim=2), torch.cat(dk, dim=2), torch.cat(dv, dim=2),
                 *([None] * 12), dsinks)
@@ -345,14 +347,22 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
         chunk = allgather_chunk
         if chunk is not None:
             chunk = check_int(what, "allgather_chunk", chunk, minimum=1)
-        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
-        fields += [("strategy", strategy), ("allgather_chunk", chunk),
-                   *score_fields(cap, alibi_slopes, sinks, prefix)]
-        docs = None
+        docs = prefix_docs = None
         if cu_seqlens is not None:  # the exact boundaries, not a sum: other splits must not pass
             docs = check_cu_seqlens(what, cu_seqlens).diff()
             fields += [("documents", docs.numel()), ("tokens", int(docs.sum())),
                        ("document_lengths", digest_ints(docs))]
+            if isinstance(prefix_len, torch.Tensor):
+                prefix_docs = check_prefix_per_document(what, prefix_len, docs)
+                fields += [("prefix_per_document", digest_ints(prefix_docs))]
+        elif isinstance(prefix_len, torch.Tensor):
+            raise error(what, "prefix_len", prefix_len, "must be an int here (a prefix per "
+                        "document: ring_attention_varlen; per sequence of a batch: one call "
+                        "per sequence)")
+        cap, prefix = check_score_options(what, softcap, alibi_slopes,
+                                          0 if prefix_docs is not None else prefix_len)
+        fields += [("strategy", strategy), ("allgather_chunk", chunk),
+                   *score_fields(cap, alibi_slopes, sinks, prefix)]
         if seqlen is not None:
             n = check_int(what, "seqlen", seqlen, minimum=1)
             if padded_length(n, layout, world) != q.shape[1] * world:
@@ -364,14 +374,16 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
             fields += [("seqlen", n)]
         if strategy == "auto":  # the choice may only depend on what the ranks agree on
             fields += [("requires_grad", needs_grad(q, k, v))]
-        return (*args, chunk, docs, cap, prefix), fields
+        return (*args, chunk, docs, prefix_docs, cap, prefix), fields
 
-    causal, layout_code, scale, window, chunk, docs, softcap, prefix_len = agree_on(
+    causal, layout_code, scale, window, chunk, docs, prefix_docs, softcap, prefix_len = agree_on(
         what, group, timeout, check)
     if cu_seqlens is not None:
         q, k, v = q[None], k[None], v[None]
     if strategy == "auto":
         strategy = auto_strategy(q, k, world, group, causal, layout, window, docs, chunk, what)
+    if prefix_docs is not None:  # the ops take the prefixes as a second row of the documents
+        docs = torch.stack([docs, prefix_docs])
     if strategy == "ring":
         return _RingAttention.apply(q, k, v, group.group_name, scale, causal, window, layout_code,
                                     timeout, docs, softcap, alibi_slopes, prefix_len, sinks)
@@ -406,7 +418,8 @@ def ring_attention(
     Args:
         q: this rank's queries (batch, seqlen / W, heads, head_dim), in `layout` order
             (see cpattn.shard / cpattn.positions).
-        k, v: this rank's keys / values (batch, seqlen / W, kv_heads, head_dim).
+        k, v: this rank's keys / values (batch, seqlen / W, kv_heads, head_dim); v may have its
+            own head dim Dv (MLA-style, e.g. 192 / 128), out then has Dv.
         group: a torch.distributed process group (default: the world).
         causal, window, softmax_scale: as cpattn.attention, on global token positions.
         layout: "contiguous", "zigzag" (balanced for causal) or "striped".
@@ -467,7 +480,7 @@ def ring_attention_varlen(
     sinks: Optional[torch.Tensor] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
-    prefix_len: int = 0,
+    prefix_len: Union[int, torch.Tensor] = 0,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ring (or all-gather) attention over packed documents that never attend across each other.
 
@@ -477,8 +490,9 @@ def ring_attention_varlen(
     q (T_local, H, D), k/v (T_local, Hkv, D) come from cpattn.shard_varlen; padding tokens give
     output 0 and LSE -inf. Returns out (T_local, H, D) and optionally lse (H, T_local).
     sinks, softcap, alibi_slopes: as ring_attention (ALiBi on positions within the document);
-    prefix_len: an int, the same prefix for every document (positions within the document);
-    a prefix per document is not supported yet. Padding rows with a sink: LSE = the sink.
+    prefix_len: an int, the same prefix for every document, or an int64 tensor (D,), one prefix
+    per document (0 <= P_d <= its length, 0: none), on positions within the document.
+    Padding rows with a sink: LSE = the sink. v may have its own head dim Dv (out then has Dv).
     """
     out, lse = _context_parallel("cpattn.ring_attention_varlen", q, k, v, group, causal, layout,
                                  softmax_scale, window, timeout, strategy, allgather_chunk,
@@ -575,7 +589,7 @@ def ring_attention_emulated(
         return list(outs), list(lses)
     world = len(q)
     if strategy == "allgather":
-        kv_all = torch.stack([torch.stack([kr, vr]) for kr, vr in zip(k, v)])
+        kv_all = torch.stack([torch.cat([kr, vr], dim=-1) for kr, vr in zip(k, v)])
         results = [torch.ops.cpattn.gathered_fwd(q[r], kv_all, r, *args, layout_code(layout))
                    for r in range(world)]
         return [o for o, _ in results], [lse for _, lse in results]

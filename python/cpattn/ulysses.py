@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from cpattn import comm
 from cpattn._agreement import agree_on, score_fields
-from cpattn._layout import kv_heads_for_ranks
-from cpattn._validation import check_score_options, check_timeout, error
+from cpattn._layout import kv_heads_for_ranks, padded_length, round_up
+from cpattn._validation import check_int, check_score_options, check_timeout, error
 from cpattn.attention import attention
 from cpattn.ring import _attention_args, _group_info, positions, ring_attention, shard, unshard
 
@@ -47,28 +47,57 @@ def _my_heads(per_head: Optional[torch.Tensor], heads: int, group) -> Optional[t
     return per_head[u_rank * per_rank:(u_rank + 1) * per_rank]
 
 
+def _pad_rows(out: torch.Tensor, lse: torch.Tensor, length: int,
+              sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (B, L, H, Dv) and lse (B, H, L) padded at the end of the sequence to `length` rows:
+    out 0 and LSE -inf (with sinks: the sink, as the ring's padding rows)."""
+    extra = length - out.shape[1]
+    if extra == 0:
+        return out, lse
+    b, _, h, _ = out.shape
+    pad_lse = (lse.new_full((b, h, extra), float("-inf")) if sinks is None else
+               sinks.to(lse.dtype)[None, :, None].expand(b, h, extra))
+    return (torch.cat([out, out.new_zeros((b, extra, *out.shape[2:]))], dim=1),
+            torch.cat([lse, pad_lse], dim=2))
+
+
 def _across_heads(what: str, q, k, v, group, timeout: float, attend: Callable, return_lse: bool,
                   *, causal, softmax_scale, window, sinks, softcap, alibi_slopes, prefix_len,
-                  layout: str = "contiguous", v_head_dim_free: bool = True):
+                  seqlen, rows: Callable[[int], tuple[int, int]], layout: str = "contiguous"):
     """The Ulysses steps of ulysses_attention and hybrid_attention: validation and the agreement
-    check over `group`, the all-to-all to head shards, attend(qh, kh, vh, **options) -> (out_h,
-    lse_h) on this rank's heads (per-head options sliced to them), and the all-to-all back."""
+    check over `group`, the all-to-all to head shards, attend(qh, kh, vh, n, **options) ->
+    (out_h, lse_h) on this rank's heads (per-head options sliced to them) for a sequence of n
+    real tokens, and the all-to-all back.
+    Any length: rows(n) gives (the length of a head shard once a length-n sequence is padded,
+    the rows of it that attend gets); the rows after those come back as padding (0 / -inf)."""
     world = dist.get_world_size(group)
 
     def check():
-        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout,
-                                       v_head_dim_free=v_head_dim_free)
+        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout)
         _check_heads(what, q, world)
         cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
-        return (*args, cap, prefix), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix)]
+        held = q.shape[1] * world  # tokens of a head shard
+        n = None
+        if seqlen is not None:
+            n = check_int(what, "seqlen", seqlen, minimum=1)
+            if rows(n)[0] != held:
+                raise error(what, "seqlen", n, f"gives head shards of {rows(n)[0]} tokens once "
+                            f"padded (see cpattn.positions), but the shards hold {held}")
+        return (*args, cap, prefix, n), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix),
+                                         ("seqlen", n)]
 
-    causal, _, softmax_scale, window, softcap, prefix_len = agree_on(what, group, timeout, check)
+    causal, _, softmax_scale, window, softcap, prefix_len, n = agree_on(what, group, timeout,
+                                                                       check)
     qh, kh, vh = _scatter_heads(q, k, v, group)
     heads = q.shape[2]
-    out_h, lse_h = attend(qh, kh, vh, causal=causal, softmax_scale=softmax_scale, window=window,
-                          return_lse=True, softcap=softcap, sinks=_my_heads(sinks, heads, group),
+    real = qh.shape[1] if n is None else rows(n)[1]
+    my_sinks = _my_heads(sinks, heads, group)
+    out_h, lse_h = attend(qh[:, :real], kh[:, :real], vh[:, :real], n, causal=causal,
+                          softmax_scale=softmax_scale, window=window, return_lse=True,
+                          softcap=softcap, sinks=my_sinks,
                           alibi_slopes=_my_heads(alibi_slopes, heads, group),
                           prefix_len=prefix_len)
+    out_h, lse_h = _pad_rows(out_h, lse_h, qh.shape[1], my_sinks)
     out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=group)
     if not return_lse:
         return out
@@ -90,6 +119,7 @@ def ulysses_attention(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     prefix_len: int = 0,
+    seqlen: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded contiguously (rank r holds tokens
     [r*S/W, (r+1)*S/W)) by all-to-all between sequence and head shards.
@@ -102,13 +132,22 @@ def ulysses_attention(
     sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention on global positions; each rank
     uses the sinks / slopes of the heads it computes, so the gradient of `sinks` on a rank is
     its heads' share (summed over the group by the usual parameter-gradient all-reduce).
+    seqlen: the global sequence length, for any length (default: W times the shard length):
+    cpattn.shard(x, layout="contiguous") pads a length-S sequence at its end to a multiple of W
+    (cpattn.positions marks the padding with -1); padding rows get out 0 and LSE -inf (with
+    sinks: the sink), padding keys are never attended to; cpattn.unshard(..., seqlen=S).
     """
     what = "cpattn.ulysses_attention"
-    group, _, _ = _group_info(group)
-    return _across_heads(what, q, k, v, group, check_timeout(what, timeout), attention,
+    group, _, world = _group_info(group)
+
+    def attend(qh, kh, vh, n, **options):  # the whole sequence, its real tokens only
+        return attention(qh, kh, vh, **options)
+
+    return _across_heads(what, q, k, v, group, check_timeout(what, timeout), attend,
                          return_lse, causal=causal, softmax_scale=softmax_scale, window=window,
                          sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
-                         prefix_len=prefix_len)
+                         prefix_len=prefix_len, seqlen=seqlen,
+                         rows=lambda n: (padded_length(n, "contiguous", world), n))
 
 
 def hybrid_attention(
@@ -129,6 +168,7 @@ def hybrid_attention(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     prefix_len: int = 0,
+    seqlen: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ulysses inside `ulysses_group` (size U), ring across `ring_group` (size R), W = U * R.
 
@@ -137,7 +177,10 @@ def hybrid_attention(
     ranks by `layout`; the rank at ring index i and Ulysses index u holds the u-th contiguous
     sub-chunk of ring shard i. H % U == 0. Either group may have size 1.
     sinks, softcap, alibi_slopes, prefix_len: as ulysses_attention (per-head ones sliced to the
-    rank's heads, then as ring_attention across the ring).
+    rank's heads, then as ring_attention across the ring). v may have its own head dim.
+    seqlen: the global sequence length, for any length (default: W times the shard length):
+    hybrid_shard pads as hybrid_positions says; padding rows get out 0 and LSE -inf (with
+    sinks: the sink); hybrid_unshard(..., seqlen=S) gives S tokens back.
     """
     if mesh is not None:
         ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
@@ -146,30 +189,39 @@ def hybrid_attention(
     what = "cpattn.hybrid_attention"
     timeout = check_timeout(what, timeout)
     ring = functools.partial(ring_attention, group=ring_group, layout=layout, timeout=timeout)
-    # v's own head dim passes Ulysses; the ring needs it equal to q/k's.
-    return _across_heads(what, q, k, v, ulysses_group, timeout, ring, return_lse, causal=causal,
-                         softmax_scale=softmax_scale, window=window, sinks=sinks, softcap=softcap,
-                         alibi_slopes=alibi_slopes, prefix_len=prefix_len, layout=layout,
-                         v_head_dim_free=dist.get_world_size(ring_group) == 1)
+    r_world, u_world = dist.get_world_size(ring_group), dist.get_world_size(ulysses_group)
+
+    def attend(qh, kh, vh, n, **options):  # this rank's ring shard, padded for the ring only
+        return ring(qh, kh, vh, seqlen=n, **options)
+
+    return _across_heads(what, q, k, v, ulysses_group, timeout, attend, return_lse,
+                         causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
+                         softcap=softcap, alibi_slopes=alibi_slopes, prefix_len=prefix_len,
+                         layout=layout, seqlen=seqlen,
+                         rows=lambda n: _hybrid_ring_shard(n, layout, r_world, u_world)[::-1])
+
+
+def _hybrid_ring_shard(seqlen: int, layout: str, r_world: int, u_world: int) -> tuple[int, int]:
+    """(tokens of a ring shard of the sequence padded to the layout's granularity over the ring,
+    that number padded to a multiple of U): hybrid's two paddings."""
+    ring_shard = padded_length(seqlen, layout, r_world) // r_world
+    return ring_shard, round_up(ring_shard, u_world)
 
 
 def hybrid_positions(
     seqlen: int, *, ulysses_group, ring_group, layout: str = "zigzag", device=None
 ) -> torch.Tensor:
-    """Global positions of this rank's tokens under hybrid_attention's sharding."""
+    """Global positions of this rank's tokens under hybrid_attention's sharding.
+
+    Any length: the sequence is padded at its end to the ring layout's granularity (as
+    cpattn.positions over the R ring ranks), each ring shard then at its end to a multiple of U;
+    padding slots have position -1."""
     _, r_rank, r_world = _group_info(ring_group)
     _, u_rank, u_world = _group_info(ulysses_group)
     ring_pos = positions(seqlen, layout=layout, rank=r_rank, world_size=r_world, device=device)
-    if ring_pos.numel() * r_world != seqlen:
-        raise ValueError(
-            f"cpattn.hybrid_positions: the sequence length {seqlen} must be a multiple of the "
-            f"{layout} layout's granularity over the {r_world} ring ranks"
-        )
-    if ring_pos.numel() % u_world != 0:
-        raise ValueError(
-            f"cpattn.hybrid_positions: the ring shard length {ring_pos.numel()} is not divisible "
-            f"by the Ulysses group size {u_world}"
-        )
+    _, padded = _hybrid_ring_shard(seqlen, layout, r_world, u_world)
+    if padded != ring_pos.numel():
+        ring_pos = torch.cat([ring_pos, ring_pos.new_full((padded - ring_pos.numel(),), -1)])
     return ring_pos.chunk(u_world)[u_rank]
 
 
@@ -182,11 +234,16 @@ def hybrid_shard(x: torch.Tensor, *, ulysses_group, ring_group, layout: str = "z
 
 
 def hybrid_unshard(x_local: torch.Tensor, *, ulysses_group, ring_group, layout: str = "zigzag",
-                   dim: int = 1, group=None) -> torch.Tensor:
+                   dim: int = 1, group=None, seqlen: Optional[int] = None) -> torch.Tensor:
     """Inverse of hybrid_shard over `group` (default: the world, which must hold exactly the
-    ranks of the mesh). Differentiable."""
+    ranks of the mesh). `seqlen`: the real length (default: W times the shard length); the
+    padding slots are dropped. Differentiable."""
     world = dist.get_world_size(ulysses_group) * dist.get_world_size(ring_group)
-    seqlen = x_local.shape[dim] * world
+    if seqlen is None:
+        seqlen = x_local.shape[dim] * world
     idx = hybrid_positions(seqlen, ulysses_group=ulysses_group, ring_group=ring_group,
                            layout=layout)
+    if idx.numel() != x_local.shape[dim]:
+        raise error("cpattn.hybrid_unshard", "seqlen", seqlen, f"gives shards of {idx.numel()} "
+                    f"tokens, not {x_local.shape[dim]}")
     return unshard(x_local, group=group, index=idx, seqlen=seqlen, dim=dim)

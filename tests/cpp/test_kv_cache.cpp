@@ -42,17 +42,21 @@ TEST(CacheSharding, SlotsAreDenseAndInvertible) {
 struct RuleCase {
   bool causal;
   int64_t left, right;
+  int64_t prefix = -kUnbounded;
 };
 
 // Over all ranks, the spans compute each visible pair once and no hidden pair; at most one span
 // per rank is unmasked.
+// runs_only (ALiBi) or a prefix: every span is a run of consecutive positions.
 void check_spans(int64_t world, int64_t il, int64_t n, int64_t q_begin, int64_t num_q,
-                 const RuleCase& rc) {
+                 const RuleCase& rc, bool runs_only = false) {
   const CacheSharding s{world, il};
   Mask rule;
   rule.causal = rc.causal;
   rule.window_left = rc.left;
   rule.window_right = rc.right;
+  rule.prefix_end = rc.prefix;
+  const bool only_runs = runs_only || rule.has_prefix();
   std::vector<int> seen(num_q * n, 0);
   for (int64_t rank = 0; rank < world; ++rank) {
     int unmasked = 0;
@@ -61,7 +65,8 @@ void check_spans(int64_t world, int64_t il, int64_t n, int64_t q_begin, int64_t 
       ASSERT_GE(sp.slot_begin, last_end) << "spans are disjoint and ordered";
       ASSERT_LE(sp.slot_end, s.count(rank, n));
       last_end = sp.slot_end;
-      const bool plain = !sp.mask.causal && sp.mask.window_left < 0 && sp.mask.window_right < 0;
+      const bool plain = !only_runs && !sp.mask.causal && sp.mask.window_left < 0 &&
+                         sp.mask.window_right < 0;
       unmasked += plain;
       if (!plain) {  // a masked span is a run of consecutive positions
         const int64_t p0 = s.position(rank, sp.slot_begin);
@@ -75,14 +80,29 @@ void check_spans(int64_t world, int64_t il, int64_t n, int64_t q_begin, int64_t 
                                                         << " j=" << j << " rank " << rank;
           ++seen[a * n + j];
         }
-    });
+    }, runs_only);
     ASSERT_LE(unmasked, 1);
   }
   for (int64_t a = 0; a < num_q; ++a)
     for (int64_t j = 0; j < n; ++j)
       ASSERT_EQ(seen[a * n + j], rule.visible_pos(q_begin + a, j) ? 1 : 0)
           << "pair i=" << q_begin + a << " j=" << j << " W=" << world << " I=" << il << " n=" << n
-          << " causal=" << rc.causal << " window=(" << rc.left << "," << rc.right << ")";
+          << " causal=" << rc.causal << " window=(" << rc.left << "," << rc.right << ")"
+          << " prefix=" << rc.prefix << " runs_only=" << runs_only;
+}
+
+TEST(CacheSpans, RunsOnlyAndPrefixCoverEveryVisiblePairOnce) {
+  const RuleCase rules[] = {{true, -1, -1}, {false, -1, -1}, {true, 6, -1},
+                            {true, -1, -1, 5}, {true, 2, -1, 30}, {true, -1, -1, 75}};
+  for (int64_t world : {1, 2, 3})
+    for (int64_t il : {1, 5, 16})
+      for (int64_t n : {1, 40, 70})
+        for (int64_t num_q : {1, 3})
+          for (const RuleCase& rc : rules)
+            for (bool runs_only : {false, true}) {
+              check_spans(world, il, n, n - num_q < 0 ? 0 : n - num_q, num_q, rc, runs_only);
+              check_spans(world, il, n, n / 3, num_q, rc, runs_only);
+            }
 }
 
 TEST(CacheSpans, CoverEveryVisiblePairOnce) {

@@ -69,8 +69,18 @@ TEST(Schedule, CoversEveryVisiblePairOnce) {
 
 // Packed documents: pairs inside a document's real tokens are covered exactly once; nothing
 // crosses documents or touches padding.
+// prefixes (optional): each document's own prefix length (0: none) in place of mc.prefix.
 void check_varlen_coverage(Layout layout, int64_t world, const std::vector<int64_t>& lengths,
-                           const MaskCase& mc) {
+                           const MaskCase& mc, const std::vector<int64_t>& prefixes = {}) {
+  // The rule of document d: mc's, with its own prefix when given.
+  auto rule = [&](size_t d) {
+    Mask m;
+    m.causal = mc.causal;
+    m.window_left = mc.left;
+    m.window_right = mc.right;
+    m.prefix_end = prefixes.empty() ? mc.prefix : (prefixes[d] > 0 ? prefixes[d] : -kUnbounded);
+    return m;
+  };
   Mask global;
   global.causal = mc.causal;
   global.window_left = mc.left;
@@ -104,16 +114,17 @@ void check_varlen_coverage(Layout layout, int64_t world, const std::vector<int64
                              const int64_t i = local_pos[rank][qa], j = local_pos[src][kb];
                              ASSERT_LT(i, lengths[d]) << "padding query";
                              ASSERT_LT(j, lengths[d]) << "padding key";
-                             ASSERT_TRUE(global.visible_pos(i, j));
+                             ASSERT_TRUE(rule(d).visible_pos(i, j));
                              ++seen[{d, i, j}];
                            }
-                       });
+                       },
+                       prefixes.empty() ? nullptr : prefixes.data());
     }
   for (size_t d = 0; d < lengths.size(); ++d)
     for (int64_t i = 0; i < lengths[d]; ++i)
       for (int64_t j = 0; j < lengths[d]; ++j) {
         const auto it = seen.find({static_cast<int64_t>(d), i, j});
-        ASSERT_EQ(it == seen.end() ? 0 : it->second, global.visible_pos(i, j) ? 1 : 0)
+        ASSERT_EQ(it == seen.end() ? 0 : it->second, rule(d).visible_pos(i, j) ? 1 : 0)
             << "doc " << d << " i=" << i << " j=" << j << " W " << world;
       }
 }
@@ -123,6 +134,15 @@ TEST(Schedule, VarlenCoversEachDocumentOnce) {
   for (Layout layout : {Layout::kContiguous, Layout::kZigzag, Layout::kStriped})
     for (int64_t world = 1; world <= 6; ++world)
       for (const MaskCase& mc : kMasks) check_varlen_coverage(layout, world, lengths, mc);
+}
+
+TEST(Schedule, VarlenPrefixPerDocument) {
+  const std::vector<int64_t> lengths = {1, 0, 13, 5, 2, 31};
+  const std::vector<int64_t> prefixes = {1, 0, 4, 0, 2, 17};  // whole documents and none too
+  for (Layout layout : {Layout::kContiguous, Layout::kZigzag, Layout::kStriped})
+    for (int64_t world = 1; world <= 5; ++world)
+      for (const MaskCase& mc : {MaskCase{true, -1, -1}, MaskCase{true, 3, -1}})
+        check_varlen_coverage(layout, world, lengths, mc, prefixes);
 }
 
 TEST(Layout, PositionsArePermutation) {

@@ -91,12 +91,18 @@ CPATTN_HOST_DEVICE void masked_runs(const CacheSharding& s, int64_t rank, const 
 // (query, key) pair visible under `rule` (its offsets are ignored) between the queries at
 // positions [q_begin, q_begin + num_q) and the keys of positions [0, n) stored on `rank`.
 // At most one span is unmasked (the keys every query sees); the others are runs of consecutive
-// positions, each at most I slots long.
+// positions, each at most I slots long. `runs_only` (ALiBi: the score depends on each key's
+// position) or a prefix in `rule` (it widens the visible keys beyond the intervals below):
+// every span is such a run, with its mask on global positions.
 template <typename F>
 CPATTN_HOST_DEVICE void for_each_cache_span(const CacheSharding& s, int64_t rank, int64_t n,
                                             const Mask& rule, int64_t q_begin, int64_t num_q,
-                                            F&& f) {
+                                            F&& f, bool runs_only = false) {
   if (n <= 0 || num_q <= 0) return;
+  if (runs_only || rule.has_prefix()) {
+    detail::masked_runs(s, rank, rule, q_begin, num_q, 0, n - 1, f);
+    return;
+  }
   const int64_t i_first = q_begin, i_last = q_begin + num_q - 1;
   // Key positions some query sees, and those every query sees (both ends of a query's interval
   // grow with the query, see mask.h).

@@ -113,15 +113,21 @@ CPATTN_HOST_DEVICE int64_t run_length_below(const Run& run, int64_t limit) {
 // padding at the end of a document is neither a query nor a key (runs are clipped to the real
 // tokens), so padded rows stay empty (0 / -inf). Calls emit(SubProblem) for step `step`, with runs
 // in shard-local indices (local_begin) and positions relative to the document.
+// prefix_lens (optional, num_docs entries): document d's own prefix-LM length (0: none) in place
+// of global.prefix_end.
 template <typename Emit>
 void plan_step_varlen(Layout layout, const int64_t* lengths, int64_t num_docs, int64_t world,
-                      int64_t rank, int64_t step, const Mask& global, Emit&& emit) {
+                      int64_t rank, int64_t step, const Mask& global, Emit&& emit,
+                      const int64_t* prefix_lens = nullptr) {
   const int64_t granularity = layout_granularity(layout, world);
   int64_t offset = 0;  // where the document starts in every rank's shard
   for (int64_t d = 0; d < num_docs; ++d) {
     const int64_t padded = (lengths[d] + granularity - 1) / granularity * granularity;
     if (padded == 0) continue;
-    const StepPlan plan = plan_step(layout, padded, world, rank, step, global);
+    Mask doc_mask = global;
+    if (prefix_lens != nullptr)
+      doc_mask.prefix_end = prefix_lens[d] > 0 ? prefix_lens[d] : -kUnbounded;
+    const StepPlan plan = plan_step(layout, padded, world, rank, step, doc_mask);
     for (int i = 0; i < plan.count; ++i) {
       SubProblem sp = plan.items[i];
       sp.q.length = run_length_below(sp.q, lengths[d]);
