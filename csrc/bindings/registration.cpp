@@ -58,6 +58,7 @@ TORCH_LIBRARY(cpattn, m) {
       "int window_right, int block_m, int block_n, Tensor? doc_lengths=None) -> Tensor");
   m.def("ring_stats() -> Tensor");
   m.def("destroy_communicators() -> int");
+  m.def("release_buffers() -> int");
   // Test of the ring transport: one shift of `send` over the group (NCCL for CUDA tensors).
   m.def("ring_shift(Tensor send, str group_name, float timeout_s) -> Tensor");
   // Benchmark only: (forward s, backward s) of one rank's ring work without communication.
@@ -88,6 +89,7 @@ TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("schedule_work", &cpattn::ops::schedule_work);
   m.impl("ring_stats", &cpattn::ops::ring_stats);
   m.impl("destroy_communicators", &cpattn::ops::destroy_communicators);
+  m.impl("release_buffers", &cpattn::ops::release_buffers);
 }
 
 #ifdef CPATTN_WITH_CUDA

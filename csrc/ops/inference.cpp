@@ -326,8 +326,8 @@ std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Te
   check_room(s, k_cache.size(1), start, chunk);
   // Every K/V shard of the chunk passes through every rank in the ring: each rank keeps the
   // tokens it owns, so filling the cache costs no communication beyond the ring's.
-  const ShardVisitor store = [&](int64_t source, const at::Tensor& kv) {
-    store_owned(k_cache, v_cache, kv[0], kv[1], s, rank, [&](int64_t b, int64_t l) {
+  const ShardVisitor store = [&](int64_t source, const at::Tensor& k, const at::Tensor& v) {
+    store_owned(k_cache, v_cache, k, v, s, rank, [&](int64_t b, int64_t l) {
       return start[b] + global_position(o.layout, chunk, world, source, l);
     });
   };

@@ -39,10 +39,11 @@ RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_
                               const std::optional<at::Tensor>& sinks = std::nullopt,
                               int64_t prefix_len = 0);
 
-// Called with each K/V shard the ring brings to this rank: its source rank and kv = stack(k, v)
-// (2, B, S_local, Hkv, D), own shard first. Lets a caller use every shard once (prefill stores the
+// Called with each K/V shard the ring brings to this rank: its source rank, k and v
+// (B, S_local, Hkv, D), own shard first. Lets a caller use every shard once (prefill stores the
 // tokens it owns in its KV cache) without sending K/V again.
-using ShardVisitor = std::function<void(int64_t source, const at::Tensor& kv)>;
+using ShardVisitor =
+    std::function<void(int64_t source, const at::Tensor& k, const at::Tensor& v)>;
 
 // q, k, v: this rank's shards (B, S_local, H | Hkv, D) in layout order. Returns this rank's out
 // (options.out_dtype, default q's dtype) and lse (B, H, S_local) fp32.
@@ -123,6 +124,10 @@ std::unique_ptr<comm::Transport> group_transport(const at::Tensor& q, c10::strin
 // One ring shift of `send` (to rank + 1, from rank - 1) through the transport the ring ops use
 // for its device: a test of the transport itself (at W = 1, NCCL send / recv to self).
 at::Tensor ring_shift(const at::Tensor& send, c10::string_view group_name, double timeout_s);
+
+// Frees the ring's receive buffers and dK/dV accumulators kept between calls on CPU tensors
+// (cpattn.release_buffers); returns their bytes.
+int64_t release_buffers();
 
 // Destroys the NCCL communicators the CUDA ring cached (one per process group and device);
 // returns how many (0 in a CPU build).
