@@ -21,6 +21,7 @@ before (cpattn.release_buffers), so the figures include them.
 """
 
 import argparse
+import contextlib
 import datetime
 import gc
 import os
@@ -124,7 +125,7 @@ def _worker(rank, world, init_file, cfg, queue):
     group = dist.group.WORLD
     dtype = getattr(torch, cfg["dtype"])
     L, hkv = cfg["seqlen"] // world, cfg["kv_heads"]
-    for name in METHODS:
+    for name in cfg.get("methods", METHODS):
         fn = _method(name, group, world, hkv)
         if isinstance(fn, str):
             queue.put({"rank": rank, "method": name, "skip": fn})
@@ -135,23 +136,27 @@ def _worker(rank, world, init_file, cfg, queue):
             k = torch.randn(1, n, hkv, HEAD_DIM, dtype=dtype, requires_grad=True)
             v = torch.randn(1, n, hkv, HEAD_DIM, dtype=dtype, requires_grad=True)
             g = torch.randn(1, n, HEADS, HEAD_DIM, dtype=dtype)
-            cpattn.release_buffers()
+            if hasattr(cpattn, "memory"):  # (an older cpattn, for a before / after: RSS only)
+                cpattn.release_buffers()
             gc.collect()
             dist.barrier()
             _reset_peak_rss()
             rss0 = _status_kib("VmRSS")
-            with cpattn.memory.counting() as counts:
+            counting = getattr(cpattn, "memory", None)
+            with counting.counting() if counting else contextlib.nullcontext() as counts:
                 fn(q, k, v).backward(g)
             rss = _status_kib("VmHWM") - rss0
             dist.barrier()
             del q, k, v, g
-        model = None
-        if name.startswith("cpattn"):
+        model = scratch = None
+        if name.startswith("cpattn") and hasattr(P, "memory"):
             strategy = name.split()[1]
             p = P.Problem(cfg["seqlen"], HEADS, hkv, HEAD_DIM, dtype=cfg["dtype"], causal=True)
             layout = "contiguous" if strategy == "ulysses" else "zigzag"
-            model = P.memory(p, strategy, world, layout)["peak"]
-        queue.put({"rank": rank, "method": name, "alloc": counts.peak, "rss": rss * 1024,
+            m = P.memory(p, strategy, world, layout, gloo=True)
+            model, scratch = m["peak"], m.get("scratch", 0)
+        queue.put({"rank": rank, "method": name, "alloc": counts.peak if counts else None,
+                   "rss": rss * 1024, "scratch": scratch,
                    "model": model})
     dist.destroy_process_group()
 
@@ -165,7 +170,7 @@ def run(world: int, cfg: dict) -> dict:
                  for r in range(world)]
         for p in procs:
             p.start()
-        results = [queue.get() for _ in range(world * len(METHODS))]
+        results = [queue.get() for _ in range(world * len(cfg["methods"]))]
         for p in procs:
             p.join()
     by_method = {}
@@ -180,6 +185,7 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--seqlen", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
+    parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     lines = []
@@ -192,26 +198,30 @@ def main() -> None:
          f"batch 1, max over ranks; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} "
          f"UTC; torch {torch.__version__}")
     emit("")
-    emit("| W | dtype | S | kv heads | method | tensors (MiB) | model (MiB) | RSS growth (MiB) |")
+    emit("| W | dtype | S | kv heads | method | tensors (MiB) | model: tensors + kernel scratch "
+         "(MiB) | RSS growth (MiB) |")
     emit("|---|---|---|---|---|--:|--:|--:|")
     mib = 2 ** 20
     for world in args.world:
         for dtype in args.dtype:
             for seqlen in args.seqlen:
                 for hkv in args.kv_heads:
-                    cfg = {"dtype": dtype, "seqlen": seqlen, "kv_heads": hkv}
+                    cfg = {"dtype": dtype, "seqlen": seqlen, "kv_heads": hkv,
+                           "methods": args.methods}
                     res = run(world, cfg)
-                    for name in METHODS:
+                    for name in args.methods:
                         rows = res[name]
                         head = f"| {world} | {dtype} | {seqlen} | {hkv} | {name} |"
                         if "skip" in rows[0]:
                             emit(f"{head} - | - | - ({rows[0]['skip']}) |")
                             continue
-                        alloc = max(r["alloc"] for r in rows) / mib
+                        alloc = rows[0]["alloc"] and max(r["alloc"] for r in rows) / mib
                         rss = max(r["rss"] for r in rows) / mib
                         model = rows[0]["model"]
-                        model_s = "-" if model is None else f"{model / mib:.0f}"
-                        emit(f"{head} {alloc:.0f} | {model_s} | {rss:.0f} |")
+                        alloc_s = "-" if alloc is None else f"{alloc:.0f}"
+                        model_s = "-" if model is None else (f"{model / mib:.0f} + "
+                                                             f"{rows[0]['scratch'] / mib:.0f}")
+                        emit(f"{head} {alloc_s} | {model_s} | {rss:.0f} |")
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -305,6 +305,20 @@ def _kernel_bwd(B: int, n: int, h: int, hkv: int, D: int, e: int, g: int, bf16: 
     return rows + 4 * B * dp * (2 * h * n + 2 * hkv * n)
 
 
+def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, bf16: bool) -> int:
+    """The backward kernel's own buffers (malloc'd, not tensors) on one thread: every query
+    block of Q and dO packed once (fp32: transposed; bf16: transposed and row-paired) and the fp32
+    dQ: one KV head's queries, or with fewer than 8 (batch, KV head) pairs, one whole dQ per split
+    of the key blocks (csrc/cpu/attention_kernel.h key_splits: 8 tasks, at most 256 MiB)."""
+    dp, nq = -(-D // 16) * 16, -(-n // 64) * 64
+    packed = (4 * 2 if bf16 else 2 * 4) * B * h * nq * dp
+    dq = 4 * B * h * n * dp
+    splits = min(-(-8 // (B * hkv)), -(-n // 128))
+    while splits > 1 and splits * dq > 256 << 20:
+        splits -= 1
+    return packed + (splits * dq if splits > 1 else dq // (B * hkv))
+
+
 @functools.lru_cache(maxsize=1)
 def _bf16_dot() -> bool:
     """Whether this CPU's kernel takes bf16 through bf16 dot products (its packing differs)."""
@@ -320,7 +334,9 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
     p (p.mode "train": forward then backward; otherwise the forward). Returns {"peak": bytes,
     "kept": bytes still alive after the call when the caller keeps only its result (train: the
     gradients, out and the graph freed; forward: out), cached buffers included,
-    "phases": {name: bytes alive in that phase}}. The ring's receive buffers and fp32 dK/dV
+    "phases": {name: bytes alive in that phase}, "scratch": the largest backward kernel call's
+    own malloc'd buffers, on top of the peak phase (the RSS sees them)}. The ring's receive
+    buffers and fp32 dK/dV
     accumulators are counted (cached between calls: cpattn.release_buffers() frees them).
     chunk: all-gather KV heads per gather (default ring_attention's: max(1, Hkv // 4)).
     gloo: the process group is gloo's (CPU tensors), whose all-gather and reduce-scatter copy the
@@ -352,7 +368,7 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             grads = (Q + 2 * K) * e if cast else 2 * K * 4
             ph["bwd: gradients"] = base + grads
             kept = recv + acc + (Q + 2 * K) * e  # the graph freed: gradients and cached buffers
-        return _result(ph, kept)
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, H, Hkv, D, bf))
     if strategy == "allgather":
         c = chunk or max(1, Hkv // 4)
         one = c >= Hkv
@@ -381,7 +397,7 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             ph["bwd: reduce-scatter"] = base + dq_c + (1 + bool(gloo)) * dkv_all + 2 * Kc * 4
             ph["bwd: cast dk dv"] = base + dq_c + 2 * Kc * 4 + one * 2 * Kc * e
             kept = (Q + 2 * K) * e
-        return _result(ph, kept)
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, hq, c, D, bf))
     if strategy == "ulysses":
         hs = _kv_heads_sent(H, Hkv, W)  # KV heads each rank sends (GQA: replicated)
         Ks = B * L * hs * D
@@ -407,7 +423,7 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             if hs != Hkv:  # summed back over the replicas (index_select's backward)
                 ph["bwd: unreplicate"] = saved + Q * e + 2 * Ks * e + 2 * K * e
             kept = (Q + 2 * K) * e
-        return _result(ph, kept)
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, S, h, hk, D, bf))
     raise ValueError(f"cpattn.plan.memory: unknown strategy {strategy!r}")
 
 
@@ -426,11 +442,12 @@ def _memory_local(ph: dict, B, S, H, Hkv, D, e, train, bf) -> dict:
     if train:
         ph["bwd: kernel"] = kept + lse + _kernel_bwd(B, S, H, Hkv, D, e, e, bf)
         kept = (Q + 2 * K) * e
-    return _result(ph, kept)
+    return _result(ph, kept, train and _kernel_bwd_scratch(B, S, H, Hkv, D, bf))
 
 
-def _result(phases: dict, kept: int) -> dict:
-    return {"peak": max(phases.values()), "kept": kept, "phases": phases}
+def _result(phases: dict, kept: int, scratch: int) -> dict:
+    return {"peak": max(phases.values()), "kept": kept, "phases": phases,
+            "scratch": int(scratch)}
 
 
 # ---- the strategies --------------------------------------------------------------------------
