@@ -2,8 +2,8 @@
 // wrapper around torch's CPU allocator that counts the bytes of every allocation made while
 // counting is on, in any thread (kernels, the ring driver, gloo's receives into tensors), and the
 // peak of those bytes still alive. RSS cannot give this at small shapes (glibc keeps freed heap
-// memory; page-granular first touch). Installed on first use only; off, it adds one atomic load
-// per allocation.
+// memory; page-granular first touch). Installed on first use only (a process that never counts
+// keeps torch's allocator as it is); once installed, a free looks its pointer up in a table.
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/library.h>
@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace cpattn::ops {
@@ -23,48 +24,69 @@ std::atomic<int64_t> epoch{0};
 std::atomic<int64_t> current_bytes{0};
 std::atomic<int64_t> peak_bytes{0};
 
-// The allocation the wrapper hands out owns the inner one; freeing it uncounts its bytes.
+// Counted allocations by data pointer: the wrapper's DataPtr has the data as its context (as
+// torch's CPU allocator does), so that raw_allocate / raw_deallocate work through it too.
 struct Counted {
   c10::DataPtr inner;
   int64_t bytes;
   int64_t epoch;
 };
+std::mutex table_mutex;
+std::unordered_map<void*, Counted> counted;
+c10::Allocator* inner_allocator = nullptr;
 
-void delete_counted(void* ctx) {
-  auto* c = static_cast<Counted*>(ctx);
-  if (c->epoch == epoch.load()) current_bytes.fetch_sub(c->bytes);
-  delete c;
+void delete_counted(void* data) {
+  c10::DataPtr inner;  // freed outside the lock
+  {
+    std::lock_guard<std::mutex> lock(table_mutex);
+    auto it = counted.find(data);
+    if (it == counted.end()) {  // made while counting was off, freed through raw_deallocate
+      inner_allocator->raw_deleter()(data);
+      return;
+    }
+    if (it->second.epoch == epoch.load()) current_bytes.fetch_sub(it->second.bytes);
+    inner = std::move(it->second.inner);
+    counted.erase(it);
+  }
 }
 
 class CountingAllocator final : public c10::Allocator {
  public:
-  explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
-
   c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr p = inner_->allocate(n);
-    if (!counting.load(std::memory_order_relaxed)) return p;
+    c10::DataPtr p = inner_allocator->allocate(n);
     void* data = p.get();
     const c10::Device device = p.device();
-    auto* c = new Counted{std::move(p), static_cast<int64_t>(n), epoch.load()};
-    const int64_t now = current_bytes.fetch_add(c->bytes) + c->bytes;
+    // Every DataPtr of this allocator carries delete_counted (raw_deleter's contract); an
+    // uncounted one is freed by torch's CPU allocator's own raw deleter.
+    TORCH_INTERNAL_ASSERT(data == p.get_context() && inner_allocator->raw_deleter());
+    if (!counting.load(std::memory_order_relaxed) || data == nullptr) {
+      p.release_context();
+      return {data, data, &delete_counted, device};
+    }
+    const int64_t bytes = static_cast<int64_t>(n);
+    {
+      std::lock_guard<std::mutex> lock(table_mutex);
+      counted.emplace(data, Counted{std::move(p), bytes, epoch.load()});
+    }
+    const int64_t now = current_bytes.fetch_add(bytes) + bytes;
     int64_t peak = peak_bytes.load();
     while (now > peak && !peak_bytes.compare_exchange_weak(peak, now)) {
     }
-    return {data, c, &delete_counted, device};
+    return {data, data, &delete_counted, device};
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_counted; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
-
- private:
-  c10::Allocator* inner_;
 };
 
 void install_once() {
   static std::once_flag once;
   std::call_once(once, [] {
-    static CountingAllocator wrapper(c10::GetCPUAllocator());
+    inner_allocator = c10::GetCPUAllocator();
+    static CountingAllocator wrapper;
     c10::SetCPUAllocator(&wrapper, /*priority=*/1);
   });
 }
