@@ -9,6 +9,7 @@ Causal attention, heads 8, head_dim 128, batch 1, W gloo ranks x 1 thread. Metho
   yunchang zigzag ring and yunchang Ulysses (yunchang 0.6.4: its ring driver and all-to-alls run
   as they are; their flash-attn calls, CUDA only, are patched to cpattn's CPU kernel, the same
   local kernel cpattn's strategies use: the rows compare what the drivers hold around it);
+  yunchang Ulysses + SDPA: its layer around torch's CPU flash attention instead;
   hand-written all-gather + SDPA (K/V all-gathered with an autograd all-gather, then
   torch SDPA on the local queries with a boolean causal mask).
 Per rank and method: the peak bytes of the tensors the call allocates on top of its inputs
@@ -33,7 +34,7 @@ import torch.multiprocessing as mp
 
 HEADS, HEAD_DIM = 8, 128
 METHODS = ["cpattn ring", "cpattn ulysses", "cpattn allgather", "yunchang ring",
-           "yunchang ulysses", "allgather + sdpa"]
+           "yunchang ulysses", "yunchang ulysses + sdpa", "allgather + sdpa"]
 
 
 def _status_kib(field: str) -> int:
@@ -102,15 +103,21 @@ def _method(name: str, group, world: int, hkv: int):
 
         zz.select_flash_attn_impl = _yunchang_kernels()
         return lambda q, k, v: zz.zigzag_ring_flash_attn_func(q, k, v, causal=True, group=group)
-    if name == "yunchang ulysses":
+    if name.startswith("yunchang ulysses"):
         if hkv % world or HEADS % world:
             return "yunchang Ulysses needs kv heads % W == 0"
         from yunchang.kernels import AttnType
         from yunchang.ulysses.attn_layer import UlyssesAttention
 
+        def local(q, k, v, softmax_scale=None, causal=False, **_):
+            if name.endswith("sdpa"):  # torch's CPU flash attention, as the issue measured
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+                    scale=softmax_scale, enable_gqa=k.shape[2] != q.shape[2]).transpose(1, 2)
+            return cpattn.attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
         layer = UlyssesAttention(group, attn_type=AttnType.TORCH_FLASH)
-        layer.attn_fn = lambda q, k, v, softmax_scale=None, causal=False, **_: cpattn.attention(
-            q, k, v, causal=causal, softmax_scale=softmax_scale)
+        layer.attn_fn = local
         return lambda q, k, v: layer(q, k, v, causal=True)
     raise ValueError(name)
 
