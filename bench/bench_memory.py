@@ -1,6 +1,6 @@
 """Memory per rank of one forward + backward call, cpattn against the peers, in one run.
 
-    pip install --no-deps yunchang==0.6.4   # the peers' code (pure Python); optional, rows skipped without
+    pip install --no-deps yunchang==0.6.4   # the peers (pure Python); without it: rows skipped
     python bench/bench_memory.py [--world 2 4] [--dtype float32 bfloat16] [--seqlen 8192 16384]
                                  [--kv-heads 8 2] [--out FILE.md]
 
