@@ -26,11 +26,9 @@ import contextlib
 import datetime
 import gc
 import os
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 HEADS, HEAD_DIM = 8, 128
 METHODS = ["cpattn ring", "cpattn ulysses", "cpattn allgather", "yunchang ring",
@@ -122,20 +120,18 @@ def _method(name: str, group, world: int, hkv: int):
     raise ValueError(name)
 
 
-def _worker(rank, world, init_file, cfg, queue):
+def _worker(rank: int, world: int, cfg: dict) -> list:
     import cpattn
     from cpattn import plan as P
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
     group = dist.group.WORLD
+    results = []
     dtype = getattr(torch, cfg["dtype"])
     L, hkv = cfg["seqlen"] // world, cfg["kv_heads"]
     for name in cfg.get("methods", METHODS):
         fn = _method(name, group, world, hkv)
         if isinstance(fn, str):
-            queue.put({"rank": rank, "method": name, "skip": fn})
+            results.append({"rank": rank, "method": name, "skip": fn})
             continue
         for n in (4 * world, L):  # a small warm-up call, then the measured one
             torch.manual_seed(rank)
@@ -162,27 +158,20 @@ def _worker(rank, world, init_file, cfg, queue):
             layout = "contiguous" if strategy == "ulysses" else "zigzag"
             m = P.memory(p, strategy, world, layout, gloo=True)
             model, scratch = m["peak"], m.get("scratch", 0)
-        queue.put({"rank": rank, "method": name, "alloc": counts.peak if counts else None,
-                   "rss": rss * 1024, "scratch": scratch,
-                   "model": model})
-    dist.destroy_process_group()
+        results.append({"rank": rank, "method": name, "alloc": counts.peak if counts else None,
+                        "rss": rss * 1024, "scratch": scratch, "model": model})
+    return results
 
 
 def run(world: int, cfg: dict) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    """The rows of every method, by method: one dict per rank."""
+    from cpattn.testing.distributed import run_ranks
+
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "rv"), cfg, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results = [queue.get() for _ in range(world * len(cfg["methods"]))]
-        for p in procs:
-            p.join()
     by_method = {}
-    for r in results:
-        by_method.setdefault(r["method"], []).append(r)
+    for rank_rows in run_ranks(world, _worker, cfg, poison=False):
+        for r in rank_rows:
+            by_method.setdefault(r["method"], []).append(r)
     return by_method
 
 
