@@ -50,6 +50,7 @@ TORCH_LIBRARY(cpattn, m) {
       "int window_right, int block_m, int block_n, Tensor? doc_lengths=None) -> Tensor");
   m.def("ring_stats() -> Tensor");
   m.def("destroy_communicators() -> int");
+  m.def("release_buffers() -> int");
   // Inference over a KV cache sharded across ranks (ops/inference.h).
   m.def(
       "merge_attention_states(Tensor outs, Tensor lses, ScalarType? out_dtype=None) -> "

@@ -4,8 +4,11 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
+#include <functional>
 #include <initializer_list>
+#include <mutex>
 
 #include "comm/transport.h"
 #include "cpattn/schedule.h"
@@ -16,6 +19,13 @@
 
 namespace cpattn::ops {
 namespace {
+
+// K and V of one shard, or their fp32 gradient accumulators: two tensors (B, L, Hkv, D) and
+// (B, L, Hkv, Dv), so that neither the caller's k, v nor the returned dk, dv need a stacked copy,
+// and v may have its own head dim Dv (MLA-style models).
+struct KvPair {
+  at::Tensor k, v;
+};
 
 at::Tensor rows(const at::Tensor& t, const Run& run) {  // (B, S, ...) -> the run's tokens
   return t.narrow(1, run.local_begin, run.length);
@@ -39,7 +49,7 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const RingOptions& o) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "cpattn: ring q and k must be (batch, seqlen_local, "
               "heads, head_dim), got ", q.sizes(), " and ", k.sizes());
-  // K and V travel as one message, concatenated along the head dim (pack_kv): v may have its own.
+  // K and V travel as two messages: v may have its own head dim.
   TORCH_CHECK(v.dim() == 4 && k.sizes().slice(0, 3) == v.sizes().slice(0, 3),
               "cpattn.ring_attention: v must have k's shape but for the head dim, got k ",
               k.sizes(), " and v ", v.sizes());
@@ -64,12 +74,11 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                 local);
 }
 
-// K and V travel as one message, concatenated along the head dim: (B, L, Hkv, D + Dv), so that
-// v may have its own head dim Dv (MLA-style models).
-at::Tensor pack_kv(const at::Tensor& k, const at::Tensor& v) { return at::cat({k, v}, 3); }
-// The keys and values of a packed shard whose keys have head dim d.
-at::Tensor keys_of(const at::Tensor& kv, int64_t d) { return kv.narrow(-1, 0, d); }
-at::Tensor values_of(const at::Tensor& kv, int64_t d) { return kv.narrow(-1, d, kv.size(-1) - d); }
+// The all-gather path's shards hold K and V side by side along the head dim, (B, L, Hkv, D + Dv)
+// (python/cpattn/ring.py _gather_kv): the keys and values of one whose keys have head dim d.
+KvPair split_kv(const at::Tensor& kv, int64_t d) {
+  return {kv.narrow(-1, 0, d), kv.narrow(-1, d, kv.size(-1) - d)};
+}
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) {
@@ -110,14 +119,13 @@ ScoreArgs sub_problem_score(const RingOptions& o, const SubProblem& sp) {
   return a;
 }
 
-// One step of the forward pass: every sub-problem against the packed K/V shard `kv`
-// (B, L, Hkv, D + Dv), merged into the running fp32 (out, lse).
-void forward_step(const at::Tensor& q, const at::Tensor& kv, const std::vector<SubProblem>& items,
+// One step of the forward pass: every sub-problem against the K/V shard `kv`, merged into the
+// running fp32 (out, lse).
+void forward_step(const at::Tensor& q, const KvPair& kv, const std::vector<SubProblem>& items,
                   const RingOptions& o, const at::Tensor& out, const at::Tensor& lse) {
-  const at::Tensor k = keys_of(kv, q.size(3)), v = values_of(kv, q.size(3));
   for (const SubProblem& sp : items) {
     auto [part_out, part_lse] =
-        attention_fwd_scored(rows(q, sp.q), rows(k, sp.k), rows(v, sp.k), o.softmax_scale,
+        attention_fwd_scored(rows(q, sp.q), rows(kv.k, sp.k), rows(kv.v, sp.k), o.softmax_scale,
                              sp.mask, sub_problem_score(o, sp), at::kFloat);
     merge_into(rows(out, sp.q), lse_rows(lse, sp.q), part_out, part_lse);
   }
@@ -130,43 +138,133 @@ std::tuple<at::Tensor, at::Tensor> finish_forward(const at::Tensor& q, at::Tenso
   return {out.to(o.out_dtype.value_or(q.scalar_type())), lse};
 }
 
-// One step of the backward pass: adds the sub-problems' dQ to dq and their dK/dV to dkv
-// (B, L, Hkv, D + Dv) fp32 (packed as kv), from the global out / lse (and dlse) of the queries.
-void backward_step(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv,
+// One step of the backward pass: adds the sub-problems' dQ to dq and their dK/dV to the fp32
+// accumulators dkv, from the global out / lse (and dlse) of the queries. before_add() runs
+// before the first addition into dkv (the ring waits there for that accumulator to arrive, so
+// the first sub-problem's kernel overlaps its transfer).
+void backward_step(const at::Tensor& dout, const at::Tensor& q, const KvPair& kv,
                    const at::Tensor& out, const at::Tensor& lse,
                    const std::optional<at::Tensor>& dlse, const std::vector<SubProblem>& items,
-                   const RingOptions& o, const at::Tensor& dq, const at::Tensor& dkv) {
-  const int64_t d = q.size(3);
-  const at::Tensor k = keys_of(kv, d), v = values_of(kv, d);
+                   const RingOptions& o, const at::Tensor& dq, const KvPair& dkv,
+                   const std::function<void()>& before_add = {}) {
   for (const SubProblem& sp : items) {
     auto [dq_part, dk_part, dv_part] = attention_bwd_scored(
-        rows(dout, sp.q), rows(q, sp.q), rows(k, sp.k), rows(v, sp.k), rows(out, sp.q),
+        rows(dout, sp.q), rows(q, sp.q), rows(kv.k, sp.k), rows(kv.v, sp.k), rows(out, sp.q),
         lse_rows(lse, sp.q), o.softmax_scale, sp.mask, sub_problem_score(o, sp), at::kFloat,
         dlse ? std::optional<at::Tensor>(lse_rows(*dlse, sp.q)) : std::nullopt);
     rows(dq, sp.q).add_(dq_part);
-    rows(keys_of(dkv, d), sp.k).add_(dk_part);
-    rows(values_of(dkv, d), sp.k).add_(dv_part);
+    if (before_add) before_add();
+    rows(dkv.k, sp.k).add_(dk_part);
+    rows(dkv.v, sp.k).add_(dv_part);
   }
 }
+
+// Shifts posted and not waited for yet; wait() waits for each once.
+struct Shifts {
+  std::vector<std::unique_ptr<comm::PendingShift>> pending;
+  void post(comm::Transport& t, const at::Tensor& send, const at::Tensor& recv, int64_t tag) {
+    pending.push_back(t.shift(send, recv, tag));
+  }
+  void wait() {
+    for (auto& p : pending) {
+      if (p) p->wait();
+      p.reset();
+    }
+  }
+};
 
 // An error between posting shifts and waiting for them (e.g. a kernel that rejects its input):
 // finish the exchanges anyway before rethrowing, since the peers posted theirs. Otherwise the
 // next call's messages would meet this call's leftovers and the process group would be broken.
 template <typename Compute>
-void computing_while_shifting(std::initializer_list<comm::PendingShift*> pending, Compute compute) {
+void computing_while_shifting(std::initializer_list<Shifts*> shifts, Compute compute) {
   try {
     compute();
   } catch (...) {
-    for (comm::PendingShift* p : pending) {
-      if (p == nullptr) continue;
-      try {
-        p->wait();
-      } catch (...) {  // a peer that failed too or left: the original error is the one to report
+    for (Shifts* s : shifts) {
+      for (auto& p : s->pending) {
+        if (p == nullptr) continue;
+        try {
+          p->wait();
+        } catch (...) {  // a peer that failed too or left: the original error is the one to report
+        }
+        p.reset();
       }
     }
     throw;
   }
 }
+
+// Receive buffers and dK/dV accumulators of the CPU ring, kept between calls: a model's layers
+// call the ring with the same shapes one after another, and reuse them instead of allocating
+// (and faulting in) fresh memory each time. A slot's tensor is handed out only while nothing
+// else refers to it or its storage (a returned or saved tensor is never reused); a slot asked
+// for with another shape or dtype gets a new tensor. CUDA tensors come from torch's caching
+// allocator instead, which orders reuse with the streams. release_buffers() frees them.
+class BufferCache {
+ public:
+  enum Slot { kKey0, kValue0, kKey1, kValue1, kGradKey0, kGradValue0, kGradKey1, kGradValue1,
+              kSlots };
+
+  at::Tensor get(Slot slot, at::IntArrayRef sizes, const at::TensorOptions& options) {
+    if (options.device().type() != at::kCPU) return at::empty(sizes, options);
+    std::lock_guard<std::mutex> lock(mutex_);
+    at::Tensor& t = slots_[slot];
+    const bool reusable = t.defined() && t.sizes() == sizes &&
+                          t.scalar_type() == options.dtype().toScalarType() &&
+                          t.use_count() == 1 && t.storage().use_count() == 1;
+    if (!reusable) t = at::empty(sizes, options);
+    return t;
+  }
+
+  int64_t release() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int64_t bytes = 0;
+    for (at::Tensor& t : slots_) {
+      if (t.defined()) bytes += t.nbytes();
+      t = at::Tensor();
+    }
+    return bytes;
+  }
+
+ private:
+  std::mutex mutex_;
+  at::Tensor slots_[kSlots];
+};
+
+BufferCache& buffer_cache() {
+  static BufferCache cache;
+  return cache;
+}
+
+// The K/V shards a rank holds in turn: its own k, v at step 0 (never copied), then the receive
+// buffers, one at W = 2 and two alternating from W = 3 (one is received into while the other is
+// computed on). K and V travel as two messages, so the own shard needs no stacked copy.
+class KvRing {
+ public:
+  KvRing(const at::Tensor& k, const at::Tensor& v, int64_t world)
+      : own_{k.contiguous(), v.contiguous()} {
+    const BufferCache::Slot slots[2][2] = {{BufferCache::kKey0, BufferCache::kValue0},
+                                           {BufferCache::kKey1, BufferCache::kValue1}};
+    for (int64_t i = 0; i < std::min<int64_t>(world - 1, 2); ++i)
+      recv_.push_back({buffer_cache().get(slots[i][0], own_.k.sizes(), own_.k.options()),
+                       buffer_cache().get(slots[i][1], own_.v.sizes(), own_.v.options())});
+  }
+  const KvPair& at_step(int64_t step) const {
+    return step == 0 ? own_ : recv_[(step - 1) % recv_.size()];
+  }
+  // Posts the shift of the shard held at `step` into the buffer of step + 1.
+  void post_shift(comm::Transport& t, Shifts& shifts, int64_t step, int64_t tag) const {
+    const KvPair &cur = at_step(step), &next = at_step(step + 1);
+    shifts.post(t, cur.k, next.k, tag);
+    shifts.post(t, cur.v, next.v, tag + 1);
+  }
+  void release() { recv_.clear(); }
+
+ private:
+  KvPair own_;
+  std::vector<KvPair> recv_;
+};
 
 // The running fp32 (out, lse) of q's rows for values of head dim dv.
 std::tuple<at::Tensor, at::Tensor> new_state(const at::Tensor& q, int64_t dv) {
@@ -240,25 +338,22 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
   auto [out, lse] = new_state(q, v.size(3));
   RingStats& stats = last_stats[0];
   stats = {};
-  // K and V travel as one message; two persistent buffers alternate between "being computed on"
-  // and "being received into".
-  at::Tensor kv[2] = {pack_kv(k, v), at::Tensor()};
-  if (world > 1) kv[1] = at::empty_like(kv[0]);
+  KvRing kv(k, v, world);
   for (int64_t step = 0; step < world; ++step) {
-    const at::Tensor& cur = kv[step % 2];
-    std::unique_ptr<comm::PendingShift> pending;
-    if (step + 1 < world) pending = transport.shift(cur, kv[(step + 1) % 2], step);
+    const KvPair& cur = kv.at_step(step);
+    Shifts shifts;
+    if (step + 1 < world) kv.post_shift(transport, shifts, step, 2 * step);
     const auto compute_start = Clock::now();
-    computing_while_shifting({pending.get()}, [&] {
-      if (visit)
-        visit(ring_source(rank, step, world), keys_of(cur, k.size(3)), values_of(cur, k.size(3)));
+    computing_while_shifting({&shifts}, [&] {
+      if (visit) visit(ring_source(rank, step, world), cur.k, cur.v);
       forward_step(q, cur, plan(o, q.size(1), world, rank, step), o, out, lse);
     });
     stats.compute_s += seconds_since(compute_start);
     const auto wait_start = Clock::now();
-    if (pending) pending->wait();
+    shifts.wait();
     stats.wait_s += seconds_since(wait_start);
   }
+  kv.release();
   return finish_forward(q, out, lse, o);
 }
 
@@ -272,51 +367,69 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
 
   // K/V go round as in the forward pass. The fp32 dK/dV accumulator of each shard follows it one
-  // step behind: at step t a rank receives the accumulator of the shard it now holds while it
-  // computes that shard's new contributions into `partial`, and adds the two afterwards.
-  at::Tensor kv[2] = {pack_kv(k, v), at::Tensor()};
-  at::Tensor acc = at::empty(kv[0].sizes(), k.options().dtype(at::kFloat));
-  at::Tensor partial = at::empty_like(acc), incoming;
-  if (world > 1) {
-    kv[1] = at::empty_like(kv[0]);
-    incoming = at::empty_like(acc);
-  }
+  // step behind: at step t a rank sends the accumulator of step t - 1 (`acc`) and receives into
+  // `incoming` the accumulator of the shard it now holds; the step's sub-problems add their
+  // contributions straight into it once it has arrived (the first kernel runs during the
+  // transfer), and the two buffers swap roles.
+  KvRing kv(k, v, world);
+  const auto f32 = k.options().dtype(at::kFloat);
+  auto& cache = buffer_cache();
+  KvPair acc{cache.get(BufferCache::kGradKey0, k.sizes(), f32),
+             cache.get(BufferCache::kGradValue0, v.sizes(), f32)};
+  KvPair incoming;
+  if (world > 1)
+    incoming = {cache.get(BufferCache::kGradKey1, k.sizes(), f32),
+                cache.get(BufferCache::kGradValue1, v.sizes(), f32)};
+  acc.k.zero_();
+  acc.v.zero_();
   RingStats& stats = last_stats[1];
   stats = {};
   for (int64_t step = 0; step < world; ++step) {
-    const at::Tensor& cur = kv[step % 2];
-    std::unique_ptr<comm::PendingShift> kv_shift, acc_shift;
-    if (step + 1 < world) kv_shift = transport.shift(cur, kv[(step + 1) % 2], 2 * step);
-    if (step > 0) acc_shift = transport.shift(acc, incoming, 2 * step + 1);
-    const auto compute_start = Clock::now();
-    computing_while_shifting({kv_shift.get(), acc_shift.get()}, [&] {
-      partial.zero_();
-      backward_step(dout, q, cur, out, lse, dlse, plan(o, q.size(1), world, rank, step), o, dq,
-                    partial);
-    });
-    stats.compute_s += seconds_since(compute_start);
-    const auto wait_start = Clock::now();
-    if (kv_shift) kv_shift->wait();
-    if (acc_shift) {
-      acc_shift->wait();
-      stats.wait_s += seconds_since(wait_start);
-      at::add_out(acc, incoming, partial);
-    } else {
-      stats.wait_s += seconds_since(wait_start);
-      acc.copy_(partial);
+    Shifts kv_shifts, acc_shifts;
+    if (step + 1 < world) kv.post_shift(transport, kv_shifts, step, 4 * step);
+    if (step > 0) {
+      acc_shifts.post(transport, acc.k, incoming.k, 4 * step + 2);
+      acc_shifts.post(transport, acc.v, incoming.v, 4 * step + 3);
     }
-  }
-  // acc now belongs to the shard of rank + 1: one last hop brings every rank its own.
-  if (world > 1) {
+    double acc_wait = 0;
+    const auto compute_start = Clock::now();
+    computing_while_shifting({&kv_shifts, &acc_shifts}, [&] {
+      const KvPair& target = step > 0 ? incoming : acc;
+      backward_step(dout, q, kv.at_step(step), out, lse, dlse,
+                    plan(o, q.size(1), world, rank, step), o, dq, target, [&] {
+                      const auto wait_start = Clock::now();
+                      acc_shifts.wait();
+                      acc_wait += seconds_since(wait_start);
+                    });
+    });
+    stats.compute_s += seconds_since(compute_start) - acc_wait;
     const auto wait_start = Clock::now();
-    transport.shift(acc, incoming, 2 * world)->wait();
-    stats.wait_s += seconds_since(wait_start);
-    acc.copy_(incoming);
+    kv_shifts.wait();
+    acc_shifts.wait();  // a step without sub-problems
+    stats.wait_s += seconds_since(wait_start) + acc_wait;
+    if (step > 0) std::swap(acc, incoming);
   }
-  // copy=true: dk and dv must not be views of one buffer (autograd may accumulate into either,
-  // and the op's schema and fake kernel promise separate tensors).
-  return {dq.to(q.scalar_type()), keys_of(acc, k.size(3)).to(k.scalar_type(), false, true),
-          values_of(acc, k.size(3)).to(v.scalar_type(), false, true)};
+  kv.release();
+  // acc now belongs to the shard of rank + 1: one last hop brings every rank its own. In fp32
+  // it lands in the returned dk and dv themselves (new tensors: autograd takes a gradient over
+  // without a copy only if nothing else refers to it, and the cache would).
+  const bool cast = k.scalar_type() != at::kFloat;
+  if (world > 1) {
+    const KvPair home = cast ? incoming : KvPair{at::empty_like(acc.k), at::empty_like(acc.v)};
+    const auto wait_start = Clock::now();
+    Shifts shifts;
+    shifts.post(transport, acc.k, home.k, 4 * world);
+    shifts.post(transport, acc.v, home.v, 4 * world + 1);
+    shifts.wait();
+    stats.wait_s += seconds_since(wait_start);
+    acc = home;
+  } else if (!cast) {
+    acc = {acc.k.clone(), acc.v.clone()};
+  }
+  incoming = {};
+  // dk and dv are separate tensors (autograd may accumulate into either, and the op's schema and
+  // fake kernel promise that).
+  return {dq.to(q.scalar_type()), acc.k.to(k.scalar_type()), acc.v.to(v.scalar_type())};
 }
 
 // ---- all-gathered K/V: the same steps against shards that are already local ---------------
@@ -331,7 +444,8 @@ void check_gathered_args(const at::Tensor& q, const at::Tensor& kv_all, int64_t 
               " and ", q.sizes());
   const int64_t world = kv_all.size(0);
   check_rank(rank, world);
-  check_ring_args(q, keys_of(kv_all[0], q.size(3)), values_of(kv_all[0], q.size(3)), o);
+  const KvPair shard = split_kv(kv_all[0], q.size(3));
+  check_ring_args(q, shard.k, shard.v, o);
   check_local_length(q, o, world);
 }
 
@@ -341,10 +455,12 @@ std::tuple<at::Tensor, at::Tensor> gathered_forward(const at::Tensor& q, const a
                                                     int64_t rank, const RingOptions& o) {
   check_gathered_args(q, kv_all, rank, o);
   const int64_t world = kv_all.size(0);
-  auto [out, lse] = new_state(q, kv_all.size(4) - q.size(3));
-  for (int64_t step = 0; step < world; ++step)
-    forward_step(q, kv_all[ring_source(rank, step, world)], plan(o, q.size(1), world, rank, step),
-                 o, out, lse);
+  const int64_t d = q.size(3);
+  auto [out, lse] = new_state(q, kv_all.size(4) - d);
+  for (int64_t step = 0; step < world; ++step) {
+    forward_step(q, split_kv(kv_all[ring_source(rank, step, world)], d),
+                 plan(o, q.size(1), world, rank, step), o, out, lse);
+  }
   return finish_forward(q, out, lse, o);
 }
 
@@ -359,11 +475,14 @@ std::tuple<at::Tensor, at::Tensor> gathered_backward(const at::Tensor& dout, con
   at::Tensor dkv_all = at::zeros(kv_all.sizes(), kv_all.options().dtype(at::kFloat));
   for (int64_t step = 0; step < world; ++step) {
     const int64_t source = ring_source(rank, step, world);
-    backward_step(dout, q, kv_all[source], out, lse, dlse, plan(o, q.size(1), world, rank, step), o,
-                  dq, dkv_all[source]);
+    backward_step(dout, q, split_kv(kv_all[source], q.size(3)), out, lse, dlse,
+                  plan(o, q.size(1), world, rank, step), o, dq,
+                  split_kv(dkv_all[source], q.size(3)));
   }
   // dkv_all[s] holds this rank's contribution to shard s; a reduce-scatter sums them.
   return {dq.to(q.scalar_type()), dkv_all};
 }
+
+int64_t release_buffers() { return buffer_cache().release(); }
 
 }  // namespace cpattn::ops

@@ -45,9 +45,9 @@ RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_
                               const std::optional<at::Tensor>& sinks = std::nullopt,
                               int64_t prefix_len = 0);
 
-// Called with each K/V shard the ring brings to this rank: its source rank, k (B, S_local, Hkv, D)
-// and v (B, S_local, Hkv, Dv), own shard first. Lets a caller use every shard once (prefill stores
-// the tokens it owns in its KV cache) without sending K/V again.
+// Called with each K/V shard the ring brings to this rank: its source rank, k and v
+// (B, S_local, Hkv, D), own shard first. Lets a caller use every shard once (prefill stores the
+// tokens it owns in its KV cache) without sending K/V again.
 using ShardVisitor =
     std::function<void(int64_t source, const at::Tensor& k, const at::Tensor& v)>;
 
@@ -87,5 +87,9 @@ const RingStats* last_ring_stats();
 // The transport the ring ops use for tensors like q over the group `group_name` (ring_ops.cpp).
 std::unique_ptr<comm::Transport> group_transport(const at::Tensor& q, c10::string_view group_name,
                                                  double timeout_s);
+
+// Frees the ring's receive buffers and dK/dV accumulators kept between calls on CPU tensors
+// (cpattn.release_buffers); returns their bytes.
+int64_t release_buffers();
 
 }  // namespace cpattn::ops

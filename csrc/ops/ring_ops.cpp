@@ -134,4 +134,5 @@ TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("layout_positions", &cpattn::ops::layout_positions);
   m.impl("ring_stats", &cpattn::ops::ring_stats);
   m.impl("destroy_communicators", &cpattn::ops::destroy_communicators);
+  m.impl("release_buffers", &cpattn::ops::release_buffers);
 }

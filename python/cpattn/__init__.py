@@ -32,6 +32,8 @@ from cpattn.ulysses import (  # noqa: E402
     ulysses_attention,
 )
 from cpattn import comm  # noqa: E402
+from cpattn import memory  # noqa: E402  (allocator byte counts, the ring's cached buffers)
+from cpattn.memory import release_buffers  # noqa: E402
 from cpattn import plan  # noqa: E402  (the cost model behind strategy="auto")
 from cpattn.plan_attention import context_attention  # noqa: E402
 from cpattn.inference import (  # noqa: E402
@@ -65,6 +67,8 @@ __all__ = [
     "hybrid_shard",
     "hybrid_unshard",
     "comm",
+    "memory",
+    "release_buffers",
     "plan",
     "context_attention",
     "build_info",

@@ -53,10 +53,14 @@ def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> to
     if world == 1:
         return x
     _check_divisible(x, scatter_dim, world, "all_to_all")
-    send = torch.stack(x.chunk(world, dim=scatter_dim), dim=0).contiguous()
+    # (W, chunk): one copy, none when the chunks already lie in rank order (the sequence dim of
+    # a batch-1 tensor); the result is a view of what was received where the layout allows it
+    # (the sequence dim of a batch-1 tensor), else the one copy of the concatenation.
+    chunks = x.unflatten(scatter_dim, (world, x.shape[scatter_dim] // world))
+    send = chunks.movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    return torch.cat(recv.unbind(0), dim=gather_dim)
+    return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
 class _GatherOrScatter(torch.autograd.Function):

@@ -271,6 +271,187 @@ def _divisible(p: Problem, world: int, layout: str) -> bool:
     return p.documents is not None or p.seqlen % g == 0
 
 
+# ---- memory: the bytes a call allocates per rank ------------------------------------------------
+# THE model of cpattn's memory (bench/RESULTS.md, "Memory per rank"; tests/test_memory.py checks
+# it against cpattn.memory.counting()). It follows the code step by step: each phase is the sum
+# of the tensors alive in it, and a call's peak is the largest phase. Counted: every at::Tensor
+# a call allocates on top of its inputs (q, k, v and, for the backward, the gradient of out):
+# outputs, fp32 state, saved tensors, the ring's buffers, packing copies, conversions. Not
+# counted: the CPU kernels' per-thread scratch (malloc'd blocks, about 100 KiB per thread; the
+# backward's dQ block of a KV head, 4 * (H / Hkv) * S_q * D bytes per thread) and Python objects.
+# CUDA kernels pack nothing (their transients are the sub-problem outputs only), so this is an
+# upper bound there.
+
+def _kernel_fwd(B: int, n: int, h: int, hkv: int, D: int, e: int, bf16: bool) -> int:
+    """Bytes alive inside one local forward kernel call (cpattn.attention_fwd on CPU) over n query
+    rows and n keys, fp32 output: the output and LSE, and the operand packing (csrc/ops/
+    attention_ops.cpp pack / pair_keys): bf16 on a CPU with bf16 dot products keeps Q in place
+    and packs K, V and V's key pairs; otherwise Q, K and V are packed to fp32."""
+    dp = -(-D // 16) * 16
+    state = 4 * B * n * h * D + 4 * B * h * n
+    if bf16:
+        return state + 2 * B * hkv * dp * (2 * n + 2 * -(-n // 2))
+    return state + 4 * B * dp * (h * n + 2 * hkv * n)
+
+
+def _kernel_bwd(B: int, n: int, h: int, hkv: int, D: int, e: int, g: int, bf16: bool) -> int:
+    """Bytes alive inside one local backward kernel call over n query rows and n keys whose
+    gradients are written in g-byte floats: delta, the LSE rows, dq / dk / dv, the packing
+    (bf16: K, V and K's key pairs; fp32 / fp16: Q, K, V and dO in fp32)."""
+    dp = -(-D // 16) * 16
+    rows = 4 * B * h * n * 2 + g * B * n * (h + 2 * hkv) * D
+    if B > 1:  # the rows of dout and out, not contiguous with batch > 1, are copied for delta
+        rows += 2 * e * B * n * h * D
+    if bf16:
+        return rows + 2 * B * hkv * dp * (2 * n + 2 * -(-n // 2))
+    return rows + 4 * B * dp * (2 * h * n + 2 * hkv * n)
+
+
+def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, bf16: bool) -> int:
+    """The backward kernel's own buffers (malloc'd, not tensors) on one thread: every query
+    block of Q and dO packed once (fp32: transposed; bf16: transposed and row-paired) and the fp32
+    dQ: one KV head's queries, or with fewer than 8 (batch, KV head) pairs, one whole dQ per split
+    of the key blocks (csrc/cpu/attention_kernel.h key_splits: 8 tasks, at most 256 MiB)."""
+    dp, nq = -(-D // 16) * 16, -(-n // 64) * 64
+    packed = (4 * 2 if bf16 else 2 * 4) * B * h * nq * dp
+    dq = 4 * B * h * n * dp
+    splits = min(-(-8 // (B * hkv)), -(-n // 128))
+    while splits > 1 and splits * dq > 256 << 20:
+        splits -= 1
+    return packed + (splits * dq if splits > 1 else dq // (B * hkv))
+
+
+@functools.lru_cache(maxsize=1)
+def _bf16_dot() -> bool:
+    """Whether this CPU's kernel takes bf16 through bf16 dot products (its packing differs)."""
+    from cpattn import _C
+
+    return _C.cpu_isa() == "avx512bf16"
+
+
+def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
+           chunk: Optional[int] = None, gloo: bool = False) -> dict:
+    """Bytes one call of `strategy` ("ring", "allgather", "ulysses"; "none" = cpattn.attention
+    on the whole sequence) allocates on one of `world` ranks on top of its inputs, for problem
+    p (p.mode "train": forward then backward; otherwise the forward). Returns {"peak": bytes,
+    "kept": bytes still alive after the call when the caller keeps only its result (train: the
+    gradients, out and the graph freed; forward: out), cached buffers included,
+    "phases": {name: bytes alive in that phase}, "scratch": the largest backward kernel call's
+    own malloc'd buffers, on top of the peak phase (the RSS sees them)}. The ring's receive
+    buffers and fp32 dK/dV
+    accumulators are counted (cached between calls: cpattn.release_buffers() frees them).
+    chunk: all-gather KV heads per gather (default ring_attention's: max(1, Hkv // 4)).
+    gloo: the process group is gloo's (CPU tensors), whose all-gather and reduce-scatter copy the
+    whole gathered / reduced buffer (NCCL's do not). Gloo frees that copy on its own thread,
+    racing the caller: it may still be alive in the next phase (not counted here)."""
+    B, H, Hkv, D, e = p.batch, p.heads, p.kv_heads, p.head_dim, p.elem
+    train = p.mode == "train"
+    W = world
+    L = _padded(p, W, layout) if strategy in ("ring", "allgather") else p.seqlen // W
+    Q, K = B * L * H * D, B * L * Hkv * D  # elements of this rank's q and of its k (or v)
+    lse = 4 * B * H * L
+    bf = p.dtype == "bfloat16" and _bf16_dot()
+    cast = e != 4  # fp32 state converted to the input dtype at the end
+    ph: dict = {}
+    if strategy in ("ring", "none"):
+        if strategy == "none":
+            return _memory_local(ph, B, p.seqlen, H, Hkv, D, e, train, bf)
+        n = L // 2 if layout == "zigzag" else L  # sub-problems: runs of the local shard
+        recv = min(W - 1, 2) * 2 * K * e  # K/V receive buffers (cached)
+        ph["fwd: kernel step"] = 4 * Q + lse + recv + _kernel_fwd(B, n, H, Hkv, D, e, bf)
+        ph["fwd: cast out"] = 4 * Q + lse + recv + cast * Q * e
+        kept = Q * e + recv
+        if train:
+            acc = (2 if W > 1 else 1) * 2 * K * 4  # fp32 dK/dV accumulators (cached)
+            base = kept + lse + 4 * Q + acc  # out and LSE saved, fp32 dq
+            ph["bwd: kernel step"] = base + _kernel_bwd(B, n, H, Hkv, D, e, 4, bf)
+            # the gradients: cast from the fp32 dq and accumulators; in fp32, dq itself and the
+            # last hop's (or at W = 1 a copy's) new dk, dv
+            grads = (Q + 2 * K) * e if cast else 2 * K * 4
+            ph["bwd: gradients"] = base + grads
+            kept = recv + acc + (Q + 2 * K) * e  # the graph freed: gradients and cached buffers
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, H, Hkv, D, bf))
+    if strategy == "allgather":
+        c = chunk or max(1, Hkv // 4)
+        one = c >= Hkv
+        c = min(c, Hkv)
+        hq = c * (H // Hkv)
+        Qc, Kc = B * L * hq * D, B * L * c * D
+        n = L // 2 if layout == "zigzag" else L
+        sc = 2 * Kc * e  # one rank's stacked K/V chunk
+        out_all = 0 if one else Q * e + lse  # the result, written chunk by chunk
+        tmp = W if gloo else 0  # gloo's copy of the gathered / reduced buffer
+        ph["fwd: gather"] = out_all + (W + 1 + tmp) * sc
+        ph["fwd: kernel step"] = (out_all + W * sc + 4 * Qc + 4 * B * hq * L
+                                  + _kernel_fwd(B, n, hq, c, D, e, bf))
+        ph["fwd: cast out"] = out_all + W * sc + 4 * Qc + 4 * B * hq * L + cast * Qc * e
+        kept = Q * e
+        if train:
+            grads = 0 if one else (Q + 2 * K) * e  # written chunk by chunk
+            dout_c = 0 if one else Qc * e  # the chunk's dout heads, made contiguous
+            base = kept + lse + grads
+            dkv_all = W * 2 * Kc * 4
+            ph["bwd: gather"] = base + (W + 1 + tmp) * sc
+            ph["bwd: kernel step"] = (base + W * sc + dout_c + 4 * Qc + dkv_all
+                                      + _kernel_bwd(B, n, hq, c, D, e, 4, bf))
+            ph["bwd: cast dq"] = base + W * sc + dout_c + 4 * Qc + dkv_all + cast * Qc * e
+            dq_c = Qc * (e if cast else 4)
+            ph["bwd: reduce-scatter"] = base + dq_c + (1 + bool(gloo)) * dkv_all + 2 * Kc * 4
+            ph["bwd: cast dk dv"] = base + dq_c + 2 * Kc * 4 + one * 2 * Kc * e
+            kept = (Q + 2 * K) * e
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, hq, c, D, bf))
+    if strategy == "ulysses":
+        hs = _kv_heads_sent(H, Hkv, W)  # KV heads each rank sends (GQA: replicated)
+        Ks = B * L * hs * D
+        S, h, hk = L * W, H // W, hs // W  # after the all-to-all: the whole sequence, H/W heads
+        rep = 2 * Ks * e if hs != Hkv else 0  # replicated K, V before the all-to-all
+        # an all-to-all of x: a copy in rank order (none for the sequence dim at batch 1) and
+        # the receive buffer, which the result is a view of (a copy for the head dim)
+        ph["fwd: all-to-all q"] = rep + 2 * Q * e
+        held = Q * e + 2 * Ks * e  # q, k, v by heads (saved for the backward)
+        ph["fwd: all-to-all k, v"] = rep + held + Ks * e
+        lse_h = 4 * B * h * S
+        ph["fwd: kernel"] = held + Q * e + _kernel_fwd(B, S, h, hk, D, e, bf) - 4 * Q  # out in e
+        back = Q * e * (1 if B == 1 else 2)  # out by heads -> by sequence: receive, concatenate
+        ph["fwd: all-to-all out"] = held + Q * e + lse_h + back + Q * e
+        kept = Q * e
+        if train:
+            saved = held + Q * e + lse_h + Q * e  # q, k, v, out by heads, its LSE; out
+            ph["bwd: all-to-all dout"] = saved + 2 * Q * e
+            ph["bwd: kernel"] = saved + Q * e + _kernel_bwd(B, S, h, hk, D, e, e, bf)
+            grads_h = (Q + 2 * Ks) * e
+            ph["bwd: all-to-all dq"] = saved + grads_h + back + Q * e
+            ph["bwd: all-to-all dk, dv"] = saved + 2 * Ks * e + Q * e + back * Ks // Q + Ks * e
+            if hs != Hkv:  # summed back over the replicas (index_select's backward)
+                ph["bwd: unreplicate"] = saved + Q * e + 2 * Ks * e + 2 * K * e
+            kept = (Q + 2 * K) * e
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, S, h, hk, D, bf))
+    raise ValueError(f"cpattn.plan.memory: unknown strategy {strategy!r}")
+
+
+def _inputs(p: Problem, world: int) -> int:
+    """Bytes of a rank's inputs: q, k, v and, in training, the gradient of out."""
+    q = p.batch * (p.seqlen // world) * p.heads * p.head_dim * p.elem
+    kv = 2 * p.batch * (p.seqlen // world) * p.kv_heads * p.head_dim * p.elem
+    return q + kv + (q if p.mode == "train" else 0)
+
+
+def _memory_local(ph: dict, B, S, H, Hkv, D, e, train, bf) -> dict:
+    """cpattn.attention over the whole sequence on one rank."""
+    Q, K, lse = B * S * H * D, B * S * Hkv * D, 4 * B * H * S
+    ph["fwd: kernel"] = Q * e + _kernel_fwd(B, S, H, Hkv, D, e, bf) - 4 * Q  # out in e
+    kept = Q * e
+    if train:
+        ph["bwd: kernel"] = kept + lse + _kernel_bwd(B, S, H, Hkv, D, e, e, bf)
+        kept = (Q + 2 * K) * e
+    return _result(ph, kept, train and _kernel_bwd_scratch(B, S, H, Hkv, D, bf))
+
+
+def _result(phases: dict, kept: int, scratch: int) -> dict:
+    return {"peak": max(phases.values()), "kept": kept, "phases": phases,
+            "scratch": int(scratch)}
+
+
 # ---- the strategies --------------------------------------------------------------------------
 
 def _combine(compute: float, comm: float, overlap: float) -> float:
@@ -372,18 +553,14 @@ def _predict_strategy(p: Problem, m: Machine, world: int, c: Candidate) -> Predi
     if c.strategy == "none":
         r = _ring(p, m, 1, "contiguous", H, Hkv, m.intra)
         time_ = r["fwd"] + r.get("bwd", 0.0)
-        grads = (full_q + full_kv) * 4 / e if train else 0.0
-        peak = 2 * full_q + full_kv + r["state"] + grads
+        peak = _inputs(p, 1) + memory(p, "none", 1)["peak"]
         return Prediction(c, time_, r["compute"], 0.0, 0.0, peak)
     if c.strategy in ("ring", "allgather"):
         link = m.link(world)
         r = _ring(p, m, world, c.layout, H, Hkv, link)
-        local_io = (full_q * 2 + full_kv) / world  # q, out, k, v held
+        peak = _inputs(p, world) + memory(p, c.strategy, world, c.layout, c.chunk)["peak"]
         if c.strategy == "ring":
             time_ = r["fwd"] + r.get("bwd", 0.0)
-            peak = local_io + 2 * r["kv"] + 2 * r["state"]
-            if train:
-                peak += 4 * r["acc"] + r["state"] + local_io
             return Prediction(c, time_, r["compute"], r["exposed"], r["sent"], peak)
         chunks = math.ceil(Hkv / c.chunk)
         fwd_c = _compute_steps(p, m, world, c.layout, H).sum(1).amax().item()
@@ -392,7 +569,6 @@ def _predict_strategy(p: Problem, m: Machine, world: int, c: Candidate) -> Predi
         copies = world * r["kv"] / m.mem_bandwidth
         compute = fwd_c + world * r["state"] * 3 / m.mem_bandwidth
         time_, exposed, sent = compute + gather + copies, gather, (world - 1) * r["kv"]
-        peak = local_io + world * kv_chunk + 2 * r["state"]
         if train:
             bwd_c = _compute_steps(p, m, world, c.layout, H, backward=True).sum(1).amax().item()
             acc_chunk = r["acc"] / Hkv * c.chunk
@@ -401,7 +577,6 @@ def _predict_strategy(p: Problem, m: Machine, world: int, c: Candidate) -> Predi
             compute += bwd_c
             time_ += bwd_c + gather + rs + copies + 2 * world * r["acc"] / m.mem_bandwidth
             sent += (world - 1) * (r["kv"] + r["acc"] * m.reduce_scatter_factor)
-            peak += world * (kv_chunk + acc_chunk) + local_io + r["state"]
         return Prediction(c, time_, compute, exposed, sent, peak)
     if c.strategy in ("ulysses", "hybrid"):
         u, rr = c.ulysses, c.ring
@@ -417,22 +592,21 @@ def _predict_strategy(p: Problem, m: Machine, world: int, c: Candidate) -> Predi
             if train:
                 compute += _compute_steps(p, m, 1, "contiguous", H // u, backward=True).sum().item()
             inner, ring_exposed, ring_sent = compute, 0.0, 0.0
-            ring_state = B * p.seqlen * H // u * D * 4
         else:
             r = _ring(p, m, rr, c.layout, H // u, kv_sent // u, m.link(world), seqlen=p.seqlen)
             inner = r["fwd"] + r.get("bwd", 0.0)
-            compute, ring_exposed, ring_sent, ring_state = (r["compute"], r["exposed"], r["sent"],
-                                                            r["state"] * 2)
+            compute, ring_exposed, ring_sent = r["compute"], r["exposed"], r["sent"]
         if train:
             comm += 2 * a2a(q_rank) + a2a(kv_rank)  # dout and dq, dk and dv
             sent += (u - 1) / u * (2 * q_rank + kv_rank)
         time_ = inner + comm
-        # all-to-alls keep a rank's bytes: q, k, v, out by heads as large as the inputs, with a
-        # transient copy each (chunk / concatenate), plus the fp32 state
-        local_io = 2 * q_rank + 2 * full_kv / world
-        peak = local_io + 2 * (2 * q_rank + kv_rank) + ring_state
-        if train:
-            peak += local_io + 2 * q_rank + kv_rank
+        if rr == 1:
+            peak = _inputs(p, world) + memory(p, "ulysses", u)["peak"]
+        else:  # the Ulysses all-to-alls over U, then the ring over R on q, k, v by heads
+            by_heads = dataclasses.replace(p, heads=H // u, kv_heads=max(1, kv_sent // u))
+            ring = memory(by_heads, "ring", rr, c.layout)["peak"]
+            held = (q_rank + kv_rank) * (2 if train else 1) + q_rank  # + out by sequence
+            peak = _inputs(p, world) + held + ring
         return Prediction(c, time_, compute, comm + ring_exposed, sent + ring_sent, peak)
     if c.strategy == "sharded-cache":
         # decode: each rank reads its 1/W of the cache; W partial (out, lse) are all-gathered.

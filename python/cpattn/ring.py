@@ -281,18 +281,25 @@ class _GatheredAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, rank, world, scale, causal, window, layout_code, docs,
                 chunk, softcap, alibi_slopes, prefix_len, sinks):
         group_size = q.shape[2] // k.shape[2]
-        outs, lses = [], []
+        out = lse = None
         for c0 in range(0, k.shape[2], chunk):
             kh, qh = slice(c0, c0 + chunk), slice(c0 * group_size, (c0 + chunk) * group_size)
             kv_all = _gather_kv(k[:, :, kh], v[:, :, kh], group, world)
-            out, lse = torch.ops.cpattn.gathered_fwd(
+            out_c, lse_c = torch.ops.cpattn.gathered_fwd(
                 q[:, :, qh], kv_all, rank, scale, causal, window[0], window[1], layout_code,
                 doc_lengths=docs, softcap=softcap, alibi_slopes=_heads(alibi_slopes, qh),
                 sinks=_heads(sinks, qh), prefix_len=prefix_len,
             )
-            outs.append(out)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=1)
+            del kv_all  # before the next chunk's gather
+            if chunk >= k.shape[2]:  # one chunk: its result is the result
+                out, lse = out_c, lse_c
+                break
+            if out is None:  # written chunk by chunk: no list of parts and no concatenation
+                out = out_c.new_empty((*q.shape[:3], out_c.shape[3]))
+                lse = lse_c.new_empty((q.shape[0], q.shape[2], q.shape[1]))
+            out[:, :, qh].copy_(out_c)
+            lse[:, qh].copy_(lse_c)
+            del out_c, lse_c
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
         ctx.args = (group, rank, world, scale, causal, window, layout_code, docs, chunk)
         ctx.softcap, ctx.prefix_len = softcap, prefix_len
@@ -305,24 +312,35 @@ class _GatheredAttention(torch.autograd.Function):
         group, rank, world, scale, causal, window, layout_code, docs, chunk = ctx.args
         group_size = q.shape[2] // k.shape[2]
         dout = dout.contiguous()
-        dq, dk, dv = [], [], []
+        one = chunk >= k.shape[2]
+        # Written chunk by chunk (no list of parts and no concatenation), except with one chunk.
+        dq = None if one else torch.empty_like(q)
+        dk, dv = (None, None) if one else (torch.empty_like(k), torch.empty_like(v))
         for c0 in range(0, k.shape[2], chunk):
             kh, qh = slice(c0, c0 + chunk), slice(c0 * group_size, (c0 + chunk) * group_size)
             kv_all = _gather_kv(k[:, :, kh], v[:, :, kh], group, world)  # gathered again: bounded
             dq_c, dkv_all = torch.ops.cpattn.gathered_bwd(
-                dout[:, :, qh].contiguous(), q[:, :, qh], kv_all, out[:, :, qh], lse[:, qh],
-                rank, scale, causal, window[0], window[1], layout_code, doc_lengths=docs,
-                dlse=None if dlse is None else dlse[:, qh], softcap=ctx.softcap,
-                alibi_slopes=_heads(alibi_slopes, qh), prefix_len=ctx.prefix_len,
+                dout[:, :, qh] if one else dout[:, :, qh].contiguous(), q[:, :, qh], kv_all,
+                out[:, :, qh], lse[:, qh], rank, scale, causal, window[0], window[1],
+                layout_code, doc_lengths=docs, dlse=None if dlse is None else dlse[:, qh],
+                softcap=ctx.softcap, alibi_slopes=_heads(alibi_slopes, qh),
+                prefix_len=ctx.prefix_len,
             )
+            del kv_all
             dkv = dkv_all.new_empty(dkv_all.shape[1:])
             comm.reduce_scatter_flat(dkv, dkv_all.view(-1, *dkv_all.shape[2:]), group=group)
-            dq.append(dq_c)
-            dk.append(dkv[..., :k.shape[-1]].to(k.dtype))
-            dv.append(dkv[..., k.shape[-1]:].to(v.dtype))
+            del dkv_all
+            d = k.shape[-1]  # dK and dV side by side along the head dim, as K and V were
+            if one:
+                dq, dk, dv = (dq_c, dkv[..., :d].to(k.dtype, copy=True),
+                              dkv[..., d:].to(v.dtype, copy=True))
+            else:
+                dq[:, :, qh].copy_(dq_c)
+                dk[:, :, kh].copy_(dkv[..., :d])
+                dv[:, :, kh].copy_(dkv[..., d:])
+                del dq_c, dkv
         dsinks = _sink_grad(ctx, sinks, dout, out, lse, dlse)
-        return (torch.cat(dq, dim=2), torch.cat(dk, dim=2), torch.cat(dv, dim=2),
-                *([None] * 12), dsinks)
+        return (dq, dk, dv, *([None] * 12), dsinks)
 
 
 def _heads(per_head: Optional[torch.Tensor], heads: slice) -> Optional[torch.Tensor]:
