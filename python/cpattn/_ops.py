@@ -120,22 +120,25 @@ def attention_fwd(
 
 @torch.library.register_fake("cpattn::ring_fwd")
 def _ring_fwd_fake(q, k, v, group_name, softmax_scale, causal, window_left, window_right,
-                   layout, timeout_s, doc_lengths=None):
+                   layout, timeout_s, doc_lengths=None, softcap=0.0, alibi_slopes=None,
+                   sinks=None, prefix_len=0):
     _check_same_device("q, k and v", q, k, v)
     b, s, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
+    return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.register_fake("cpattn::ring_bwd")
 def _ring_bwd_fake(dout, q, k, v, out, lse, group_name, softmax_scale, causal, window_left,
-                   window_right, layout, timeout_s, dlse=None, doc_lengths=None):
+                   window_right, layout, timeout_s, dlse=None, doc_lengths=None, softcap=0.0,
+                   alibi_slopes=None, prefix_len=0):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("cpattn::gathered_fwd")
 def _gathered_fwd_fake(q, kv_all, rank, softmax_scale, causal, window_left, window_right, layout,
-                       doc_lengths=None):
+                       doc_lengths=None, softcap=0.0, alibi_slopes=None, sinks=None,
+                       prefix_len=0):
     _check_same_device("q and kv_all", q, kv_all)
     b, s, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, s), dtype=torch.float32)
@@ -143,7 +146,8 @@ def _gathered_fwd_fake(q, kv_all, rank, softmax_scale, causal, window_left, wind
 
 @torch.library.register_fake("cpattn::gathered_bwd")
 def _gathered_bwd_fake(dout, q, kv_all, out, lse, rank, softmax_scale, causal, window_left,
-                       window_right, layout, doc_lengths=None, dlse=None):
+                       window_right, layout, doc_lengths=None, dlse=None, softcap=0.0,
+                       alibi_slopes=None, prefix_len=0):
     _check_same_device("dout, q, kv_all, out and lse", dout, q, kv_all, out, lse)
     return q.new_empty(q.shape), kv_all.new_empty(kv_all.shape, dtype=torch.float32)
 

@@ -25,6 +25,7 @@ from cpattn._validation import (
     check_score_options,
     check_timeout,
     check_window,
+    document_lengths,
     error,
 )
 
@@ -332,9 +333,9 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
                    *score_fields(cap, alibi_slopes, sinks, prefix)]
         docs = None
         if cu_seqlens is not None:  # the exact boundaries, not a sum: other splits must not pass
-            docs = check_cu_seqlens(what, cu_seqlens).diff()
-            fields += [("documents", docs.numel()), ("tokens", int(docs.sum())),
-                       ("document_lengths", digest_ints(docs))]
+            docs, tokens, raw = document_lengths(what, cu_seqlens)
+            fields += [("documents", docs.numel()), ("tokens", tokens),
+                       ("document_lengths", raw)]
         if seqlen is not None:
             n = check_int(what, "seqlen", seqlen, minimum=1)
             if _padded_length(n, layout, world) != q.shape[1] * world:
