@@ -127,8 +127,13 @@ def _strategies_compile(rank, world):
         _compiled_vs_eager(fn, [q, k, v, sinks], f"compiled {cp}")
 
 
-def test_fullgraph_compile_strategies_w2():
-    run_ranks(2, _strategies_compile)
+def _compile_w2(rank, world):
+    _strategies_compile(rank, world)
+    _varlen_compile(rank, world)
+
+
+def test_fullgraph_compile_strategies_and_varlen_w2():
+    run_ranks(2, _compile_w2)
 
 
 def test_fullgraph_compile_hybrid_w4():
@@ -165,7 +170,3 @@ def _varlen_compile(rank, world):
     cu = [0, 5, 16, 24] if rank == 0 else [0, 6, 16, 24]
     with pytest.raises(Exception, match="disagree on document_lengths"):
         f(q, k, v, None, cu)
-
-
-def test_fullgraph_compile_varlen():
-    run_ranks(2, _varlen_compile)
