@@ -35,6 +35,8 @@ softcap or ALiBi raise (prefill / decode do not have them).
 
 from __future__ import annotations
 
+import atexit
+import gc
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -197,6 +199,23 @@ def _mask(*args, attention_mask: Optional[torch.Tensor] = None, **kwargs):
     return attention_mask
 
 
+# name -> the settings registered under it. The functions handed to transformers look them up
+# here instead of holding them: transformers' registry lives until the interpreter's teardown, and
+# through cp it would keep the process group (and gloo's threads) alive past
+# dist.destroy_process_group, to be torn down only then (see _forget_settings).
+_SETTINGS: dict[str, ContextParallel] = {}
+
+
+def _forget_settings() -> None:
+    """At exit, before the interpreter's teardown: drops the registered settings, so that a
+    process group the user destroyed is freed now, its threads joined, and not during the
+    teardown (where destroying a thread still running aborts: "terminate called without an
+    active exception")."""
+    _SETTINGS.clear()
+    _PENDING.clear()
+    gc.collect()
+
+
 def register(cp: ContextParallel, name: str = "cpattn") -> str:
     """Registers cpattn with the settings `cp` as the transformers attention implementation
     `name` (and its mask function). Returns `name`: pass it as `attn_implementation=` to
@@ -204,9 +223,13 @@ def register(cp: ContextParallel, name: str = "cpattn") -> str:
     again replaces the settings."""
     if not isinstance(cp, ContextParallel):
         raise TypeError(f"{WHAT}.register: cp must be a cpattn.ContextParallel, got {type(cp)}")
+    if not _SETTINGS:
+        atexit.register(_forget_settings)  # once (empty again only after it ran)
+    _SETTINGS[name] = cp
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        return _attention_forward(cp, module, query, key, value, attention_mask, **kwargs)
+        return _attention_forward(_SETTINGS[name], module, query, key, value, attention_mask,
+                                  **kwargs)
 
     attention.__name__ = attention.__qualname__ = f"cpattn_attention_{name}"
     AttentionInterface.register(name, attention)
