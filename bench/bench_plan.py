@@ -47,14 +47,11 @@ GRID = {
 QUICK = {1: GRID[1][:1], 2: GRID[2][:2], 4: GRID[4][:1]}
 
 
-def _worker(rank, world, init_file, cfg, queue):
+def _worker(rank: int, world: int, cfg: dict) -> dict:
     import cpattn
     from cpattn import plan as P
 
-    torch.set_num_threads(1)
     os.environ["CPATTN_PLAN_CACHE"] = cfg["cache"]
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
     machine = P.calibrate(refresh=True)
     hybrid = {}
     for u in range(2, world):
@@ -102,11 +99,7 @@ def _worker(rank, world, init_file, cfg, queue):
             rows.append({"W": world, "seqlen": seqlen, "heads": heads, "kv_heads": kv_heads,
                          "head_dim": dim, "causal": causal, "mode": mode, "strategy": c.name,
                          "predicted": preds[c.name].time, "measured": t.item()})
-    if rank == 0:
-        queue.put({"rank": 0, "rows": rows, "machine": machine.to_json()})
-    else:
-        queue.put({"rank": rank})
-    dist.destroy_process_group()
+    return {"rank": rank, "rows": rows, "machine": machine.to_json()}
 
 
 def summarize(rows: list) -> dict:
