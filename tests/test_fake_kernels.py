@@ -170,3 +170,10 @@ def _varlen_compile(rank, world):
     cu = [0, 5, 16, 24] if rank == 0 else [0, 6, 16, 24]
     with pytest.raises(Exception, match="disagree on document_lengths"):
         f(q, k, v, None, cu)
+    torch._dynamo.reset()
+    cu = [0, 5, 3, 24] if rank == 0 else [0, 5, 16, 24]  # invalid on rank 0 only
+    with pytest.raises(Exception, match=r"invalid on rank\(s\) 0 but not on rank\(s\) 1"):
+        f(q, k, v, None, cu)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="cu_seqlens=.0, 5.0, 16, 24.: must hold ints only"):
+        f(q, k, v, None, [0, 5.0, 16, 24])

@@ -132,7 +132,7 @@ def _score_options(module: torch.nn.Module, head_dim: int, scaling, dropout: flo
             raise ValueError(f"{WHAT}: {name} must be a tensor of one value per head, got "
                              f"{_short(t)}")
     softcap = kwargs.get("softcap")
-    softcap = 0.0 if softcap is None else softcap  # None and 0 both mean off; cpattn checks the rest
+    softcap = 0.0 if softcap is None else softcap  # None and 0: off; cpattn checks the rest
     return _Options(causal, scale, window, sinks, softcap, alibi)
 
 
