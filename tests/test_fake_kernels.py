@@ -29,6 +29,11 @@ def test_gathered_ops_fakes_match():
                           test_utils=TESTS)
     torch.library.opcheck(ops.gathered_fwd, (q.bfloat16(), kv_all.bfloat16(), 0, *args),
                           test_utils=TESTS)
+    score = dict(softcap=2.0, alibi_slopes=torch.rand(4), prefix_len=3)
+    torch.library.opcheck(ops.gathered_fwd, (q, kv_all, 1, *args),
+                          {**score, "sinks": torch.randn(4)}, test_utils=TESTS)
+    torch.library.opcheck(ops.gathered_bwd, (dout, q, kv_all, out, lse, 1, *args), score,
+                          test_utils=TESTS)
 
 
 def test_positions_fakes_match():
@@ -45,6 +50,12 @@ def _ring_ops(rank, world):
     out, lse = ops.ring_fwd(q, k, v, *args)
     torch.library.opcheck(ops.ring_bwd, (torch.randn_like(out), q, k, v, out, lse, *args),
                           test_utils=TESTS)
+    score = dict(softcap=2.0, alibi_slopes=torch.rand(4), prefix_len=3)
+    torch.library.opcheck(ops.ring_fwd, (q, k, v, *args), {**score, "sinks": torch.randn(4)},
+                          test_utils=TESTS)
+    out, lse = ops.ring_fwd(q, k, v, *args, **score)
+    torch.library.opcheck(ops.ring_bwd, (torch.randn_like(out), q, k, v, out, lse, *args),
+                          score, test_utils=TESTS)
     torch.library.opcheck(torch.ops.cpattn_testing.ring_fwd_emulated,
                           ([q, q], [k, k], [v, v], 0.25, True, -1, -1, 1), test_utils=TESTS)
 
@@ -68,3 +79,101 @@ def _ring_checks(rank, world):
 
 def test_ring_ops_fakes_match():
     run_ranks(1, _ring_checks)
+
+
+# torch.compile(fullgraph=True) of every strategy's attention, forward and backward: 0 graph
+# breaks and the same output and gradients (q, k, v and the sinks') as eager. aot_eager traces
+# what inductor would receive (fake kernels, AOT autograd's joint graph) without code generation.
+
+
+def _fresh(shape, seed: int, requires_grad: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).requires_grad_(requires_grad)
+
+
+def _compiled_vs_eager(fn, inputs: list, what: str) -> None:
+    """fn(*inputs) compiled (fullgraph) and eager: equal outputs and gradients, no graph break."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        xs = [x.detach().clone().requires_grad_() for x in inputs]
+        out = f(*xs)
+        out.backward(_fresh(out.shape, 9, requires_grad=False))
+        results.append([out.detach(), *(x.grad for x in xs)])
+    assert sum(counters["graph_break"].values()) == 0, (what, dict(counters["graph_break"]))
+    for name, e, c in zip(["out", *range(len(inputs))], *results):
+        assert e is not None and bool(e.abs().max() > 0), f"{what}: {name} is zero: cannot fail"
+        torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6, msg=f"{what}: {name}")
+
+
+def _strategies_compile(rank, world):
+    """ring / allgather / ulysses (W = 2) or hybrid 2 x 2 (W = 4), with sinks and a window."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world == 4:
+        cases = [cpattn.ContextParallel(init_device_mesh("cpu", (2, 2)), strategy="hybrid")]
+    else:
+        cases = [cpattn.ContextParallel(strategy=s) for s in ("ring", "allgather", "ulysses")]
+    q, k, v = _fresh((2, 8, 4, 16), 1), _fresh((2, 8, 2, 16), 2), _fresh((2, 8, 2, 16), 3)
+    sinks = _fresh((4,), 4)
+    for cp in cases:
+        torch._dynamo.reset()
+
+        def fn(q, k, v, sinks, cp=cp):
+            return cp.attention(q, k, v, causal=True, window=(5, -1), sinks=sinks)
+
+        _compiled_vs_eager(fn, [q, k, v, sinks], f"compiled {cp}")
+
+
+def _compile_w2(rank, world):
+    _strategies_compile(rank, world)
+    _varlen_compile(rank, world)
+
+
+def test_fullgraph_compile_strategies_and_varlen_w2():
+    run_ranks(2, _compile_w2)
+
+
+def test_fullgraph_compile_hybrid_w4():
+    run_ranks(4, _strategies_compile)
+
+
+def _varlen_compile(rank, world):
+    """ring_attention_varlen compiled: cu_seqlens (a list) read while tracing, checked by the
+    agreement once per compiled signature (new boundaries: traced and checked again); a tensor
+    cu_seqlens or boundaries that differ across ranks raise on every rank."""
+    import pytest
+
+    from cpattn import _agreement
+
+    for strategy in ("ring", "allgather"):
+        torch._dynamo.reset()
+
+        def fn(q, k, v, sinks, cu, strategy=strategy):
+            return cpattn.ring_attention_varlen(q, k, v, cu, causal=True, strategy=strategy,
+                                                sinks=sinks, softcap=3.0)
+
+        for i, cu in enumerate(([0, 5, 16, 24], [0, 11, 13, 24])):
+            q, k, v = (cpattn.shard_varlen(_fresh((24, 4, 8), 10 + j, False), cu)
+                       for j in range(3))
+            before = _agreement.exchanges
+            _compiled_vs_eager(lambda q, k, v, s, cu=cu: fn(q, k, v, s, cu), [q, k, v,
+                               _fresh((4,), 5)], f"compiled varlen {strategy} {cu}")
+            # eager checks twice (forward only once per call: once here), compiled once
+            assert _agreement.exchanges - before == 2, _agreement.exchanges - before
+    f = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="cu_seqlens.*list or tuple of ints under torch.compile"):
+        f(q, k, v, None, torch.tensor([0, 11, 13, 24]))
+    torch._dynamo.reset()
+    cu = [0, 5, 16, 24] if rank == 0 else [0, 6, 16, 24]
+    with pytest.raises(Exception, match="disagree on document_lengths"):
+        f(q, k, v, None, cu)
+    torch._dynamo.reset()
+    cu = [0, 5, 3, 24] if rank == 0 else [0, 5, 16, 24]  # invalid on rank 0 only
+    with pytest.raises(Exception, match=r"invalid on rank\(s\) 0 but not on rank\(s\) 1"):
+        f(q, k, v, None, cu)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="cu_seqlens=.0, 5.0, 16, 24.: must hold ints only"):
+        f(q, k, v, None, [0, 5.0, 16, 24])

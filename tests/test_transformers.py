@@ -1,7 +1,9 @@
-"""cpattn as a transformers attention backend: one training step of a tiny Llama (GQA) and a
-sliding-window Mistral under context parallelism matches the single-process SDPA step (loss and
-every parameter gradient), for every strategy and W = 1, 2, 4; options cpattn cannot honour raise
-on every rank. Each test spawns one set of gloo ranks and runs all its cases in it (CI time)."""
+"""cpattn as a transformers attention backend: one training step of a tiny Llama (GQA), a
+sliding-window Mistral, a gpt-oss (sinks, alternating sliding window) and a Gemma 2 (softcap,
+alternating sliding window) under context parallelism matches the single-process step (loss and
+every parameter gradient, the sinks' included), for the strategies of CASES at W = 1, 2, 4;
+options cpattn cannot honour raise on every rank. Each test spawns one set of gloo ranks and runs
+all its cases in it (CI time)."""
 
 import pytest
 import torch
@@ -21,30 +23,42 @@ from transformers_models import (  # noqa: E402
 )
 
 
-def _strategies(world: int) -> list[str]:
-    return ["ring", "allgather", "ulysses"] + (["hybrid"] if world == 4 else [])
+# (model kind, strategies) per world size. W = 1 runs on a one-rank subgroup of the W = 2 ranks.
+CASES = {
+    1: [("llama", ["ring"])],
+    2: [("llama", ["ring", "allgather", "ulysses"]), ("mistral", ["ring", "allgather", "ulysses"]),
+        ("gpt_oss", ["ring", "ulysses"]), ("gemma2", ["ring", "allgather"])],
+    4: [("llama", ["ring", "allgather", "ulysses", "hybrid"]),
+        ("mistral", ["ring", "allgather", "ulysses", "hybrid"]), ("gpt_oss", ["hybrid"]),
+        ("gemma2", ["hybrid"])],
+}
+# Each option must change the single-process loss, else dropping it could not fail the test:
+# (kind, config override that turns it off). gpt-oss's sinks: their gradient is compared too.
+OPTION_OFF = {"mistral": {"sliding_window": 1000}, "gpt_oss": {"sliding_window": 1000},
+              "gemma2": {"attn_logit_softcapping": None}}
 
 
-def _make_cp(strategy: str, world: int) -> cpattn.ContextParallel:
+def _make_cp(strategy: str, group=None) -> cpattn.ContextParallel:
     if strategy != "hybrid":
-        return cpattn.ContextParallel(strategy=strategy)
+        return cpattn.ContextParallel(group, strategy=strategy)
     from torch.distributed.device_mesh import init_device_mesh
 
-    return cpattn.ContextParallel(init_device_mesh("cpu", (2, world // 2)), strategy="hybrid")
+    return cpattn.ContextParallel(init_device_mesh("cpu", (2, 2)), strategy="hybrid")
 
 
-def _training_matches(rank, world, kinds):
-    for kind in kinds:
+def _training_matches(world: int, group=None) -> None:
+    """Every case of CASES[world] (on `group`, default the world): loss and gradients of one
+    step under CP equal the single-process step's."""
+    for kind, strategies in CASES[world]:
         config = tiny_config(kind)
         batch = tiny_batch(config)
         ref = reference_step(config, batch)
-        if kind == "mistral":  # the window must matter, else this case could not fail
-            unwindowed = reference_step(tiny_config(kind, sliding_window=None), batch)
-            assert abs(unwindowed[0] - ref[0]) > 1e-3
-        for strategy in _strategies(world):
-            cp = _make_cp(strategy, world)
-            loss_group = dist.group.WORLD if strategy == "hybrid" else None
-            got = cp_step(config, batch, cp, f"cpattn_{strategy}", loss_group=loss_group)
+        if kind in OPTION_OFF:
+            off = reference_step(tiny_config(kind, **OPTION_OFF[kind]), batch)
+            assert abs(off[0] - ref[0]) > 1e-3, f"{kind}: {OPTION_OFF[kind]} does not matter"
+        for strategy in strategies:
+            cp = _make_cp(strategy, group)
+            got = cp_step(config, batch, cp, f"cpattn_{strategy}")
             assert_step_matches(ref, got, f"{kind} {strategy} W={world}")
 
 
@@ -83,18 +97,30 @@ def _dp_times_cp(rank, world):
         assert_step_matches(ref, (loss.item(), grads), wrap)
 
 
-def _training_matches_w4(rank, world):
-    _training_matches(rank, world, ["llama", "mistral"])
+def _w2(rank, world):
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+    _training_matches(1, singles[rank])
+    _training_matches(2)
+    _refusals()
+    _loss_is_global_mean()
+
+
+def _w4(rank, world):
+    _training_matches(4)
+    _hybrid_loss_group()
     _dp_times_cp(rank, world)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_training_step_matches_single_process(world):
-    """W = 4 also runs the dp x cp (2 x 2) gradient reduction with DDP and FSDP2."""
-    if world == 4:
-        run_ranks(world, _training_matches_w4)
-    else:
-        run_ranks(world, _training_matches, ["llama", "mistral"] if world > 1 else ["llama"])
+def test_w1_w2_training_refusals_and_loss():
+    """One spawn of 2 ranks (CI time): the training cases at W = 1 (one-rank groups) and W = 2,
+    the refusals, and the global mean of the loss."""
+    run_ranks(2, _w2)
+
+
+def test_w4_training_hybrid_and_dp_x_cp():
+    """One spawn of 4 ranks: the training cases at W = 4 (hybrid 2 x 2 among them), the loss
+    group of hybrid, and the dp x cp (2 x 2) gradient reduction with DDP and FSDP2."""
+    run_ranks(4, _w4)
 
 
 def _raises(match: str, fn, *args, **kwargs) -> None:
@@ -102,8 +128,8 @@ def _raises(match: str, fn, *args, **kwargs) -> None:
         fn(*args, **kwargs)
 
 
-def _refusals(rank, world):
-    from cpattn.integrations.transformers import register
+def _refusals():
+    from cpattn.integrations.transformers import ContextParallelCache, register
 
     cp = cpattn.ContextParallel()
     name = register(cp)
@@ -126,7 +152,17 @@ def _refusals(rank, world):
     model(input_ids=ids, position_ids=pos, use_cache=False, attention_mask=torch.ones_like(ids))
     _raises("use_cache", model, input_ids=ids, position_ids=pos)
     _raises("position_ids are not the global positions", model, input_ids=ids, use_cache=False)
-    _raises("softcap", model, input_ids=ids, position_ids=pos, use_cache=False, softcap=30.0)
+    _raises("position_bias", model, input_ids=ids, position_ids=pos, use_cache=False,
+            position_bias=torch.zeros(1))
+    _raises("alibi_slopes must be a tensor", model, input_ids=ids, position_ids=pos,
+            use_cache=False, alibi_slopes=0.5)
+    _raises("softcap=-1.0: must be finite", model, input_ids=ids, position_ids=pos,
+            use_cache=False, softcap=-1.0)
+    # The sharded cache has no window / softcap: generating with Gemma 2 raises.
+    gemma = tiny_model(tiny_config("gemma2"), name)
+    cache = ContextParallelCache(cp, gemma.config, capacity=60)
+    _raises("ContextParallelCache supports causal attention with optional sinks", gemma.generate,
+            batch["input_ids"][:, :9], cache=cache, max_new_tokens=2, do_sample=False)
     _raises("unknown keyword bias_scale", model, input_ids=ids, position_ids=pos,
             use_cache=False, bias_scale=2.0)
     _raises("cross_entropy", model, input_ids=ids, position_ids=pos, use_cache=False,
@@ -144,11 +180,7 @@ def _refusals(rank, world):
                         "after errors")
 
 
-def test_unsupported_options_raise_on_every_rank():
-    run_ranks(2, _refusals)
-
-
-def _loss_is_global_mean(rank, world):
+def _loss_is_global_mean():
     # Rank-dependent numbers of ignored targets: a mean of per-rank means would differ.
     cp = cpattn.ContextParallel()
     g = torch.Generator().manual_seed(3)
@@ -164,11 +196,27 @@ def _loss_is_global_mean(rank, world):
     assert torch.allclose(loss.double(), ref.detach(), rtol=1e-6)
     loss.backward()
     # The gradient averaged over the group (as DDP does) is the global mean's.
-    assert torch.allclose(local_logits.grad / world, cp.shard(full.grad), rtol=1e-5, atol=1e-7)
+    assert torch.allclose(local_logits.grad / cp.world_size, cp.shard(full.grad), rtol=1e-5,
+                          atol=1e-7)
+    # A group that misses some of cp's ranks would average over part of the sequence: refused.
+    alone = [dist.new_group([r]) for r in range(cp.world_size)][cp.rank]
+    _raises("misses ranks", cpattn.cross_entropy, local_logits, local_labels, cp, group=alone)
 
 
-def test_cross_entropy_is_the_global_mean():
-    run_ranks(2, _loss_is_global_mean)
+def _hybrid_loss_group():
+    """Hybrid 2 x 2: with no group, cross_entropy averages over the ring x Ulysses ranks."""
+    cp = _make_cp("hybrid")
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(1, 16, 5, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 5, (1, 16), generator=g)
+    labels[:, :7] = -100
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    index = cp.positions(16)
+    loss = cpattn.cross_entropy(logits[:, index], labels[:, index], cp)
+    assert torch.allclose(loss.double(), ref, rtol=1e-6)
+    ring_only = [dist.new_group(r) for r in ([0, 2], [1, 3])][dist.get_rank() % 2]
+    _raises("misses ranks", cpattn.cross_entropy, logits[:, index], labels[:, index], cp,
+            group=ring_only)
 
 
 def test_import_without_transformers_elsewhere():

@@ -1,6 +1,7 @@
-"""Greedy `model.generate` of a tiny transformers Llama on W ranks through cpattn's sharded KV
-cache (ContextParallelCache: prefill_attention, then decode_attention) gives the same tokens as
-single-process generation with SDPA and transformers' own cache."""
+"""Greedy `model.generate` of a tiny transformers Llama (and a gpt-oss with sinks at W = 2) on W
+ranks through cpattn's sharded KV cache (ContextParallelCache: prefill_attention, then
+decode_attention) gives the same tokens as single-process generation with transformers' own
+attention and cache."""
 
 import pytest
 import torch
@@ -17,20 +18,30 @@ NEW_TOKENS = 6
 
 
 def _generate_matches(rank, world):
+    # W = 2 also: a gpt-oss-like model (attention sinks; full-attention layers only, as the
+    # sharded cache has no sliding window), the sinks through prefill and decode.
+    kinds = ["llama", "gpt_oss"] if world == 2 else ["llama"]
+    for kind in kinds:
+        overrides = {"layer_types": ["full_attention"] * 2} if kind == "gpt_oss" else {}
+        _generate_kind(rank, world, tiny_config(kind, **overrides))
+
+
+def _generate_kind(rank, world, config):
     from cpattn.integrations.transformers import ContextParallelCache, register
 
-    config = tiny_config()
     g = torch.Generator().manual_seed(5)
     prompts = torch.randint(0, config.vocab_size, (2, PROMPT_LEN), generator=g)
     settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
                     pad_token_id=0)
-    ref = tiny_model(config, "sdpa").generate(prompts, **settings)
+    ref_impl = "eager" if config.model_type == "gpt_oss" else "sdpa"
+    ref = tiny_model(config, ref_impl).generate(prompts, **settings)
 
     cp = cpattn.ContextParallel()
     model = tiny_model(config, register(cp))
     cache = ContextParallelCache(cp, model.config, capacity=PROMPT_LEN + NEW_TOKENS)
     got = model.generate(prompts, cache=cache, **settings)
-    assert torch.equal(got, ref), f"rank {rank}: {got.tolist()} vs {ref.tolist()}"
+    assert torch.equal(got, ref), f"rank {rank} {config.model_type}: {got.tolist()} vs " \
+        f"{ref.tolist()}"
 
     # Each token's K/V is held by exactly one rank.
     for layer in cache.layers:

@@ -12,15 +12,31 @@ SEQLEN = 48  # a multiple of 2W for W = 1, 2, 3, 4 and of the hybrid 2x2 granula
 BATCH = 2
 
 
+KINDS = ("llama", "mistral", "gpt_oss", "gemma2")
+
+
 def tiny_config(kind: str = "llama", **overrides):
-    """kind "llama" (GQA 4 / 2 heads) or "mistral" (the same with a 7-token sliding window)."""
-    from transformers import LlamaConfig, MistralConfig
+    """kind "llama" (GQA 4 / 2 heads), "mistral" (the same with a 7-token sliding window),
+    "gpt_oss" (learnable attention sinks, sliding (7) and full layers alternating, 2 of 4
+    experts) or "gemma2" (attention logit softcap 2.0, sliding (7) and full layers alternating).
+    The options are chosen so that each one changes the loss (the tests check it)."""
+    from transformers import Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig
 
     common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-6, attention_dropout=0.0, tie_word_embeddings=False)
     if kind == "mistral":
         return MistralConfig(**{"sliding_window": 7, **common, **overrides})
+    if kind == "gpt_oss":
+        return GptOssConfig(**{**common, "head_dim": 8, "sliding_window": 7,
+                               "num_local_experts": 4, "num_experts_per_tok": 2,
+                               "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+                               **overrides})
+    if kind == "gemma2":
+        return Gemma2Config(**{**common, "head_dim": 8, "query_pre_attn_scalar": 8,
+                               "sliding_window": 7, "attn_logit_softcapping": 2.0,
+                               "initializer_range": 0.05,
+                               "final_logit_softcapping": None, **overrides})
     return LlamaConfig(**{**common, **overrides})
 
 
@@ -32,9 +48,11 @@ def tiny_model(config, attn_implementation: str, seed: int = 0):
                                              dtype=torch.float32)
     # Scaled-up weights: logits with a real spread, so the comparison is not of near-constants.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+            elif name.endswith("sinks"):  # sink logits of the scores' size, so that they matter
+                p.normal_(0.0, 2.0)
     return model
 
 
@@ -47,8 +65,9 @@ def tiny_batch(config, seed: int = 1) -> dict:
 
 
 def reference_step(config, batch: dict) -> tuple[float, dict]:
-    """Loss and gradients of one single-process step (SDPA, float32)."""
-    model = tiny_model(config, "sdpa")
+    """Loss and gradients of one single-process step (float32; SDPA, or transformers' eager
+    attention for the models whose options SDPA lacks: sinks, softcap)."""
+    model = tiny_model(config, "eager" if config.model_type in ("gpt_oss", "gemma2") else "sdpa")
     out = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False)
     out.loss.backward()
     return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}

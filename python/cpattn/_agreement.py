@@ -25,7 +25,10 @@ its guards (shapes, dtypes, options) fail, so each compiled signature is checked
 "once", with the same blind spot (a rank that retraces while the others reuse their graph). The
 compiled graph itself holds no collective and no graph break. A dimension compiled as dynamic
 (symbolic) is compared as "<dynamic>", not by value: ranks must make the same dynamic-shape
-decisions, which they do when they see the same shapes.
+decisions, which they do when they see the same shapes. Tensors whose values are options (sinks,
+ALiBi slopes) are compared by presence only while tracing (their values are not known then);
+varlen's cu_seqlens must be a list of ints under compile, read while tracing (see
+_validation.document_lengths), so they are compared exactly, once per compiled signature.
 """
 
 from __future__ import annotations
@@ -96,11 +99,14 @@ def tensor_fields(
 
 
 def score_fields(softcap: float, alibi_slopes, sinks, prefix_len: int) -> list[tuple[str, FieldValue]]:
-    """The score options every rank must agree on; the per-head tensors by their exact values."""
+    """The score options every rank must agree on; the per-head tensors by their exact values
+    (while torch.compile traces, their values are unknown: by presence only; C++ checks shapes)."""
 
     def values(t):
         if t is None:
             return None
+        if torch.compiler.is_compiling():
+            return "<tensor>"
         return t.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()
 
     return [("softcap", float(softcap)), ("prefix_len", int(prefix_len)),
@@ -350,7 +356,8 @@ def agree_on(
         checked, fields = check()
         error = None
     except (ValueError, TypeError, RuntimeError) as e:
-        checked, fields, error = None, [(_INVALID, f"{type(e).__name__}: {e}")], e
+        # (not an f-string: dynamo keeps a formatted exception non-constant while tracing)
+        checked, fields, error = None, [(_INVALID, type(e).__name__ + ": " + str(e))], e
     try:
         agree(function_name, group, fields, timeout)
     except ValueError as mismatch:

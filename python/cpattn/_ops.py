@@ -121,8 +121,8 @@ def attention_fwd(
 
 @torch.library.register_fake("cpattn::ring_fwd")
 def _ring_fwd_fake(q, k, v, group_name, softmax_scale, causal, window_left, window_right,
-                   layout, timeout_s, doc_lengths=None, softcap=0.0, alibi_slopes=None, sinks=None,
-                   prefix_len=0):
+                   layout, timeout_s, doc_lengths=None, softcap=0.0, alibi_slopes=None,
+                   sinks=None, prefix_len=0):
     _check_same_device("q, k and v", q, k, v)
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
@@ -138,7 +138,8 @@ def _ring_bwd_fake(dout, q, k, v, out, lse, group_name, softmax_scale, causal, w
 
 @torch.library.register_fake("cpattn::gathered_fwd")
 def _gathered_fwd_fake(q, kv_all, rank, softmax_scale, causal, window_left, window_right, layout,
-                       doc_lengths=None, softcap=0.0, alibi_slopes=None, sinks=None, prefix_len=0):
+                       doc_lengths=None, softcap=0.0, alibi_slopes=None, sinks=None,
+                       prefix_len=0):
     _check_same_device("q and kv_all", q, kv_all)
     b, s, h, d = q.shape  # kv_all (W, B, S, Hkv, D + Dv)
     return (q.new_empty((b, s, h, kv_all.shape[-1] - d)),

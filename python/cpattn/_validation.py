@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
 from collections.abc import Sequence
 
@@ -177,6 +178,44 @@ def check_cu_seqlens(what: str, cu_seqlens) -> torch.Tensor:
         raise error(what, "cu_seqlens", cu.tolist() if cu.numel() <= 16 else cu,
                     "must be 1-D, start at 0, hold at least one document and be non-decreasing")
     return cu
+
+
+def document_lengths(what: str, cu_seqlens) -> tuple[torch.Tensor, int, bytes]:
+    """The documents' lengths (int64, (D,)) from checked cu_seqlens, their total and their exact
+    bytes for the agreement check. Under torch.compile they are read while the graph is traced,
+    so they shape the graph: cu_seqlens must then be a list or tuple of ints (dynamo guards on
+    their values: other boundaries trace again and are checked again); a tensor's values are
+    unknown while tracing, so a tensor raises (a graph break or an error under fullgraph
+    otherwise)."""
+    if not torch.compiler.is_compiling():
+        docs = check_cu_seqlens(what, cu_seqlens).diff()
+        return docs, int(docs.sum()), docs.numpy().tobytes()
+    if isinstance(cu_seqlens, torch.Tensor):
+        raise error(what, "cu_seqlens", "<tensor>", "must be a list or tuple of ints under "
+                    "torch.compile (its values are read while tracing; a tensor's are not "
+                    "known then): pass cu_seqlens.tolist() outside the compiled function")
+    if not isinstance(cu_seqlens, (list, tuple)):
+        raise error(what, "cu_seqlens", "<" + type(cu_seqlens).__name__ + ">", "must be a list "
+                    "or tuple of ints under torch.compile")
+    # operator.index: an int that dynamo made symbolic (it changed between calls) becomes a
+    # constant again, guarded (other values trace again). Other entries are refused below.
+    cu = tuple(operator.index(x) if isinstance(x, int) and not isinstance(x, bool) else x
+               for x in cu_seqlens)
+    lengths, raw, message = _lengths_while_tracing(what, cu)
+    if message:
+        raise ValueError(message)  # raised in the traced code: the agreement check sees it
+    return torch.tensor(lengths, dtype=torch.int64), sum(lengths), raw
+
+
+@torch._dynamo.assume_constant_result
+def _lengths_while_tracing(what: str, cu_seqlens: tuple) -> tuple[tuple[int, ...], bytes, str]:
+    """document_lengths' check, run in Python while dynamo traces (a compile-time constant):
+    (lengths, their bytes, "") or ((), b"", the error message)."""
+    try:
+        docs = check_cu_seqlens(what, cu_seqlens).diff()
+    except ValueError as e:
+        return (), b"", str(e)
+    return tuple(docs.tolist()), docs.numpy().tobytes(), ""
 
 
 def check_score_options(what: str, softcap, alibi_slopes, prefix_len) -> tuple[float, int]:

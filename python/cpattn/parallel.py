@@ -150,15 +150,21 @@ class ContextParallel:
         softmax_scale: Optional[float] = None,
         window: tuple[int, int] = (-1, -1),
         return_lse: bool = False,
+        sinks: Optional[torch.Tensor] = None,
+        softcap: float = 0.0,
+        alibi_slopes: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Exact attention over the sharded sequence with this object's strategy.
 
         q (batch, seqlen / W, heads, head_dim), k / v (batch, seqlen / W, kv_heads, head_dim),
         this rank's tokens in `positions` order. Returns out like q (and the LSE
-        (batch, heads, seqlen / W) with return_lse). Differentiable.
+        (batch, heads, seqlen / W) with return_lse). Differentiable (also in `sinks`).
+        sinks (heads,), softcap, alibi_slopes (heads,): as cpattn.ring_attention, the same on
+        every rank.
         """
         common = dict(causal=causal, softmax_scale=softmax_scale, window=window,
-                      return_lse=return_lse, timeout=self.timeout)
+                      return_lse=return_lse, timeout=self.timeout, sinks=sinks, softcap=softcap,
+                      alibi_slopes=alibi_slopes)
         if self.strategy in ("ring", "allgather"):
             return ring_attention(q, k, v, group=self.group, layout=self.layout,
                                   strategy=self.strategy, allgather_chunk=self.allgather_chunk,

@@ -36,6 +36,7 @@ from cpattn._validation import (
     check_score_options,
     check_timeout,
     check_window,
+    document_lengths,
     error,
 )
 
@@ -367,9 +368,9 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
             chunk = check_int(what, "allgather_chunk", chunk, minimum=1)
         docs = prefix_docs = None
         if cu_seqlens is not None:  # the exact boundaries, not a sum: other splits must not pass
-            docs = check_cu_seqlens(what, cu_seqlens).diff()
-            fields += [("documents", docs.numel()), ("tokens", int(docs.sum())),
-                       ("document_lengths", digest_ints(docs))]
+            docs, tokens, raw = document_lengths(what, cu_seqlens)
+            fields += [("documents", docs.numel()), ("tokens", tokens),
+                       ("document_lengths", raw)]
             if isinstance(prefix_len, torch.Tensor):
                 prefix_docs = check_prefix_per_document(what, prefix_len, docs)
                 fields += [("prefix_per_document", digest_ints(prefix_docs))]

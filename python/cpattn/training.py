@@ -84,21 +84,50 @@ def shard_batch(
     return out
 
 
-class _SumOverGroup(torch.autograd.Function):
+def _sum(x: torch.Tensor, groups: tuple) -> torch.Tensor:
+    """x summed over the ranks of the product of `groups` (one all-reduce per group; for hybrid,
+    the ring x Ulysses grid of ranks). A new tensor."""
+    x = x.clone()
+    for group in groups:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+class _SumOverGroups(torch.autograd.Function):
     """All-reduce (sum) whose backward all-reduces the gradients too: every rank uses the sum."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
+    def forward(ctx, x, groups):
+        ctx.groups = groups
+        return _sum(x, groups)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()  # never write into an incoming gradient
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _sum(grad, ctx.groups), None  # (a copy: never write into an incoming gradient)
+
+
+def _loss_groups(cp: Optional[ContextParallel], group) -> tuple:
+    """The groups whose product holds the ranks the loss averages over: `group`, else cp's
+    sequence (for hybrid: its Ulysses and ring groups). A given group must hold every rank that
+    shares this rank's sequence (cp's), else the mean would miss some of its tokens."""
+    what = "cpattn.cross_entropy"
+    if group is None:
+        if cp is None:
+            raise ValueError(f"{what}: give cp (the ContextParallel settings) or group")
+        if cp.strategy == "hybrid":
+            return (cp.ulysses_group, cp.ring_group)
+        return (cp.group,)
+    if cp is not None:
+        members = set(dist.get_process_group_ranks(group))
+        peers = [cp.ulysses_group, cp.ring_group] if cp.strategy == "hybrid" else [cp.group]
+        missing = sorted(set().union(*(dist.get_process_group_ranks(g) for g in peers)) - members)
+        if missing:
+            raise ValueError(
+                f"{what}: group (ranks {sorted(members)}) must hold every rank of cp's sequence "
+                f"group, but misses ranks {missing}: pass the group of all data-parallel x "
+                "context-parallel ranks (e.g. the flattened dp x cp mesh), or no group for cp's"
+            )
+    return (group,)
 
 
 def cross_entropy(
@@ -114,9 +143,11 @@ def cross_entropy(
     Args:
         logits: (batch, seqlen / W, vocab), this rank's tokens.
         shift_labels: (batch, seqlen / W) from `shard_batch` (already shifted).
-        cp: its group is the default `group`.
+        cp: the ContextParallel settings; without `group`, the mean runs over the ranks that
+            share the sequence (for hybrid: the ring x Ulysses ranks).
         group: the ranks whose tokens the mean runs over. Give the flattened data-parallel x
-            context-parallel group to average over the whole global batch.
+            context-parallel group to average over the whole global batch. With cp, it must
+            hold every rank of cp's sequence (else ValueError).
 
     Returns the same scalar on every rank (float32; float64 for float64 logits): the sum of the
     token losses of all ranks divided by the number of non-ignored tokens of all ranks (not a
@@ -126,13 +157,7 @@ def cross_entropy(
     group) gives exactly the gradient of the global mean; see README "Training a transformers
     model with context parallelism".
     """
-    if group is None:
-        if cp is None:
-            raise ValueError("cpattn.cross_entropy: give cp or group")
-        if cp.strategy == "hybrid":
-            raise ValueError("cpattn.cross_entropy: with strategy 'hybrid' give group=, the "
-                             "group holding all ranks of the mesh")
-        group = cp.group
+    groups = _loss_groups(cp, group)
     if logits.shape[:-1] != shift_labels.shape:
         raise ValueError(
             f"cpattn.cross_entropy: logits (batch, seqlen, vocab) and shift_labels "
@@ -143,8 +168,7 @@ def cross_entropy(
         shift_labels.flatten().to(logits.device), ignore_index=ignore_index, reduction="sum",
     )
     count = (shift_labels != ignore_index).sum().to(torch.float32)
-    total = _SumOverGroup.apply(token_loss, group)
-    count = count.to(total.device)
-    dist.all_reduce(count, group=group)
+    total = _SumOverGroups.apply(token_loss, groups)
+    count = _sum(count.to(total.device), groups)
     # All tokens ignored everywhere: 0 with zero gradients, not NaN.
     return total / count.clamp(min=1)

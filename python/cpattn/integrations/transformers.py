@@ -14,9 +14,12 @@ the GQA K/V heads, and returns (batch, seqlen, heads, head_dim) as transformers 
 
 Every keyword the model passes is either honoured exactly or raises (`_score_options` is the one
 place that maps them): scaling, causal or bidirectional, `sliding_window` (a causal window on
-global positions), GQA. A padding mask, dropout > 0, softcap, attention sinks, attention
-weights, packed-sequence (flash varlen) keywords and any keyword this module does not know raise
-ValueError, the same on every rank (they are the same on every rank). `position_ids`, when the
+global positions), GQA, attention sinks (gpt-oss's `s_aux`, the module's learnable `sinks`:
+cpattn's `sinks=`, with their gradient), logit softcapping (Gemma 2's `softcap`: `softcap=`) and
+`alibi_slopes` (`alibi_slopes=`). A padding mask, dropout > 0, a general score bias
+(`position_bias`), attention weights, packed-sequence (flash varlen) keywords and any keyword
+this module does not know raise ValueError, the same on every rank (they are the same on every
+rank). `position_ids`, when the
 model passes them, must be the tokens' global positions (from `cpattn.shard_batch`), else
 ValueError (checked on each rank in eager mode).
 
@@ -25,11 +28,16 @@ Generation: `ContextParallelCache` is a transformers `Cache` whose layers are cp
 (transformers 5's name; `past_key_values=` is its deprecated alias) on every rank, with the full
 prompt on every rank. Prompt attention runs sharded through `cpattn.prefill_attention` (the
 leading multiple of the layout granularity) and `cpattn.decode_attention` (the rest, and every
-new token); the cache holds each token's K/V on one rank only. Everything outside attention (embeddings, MLPs, logits) runs replicated.
+new token); the cache holds each token's K/V on one rank only. Everything outside attention
+(embeddings, MLPs, logits) runs replicated. Sinks are honoured there too; a sliding window,
+softcap or ALiBi raise (prefill / decode do not have them).
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -52,13 +60,12 @@ WHAT = "cpattn.integrations.transformers"
 # Keywords transformers passes that do not change the attention math.
 _INERT = frozenset({"use_cache", "output_hidden_states", "output_router_logits",
                     "num_items_in_batch", "return_dict", "cache_position", "layer_idx"})
-# Keywords that change the math and that cpattn cannot honour yet: value -> whether it is in use.
-# (Issue 12 adds softcap / sinks / ALiBi to the kernels: map them in _score_options then.)
+# Keywords mapped to cpattn's options (in _score_options).
+_MAPPED = frozenset({"position_ids", "is_causal", "sliding_window", "softcap", "s_aux", "sinks",
+                     "alibi_slopes"})
+# Keywords that change the math and that cpattn cannot honour: value -> whether it is in use.
 _UNSUPPORTED = {
-    "softcap": lambda v: v is not None and v != 0,
-    "s_aux": lambda v: v is not None,  # attention sinks (gpt-oss)
-    "sinks": lambda v: v is not None,
-    "position_bias": lambda v: v is not None,  # additive score bias (T5-like)
+    "position_bias": lambda v: v is not None,  # a general additive score bias (T5-like)
     "output_attentions": bool,
     "cu_seq_lens_q": lambda v: v is not None,  # packed sequences (flash varlen)
     "cu_seq_lens_k": lambda v: v is not None,
@@ -69,9 +76,27 @@ _UNSUPPORTED = {
 _MISPLACED = {"labels", "shift_labels"}  # reach attention when a batch is passed as **batch
 
 
+@dataclass(frozen=True)
+class _Options:
+    """What one attention call of the model asks for, in cpattn's terms."""
+
+    causal: bool
+    scale: float
+    window: tuple[int, int]  # (left, right) on global positions, -1: unbounded
+    sinks: Optional[torch.Tensor]  # (heads,), learnable (gpt-oss); None: no sink
+    softcap: float  # 0: off (Gemma 2: attn_logit_softcapping)
+    alibi_slopes: Optional[torch.Tensor]  # (heads,), fixed; None: no ALiBi
+
+
 def _score_options(module: torch.nn.Module, head_dim: int, scaling, dropout: float,
-                   kwargs: dict[str, Any]) -> tuple[bool, float, tuple[int, int]]:
-    """Maps what transformers passes to cpattn's (causal, softmax_scale, window), or raises."""
+                   kwargs: dict[str, Any]) -> _Options:
+    """Maps what transformers passes to cpattn's options, or raises. transformers 5.24 passes:
+    `sliding_window` (int or None; Mistral, Gemma 2, gpt-oss: key j visible iff i - j <
+    sliding_window), `softcap` (Gemma 2's attn_logit_softcapping, None: off), `s_aux` (gpt-oss:
+    the module's `sinks` parameter, one logit per head; its gradient flows through cpattn).
+    `alibi_slopes` (heads,) is honoured for a model that passes it (FlashAttention's name and
+    convention: -slope * |i - j| added to the scaled score); transformers' own ALiBi models (Bloom,
+    Falcon, MPT) compute attention in their own code and never call an attention interface."""
     if dropout:
         raise ValueError(f"{WHAT}: attention dropout {dropout} cannot be honoured (cpattn has no "
                          "attention dropout): set config.attention_dropout = 0.0")
@@ -79,11 +104,11 @@ def _score_options(module: torch.nn.Module, head_dim: int, scaling, dropout: flo
         if name in _UNSUPPORTED:
             if _UNSUPPORTED[name](value):
                 raise ValueError(f"{WHAT}: the model passes {name}={_short(value)}, which cpattn "
-                                 "cannot honour yet; use another attention implementation")
+                                 "cannot honour; use another attention implementation")
         elif name in _MISPLACED:
             raise ValueError(f"{WHAT}: '{name}' reached the attention layer: pass the batch's "
                              "labels to cpattn.cross_entropy, not to the model")
-        elif name not in _INERT and name not in ("position_ids", "is_causal", "sliding_window"):
+        elif name not in _INERT and name not in _MAPPED:
             raise ValueError(f"{WHAT}: unknown keyword {name}={_short(value)} passed to the "
                              "attention; cpattn does not know whether it changes the math")
     causal = kwargs.get("is_causal")
@@ -98,7 +123,17 @@ def _score_options(module: torch.nn.Module, head_dim: int, scaling, dropout: flo
         if isinstance(sliding, bool) or not isinstance(sliding, int) or sliding < 1:
             raise ValueError(f"{WHAT}: sliding_window must be a positive int, got {sliding!r}")
         window = (sliding - 1, -1)  # key j visible iff i - j < sliding_window
-    return causal, scale, window
+    if kwargs.get("s_aux") is not None and kwargs.get("sinks") is not None:
+        raise ValueError(f"{WHAT}: the model passes both s_aux and sinks; pass one")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    alibi = kwargs.get("alibi_slopes")
+    for name, t in (("sinks", sinks), ("alibi_slopes", alibi)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{WHAT}: {name} must be a tensor of one value per head, got "
+                             f"{_short(t)}")
+    softcap = kwargs.get("softcap")
+    softcap = 0.0 if softcap is None else softcap  # None and 0: off; cpattn checks the rest
+    return _Options(causal, scale, window, sinks, softcap, alibi)
 
 
 def _short(value) -> str:
@@ -134,11 +169,11 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
             "cannot apply it under context parallelism. Pass no attention_mask (or all ones); "
             "pack documents with cpattn.ring_attention_varlen instead of padding"
         )
-    causal, scale, window = _score_options(module, query.shape[-1], scaling, dropout, kwargs)
+    opts = _score_options(module, query.shape[-1], scaling, dropout, kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     layer = _PENDING.pop(id(key), None)
     if layer is not None and layer.pending[0] is key:
-        return layer.attend(q, k, v, causal, scale, window), None
+        return layer.attend(q, k, v, opts), None
     if kwargs.get("use_cache") or key.shape[2] != query.shape[2]:
         # A transformers cache here would hold this rank's shard of K/V: useless for decoding.
         raise ValueError(
@@ -148,7 +183,8 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
             "generate"
         )
     _check_positions(cp, kwargs.get("position_ids"), q.shape[1])
-    out = cp.attention(q, k, v, causal=causal, softmax_scale=scale, window=window)
+    out = cp.attention(q, k, v, causal=opts.causal, softmax_scale=opts.scale, window=opts.window,
+                       sinks=opts.sinks, softcap=opts.softcap, alibi_slopes=opts.alibi_slopes)
     return out, None
 
 
@@ -163,6 +199,23 @@ def _mask(*args, attention_mask: Optional[torch.Tensor] = None, **kwargs):
     return attention_mask
 
 
+# name -> the settings registered under it. The functions handed to transformers look them up
+# here instead of holding them: transformers' registry lives until the interpreter's teardown, and
+# through cp it would keep the process group (and gloo's threads) alive past
+# dist.destroy_process_group, to be torn down only then (see _forget_settings).
+_SETTINGS: dict[str, ContextParallel] = {}
+
+
+def _forget_settings() -> None:
+    """At exit, before the interpreter's teardown: drops the registered settings, so that a
+    process group the user destroyed is freed now, its threads joined, and not during the
+    teardown (where destroying a thread still running aborts: "terminate called without an
+    active exception")."""
+    _SETTINGS.clear()
+    _PENDING.clear()
+    gc.collect()
+
+
 def register(cp: ContextParallel, name: str = "cpattn") -> str:
     """Registers cpattn with the settings `cp` as the transformers attention implementation
     `name` (and its mask function). Returns `name`: pass it as `attn_implementation=` to
@@ -170,9 +223,13 @@ def register(cp: ContextParallel, name: str = "cpattn") -> str:
     again replaces the settings."""
     if not isinstance(cp, ContextParallel):
         raise TypeError(f"{WHAT}.register: cp must be a cpattn.ContextParallel, got {type(cp)}")
+    if not _SETTINGS:
+        atexit.register(_forget_settings)  # once (empty again only after it ran)
+    _SETTINGS[name] = cp
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        return _attention_forward(cp, module, query, key, value, attention_mask, **kwargs)
+        return _attention_forward(_SETTINGS[name], module, query, key, value, attention_mask,
+                                  **kwargs)
 
     attention.__name__ = attention.__qualname__ = f"cpattn_attention_{name}"
     AttentionInterface.register(name, attention)
@@ -214,14 +271,18 @@ class _ShardedLayer(CacheLayerMixin):
         _PENDING[id(key_states)] = self
         return key_states, value_states
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-               scale: float, window: tuple[int, int]) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               opts: _Options) -> torch.Tensor:
         """q (B, n, H, D), k / v (B, n, Hkv, D): the n new tokens, the same on every rank.
         Stores their K/V in the sharded cache; returns their attention output (B, n, H, D)."""
         self.pending = None
-        if not causal or window != (-1, -1):
-            raise ValueError(f"{WHAT}: ContextParallelCache supports causal attention without a "
-                             f"sliding window, got causal={causal}, window={window}")
+        if not opts.causal or opts.window != (-1, -1) or opts.softcap or \
+                opts.alibi_slopes is not None:
+            raise ValueError(f"{WHAT}: ContextParallelCache supports causal attention with "
+                             "optional sinks, without a sliding window, softcap or ALiBi; got "
+                             f"causal={opts.causal}, window={opts.window}, "
+                             f"softcap={opts.softcap}, alibi_slopes={_short(opts.alibi_slopes)}")
+        scale, sinks = opts.scale, opts.sinks
         cp, shard = self.cp, self.shard
         n = q.shape[1]
         step = 2 * cp.world_size if cp.layout == "zigzag" else cp.world_size
@@ -233,12 +294,12 @@ class _ShardedLayer(CacheLayerMixin):
             index = cp.positions(lead, device=q.device)
             qs, ks, vs = (t[:, :lead].index_select(1, index).contiguous() for t in (q, k, v))
             out = prefill_attention(qs, ks, vs, shard, group=cp.group, layout=cp.layout,
-                                    softmax_scale=scale, timeout=cp.timeout)
+                                    softmax_scale=scale, timeout=cp.timeout, sinks=sinks)
             outs.append(cp.unshard(out))
         if n > lead:
             shard.append(k[:, lead:].contiguous(), v[:, lead:].contiguous())
             outs.append(decode_attention(q[:, lead:].contiguous(), shard, group=cp.group,
-                                         softmax_scale=scale, timeout=cp.timeout))
+                                         softmax_scale=scale, timeout=cp.timeout, sinks=sinks))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
