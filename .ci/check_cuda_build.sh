@@ -59,12 +59,14 @@ info = cpattn.build_info()
 print("build_info:", info)
 assert info["with_cuda"] is True, "built without CUDA"
 assert info["nccl_version"] > 0, "NCCL version not reported"
-for op in ("merge_state_", "attention_fwd", "attention_bwd", "ring_fwd", "ring_bwd",
-           "gathered_fwd", "gathered_bwd", "ring_fwd_emulated", "ring_bwd_emulated", "ring_shift",
-           "merge_attention_states", "merge_attention_states_bwd", "cache_store_",
-           "cache_attention_fwd", "prefill_fwd"):
-    ok = torch._C._dispatch_has_kernel_for_dispatch_key(f"cpattn::{op}", "CUDA")
-    print(f"CUDA kernel of cpattn::{op} registered:", ok)
+for op in ("cpattn::merge_state_", "cpattn::attention_fwd", "cpattn::attention_bwd",
+           "cpattn::ring_fwd", "cpattn::ring_bwd", "cpattn::gathered_fwd", "cpattn::gathered_bwd",
+           "cpattn::merge_attention_states", "cpattn::merge_attention_states_bwd",
+           "cpattn::cache_store_", "cpattn::cache_attention_fwd", "cpattn::prefill_fwd",
+           "cpattn_testing::ring_fwd_emulated", "cpattn_testing::ring_bwd_emulated",
+           "cpattn_testing::ring_shift", "cpattn_testing::ring_loopback_timing"):
+    ok = torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")
+    print(f"CUDA kernel of {op} registered:", ok)
     assert ok, f"no CUDA kernel registered for {op}"
 # No GPU here: the CPU path of the CUDA build still works, and nothing NCCL was created.
 q = torch.randn(1, 8, 2, 64)

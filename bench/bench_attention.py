@@ -30,15 +30,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import cpattn
 import torch
 import torch.nn.functional as F
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+import cpattn
+from cpattn._flops import BACKWARD_FLOP_FACTOR, attention_flops
+from cpattn._layout import DTYPES
+
 # A case passes when max|cpattn - sdpa| <= tolerance * max|sdpa|, for the output and for each
 # gradient. A wrong kernel (mask, scale, a missed block) is off by O(1) of that.
 TOLERANCE: dict[torch.dtype, float] = {
@@ -48,17 +46,6 @@ TOLERANCE: dict[torch.dtype, float] = {
 }
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
-
-
-def attention_flops(
-    batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool
-) -> float:
-    """Forward FLOPs, flash-attn convention: 4 * B * H * Sq * Sk * D, halved when causal."""
-    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
-    return flops / 2 if causal else flops
-
-
-BACKWARD_FLOP_FACTOR = 2.5  # backward FLOPs = 2.5 x forward FLOPs (flash-attn convention)
 
 
 def run_cpattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -235,6 +222,25 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+class Report:
+    """A benchmark's markdown: a title and machine line, then each line printed as it comes;
+    write() saves it all (the --out file)."""
+
+    def __init__(self, title: str, setup: str = "") -> None:
+        self.lines = [f"# {title}, {datetime.date.today()}",
+                      f"CPU: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+                      f"cpattn ISA {cpattn.build_info()['cpu_isa']}{setup}", ""]
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def write(self, path: str | None) -> None:
+        if path:
+            with open(path, "w") as f:
+                f.write("\n".join(self.lines) + "\n")
 
 
 def sdpa_backend(dtype: torch.dtype) -> str:

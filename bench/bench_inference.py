@@ -20,20 +20,19 @@ Times: max over ranks of the per-rank median (decode also shows the min: a share
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_attention import cpu_model  # noqa: E402
+from cpattn.testing.distributed import run_ranks  # noqa: E402
+
+from bench_attention import Report  # noqa: E402
 
 CHECK_WORDS = 12  # int64 words of the agreement check's fixed-size header (cpattn._agreement)
 
@@ -58,14 +57,11 @@ def _median_time(fn, iters: int) -> float:
     return statistics.median(_times(fn, iters))
 
 
-def _worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
+def _worker(rank: int, world: int, cfg: dict) -> dict:
     import cpattn
     from cpattn._agreement import agree
     from cpattn.inference import _cache_fields
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
     h, hkv, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     ops = torch.ops.cpattn
     res: dict = {"rank": rank, "decode": {}, "prefill": {}}
@@ -126,24 +122,11 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict, queue) -> None:
             return cache
 
         res["prefill"][chunks] = _median_time(prefill, cfg["prefill_iters"])
-    queue.put(res)
-    dist.destroy_process_group()
+    return res
 
 
 def run(world: int, cfg: dict) -> list:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "rv"), cfg, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results = [queue.get() for _ in procs]
-        for p in procs:
-            p.join()
-            if p.exitcode != 0:
-                raise RuntimeError(f"a rank of W={world} failed (exit code {p.exitcode})")
-    return sorted(results, key=lambda r: r["rank"])
+    return run_ranks(world, _worker, cfg, poison=False)
 
 
 def main() -> None:
@@ -160,7 +143,6 @@ def main() -> None:
                         help="tokens per sequence of the cache whose memory is measured")
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
     args = parser.parse_args()
-    import cpattn
 
     cfg = {"contexts": args.contexts, "prompt": args.prompt, "heads": args.heads,
            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "iters": args.iters,
@@ -168,14 +150,8 @@ def main() -> None:
     results = {w: run(w, cfg) for w in args.worlds}
 
     h, hkv, d = args.heads, args.kv_heads, args.head_dim
-    lines = [f"# inference benchmark, {datetime.date.today()}",
-             f"CPU: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; cpattn ISA "
-             f"{cpattn.build_info()['cpu_isa']}; one layer: heads {h}, kv heads {hkv}, head_dim "
-             f"{d}, fp32, batch 1; W ranks x 1 thread (gloo)", ""]
-
-    def emit(line: str = "") -> None:
-        print(line, flush=True)
-        lines.append(line)
+    emit = Report("inference benchmark", f"; one layer: heads {h}, kv heads {hkv}, head_dim "
+                  f"{d}, fp32, batch 1; W ranks x 1 thread (gloo)")
 
     msg = 1 * 1 * h * (d + 1) * 4
     emit(f"## Decode step, one layer: ms, median (min) of {args.iters} steps, max over ranks")
@@ -220,9 +196,7 @@ def main() -> None:
         rss = max(r["rss_growth_mib"] for r in results[w])
         emit(f"| {w} | {nbytes / 2**20:.2f} | {nbytes / first:.3f} | {rss:.0f} |")
 
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit.write(args.out)
 
 
 if __name__ == "__main__":

@@ -15,27 +15,24 @@ where the check runs once, while tracing.
 
 import argparse
 import functools
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from cpattn._layout import LAYOUTS
+from cpattn.testing.distributed import run_ranks
 
 
-def _worker(rank, world, init_file, args, queue):
+def _worker(rank: int, world: int, args) -> dict:
     import cpattn
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
     torch.manual_seed(rank)
     q = torch.randn(1, 16, 2, 16)
     k, v = torch.randn(1, 16, 2, 16), torch.randn(1, 16, 2, 16)
     group_name = dist.group.WORLD.group_name
-    code = {"contiguous": 0, "zigzag": 1, "striped": 2}["zigzag"]
+    code = LAYOUTS["zigzag"]
     results = {}
     for mode in args.rank_check:
         call = functools.partial(cpattn.ring_attention, causal=True)
@@ -59,9 +56,7 @@ def _worker(rank, world, init_file, args, queue):
                 bare.append(t2 - t1)
         results[mode] = (min(public), min(bare), statistics.median(public),
                          statistics.median(bare))
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -71,16 +66,7 @@ def main() -> None:
                         default=["always", "once", "never", "compiled"],
                         help="agreement-check modes to time; 'compiled': torch.compile(fullgraph)")
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_worker, args=(r, 2, init, args, queue)) for r in range(2)]
-        for p in procs:
-            p.start()
-        results = queue.get()
-        for p in procs:
-            p.join()
+    results = run_ranks(2, _worker, args, poison=False)[0]  # rank 0's clock
     print("| rank check | public call (us), min / median | bare ring_fwd op (us), min / median "
           "| Python-layer overhead (us), from the mins |")
     print("|---|---|---|---|")

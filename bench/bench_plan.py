@@ -9,9 +9,9 @@ W ranks computing at once, so W > cores shows up as a lower rate), then every pr
 strategy: a warm-up and `--iters` timed calls (forward, + backward for training), the
 candidates of a problem taken in turn (round robin), time = max over ranks of the per-rank best
 (the least disturbed call: the machine may be shared). "none" is every rank computing the whole
-problem at once (what no context parallelism costs on these ranks). Reported: predicted vs measured per strategy, the
-median absolute error, and how often the plan's first choice is the measured fastest (or within
-5 % of it).
+problem at once (what no context parallelism costs on these ranks). Reported: predicted vs
+measured per strategy, the median absolute error, and how often the plan's first choice is the
+measured fastest (or within 5 % of it).
 """
 
 import argparse
@@ -77,14 +77,11 @@ def _call(c, seqlen, heads, kv_heads, dim, causal, mode, world, hybrid):
     return call
 
 
-def _worker(rank, world, init_file, cfg, queue):
+def _worker(rank: int, world: int, cfg: dict) -> dict:
     import cpattn
     from cpattn import plan as P
 
-    torch.set_num_threads(1)
     os.environ["CPATTN_PLAN_CACHE"] = cfg["cache"]
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
     machine = P.calibrate(refresh=True)
     hybrid = {}
     for u in range(2, world):
@@ -118,11 +115,7 @@ def _worker(rank, world, init_file, cfg, queue):
             rows.append({"W": world, "seqlen": seqlen, "heads": heads, "kv_heads": kv_heads,
                          "head_dim": dim, "causal": causal, "mode": mode, "strategy": c.name,
                          "predicted": preds[c.name].time, "measured": t.item()})
-    if rank == 0:
-        queue.put({"rank": 0, "rows": rows, "machine": machine.to_json()})
-    else:
-        queue.put({"rank": rank})
-    dist.destroy_process_group()
+    return {"rank": rank, "rows": rows, "machine": machine.to_json()}
 
 
 def summarize(rows: list) -> dict:

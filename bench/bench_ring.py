@@ -5,48 +5,39 @@ layout balance for causal masks, and per-rank peak memory against W.
 
 Ring efficiency: W = 2 spawned ranks (gloo), one thread each, run cpattn.ring_attention forward
 and backward; in the same processes, at the same time, each rank then runs exactly its share of
-the ring's work with every shift replaced by a local copy (torch.ops.cpattn.ring_loopback_timing).
+the ring's work with every shift replaced by a local copy
+(torch.ops.cpattn_testing.ring_loopback_timing).
 The ratio ring / local is the cost of communication that compute did not hide.
 """
 
 import argparse
-import datetime
-import os
 import resource
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from bench_attention import cpu_model
 
-LAYOUT_CODES = {"contiguous": 0, "zigzag": 1, "striped": 2}
+from cpattn._layout import LAYOUTS
+from cpattn.testing.distributed import run_ranks
 
-
-def visible_pairs(positions: torch.Tensor, seqlen: int, causal: bool, window=(-1, -1)) -> int:
-    """Number of (query, key) pairs the mask leaves visible for the given query positions."""
-    first = torch.zeros_like(positions) if window[0] < 0 else (positions - window[0]).clamp(min=0)
-    last = torch.full_like(positions, seqlen - 1)
-    if causal:
-        last = torch.minimum(last, positions)
-    if window[1] >= 0:
-        last = torch.minimum(last, positions + window[1])
-    return int((last - first + 1).clamp(min=0).sum())
+from bench_attention import Report
 
 
-def _worker(rank, world, init_file, cfg, queue):
-    import cpattn
-
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+def rank_inputs(rank: int, cfg: dict) -> tuple[torch.Tensor, ...]:
+    """This rank's random q, dout (batch, slocal, heads, head_dim) and k, v (kv_heads)."""
     torch.manual_seed(rank)
     b, h, hkv, d, sl = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["slocal"]
     q = torch.randn(b, sl, h, d)
     k, v = torch.randn(b, sl, hkv, d), torch.randn(b, sl, hkv, d)
-    dout = torch.randn(b, sl, h, d)
+    return q, k, v, torch.randn(b, sl, h, d)
+
+
+def _worker(rank: int, world: int, cfg: dict) -> dict:
+    import cpattn
+
+    q, k, v, dout = rank_inputs(rank, cfg)
+    d = cfg["head_dim"]
     layout, causal = cfg["layout"], cfg["causal"]
     scale = d ** -0.5
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -60,35 +51,23 @@ def _worker(rank, world, init_file, cfg, queue):
         out.backward(dout)
         t2 = time.perf_counter()
         dist.barrier()
-        fwd_s, bwd_s = torch.ops.cpattn.ring_loopback_timing(
-            q, k, v, dout, rank, world, scale, causal, -1, -1, LAYOUT_CODES[layout]).tolist()
+        fwd_s, bwd_s = torch.ops.cpattn_testing.ring_loopback_timing(
+            q, k, v, dout, rank, world, scale, causal, -1, -1, LAYOUTS[layout]).tolist()
         if it > 0:
             ring_f.append(t1 - t0)
             ring_b.append(t2 - t1)
             loop_f.append(fwd_s)
             loop_b.append(bwd_s)
     peak_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-    queue.put({"rank": rank, "ring_fwd": statistics.median(ring_f),
-               "ring_bwd": statistics.median(ring_b), "local_fwd": statistics.median(loop_f),
-               "local_bwd": statistics.median(loop_b), "peak_mib": peak_mib})
-    dist.destroy_process_group()
+    return {"rank": rank, "ring_fwd": statistics.median(ring_f),
+            "ring_bwd": statistics.median(ring_b), "local_fwd": statistics.median(loop_f),
+            "local_bwd": statistics.median(loop_b), "peak_mib": peak_mib}
 
 
 def run(world: int, cfg: dict, worker=_worker) -> list:
-    """Spawns `world` gloo ranks running worker(rank, world, init_file, cfg, queue); returns what
-    each put on the queue, by rank."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=worker,
-                             args=(r, world, os.path.join(tmp, "rv"), cfg, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results = [queue.get() for _ in procs]
-        for p in procs:
-            p.join()
-    return sorted(results, key=lambda r: r["rank"])
+    """worker(rank, world, cfg) on `world` spawned gloo ranks (cfg["threads"] torch threads each,
+    default 1, no output poisoning); what each returned, by rank."""
+    return run_ranks(world, worker, cfg, threads=cfg.get("threads", 1), poison=False)
 
 
 def main() -> None:
@@ -101,15 +80,8 @@ def main() -> None:
     parser.add_argument("--memory-seqlen", type=int, default=16384)
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
     args = parser.parse_args()
-    import cpattn
 
-    lines = [f"# ring benchmark, {datetime.date.today()}",
-             f"CPU: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
-             f"cpattn ISA {cpattn.build_info()['cpu_isa']}", ""]
-
-    def emit(line=""):
-        print(line, flush=True)
-        lines.append(line)
+    emit = Report("ring benchmark")
 
     base = {"batch": 1, "heads": args.heads, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "iters": args.iters, "threads": 1}
@@ -134,9 +106,9 @@ def main() -> None:
     for world in (2, 4):
         seqlen = sl * world
         for layout in ("contiguous", "zigzag", "striped"):
-            work = [visible_pairs(cpattn.positions(seqlen, layout=layout, rank=r,
-                                                   world_size=world), seqlen, True)
-                    for r in range(world)]
+            # visible (query, key) pairs per rank, from the ring's own schedule
+            work = torch.ops.cpattn.schedule_work(seqlen, world, LAYOUTS[layout], True, -1, -1,
+                                                  64, 64)[:, :, 0].sum(1).tolist()
             res = run(world, {**base, "slocal": sl, "layout": layout, "causal": True,
                               "iters": 1})
             times = [r["local_fwd"] + r["local_bwd"] for r in res]
@@ -153,9 +125,7 @@ def main() -> None:
                           "iters": 1})
         emit(f"| {world} | {s // world} | {max(r['peak_mib'] for r in res):.0f} |")
 
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit.write(args.out)
 
 
 if __name__ == "__main__":

@@ -16,16 +16,15 @@ W and against the sequence length (FILE.png next to FILE.md).
 """
 
 import argparse
-import datetime
 import os
 import resource
 import statistics
 import time
 
-import torch
 import torch.distributed as dist
-from bench_attention import cpu_model
-from bench_ring import run
+
+from bench_attention import Report
+from bench_ring import rank_inputs, run
 
 
 def _bytes_sent(strategy: str, cfg: dict, world: int) -> float:
@@ -40,17 +39,10 @@ def _bytes_sent(strategy: str, cfg: dict, world: int) -> float:
     return P.predict(p, P.PRESETS["cpu-gloo"], world, [cand])[0].bytes_sent
 
 
-def _worker(rank, world, init_file, cfg, queue):
+def _worker(rank: int, world: int, cfg: dict) -> dict:
     import cpattn
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    torch.manual_seed(rank)
-    b, sl, h, hkv, d = cfg["batch"], cfg["slocal"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
-    q = torch.randn(b, sl, h, d)
-    k, v = torch.randn(b, sl, hkv, d), torch.randn(b, sl, hkv, d)
-    dout = torch.randn(b, sl, h, d)
+    q, k, v, dout = rank_inputs(rank, cfg)
     strategy = cfg["strategy"]
     if strategy == "hybrid":
         from torch.distributed.device_mesh import init_device_mesh
@@ -76,8 +68,7 @@ def _worker(rank, world, init_file, cfg, queue):
         if it > 0:
             times.append(time.perf_counter() - t0)
     peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
-    queue.put({"rank": rank, "time": statistics.median(times), "peak_mib": peak})
-    dist.destroy_process_group()
+    return {"rank": rank, "time": statistics.median(times), "peak_mib": peak}
 
 
 def main() -> None:
@@ -90,15 +81,8 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--plot", help="PNG of the table (default: next to --out)")
     args = parser.parse_args()
-    import cpattn
 
-    lines = [f"# strategies benchmark, {datetime.date.today()}",
-             f"CPU: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
-             f"cpattn ISA {cpattn.build_info()['cpu_isa']}; 1 thread per rank", ""]
-
-    def emit(line=""):
-        print(line, flush=True)
-        lines.append(line)
+    emit = Report("strategies benchmark", "; 1 thread per rank")
 
     emit(f"Causal attention, global seqlen {', '.join(map(str, args.seqlen))}, heads "
          f"{args.heads}, head_dim {args.head_dim}, fp32, forward + backward (median of "
@@ -128,9 +112,7 @@ def main() -> None:
                     rows.append(row)
                     emit(f"| {seqlen} | {world} | {hkv} | {name} | {row['time (s)']:.3f} | "
                          f"{row['MiB sent per rank']:.1f} | {row['peak MiB per rank']:.0f} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit.write(args.out)
     png = args.plot or (os.path.splitext(args.out)[0] + ".png" if args.out else None)
     if png:
         _plot(rows, png)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from cpattn._layout import DTYPES
 
 
 @dataclass

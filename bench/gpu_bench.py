@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import cpattn
+from cpattn._flops import attention_flops
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -34,8 +35,7 @@ except ImportError:  # pragma: no cover - older torch
 
 
 def flops(b, h, s, d, causal, mode):
-    f = 4.0 * b * h * s * s * d / (2.0 if causal else 1.0)
-    return f * (2.5 if mode == "bwd" else 1.0)
+    return attention_flops(b, h, s, s, d, causal, backward=mode == "bwd")
 
 
 DEVICE = "cuda"

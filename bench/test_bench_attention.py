@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+
 from bench_attention import (
     BACKWARD_FLOP_FACTOR,
     IMPLS,

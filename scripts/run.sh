@@ -30,6 +30,7 @@ python -m pip install -q "$TORCH_SPEC" numpy pytest pytest-benchmark expecttest 
 # The transformers integration's tests and example (cpattn itself does not need it).
 python -m pip install -q "transformers==5.24.0"
 python -m pip install -q "matplotlib==3.11.2"  # plots: python -m cpattn plan --plot, bench/
+python -m pip install -q "ruff==0.17.5"  # lint (pyproject.toml [tool.ruff]), in `test`
 echo "== building cpattn"
 python -m pip install -q --no-build-isolation --no-deps .
 cd /tmp  # import the installed package, not the source tree
@@ -40,6 +41,8 @@ case "${1:-}" in
     python -m cpattn demo "$@"
     ;;
   test)
+    echo "== lint (ruff check, pyproject.toml [tool.ruff])"
+    (cd "$ROOT" && ruff check python tests bench examples)
     echo "== C++ tests of the header core"
     cmake -S "$ROOT" -B "$ROOT/build/cpptests" -G Ninja -DCPATTN_BUILD_EXTENSION=OFF \
       -DCPATTN_BUILD_TESTS=ON >/dev/null

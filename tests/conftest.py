@@ -9,7 +9,6 @@ A row that sees no key has out 0 and lse -inf.
 
 from __future__ import annotations
 
-import math
 import os
 import zlib
 from collections.abc import Sequence
@@ -98,6 +97,36 @@ def reference_with_grads(
     out, lse = reference_attention(qr, kr, vr, compute_dtype=compute_dtype, **kwargs)
     dq, dk, dv = torch.autograd.grad(out, (qr, kr, vr), dout.to(compute_dtype))
     return out.detach(), lse.detach(), dq, dk, dv
+
+
+def seeded_problem(seed: int, seqlen: int, heads: int, kv_heads: int, dtype: torch.dtype,
+                   causal: bool, window: tuple[int, int]):
+    """(q, k, v, dout) (2, seqlen, heads | kv_heads, 16) from torch.manual_seed(seed) (the same on
+    every rank), and the float64 reference: out, lse and the reference inputs, whose .grad holds
+    the gradients for dout."""
+    torch.manual_seed(seed)
+    q = torch.randn(2, seqlen, heads, 16).to(dtype)
+    k, v = (torch.randn(2, seqlen, kv_heads, 16).to(dtype) for _ in range(2))
+    dout = torch.randn(2, seqlen, heads, 16).to(dtype)
+    ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference_attention(*ref_inputs, causal=causal, window=window)
+    ref_out.backward(dout.double())
+    return (q, k, v, dout), ref_out, ref_lse, ref_inputs
+
+
+def assert_matches(what: str, out, lse, grads, ref_out, ref_lse, ref_grads, tol: float) -> None:
+    """out, lse and (dq, dk, dv) against the float64 reference within tol (gradients: tol scaled
+    by the reference gradient's magnitude); empty rows (lse -inf) must match exactly."""
+    torch.testing.assert_close(out.double(), ref_out.detach(), atol=tol, rtol=tol,
+                               msg=lambda m: f"out {what}: {m}")
+    finite = ref_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite), f"empty rows differ: {what}"
+    torch.testing.assert_close(lse[finite].double(), ref_lse.detach()[finite], atol=tol,
+                               rtol=tol, msg=lambda m: f"lse {what}: {m}")
+    for name, g, r in zip("qkv", grads, ref_grads):
+        scale = max(1.0, r.abs().max().item())
+        torch.testing.assert_close(g.double(), r, atol=tol * scale, rtol=tol,
+                                   msg=lambda m: f"d{name} {what}: {m}")
 
 
 # ---------------------------------------------------------------------------------------------

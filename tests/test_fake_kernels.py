@@ -45,8 +45,8 @@ def _ring_ops(rank, world):
     out, lse = ops.ring_fwd(q, k, v, *args)
     torch.library.opcheck(ops.ring_bwd, (torch.randn_like(out), q, k, v, out, lse, *args),
                           test_utils=TESTS)
-    torch.library.opcheck(ops.ring_fwd_emulated, ([q, q], [k, k], [v, v], 0.25, True, -1, -1, 1),
-                          test_utils=TESTS)
+    torch.library.opcheck(torch.ops.cpattn_testing.ring_fwd_emulated,
+                          ([q, q], [k, k], [v, v], 0.25, True, -1, -1, 1), test_utils=TESTS)
 
 
 def _separate_gradients(rank, world):

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
+from cpattn._layout import LAYOUTS
 from conftest import assert_close_fp32, assert_close_low_out
 from cpattn._generate_demo import (
     TinyDecoder,
@@ -22,7 +23,6 @@ from cpattn._generate_demo import (
 from distributed import run_ranks
 from reference import reference_attention
 
-LAYOUTS = ["contiguous", "zigzag", "striped"]
 INTERLEAVES = [1, 3, 16]
 HEADS = [(4, 4), (4, 2)]  # MHA and GQA (x3 for W = 3: comm="reduce_scatter" splits heads)
 DTYPES = [torch.float32, torch.bfloat16]

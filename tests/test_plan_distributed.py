@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn import plan as P
+from conftest import assert_matches, seeded_problem
 from distributed import run_ranks
 from reference import reference_attention
 
@@ -86,31 +87,8 @@ def _machine(bandwidth: float, latency: float) -> P.Machine:
                                inter=P.Link(bandwidth, latency), reduce_scatter_factor=1.0)
 
 
-def _check(what, out, lse, grads, ref_out, ref_lse, ref_inputs):
-    torch.testing.assert_close(out.double(), ref_out.detach(), atol=TOL, rtol=TOL,
-                               msg=lambda m: f"out {what}: {m}")
-    finite = ref_lse.isfinite()
-    assert torch.equal(lse.isfinite(), finite), what
-    torch.testing.assert_close(lse[finite].double(), ref_lse.detach()[finite], atol=TOL,
-                               rtol=TOL, msg=lambda m: f"lse {what}: {m}")
-    for name, g, r in zip("qkv", grads, ref_inputs):
-        torch.testing.assert_close(g.double(), r.grad, atol=TOL * max(1.0, r.grad.abs().max()),
-                                   rtol=TOL, msg=lambda m: f"d{name} {what}: {m}")
-
-
-def _problem(seed, seqlen, heads, kv_heads, causal, window):
-    torch.manual_seed(seed)  # the same on every rank
-    q = torch.randn(2, seqlen, heads, 16)
-    k, v = (torch.randn(2, seqlen, kv_heads, 16) for _ in range(2))
-    dout = torch.randn(2, seqlen, heads, 16)
-    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = reference_attention(*ref_in, causal=causal, window=window)
-    ref_out.backward(dout.double())
-    return (q, k, v, dout), ref_out, ref_lse, ref_in
-
-
 def _auto_ring_cases(rank: int, world: int) -> None:
-    from cpattn.plan_attention import auto_strategy
+    from cpattn.ring import auto_strategy
 
     chosen = set()
     for n, (machine, layout, causal, window) in enumerate([
@@ -119,7 +97,8 @@ def _auto_ring_cases(rank: int, world: int) -> None:
             (_machine(1e3, 0.0), "contiguous", False, (-1, -1)),
             (_machine(1e15, 1.0), "zigzag", False, (3, 7))]):
         P.set_machine(machine)
-        (q, k, v, dout), ref_out, ref_lse, ref_in = _problem(n, 8 * world, 4, 2, causal, window)
+        (q, k, v, dout), ref_out, ref_lse, ref_in = seeded_problem(n, 8 * world, 4, 2,
+                                                                   torch.float32, causal, window)
         results = {}
         for strategy in ("auto", "ring", "allgather"):
             shards = [cpattn.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
@@ -129,8 +108,9 @@ def _auto_ring_cases(rank: int, world: int) -> None:
             un = lambda t, d=1: cpattn.unshard(t, layout=layout, dim=d)  # noqa: E731
             results[strategy] = [un(out.detach()), un(lse.detach(), 2),
                                  *(un(s.grad) for s in shards)]
-            _check(f"ring_attention {strategy} {layout} W={world}", *results[strategy][:2],
-                   results[strategy][2:], ref_out, ref_lse, ref_in)
+            assert_matches(f"ring_attention {strategy} {layout} W={world}",
+                           *results[strategy][:2], results[strategy][2:], ref_out, ref_lse,
+                           [r.grad for r in ref_in], TOL)
         named = auto_strategy(shards[0], shards[1], world, None, causal, layout, window, None,
                               None, "ring_attention")
         chosen.add(named)
@@ -176,13 +156,14 @@ def _context_cases(rank: int, world: int) -> None:
              "hybrid 2x2/zigzag" if world == 4 else "ring/contiguous"]
     for n, name in enumerate(names):
         causal, window = [(True, (-1, -1)), (False, (4, 2))][n % 2]
-        (q, k, v, dout), ref_out, ref_lse, ref_in = _problem(n, 16 * world, 4, 2, causal, window)
+        (q, k, v, dout), ref_out, ref_lse, ref_in = seeded_problem(n, 16 * world, 4, 2,
+                                                                   torch.float32, causal, window)
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         out, lse = cpattn.context_attention(*inputs, causal=causal, window=window,
                                             strategy=name, return_lse=True)
         out.backward(dout)
-        _check(f"context_attention {name} W={world}", out.detach(), lse.detach(),
-               [t.grad for t in inputs], ref_out, ref_lse, ref_in)
+        assert_matches(f"context_attention {name} W={world}", out.detach(), lse.detach(),
+                       [t.grad for t in inputs], ref_out, ref_lse, [r.grad for r in ref_in], TOL)
     P.set_machine(None)
 
 

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 import cpattn
+from cpattn._layout import LAYOUTS
 from distributed import run_ranks
 from reference import reference_attention
 
-LAYOUTS = ["contiguous", "zigzag", "striped"]
 MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (21, 0)), (False, (9, 14))]
 HEADS = [(4, 4), (4, 1)]  # MHA and MQA (GQA: kv heads only travel)
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -91,9 +91,9 @@ def _check_emulator_bitwise(rank: int, world: int) -> None:
         qs, ks, vs, dos = ([t[:, p] for p in pos] for t in (q, k, v, dout))
         outs, lses = cpattn.ring_attention_emulated(qs, ks, vs, causal=causal, layout=layout,
                                                     window=window)
-        dqs, dks, dvs = torch.ops.cpattn.ring_bwd_emulated(
+        dqs, dks, dvs = torch.ops.cpattn_testing.ring_bwd_emulated(
             dos, qs, ks, vs, outs, lses, 1 / math.sqrt(32), causal, *window,
-            cpattn.ring.LAYOUTS[layout])
+            LAYOUTS[layout])
         mine = [t.clone().requires_grad_() for t in (qs[rank], ks[rank], vs[rank])]
         out, lse = cpattn.ring_attention(*mine, causal=causal, window=window, layout=layout,
                                          return_lse=True)

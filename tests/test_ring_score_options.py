@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 import cpattn
+from cpattn._layout import LAYOUTS
 from distributed import run_ranks
 from reference import reference_attention
 
-LAYOUTS = ["contiguous", "zigzag", "striped"]
 # name -> (causal, window, options); sinks / alibi_slopes: True = per-head values drawn below
 CASES = {
     "sinks_window": (True, (5, 0), {"sinks": True}),

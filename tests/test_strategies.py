@@ -8,52 +8,27 @@ import torch
 import torch.distributed as dist
 
 import cpattn
+from conftest import assert_matches, seeded_problem
 from distributed import run_ranks
-from reference import reference_attention
 
 MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (9, 0)), (False, (5, 7))]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
-
-
-def _compare(what, out, lse, grads, ref_out, ref_lse, ref_inputs, dtype):
-    tol = TOL[dtype]
-    torch.testing.assert_close(out.double(), ref_out.detach(), atol=tol, rtol=tol,
-                               msg=lambda m: f"out {what}: {m}")
-    finite = ref_lse.isfinite()
-    assert torch.equal(lse.isfinite(), finite), what
-    torch.testing.assert_close(lse[finite].double(), ref_lse.detach()[finite], atol=tol,
-                               rtol=tol, msg=lambda m: f"lse {what}: {m}")
-    for name, g, r in zip("qkv", grads, ref_inputs):
-        scale = max(1.0, r.grad.abs().max().item())
-        torch.testing.assert_close(g.double(), r.grad, atol=tol * scale, rtol=tol,
-                                   msg=lambda m: f"d{name} {what}: {m}")
-
-
-def _problem(seed, seqlen, heads, kv_heads, dtype, causal, window):
-    torch.manual_seed(seed)
-    q = torch.randn(2, seqlen, heads, 16).to(dtype)
-    k, v = (torch.randn(2, seqlen, kv_heads, 16).to(dtype) for _ in range(2))
-    dout = torch.randn(2, seqlen, heads, 16).to(dtype)
-    ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = reference_attention(*ref_inputs, causal=causal, window=window)
-    ref_out.backward(dout.double())
-    return (q, k, v, dout), ref_out, ref_lse, ref_inputs
 
 
 def _ulysses_cases(rank: int, world: int) -> None:
     seqlen = 6 * world
     cases = itertools.product(MASKS, [12, 4, 2, 1], [torch.float32, torch.bfloat16])
     for n, ((causal, window), kv_heads, dtype) in enumerate(cases):
-        (q, k, v, dout), ref_out, ref_lse, ref_in = _problem(
+        (q, k, v, dout), ref_out, ref_lse, ref_in = seeded_problem(
             n, seqlen, 12, kv_heads, dtype, causal, window)
         shards = [cpattn.shard(t, layout="contiguous").requires_grad_() for t in (q, k, v)]
         out, lse = cpattn.ulysses_attention(*shards, causal=causal, window=window,
                                             return_lse=True)
         out.backward(cpattn.shard(dout, layout="contiguous"))
         un = lambda t, d=1: cpattn.unshard(t, layout="contiguous", dim=d)  # noqa: E731
-        _compare(f"ulysses W={world} kv={kv_heads} causal={causal} window={window} {dtype}",
-                 un(out.detach()), un(lse.detach(), 2), [un(s.grad) for s in shards],
-                 ref_out, ref_lse, ref_in, dtype)
+        assert_matches(f"ulysses W={world} kv={kv_heads} causal={causal} window={window} {dtype}",
+                       un(out.detach()), un(lse.detach(), 2), [un(s.grad) for s in shards],
+                       ref_out, ref_lse, [r.grad for r in ref_in], TOL[dtype])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -96,7 +71,7 @@ def _hybrid_cases(rank: int, world: int, u: int) -> None:
     for n, ((causal, window), layout, kv_heads) in enumerate(
         itertools.product(MASKS, ["zigzag", "contiguous", "striped"], [4, 1])
     ):
-        (q, k, v, dout), ref_out, ref_lse, ref_in = _problem(
+        (q, k, v, dout), ref_out, ref_lse, ref_in = seeded_problem(
             n, seqlen, 4, kv_heads, torch.float32, causal, window)
         kw = dict(ulysses_group=ug, ring_group=rg, layout=layout)
         shards = [cpattn.hybrid_shard(t, **kw).requires_grad_() for t in (q, k, v)]
@@ -104,9 +79,9 @@ def _hybrid_cases(rank: int, world: int, u: int) -> None:
                                            return_lse=True, **kw)
         out.backward(cpattn.hybrid_shard(dout, **kw))
         un = lambda t, d=1: cpattn.hybrid_unshard(t, dim=d, **kw)  # noqa: E731
-        _compare(f"hybrid W={world} U={u} {layout} kv={kv_heads} causal={causal} {window}",
-                 un(out.detach()), un(lse.detach(), 2), [un(s.grad) for s in shards],
-                 ref_out, ref_lse, ref_in, torch.float32)
+        assert_matches(f"hybrid W={world} U={u} {layout} kv={kv_heads} causal={causal} {window}",
+                       un(out.detach()), un(lse.detach(), 2), [un(s.grad) for s in shards],
+                       ref_out, ref_lse, [r.grad for r in ref_in], TOL[torch.float32])
 
 
 @pytest.mark.parametrize("u", [1, 2, 4])
@@ -119,7 +94,7 @@ def _hybrid_mesh(rank: int, world: int) -> None:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
     ug, rg = mesh.get_group(1), mesh.get_group(0)
-    (q, k, v, _), ref_out, _, _ = _problem(0, 32, 4, 2, torch.float32, True, (-1, -1))
+    (q, k, v, _), ref_out, _, _ = seeded_problem(0, 32, 4, 2, torch.float32, True, (-1, -1))
     kw = dict(ulysses_group=ug, ring_group=rg)
     out = cpattn.hybrid_attention(*(cpattn.hybrid_shard(t, **kw) for t in (q, k, v)),
                                   mesh=mesh, causal=True)

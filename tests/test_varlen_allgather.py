@@ -7,26 +7,13 @@ import pytest
 import torch
 
 import cpattn
+from cpattn._layout import LAYOUTS
+from conftest import assert_matches, seeded_problem
 from distributed import run_ranks
 from reference import reference_attention
 
-LAYOUTS = ["contiguous", "zigzag", "striped"]
 MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (7, 0)), (False, (4, 6))]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
-
-
-def _assert_matches(what, out, lse, grads, ref_out, ref_lse, ref_in, dtype):
-    tol = TOL[dtype]
-    torch.testing.assert_close(out.double(), ref_out, atol=tol, rtol=tol,
-                               msg=lambda m: f"out {what}: {m}")
-    finite = ref_lse.isfinite()
-    assert torch.equal(lse.isfinite(), finite), f"empty rows differ: {what}"
-    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], atol=tol, rtol=tol,
-                               msg=lambda m: f"lse {what}: {m}")
-    for name, g, r in zip("qkv", grads, ref_in):
-        scale = max(1.0, r.abs().max().item())
-        torch.testing.assert_close(g.double(), r, atol=tol * scale, rtol=tol,
-                                   msg=lambda m: f"d{name} {what}: {m}")
 
 
 def _allgather_cases(rank: int, world: int) -> None:
@@ -34,23 +21,18 @@ def _allgather_cases(rank: int, world: int) -> None:
     cases = itertools.product(LAYOUTS, MASKS, [(4, 4, None), (4, 2, 1), (4, 1, None)])
     for n, (layout, (causal, window), (h, hkv, chunk)) in enumerate(cases):
         dtype = torch.bfloat16 if n % 5 == 0 else torch.float32
-        torch.manual_seed(n)
-        q = torch.randn(2, seqlen, h, 16).to(dtype)
-        k, v = (torch.randn(2, seqlen, hkv, 16).to(dtype) for _ in range(2))
-        dout = torch.randn(2, seqlen, h, 16).to(dtype)
-        ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-        ref_out, ref_lse = reference_attention(*ref_in, causal=causal, window=window)
-        ref_out.backward(dout.double())
+        (q, k, v, dout), ref_out, ref_lse, ref_in = seeded_problem(n, seqlen, h, hkv, dtype,
+                                                                   causal, window)
         shards = [cpattn.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
         out, lse = cpattn.ring_attention(*shards, causal=causal, window=window, layout=layout,
                                          strategy="allgather", allgather_chunk=chunk,
                                          return_lse=True)
         out.backward(cpattn.shard(dout, layout=layout))
         un = lambda t, d=1: cpattn.unshard(t, layout=layout, dim=d)  # noqa: E731
-        _assert_matches(f"allgather W={world} {layout} causal={causal} {window} {h}/{hkv} "
-                        f"chunk={chunk} {dtype}", un(out.detach()), un(lse.detach(), 2),
-                        [un(s.grad) for s in shards], ref_out.detach(), ref_lse.detach(),
-                        [r.grad for r in ref_in], dtype)
+        assert_matches(f"allgather W={world} {layout} causal={causal} {window} {h}/{hkv} "
+                       f"chunk={chunk} {dtype}", un(out.detach()), un(lse.detach(), 2),
+                       [un(s.grad) for s in shards], ref_out, ref_lse, [r.grad for r in ref_in],
+                       TOL[dtype])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -97,10 +79,10 @@ def _varlen_cases(rank: int, world: int) -> None:
         assert (out[pad] == 0).all() and (lse[:, pad] == float("-inf")).all(), "padding rows"
         out.backward(cpattn.shard_varlen(dout, cu, layout=layout))
         un = lambda t, d=0: cpattn.unshard_varlen(t, cu, layout=layout, dim=d)  # noqa: E731
-        _assert_matches(f"varlen W={world} {layout} {strategy} causal={causal} {window} "
-                        f"docs={lengths}", un(out.detach()), un(lse.detach(), 1),
-                        [un(s.grad) for s in shards], ref_out, ref_lse, ref_grads,
-                        torch.float32)
+        assert_matches(f"varlen W={world} {layout} {strategy} causal={causal} {window} "
+                       f"docs={lengths}", un(out.detach()), un(lse.detach(), 1),
+                       [un(s.grad) for s in shards], ref_out, ref_lse, ref_grads,
+                       TOL[torch.float32])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

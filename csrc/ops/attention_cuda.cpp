@@ -1,21 +1,25 @@
-// The CUDA path of attention_fwd / attention_bwd: tensors -> cuda::FwdParamsCuda /
-// BwdParamsCuda on the current stream of the tensors' device. The kernels read the user's
-// (B, S, H, D) bf16 / fp16 tensors in place; an operand is copied only when its head dim has no
-// compiled kernel (zero-padded up to the next one) or its strides / alignment do not suit cp.async.
+// The CUDA backend (backend.h): tensors -> cuda::FwdParamsCuda / BwdParamsCuda on the current
+// stream of the tensors' device, the merge kernel, and the CUDA registrations of the ops. The
+// kernels read the user's (B, S, H, D) bf16 / fp16 tensors in place; an operand is copied only
+// when its head dim has no compiled kernel (zero-padded up to the next one) or its strides /
+// alignment do not suit cp.async.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdlib>
-#include <limits>
 #include <sstream>
 
 #include "cpattn/softmax_state.h"
 #include "cpattn/tiling.h"
+#include "cuda/merge_state.h"
 #include "cuda/params.h"
+#include "ops/backend.h"
+#include "ops/checks.h"
 #include "ops/ops.h"
 
 namespace cpattn::ops {
@@ -24,14 +28,6 @@ namespace {
 bool env_flag(const char* name) {
   const char* v = std::getenv(name);
   return v && v[0] == '1';
-}
-
-// As the CPU path: CPATTN_POISON=1 fills every output with NaN before the kernel runs.
-at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  static const bool poison = env_flag("CPATTN_POISON");
-  at::Tensor t = at::empty(sizes, options);
-  if (poison) t.fill_(std::numeric_limits<float>::quiet_NaN());
-  return t;
 }
 
 cuda::DType to_dtype(at::ScalarType t) {
@@ -140,11 +136,40 @@ int bwd_head_splits(const AttnShape& s, int kd) {
   return static_cast<int>(splits);
 }
 
-}  // namespace
+// What the parameters of both passes share: shape, q, k, v (as the kernels read them), scale, mask.
+template <typename Params>
+void fill_inputs(Params& p, const AttnShape& s, int kd, const at::Tensor& q, const at::Tensor& k,
+                 const at::Tensor& v, double softmax_scale, const Mask& mask) {
+  p.shape = shape_of(s, kd);
+  p.dtype = to_dtype(q.scalar_type());
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_strides = strides_of(q);
+  p.k_strides = strides_of(k);
+  p.v_strides = strides_of(v);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+  p.mask = mask;
+}
+
+// The options the CUDA kernels do not have yet raise (no silent drop).
+void check_options_cuda(const char* fn, const AttnShape& s, const Mask& mask,
+                        const ScoreArgs& score) {
+  TORCH_CHECK(s.head_dim_v == s.head_dim, "cpattn.", fn,
+              ": the CUDA kernels need v's head_dim equal to q's (got ", s.head_dim_v, " and ",
+              s.head_dim, "); head_dim_v != head_dim runs on CPU tensors only");
+  TORCH_CHECK(!mask.has_prefix(), "cpattn.", fn,
+              ": prefix_len is not supported by the CUDA kernels yet (CPU tensors only)");
+  TORCH_CHECK(score.softcap == 0.0 && !score.alibi_slopes && !score.sinks, "cpattn.", fn,
+              ": softcap, alibi_slopes and sinks are not supported by the CUDA kernels yet (CPU "
+              "tensors only)");
+}
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& v, const AttnShape& s,
                                                       double softmax_scale, const Mask& mask,
+                                                      const ScoreArgs& /*score: none yet*/,
                                                       at::ScalarType out_dtype) {
   check_half_inputs(q);
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == q.scalar_type(),
@@ -158,21 +183,11 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const
   at::Tensor lse = new_output({s.batch, s.heads, s.seqlen_q}, q.options().dtype(at::kFloat));
 
   cuda::FwdParamsCuda p;
-  p.shape = shape_of(s, kd);
-  p.dtype = to_dtype(q.scalar_type());
-  p.q = qk.data_ptr();
-  p.k = kk.data_ptr();
-  p.v = vk.data_ptr();
-  p.q_strides = strides_of(qk);
-  p.k_strides = strides_of(kk);
-  p.v_strides = strides_of(vk);
+  fill_inputs(p, s, kd, qk, kk, vk, softmax_scale, mask);
   p.out_dtype = to_dtype(out_dtype);
   p.out = out.data_ptr();
   p.out_strides = strides_of(out);
   p.lse = lse.data_ptr<float>();
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
-  p.mask = mask;
   check_launch(cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream()), "forward");
   if (kd != s.head_dim) out = out.narrow(3, 0, s.head_dim).contiguous();
   return {out, lse};
@@ -182,7 +197,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     const AttnShape& s, double softmax_scale, const Mask& mask,
-    std::optional<at::ScalarType> grad_dtype) {
+    const ScoreArgs& /*score: none yet*/, std::optional<at::ScalarType> grad_dtype) {
   check_half_inputs(q);
   TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "cpattn: CUDA dout must have q's dtype (",
               q.scalar_type(), "), got ", dout.scalar_type());
@@ -212,15 +227,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
 
   cuda::BwdParamsCuda p;
-  p.shape = shape_of(s, kd);
-  p.dtype = to_dtype(q.scalar_type());
-  p.q = qk.data_ptr();
-  p.k = kk.data_ptr();
-  p.v = vk.data_ptr();
+  fill_inputs(p, s, kd, qk, kk, vk, softmax_scale, mask);
   p.dout = dok.data_ptr();
-  p.q_strides = strides_of(qk);
-  p.k_strides = strides_of(kk);
-  p.v_strides = strides_of(vk);
   p.dout_strides = strides_of(dok);
   p.out_dtype = to_dtype(out.scalar_type());
   p.out = out.data_ptr();
@@ -245,9 +253,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   p.dq_strides = strides_of(dq);
   p.dk_strides = strides_of(dk);
   p.dv_strides = strides_of(dv);
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
-  p.mask = mask;
   check_launch(cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream()), "backward");
   if (kd != s.head_dim) {
     dq = dq.narrow(3, 0, s.head_dim).contiguous();
@@ -257,4 +262,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   return {dq, dk, dv};
 }
 
+void merge_into_cuda(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+                     const at::Tensor& part_lse) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  const at::Tensor po = part_out.to(at::kFloat).contiguous();
+  const at::Tensor pl = part_lse.to(at::kFloat).contiguous();
+  const cuda::MergeStrides st{out.stride(0), out.stride(1), out.stride(2),
+                              lse.stride(0), lse.stride(1), lse.stride(2)};
+  const int err = cuda::merge_state(out.data_ptr<float>(), lse.data_ptr<float>(),
+                                    po.data_ptr<float>(), pl.data_ptr<float>(), out.size(0),
+                                    out.size(1), out.size(2), out.size(3), st,
+                                    at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "cpattn: merge_state_ CUDA kernel failed: ",
+              cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+[[maybe_unused]] const bool registered = register_backend(
+    c10::DeviceType::CUDA,
+    {&check_options_cuda, &attention_fwd_cuda, &attention_bwd_cuda, &merge_into_cuda});
+
+}  // namespace
 }  // namespace cpattn::ops
+
+TORCH_LIBRARY_IMPL(cpattn, CUDA, m) {
+  cpattn::ops::impl_attention_ops(m);
+  cpattn::ops::impl_ring_ops(m);
+  cpattn::ops::impl_inference_ops(m);
+}
+
+TORCH_LIBRARY_IMPL(cpattn_testing, CUDA, m) { cpattn::ops::impl_testing_ops(m); }

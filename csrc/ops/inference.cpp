@@ -1,8 +1,10 @@
-#include "ops/inference.h"
-
+// Inference over a KV cache sharded across ranks (cpattn/kv_cache.h): storing tokens on their
+// owners, attention of queries over one rank's shard, the N-way merge of partial results, and
+// prefill of a prompt chunk over a process group.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <chrono>
 #include <vector>
@@ -11,19 +13,16 @@
 #include "cpattn/kv_cache.h"
 #include "cpattn/layout.h"
 #include "cpattn/softmax_state.h"
+#include "ops/backend.h"
+#include "ops/checks.h"
 #include "ops/ops.h"
 #include "ops/ring.h"
 
 namespace cpattn::ops {
 namespace {
 
-bool is_float_type(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
-
 CacheSharding checked_sharding(int64_t rank, int64_t world, int64_t interleave) {
-  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "cpattn: rank ", rank,
-              " is not in a group of ", world);
+  check_rank(rank, world);
   TORCH_CHECK(interleave >= 1, "cpattn: interleave must be >= 1, got ", interleave);
   return {world, interleave};
 }
@@ -39,13 +38,7 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
               k_cache.scalar_type(), " and ", v_cache.scalar_type());
   TORCH_CHECK(v_cache.device() == k_cache.device(), "cpattn: k_cache and v_cache must be on one "
               "device, got ", k_cache.device(), " and ", v_cache.device());
-#ifdef CPATTN_WITH_CUDA
-  TORCH_CHECK(k_cache.device().is_cpu() || k_cache.device().is_cuda(),
-              "cpattn: no KV cache kernel for device ", k_cache.device(), " (CPU and CUDA only)");
-#else
-  TORCH_CHECK(k_cache.device().is_cpu(), "cpattn: no KV cache kernel for device ",
-              k_cache.device(), " in this build (CPU tensors only)");
-#endif
+  backend_for(k_cache.device());  // raises for a device without kernels in this build
 }
 
 // An int64 CPU tensor of shape (batch,), as a vector.
@@ -111,10 +104,11 @@ void store_owned(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
   }
 }
 
-}  // namespace
-
 // ---- N-way merge ------------------------------------------------------------------------------
 
+// Merges N partial results over disjoint key sets: outs (N, B, S, H, D) any float dtype, lses
+// (N, B, H, S) float32. Returns out (B, S, H, D) in out_dtype (default outs' dtype), computed in
+// fp32, and lse (B, H, S) float32. Rows empty in every part stay (0, -inf).
 std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& outs,
                                                           const at::Tensor& lses,
                                                           std::optional<at::ScalarType> out_dtype) {
@@ -137,16 +131,12 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& outs
   const at::ScalarType dtype = out_dtype.value_or(outs.scalar_type());
   TORCH_CHECK(is_float_type(dtype),
               "cpattn: out_dtype must be float32, bfloat16 or float16, got ", dtype);
-#ifdef CPATTN_WITH_CUDA
-  if (outs.is_cuda()) {  // the two-way merge kernel, part by part: the same rule, N - 1 passes
+  if (!outs.device().is_cpu()) {  // the device's two-way merge, part by part: the same rule
     at::Tensor out = at::zeros({B, S, H, D}, outs.options().dtype(at::kFloat));
     at::Tensor lse = at::full({B, H, S}, -INFINITY, lses.options());
-    for (int64_t n = 0; n < N; ++n) merge_into_cuda(out, lse, outs[n], lses[n]);
+    for (int64_t n = 0; n < N; ++n) merge_into(out, lse, outs[n], lses[n]);
     return {out.to(dtype), lse};
   }
-#endif
-  TORCH_CHECK(outs.device().is_cpu(), "cpattn: no merge_attention_states kernel for device ",
-              outs.device());
 
   const at::Tensor po = outs.to(at::kFloat).contiguous(), pl = lses.contiguous();
   at::Tensor out = at::empty({B, S, H, D}, outs.options().dtype(at::kFloat));
@@ -176,6 +166,7 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states(const at::Tensor& outs
 
 // out = sum_n w_n o_n with w_n = exp(lse_n - lse):
 //   d o_n = w_n dout,  d lse_n = w_n (dout . o_n - dout . out + dlse).
+// Gradients of outs and lses from dout (and dlse, if any), given the merged lse.
 std::tuple<at::Tensor, at::Tensor> merge_attention_states_bwd(
     const at::Tensor& dout, const std::optional<at::Tensor>& dlse, const at::Tensor& outs,
     const at::Tensor& lses, const at::Tensor& lse) {
@@ -236,6 +227,8 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states_bwd(
 
 // ---- the cache ----------------------------------------------------------------------------------
 
+// Token l of sequence b of (k, v) (B, L, Hkv, D), at global position start[b] + l, is written to
+// (k_cache, v_cache) (B, slots, Hkv, D) when `rank` owns it. start: int64 (B,).
 void cache_store_(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
                   const at::Tensor& v, const at::Tensor& start, int64_t rank, int64_t world,
                   int64_t interleave) {
@@ -248,6 +241,9 @@ void cache_store_(const at::Tensor& k_cache, const at::Tensor& v_cache, const at
               [&](int64_t b, int64_t l) { return first[b] + l; });
 }
 
+// Partial attention of q (B, Sq, H, D), query row i of sequence b at position q_start[b] + i,
+// over the keys of positions [0, cache_lens[b]) that `rank` stores. Returns out (out_dtype,
+// default q's) and lse (B, H, Sq) fp32; a row that sees no key here is (0, -inf).
 std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_lens, const at::Tensor& q_start, int64_t rank, int64_t world,
@@ -291,21 +287,28 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
         // query rows, and a decode step has only Sq per head.
         const at::Tensor qf = qb.reshape({1, Sq, Hkv, group, D}).transpose(2, 3).reshape(
             {1, Sq * group, Hkv, D});
-        auto [part_out, part_lse] = attention_fwd(qf, kb, vb, softmax_scale, false, -1, -1, 0, 0,
-                                                  at::kFloat);
+        auto [part_out, part_lse] =
+            attention_fwd_scored(qf, kb, vb, softmax_scale, Mask{}, ScoreArgs{}, at::kFloat);
         merge_into(ob, lb,
                    part_out.view({1, Sq, group, Hkv, D}).transpose(2, 3).reshape({1, Sq, H, D}),
                    part_lse.view({1, Hkv, Sq, group}).transpose(2, 3).reshape({1, H, Sq}));
         return;
       }
-      auto [part_out, part_lse] = attention_fwd(qb, kb, vb, softmax_scale, m.causal, m.window_left,
-                                                m.window_right, m.q_offset, m.k_offset, at::kFloat);
+      ScoreArgs none;  // positions for ALiBi, were it given
+      none.alibi_q_begin = m.q_offset;
+      none.alibi_k_begin = m.k_offset;
+      auto [part_out, part_lse] =
+          attention_fwd_scored(qb, kb, vb, softmax_scale, m, none, at::kFloat);
       merge_into(ob, lb, part_out, part_lse);
     });
   }
   return {out.to(out_dtype.value_or(q.scalar_type())), lse};
 }
 
+// Causal ring attention of a prompt chunk sharded over the group in `layout` (q, k, v as for
+// ring_fwd), which also stores each chunk token in its owner's cache at position
+// cache_lens[b] + (its position in the chunk). Attention to earlier cached tokens is not included.
+// Returns out in float32 and lse.
 std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Tensor& k,
                                                const at::Tensor& v, const at::Tensor& k_cache,
                                                const at::Tensor& v_cache,
@@ -336,6 +339,7 @@ std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Te
   return result;
 }
 
+// Slots `rank` uses for the tokens of positions [0, n), and their global positions.
 int64_t cache_local_count(int64_t n, int64_t rank, int64_t world, int64_t interleave) {
   TORCH_CHECK(n >= 0, "cpattn: the number of tokens must be >= 0, got ", n);
   return checked_sharding(rank, world, interleave).count(rank, n);
@@ -350,4 +354,20 @@ at::Tensor cache_positions(int64_t n, int64_t rank, int64_t world, int64_t inter
   return pos;
 }
 
+}  // namespace
+
+void impl_inference_ops(torch::Library& m) {
+  m.impl("merge_attention_states", &merge_attention_states);
+  m.impl("merge_attention_states_bwd", &merge_attention_states_bwd);
+  m.impl("cache_store_", &cache_store_);
+  m.impl("cache_attention_fwd", &cache_attention_fwd);
+  m.impl("prefill_fwd", &prefill_fwd);
+}
+
 }  // namespace cpattn::ops
+
+// No tensor argument to dispatch on.
+TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
+  m.impl("cache_local_count", &cpattn::ops::cache_local_count);
+  m.impl("cache_positions", &cpattn::ops::cache_positions);
+}

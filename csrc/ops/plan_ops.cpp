@@ -1,12 +1,19 @@
 // The ring schedule's work per (rank, step), for the cost model in python/cpattn/plan.py.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
+#include <vector>
+
+#include "cpattn/layout.h"
 #include "cpattn/work.h"
-#include "ops/ring.h"
 
 namespace cpattn::ops {
+namespace {
 
+// (world, world, 3) int64: for each (rank, step) of the ring schedule, the visible pairs, the pairs
+// in visited block_m x block_n tiles and the kernel calls (csrc/include/cpattn/work.h); per head
+// and batch row. doc_lengths: packed documents (varlen) instead of one sequence of seqlen.
 at::Tensor schedule_work(int64_t seqlen, int64_t world, int64_t layout, bool causal,
                          int64_t window_left, int64_t window_right, int64_t block_m,
                          int64_t block_n, const std::optional<at::Tensor>& doc_lengths) {
@@ -48,4 +55,10 @@ at::Tensor schedule_work(int64_t seqlen, int64_t world, int64_t layout, bool cau
   return out;
 }
 
+}  // namespace
 }  // namespace cpattn::ops
+
+// No tensor argument to dispatch on.
+TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
+  m.impl("schedule_work", &cpattn::ops::schedule_work);
+}

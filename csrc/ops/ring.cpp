@@ -5,12 +5,12 @@
 #include <c10/util/Exception.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <initializer_list>
-#include <thread>
 
 #include "comm/transport.h"
 #include "cpattn/schedule.h"
+#include "ops/backend.h"
+#include "ops/checks.h"
 #include "ops/ops.h"
 #include "ops/ring.h"
 
@@ -24,34 +24,39 @@ at::Tensor lse_rows(const at::Tensor& lse, const Run& run) {  // (B, H, S)
   return lse.narrow(2, run.local_begin, run.length);
 }
 
-Layout checked_layout(int64_t layout) {
-  TORCH_CHECK(layout >= 0 && layout <= 2, "cpattn: layout code must be 0 (contiguous), 1 (zigzag) "
-              "or 2 (striped), got ", layout);
-  return static_cast<Layout>(layout);
+// Keys at global positions < prefix_len (per document) seen by every query.
+Mask global_mask(const RingOptions& o) {
+  Mask global;
+  global.causal = o.causal;
+  global.window_left = o.window_left;
+  global.window_right = o.window_right;
+  if (o.prefix_len > 0) global.prefix_end = o.prefix_len;
+  return global;
 }
 
-void check_ring_args(const at::Tensor& q, const at::Tensor& k, const RingOptions& o) {
+// Checks before any message: every rank raises here alike, no shift is left pending.
+void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const RingOptions& o) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "cpattn: ring q and k must be (batch, seqlen_local, "
               "heads, head_dim), got ", q.sizes(), " and ", k.sizes());
+  // K and V travel as one stacked message.
+  TORCH_CHECK(k.sizes() == v.sizes(), "cpattn.ring_attention: v must have k's shape ", k.sizes(),
+              ", got ", v.sizes(), " (a head_dim of v different from q/k's is supported by "
+              "cpattn.attention only, not yet by the context-parallel strategies)");
   check_score_args("ring_attention", o.softcap, o.alibi_slopes, o.sinks, q.size(2), q.device());
-  // before any message: every rank raises here alike, no shift is left pending
-  TORCH_CHECK(!q.is_cuda() || (o.softcap == 0.0 && !o.alibi_slopes && !o.sinks &&
-                               o.prefix_len == 0),
-              "cpattn.ring_attention: softcap, alibi_slopes, sinks and prefix_len are not "
-              "supported by the CUDA kernels yet (CPU tensors only)");
+  AttnShape s;
+  s.head_dim = s.head_dim_v = q.size(3);
+  ScoreArgs score;
+  score.softcap = o.softcap;
+  score.alibi_slopes = o.alibi_slopes;
+  score.sinks = o.sinks;
+  backend_for(q.device()).check_options("ring_attention", s, global_mask(o), score);
   TORCH_CHECK(q.size(1) == k.size(1), "cpattn: ring attention needs q and k/v shards of the same "
               "length, got ", q.size(1), " and ", k.size(1));
   const int64_t local = q.size(1);
   if (o.layout == Layout::kZigzag && o.doc_lengths.empty())
     TORCH_CHECK(local % 2 == 0, "cpattn: the zigzag layout holds two equal chunks per rank, so the "
                 "local sequence length must be even, got ", local);
-}
-
-// K and V travel as one stacked message.
-void check_same_kv_shape(const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(k.sizes() == v.sizes(), "cpattn.ring_attention: v must have k's shape ", k.sizes(),
-              ", got ", v.sizes(), " (a head_dim of v different from q/k's is supported by "
-              "cpattn.attention only, not yet by the context-parallel strategies)");
 }
 
 using Clock = std::chrono::steady_clock;
@@ -67,11 +72,7 @@ thread_local RingStats last_stats[2];
 // ring_source(rank, step, world).
 std::vector<SubProblem> plan(const RingOptions& o, int64_t local_len, int64_t world, int64_t rank,
                              int64_t step) {
-  Mask global;
-  global.causal = o.causal;
-  global.window_left = o.window_left;
-  global.window_right = o.window_right;
-  if (o.prefix_len > 0) global.prefix_end = o.prefix_len;
+  const Mask global = global_mask(o);
   std::vector<SubProblem> items;
   if (o.doc_lengths.empty()) {
     const StepPlan p = plan_step(o.layout, local_len * world, world, rank, step, global);
@@ -158,11 +159,7 @@ std::tuple<at::Tensor, at::Tensor> new_state(const at::Tensor& q) {
 
 }  // namespace
 
-at::Tensor ring_stats() {
-  return at::tensor({last_stats[0].compute_s, last_stats[0].wait_s, last_stats[1].compute_s,
-                     last_stats[1].wait_s},
-                    at::kDouble);
-}
+const RingStats* last_ring_stats() { return last_stats; }
 
 RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
                               int64_t window_right, int64_t layout,
@@ -207,8 +204,7 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
                                                 const at::Tensor& v, comm::Transport& transport,
                                                 const RingOptions& o, const ShardVisitor& visit) {
   const int64_t world = transport.world(), rank = transport.rank();
-  check_ring_args(q, k, o);
-  check_same_kv_shape(k, v);
+  check_ring_args(q, k, v, o);
   check_local_length(q, o, world);
   auto [out, lse] = new_state(q);
   RingStats& stats = last_stats[0];
@@ -239,8 +235,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     comm::Transport& transport, const RingOptions& o) {
   const int64_t world = transport.world(), rank = transport.rank();
-  check_ring_args(q, k, o);
-  check_same_kv_shape(k, v);
+  check_ring_args(q, k, v, o);
   check_local_length(q, o, world);
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
 
@@ -297,38 +292,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
 
 namespace {
 
-RingOptions gathered_options(const at::Tensor& q, const at::Tensor& kv_all, int64_t rank,
-                             double softmax_scale, bool causal, int64_t window_left,
-                             int64_t window_right, int64_t layout,
-                             const std::optional<at::Tensor>& doc_lengths, double softcap,
-                             const std::optional<at::Tensor>& alibi_slopes,
-                             const std::optional<at::Tensor>& sinks, int64_t prefix_len) {
+void check_gathered_args(const at::Tensor& q, const at::Tensor& kv_all, int64_t rank,
+                         const RingOptions& o) {
   TORCH_CHECK(kv_all.dim() == 6 && kv_all.size(1) == 2,
               "cpattn: kv_all must be (world, 2, batch, seqlen_local, kv_heads, head_dim), got ",
               kv_all.sizes());
   const int64_t world = kv_all.size(0);
-  TORCH_CHECK(rank >= 0 && rank < world, "cpattn: rank ", rank, " is not in a group of ", world);
-  RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout,
-                                    doc_lengths, softcap, alibi_slopes, sinks, prefix_len);
-  check_ring_args(q, kv_all[0][0], o);
+  check_rank(rank, world);
+  check_ring_args(q, kv_all[0][0], kv_all[0][1], o);
   check_local_length(q, o, world);
-  return o;
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::Tensor& kv_all,
-                                                int64_t rank, double softmax_scale, bool causal,
-                                                int64_t window_left, int64_t window_right,
-                                                int64_t layout,
-                                                const std::optional<at::Tensor>& doc_lengths,
-                                                double softcap,
-                                                const std::optional<at::Tensor>& alibi_slopes,
-                                                const std::optional<at::Tensor>& sinks,
-                                                int64_t prefix_len) {
-  const RingOptions o = gathered_options(q, kv_all, rank, softmax_scale, causal, window_left,
-                                         window_right, layout, doc_lengths, softcap,
-                                         alibi_slopes, sinks, prefix_len);
+std::tuple<at::Tensor, at::Tensor> gathered_forward(const at::Tensor& q, const at::Tensor& kv_all,
+                                                    int64_t rank, const RingOptions& o) {
+  check_gathered_args(q, kv_all, rank, o);
   const int64_t world = kv_all.size(0);
   auto [out, lse] = new_state(q);
   for (int64_t step = 0; step < world; ++step)
@@ -337,15 +316,12 @@ std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::T
   return finish_forward(q, out, lse, o);
 }
 
-std::tuple<at::Tensor, at::Tensor> gathered_bwd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv_all, const at::Tensor& out,
-    const at::Tensor& lse, int64_t rank, double softmax_scale, bool causal, int64_t window_left,
-    int64_t window_right, int64_t layout, const std::optional<at::Tensor>& doc_lengths,
-    const std::optional<at::Tensor>& dlse, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
-  const RingOptions o =
-      gathered_options(q, kv_all, rank, softmax_scale, causal, window_left, window_right, layout,
-                       doc_lengths, softcap, alibi_slopes, std::nullopt, prefix_len);
+std::tuple<at::Tensor, at::Tensor> gathered_backward(const at::Tensor& dout, const at::Tensor& q,
+                                                     const at::Tensor& kv_all,
+                                                     const at::Tensor& out, const at::Tensor& lse,
+                                                     const std::optional<at::Tensor>& dlse,
+                                                     int64_t rank, const RingOptions& o) {
+  check_gathered_args(q, kv_all, rank, o);
   const int64_t world = kv_all.size(0);
   at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
   at::Tensor dkv_all = at::zeros(kv_all.sizes(), kv_all.options().dtype(at::kFloat));
@@ -356,179 +332,6 @@ std::tuple<at::Tensor, at::Tensor> gathered_bwd(
   }
   // dkv_all[s] holds this rank's contribution to shard s; a reduce-scatter sums them.
   return {dq.to(q.scalar_type()), dkv_all};
-}
-
-// ---- ops over a torch process group -------------------------------------------------------
-
-// CUDA tensors shift over cpattn's own NCCL communicator (CPATTN_RING_TRANSPORT=c10d: through the
-// process group instead); CPU tensors through the process group.
-std::unique_ptr<comm::Transport> group_transport(const at::Tensor& q, c10::string_view group_name,
-                                                 double timeout_s) {
-  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-#ifdef CPATTN_WITH_CUDA
-  const char* choice = std::getenv("CPATTN_RING_TRANSPORT");
-  if (q.is_cuda() && !(choice && std::string(choice) == "c10d"))
-    return comm::make_nccl_transport(std::string(group_name), q.device(), timeout);
-#endif
-  return comm::make_process_group_transport(std::string(group_name), timeout);
-}
-
-at::Tensor ring_shift(const at::Tensor& send, c10::string_view group_name, double timeout_s) {
-  auto transport = group_transport(send, group_name, timeout_s);
-  const at::Tensor src = send.contiguous();
-  at::Tensor recv = at::empty_like(src);
-  transport->shift(src, recv, 0)->wait();
-  transport->finish();
-  return recv;
-}
-
-int64_t destroy_communicators() {
-#ifdef CPATTN_WITH_CUDA
-  return comm::destroy_nccl_communicators();
-#else
-  return 0;
-#endif
-}
-
-std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tensor& k,
-                                            const at::Tensor& v, c10::string_view group_name,
-                                            double softmax_scale, bool causal,
-                                            int64_t window_left, int64_t window_right,
-                                            int64_t layout, double timeout_s,
-                                            const std::optional<at::Tensor>& doc_lengths,
-                                            double softcap,
-                                            const std::optional<at::Tensor>& alibi_slopes,
-                                            const std::optional<at::Tensor>& sinks,
-                                            int64_t prefix_len) {
-  auto transport = group_transport(q, group_name, timeout_s);
-  auto result = ring_forward(q, k, v, *transport,
-                             make_ring_options(softmax_scale, causal, window_left, window_right,
-                                               layout, doc_lengths, softcap, alibi_slopes, sinks,
-                                               prefix_len));
-  transport->finish();
-  return result;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name,
-    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
-    double timeout_s, const std::optional<at::Tensor>& dlse,
-    const std::optional<at::Tensor>& doc_lengths, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
-  auto transport = group_transport(q, group_name, timeout_s);
-  auto result = ring_backward(dout, q, k, v, out, lse, dlse, *transport,
-                              make_ring_options(softmax_scale, causal, window_left, window_right,
-                                                layout, doc_lengths, softcap, alibi_slopes,
-                                                std::nullopt, prefix_len));
-  transport->finish();
-  return result;
-}
-
-// ---- W emulated ranks in this process: one thread each ------------------------------------
-
-namespace {
-
-// Runs body(rank, transport) on W threads; body returns the tensors it hands back. On CUDA each
-// virtual rank computes on its own stream (see make_emulated_cuda_transport).
-template <typename Body>
-void run_emulated(int64_t world, const at::Tensor& like, Body body) {
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(world);
-  std::vector<std::vector<at::Tensor>> outputs(world);
-  const auto timeout = std::chrono::seconds(60);
-#ifdef CPATTN_WITH_CUDA
-  std::shared_ptr<comm::CudaMailbox> cuda_box;
-  if (like.is_cuda()) cuda_box = comm::make_cuda_mailbox(world, like.device());
-#endif
-  auto mailbox = comm::make_mailbox(world);
-  for (int64_t r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        std::unique_ptr<comm::Transport> transport;
-#ifdef CPATTN_WITH_CUDA
-        if (cuda_box) transport = comm::make_emulated_cuda_transport(cuda_box, r, timeout);
-#endif
-        if (!transport) transport = comm::make_emulated_transport(mailbox, r, timeout);
-        outputs[r] = body(r, *transport);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-#ifdef CPATTN_WITH_CUDA
-  if (cuda_box)
-    for (const auto& out : outputs) comm::finish_emulated_cuda(*cuda_box, out);
-#endif
-}
-
-}  // namespace
-
-std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
-    at::TensorList q, at::TensorList k, at::TensorList v, double softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, int64_t layout) {
-  const int64_t world = static_cast<int64_t>(q.size());
-  TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size(),
-              "cpattn: emulated ring needs one q, k and v per rank, got ", q.size(), ", ",
-              k.size(), ", ", v.size());
-  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout, std::nullopt);
-  std::vector<at::Tensor> outs(world), lses(world);
-  run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
-    std::tie(outs[r], lses[r]) = ring_forward(q[r], k[r], v[r], t, o);
-    return std::vector<at::Tensor>{outs[r], lses[r]};
-  });
-  return {outs, lses};
-}
-
-std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>
-ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::TensorList v,
-                  at::TensorList out, at::TensorList lse, double softmax_scale, bool causal,
-                  int64_t window_left, int64_t window_right, int64_t layout) {
-  const int64_t world = static_cast<int64_t>(q.size());
-  TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size() &&
-                  dout.size() == q.size() && out.size() == q.size() && lse.size() == q.size(),
-              "cpattn: emulated ring backward needs one of each tensor per rank");
-  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout, std::nullopt);
-  std::vector<at::Tensor> dq(world), dk(world), dv(world);
-  run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
-    std::tie(dq[r], dk[r], dv[r]) = ring_backward(dout[r], q[r], k[r], v[r], out[r], lse[r], std::nullopt, t, o);
-    return std::vector<at::Tensor>{dq[r], dk[r], dv[r]};
-  });
-  return {dq, dk, dv};
-}
-
-at::Tensor ring_loopback_timing(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                const at::Tensor& dout, int64_t rank, int64_t world,
-                                double softmax_scale, bool causal, int64_t window_left,
-                                int64_t window_right, int64_t layout) {
-  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "cpattn: rank ", rank,
-              " is not in a group of ", world);
-  auto transport = comm::make_loopback_transport(rank, world);
-  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout, std::nullopt);
-  auto start = Clock::now();
-  auto [out, lse] = ring_forward(q, k, v, *transport, o);
-  const double fwd = seconds_since(start);
-  start = Clock::now();
-  ring_backward(dout, q, k, v, out, lse, std::nullopt, *transport, o);
-  return at::tensor({fwd, seconds_since(start)}, at::kDouble);
-}
-
-at::Tensor layout_positions(int64_t seqlen, int64_t world, int64_t rank, int64_t layout) {
-  const Layout l = checked_layout(layout);
-  TORCH_CHECK(world >= 1 && rank >= 0 && rank < world, "cpattn: rank ", rank,
-              " is not in a group of ", world);
-  const int64_t g = layout_granularity(l, world);
-  TORCH_CHECK(seqlen > 0 && seqlen % g == 0, "cpattn: the global sequence length (", seqlen,
-              ") must be a positive multiple of ", g, " for the ",
-              l == Layout::kZigzag ? "zigzag" : (l == Layout::kStriped ? "striped" : "contiguous"),
-              " layout over ", world, " ranks");
-  const int64_t local = seqlen / world;
-  at::Tensor pos = at::empty({local}, at::kLong);
-  int64_t* p = pos.data_ptr<int64_t>();
-  for (int64_t i = 0; i < local; ++i) p[i] = global_position(l, seqlen, world, rank, i);
-  return pos;
 }
 
 }  // namespace cpattn::ops

@@ -8,7 +8,7 @@ from cpattn._loader import load_extension as _load_extension
 
 _C = _load_extension()
 
-from cpattn import _ops  # noqa: E402  (registers fake kernels and autograd for the ops)
+from cpattn import _ops  # noqa: E402,F401  (registers fake kernels and autograd for the ops)
 from cpattn._agreement import get_rank_check, set_rank_check  # noqa: E402
 from cpattn.attention import attention, merge_state_  # noqa: E402
 from cpattn.ring import (  # noqa: E402

@@ -7,7 +7,6 @@
 """
 
 import argparse
-import math
 import sys
 import time
 
@@ -15,18 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import cpattn
-
-
-def _reference_rows(q, k, v, rows, causal, scale):
-    """float64 attention output for a sample of query rows (the full matrix would not fit)."""
-    qs = q[:, rows].double()
-    s = torch.einsum("bqhd,bkhd->bhqk", qs, k.double()) * scale
-    if causal:
-        keys = torch.arange(k.shape[1])
-        hidden = keys[None, :] > torch.as_tensor(rows)[:, None] + (k.shape[1] - q.shape[1])
-        s = s.masked_fill(hidden, -math.inf)
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v.double())
+from cpattn._flops import BACKWARD_FLOP_FACTOR, attention_flops
+from cpattn._layout import DTYPES, LAYOUTS
+from cpattn.testing.reference import reference_rows
 
 
 def _timed(fn):
@@ -38,11 +28,10 @@ def _timed(fn):
 def local(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
+    dtype = DTYPES[args.dtype]
     b, s, h, d = args.batch, args.seqlen, args.heads, args.head_dim
     q, k, v = (torch.randn(b, s, h, d, dtype=dtype) for _ in range(3))
     dout = torch.randn(b, s, h, d, dtype=dtype)
-    scale = 1.0 / math.sqrt(d)
     print(f"cpattn {cpattn.__version__} {cpattn.build_info()}")
     print(f"attention on one device: batch {b}, seqlen {s}, heads {h}, head_dim {d}, {args.dtype}, "
           f"causal={args.causal}, {args.threads} thread(s)")
@@ -56,7 +45,7 @@ def local(args: argparse.Namespace) -> int:
     _, s_bwd = _timed(lambda: ref.backward(dout.transpose(1, 2)))
 
     rows = torch.linspace(0, s - 1, steps=min(s, 64)).long()
-    exact = _reference_rows(q, k, v, rows, args.causal, scale)
+    exact = reference_rows(q, k, v, rows, args.causal)
     err = (out[:, rows].double() - exact).abs().max().item()
     err_sdpa = (ref.transpose(1, 2)[:, rows].double() - exact).abs().max().item()
     grad_diff = max(
@@ -64,14 +53,15 @@ def local(args: argparse.Namespace) -> int:
         for a, bt in ((qc, qt), (kc, kt), (vc, vt))
     )
 
-    flops = 4 * b * h * s * s * d / (2 if args.causal else 1)
+    flops = attention_flops(b, h, s, s, d, args.causal)
     print()
     print("| | cpattn | torch SDPA | speed-up |")
     print("|---|---|---|---|")
     print(f"| forward (s) | {t_fwd:.3f} | {s_fwd:.3f} | {s_fwd / t_fwd:.2f}x |")
     print(f"| backward (s) | {t_bwd:.3f} | {s_bwd:.3f} | {s_bwd / t_bwd:.2f}x |")
     print(f"| forward GFLOP/s | {flops / t_fwd / 1e9:.1f} | {flops / s_fwd / 1e9:.1f} | |")
-    print(f"| backward GFLOP/s | {2.5 * flops / t_bwd / 1e9:.1f} | {2.5 * flops / s_bwd / 1e9:.1f} | |")
+    bwd_flops = BACKWARD_FLOP_FACTOR * flops
+    print(f"| backward GFLOP/s | {bwd_flops / t_bwd / 1e9:.1f} | {bwd_flops / s_bwd / 1e9:.1f} | |")
     print(f"| max error vs float64 (64 rows) | {err:.2e} | {err_sdpa:.2e} | |")
     print(f"\nmax |grad cpattn - grad SDPA| over q, k, v: {grad_diff:.2e}")
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
@@ -143,26 +133,27 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shape_arguments(p: argparse.ArgumentParser, seqlen: int) -> None:
+    """The problem options `demo` and `local` share."""
+    p.add_argument("--seqlen", type=int, default=seqlen, help="global sequence length")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cpattn")
     sub = parser.add_subparsers(dest="command", required=True)
     r = sub.add_parser("demo", help="ring attention on W local ranks vs one device")
     r.add_argument("--world", type=int, default=2, help="ranks to spawn (W)")
-    r.add_argument("--seqlen", type=int, default=16384, help="global sequence length")
-    r.add_argument("--batch", type=int, default=1)
-    r.add_argument("--heads", type=int, default=8)
+    _shape_arguments(r, seqlen=16384)
     r.add_argument("--kv-heads", type=int, default=2)
-    r.add_argument("--head-dim", type=int, default=64)
-    r.add_argument("--layout", choices=["zigzag", "contiguous", "striped"], default="zigzag")
-    r.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    r.add_argument("--layout", choices=list(LAYOUTS), default="zigzag")
     r.add_argument("--iters", type=int, default=2, help="timed forward+backward steps")
     p = sub.add_parser("local", help="attention on a long sequence vs torch SDPA")
-    p.add_argument("--seqlen", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    _shape_arguments(p, seqlen=8192)
+    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     _plan_arguments(sub.add_parser(
         "plan", help="which strategy for a problem and machine: the cost model's ranking"))

@@ -4,12 +4,14 @@ import argparse
 import os
 import resource
 import sys
-import tempfile
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from cpattn.testing.distributed import run_ranks
 
 
 def _max_rss_mib() -> float:
@@ -33,12 +35,10 @@ def _inputs(args):
             torch.randn(shape_q))
 
 
-def _rank_main(rank: int, world: int, init_file: str, args, results) -> None:
+def _rank_main(rank: int, world: int, args) -> Optional[dict]:
+    """One rank's timed steps; rank 0 returns the timings and the unsharded results."""
     import cpattn
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
     q, k, v, dout = _inputs(args)
     shards = [cpattn.shard(t, layout=args.layout) for t in (q, k, v, dout)]
     del q, k, v, dout
@@ -60,10 +60,10 @@ def _rank_main(rank: int, world: int, init_file: str, args, results) -> None:
                                                                       vs.grad)]
     peak = torch.tensor([_max_rss_mib() - rss_before])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        results.put({"times": times, "stats": (stats / args.iters).tolist(),
-                     "peak_mib": peak.item(), "full": [t.numpy() for t in full]})
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {"times": times, "stats": (stats / args.iters).tolist(), "peak_mib": peak.item(),
+            "full": [t.numpy() for t in full]}
 
 
 def _single_device(args):
@@ -83,35 +83,25 @@ def _single_device(args):
 
 def ring_demo(args: argparse.Namespace) -> int:
     import cpattn
-    from cpattn.__main__ import _reference_rows
+    from cpattn.testing.reference import reference_rows
 
     w = args.world
     print(f"cpattn {cpattn.__version__}: ring attention, {w} ranks (gloo on CPU), "
           f"seqlen {args.seqlen} ({args.seqlen // w} per rank), batch {args.batch}, heads "
           f"{args.heads}/{args.kv_heads} kv, head_dim {args.head_dim}, {args.layout}, "
           f"causal={args.causal}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank_main,
-                             args=(r, w, os.path.join(tmp, "rendezvous"), args, results))
-                 for r in range(w)]
-        for p in procs:
-            p.start()
-        res = results.get()
-        res["full"] = [torch.from_numpy(a) for a in res["full"]]
-        for p in procs:
-            p.join()
-        if any(p.exitcode != 0 for p in procs):
-            print("a rank failed")
-            return 1
+    try:
+        res = run_ranks(w, _rank_main, args, threads=max(1, (os.cpu_count() or 1) // w),
+                        poison=False)[0]
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        print(f"a rank failed: {e}")
+        return 1
+    res["full"] = [torch.from_numpy(a) for a in res["full"]]
 
     print("single-device run of the same problem (cpattn.attention, all cores) ...")
     (q, k, v), single, single_time, single_peak = _single_device(args)
     rows = torch.linspace(0, args.seqlen - 1, steps=min(args.seqlen, 64)).long()
-    kk = k.repeat_interleave(args.heads // args.kv_heads, 2)
-    vv = v.repeat_interleave(args.heads // args.kv_heads, 2)
-    exact = _reference_rows(q, kk, vv, rows, args.causal, args.head_dim ** -0.5)
+    exact = reference_rows(q, k, v, rows, args.causal)
     err_out = (res["full"][0][:, rows].double() - exact).abs().max().item()
     err_single = max((a - b).abs().max().item() for a, b in zip(res["full"], single))
 

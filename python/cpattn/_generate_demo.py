@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from cpattn._layout import granularity as layout_granularity
+from cpattn.testing.distributed import run_ranks
 
 DEFAULT_PROMPT_LENS = (29, 3, 50, 17)
 
@@ -204,7 +204,7 @@ def generate_sharded(
 
         return attend
 
-    granularity = (2 if layout == "zigzag" else 1) * world
+    granularity = layout_granularity(layout, world)
     last = torch.empty(len(prompts), cfg.vocab)
     for b, prompt in enumerate(prompts):
         views = [c.sequences(b, b + 1) for c in caches]
@@ -240,10 +240,8 @@ def generate_sharded(
 # CLI
 
 
-def _rank_main(rank: int, world: int, init_file: str, args, results) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+def _rank_main(rank: int, world: int, args) -> list:
+    """Every (interleave, comm) run on this rank: (interleave, comm, tokens, seconds)."""
     model = TinyDecoder()
     prompts = make_prompts(args.prompt_lens, model.cfg.vocab)
     runs = []
@@ -253,9 +251,7 @@ def _rank_main(rank: int, world: int, init_file: str, args, results) -> None:
             tokens = generate_sharded(model, prompts, args.new_tokens, interleave=interleave,
                                       layout=args.layout, comm=comm)
             runs.append((interleave, comm, tokens, time.perf_counter() - start))
-    if rank == 0:
-        results.put(runs)
-    dist.destroy_process_group()
+    return runs
 
 
 def generate_demo(args: argparse.Namespace) -> int:
@@ -272,17 +268,7 @@ def generate_demo(args: argparse.Namespace) -> int:
     print(f"single process, full cache: done (smallest top-1 / top-2 logit gap {gap:.3f})")
     ok = True
     for world in args.world:
-        ctx = mp.get_context("spawn")
-        results = ctx.Queue()
-        with tempfile.TemporaryDirectory() as tmp:
-            procs = [ctx.Process(target=_rank_main,
-                                 args=(r, world, os.path.join(tmp, "rendezvous"), args, results))
-                     for r in range(world)]
-            for p in procs:
-                p.start()
-            runs = results.get()
-            for p in procs:
-                p.join()
+        runs = run_ranks(world, _rank_main, args, poison=False)[0]
         for interleave, comm, tokens, seconds in runs:
             same = tokens == reference
             ok &= same

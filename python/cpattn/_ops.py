@@ -1,7 +1,8 @@
-"""Fake (meta) kernels and autograd for the compiled ops in torch.ops.cpattn.
+"""Fake (meta) kernels and autograd for every compiled op in torch.ops.cpattn.
 
 The schemas live in C++ (csrc/bindings/registration.cpp); this file only describes output
-shapes for tracing (torch.compile, meta tensors) and wires the backward.
+shapes for tracing (torch.compile, meta tensors) and wires the backward. Imported once, by
+cpattn/__init__.py, right after the extension is loaded.
 """
 
 from typing import Optional
@@ -153,25 +154,88 @@ def _layout_positions_fake(seqlen, world, rank, layout):
     return torch.empty((seqlen // world,), dtype=torch.int64)
 
 
-@torch.library.register_fake("cpattn::ring_fwd_emulated")
+@torch.library.register_fake("cpattn_testing::ring_fwd_emulated")
 def _ring_fwd_emulated_fake(q, k, v, softmax_scale, causal, window_left, window_right, layout):
     return ([t.new_empty(t.shape) for t in q],
             [t.new_empty((t.shape[0], t.shape[2], t.shape[1]), dtype=torch.float32) for t in q])
 
 
-@torch.library.register_fake("cpattn::ring_bwd_emulated")
+@torch.library.register_fake("cpattn_testing::ring_bwd_emulated")
 def _ring_bwd_emulated_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
                             window_right, layout):
     return ([t.new_empty(t.shape) for t in q], [t.new_empty(t.shape) for t in k],
             [t.new_empty(t.shape) for t in v])
 
 
-@torch.library.register_fake("cpattn::ring_shift")
+@torch.library.register_fake("cpattn_testing::ring_shift")
 def _ring_shift_fake(send, group_name, timeout_s):
     return send.new_empty(send.shape)
 
 
-@torch.library.register_fake("cpattn::ring_loopback_timing")
+@torch.library.register_fake("cpattn_testing::ring_loopback_timing")
 def _ring_loopback_timing_fake(q, k, v, dout, rank, world, softmax_scale, causal, window_left,
                                window_right, layout):
     return q.new_empty((2,), dtype=torch.float64)
+
+
+# Inference over a KV cache sharded across ranks (csrc/ops/inference.h).
+
+
+@torch.library.register_fake("cpattn::merge_attention_states")
+def _merge_fake(outs, lses, out_dtype=None):
+    torch._check(outs.dim() == 5, lambda: "cpattn: merge_attention_states outs must have 5 dims")
+    _, b, s, h, d = outs.shape
+    out = outs.new_empty((b, s, h, d), dtype=out_dtype if out_dtype is not None else outs.dtype)
+    return out, lses.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.register_fake("cpattn::merge_attention_states_bwd")
+def _merge_bwd_fake(dout, dlse, outs, lses, lse):
+    return outs.new_empty(outs.shape), lses.new_empty(lses.shape)
+
+
+def _merge_setup_context(ctx, inputs, output):
+    outs, lses, _ = inputs
+    _, lse = output
+    ctx.save_for_backward(outs, lses, lse)
+
+
+def _merge_backward(ctx, dout, dlse):
+    outs, lses, lse = ctx.saved_tensors
+    douts, dlses = ops.merge_attention_states_bwd(dout.contiguous(), dlse, outs, lses, lse)
+    return douts, dlses, None
+
+
+torch.library.register_autograd(
+    "cpattn::merge_attention_states", _merge_backward, setup_context=_merge_setup_context
+)
+refuse_double_backward("cpattn::merge_attention_states_bwd", "cpattn.merge_attention_states")
+
+
+@torch.library.register_fake("cpattn::cache_store_")
+def _cache_store_fake(k_cache, v_cache, k, v, start, rank, world, interleave):
+    return None
+
+
+@torch.library.register_fake("cpattn::cache_attention_fwd")
+def _cache_attention_fake(
+    q, k_cache, v_cache, cache_lens, q_start, rank, world, interleave, softmax_scale, causal,
+    out_dtype=None,
+):
+    b, sq, h, _ = q.shape
+    out = q.new_empty(q.shape, dtype=out_dtype if out_dtype is not None else q.dtype)
+    return out, q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+@torch.library.register_fake("cpattn::prefill_fwd")
+def _prefill_fake(
+    q, k, v, k_cache, v_cache, cache_lens, group_name, softmax_scale, layout, interleave, timeout_s
+):
+    b, s, h, _ = q.shape
+    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.register_fake("cpattn::cache_positions")
+def _cache_positions_fake(n, rank, world, interleave):
+    count = ops.cache_local_count(n, rank, world, interleave)
+    return torch.empty((count,), dtype=torch.int64)

@@ -10,7 +10,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-
 # torch >= 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -60,26 +59,18 @@ def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> to
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
-class _AllGather(torch.autograd.Function):
+class _GatherOrScatter(torch.autograd.Function):
+    """An all-gather (gather=True) or a reduce-scatter along `dim`; each one's backward is the
+    other."""
+
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+    def forward(ctx, x, dim, group, gather):
+        ctx.args = (dim, group, not gather)
+        return (_all_gather if gather else _reduce_scatter)(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):  # through apply: differentiable again (double backward)
-        return _ReduceScatter.apply(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _AllGather.apply(grad, ctx.dim, ctx.group), None, None
+        return _GatherOrScatter.apply(grad, *ctx.args), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -96,12 +87,12 @@ class _AllToAll(torch.autograd.Function):
 
 def all_gather(x: torch.Tensor, dim: int = 1, group: Optional[dist.ProcessGroup] = None):
     """Concatenates every rank's x along `dim` (rank order). Backward: reduce-scatter."""
-    return _AllGather.apply(x, dim, group)
+    return _GatherOrScatter.apply(x, dim, group, True)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 1, group: Optional[dist.ProcessGroup] = None):
     """Sums x over the ranks and keeps this rank's chunk along `dim`. Backward: all-gather."""
-    return _ReduceScatter.apply(x, dim, group)
+    return _GatherOrScatter.apply(x, dim, group, False)
 
 
 def all_to_all(

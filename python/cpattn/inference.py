@@ -19,8 +19,8 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from cpattn import _inference_ops  # noqa: F401  (fake kernels and autograd)
 from cpattn._agreement import FieldValue, agree_on, digest_ints, score_fields, tensor_fields
+from cpattn._layout import LAYOUTS, check_chunk
 from cpattn._validation import (
     check_choice,
     check_qkv,
@@ -29,11 +29,11 @@ from cpattn._validation import (
     check_timeout,
     error,
 )
-from cpattn.ring import LAYOUTS, _group_info, positions
+from cpattn.comm import all_gather_flat
+from cpattn.ring import _group_info, positions, rank_and_world
 
 ops = torch.ops.cpattn
 COMMS = ("all_gather", "reduce_scatter")
-_LAYOUT_GRANULARITY = {"contiguous": 1, "zigzag": 2, "striped": 1}  # x W
 
 
 def _positive_int(value, name: str) -> int:
@@ -77,10 +77,7 @@ class KVCacheShard:
         for name, value in (("batch", batch), ("capacity", capacity), ("kv_heads", kv_heads),
                             ("head_dim", head_dim), ("interleave", interleave)):
             _positive_int(value, name)
-        if rank is None or world_size is None:
-            _, g_rank, g_world = _group_info(group)
-            rank = g_rank if rank is None else rank
-            world_size = g_world if world_size is None else world_size
+        rank, world_size = rank_and_world(group, rank, world_size)
         _positive_int(world_size, "world_size")
         if not 0 <= rank < world_size:
             raise ValueError(f"cpattn.KVCacheShard: rank {rank} is not in a group of {world_size}")
@@ -275,8 +272,7 @@ def _unpack(msg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _all_gather(msg: torch.Tensor, group, world: int, timeout: float, what: str) -> torch.Tensor:
     """(B, ...) on every rank -> (W, B, ...)."""
     recv = msg.new_empty((world * msg.shape[0], *msg.shape[1:]))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    _wait(gather(recv, msg.contiguous(), group=group, async_op=True), timeout, what)
+    _wait(all_gather_flat(recv, msg.contiguous(), group=group, async_op=True), timeout, what)
     return recv.view(world, *msg.shape)
 
 
@@ -371,12 +367,7 @@ def prefill_attention(
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
     chunk = q.shape[1] * world
-    granularity = _LAYOUT_GRANULARITY[layout] * world
-    if chunk % granularity != 0:
-        raise ValueError(
-            f"{what}: the {layout} layout needs a chunk length that is a multiple of "
-            f"{granularity}, got {chunk} ({q.shape[1]} per rank)"
-        )
+    check_chunk(what, chunk, layout, world, per_rank=q.shape[1])
     cache.check_room(chunk, what)
 
     start = cache.lengths.clone()
@@ -508,10 +499,7 @@ def chunk_positions(
 ) -> torch.Tensor:
     """Global positions (int64, (batch, chunk / W)) of this rank's tokens of the next prefill
     chunk of length `chunk`: cache.lengths[b] + the layout's positions (e.g. for RoPE)."""
-    granularity = _LAYOUT_GRANULARITY[layout] * cache.world_size
-    if chunk % granularity != 0:
-        raise ValueError(f"cpattn.chunk_positions: the {layout} layout needs a chunk length that "
-                         f"is a multiple of {granularity}, got {chunk}")
+    check_chunk("cpattn.chunk_positions", chunk, layout, cache.world_size)
     local = positions(chunk, group=group, layout=layout, rank=cache.rank,
                       world_size=cache.world_size)
     return cache.lengths[:, None] + local[None, :]

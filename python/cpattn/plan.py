@@ -37,9 +37,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from cpattn._flops import attention_flops
+from cpattn._layout import LAYOUTS
+
 log = logging.getLogger("cpattn.plan")
 
-_LAYOUT_CODES = {"contiguous": 0, "zigzag": 1, "striped": 2}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MODES = ("train", "forward", "decode")  # "prefill" is an alias of "forward"
 
@@ -247,7 +249,7 @@ def _work(seqlen: int, world: int, layout: str, causal: bool, window: tuple,
     """(world, world, 3) float64: visible pairs, visited tile pairs, kernel calls per
     (rank, step), per batch row and head."""
     docs = torch.tensor(documents, dtype=torch.int64) if documents is not None else None
-    w = torch.ops.cpattn.schedule_work(seqlen, world, _LAYOUT_CODES[layout], causal, window[0],
+    w = torch.ops.cpattn.schedule_work(seqlen, world, LAYOUTS[layout], causal, window[0],
                                        window[1], block[0], block[1], docs)
     return w.double()
 
@@ -358,7 +360,7 @@ def _all_to_all_time(m: Machine, total: float, world: int, span: int) -> float:
 
 
 def _kv_heads_sent(heads: int, kv_heads: int, u: int) -> int:
-    """KV heads each rank puts into Ulysses' all-to-all (ulysses._kv_heads_for_ranks)."""
+    """KV heads each rank puts into Ulysses' all-to-all (_layout.kv_heads_for_ranks)."""
     if kv_heads % u == 0:
         return kv_heads
     if (heads // kv_heads) % (heads // u) == 0:
@@ -457,7 +459,7 @@ def _predict_strategy(p: Problem, m: Machine, world: int, c: Candidate) -> Predi
         # decode: each rank reads its 1/W of the cache; W partial (out, lse) are all-gathered.
         sq = p.decode_tokens
         reads = full_kv / world
-        flops = 4 * B * H * sq * (p.seqlen / world) * D / m.flops(p.dtype, False)
+        flops = attention_flops(B, H, sq, p.seqlen / world, D) / m.flops(p.dtype, False)
         compute = max(flops, reads / m.mem_bandwidth) + m.call_overhead
         part = B * sq * H * (D + 1) * 4
         comm = _all_gather_time(m.link(world), part, world)
@@ -494,7 +496,7 @@ def candidates(p: Problem, world: int, layouts: Sequence[str] = ("zigzag", "cont
 
 def _decode_none(p: Problem, m: Machine) -> Prediction:
     full_kv = 2 * p.batch * p.seqlen * p.kv_heads * p.head_dim * p.elem
-    flops = 4 * p.batch * p.heads * p.decode_tokens * p.seqlen * p.head_dim
+    flops = attention_flops(p.batch, p.heads, p.decode_tokens, p.seqlen, p.head_dim)
     t = max(flops / m.flops(p.dtype, False), full_kv / m.mem_bandwidth) + m.call_overhead
     return Prediction(Candidate("none"), t, t, 0.0, 0.0, full_kv)
 
@@ -680,7 +682,8 @@ def calibrate(group=None, *, dtypes: Sequence[str] = (), refresh: bool = False,
     if world > 1:
         small = torch.zeros(1024, device=device)
         big = torch.zeros(2 << 20, device=device)
-        shift = lambda t: torch.ops.cpattn.ring_shift(t, group.group_name, 60.0)  # noqa: E731
+        ring_shift = torch.ops.cpattn_testing.ring_shift
+        shift = lambda t: ring_shift(t, group.group_name, 60.0)  # noqa: E731
         t_small, t_big = _timed(lambda: shift(small), 5), _timed(lambda: shift(big), 3)
         bw = (big.numel() - small.numel()) * 4 / max(t_big - t_small, 1e-9)
         lat = max(t_small - small.numel() * 4 / bw, 1e-7)

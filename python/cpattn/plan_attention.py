@@ -9,29 +9,18 @@ import torch.distributed as dist
 
 from cpattn import plan as _plan
 from cpattn._agreement import agree_on
+from cpattn._layout import DTYPE_NAMES
 from cpattn._validation import check_timeout, error
 from cpattn.attention import attention
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
-def auto_strategy(q, k, world: int, group, causal: bool, layout: str, window, docs,
-                  allgather_chunk: Optional[int], what: str) -> str:
-    """ring_attention(strategy="auto"): "ring" or "allgather" for this rank's shards q
-    (B, S/W, H, D), k (B, S/W, Hkv, D) in `layout`. Call it only after the ranks agreed on the
-    shapes, options, documents and on whether gradients are needed."""
-    p = _plan.Problem(
-        seqlen=q.shape[1] * world, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
-        batch=q.shape[0], dtype=_DTYPE_NAMES[q.dtype], causal=bool(causal), window=tuple(window),
-        documents=None if docs is None else tuple(docs.tolist()),
-        mode="train" if _needs_grad(q, k) else "forward")
-    chunk = allgather_chunk or max(1, k.shape[2] // 4)
-    cands = [_plan.Candidate("ring", layout), _plan.Candidate("allgather", layout, chunk=chunk)]
-    return _plan.choose(p, world, cands, group, what).candidate.strategy
+from cpattn.ring import (
+    _attention_args,
+    _group_info,
+    needs_grad,
+    positions,
+    ring_attention,
+    unshard,
+)
+from cpattn.ulysses import hybrid_attention, hybrid_positions, ulysses_attention
 
 
 class _Split(torch.autograd.Function):
@@ -45,8 +34,6 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from cpattn.ring import unshard
-
         index, seqlen, group, dim = ctx.args
         return unshard(grad.contiguous(), group=group, index=index, seqlen=seqlen, dim=dim), \
             None, None, None
@@ -58,8 +45,6 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_local, index, seqlen, group, dim):
-        from cpattn.ring import unshard
-
         ctx.args = (index, dim)
         return unshard(x_local.contiguous(), group=group, index=index, seqlen=seqlen, dim=dim)
 
@@ -108,13 +93,10 @@ def context_attention(
     "hybrid UxR/zigzag" (names as in `python -m cpattn plan`). The choice is made once per
     distinct problem, the same on every rank, and logged at debug level ("cpattn.plan").
     """
-    from cpattn.ring import _attention_args, _group_info, positions, ring_attention
-    from cpattn.ulysses import hybrid_attention, hybrid_positions, ulysses_attention
-
     what = "cpattn.context_attention"
     group, _, world = _group_info(group)
     timeout = check_timeout(what, timeout)
-    train = _needs_grad(q, k, v)
+    train = needs_grad(q, k, v)
 
     def check():
         (causal_, _, scale_, window_), fields = _attention_args(
@@ -126,7 +108,7 @@ def context_attention(
 
     causal, scale, window = agree_on(what, group, timeout, check)
     p = _plan.Problem(q.shape[1], q.shape[2], k.shape[2], q.shape[3], batch=q.shape[0],
-                      dtype=_DTYPE_NAMES[q.dtype], causal=bool(causal), window=window,
+                      dtype=DTYPE_NAMES[q.dtype], causal=bool(causal), window=window,
                       mode="train" if train else "forward")
     cands = _plan.candidates(p, world)
     if strategy == "auto":
@@ -158,8 +140,9 @@ def context_attention(
                                         layout=chosen.layout, timeout=timeout, **opts)
         else:
             out, lse = ring_attention(*shards, group=group, layout=chosen.layout,
-                                      strategy=chosen.strategy, allgather_chunk=chosen.chunk or None,
-                                      timeout=timeout, **opts)
+                                      strategy=chosen.strategy,
+                                      allgather_chunk=chosen.chunk or None, timeout=timeout,
+                                      **opts)
         out = _Gather.apply(out, index, seqlen, group, 1)
         lse = _Gather.apply(lse, index, seqlen, group, 2)
     return (out, lse) if return_lse else out

@@ -12,9 +12,19 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from cpattn import comm
+from cpattn import comm, plan
 from cpattn._agreement import Fields, agree_on, digest_ints, score_fields, tensor_fields
 from cpattn._autograd import once_differentiable
+from cpattn._layout import (
+    DTYPE_NAMES,
+    LAYOUTS,
+    document_positions,
+    kv_heads_for_ranks,
+    layout_code,
+    padded_length,
+    round_up,
+    shard_positions,
+)
 from cpattn._validation import (
     check_bool,
     check_choice,
@@ -28,14 +38,6 @@ from cpattn._validation import (
     error,
 )
 
-LAYOUTS = {"contiguous": 0, "zigzag": 1, "striped": 2}
-
-
-def _layout_code(layout: str) -> int:
-    if layout not in LAYOUTS:
-        raise ValueError(f"cpattn: layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
-    return LAYOUTS[layout]
-
 
 def _group_info(group) -> tuple:
     if not dist.is_available() or not dist.is_initialized():
@@ -45,6 +47,15 @@ def _group_info(group) -> tuple:
         )
     group = group if group is not None else dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def rank_and_world(group, rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:
+    """(rank, world_size): the group's, each overridden when given (e.g. another rank's view)."""
+    if rank is None or world_size is None:
+        _, g_rank, g_world = _group_info(group)
+        rank = g_rank if rank is None else rank
+        world_size = g_world if world_size is None else world_size
+    return rank, world_size
 
 
 def positions(
@@ -64,23 +75,9 @@ def positions(
     seqlen= gives them out 0 and LSE -inf, cpattn.unshard with seqlen= drops them).
     `rank` / `world_size` override the group's (to compute another rank's positions).
     """
-    if rank is None or world_size is None:
-        _, g_rank, g_world = _group_info(group)
-        rank = g_rank if rank is None else rank
-        world_size = g_world if world_size is None else world_size
-    padded = _padded_length(seqlen, layout, world_size)
-    pos = torch.ops.cpattn.layout_positions(padded, world_size, rank, _layout_code(layout))
-    if padded != seqlen:
-        pos = torch.where(pos < seqlen, pos, -1)
+    rank, world_size = rank_and_world(group, rank, world_size)
+    pos = shard_positions(seqlen, layout, world_size, rank)
     return pos.to(device) if device is not None else pos
-
-
-def _padded_length(seqlen: int, layout: str, world: int) -> int:
-    """seqlen rounded up to the layout's granularity (2W for zigzag, W otherwise)."""
-    granularity = (2 if _layout_code(layout) == LAYOUTS["zigzag"] else 1) * world
-    if seqlen <= 0:
-        raise ValueError(f"cpattn: the sequence length must be positive, got {seqlen}")
-    return -(-seqlen // granularity) * granularity
 
 
 def shard(
@@ -210,6 +207,27 @@ def _attention_args(what, q, k, v, causal, softmax_scale, window, layout="contig
 STRATEGIES = {"ring": 0, "allgather": 1, "auto": 2}
 
 
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will record a graph through one of `tensors`."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def auto_strategy(q, k, world: int, group, causal: bool, layout: str, window, docs,
+                  allgather_chunk: Optional[int], what: str) -> str:
+    """ring_attention(strategy="auto"): "ring" or "allgather" for this rank's shards q
+    (B, S/W, H, D), k (B, S/W, Hkv, D) in `layout`. Call it only after the ranks agreed on the
+    shapes, options, documents and on whether gradients are needed."""
+    p = plan.Problem(
+        seqlen=q.shape[1] * world, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
+        batch=q.shape[0], dtype=DTYPE_NAMES[q.dtype], causal=bool(causal), window=tuple(window),
+        documents=None if docs is None else tuple(docs.tolist()),
+        mode="train" if needs_grad(q, k) else "forward")
+    chunk = allgather_chunk or max(1, k.shape[2] // 4)
+    cands = [plan.Candidate("ring", layout), plan.Candidate("allgather", layout, chunk=chunk)]
+    return plan.choose(p, world, cands, group, what).candidate.strategy
+
+
+
 def _sink_grad(ctx, sinks, dout, out, lse, dlse):
     """The gradient of the sinks from this rank's rows: its share, like any parameter gradient
     under context parallelism (the usual gradient all-reduce over the group sums the shares)."""
@@ -337,16 +355,15 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
                        ("document_lengths", digest_ints(docs))]
         if seqlen is not None:
             n = check_int(what, "seqlen", seqlen, minimum=1)
-            if _padded_length(n, layout, world) != q.shape[1] * world:
+            if padded_length(n, layout, world) != q.shape[1] * world:
                 raise error(what, "seqlen", n, f"gives shards of "
-                            f"{_padded_length(n, layout, world) // world} tokens under the "
+                            f"{padded_length(n, layout, world) // world} tokens under the "
                             f"{layout} layout over {world} ranks, not {q.shape[1]}")
             if n != q.shape[1] * world:  # padded: one document of the real length
                 docs = torch.tensor([n], dtype=torch.int64)
             fields += [("seqlen", n)]
         if strategy == "auto":  # the choice may only depend on what the ranks agree on
-            fields += [("requires_grad", torch.is_grad_enabled() and any(
-                t.requires_grad for t in (q, k, v)))]
+            fields += [("requires_grad", needs_grad(q, k, v))]
         return (*args, chunk, docs, cap, prefix), fields
 
     causal, layout_code, scale, window, chunk, docs, softcap, prefix_len = agree_on(
@@ -354,8 +371,6 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
     if cu_seqlens is not None:
         q, k, v = q[None], k[None], v[None]
     if strategy == "auto":
-        from cpattn.plan_attention import auto_strategy
-
         strategy = auto_strategy(q, k, world, group, causal, layout, window, docs, chunk, what)
     if strategy == "ring":
         return _RingAttention.apply(q, k, v, group.group_name, scale, causal, window, layout_code,
@@ -481,27 +496,9 @@ def positions_varlen(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each local token of the varlen sharding: (index into the packed global sequence, or -1
     for padding; position within its document, e.g. for RoPE)."""
-    if rank is None or world_size is None:
-        _, g_rank, g_world = _group_info(group)
-        rank = g_rank if rank is None else rank
-        world_size = g_world if world_size is None else world_size
+    rank, world_size = rank_and_world(group, rank, world_size)
     docs = _document_lengths(cu_seqlens, "cpattn.positions_varlen")
-    code = _layout_code(layout)
-    granularity = 2 * world_size if layout == "zigzag" else world_size
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), docs.cumsum(0)])
-    index, within = [], []
-    for d, n in enumerate(docs.tolist()):
-        padded = -(-n // granularity) * granularity
-        if padded == 0:
-            continue
-        pos = torch.ops.cpattn.layout_positions(padded, world_size, rank, code)
-        real = pos < n
-        index.append(torch.where(real, starts[d] + pos, -1))
-        within.append(torch.where(real, pos, -1))
-    if not index:
-        empty = torch.empty(0, dtype=torch.int64)
-        return empty, empty
-    return torch.cat(index), torch.cat(within)
+    return document_positions(docs, layout, world_size, rank)
 
 
 def shard_varlen(x: torch.Tensor, cu_seqlens, *, group=None, layout: str = "zigzag",
@@ -533,7 +530,7 @@ def pad_documents(x: torch.Tensor, cu_seqlens, multiple: int, dim: int = 0):
     docs = _document_lengths(cu_seqlens, "cpattn.pad_documents")
     pieces, lengths, start = [], [], 0
     for n in docs.tolist():
-        padded = -(-n // multiple) * multiple
+        padded = round_up(n, multiple)
         pieces.append(x.narrow(dim, start, n))
         pieces.append(x.new_zeros((*x.shape[:dim], padded - n, *x.shape[dim + 1 :])))
         lengths.append(padded)
@@ -574,22 +571,20 @@ def ring_attention_emulated(
     softmax_scale = check_scale(what, softmax_scale, q[0].shape[-1])
     args = (float(softmax_scale), bool(causal), window[0], window[1])
     if strategy == "ring":
-        outs, lses = torch.ops.cpattn.ring_fwd_emulated(q, k, v, *args, _layout_code(layout))
+        outs, lses = torch.ops.cpattn_testing.ring_fwd_emulated(q, k, v, *args, layout_code(layout))
         return list(outs), list(lses)
     world = len(q)
     if strategy == "allgather":
         kv_all = torch.stack([torch.stack([kr, vr]) for kr, vr in zip(k, v)])
-        results = [torch.ops.cpattn.gathered_fwd(q[r], kv_all, r, *args, _layout_code(layout))
+        results = [torch.ops.cpattn.gathered_fwd(q[r], kv_all, r, *args, layout_code(layout))
                    for r in range(world)]
         return [o for o, _ in results], [lse for _, lse in results]
-    from cpattn.ulysses import _kv_heads_for_ranks
-
     if q[0].shape[2] % world != 0:
         raise ValueError(f"{what}: heads={q[0].shape[2]}: strategy='ulysses' needs heads "
                          f"divisible by the number of ranks ({world})")
     full_q, full_k, full_v = (torch.cat(t, dim=1) for t in (q, k, v))
     heads = full_q.shape[2]
-    idx = _kv_heads_for_ranks(heads, full_k.shape[2], world)
+    idx = kv_heads_for_ranks(heads, full_k.shape[2], world)
     if idx is not None:
         full_k, full_v = full_k[:, :, idx], full_v[:, :, idx]
     per_rank, kv_per_rank = heads // world, full_k.shape[2] // world

@@ -6,6 +6,8 @@ back to sequence shards. Communication per rank is ~4 tensors of its shard size,
 W, over all-to-all links; it needs H % W == 0.
 """
 
+import functools
+from collections.abc import Callable
 from typing import Optional, Union
 
 import torch
@@ -13,29 +15,16 @@ import torch.distributed as dist
 
 from cpattn import comm
 from cpattn._agreement import agree_on, score_fields
+from cpattn._layout import kv_heads_for_ranks
 from cpattn._validation import check_score_options, check_timeout, error
 from cpattn.attention import attention
-from cpattn.ring import _attention_args, _group_info, ring_attention
-
-
-def _kv_heads_for_ranks(heads: int, kv_heads: int, world: int) -> Optional[list]:
-    """KV heads to send so that after the all-to-all rank r holds the KV heads of its query heads
-    [r * H/W, (r+1) * H/W), with a uniform group size. None: send K/V as they are."""
-    per_rank = heads // world
-    group = heads // kv_heads
-    if kv_heads % world == 0:
-        return None  # each rank gets kv_heads / W heads, group size unchanged
-    if group % per_rank == 0:
-        # all query heads of a rank share one KV head: replicate it W / kv_heads times
-        return [(r * per_rank) // group for r in range(world)]
-    # otherwise one KV head per query head (group size 1)
-    return [h // group for h in range(heads)]
+from cpattn.ring import _attention_args, _group_info, positions, ring_attention, shard, unshard
 
 
 def _scatter_heads(q, k, v, group):
     world = dist.get_world_size(group)
     heads, kv_heads = q.shape[2], k.shape[2]
-    idx = _kv_heads_for_ranks(heads, kv_heads, world)
+    idx = kv_heads_for_ranks(heads, kv_heads, world)
     if idx is not None:
         index = torch.tensor(idx, device=k.device)
         k, v = k.index_select(2, index), v.index_select(2, index)
@@ -56,6 +45,34 @@ def _my_heads(per_head: Optional[torch.Tensor], heads: int, group) -> Optional[t
     u_rank, u_world = dist.get_rank(group), dist.get_world_size(group)
     per_rank = heads // u_world
     return per_head[u_rank * per_rank:(u_rank + 1) * per_rank]
+
+
+def _across_heads(what: str, q, k, v, group, timeout: float, attend: Callable, return_lse: bool,
+                  *, causal, softmax_scale, window, sinks, softcap, alibi_slopes, prefix_len,
+                  layout: str = "contiguous", v_head_dim_free: bool = True):
+    """The Ulysses steps of ulysses_attention and hybrid_attention: validation and the agreement
+    check over `group`, the all-to-all to head shards, attend(qh, kh, vh, **options) -> (out_h,
+    lse_h) on this rank's heads (per-head options sliced to them), and the all-to-all back."""
+    world = dist.get_world_size(group)
+
+    def check():
+        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout,
+                                       v_head_dim_free=v_head_dim_free)
+        _check_heads(what, q, world)
+        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
+        return (*args, cap, prefix), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix)]
+
+    causal, _, softmax_scale, window, softcap, prefix_len = agree_on(what, group, timeout, check)
+    qh, kh, vh = _scatter_heads(q, k, v, group)
+    heads = q.shape[2]
+    out_h, lse_h = attend(qh, kh, vh, causal=causal, softmax_scale=softmax_scale, window=window,
+                          return_lse=True, softcap=softcap, sinks=_my_heads(sinks, heads, group),
+                          alibi_slopes=_my_heads(alibi_slopes, heads, group),
+                          prefix_len=prefix_len)
+    out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=group)
+    if not return_lse:
+        return out
+    return out, comm.all_to_all(lse_h, scatter_dim=2, gather_dim=1, group=group)
 
 
 def ulysses_attention(
@@ -87,28 +104,11 @@ def ulysses_attention(
     its heads' share (summed over the group by the usual parameter-gradient all-reduce).
     """
     what = "cpattn.ulysses_attention"
-    group, _, world = _group_info(group)
-    timeout = check_timeout(what, timeout)
-
-    def check():
-        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window,
-                                       v_head_dim_free=True)
-        _check_heads(what, q, world)
-        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
-        return (*args, cap, prefix), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix)]
-
-    causal, _, softmax_scale, window, softcap, prefix_len = agree_on(what, group, timeout, check)
-    qh, kh, vh = _scatter_heads(q, k, v, group)
-    heads = q.shape[2]
-    out_h, lse_h = attention(qh, kh, vh, causal=causal, softmax_scale=softmax_scale,
-                             window=window, return_lse=True, softcap=softcap,
-                             sinks=_my_heads(sinks, heads, group),
-                             alibi_slopes=_my_heads(alibi_slopes, heads, group),
-                             prefix_len=prefix_len)
-    out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=group)
-    if not return_lse:
-        return out
-    return out, comm.all_to_all(lse_h, scatter_dim=2, gather_dim=1, group=group)
+    group, _, _ = _group_info(group)
+    return _across_heads(what, q, k, v, group, check_timeout(what, timeout), attention,
+                         return_lse, causal=causal, softmax_scale=softmax_scale, window=window,
+                         sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
+                         prefix_len=prefix_len)
 
 
 def hybrid_attention(
@@ -144,32 +144,13 @@ def hybrid_attention(
     if ulysses_group is None or ring_group is None:
         raise ValueError("cpattn.hybrid_attention: give ulysses_group and ring_group, or a 2D mesh")
     what = "cpattn.hybrid_attention"
-    u_world = dist.get_world_size(ulysses_group)
     timeout = check_timeout(what, timeout)
-    ring_world = dist.get_world_size(ring_group)
-
-    def check():
-        # v's own head dim passes Ulysses; the ring needs it equal to q/k's.
-        args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout,
-                                       v_head_dim_free=ring_world == 1)
-        _check_heads(what, q, u_world)
-        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
-        return (*args, cap, prefix), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix)]
-
-    causal, _, softmax_scale, window, softcap, prefix_len = agree_on(what, ulysses_group, timeout,
-                                                                     check)
-    qh, kh, vh = _scatter_heads(q, k, v, ulysses_group)
-    heads = q.shape[2]
-    out_h, lse_h = ring_attention(qh, kh, vh, group=ring_group, causal=causal, layout=layout,
-                                  softmax_scale=softmax_scale, window=window, return_lse=True,
-                                  timeout=timeout, softcap=softcap,
-                                  sinks=_my_heads(sinks, heads, ulysses_group),
-                                  alibi_slopes=_my_heads(alibi_slopes, heads, ulysses_group),
-                                  prefix_len=prefix_len)
-    out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=ulysses_group)
-    if not return_lse:
-        return out
-    return out, comm.all_to_all(lse_h, scatter_dim=2, gather_dim=1, group=ulysses_group)
+    ring = functools.partial(ring_attention, group=ring_group, layout=layout, timeout=timeout)
+    # v's own head dim passes Ulysses; the ring needs it equal to q/k's.
+    return _across_heads(what, q, k, v, ulysses_group, timeout, ring, return_lse, causal=causal,
+                         softmax_scale=softmax_scale, window=window, sinks=sinks, softcap=softcap,
+                         alibi_slopes=alibi_slopes, prefix_len=prefix_len, layout=layout,
+                         v_head_dim_free=dist.get_world_size(ring_group) == 1)
 
 
 def hybrid_positions(
@@ -178,8 +159,6 @@ def hybrid_positions(
     """Global positions of this rank's tokens under hybrid_attention's sharding."""
     _, r_rank, r_world = _group_info(ring_group)
     _, u_rank, u_world = _group_info(ulysses_group)
-    from cpattn.ring import positions
-
     ring_pos = positions(seqlen, layout=layout, rank=r_rank, world_size=r_world, device=device)
     if ring_pos.numel() * r_world != seqlen:
         raise ValueError(
@@ -197,8 +176,6 @@ def hybrid_positions(
 def hybrid_shard(x: torch.Tensor, *, ulysses_group, ring_group, layout: str = "zigzag",
                  dim: int = 1) -> torch.Tensor:
     """This rank's part of the full tensor x under hybrid_attention's sharding."""
-    from cpattn.ring import shard
-
     idx = hybrid_positions(x.shape[dim], ulysses_group=ulysses_group, ring_group=ring_group,
                            layout=layout)
     return shard(x, index=idx, dim=dim)
@@ -208,8 +185,6 @@ def hybrid_unshard(x_local: torch.Tensor, *, ulysses_group, ring_group, layout: 
                    dim: int = 1, group=None) -> torch.Tensor:
     """Inverse of hybrid_shard over `group` (default: the world, which must hold exactly the
     ranks of the mesh). Differentiable."""
-    from cpattn.ring import unshard
-
     world = dist.get_world_size(ulysses_group) * dist.get_world_size(ring_group)
     seqlen = x_local.shape[dim] * world
     idx = hybrid_positions(seqlen, ulysses_group=ulysses_group, ring_group=ring_group,

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from reference import reference_attention  # noqa: E402
 
 import cpattn  # noqa: E402
+from cpattn._layout import LAYOUTS  # noqa: E402
 
 ops = torch.ops.cpattn
 # CPATTN_CHECKS_DEVICE=cpu runs the device-independent checks on the CPU kernels: a test of the
@@ -365,9 +366,6 @@ def _merge():
     assert torch.equal(torch.isinf(l_), torch.isinf(ref_lse))
 
 
-LAYOUTS = ["contiguous", "zigzag", "striped"]
-
-
 def _shard(x, layout, world, rank, dim=1):
     pos = cpattn.positions(x.shape[dim], layout=layout, rank=rank, world_size=world)
     return x.index_select(dim, pos.to(x.device))
@@ -395,11 +393,11 @@ def _emulated_ring_case(world):
             dout = randn(q.shape, g)
             what = f"W={world} {layout} causal={causal} window={window} heads={h}/{hkv}"
             sh = [[_shard(t, layout, world, r) for r in range(world)] for t in (q, k, v, dout)]
-            outs, lses = torch.ops.cpattn.ring_fwd_emulated(
-                sh[0], sh[1], sh[2], 0.125, causal, window[0], window[1], LAYOUTS.index(layout))
-            dqs, dks, dvs = torch.ops.cpattn.ring_bwd_emulated(
+            outs, lses = torch.ops.cpattn_testing.ring_fwd_emulated(
+                sh[0], sh[1], sh[2], 0.125, causal, window[0], window[1], LAYOUTS[layout])
+            dqs, dks, dvs = torch.ops.cpattn_testing.ring_bwd_emulated(
                 sh[3], sh[0], sh[1], sh[2], list(outs), list(lses), 0.125, causal, window[0],
-                window[1], LAYOUTS.index(layout))
+                window[1], LAYOUTS[layout])
             sync()
             ref = reference(q, k, v, dout, causal=causal, window=window, scale=0.125)
             check_close(f"{what} out", _unshard(list(outs), layout, world), ref[0].to(DEV),
@@ -429,7 +427,7 @@ def _nccl_w1():
             g = gen_for("nccl")
             x = randn((3, 1000), g)
             for i in range(20):  # more shifts than event slots
-                y = torch.ops.cpattn.ring_shift(x + i, group.group_name, 60.0)
+                y = torch.ops.cpattn_testing.ring_shift(x + i, group.group_name, 60.0)
                 assert torch.equal(y, x + i), "NCCL send/recv to self changed the data"
             q, k, v = randn((1, 256, 4, 128), g), randn((1, 256, 2, 128), g), \
                 randn((1, 256, 2, 128), g)
@@ -448,7 +446,7 @@ def _nccl_w1():
         # replaced), and the re-created group works.
         dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv2", rank=0, world_size=1)
         try:
-            y = torch.ops.cpattn.ring_shift(x, dist.group.WORLD.group_name, 60.0)
+            y = torch.ops.cpattn_testing.ring_shift(x, dist.group.WORLD.group_name, 60.0)
             assert torch.equal(y, x), "NCCL send/recv to self after re-initialisation"
             assert cpattn.destroy_communicators() == 1, "one live communicator expected"
             assert cpattn.destroy_communicators() == 0
@@ -604,7 +602,7 @@ def sanitizer_case() -> None:
         torch.use_deterministic_algorithms(False)
     q, k, v = randn((1, 40, 2, 128), g), randn((1, 40, 2, 128), g), randn((1, 40, 2, 128), g)
     run_attention(q, k, v, randn(q.shape, g), True, (-1, -1))
-    torch.ops.cpattn.ring_fwd_emulated([q[:, :20], q[:, 20:]], [k[:, :20], k[:, 20:]],
+    torch.ops.cpattn_testing.ring_fwd_emulated([q[:, :20], q[:, 20:]], [k[:, :20], k[:, 20:]],
                                        [v[:, :20], v[:, 20:]], 0.1, True, -1, -1, 0)
     # GQA / MQA backward with the query heads split over blocks, and the reduction of the splits.
     os.environ["CPATTN_BWD_HEAD_SPLITS"] = "2"

@@ -1,0 +1,143 @@
+// The device-generic attention ops: arguments checked once (checks.h), then the kernels of the
+// tensors' device (backend.h). Backend registry included.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <map>
+#include <sstream>
+#include <tuple>
+
+#include "cpattn/params.h"
+#include "ops/backend.h"
+#include "ops/checks.h"
+#include "ops/ops.h"
+
+namespace cpattn::ops {
+namespace {
+
+std::map<c10::DeviceType, Backend>& backends() {
+  static std::map<c10::DeviceType, Backend> table;
+  return table;
+}
+
+// The mask and score options of a public attention call on global positions.
+Mask public_mask(bool causal, int64_t window_left, int64_t window_right, int64_t q_offset,
+                 int64_t k_offset, int64_t prefix_len) {
+  check_prefix_len("attention", prefix_len);
+  Mask m;
+  m.causal = causal;
+  m.window_left = normalized_window(window_left);
+  m.window_right = normalized_window(window_right);
+  m.q_offset = q_offset;
+  m.k_offset = k_offset;
+  if (prefix_len > 0) m.prefix_end = prefix_len;
+  return m;
+}
+ScoreArgs public_score(double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                       const std::optional<at::Tensor>& sinks, int64_t q_offset,
+                       int64_t k_offset) {
+  ScoreArgs a;
+  a.softcap = softcap;
+  a.alibi_slopes = alibi_slopes;
+  a.sinks = sinks;
+  a.alibi_q_begin = q_offset;
+  a.alibi_k_begin = k_offset;
+  return a;
+}
+
+// The checks of both passes; the shape of q, k, v.
+AttnShape check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               double softmax_scale, const Mask& mask, const ScoreArgs& score) {
+  const AttnShape s = check_qkv(q, k, v);
+  check_mask_args(softmax_scale, mask.window_left, mask.window_right);
+  check_positions(mask.q_offset, s.seqlen_q, mask.k_offset, s.seqlen_k);
+  check_score_args("attention", score.softcap, score.alibi_slopes, score.sinks, s.heads,
+                   q.device());
+  backend_for(q.device()).check_options("attention", s, mask, score);
+  return s;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, int64_t q_offset, int64_t k_offset,
+    std::optional<at::ScalarType> out_dtype, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
+    int64_t prefix_len) {
+  return attention_fwd_scored(
+      q, k, v, softmax_scale,
+      public_mask(causal, window_left, window_right, q_offset, k_offset, prefix_len),
+      public_score(softcap, alibi_slopes, sinks, q_offset, k_offset), out_dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, int64_t q_offset, int64_t k_offset,
+    std::optional<at::ScalarType> grad_dtype, const std::optional<at::Tensor>& dlse,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
+  return attention_bwd_scored(
+      dout, q, k, v, out, lse, softmax_scale,
+      public_mask(causal, window_left, window_right, q_offset, k_offset, prefix_len),
+      public_score(softcap, alibi_slopes, std::nullopt, q_offset, k_offset), grad_dtype, dlse);
+}
+
+void merge_state_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+                  const at::Tensor& part_lse) {
+  check_merge_args(out, lse, part_out, part_lse);
+  merge_into(out, lse, part_out, part_lse);
+}
+
+}  // namespace
+
+bool register_backend(c10::DeviceType type, const Backend& backend) {
+  backends()[type] = backend;
+  return true;
+}
+
+const Backend& backend_for(const c10::Device& device) {
+  const auto& table = backends();
+  const auto it = table.find(device.type());
+  if (it != table.end()) return it->second;
+  std::ostringstream have;
+  for (const auto& [type, backend] : table)
+    have << (have.tellp() > 0 ? ", " : "") << c10::DeviceTypeName(type, /*lower_case=*/true);
+  TORCH_CHECK(false, "cpattn: no kernel for device ", device, " in this build (", have.str(),
+              " tensors only)");
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd_scored(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, double softmax_scale,
+                                                        const Mask& mask, const ScoreArgs& score,
+                                                        std::optional<at::ScalarType> out_dtype) {
+  const AttnShape s = check_attention_args(q, k, v, softmax_scale, mask, score);
+  const at::ScalarType dtype = out_dtype.value_or(q.scalar_type());
+  TORCH_CHECK(is_float_type(dtype), "cpattn: out_dtype must be float32, bfloat16 or float16, got ",
+              dtype);
+  return backend_for(q.device()).fwd(q, k, v, s, softmax_scale, mask, score, dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Mask& mask,
+    const ScoreArgs& score, std::optional<at::ScalarType> grad_dtype,
+    const std::optional<at::Tensor>& dlse) {
+  const AttnShape s = check_attention_args(q, k, v, softmax_scale, mask, score);
+  check_bwd_args(dout, q, out, lse, dlse, grad_dtype, s);
+  return backend_for(q.device()).bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score,
+                                     grad_dtype);
+}
+
+void merge_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+                const at::Tensor& part_lse) {
+  TORCH_CHECK(out.stride(3) == 1, "cpattn: merge out must be contiguous in head_dim");
+  backend_for(out.device()).merge(out, lse, part_out, part_lse);
+}
+
+void impl_attention_ops(torch::Library& m) {
+  m.impl("attention_fwd", &attention_fwd);
+  m.impl("attention_bwd", &attention_bwd);
+  m.impl("merge_state_", &merge_state_);
+}
+
+}  // namespace cpattn::ops

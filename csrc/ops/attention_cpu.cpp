@@ -1,0 +1,324 @@
+// The CPU backend (backend.h): tensors -> the plain parameter structs of cpattn/params.h, packed
+// as the CPU kernels (csrc/cpu) read them, and the CPU registrations of the ops.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "cpattn/params.h"
+#include "cpattn/softmax_state.h"
+#include "cpu/kernels.h"
+#include "ops/backend.h"
+#include "ops/checks.h"
+#include "ops/ops.h"
+
+namespace cpattn::ops {
+namespace {
+
+// (H,) float tensor -> contiguous fp32 for the kernels.
+at::Tensor per_head_f32(const std::optional<at::Tensor>& t) {
+  return t->to(at::kFloat).contiguous();
+}
+
+// The kernels' ScoreOptions from ScoreArgs; slopes and sinks receive the fp32 copies the
+// pointers point into (the caller keeps them alive).
+ScoreOptions score_options(const ScoreArgs& a, at::Tensor& slopes, at::Tensor& sinks) {
+  ScoreOptions o;
+  o.softcap = static_cast<float>(a.softcap);
+  if (a.alibi_slopes) {
+    slopes = per_head_f32(a.alibi_slopes);
+    o.alibi_slopes = slopes.data_ptr<float>();
+  }
+  if (a.sinks) {
+    sinks = per_head_f32(a.sinks);
+    o.sinks = sinks.data_ptr<float>();
+  }
+  o.alibi_q_begin = a.alibi_q_begin;
+  o.alibi_k_begin = a.alibi_k_begin;
+  o.alibi_stride = a.alibi_stride;
+  return o;
+}
+
+// (B, S, H, D) any dtype -> (B, H, S, Dp) contiguous in `dtype`, zero beyond D: one copy that
+// converts and transposes together.
+at::Tensor pack(const at::Tensor& t, int64_t dp, at::ScalarType dtype = at::kFloat) {
+  const int64_t dim = t.size(3);
+  at::Tensor p = at::empty({t.size(0), t.size(2), t.size(1), dp}, t.options().dtype(dtype));
+  if (dp != dim) p.narrow(3, dim, dp - dim).zero_();
+  p.narrow(3, 0, dim).copy_(t.transpose(1, 2));
+  return p;
+}
+
+// (B, Hkv, Sk, Dp) -> (B, Hkv, ceil(Sk / 2), Dp, 2): keys 2j and 2j+1 side by side (a zero key
+// past an odd end), the layout bf16 dot products reduce over keys with.
+at::Tensor pair_keys(const at::Tensor& packed) {
+  at::Tensor t = packed;
+  if (t.size(2) % 2) t = at::constant_pad_nd(t, {0, 0, 0, 1}, 0.0);
+  return t.view({t.size(0), t.size(1), t.size(2) / 2, 2, t.size(3)}).transpose(3, 4).contiguous();
+}
+
+BshdStrides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// The CPU kernels write their outputs in the dtype asked for (no conversion pass afterwards).
+BshdOutput output_of(const at::Tensor& t) {
+  const at::ScalarType dtype = t.scalar_type();
+  return {t.data_ptr(), strides_of(t),
+          dtype == at::kBFloat16 ? OutType::kBFloat16
+          : dtype == at::kHalf   ? OutType::kFloat16
+                                 : OutType::kFloat32};
+}
+const uint16_t* bf16_data(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+// delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d] in fp32, for contiguous (B, S, H, D)
+// operands: one pass over both (torch's fp32 product and sum(-1) took a tenth of a bf16
+// backward).
+template <typename T>
+void rowwise_dot(const T* dout, const T* out, const AttnShape& s, float* delta) {
+  constexpr int kPartials = 16;  // independent sums, so the loop vectorises
+  const int64_t dim = s.head_dim_v;
+  at::parallel_for(0, s.batch * s.seqlen_q, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {  // row = b * Sq + i
+      const int64_t b = row / s.seqlen_q, i = row % s.seqlen_q;
+      for (int64_t h = 0; h < s.heads; ++h) {
+        const T* x = dout + (row * s.heads + h) * dim;
+        const T* y = out + (row * s.heads + h) * dim;
+        float partial[kPartials] = {};
+        int64_t d = 0;
+        for (; d + kPartials <= dim; d += kPartials)
+          for (int l = 0; l < kPartials; ++l)
+            partial[l] += static_cast<float>(x[d + l]) * static_cast<float>(y[d + l]);
+        float sum = 0.f;
+        for (; d < dim; ++d) sum += static_cast<float>(x[d]) * static_cast<float>(y[d]);
+        for (int l = 0; l < kPartials; ++l) sum += partial[l];
+        delta[(b * s.heads + h) * s.seqlen_q + i] = sum;
+      }
+    }
+  });
+}
+
+// The backward's delta = rowsum(dout * out), (B, H, Sq) fp32.
+at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out, const AttnShape& s) {
+  const bool same = dout.scalar_type() == out.scalar_type();
+  const at::Tensor x = (same ? dout : dout.to(at::kFloat)).contiguous();
+  const at::Tensor y = (same ? out : out.to(at::kFloat)).contiguous();
+  at::Tensor delta = at::empty({s.batch, s.heads, s.seqlen_q}, dout.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "cpattn_row_delta",
+                                  [&] {
+                                    rowwise_dot(x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), s,
+                                                delta.data_ptr<float>());
+                                  });
+  return delta;
+}
+
+// Every option of ScoreArgs and the mask runs on the CPU.
+void check_options_cpu(const char*, const AttnShape&, const Mask&, const ScoreArgs&) {}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, const AttnShape& s,
+                                                     double softmax_scale, const Mask& mask,
+                                                     const ScoreArgs& score,
+                                                     at::ScalarType dtype) {
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor out =
+      new_output({s.batch, s.seqlen_q, s.heads, s.head_dim_v}, q.options().dtype(dtype));
+  at::Tensor lse = new_output({s.batch, s.heads, s.seqlen_q}, f32);
+
+  FwdParams p;
+  p.shape = s;
+  at::Tensor qp, kp, vp;
+  if (q.scalar_type() == at::kBFloat16 && cpu::has_bf16_dot()) {
+    // bf16 dot products: operands stay bf16, Q is read in place; V gets its key pairs
+    // interleaved.
+    kp = pack(k, s.head_dim_padded, at::kBFloat16);
+    vp = pair_keys(pack(v, s.head_dim_v_padded, at::kBFloat16));
+    p.q16 = bf16_data(q);
+    p.q16_strides = strides_of(q);
+    p.k16 = bf16_data(kp);
+    p.v16 = bf16_data(vp);
+  } else {
+    qp = pack(q, s.head_dim_padded);
+    kp = pack(k, s.head_dim_padded);
+    vp = pack(v, s.head_dim_v_padded);
+    p.q = qp.data_ptr<float>();
+    p.k = kp.data_ptr<float>();
+    p.v = vp.data_ptr<float>();
+  }
+  p.out = output_of(out);
+  p.lse = lse.data_ptr<float>();
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.mask = mask;
+  at::Tensor slopes, sinks;  // kept alive for the kernel
+  p.score = score_options(score, slopes, sinks);
+  cpu::attention_fwd(p);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
+    std::optional<at::ScalarType> grad_dtype) {
+  const int64_t dp = s.head_dim_padded, dvp = s.head_dim_v_padded;
+  // delta = rowsum(dout * out) per query row, over the global output.
+  at::Tensor delta = row_delta(dout, out, s);
+  if (dlse && dlse->defined()) delta.sub_(dlse->to(at::kFloat));
+  const at::Tensor lse_c = lse.contiguous();
+  const at::ScalarType grad = grad_dtype.value_or(q.scalar_type());
+  const auto grad_options = q.options().dtype(grad);
+  at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, grad_options);
+  at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, grad_options);
+  at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim_v}, grad_options);
+
+  BwdParams p;
+  p.shape = s;
+  at::Tensor qp, kp, vp, dop, k_pairs;
+  if (q.scalar_type() == at::kBFloat16 && dout.scalar_type() == at::kBFloat16 &&
+      cpu::has_bf16_dot()) {
+    // Q and dO are read in place (the kernel packs its query blocks itself).
+    kp = pack(k, dp, at::kBFloat16);
+    vp = pack(v, dvp, at::kBFloat16);
+    k_pairs = pair_keys(kp);
+    p.q16 = bf16_data(q);
+    p.q16_strides = strides_of(q);
+    p.dout16 = bf16_data(dout);
+    p.dout16_strides = strides_of(dout);
+    p.k16 = bf16_data(kp);
+    p.v16 = bf16_data(vp);
+    p.k16_pairs = bf16_data(k_pairs);
+  } else {
+    qp = pack(q, dp);
+    kp = pack(k, dp);
+    vp = pack(v, dvp);
+    dop = pack(dout, dvp);
+    p.q = qp.data_ptr<float>();
+    p.k = kp.data_ptr<float>();
+    p.v = vp.data_ptr<float>();
+    p.dout = dop.data_ptr<float>();
+  }
+  p.lse = lse_c.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  p.dq = output_of(dq);
+  p.dk = output_of(dk);
+  p.dv = output_of(dv);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.mask = mask;
+  at::Tensor slopes, sinks;
+  p.score = score_options(score, slopes, sinks);
+  p.score.sinks = nullptr;  // already in lse
+  cpu::attention_bwd(p);
+  return {dq, dk, dv};
+}
+
+void merge_into_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+                    const at::Tensor& part_lse) {
+  const at::Tensor po = part_out.to(at::kFloat).contiguous();
+  const at::Tensor pl = part_lse.contiguous();
+  const int64_t B = out.size(0), S = out.size(1), H = out.size(2), D = out.size(3);
+  float* o = out.data_ptr<float>();
+  float* l = lse.data_ptr<float>();
+  const float* po_ = po.data_ptr<float>();
+  const float* pl_ = pl.data_ptr<float>();
+  at::parallel_for(0, B * S * H, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {  // row = (b * S + s) * H + h
+      const int64_t h = row % H, s = (row / H) % S, b = row / (H * S);
+      float& lse_ref = l[b * lse.stride(0) + h * lse.stride(1) + s * lse.stride(2)];
+      const MergeWeights w = merge_weights(lse_ref, pl_[(b * H + h) * S + s]);
+      float* dst = o + b * out.stride(0) + s * out.stride(1) + h * out.stride(2);
+      const float* src = po_ + row * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = w.weight_a * dst[d] + w.weight_b * src[d];
+      lse_ref = w.lse;
+    }
+  });
+}
+
+at::Tensor sink_bwd(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
+                    const at::Tensor& sinks, const std::optional<at::Tensor>& dlse) {
+  check_bshd(dout, "dout");
+  check_bshd(out, "out");
+  TORCH_CHECK(dout.sizes() == out.sizes(), "cpattn: dout must have out's shape ", out.sizes(),
+              ", got ", dout.sizes());
+  AttnShape s;
+  s.batch = out.size(0);
+  s.seqlen_q = out.size(1);
+  s.heads = out.size(2);
+  s.head_dim_v = out.size(3);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == s.batch &&
+                  lse.size(1) == s.heads && lse.size(2) == s.seqlen_q,
+              "cpattn: lse must be float32 of shape (batch, heads, seqlen) = (", s.batch, ", ",
+              s.heads, ", ", s.seqlen_q, "), got ", lse.sizes(), " ", lse.scalar_type());
+  check_score_args("sink_bwd", 0.0, std::nullopt, sinks, s.heads, out.device());
+  TORCH_CHECK(out.device().is_cpu(), "cpattn: sink_bwd runs on CPU tensors only, got ",
+              out.device());
+  at::Tensor delta = row_delta(dout, out, s);
+  if (dlse && dlse->defined()) {
+    TORCH_CHECK(dlse->sizes() == lse.sizes(), "cpattn: dlse must have lse's shape ", lse.sizes(),
+                ", got ", dlse->sizes());
+    delta.sub_(dlse->to(at::kFloat));
+  }
+  const at::Tensor l = lse.contiguous(), sk = sinks.to(at::kFloat).contiguous();
+  at::Tensor grad = at::empty({s.heads}, out.options().dtype(at::kFloat));
+  const float* lp = l.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const float* sp = sk.data_ptr<float>();
+  float* gp = grad.data_ptr<float>();
+  for (int64_t h = 0; h < s.heads; ++h) {
+    double sum = 0.0;  // a fixed order: the same bits with any thread count
+    for (int64_t b = 0; b < s.batch; ++b)
+      for (int64_t i = 0; i < s.seqlen_q; ++i) {
+        const int64_t row = (b * s.heads + h) * s.seqlen_q + i;
+        sum += sink_grad(sp[h], lp[row], dp[row]);
+      }
+    gp[h] = static_cast<float>(sum);
+  }
+  return grad;
+}
+
+[[maybe_unused]] const bool registered = register_backend(
+    c10::DeviceType::CPU,
+    {&check_options_cpu, &attention_fwd_cpu, &attention_bwd_cpu, &merge_into_cpu});
+
+}  // namespace
+
+void apply_sinks_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks) {
+  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kFloat &&
+                  lse.scalar_type() == at::kFloat && lse.dim() == 3 &&
+                  lse.size(0) == out.size(0) && lse.size(1) == out.size(2) &&
+                  lse.size(2) == out.size(1),
+              "cpattn: apply_sinks_ needs out (B, S, H, Dv) and lse (B, H, S), float32, got ",
+              out.sizes(), " ", out.scalar_type(), " and ", lse.sizes(), " ", lse.scalar_type());
+  check_score_args("apply_sinks_", 0.0, std::nullopt, sinks, out.size(2), out.device());
+  TORCH_CHECK(out.device().is_cpu(), "cpattn: apply_sinks_ runs on CPU tensors only, got ",
+              out.device());
+  const at::Tensor sk = sinks.to(at::kFloat).contiguous();
+  const float* sink = sk.data_ptr<float>();
+  const int64_t B = out.size(0), S = out.size(1), H = out.size(2), D = out.size(3);
+  float* o = out.data_ptr<float>();
+  float* l = lse.data_ptr<float>();
+  at::parallel_for(0, B * S * H, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {  // row = (b * S + s) * H + h
+      const int64_t h = row % H, i = (row / H) % S, b = row / (H * S);
+      float& lse_ref = l[b * lse.stride(0) + h * lse.stride(1) + i * lse.stride(2)];
+      const SinkNormalisation n = add_sink(lse_ref, sink[h]);
+      float* dst = o + b * out.stride(0) + i * out.stride(1) + h * out.stride(2);
+      for (int64_t d = 0; d < D; ++d) dst[d * out.stride(3)] *= n.out_factor;
+      lse_ref = n.lse;
+    }
+  });
+}
+
+}  // namespace cpattn::ops
+
+TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
+  cpattn::ops::impl_attention_ops(m);
+  cpattn::ops::impl_ring_ops(m);
+  cpattn::ops::impl_inference_ops(m);
+  m.impl("apply_sinks_", &cpattn::ops::apply_sinks_);  // CPU only so far
+  m.impl("sink_bwd", &cpattn::ops::sink_bwd);
+}
+
+TORCH_LIBRARY_IMPL(cpattn_testing, CPU, m) { cpattn::ops::impl_testing_ops(m); }

@@ -1,0 +1,56 @@
+// The kernels of one device type behind the device-generic ops, extension-cpp style: each backend
+// file (attention_cpu.cpp, attention_cuda.cpp) registers its kernels here and its ops with
+// TORCH_LIBRARY_IMPL for its dispatch key; the ops and the ring driver check their arguments once
+// (checks.h) and call backend_for(device). No device branches in the ops.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <optional>
+#include <tuple>
+
+#include "cpattn/params.h"
+#include "ops/ops.h"
+
+namespace torch {
+class Library;
+}
+
+namespace cpattn::ops {
+
+struct Backend {
+  // Raises, naming `fn`, for an option the kernels do not have yet (no silent drop). The ring
+  // drivers call it before any message, so every rank raises alike.
+  void (*check_options)(const char* fn, const AttnShape& s, const Mask& mask,
+                        const ScoreArgs& score);
+  // attention_fwd_scored / attention_bwd_scored with their arguments checked.
+  std::tuple<at::Tensor, at::Tensor> (*fwd)(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const AttnShape& s,
+                                            double softmax_scale, const Mask& mask,
+                                            const ScoreArgs& score, at::ScalarType out_dtype);
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> (*bwd)(
+      const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+      const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+      const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
+      std::optional<at::ScalarType> grad_dtype);
+  // merge_into (ops.h) on this device.
+  void (*merge)(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
+                const at::Tensor& part_lse);
+};
+
+// Called once per device type at load time (a static initialiser in the backend's file).
+bool register_backend(c10::DeviceType type, const Backend& backend);
+
+// The kernels for tensors on `device`; raises when this build has none.
+const Backend& backend_for(const c10::Device& device);
+
+// The ops every backend serves, device-generic (attention.cpp, ring_ops.cpp, inference.cpp):
+// each backend's TORCH_LIBRARY_IMPL block calls these for its dispatch key.
+void impl_attention_ops(torch::Library& m);
+void impl_ring_ops(torch::Library& m);
+void impl_inference_ops(torch::Library& m);
+// The same for the test- and benchmark-only library cpattn_testing (testing_ops.cpp).
+void impl_testing_ops(torch::Library& m);
+
+}  // namespace cpattn::ops

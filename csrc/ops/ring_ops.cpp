@@ -1,0 +1,145 @@
+// The ring ops over a torch process group (and their all-gathered variant): op arguments ->
+// RingOptions, a transport for the group, the driver (ring.cpp). Also the ops on layouts and the
+// ring's timing that take no tensor.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+
+#include "comm/transport.h"
+#include "cpattn/layout.h"
+#include "ops/backend.h"
+#include "ops/checks.h"
+#include "ops/ring.h"
+
+namespace cpattn::ops {
+
+// CUDA tensors shift over cpattn's own NCCL communicator (CPATTN_RING_TRANSPORT=c10d: through the
+// process group instead); CPU tensors through the process group.
+std::unique_ptr<comm::Transport> group_transport(const at::Tensor& q, c10::string_view group_name,
+                                                 double timeout_s) {
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+#ifdef CPATTN_WITH_CUDA
+  const char* choice = std::getenv("CPATTN_RING_TRANSPORT");
+  if (q.is_cuda() && !(choice && std::string(choice) == "c10d"))
+    return comm::make_nccl_transport(std::string(group_name), q.device(), timeout);
+#endif
+  return comm::make_process_group_transport(std::string(group_name), timeout);
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, c10::string_view group_name,
+                                            double softmax_scale, bool causal,
+                                            int64_t window_left, int64_t window_right,
+                                            int64_t layout, double timeout_s,
+                                            const std::optional<at::Tensor>& doc_lengths,
+                                            double softcap,
+                                            const std::optional<at::Tensor>& alibi_slopes,
+                                            const std::optional<at::Tensor>& sinks,
+                                            int64_t prefix_len) {
+  auto transport = group_transport(q, group_name, timeout_s);
+  auto result = ring_forward(q, k, v, *transport,
+                             make_ring_options(softmax_scale, causal, window_left, window_right,
+                                               layout, doc_lengths, softcap, alibi_slopes, sinks,
+                                               prefix_len));
+  transport->finish();
+  return result;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
+    double timeout_s, const std::optional<at::Tensor>& dlse,
+    const std::optional<at::Tensor>& doc_lengths, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
+  auto transport = group_transport(q, group_name, timeout_s);
+  auto result = ring_backward(dout, q, k, v, out, lse, dlse, *transport,
+                              make_ring_options(softmax_scale, causal, window_left, window_right,
+                                                layout, doc_lengths, softcap, alibi_slopes,
+                                                std::nullopt, prefix_len));
+  transport->finish();
+  return result;
+}
+
+std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::Tensor& kv_all,
+                                                int64_t rank, double softmax_scale, bool causal,
+                                                int64_t window_left, int64_t window_right,
+                                                int64_t layout,
+                                                const std::optional<at::Tensor>& doc_lengths,
+                                                double softcap,
+                                                const std::optional<at::Tensor>& alibi_slopes,
+                                                const std::optional<at::Tensor>& sinks,
+                                                int64_t prefix_len) {
+  return gathered_forward(q, kv_all, rank,
+                          make_ring_options(softmax_scale, causal, window_left, window_right,
+                                            layout, doc_lengths, softcap, alibi_slopes, sinks,
+                                            prefix_len));
+}
+
+std::tuple<at::Tensor, at::Tensor> gathered_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv_all, const at::Tensor& out,
+    const at::Tensor& lse, int64_t rank, double softmax_scale, bool causal, int64_t window_left,
+    int64_t window_right, int64_t layout, const std::optional<at::Tensor>& doc_lengths,
+    const std::optional<at::Tensor>& dlse, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
+  return gathered_backward(dout, q, kv_all, out, lse, dlse, rank,
+                           make_ring_options(softmax_scale, causal, window_left, window_right,
+                                             layout, doc_lengths, softcap, alibi_slopes,
+                                             std::nullopt, prefix_len));
+}
+
+// float64 (fwd compute, fwd wait, bwd compute, bwd wait) of the last ring calls on this thread.
+at::Tensor ring_stats() {
+  const RingStats* s = last_ring_stats();
+  return at::tensor({s[0].compute_s, s[0].wait_s, s[1].compute_s, s[1].wait_s}, at::kDouble);
+}
+
+// Destroys the NCCL communicators the CUDA ring cached (one per process group and device);
+// returns how many (0 in a CPU build).
+int64_t destroy_communicators() {
+#ifdef CPATTN_WITH_CUDA
+  return comm::destroy_nccl_communicators();
+#else
+  return 0;
+#endif
+}
+
+// Global positions (int64) of the local tokens of `rank`.
+at::Tensor layout_positions(int64_t seqlen, int64_t world, int64_t rank, int64_t layout) {
+  const Layout l = checked_layout(layout);
+  check_rank(rank, world);
+  const int64_t g = layout_granularity(l, world);
+  TORCH_CHECK(seqlen > 0 && seqlen % g == 0, "cpattn: the global sequence length (", seqlen,
+              ") must be a positive multiple of ", g, " for the ",
+              l == Layout::kZigzag ? "zigzag" : (l == Layout::kStriped ? "striped" : "contiguous"),
+              " layout over ", world, " ranks");
+  const int64_t local = seqlen / world;
+  at::Tensor pos = at::empty({local}, at::kLong);
+  int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < local; ++i) p[i] = global_position(l, seqlen, world, rank, i);
+  return pos;
+}
+
+}  // namespace
+
+void impl_ring_ops(torch::Library& m) {
+  m.impl("ring_fwd", &ring_fwd);
+  m.impl("ring_bwd", &ring_bwd);
+  m.impl("gathered_fwd", &gathered_fwd);
+  m.impl("gathered_bwd", &gathered_bwd);
+}
+
+}  // namespace cpattn::ops
+
+// No tensor argument to dispatch on.
+TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
+  m.impl("layout_positions", &cpattn::ops::layout_positions);
+  m.impl("ring_stats", &cpattn::ops::ring_stats);
+  m.impl("destroy_communicators", &cpattn::ops::destroy_communicators);
+}

@@ -1,0 +1,147 @@
+// Test- and benchmark-only ops, in their own library namespace (torch.ops.cpattn_testing) so the
+// public schema torch.ops.cpattn holds only the real ops: the ring driver over W ranks emulated
+// in this process, one transport shift, and the ring's work timed without communication.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <chrono>
+#include <exception>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "comm/transport.h"
+#include "ops/backend.h"
+#include "ops/checks.h"
+#include "ops/ring.h"
+
+namespace cpattn::ops {
+namespace {
+
+// Runs body(rank, transport) on W threads; body returns the tensors it hands back. On CUDA each
+// virtual rank computes on its own stream (see make_emulated_cuda_transport).
+template <typename Body>
+void run_emulated(int64_t world, const at::Tensor& like, Body body) {
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(world);
+  std::vector<std::vector<at::Tensor>> outputs(world);
+  const auto timeout = std::chrono::seconds(60);
+#ifdef CPATTN_WITH_CUDA
+  std::shared_ptr<comm::CudaMailbox> cuda_box;
+  if (like.is_cuda()) cuda_box = comm::make_cuda_mailbox(world, like.device());
+#endif
+  auto mailbox = comm::make_mailbox(world);
+  for (int64_t r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        std::unique_ptr<comm::Transport> transport;
+#ifdef CPATTN_WITH_CUDA
+        if (cuda_box) transport = comm::make_emulated_cuda_transport(cuda_box, r, timeout);
+#endif
+        if (!transport) transport = comm::make_emulated_transport(mailbox, r, timeout);
+        outputs[r] = body(r, *transport);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+#ifdef CPATTN_WITH_CUDA
+  if (cuda_box)
+    for (const auto& out : outputs) comm::finish_emulated_cuda(*cuda_box, out);
+#endif
+}
+
+// The same driver over W ranks emulated in this process (one list entry per rank).
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
+    at::TensorList q, at::TensorList k, at::TensorList v, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, int64_t layout) {
+  const int64_t world = static_cast<int64_t>(q.size());
+  TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size(),
+              "cpattn: emulated ring needs one q, k and v per rank, got ", q.size(), ", ",
+              k.size(), ", ", v.size());
+  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout,
+                                          std::nullopt);
+  std::vector<at::Tensor> outs(world), lses(world);
+  run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
+    std::tie(outs[r], lses[r]) = ring_forward(q[r], k[r], v[r], t, o);
+    return std::vector<at::Tensor>{outs[r], lses[r]};
+  });
+  return {outs, lses};
+}
+
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>
+ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::TensorList v,
+                  at::TensorList out, at::TensorList lse, double softmax_scale, bool causal,
+                  int64_t window_left, int64_t window_right, int64_t layout) {
+  const int64_t world = static_cast<int64_t>(q.size());
+  TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size() &&
+                  dout.size() == q.size() && out.size() == q.size() && lse.size() == q.size(),
+              "cpattn: emulated ring backward needs one of each tensor per rank");
+  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout,
+                                          std::nullopt);
+  std::vector<at::Tensor> dq(world), dk(world), dv(world);
+  run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
+    std::tie(dq[r], dk[r], dv[r]) =
+        ring_backward(dout[r], q[r], k[r], v[r], out[r], lse[r], std::nullopt, t, o);
+    return std::vector<at::Tensor>{dq[r], dk[r], dv[r]};
+  });
+  return {dq, dk, dv};
+}
+
+at::Tensor ring_loopback_timing(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& dout, int64_t rank, int64_t world,
+                                double softmax_scale, bool causal, int64_t window_left,
+                                int64_t window_right, int64_t layout) {
+  check_rank(rank, world);
+  auto transport = comm::make_loopback_transport(rank, world);
+  const RingOptions o = make_ring_options(softmax_scale, causal, window_left, window_right, layout,
+                                          std::nullopt);
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  auto [out, lse] = ring_forward(q, k, v, *transport, o);
+  const auto t1 = Clock::now();
+  ring_backward(dout, q, k, v, out, lse, std::nullopt, *transport, o);
+  const std::chrono::duration<double> fwd = t1 - t0, bwd = Clock::now() - t1;
+  return at::tensor({fwd.count(), bwd.count()}, at::kDouble);
+}
+
+// One ring shift of `send` (to rank + 1, from rank - 1) through the transport the ring ops use
+// for its device: a test of the transport itself (at W = 1, NCCL send / recv to self).
+at::Tensor ring_shift(const at::Tensor& send, c10::string_view group_name, double timeout_s) {
+  auto transport = group_transport(send, group_name, timeout_s);
+  const at::Tensor src = send.contiguous();
+  at::Tensor recv = at::empty_like(src);
+  transport->shift(src, recv, 0)->wait();
+  transport->finish();
+  return recv;
+}
+
+}  // namespace
+
+void impl_testing_ops(torch::Library& m) {
+  m.impl("ring_fwd_emulated", &ring_fwd_emulated);
+  m.impl("ring_bwd_emulated", &ring_bwd_emulated);
+  m.impl("ring_shift", &ring_shift);
+  m.impl("ring_loopback_timing", &ring_loopback_timing);
+}
+
+}  // namespace cpattn::ops
+
+TORCH_LIBRARY(cpattn_testing, m) {
+  m.def(
+      "ring_fwd_emulated(Tensor[] q, Tensor[] k, Tensor[] v, float softmax_scale, bool causal, "
+      "int window_left, int window_right, int layout) -> (Tensor[] out, Tensor[] lse)");
+  m.def(
+      "ring_bwd_emulated(Tensor[] dout, Tensor[] q, Tensor[] k, Tensor[] v, Tensor[] out, "
+      "Tensor[] lse, float softmax_scale, bool causal, int window_left, int window_right, "
+      "int layout) -> (Tensor[] dq, Tensor[] dk, Tensor[] dv)");
+  // One shift of `send` over the group (NCCL for CUDA tensors).
+  m.def("ring_shift(Tensor send, str group_name, float timeout_s) -> Tensor");
+  // (forward s, backward s) of one rank's ring work without communication.
+  m.def(
+      "ring_loopback_timing(Tensor q, Tensor k, Tensor v, Tensor dout, int rank, int world, "
+      "float softmax_scale, bool causal, int window_left, int window_right, int layout) -> Tensor");
+}

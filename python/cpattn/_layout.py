@@ -1,0 +1,96 @@
+"""How a sequence is split over W ranks: layout names and codes, granularity, padding, positions
+(and, for Ulysses, which KV heads each rank holds).
+
+The one Python home of these rules. The layouts themselves live in the header core
+(csrc/include/cpattn/layout.h): positions come from it through torch.ops.cpattn.layout_positions,
+and the codes below are its `Layout` enum. Any length: a sequence whose length is not a multiple
+of the layout's granularity is padded at its end; padding slots have position -1.
+"""
+
+from typing import Optional
+
+import torch
+
+# csrc/include/cpattn/layout.h `Layout`: the integer each op takes as `layout`.
+LAYOUTS = {"contiguous": 0, "zigzag": 1, "striped": 2}
+# The float dtypes cpattn computes in, by the names the cost model and the benchmarks use.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def layout_code(layout: str) -> int:
+    """The header core's integer code of `layout`; ValueError for an unknown name."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"cpattn: layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    return LAYOUTS[layout]
+
+
+def granularity(layout: str, world: int) -> int:
+    """Global lengths split evenly under `layout` over `world` ranks are multiples of this:
+    2W for zigzag (2W chunks), W otherwise (layout.h layout_granularity)."""
+    return (2 if layout_code(layout) == LAYOUTS["zigzag"] else 1) * world
+
+
+def round_up(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of `multiple`."""
+    return -(-n // multiple) * multiple
+
+
+def padded_length(seqlen: int, layout: str, world: int) -> int:
+    """seqlen rounded up to the layout's granularity (any length: padding at the end)."""
+    if seqlen <= 0:
+        raise ValueError(f"cpattn: the sequence length must be positive, got {seqlen}")
+    return round_up(seqlen, granularity(layout, world))
+
+
+def check_chunk(what: str, chunk: int, layout: str, world: int, per_rank: Optional[int] = None
+                ) -> None:
+    """Raises ValueError unless a chunk of `chunk` tokens splits evenly under `layout` (prefill
+    chunks are not padded). `per_rank`: the shard length, named in the message."""
+    g = granularity(layout, world)
+    if chunk % g != 0:
+        shard = "" if per_rank is None else f" ({per_rank} per rank)"
+        raise ValueError(f"{what}: the {layout} layout needs a chunk length that is a multiple of "
+                         f"{g}, got {chunk}{shard}")
+
+
+def shard_positions(seqlen: int, layout: str, world: int, rank: int) -> torch.Tensor:
+    """Global positions (int64, (padded / W,)) of `rank`'s tokens of a length-`seqlen` sequence,
+    -1 for the padding slots of a length that is not a multiple of the granularity."""
+    padded = padded_length(seqlen, layout, world)
+    pos = torch.ops.cpattn.layout_positions(padded, world, rank, layout_code(layout))
+    return pos if padded == seqlen else torch.where(pos < seqlen, pos, -1)
+
+
+def document_positions(docs: torch.Tensor, layout: str, world: int, rank: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen sharding (each document padded to the granularity and sharded on its own), for
+    `rank`'s local tokens: (index into the packed global sequence or -1 for padding, position
+    within its document or -1). docs: int64 document lengths (D,)."""
+    layout_code(layout)  # an unknown layout raises even when every document is empty
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), docs.cumsum(0)])
+    index, within = [], []
+    for d, n in enumerate(docs.tolist()):
+        if n == 0:
+            continue
+        pos = shard_positions(n, layout, world, rank)
+        index.append(torch.where(pos >= 0, starts[d] + pos, -1))
+        within.append(pos)
+    if not index:
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, empty
+    return torch.cat(index), torch.cat(within)
+
+
+def kv_heads_for_ranks(heads: int, kv_heads: int, world: int) -> Optional[list]:
+    """KV heads to send so that after the all-to-all rank r holds the KV heads of its query heads
+    [r * H/W, (r+1) * H/W), with a uniform group size. None: send K/V as they are."""
+    per_rank = heads // world
+    group = heads // kv_heads
+    if kv_heads % world == 0:
+        return None  # each rank gets kv_heads / W heads, group size unchanged
+    if group % per_rank == 0:
+        # all query heads of a rank share one KV head: replicate it W / kv_heads times
+        return [(r * per_rank) // group for r in range(world)]
+    # otherwise one KV head per query head (group size 1)
+    return [h // group for h in range(heads)]
