@@ -78,7 +78,6 @@ def _call(c, seqlen, heads, kv_heads, dim, causal, mode, world, hybrid):
 
 
 def _worker(rank: int, world: int, cfg: dict) -> dict:
-    import cpattn
     from cpattn import plan as P
 
     os.environ["CPATTN_PLAN_CACHE"] = cfg["cache"]
