@@ -6,11 +6,12 @@ run each one timed, and the plan's prediction from a calibration of the same ran
 
 Per W, one set of ranks (1 thread each): calibrate(group) first (it measures the kernel with all
 W ranks computing at once, so W > cores shows up as a lower rate), then every problem and
-strategy: a warm-up and `--iters` timed calls (forward, + backward for training), time = max over
-ranks of the per-rank best (the least disturbed call: the machine may be shared). "none" is every rank computing the whole problem at once (what no
-context parallelism costs on these ranks). Reported: predicted vs measured per strategy, the
-median absolute error, and how often the plan's first choice is the measured fastest (or within
-5 % of it).
+strategy: a warm-up and `--iters` timed calls (forward, + backward for training), the
+candidates of a problem taken in turn (round robin), time = max over ranks of the per-rank best
+(the least disturbed call: the machine may be shared). "none" is every rank computing the whole
+problem at once (what no context parallelism costs on these ranks). Reported: predicted vs
+measured per strategy, the median absolute error, and how often the plan's first choice is the
+measured fastest (or within 5 % of it).
 """
 
 import argparse
@@ -47,8 +48,36 @@ GRID = {
 QUICK = {1: GRID[1][:1], 2: GRID[2][:2], 4: GRID[4][:1]}
 
 
-def _worker(rank: int, world: int, cfg: dict) -> dict:
+def _call(c, seqlen, heads, kv_heads, dim, causal, mode, world, hybrid):
+    """One call of candidate c on fresh inputs (forward, + backward when training)."""
     import cpattn
+
+    full = c.strategy == "none"
+    s = seqlen if full else seqlen // world
+    train = mode == "train"
+    q = torch.randn(1, s, heads, dim, requires_grad=train)
+    k, v = (torch.randn(1, s, kv_heads, dim, requires_grad=train) for _ in range(2))
+    if full:
+        fwd = lambda: cpattn.attention(q, k, v, causal=causal)  # noqa: E731
+    elif c.strategy in ("ring", "allgather"):
+        fwd = lambda: cpattn.ring_attention(  # noqa: E731
+            q, k, v, causal=causal, layout=c.layout, strategy=c.strategy,
+            allgather_chunk=c.chunk or None)
+    elif c.strategy == "ulysses":
+        fwd = lambda: cpattn.ulysses_attention(q, k, v, causal=causal)  # noqa: E731
+    else:
+        ug, rg = hybrid[c.ulysses]
+        fwd = lambda: cpattn.hybrid_attention(  # noqa: E731
+            q, k, v, ulysses_group=ug, ring_group=rg, causal=causal, layout=c.layout)
+
+    def call():
+        out = fwd()
+        if train:
+            out.backward(torch.ones_like(out))
+    return call
+
+
+def _worker(rank: int, world: int, cfg: dict) -> dict:
     from cpattn import plan as P
 
     os.environ["CPATTN_PLAN_CACHE"] = cfg["cache"]
@@ -67,34 +96,20 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                  if c.strategy != "hybrid" or c.ulysses in hybrid]
         preds = {r.name: r for r in P.predict(p, machine, world, cands)}
         torch.manual_seed(0)
-        for c in cands:
-            full = c.strategy == "none"
-            s = seqlen if full else seqlen // world
-            q = torch.randn(1, s, heads, dim, requires_grad=mode == "train")
-            k, v = (torch.randn(1, s, kv_heads, dim, requires_grad=mode == "train")
-                    for _ in range(2))
-            if full:
-                call = lambda: cpattn.attention(q, k, v, causal=causal)  # noqa: E731
-            elif c.strategy in ("ring", "allgather"):
-                call = lambda: cpattn.ring_attention(  # noqa: E731
-                    q, k, v, causal=causal, layout=c.layout, strategy=c.strategy,
-                    allgather_chunk=c.chunk or None)
-            elif c.strategy == "ulysses":
-                call = lambda: cpattn.ulysses_attention(q, k, v, causal=causal)  # noqa: E731
-            else:
-                ug, rg = hybrid[c.ulysses]
-                call = lambda: cpattn.hybrid_attention(  # noqa: E731
-                    q, k, v, ulysses_group=ug, ring_group=rg, causal=causal, layout=c.layout)
-            times = []
-            for it in range(cfg["iters"] + 1):
+        calls = {c.name: _call(c, seqlen, heads, kv_heads, dim, causal, mode, world, hybrid)
+                 for c in cands}
+        # round robin over the candidates, so that a change of the machine's load between them
+        # touches every candidate alike; each keeps its best call
+        best = dict.fromkeys(calls, float("inf"))
+        for it in range(cfg["iters"] + 1):
+            for name, call in calls.items():
                 dist.barrier()
                 t0 = time.perf_counter()
-                out = call()
-                if mode == "train":
-                    out.backward(torch.ones_like(out))
+                call()
                 if it:
-                    times.append(time.perf_counter() - t0)
-            t = torch.tensor([min(times)], dtype=torch.float64)
+                    best[name] = min(best[name], time.perf_counter() - t0)
+        for c in cands:
+            t = torch.tensor([best[c.name]], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             rows.append({"W": world, "seqlen": seqlen, "heads": heads, "kv_heads": kv_heads,
                          "head_dim": dim, "causal": causal, "mode": mode, "strategy": c.name,

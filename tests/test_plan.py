@@ -19,7 +19,12 @@ PROBLEMS = [
     P.Problem(0, 8, 4, 64, documents=(1000, 3000, 96), causal=True),
     P.Problem(1 << 20, 64, 8, 128, causal=True),
 ]
-MACHINES = [P.PRESETS[n] for n in ("cpu-gloo", "h100-ib", "a100-ib")]
+# a calibrated-like CPU machine: its collectives measured, slower than its point-to-point link
+MEASURED_CPU = dataclasses.replace(
+    P.PRESETS["cpu-gloo"], name="cpu-gloo-measured",
+    collectives={"all_gather": P.Link(0.6e9, 3e-4), "reduce_scatter": P.Link(0.4e9, 5e-4),
+                 "all_to_all": P.Link(0.5e9, 4e-4)})
+MACHINES = [P.PRESETS[n] for n in ("cpu-gloo", "h100-ib", "a100-ib")] + [MEASURED_CPU]
 
 
 def _fp32_machine(m: P.Machine) -> P.Machine:
@@ -32,6 +37,7 @@ def _scaled(m: P.Machine, bw=1.0, lat=1.0, flops=1.0) -> P.Machine:
     link = lambda k: P.Link(k.bandwidth * bw, k.latency * lat)  # noqa: E731
     return dataclasses.replace(
         m, intra=link(m.intra), inter=link(m.inter),
+        collectives={name: link(k) for name, k in m.collectives.items()},
         fwd_flops={d: f * flops for d, f in m.fwd_flops.items()},
         bwd_flops={d: f * flops for d, f in m.bwd_flops.items()})
 
@@ -149,9 +155,25 @@ def test_problem_and_machine_errors_name_the_argument():
         P.predict(P.Problem(1024, 8, 4, 64, dtype="float32"), P.PRESETS["h100-ib"], 2)
 
 
+def test_measured_collectives_price_the_strategies_that_call_them():
+    p = P.Problem(8192, 8, 8, 64, dtype="float32", causal=True, mode="train")
+    slow_a2a = dataclasses.replace(MEASURED_CPU, collectives={
+        **MEASURED_CPU.collectives, "all_to_all": P.Link(0.05e9, 4e-4)})
+    base = {r.name: r.time for r in P.predict(p, MEASURED_CPU, 4)}
+    slow = {r.name: r.time for r in P.predict(p, slow_a2a, 4)}
+    assert slow["ulysses"] > base["ulysses"] and slow["hybrid 2x2/zigzag"] > base[
+        "hybrid 2x2/zigzag"]
+    assert slow["ring/zigzag"] == base["ring/zigzag"]
+    assert slow["allgather/zigzag"] == base["allgather/zigzag"]
+    # and the unmeasured machine prices them from its link
+    plain = {r.name: r.time for r in P.predict(p, P.PRESETS["cpu-gloo"], 4)}
+    assert plain["ulysses"] != base["ulysses"] and plain["ring/zigzag"] == base["ring/zigzag"]
+
+
 def test_machine_json_round_trip(tmp_path):
     m = P.PRESETS["a100-ib"]
     assert P.Machine.from_json(m.to_json()) == m
+    assert P.Machine.from_json(MEASURED_CPU.to_json()) == MEASURED_CPU
     path = tmp_path / "m.json"
     path.write_text(m.to_json())
     assert P.machine(str(path)) == m

@@ -70,7 +70,10 @@ class Machine:
     its compute (1: separate copy engines; lower where the transfer takes CPU time from the
     cores that compute). block: the kernel's (query, key) tile. reduce_scatter_factor: bytes a
     reduce-scatter sends relative to the ideal (W-1) parts (2: gloo runs it as a ring
-    all-reduce of the whole buffer).
+    all-reduce of the whole buffer). collectives: measured Links of the collectives the
+    all-gather and Ulysses strategies call ("all_gather", "reduce_scatter", "all_to_all"; bytes
+    = what leaves one rank, the helpers' packing copies included), where calibrate() measured
+    them; a collective not listed is modelled from the link.
     """
 
     name: str
@@ -86,6 +89,7 @@ class Machine:
     overlap: float = 1.0
     block: tuple = (128, 128)
     reduce_scatter_factor: float = 1.0
+    collectives: dict = field(default_factory=dict)
 
     def link(self, span: int) -> Link:
         """The link between members of a group spread over `span` consecutive ranks: inside a
@@ -107,6 +111,7 @@ class Machine:
         d = json.loads(text)
         d["intra"], d["inter"] = Link(**d["intra"]), Link(**d["inter"])
         d["block"] = tuple(d["block"])
+        d["collectives"] = {k: Link(**v) for k, v in d.get("collectives", {}).items()}
         return Machine(**d)
 
 
@@ -507,11 +512,26 @@ def _all_gather_time(link: Link, per_rank: float, world: int) -> float:
     return link.time((world - 1) * per_rank, world - 1) if world > 1 else 0.0
 
 
+def _collective_time(m: Machine, name: str, link: Link, nbytes: float, world: int,
+                     unmeasured_factor: float = 1.0) -> float:
+    """A collective over `world` ranks in which ideally `nbytes` leave each rank: at the rate
+    calibrate() measured for it (which absorbs the backend's own overheads), else as W - 1
+    messages of `unmeasured_factor` times those bytes on `link`."""
+    if world == 1:
+        return 0.0
+    measured = m.collectives.get(name)
+    if measured is not None:
+        return measured.time(nbytes)
+    return link.time(nbytes * unmeasured_factor, world - 1)
+
+
 def _all_to_all_time(m: Machine, total: float, world: int, span: int) -> float:
     """All-to-all of `total` bytes per rank over `world` ranks, `span` consecutive ranks wide:
     (W-1)/W of it leaves the rank; the part to other nodes goes over the slower link."""
     if world == 1:
         return 0.0
+    if "all_to_all" in m.collectives and span <= m.ranks_per_node:
+        return _collective_time(m, "all_to_all", m.intra, total * (world - 1) / world, world)
     if span <= m.ranks_per_node:
         t = m.intra.time(total * (world - 1) / world, world - 1)
     else:
@@ -565,14 +585,15 @@ def _predict_strategy(p: Problem, m: Machine, world: int, c: Candidate) -> Predi
         chunks = math.ceil(Hkv / c.chunk)
         fwd_c = _compute_steps(p, m, world, c.layout, H).sum(1).amax().item()
         kv_chunk = r["kv"] / Hkv * c.chunk
-        gather = chunks * _all_gather_time(link, kv_chunk, world)
+        gather = chunks * _collective_time(m, "all_gather", link, (world - 1) * kv_chunk, world)
         copies = world * r["kv"] / m.mem_bandwidth
         compute = fwd_c + world * r["state"] * 3 / m.mem_bandwidth
         time_, exposed, sent = compute + gather + copies, gather, (world - 1) * r["kv"]
         if train:
             bwd_c = _compute_steps(p, m, world, c.layout, H, backward=True).sum(1).amax().item()
             acc_chunk = r["acc"] / Hkv * c.chunk
-            rs = chunks * _all_gather_time(link, acc_chunk * m.reduce_scatter_factor, world)
+            rs = chunks * _collective_time(m, "reduce_scatter", link, (world - 1) * acc_chunk,
+                                           world, m.reduce_scatter_factor)
             exposed += gather + rs
             compute += bwd_c
             time_ += bwd_c + gather + rs + copies + 2 * world * r["acc"] / m.mem_bandwidth
@@ -754,6 +775,36 @@ def _probe_kernel(device, dtype: torch.dtype, block: tuple, sync) -> tuple:
     return fwd_rate, bwd_rate, overhead
 
 
+def _probe_collectives(group, device, sync) -> dict:
+    """{name: (seconds per byte, seconds per call)} of the collectives the all-gather and Ulysses
+    strategies call, each timed at two sizes; bytes = what ideally leaves one rank."""
+    import torch.distributed as dist
+
+    from cpattn import comm
+
+    world = dist.get_world_size(group)
+    probes = {
+        "all_gather": lambda x: comm.all_gather_flat(
+            x.new_empty(world * x.numel()), x, group=group),
+        "reduce_scatter": lambda x: comm.reduce_scatter_flat(
+            x.new_empty(x.numel() // world), x, group=group),
+        # through the helper Ulysses uses: its chunk / concatenate copies count
+        "all_to_all": lambda x: comm.all_to_all(x.view(world, -1), 0, 1, group),
+    }
+    result = {}
+    for name, call in probes.items():
+        points = []
+        for per_rank in (16 << 10, 1 << 20):  # floats per rank's part
+            x = torch.randn(world * per_rank, device=device)
+            if name == "all_gather":
+                x = x[:per_rank].clone()
+            points.append(((world - 1) * per_rank * 4, _timed(lambda: call(x), 3, sync)))
+        (n0, t0), (n1, t1) = points
+        per_byte = max(t1 - t0, 1e-9) / (n1 - n0)
+        result[name] = (per_byte, max(t0 - n0 * per_byte, 1e-7))
+    return result
+
+
 def calibrate(group=None, *, dtypes: Sequence[str] = (), refresh: bool = False,
               memory: Optional[float] = None) -> Machine:
     """Measures this group (a few seconds, every rank at once, so shared cores count) and caches
@@ -810,16 +861,21 @@ def calibrate(group=None, *, dtypes: Sequence[str] = (), refresh: bool = False,
         t_small, t_big = _timed(lambda: shift(small), 5), _timed(lambda: shift(big), 3)
         bw = (big.numel() - small.numel()) * 4 / max(t_big - t_small, 1e-9)
         lat = max(t_small - small.numel() * 4 / bw, 1e-7)
+        collectives = _probe_collectives(group, device, sync)
     else:
-        bw, lat = 1e12, 1e-6
+        bw, lat, collectives = 1e12, 1e-6, {}
+    names = sorted(collectives)
     # every rank gets the mean over ranks of the seconds per unit (one rank's noise is diluted)
     mine = torch.tensor([1 / fwd[d] for d in dtypes] + [1 / bwd[d] for d in dtypes] +
-                        [overhead, 1 / mem_bw, 1 / bw, lat], dtype=torch.float64)
+                        [overhead, 1 / mem_bw, 1 / bw, lat] +
+                        [x for name in names for x in collectives[name]], dtype=torch.float64)
     mine = mine.to(device)
     dist.all_reduce(mine, group=group)
     v = (mine / world).cpu().tolist()
     n = len(dtypes)
     link = Link(1 / v[2 * n + 2], v[2 * n + 3])
+    measured = {name: Link(1 / v[2 * n + 4 + 2 * i], v[2 * n + 5 + 2 * i])
+                for i, name in enumerate(names)}
     if memory is None:
         memory = (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda"
                   else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / world)
@@ -832,7 +888,7 @@ def calibrate(group=None, *, dtypes: Sequence[str] = (), refresh: bool = False,
         call_overhead=v[2 * n], mem_bandwidth=1 / v[2 * n + 1], memory=float(memory),
         # CPU ranks: gloo's TCP transfers take CPU time from the cores that compute
         overlap=0.5 if device.type == "cpu" else 1.0, block=block,
-        reduce_scatter_factor=2.0 if backend == "gloo" else 1.0)
+        reduce_scatter_factor=2.0 if backend == "gloo" else 1.0, collectives=measured)
     if me == 0:
         path = _cache_path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
