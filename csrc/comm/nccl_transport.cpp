@@ -385,8 +385,9 @@ class NcclTransport final : public Transport {
   explicit NcclTransport(std::shared_ptr<NcclCommunicator> comm) : comm_(std::move(comm)) {}
   int64_t rank() const override { return comm_->rank(); }
   int64_t world() const override { return comm_->world(); }
+  // NCCL orders the messages of one communicator: no tag needed to tell them apart.
   std::unique_ptr<PendingShift> shift(const at::Tensor& send, const at::Tensor& recv,
-                                      int64_t tag) override {
+                                      int64_t /*tag*/) override {
     TORCH_CHECK(send.is_cuda() && recv.is_cuda() && send.device() == comm_->device() &&
                     recv.device() == comm_->device(),
                 "cpattn: NCCL ring buffers must be on ", comm_->device(), ", got ", send.device(),
