@@ -128,7 +128,8 @@ struct Problem {
 };
 
 void set_counters(benchmark::State& state, const Problem& pb, double flops) {
-  state.counters["FLOPS"] = benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["FLOPS"] =
+      benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["heads"] = static_cast<double>(pb.shape.heads);
   state.counters["threads"] = static_cast<double>(at::get_num_threads());
 }
@@ -175,7 +176,8 @@ bool parse_int_flag(const char* arg, const char* name, int64_t* value) {
   if (std::strncmp(arg, name, n) != 0 || arg[n] != '=') return false;
   const long long parsed = std::atoll(arg + n + 1);
   if (parsed <= 0) {
-    std::fprintf(stderr, "bench_kernel: %s must be a positive integer, got '%s'\n", name, arg + n + 1);
+    std::fprintf(stderr, "bench_kernel: %s must be a positive integer, got '%s'\n", name,
+                 arg + n + 1);
     std::exit(2);
   }
   *value = parsed;
@@ -188,7 +190,8 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   int64_t threads = 0;
   for (int i = 1; i < argc; ++i) {
-    if (parse_int_flag(argv[i], "--heads", &g_heads) || parse_int_flag(argv[i], "--threads", &threads))
+    if (parse_int_flag(argv[i], "--heads", &g_heads) ||
+        parse_int_flag(argv[i], "--threads", &threads))
       continue;
     std::fprintf(stderr,
                  "bench_kernel: unknown argument '%s' (own flags: --heads=N, --threads=N; see "

@@ -14,11 +14,14 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "cpattn compiled ops";
   m.def("cpu_isa", &cpattn::cpu::active_isa,
         "Instruction set of the CPU kernels: avx512, avx2 or generic");
-  m.def("nccl_version", [] {
+  m.def(
+      "nccl_version",
+      [] {
 #ifdef CPATTN_WITH_CUDA
-    return cpattn::comm::nccl_version();
+        return cpattn::comm::nccl_version();
 #else
-    return 0;
+        return 0;
 #endif
-  }, "NCCL version linked (e.g. 23007), 0 when built without CUDA");
+      },
+      "NCCL version linked (e.g. 23007), 0 when built without CUDA");
 }

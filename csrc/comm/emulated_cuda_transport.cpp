@@ -26,11 +26,11 @@
 
 namespace cpattn::comm {
 
-#define CPATTN_EMU_CUDA_CHECK(call)                                                        \
-  do {                                                                                     \
-    const cudaError_t e_ = (call);                                                         \
-    TORCH_CHECK(e_ == cudaSuccess, "cpattn: emulated CUDA ring: ", #call, " failed: ",     \
-                cudaGetErrorString(e_));                                                   \
+#define CPATTN_EMU_CUDA_CHECK(call)                                       \
+  do {                                                                    \
+    const cudaError_t e_ = (call);                                        \
+    TORCH_CHECK(e_ == cudaSuccess, "cpattn: emulated CUDA ring: ", #call, \
+                " failed: ", cudaGetErrorString(e_));                     \
   } while (0)
 
 class CudaMailbox {
@@ -120,7 +120,9 @@ class EmulatedCudaTransport final : public Transport {
 
   EmulatedCudaTransport(std::shared_ptr<CudaMailbox> box, int64_t rank,
                         std::chrono::milliseconds timeout)
-      : box_(std::move(box)), rank_(rank), timeout_(timeout),
+      : box_(std::move(box)),
+        rank_(rank),
+        timeout_(timeout),
         compute_(c10::cuda::getStreamFromPool(false, box_->device().index())),
         comm_(c10::cuda::getStreamFromPool(false, box_->device().index())) {
     guard_.emplace(compute_);  // this thread's current device and stream, for the rank's work
@@ -153,12 +155,13 @@ class EmulatedCudaTransport final : public Transport {
   void complete(const at::Tensor& recv, int64_t tag, int slot) {
     CudaMailbox::Message m = box_->take(rank_, tag, CudaMailbox::kData, timeout_);
     const cudaStream_t comm = comm_.stream(), compute = compute_.stream();
-    CPATTN_EMU_CUDA_CHECK(cudaStreamWaitEvent(comm, m.event, 0));        // sender's data written
-    CPATTN_EMU_CUDA_CHECK(cudaStreamWaitEvent(comm, ready_[slot], 0));   // our recv buffer free
+    CPATTN_EMU_CUDA_CHECK(cudaStreamWaitEvent(comm, m.event, 0));       // sender's data written
+    CPATTN_EMU_CUDA_CHECK(cudaStreamWaitEvent(comm, ready_[slot], 0));  // our recv buffer free
     CPATTN_EMU_CUDA_CHECK(cudaMemcpyAsync(recv.data_ptr(), m.data.data_ptr(), recv.nbytes(),
                                           cudaMemcpyDeviceToDevice, comm));
     CPATTN_EMU_CUDA_CHECK(cudaEventRecord(copied_[slot], comm));
-    box_->put((rank_ + world() - 1) % world(), tag, CudaMailbox::kAck, {at::Tensor(), copied_[slot]});
+    box_->put((rank_ + world() - 1) % world(), tag, CudaMailbox::kAck,
+              {at::Tensor(), copied_[slot]});
     CPATTN_EMU_CUDA_CHECK(cudaStreamWaitEvent(compute, copied_[slot], 0));  // received
     const CudaMailbox::Message ack = box_->take(rank_, tag, CudaMailbox::kAck, timeout_);
     CPATTN_EMU_CUDA_CHECK(cudaStreamWaitEvent(compute, ack.event, 0));  // our send consumed

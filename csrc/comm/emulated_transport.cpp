@@ -49,7 +49,10 @@ class EmulatedShift final : public PendingShift {
  public:
   EmulatedShift(std::shared_ptr<Mailbox> mailbox, int64_t rank, int64_t tag, at::Tensor recv,
                 std::chrono::milliseconds timeout)
-      : mailbox_(std::move(mailbox)), rank_(rank), tag_(tag), recv_(std::move(recv)),
+      : mailbox_(std::move(mailbox)),
+        rank_(rank),
+        tag_(tag),
+        recv_(std::move(recv)),
         timeout_(timeout) {}
   void wait() override { recv_.copy_(mailbox_->take(rank_, tag_, timeout_)); }
 

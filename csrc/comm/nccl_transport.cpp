@@ -78,8 +78,12 @@ class NcclCommunicator : public std::enable_shared_from_this<NcclCommunicator> {
 
   NcclCommunicator(std::string name, c10::weak_intrusive_ptr<c10d::ProcessGroup> group,
                    ncclComm_t comm, int rank, int world, c10::Device device)
-      : name_(std::move(name)), group_(std::move(group)), comm_(comm), rank_(rank),
-        world_(world), device_(device),
+      : name_(std::move(name)),
+        group_(std::move(group)),
+        comm_(comm),
+        rank_(rank),
+        world_(world),
+        device_(device),
         stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())) {
     const c10::cuda::CUDAGuard guard(device_);
     for (int i = 0; i < kSlots; ++i) {
@@ -110,7 +114,8 @@ class NcclCommunicator : public std::enable_shared_from_this<NcclCommunicator> {
     const size_t bytes = send.nbytes();
     const int next = (rank_ + 1) % world_, prev = (rank_ + world_ - 1) % world_;
     CPATTN_CUDA_CHECK(cudaEventRecord(ready_[slot], compute), "cudaEventRecord");
-    CPATTN_CUDA_CHECK(cudaStreamWaitEvent(stream_.stream(), ready_[slot], 0), "cudaStreamWaitEvent");
+    CPATTN_CUDA_CHECK(cudaStreamWaitEvent(stream_.stream(), ready_[slot], 0),
+                      "cudaStreamWaitEvent");
     const Clock::time_point deadline = Clock::now() + timeout();
     ncclResult_t r = settle(comm_, ncclGroupStart(), deadline);
     if (r == ncclSuccess)
@@ -202,7 +207,8 @@ class NcclCommunicator : public std::enable_shared_from_this<NcclCommunicator> {
   void record_error(const std::string& what) {
     if (error_.empty())
       error_ = "cpattn: NCCL ring on rank " + std::to_string(rank_) + " of group '" + name_ +
-               "': " + what + "; the communicator was aborted (call "
+               "': " + what +
+               "; the communicator was aborted (call "
                "cpattn.destroy_communicators() on every rank, then retry)";
     abort();
     watching_ = false;
@@ -296,9 +302,9 @@ std::shared_ptr<NcclCommunicator> bootstrap(const std::string& group_name,
     TORCH_CHECK(r == ncclSuccess, "cpattn: ncclGetUniqueId failed: ", nccl_error(r));
   }
   const bool cpu = has_cpu_backend(*group);
-  at::Tensor buf = at::empty({static_cast<int64_t>(sizeof(id))},
-                             at::TensorOptions().dtype(at::kByte).device(cpu ? c10::Device(c10::kCPU)
-                                                                             : device));
+  at::Tensor buf =
+      at::empty({static_cast<int64_t>(sizeof(id))},
+                at::TensorOptions().dtype(at::kByte).device(cpu ? c10::Device(c10::kCPU) : device));
   if (rank == 0) {
     at::Tensor host = at::empty({static_cast<int64_t>(sizeof(id))}, at::kByte);
     std::memcpy(host.data_ptr(), &id, sizeof(id));
@@ -324,10 +330,10 @@ std::shared_ptr<NcclCommunicator> bootstrap(const std::string& group_name,
     if (comm != nullptr) ncclCommAbort(comm);
     TORCH_CHECK(false, "cpattn: NCCL communicator for group '", group_name, "' on rank ", rank,
                 " of ", world, ": ",
-                r == ncclInProgress ? "ncclCommInitRankConfig did not finish within " +
-                                          std::to_string(timeout.count()) +
-                                          " ms (a peer never joined)"
-                                    : "ncclCommInitRankConfig failed: " + nccl_error(r));
+                r == ncclInProgress
+                    ? "ncclCommInitRankConfig did not finish within " +
+                          std::to_string(timeout.count()) + " ms (a peer never joined)"
+                    : "ncclCommInitRankConfig failed: " + nccl_error(r));
   }
   return std::make_shared<NcclCommunicator>(
       group_name, c10::weak_intrusive_ptr<c10d::ProcessGroup>(group), comm, rank, world, device);
@@ -393,8 +399,8 @@ class NcclTransport final : public Transport {
                 "cpattn: NCCL ring buffers must be on ", comm_->device(), ", got ", send.device(),
                 " and ", recv.device());
     TORCH_CHECK(send.is_contiguous() && recv.is_contiguous() && send.nbytes() == recv.nbytes(),
-                "cpattn: NCCL ring buffers must be contiguous and of one size, got ",
-                send.sizes(), " and ", recv.sizes());
+                "cpattn: NCCL ring buffers must be contiguous and of one size, got ", send.sizes(),
+                " and ", recv.sizes());
     const cudaStream_t compute = c10::cuda::getCurrentCUDAStream(comm_->device().index()).stream();
     const int slot = comm_->post(send, recv, compute);
     return std::make_unique<NcclShift>(comm_, slot, compute);
@@ -403,8 +409,7 @@ class NcclTransport final : public Transport {
     // Inside a CUDA graph capture the host cannot wait: an error then surfaces on the next call.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     const cudaStream_t s = c10::cuda::getCurrentCUDAStream(comm_->device().index()).stream();
-    if (cudaStreamIsCapturing(s, &capture) == cudaSuccess &&
-        capture != cudaStreamCaptureStatusNone)
+    if (cudaStreamIsCapturing(s, &capture) == cudaSuccess && capture != cudaStreamCaptureStatusNone)
       return;
     comm_->finish();
   }
@@ -417,8 +422,10 @@ class NcclTransport final : public Transport {
 
 std::unique_ptr<Transport> make_nccl_transport(const std::string& group_name, c10::Device device,
                                                std::chrono::milliseconds timeout) {
-  TORCH_CHECK(device.is_cuda() && device.has_index(), "cpattn: NCCL transport needs a CUDA device "
-              "with an index, got ", device);
+  TORCH_CHECK(device.is_cuda() && device.has_index(),
+              "cpattn: NCCL transport needs a CUDA device "
+              "with an index, got ",
+              device);
   return std::make_unique<NcclTransport>(communicator(group_name, device, timeout));
 }
 

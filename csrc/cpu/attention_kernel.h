@@ -119,8 +119,8 @@ inline void softmax_block(const float* st, int64_t cols, float scale, OnlineSoft
     vfloat sum{};
     for (int64_t c = 0; c < cols; c += 2) {
       const vfloat p0 = exp2(load(st + c * kBlockQ + i) * scale_v - ref);
-      const vfloat p1 = c + 1 < cols ? exp2(load(st + (c + 1) * kBlockQ + i) * scale_v - ref)
-                                     : vfloat{};
+      const vfloat p1 =
+          c + 1 < cols ? exp2(load(st + (c + 1) * kBlockQ + i) * scale_v - ref) : vfloat{};
       sum += p0 + p1;
       keep(c, i, p0, p1);
     }
@@ -161,8 +161,8 @@ inline void write_output(const FwdParams& p, int64_t b, int64_t h, int64_t r0, i
       factor *= n.out_factor;
       lse = n.lse;
     }
-    write_row(p.out, b * o.batch + (r0 + i) * o.seq + h * o.head,
-              acc + i * sh.head_dim_v_padded, factor, sh.head_dim_v);
+    write_row(p.out, b * o.batch + (r0 + i) * o.seq + h * o.head, acc + i * sh.head_dim_v_padded,
+              factor, sh.head_dim_v);
     p.lse[(b * sh.heads + h) * sh.seqlen_q + r0 + i] = lse;
   }
 }
@@ -180,8 +180,8 @@ inline int64_t query_blocks_per_task(const AttnShape& sh, int64_t element_bytes)
     return 1;
   int64_t group = kMaxQueryBlocksPerTask;
   // keep several tasks per thread for balance
-  while (group > 1 && sh.batch * sh.heads * ((q_blocks + group - 1) / group) <
-                          4 * at::get_num_threads())
+  while (group > 1 &&
+         sh.batch * sh.heads * ((q_blocks + group - 1) / group) < 4 * at::get_num_threads())
     group /= 2;
   return group;
 }
@@ -198,8 +198,7 @@ inline void for_each_query_group(const FwdParams& p, int64_t element_bytes, Bloc
     Scratch scratch(sh);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t % groups, bh = t / groups;
-      blocks(bh / sh.heads, bh % sh.heads, g * group, std::min(q_blocks, (g + 1) * group),
-             scratch);
+      blocks(bh / sh.heads, bh % sh.heads, g * group, std::min(q_blocks, (g + 1) * group), scratch);
     }
   });
 }
@@ -357,8 +356,8 @@ struct PackedQueryBlocks {
 inline void load_row_stats(const BwdParams& p, int64_t first, int64_t rows, float* reference,
                            float* delta) {
   for (int64_t i = 0; i < kBlockQ; ++i) {
-    reference[i] = i < rows ? backward_reference(p.lse[first + i])
-                            : std::numeric_limits<float>::infinity();
+    reference[i] =
+        i < rows ? backward_reference(p.lse[first + i]) : std::numeric_limits<float>::infinity();
     delta[i] = i < rows ? p.delta[first + i] : 0.f;
   }
 }
@@ -406,8 +405,7 @@ inline void write_key_block_grads(const BwdParams& p, int64_t b, int64_t hk, int
 // Packs blocks of a (B, H, Sq, dim_padded) fp32 operand transposed, times factor.
 inline auto transposed_blocks(const AttnShape& sh, int64_t dim_padded, const float* x,
                               float factor) {
-  return [&sh, dim_padded, x, factor](int64_t b, int64_t h, int64_t r0, int64_t rows,
-                                      float* out) {
+  return [&sh, dim_padded, x, factor](int64_t b, int64_t h, int64_t r0, int64_t rows, float* out) {
     pack_transposed(x + ((b * sh.heads + h) * sh.seqlen_q + r0) * dim_padded, rows, dim_padded,
                     factor, out);
   };
@@ -438,38 +436,39 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
   std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
   alignas(64) float reference[kBlockQ], delta[kBlockQ];
 
-  for_each_query_block(p, b, hk, c0, cols, [&](int64_t row_base, int64_t r0, int64_t rows,
-                                                 int64_t seen, BlockKind kind) {
-    const float* q = p.q + (row_base + r0) * dp;
-    const float* dout = p.dout + (row_base + r0) * dvp;
-    float* dq = dq_group + (row_base - group_first_row(sh, b, hk) + r0) * dp;
-    load_row_stats(p, row_base + r0, rows, reference, delta);
-    float* st = s.st.get();
-    float* dpt = s.dpt.get();
+  for_each_query_block(
+      p, b, hk, c0, cols,
+      [&](int64_t row_base, int64_t r0, int64_t rows, int64_t seen, BlockKind kind) {
+        const float* q = p.q + (row_base + r0) * dp;
+        const float* dout = p.dout + (row_base + r0) * dvp;
+        float* dq = dq_group + (row_base - group_first_row(sh, b, hk) + r0) * dp;
+        load_row_stats(p, row_base + r0, rows, reference, delta);
+        float* st = s.st.get();
+        float* dpt = s.dpt.get();
 
-    // P^T = exp2(K Q^T - lse)
-    gemm(seen, kBlockQ, dp, k, dp, 1, packed.qt.block(sh, row_base, r0), kBlockQ, st, kBlockQ,
-         false);
-    if (modified)
-      modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, 1.f, st, softcap_grad);
-    if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
-    for (int64_t c = 0; c < seen; ++c)
-      for (int64_t i = 0; i < kBlockQ; i += kLanes)
-        store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
-    // dV += P^T dO
-    gemm(seen, dvp, rows, st, kBlockQ, 1, dout, dvp, s.dv.get(), dvp, true);
-    // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
-    gemm(seen, kBlockQ, dvp, v, dvp, 1, packed.dot.block(sh, row_base, r0), kBlockQ, dpt,
-         kBlockQ, false);
-    for (int64_t c = 0; c < seen; ++c)
-      for (int64_t i = 0; i < kBlockQ; i += kLanes)
-        store(dpt + c * kBlockQ + i,
-              load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
-    if (softcap_grad) apply_softcap_grad(seen, softcap_grad, dpt);
-    // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-    gemm(seen, dp, rows, dpt, kBlockQ, 1, q, dp, s.dk.get(), dp, true);
-    gemm(rows, dp, seen, dpt, 1, kBlockQ, k, dp, dq, dp, true);
-  });
+        // P^T = exp2(K Q^T - lse)
+        gemm(seen, kBlockQ, dp, k, dp, 1, packed.qt.block(sh, row_base, r0), kBlockQ, st, kBlockQ,
+             false);
+        if (modified)
+          modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, 1.f, st, softcap_grad);
+        if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
+        for (int64_t c = 0; c < seen; ++c)
+          for (int64_t i = 0; i < kBlockQ; i += kLanes)
+            store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
+        // dV += P^T dO
+        gemm(seen, dvp, rows, st, kBlockQ, 1, dout, dvp, s.dv.get(), dvp, true);
+        // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
+        gemm(seen, kBlockQ, dvp, v, dvp, 1, packed.dot.block(sh, row_base, r0), kBlockQ, dpt,
+             kBlockQ, false);
+        for (int64_t c = 0; c < seen; ++c)
+          for (int64_t i = 0; i < kBlockQ; i += kLanes)
+            store(dpt + c * kBlockQ + i,
+                  load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
+        if (softcap_grad) apply_softcap_grad(seen, softcap_grad, dpt);
+        // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
+        gemm(seen, dp, rows, dpt, kBlockQ, 1, q, dp, s.dk.get(), dp, true);
+        gemm(rows, dp, seen, dpt, 1, kBlockQ, k, dp, dq, dp, true);
+      });
 
   write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
 }

@@ -1,6 +1,6 @@
-// Forward and backward attention on bf16 operands with AVX-512 bf16 dot products (vdpbf16ps: each fp32 lane
-// adds the products of one pair of bf16 values), fp32 accumulation. Same algorithm and online
-// softmax as the fp32 kernel (attention_kernel.h); only the two products differ:
+// Forward and backward attention on bf16 operands with AVX-512 bf16 dot products (vdpbf16ps: each
+// fp32 lane adds the products of one pair of bf16 values), fp32 accumulation. Same algorithm and
+// online softmax as the fp32 kernel (attention_kernel.h); only the two products differ:
 //   S^T = K Q^T  with Q^T packed per query block as (d pairs) x queries x 2,
 //   O  += P V    with P rounded to bf16 and packed as (key pairs) x queries x 2, and V packed by
 //                the op layer as (key pairs) x d x 2.
@@ -37,8 +37,7 @@ inline void micro_kernel_bf16(int64_t pairs, const uint16_t* A, int64_t a_row, i
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh b[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v)
-      b[v] = (__m512bh)_mm512_loadu_si512(B + p * ldb + v * 2 * kLanes);
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + p * ldb + v * 2 * kLanes);
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
       int32_t pair;
@@ -120,8 +119,8 @@ inline void transpose_16x16_words(__m512i r[16]) {
 // qt[(d / 2) * 2 kBlockQ + 2 i + d % 2] = q[i][d]: Q^T of a query block as d pairs, from rows of
 // `dim` values `row_stride` apart; d >= dim and padded queries are 0. A row's d pair is one
 // 32-bit word, so this is a transpose of 32-bit words, done in 16 x 16 tiles.
-inline void pack_pairs_transposed(const uint16_t* q, int64_t row_stride, int64_t rows,
-                                  int64_t dim, int64_t dp, uint16_t* qt) {
+inline void pack_pairs_transposed(const uint16_t* q, int64_t row_stride, int64_t rows, int64_t dim,
+                                  int64_t dp, uint16_t* qt) {
   for (int64_t i0 = 0; i0 < kBlockQ; i0 += kLanes)
     for (int64_t j0 = 0; j0 < dp / 2; j0 += 16) {
       const int64_t n = std::clamp<int64_t>(dim - 2 * j0, 0, 32);  // values of a row in the tile
@@ -193,10 +192,9 @@ inline void forward_blocks_bf16(const FwdParams& p, int64_t b, int64_t h, int64_
                   false);
         if (modified) modify_scores(p.score, h, r0, c0, cols, scale, st, nullptr);
         if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-        softmax_block(st, cols, softmax_scale, state, factor,
-                      [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
-                        store_key_pair(pp, c, i, p0, p1);
-                      });
+        softmax_block(
+            st, cols, softmax_scale, state, factor,
+            [&](int64_t c, int64_t i, vfloat p0, vfloat p1) { store_key_pair(pp, c, i, p0, p1); });
         // O[rows x Dvp] = factor * O + P[rows x cols] V[cols x Dvp]; c0 is even, so V's pairs
         // start at c0 / 2.
         gemm_bf16(rows, dvp, (cols + 1) / 2, pp, 2, 2 * kBlockQ, v + c0 * dvp, 2 * dvp, acc, dvp,
@@ -257,8 +255,8 @@ struct BwdScratchBf16 {
 // Packs blocks of a (B, Sq, H, dim) bf16 operand with pack (pack_pairs_transposed or
 // pack_row_pairs) to rows of dim_padded.
 template <typename Pack>
-inline auto bshd_blocks(const uint16_t* x, const BshdStrides& st, int64_t dim,
-                        int64_t dim_padded, Pack pack) {
+inline auto bshd_blocks(const uint16_t* x, const BshdStrides& st, int64_t dim, int64_t dim_padded,
+                        Pack pack) {
   return [x, st, dim, dim_padded, pack](int64_t b, int64_t h, int64_t r0, int64_t rows,
                                         uint16_t* out) {
     pack(x + b * st.batch + r0 * st.seq + h * st.head, st.seq, rows, dim, dim_padded, out);
@@ -274,8 +272,8 @@ struct PackedQueriesBf16 {
            bshd_blocks(p.q16, p.q16_strides, p.shape.head_dim, p.shape.head_dim_padded,
                        pack_pairs_transposed)),
         dot(p.shape, p.shape.head_dim_v_padded,
-            bshd_blocks(p.dout16, p.dout16_strides, p.shape.head_dim_v,
-                        p.shape.head_dim_v_padded, pack_pairs_transposed)),
+            bshd_blocks(p.dout16, p.dout16_strides, p.shape.head_dim_v, p.shape.head_dim_v_padded,
+                        pack_pairs_transposed)),
         q_rows(p.shape, p.shape.head_dim_padded,
                bshd_blocks(p.q16, p.q16_strides, p.shape.head_dim, p.shape.head_dim_padded,
                            pack_row_pairs)),
@@ -285,9 +283,8 @@ struct PackedQueriesBf16 {
 };
 
 // backward_key_block (attention_kernel.h) with the five products on bf16 operands.
-inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16& packed,
-                                    int64_t b, int64_t hk, int64_t c0, float* dq_group,
-                                    BwdScratchBf16& s) {
+inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16& packed, int64_t b,
+                                    int64_t hk, int64_t c0, float* dq_group, BwdScratchBf16& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -304,58 +301,59 @@ inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16&
   // modify_scores leaves base-2 logits, which exp2 then takes as they are
   const vfloat scale = broadcast(modified ? 1.f : base2);
 
-  for_each_query_block(p, b, hk, c0, cols, [&](int64_t row_base, int64_t r0, int64_t rows,
-                                                 int64_t seen, BlockKind kind) {
-    float* dq = dq_group + (row_base - group_first_row(sh, b, hk) + r0) * dp;
-    load_row_stats(p, row_base + r0, rows, reference, delta);
-    const int64_t row_pairs = (rows + 1) / 2;
-    float* st = s.st.get();
-    float* dpt = s.dpt.get();
-    uint16_t* p16 = s.p16.get();
-    uint16_t* ds16 = s.ds16.get();
+  for_each_query_block(
+      p, b, hk, c0, cols,
+      [&](int64_t row_base, int64_t r0, int64_t rows, int64_t seen, BlockKind kind) {
+        float* dq = dq_group + (row_base - group_first_row(sh, b, hk) + r0) * dp;
+        load_row_stats(p, row_base + r0, rows, reference, delta);
+        const int64_t row_pairs = (rows + 1) / 2;
+        float* st = s.st.get();
+        float* dpt = s.dpt.get();
+        uint16_t* p16 = s.p16.get();
+        uint16_t* ds16 = s.ds16.get();
 
-    // P^T = exp2(scale K Q^T - lse), kept in fp32 for dS and in bf16 for dV
-    gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.block(sh, row_base, r0), 2 * kBlockQ,
-              st, kBlockQ, false);
-    if (modified)
-      modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, base2, st, softcap_grad);
-    if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
-    for (int64_t c = 0; c < seen; ++c)
-      for (int64_t i = 0; i < kBlockQ; i += kLanes) {
-        const int64_t e = c * kBlockQ + i;
-        const vfloat pr = exp2(load(st + e) * scale - load(reference + i));
-        store(st + e, pr);
-        store_bf16(p16 + e, pr);
-      }
-    // dV += P^T dO
-    gemm_bf16(seen, dvp, row_pairs, p16, kBlockQ, 2, packed.do_rows.block(sh, row_base, r0),
-              2 * dvp, s.dv.get(), dvp, true);
-    // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta), in bf16 both as is (for dK) and as key pairs
-    // (for dQ)
-    gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.block(sh, row_base, r0),
-              2 * kBlockQ, dpt, kBlockQ, false);
-    if (softcap_grad) {  // the chain rule through the softcap, folded into P for dS only
-      for (int64_t e = 0; e < seen * kBlockQ; e += kLanes)
-        store(st + e, load(st + e) * load(softcap_grad + e));
-    }
-    for (int64_t c = 0; c < seen; c += 2)
-      for (int64_t i = 0; i < kBlockQ; i += kLanes) {
-        const int64_t e = c * kBlockQ + i;
-        const vfloat ds0 = load(st + e) * (load(dpt + e) - load(delta + i));
-        store_bf16(ds16 + e, ds0);
-        vfloat ds1{};
-        if (c + 1 < seen) {
-          ds1 = load(st + e + kBlockQ) * (load(dpt + e + kBlockQ) - load(delta + i));
-          store_bf16(ds16 + e + kBlockQ, ds1);
+        // P^T = exp2(scale K Q^T - lse), kept in fp32 for dS and in bf16 for dV
+        gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.block(sh, row_base, r0), 2 * kBlockQ,
+                  st, kBlockQ, false);
+        if (modified)
+          modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, base2, st, softcap_grad);
+        if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
+        for (int64_t c = 0; c < seen; ++c)
+          for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+            const int64_t e = c * kBlockQ + i;
+            const vfloat pr = exp2(load(st + e) * scale - load(reference + i));
+            store(st + e, pr);
+            store_bf16(p16 + e, pr);
+          }
+        // dV += P^T dO
+        gemm_bf16(seen, dvp, row_pairs, p16, kBlockQ, 2, packed.do_rows.block(sh, row_base, r0),
+                  2 * dvp, s.dv.get(), dvp, true);
+        // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta), in bf16 both as is (for dK) and as key pairs
+        // (for dQ)
+        gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.block(sh, row_base, r0),
+                  2 * kBlockQ, dpt, kBlockQ, false);
+        if (softcap_grad) {  // the chain rule through the softcap, folded into P for dS only
+          for (int64_t e = 0; e < seen * kBlockQ; e += kLanes)
+            store(st + e, load(st + e) * load(softcap_grad + e));
         }
-        store_key_pair(s.ds_pairs.get(), c, i, ds0, ds1);
-      }
-    // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-    gemm_bf16(seen, dp, row_pairs, ds16, kBlockQ, 2, packed.q_rows.block(sh, row_base, r0),
-              2 * dp, s.dk.get(), dp, true);
-    gemm_bf16(rows, dp, (seen + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp, dq,
-              dp, true);
-  });
+        for (int64_t c = 0; c < seen; c += 2)
+          for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+            const int64_t e = c * kBlockQ + i;
+            const vfloat ds0 = load(st + e) * (load(dpt + e) - load(delta + i));
+            store_bf16(ds16 + e, ds0);
+            vfloat ds1{};
+            if (c + 1 < seen) {
+              ds1 = load(st + e + kBlockQ) * (load(dpt + e + kBlockQ) - load(delta + i));
+              store_bf16(ds16 + e + kBlockQ, ds1);
+            }
+            store_key_pair(s.ds_pairs.get(), c, i, ds0, ds1);
+          }
+        // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
+        gemm_bf16(seen, dp, row_pairs, ds16, kBlockQ, 2, packed.q_rows.block(sh, row_base, r0),
+                  2 * dp, s.dk.get(), dp, true);
+        gemm_bf16(rows, dp, (seen + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp, dq,
+                  dp, true);
+      });
   write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
 }
 

@@ -42,10 +42,14 @@ Isa isa() {
 
 const char* active_isa() {
   switch (isa()) {
-    case Isa::kAvx512Bf16: return "avx512bf16";
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "generic";
+    case Isa::kAvx512Bf16:
+      return "avx512bf16";
+    case Isa::kAvx512:
+      return "avx512";
+    case Isa::kAvx2:
+      return "avx2";
+    default:
+      return "generic";
   }
 }
 
@@ -53,19 +57,27 @@ bool has_bf16_dot() { return isa() == Isa::kAvx512Bf16; }
 
 void attention_fwd(const FwdParams& params) {
   switch (isa()) {
-    case Isa::kAvx512Bf16: return avx512bf16::attention_fwd(params);
-    case Isa::kAvx512: return avx512::attention_fwd(params);
-    case Isa::kAvx2: return avx2::attention_fwd(params);
-    default: return generic::attention_fwd(params);
+    case Isa::kAvx512Bf16:
+      return avx512bf16::attention_fwd(params);
+    case Isa::kAvx512:
+      return avx512::attention_fwd(params);
+    case Isa::kAvx2:
+      return avx2::attention_fwd(params);
+    default:
+      return generic::attention_fwd(params);
   }
 }
 
 void attention_bwd(const BwdParams& params) {
   switch (isa()) {
-    case Isa::kAvx512Bf16: return avx512bf16::attention_bwd(params);
-    case Isa::kAvx512: return avx512::attention_bwd(params);
-    case Isa::kAvx2: return avx2::attention_bwd(params);
-    default: return generic::attention_bwd(params);
+    case Isa::kAvx512Bf16:
+      return avx512bf16::attention_bwd(params);
+    case Isa::kAvx512:
+      return avx512::attention_bwd(params);
+    case Isa::kAvx2:
+      return avx2::attention_bwd(params);
+    default:
+      return generic::attention_bwd(params);
   }
 }
 

@@ -15,10 +15,10 @@ const char* active_isa();
 // Whether the kernels take bf16 operands (FwdParams::q16...): AVX-512 with bf16 dot products.
 bool has_bf16_dot();
 
-#define CPATTN_DECLARE_ISA(isa)                  \
-  namespace isa {                                \
-  void attention_fwd(const FwdParams& params);   \
-  void attention_bwd(const BwdParams& params);   \
+#define CPATTN_DECLARE_ISA(isa)                \
+  namespace isa {                              \
+  void attention_fwd(const FwdParams& params); \
+  void attention_bwd(const BwdParams& params); \
   }
 CPATTN_DECLARE_ISA(avx512bf16)
 CPATTN_DECLARE_ISA(avx512)

@@ -76,9 +76,8 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_row,
     const int64_t nv = (N - n0 >= kTileN) ? CPATTN_NV : (N - n0) / kLanes;
     for (int64_t m0 = 0; m0 < M; m0 += CPATTN_MR) {
       const int64_t mr = (M - m0 >= CPATTN_MR) ? CPATTN_MR : M - m0;
-      kMicroKernels[mr - 1][nv - 1](K, A + m0 * a_row, a_row, a_col, B + n0, ldb,
-                                    C + m0 * ldc + n0, ldc, accumulate,
-                                    c_row_scale ? c_row_scale + m0 : nullptr);
+      kMicroKernels[mr - 1][nv - 1](K, A + m0 * a_row, a_row, a_col, B + n0, ldb, C + m0 * ldc + n0,
+                                    ldc, accumulate, c_row_scale ? c_row_scale + m0 : nullptr);
     }
   }
 }

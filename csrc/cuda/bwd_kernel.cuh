@@ -45,8 +45,8 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Elem* const sK_ = reinterpret_cast<Elem*>(smem_raw);
   Elem* const sV_ = sK_ + Cfg::kKVElems;
-  Elem* const sQ0 = sV_ + Cfg::kKVElems;  // per stage: Q, then dO
-  Elem* const sdS_ = sQ0 + 4 * Cfg::kQElems;  // dS^T [key][query]
+  Elem* const sQ0 = sV_ + Cfg::kKVElems;                                // per stage: Q, then dO
+  Elem* const sdS_ = sQ0 + 4 * Cfg::kQElems;                            // dS^T [key][query]
   float* const sLse0 = reinterpret_cast<float*>(sdS_ + Cfg::kDSElems);  // lse, delta per stage
 
   // Key block, and the slice [d0, d0 + kSliceDim) of the head dim this block owns in dK / dV / dQ;
@@ -114,8 +114,8 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = n0 + warp_key0 + g + 8 * half;
-    rows_of_key[half] = key < seqlen_k ? visible_rows_of_key(mask, key, seqlen_q)
-                                       : IndexBounds{0, -1};
+    rows_of_key[half] =
+        key < seqlen_k ? visible_rows_of_key(mask, key, seqlen_q) : IndexBounds{0, -1};
   }
 
   const uint32_t sK = smem_u32(sK_), sV = smem_u32(sV_), sdS = smem_u32(sdS_);
@@ -201,11 +201,12 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
           *reinterpret_cast<uint32_t*>(sdS_ + (warp_key0 + g + 8 * half) * kDSStride + qt * 8 +
-                                        2 * t) =
+                                       2 * t) =
               pack2<Elem>(dpt[qt][2 * half], dpt[qt][2 * half + 1]);
       __syncthreads();
       float* const dq_tile =
-          p.dq_accum + ((static_cast<int64_t>(b) * p.shape.heads + h_cur) * rounded + m0_cur) * kHeadDim;
+          p.dq_accum +
+          ((static_cast<int64_t>(b) * p.shape.heads + h_cur) * rounded + m0_cur) * kHeadDim;
       constexpr int kColUnits = Cfg::kSliceDim / Cfg::kDqCols;
       for (int u = warp; u < Cfg::kDqUnits; u += kWarps) {
         const int r0 = (u / kColUnits) * 16, c0 = d0 + (u % kColUnits) * Cfg::kDqCols;
@@ -316,10 +317,10 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
 
-  const Elem* const k = static_cast<const Elem*>(p.k) + b * p.k_strides.batch +
-                        hk * p.k_strides.head;
-  const Elem* const v = static_cast<const Elem*>(p.v) + b * p.v_strides.batch +
-                        hk * p.v_strides.head;
+  const Elem* const k =
+      static_cast<const Elem*>(p.k) + b * p.k_strides.batch + hk * p.k_strides.head;
+  const Elem* const v =
+      static_cast<const Elem*>(p.v) + b * p.v_strides.batch + hk * p.v_strides.head;
   auto load_kv = [&](int n_block, Elem* sK, Elem* sV) {
     const int n0 = n_block * kBlockN;
     load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(
@@ -401,7 +402,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         if (masked && !keys_of_row[e >> 1].contains(n0 + nt * 8 + 2 * t + (e & 1))) pv = 0.f;
         s[nt][e] = pv * (dp[nt][e] - delta[e >> 1]);
       }
-    // dQ += dS K.
+      // dQ += dS K.
 #pragma unroll
     for (int ps = 0; ps < kPSteps; ++ps) {
       uint32_t a[4];
@@ -442,8 +443,8 @@ __global__ void dq_convert_kernel(const __grid_constant__ BwdParamsCuda p) {
   const int64_t bh = row / p.shape.seqlen_q;
   const int h = static_cast<int>(bh % p.shape.heads);
   const int b = static_cast<int>(bh / p.shape.heads);
-  const float2 x = *reinterpret_cast<const float2*>(
-      p.dq_accum + (bh * p.seqlen_q_rounded + s) * kHeadDim + c);
+  const float2 x =
+      *reinterpret_cast<const float2*>(p.dq_accum + (bh * p.seqlen_q_rounded + s) * kHeadDim + c);
   GradT* const dst = static_cast<GradT*>(p.dq) + b * p.dq_strides.batch + h * p.dq_strides.head +
                      static_cast<int64_t>(s) * p.dq_strides.seq + c;
   store2(dst, x.x * p.softmax_scale, x.y * p.softmax_scale);
@@ -486,8 +487,8 @@ int launch_bwd_typed(const BwdParamsCuda& p, cudaStream_t stream) {
                                   dkdv_launch<Cfg>(p.shape, p.head_splits), p, stream))
     return e;
   if (p.head_splits > 1) {
-    const int e = launch_kernel(dkv_reduce_kernel<kHeadDim, GradT>, pairs_launch(dkv_pairs(p.shape)),
-                                p, stream);
+    const int e = launch_kernel(dkv_reduce_kernel<kHeadDim, GradT>,
+                                pairs_launch(dkv_pairs(p.shape)), p, stream);
     if (e != 0) return e;
   }
   if (p.dq_accum != nullptr)

@@ -12,7 +12,6 @@
 
 namespace cpattn::cuda {
 
-
 template <typename TOut, typename TdOut>
 __global__ void __launch_bounds__(32 * kPreprocessWarps)
     bwd_preprocess_kernel(const __grid_constant__ BwdParamsCuda p) {

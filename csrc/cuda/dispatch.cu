@@ -69,7 +69,8 @@ int run_bwd(const BwdParamsCuda& p, void* stream) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return kErrNoKernel;
   const int e = run_bwd_preprocess(p, stream);
   if (e != 0) return e;
-  if (p.dtype == DType::kBFloat16) return Dispatch<DType::kBFloat16, CPATTN_HEAD_DIMS>::bwd(p, stream);
+  if (p.dtype == DType::kBFloat16)
+    return Dispatch<DType::kBFloat16, CPATTN_HEAD_DIMS>::bwd(p, stream);
   return Dispatch<DType::kFloat16, CPATTN_HEAD_DIMS>::bwd(p, stream);
 }
 

@@ -70,10 +70,10 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 
   const Elem* const q = static_cast<const Elem*>(p.q) + b * p.q_strides.batch +
                         h * p.q_strides.head + static_cast<int64_t>(m0) * p.q_strides.seq;
-  const Elem* const k = static_cast<const Elem*>(p.k) + b * p.k_strides.batch +
-                        hk * p.k_strides.head;
-  const Elem* const v = static_cast<const Elem*>(p.v) + b * p.v_strides.batch +
-                        hk * p.v_strides.head;
+  const Elem* const k =
+      static_cast<const Elem*>(p.k) + b * p.k_strides.batch + hk * p.k_strides.head;
+  const Elem* const v =
+      static_cast<const Elem*>(p.v) + b * p.v_strides.batch + hk * p.v_strides.head;
   auto load_kv = [&](int n_block, Elem* sK, Elem* sV) {
     const int n0 = n_block * kBlockN;
     load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(
@@ -82,8 +82,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         sV, v + static_cast<int64_t>(n0) * p.v_strides.seq, p.v_strides.seq, seqlen_k - n0, tid);
   };
 
-  load_tile_async<kBlockM, kHeadDim, kStride, kThreads>(sQ, q, p.q_strides.seq, seqlen_q - m0,
-                                                        tid);
+  load_tile_async<kBlockM, kHeadDim, kStride, kThreads>(sQ, q, p.q_strides.seq, seqlen_q - m0, tid);
   load_kv(kb.first, sK0, sV0);
   cp_async_commit();
 
@@ -209,7 +208,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         row[mt][half].sum += sum;  // NaN scores make it NaN: out and lse NaN, as on the CPU
       }
 
-    // O += P V: P from the score registers (C layout -> A layout), V tiles via ldmatrix.trans.
+      // O += P V: P from the score registers (C layout -> A layout), V tiles via ldmatrix.trans.
 #pragma unroll
     for (int ps = 0; ps < kPSteps; ++ps) {
       uint32_t a[kMTiles][4];

@@ -28,15 +28,15 @@ __global__ void merge_state_kernel(float* out, float* lse, const float* part_out
 
 }  // namespace
 
-int merge_state(float* out, float* lse, const float* part_out, const float* part_lse,
-                int64_t batch, int64_t seqlen, int64_t heads, int64_t head_dim,
-                const MergeStrides& strides, cudaStream_t stream) {
+int merge_state(float* out, float* lse, const float* part_out, const float* part_lse, int64_t batch,
+                int64_t seqlen, int64_t heads, int64_t head_dim, const MergeStrides& strides,
+                cudaStream_t stream) {
   const int64_t rows = batch * seqlen * heads;
   if (rows == 0) return static_cast<int>(cudaSuccess);  // an empty grid is a launch error
   const dim3 block(32, 4);
   const dim3 grid(static_cast<unsigned>((rows + block.y - 1) / block.y));
-  merge_state_kernel<<<grid, block, 0, stream>>>(out, lse, part_out, part_lse, rows, seqlen,
-                                                 heads, head_dim, strides);
+  merge_state_kernel<<<grid, block, 0, stream>>>(out, lse, part_out, part_lse, rows, seqlen, heads,
+                                                 head_dim, strides);
   return static_cast<int>(cudaGetLastError());
 }
 

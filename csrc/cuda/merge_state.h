@@ -16,8 +16,8 @@ struct MergeStrides {
 
 // out / lse: the running fp32 state, any strides (the ring merges into views); part_out
 // (B, S, H, D) and part_lse (B, H, S) fp32 contiguous.
-int merge_state(float* out, float* lse, const float* part_out, const float* part_lse,
-                int64_t batch, int64_t seqlen, int64_t heads, int64_t head_dim,
-                const MergeStrides& strides, cudaStream_t stream);
+int merge_state(float* out, float* lse, const float* part_out, const float* part_lse, int64_t batch,
+                int64_t seqlen, int64_t heads, int64_t head_dim, const MergeStrides& strides,
+                cudaStream_t stream);
 
 }  // namespace cpattn::cuda

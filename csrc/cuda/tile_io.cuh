@@ -63,9 +63,10 @@ __device__ __forceinline__ uint32_t a_addr_trans(uint32_t tile_t, int r0, int c0
 template <typename Elem>
 __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&c0)[4],
                                        const float (&c1)[4]) {
-  static_assert(kCToATile[0] == 0 && kCToATile[1] == 0 && kCToATile[2] == 1 &&
-                kCToATile[3] == 1 && kCToAElem[0] == 0 && kCToAElem[1] == 2 &&
-                kCToAElem[2] == 0 && kCToAElem[3] == 2, "c_to_a follows fragments.h");
+  static_assert(kCToATile[0] == 0 && kCToATile[1] == 0 && kCToATile[2] == 1 && kCToATile[3] == 1 &&
+                    kCToAElem[0] == 0 && kCToAElem[1] == 2 && kCToAElem[2] == 0 &&
+                    kCToAElem[3] == 2,
+                "c_to_a follows fragments.h");
   a[0] = pack2<Elem>(c0[0], c0[1]);
   a[1] = pack2<Elem>(c0[2], c0[3]);
   a[2] = pack2<Elem>(c1[0], c1[1]);

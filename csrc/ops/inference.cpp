@@ -256,9 +256,8 @@ void cache_store_(const at::Tensor& k_cache, const at::Tensor& v_cache, const at
 std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_lens, const at::Tensor& q_start, int64_t rank, int64_t world,
-    int64_t interleave, double softmax_scale, bool causal,
-    std::optional<at::ScalarType> out_dtype, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
+    int64_t interleave, double softmax_scale, bool causal, std::optional<at::ScalarType> out_dtype,
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
   const CacheSharding s = checked_sharding(rank, world, interleave);
   check_cache(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 4 && q.size(0) == k_cache.size(0) && q.size(3) == k_cache.size(3),
@@ -293,32 +292,35 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
   const bool alibi = alibi_slopes.has_value();
   for (int64_t b = 0; b < B; ++b) {
     const at::Tensor qb = q.narrow(0, b, 1), ob = out.narrow(0, b, 1), lb = lse.narrow(0, b, 1);
-    for_each_cache_span(s, rank, lens[b], rule, first[b], Sq, [&](const CacheSpan& sp) {
-      const int64_t n = sp.slot_end - sp.slot_begin;
-      const at::Tensor kb = k_cache.narrow(0, b, 1).narrow(1, sp.slot_begin, n);
-      const at::Tensor vb = v_cache.narrow(0, b, 1).narrow(1, sp.slot_begin, n);
-      const Mask& m = sp.mask;
-      const bool plain = !m.causal && m.window_left < 0 && m.window_right < 0;
-      if (plain && group > 1 && !alibi) {
-        // Every query sees every key of this span, so positions do not matter and the G query
-        // heads that share a KV head can go in as G x Sq rows of one head: the kernel tiles 64
-        // query rows, and a decode step has only Sq per head.
-        const at::Tensor qf =
-            qb.reshape({1, Sq, Hkv, group, D}).transpose(2, 3).reshape({1, Sq * group, Hkv, D});
-        auto [part_out, part_lse] =
-            attention_fwd_scored(qf, kb, vb, softmax_scale, Mask{}, score, at::kFloat);
-        merge_into(ob, lb,
-                   part_out.view({1, Sq, group, Hkv, D}).transpose(2, 3).reshape({1, Sq, H, D}),
-                   part_lse.view({1, Hkv, Sq, group}).transpose(2, 3).reshape({1, H, Sq}));
-        return;
-      }
-      ScoreArgs run_score = score;  // ALiBi on the run's global positions
-      run_score.alibi_q_begin = m.q_offset;
-      run_score.alibi_k_begin = m.k_offset;
-      auto [part_out, part_lse] =
-          attention_fwd_scored(qb, kb, vb, softmax_scale, m, run_score, at::kFloat);
-      merge_into(ob, lb, part_out, part_lse);
-    }, /*runs_only=*/alibi);
+    for_each_cache_span(
+        s, rank, lens[b], rule, first[b], Sq,
+        [&](const CacheSpan& sp) {
+          const int64_t n = sp.slot_end - sp.slot_begin;
+          const at::Tensor kb = k_cache.narrow(0, b, 1).narrow(1, sp.slot_begin, n);
+          const at::Tensor vb = v_cache.narrow(0, b, 1).narrow(1, sp.slot_begin, n);
+          const Mask& m = sp.mask;
+          const bool plain = !m.causal && m.window_left < 0 && m.window_right < 0;
+          if (plain && group > 1 && !alibi) {
+            // Every query sees every key of this span, so positions do not matter and the G query
+            // heads that share a KV head can go in as G x Sq rows of one head: the kernel tiles 64
+            // query rows, and a decode step has only Sq per head.
+            const at::Tensor qf =
+                qb.reshape({1, Sq, Hkv, group, D}).transpose(2, 3).reshape({1, Sq * group, Hkv, D});
+            auto [part_out, part_lse] =
+                attention_fwd_scored(qf, kb, vb, softmax_scale, Mask{}, score, at::kFloat);
+            merge_into(ob, lb,
+                       part_out.view({1, Sq, group, Hkv, D}).transpose(2, 3).reshape({1, Sq, H, D}),
+                       part_lse.view({1, Hkv, Sq, group}).transpose(2, 3).reshape({1, H, Sq}));
+            return;
+          }
+          ScoreArgs run_score = score;  // ALiBi on the run's global positions
+          run_score.alibi_q_begin = m.q_offset;
+          run_score.alibi_k_begin = m.k_offset;
+          auto [part_out, part_lse] =
+              attention_fwd_scored(qb, kb, vb, softmax_scale, m, run_score, at::kFloat);
+          merge_into(ob, lb, part_out, part_lse);
+        },
+        /*runs_only=*/alibi);
   }
   return {out.to(out_dtype.value_or(q.scalar_type())), lse};
 }
@@ -329,15 +331,11 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
 // Returns out in float32 and lse. Score options as ring_fwd, on positions within the chunk
 // (prefix_len: the prefix's end relative to the chunk's first token). seqlen > 0: the chunk's
 // real length, the shards padded at its end (padding rows 0 / -inf, padding never stored).
-std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Tensor& k,
-                                               const at::Tensor& v, const at::Tensor& k_cache,
-                                               const at::Tensor& v_cache,
-                                               const at::Tensor& cache_lens,
-                                               c10::string_view group_name, double softmax_scale,
-                                               int64_t layout, int64_t interleave,
-                                               double timeout_s, double softcap,
-                                               const std::optional<at::Tensor>& alibi_slopes,
-                                               int64_t prefix_len, int64_t seqlen) {
+std::tuple<at::Tensor, at::Tensor> prefill_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& cache_lens, c10::string_view group_name,
+    double softmax_scale, int64_t layout, int64_t interleave, double timeout_s, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len, int64_t seqlen) {
   auto transport = group_transport(q, group_name, timeout_s);
   const int64_t world = transport->world(), rank = transport->rank();
   const CacheSharding s = checked_sharding(rank, world, interleave);
@@ -350,15 +348,17 @@ std::tuple<at::Tensor, at::Tensor> prefill_fwd(const at::Tensor& q, const at::Te
   const int64_t chunk = k.size(1) * world;
   // Any length: a chunk of seqlen real tokens padded at its end is one document of that length
   // (padding rows 0 / -inf, padding keys never seen, never stored).
-  TORCH_CHECK(seqlen >= 0 && seqlen <= chunk, "cpattn.prefill_attention: seqlen must be between 0 "
-              "(the whole chunk) and the chunk's ", chunk, " tokens, got ", seqlen);
+  TORCH_CHECK(seqlen >= 0 && seqlen <= chunk,
+              "cpattn.prefill_attention: seqlen must be between 0 "
+              "(the whole chunk) and the chunk's ",
+              chunk, " tokens, got ", seqlen);
   const int64_t real = seqlen > 0 ? seqlen : chunk;
   if (real != chunk) o.doc_lengths = {real};
   check_room(s, k_cache.size(1), start, real);
   // Every K/V shard of the chunk passes through every rank in the ring: each rank keeps the
   // tokens it owns, so filling the cache costs no communication beyond the ring's.
   const ShardVisitor store = [&](int64_t source, const at::Tensor& k_shard,
-                                const at::Tensor& v_shard) {
+                                 const at::Tensor& v_shard) {
     store_owned(k_cache, v_cache, k_shard, v_shard, s, rank, [&](int64_t b, int64_t l) {
       const int64_t c = global_position(o.layout, chunk, world, source, l);
       return c < real ? start[b] + c : -1;

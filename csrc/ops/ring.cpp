@@ -47,8 +47,10 @@ Mask global_mask(const RingOptions& o) {
 // Checks before any message: every rank raises here alike, no shift is left pending.
 void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const RingOptions& o) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4, "cpattn: ring q and k must be (batch, seqlen_local, "
-              "heads, head_dim), got ", q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4,
+              "cpattn: ring q and k must be (batch, seqlen_local, "
+              "heads, head_dim), got ",
+              q.sizes(), " and ", k.sizes());
   // K and V travel as two messages: v may have its own head dim.
   TORCH_CHECK(v.dim() == 4 && k.sizes().slice(0, 3) == v.sizes().slice(0, 3),
               "cpattn.ring_attention: v must have k's shape but for the head dim, got k ",
@@ -99,9 +101,10 @@ std::vector<SubProblem> plan(const RingOptions& o, int64_t local_len, int64_t wo
     const StepPlan p = plan_step(o.layout, local_len * world, world, rank, step, global);
     items.assign(p.items, p.items + p.count);
   } else {
-    plan_step_varlen(o.layout, o.doc_lengths.data(), static_cast<int64_t>(o.doc_lengths.size()),
-                     world, rank, step, global, [&](const SubProblem& sp) { items.push_back(sp); },
-                     o.doc_prefix_lens.empty() ? nullptr : o.doc_prefix_lens.data());
+    plan_step_varlen(
+        o.layout, o.doc_lengths.data(), static_cast<int64_t>(o.doc_lengths.size()), world, rank,
+        step, global, [&](const SubProblem& sp) { items.push_back(sp); },
+        o.doc_prefix_lens.empty() ? nullptr : o.doc_prefix_lens.data());
   }
   return items;
 }
@@ -203,16 +206,25 @@ void computing_while_shifting(std::initializer_list<Shifts*> shifts, Compute com
 // allocator instead, which orders reuse with the streams. release_buffers() frees them.
 class BufferCache {
  public:
-  enum Slot { kKey0, kValue0, kKey1, kValue1, kGradKey0, kGradValue0, kGradKey1, kGradValue1,
-              kSlots };
+  enum Slot {
+    kKey0,
+    kValue0,
+    kKey1,
+    kValue1,
+    kGradKey0,
+    kGradValue0,
+    kGradKey1,
+    kGradValue1,
+    kSlots
+  };
 
   at::Tensor get(Slot slot, at::IntArrayRef sizes, const at::TensorOptions& options) {
     if (options.device().type() != at::kCPU) return at::empty(sizes, options);
     std::lock_guard<std::mutex> lock(mutex_);
     at::Tensor& t = slots_[slot];
     const bool reusable = t.defined() && t.sizes() == sizes &&
-                          t.scalar_type() == options.dtype().toScalarType() &&
-                          t.use_count() == 1 && t.storage().use_count() == 1;
+                          t.scalar_type() == options.dtype().toScalarType() && t.use_count() == 1 &&
+                          t.storage().use_count() == 1;
     if (!reusable) t = at::empty(sizes, options);
     return t;
   }
@@ -440,8 +452,8 @@ void check_gathered_args(const at::Tensor& q, const at::Tensor& kv_all, int64_t 
                          const RingOptions& o) {
   TORCH_CHECK(kv_all.dim() == 5 && q.dim() == 4 && kv_all.size(4) > q.size(3),
               "cpattn: kv_all must be (world, batch, seqlen_local, kv_heads, head_dim + "
-              "v_head_dim) for q (batch, seqlen_local, heads, head_dim), got ", kv_all.sizes(),
-              " and ", q.sizes());
+              "v_head_dim) for q (batch, seqlen_local, heads, head_dim), got ",
+              kv_all.sizes(), " and ", q.sizes());
   const int64_t world = kv_all.size(0);
   check_rank(rank, world);
   const KvPair shard = split_kv(kv_all[0], q.size(3));

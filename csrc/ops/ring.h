@@ -48,8 +48,7 @@ RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_
 // Called with each K/V shard the ring brings to this rank: its source rank, k and v
 // (B, S_local, Hkv, D), own shard first. Lets a caller use every shard once (prefill stores the
 // tokens it owns in its KV cache) without sending K/V again.
-using ShardVisitor =
-    std::function<void(int64_t source, const at::Tensor& k, const at::Tensor& v)>;
+using ShardVisitor = std::function<void(int64_t source, const at::Tensor& k, const at::Tensor& v)>;
 
 // q, k: this rank's shards (B, S_local, H | Hkv, D) in layout order, v (B, S_local, Hkv, Dv).
 // Returns this rank's out (B, S_local, H, Dv) (options.out_dtype, default q's dtype) and lse

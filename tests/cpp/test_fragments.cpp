@@ -14,7 +14,7 @@
 namespace cpattn::cuda {
 namespace {
 
-using Pair = std::array<float, 2>;   // one 32-bit register of two 16-bit elements (lo, hi)
+using Pair = std::array<float, 2>;  // one 32-bit register of two 16-bit elements (lo, hi)
 using Regs4 = std::array<std::array<Pair, 4>, 32>;   // per lane, four registers
 using Accum = std::array<std::array<float, 4>, 32>;  // per lane, one 16x8 fp32 C fragment
 
@@ -71,10 +71,10 @@ std::array<int, 32> offsets(F f) {
   return o;
 }
 
-constexpr int kD = 32;            // head dim
-constexpr int kStride = kD + 8;   // padded shared rows, as the kernels
-constexpr int kRows = 32;         // query tile rows (the warp takes rows 16..31)
-constexpr int kKeys = 32;         // key tile rows
+constexpr int kD = 32;           // head dim
+constexpr int kStride = kD + 8;  // padded shared rows, as the kernels
+constexpr int kRows = 32;        // query tile rows (the warp takes rows 16..31)
+constexpr int kKeys = 32;        // key tile rows
 constexpr int kR0 = 16;
 
 std::vector<float> random_tile(int rows, int stride, std::mt19937& rng) {
@@ -150,7 +150,8 @@ TEST(Fragments, ScoresTimesValues) {
           for (int j = 0; j < kD; ++j) sc += q[row * kStride + j] * k[key * kStride + j];
           ref += sc * v[key * kStride + d];
         }
-        ASSERT_NEAR(o[dt][l][e], ref, 1e-3 * (1.0 + std::fabs(ref))) << "dt " << dt << " lane " << l;
+        ASSERT_NEAR(o[dt][l][e], ref, 1e-3 * (1.0 + std::fabs(ref)))
+            << "dt " << dt << " lane " << l;
       }
 }
 
@@ -177,7 +178,8 @@ TEST(Fragments, TransposedAOperand) {
       for (int e = 0; e < 4; ++e) {
         const int row = r0 + c_row(l, e), d = c0 + j * 8 + c_col(l, e);
         float ref = 0.f;
-        for (int key = 0; key < kKeys; ++key) ref += ds_t[key * kDSStride + row] * k[key * kStride + d];
+        for (int key = 0; key < kKeys; ++key)
+          ref += ds_t[key * kDSStride + row] * k[key * kStride + d];
         ASSERT_NEAR(acc[j][l][e], ref, 1e-4f) << "j " << j << " lane " << l << " e " << e;
       }
 }

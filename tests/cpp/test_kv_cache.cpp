@@ -61,26 +61,29 @@ void check_spans(int64_t world, int64_t il, int64_t n, int64_t q_begin, int64_t 
   for (int64_t rank = 0; rank < world; ++rank) {
     int unmasked = 0;
     int64_t last_end = 0;
-    for_each_cache_span(s, rank, n, rule, q_begin, num_q, [&](const CacheSpan& sp) {
-      ASSERT_GE(sp.slot_begin, last_end) << "spans are disjoint and ordered";
-      ASSERT_LE(sp.slot_end, s.count(rank, n));
-      last_end = sp.slot_end;
-      const bool plain = !only_runs && !sp.mask.causal && sp.mask.window_left < 0 &&
-                         sp.mask.window_right < 0;
-      unmasked += plain;
-      if (!plain) {  // a masked span is a run of consecutive positions
-        const int64_t p0 = s.position(rank, sp.slot_begin);
-        ASSERT_EQ(s.position(rank, sp.slot_end - 1), p0 + sp.slot_end - 1 - sp.slot_begin);
-      }
-      for (int64_t a = 0; a < num_q; ++a)
-        for (int64_t c = 0; c < sp.slot_end - sp.slot_begin; ++c) {
-          if (!sp.mask.visible(a, c)) continue;
-          const int64_t j = s.position(rank, sp.slot_begin + c);
-          ASSERT_TRUE(rule.visible_pos(q_begin + a, j)) << "hidden pair i=" << q_begin + a
-                                                        << " j=" << j << " rank " << rank;
-          ++seen[a * n + j];
-        }
-    }, runs_only);
+    for_each_cache_span(
+        s, rank, n, rule, q_begin, num_q,
+        [&](const CacheSpan& sp) {
+          ASSERT_GE(sp.slot_begin, last_end) << "spans are disjoint and ordered";
+          ASSERT_LE(sp.slot_end, s.count(rank, n));
+          last_end = sp.slot_end;
+          const bool plain =
+              !only_runs && !sp.mask.causal && sp.mask.window_left < 0 && sp.mask.window_right < 0;
+          unmasked += plain;
+          if (!plain) {  // a masked span is a run of consecutive positions
+            const int64_t p0 = s.position(rank, sp.slot_begin);
+            ASSERT_EQ(s.position(rank, sp.slot_end - 1), p0 + sp.slot_end - 1 - sp.slot_begin);
+          }
+          for (int64_t a = 0; a < num_q; ++a)
+            for (int64_t c = 0; c < sp.slot_end - sp.slot_begin; ++c) {
+              if (!sp.mask.visible(a, c)) continue;
+              const int64_t j = s.position(rank, sp.slot_begin + c);
+              ASSERT_TRUE(rule.visible_pos(q_begin + a, j))
+                  << "hidden pair i=" << q_begin + a << " j=" << j << " rank " << rank;
+              ++seen[a * n + j];
+            }
+        },
+        runs_only);
     ASSERT_LE(unmasked, 1);
   }
   for (int64_t a = 0; a < num_q; ++a)
@@ -92,7 +95,7 @@ void check_spans(int64_t world, int64_t il, int64_t n, int64_t q_begin, int64_t 
 }
 
 TEST(CacheSpans, RunsOnlyAndPrefixCoverEveryVisiblePairOnce) {
-  const RuleCase rules[] = {{true, -1, -1}, {false, -1, -1}, {true, 6, -1},
+  const RuleCase rules[] = {{true, -1, -1},    {false, -1, -1},   {true, 6, -1},
                             {true, -1, -1, 5}, {true, 2, -1, 30}, {true, -1, -1, 75}};
   for (int64_t world : {1, 2, 3})
     for (int64_t il : {1, 5, 16})
@@ -106,8 +109,8 @@ TEST(CacheSpans, RunsOnlyAndPrefixCoverEveryVisiblePairOnce) {
 }
 
 TEST(CacheSpans, CoverEveryVisiblePairOnce) {
-  const RuleCase rules[] = {{true, -1, -1}, {false, -1, -1}, {true, 6, -1}, {false, 4, 3},
-                            {true, 0, -1},  {false, -1, 0}};
+  const RuleCase rules[] = {{true, -1, -1}, {false, -1, -1}, {true, 6, -1},
+                            {false, 4, 3},  {true, 0, -1},   {false, -1, 0}};
   for (int64_t world : {1, 2, 3, 4})
     for (int64_t il : {1, 2, 5, 16})
       for (int64_t n : {1, 7, 40, 70})
@@ -127,9 +130,8 @@ TEST(CacheSpans, DecodeIsOneUnmaskedCallPlusShortRuns) {
   causal.causal = true;
   for (int64_t rank = 0; rank < 4; ++rank) {
     std::vector<CacheSpan> spans;
-    for_each_cache_span(s, rank, 1000, causal, 996, 4, [&](const CacheSpan& sp) {
-      spans.push_back(sp);
-    });
+    for_each_cache_span(s, rank, 1000, causal, 996, 4,
+                        [&](const CacheSpan& sp) { spans.push_back(sp); });
     int64_t slots = 0;
     for (const CacheSpan& sp : spans) slots += sp.slot_end - sp.slot_begin;
     EXPECT_EQ(slots, 250);
@@ -146,7 +148,7 @@ TEST(MergeWeightsN, MatchesDoubleMath) {
   for (int trial = 0; trial < 2000; ++trial) {
     const int64_t n = 1 + trial % 6;
     std::vector<float> lse(2 * n, 123.f), w(n);  // stride 2: the odd entries must not be read
-    for (int64_t i = 0; i < n; ++i)  // a part empty now and then
+    for (int64_t i = 0; i < n; ++i)              // a part empty now and then
       lse[2 * i] = (trial % 5 == 0 && i == 0 && n > 1) ? kNegInf : normal(rng);
     const float merged = merge_weights_n(lse.data(), n, 2, w.data());
     double mx = -INFINITY, sum = 0;

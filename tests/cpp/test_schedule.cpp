@@ -17,11 +17,10 @@ struct MaskCase {
   int64_t prefix = -kUnbounded;  // prefix-LM: keys below it seen by every query
 };
 
-const MaskCase kMasks[] = {{false, -1, -1}, {true, -1, -1}, {true, 5, -1},  {true, 0, -1},
-                           {false, 7, 3},   {false, 0, 0},  {false, -1, 2}, {false, 9, -1},
-                           {true, 13, 4},   {false, 1, 20}, {true, -1, -1, 5},
-                           {true, 0, -1, 7}, {true, 3, -1, 1}, {false, 2, 2, 11},
-                           {true, -1, -1, 1000}};
+const MaskCase kMasks[] = {
+    {false, -1, -1},   {true, -1, -1},   {true, 5, -1},    {true, 0, -1},     {false, 7, 3},
+    {false, 0, 0},     {false, -1, 2},   {false, 9, -1},   {true, 13, 4},     {false, 1, 20},
+    {true, -1, -1, 5}, {true, 0, -1, 7}, {true, 3, -1, 1}, {false, 2, 2, 11}, {true, -1, -1, 1000}};
 
 void check_coverage(Layout layout, int64_t world, int64_t seqlen, const MaskCase& mc) {
   Mask global;
@@ -42,9 +41,8 @@ void check_coverage(Layout layout, int64_t world, int64_t seqlen, const MaskCase
             const int64_t i = global_position(layout, seqlen, world, rank, sp.q.local_begin + a);
             const int64_t j =
                 global_position(layout, seqlen, world, plan.source, sp.k.local_begin + b);
-            ASSERT_TRUE(global.visible_pos(i, j))
-                << "hidden pair computed: i=" << i << " j=" << j << " rank " << rank << " step "
-                << step;
+            ASSERT_TRUE(global.visible_pos(i, j)) << "hidden pair computed: i=" << i << " j=" << j
+                                                  << " rank " << rank << " step " << step;
             ++seen[i * seqlen + j];
           }
         // Skipped sub-problems are only the empty ones: a computed one has a visible pair.
@@ -103,22 +101,23 @@ void check_varlen_coverage(Layout layout, int64_t world, const std::vector<int64
   for (int64_t rank = 0; rank < world; ++rank)
     for (int64_t step = 0; step < world; ++step) {
       const int64_t src = ring_source(rank, step, world);
-      plan_step_varlen(layout, lengths.data(), static_cast<int64_t>(lengths.size()), world, rank,
-                       step, global, [&](const SubProblem& sp) {
-                         for (int64_t a = 0; a < sp.q.length; ++a)
-                           for (int64_t b = 0; b < sp.k.length; ++b) {
-                             if (!sp.mask.visible(a, b)) continue;
-                             const int64_t qa = sp.q.local_begin + a, kb = sp.k.local_begin + b;
-                             const int64_t d = local_doc[rank][qa];
-                             ASSERT_EQ(d, local_doc[src][kb]) << "pair crosses documents";
-                             const int64_t i = local_pos[rank][qa], j = local_pos[src][kb];
-                             ASSERT_LT(i, lengths[d]) << "padding query";
-                             ASSERT_LT(j, lengths[d]) << "padding key";
-                             ASSERT_TRUE(rule(d).visible_pos(i, j));
-                             ++seen[{d, i, j}];
-                           }
-                       },
-                       prefixes.empty() ? nullptr : prefixes.data());
+      plan_step_varlen(
+          layout, lengths.data(), static_cast<int64_t>(lengths.size()), world, rank, step, global,
+          [&](const SubProblem& sp) {
+            for (int64_t a = 0; a < sp.q.length; ++a)
+              for (int64_t b = 0; b < sp.k.length; ++b) {
+                if (!sp.mask.visible(a, b)) continue;
+                const int64_t qa = sp.q.local_begin + a, kb = sp.k.local_begin + b;
+                const int64_t d = local_doc[rank][qa];
+                ASSERT_EQ(d, local_doc[src][kb]) << "pair crosses documents";
+                const int64_t i = local_pos[rank][qa], j = local_pos[src][kb];
+                ASSERT_LT(i, lengths[d]) << "padding query";
+                ASSERT_LT(j, lengths[d]) << "padding key";
+                ASSERT_TRUE(rule(d).visible_pos(i, j));
+                ++seen[{d, i, j}];
+              }
+          },
+          prefixes.empty() ? nullptr : prefixes.data());
     }
   for (size_t d = 0; d < lengths.size(); ++d)
     for (int64_t i = 0; i < lengths[d]; ++i)

@@ -76,8 +76,13 @@ TEST(MergeWeights, LargeMagnitudesWhereTheExpFormOverflows) {
   // exp(100) already overflows float: the naive log(exp(a) + exp(b)) would give inf and NaN
   // weights. The stable form must stay finite and exact.
   ASSERT_TRUE(std::isinf(std::exp(100.f)));
-  for (auto [a, b] : {std::pair{100.f, 99.f}, {1000.f, 1000.5f}, {1e4f, 1e4f - 3.f},
-                      {3e38f, 3e38f}, {-1000.f, -1001.f}, {-1e4f, 50.f}, {88.f, -88.f}}) {
+  for (auto [a, b] : {std::pair{100.f, 99.f},
+                      {1000.f, 1000.5f},
+                      {1e4f, 1e4f - 3.f},
+                      {3e38f, 3e38f},
+                      {-1000.f, -1001.f},
+                      {-1e4f, 50.f},
+                      {88.f, -88.f}}) {
     expect_merge(a, b);
     const MergeWeights w = merge_weights(a, b);
     EXPECT_TRUE(std::isfinite(w.lse)) << a << " " << b;

@@ -82,9 +82,12 @@ TEST(Tiling, ForwardVisitsEveryVisiblePairOnce) {
         const bool masked =
             tile_needs_mask(m, r0, c.block_m, c0, c.block_n, c.seqlen_q, c.seqlen_k);
         // the kernel's bounds: per row (rows past seqlen_q are never stored)
-        check_tile(c, trial, r0, c0, masked, [&](int64_t r, int64_t col) {
-          return r < c.seqlen_q && visible_keys_of_row(m, r, c.seqlen_k).contains(int(col));
-        }, seen);
+        check_tile(
+            c, trial, r0, c0, masked,
+            [&](int64_t r, int64_t col) {
+              return r < c.seqlen_q && visible_keys_of_row(m, r, c.seqlen_k).contains(int(col));
+            },
+            seen);
       }
     }
     check_seen_once(c, trial, seen);
@@ -108,9 +111,12 @@ TEST(Tiling, BackwardVisitsEveryVisiblePairOnce) {
         const bool masked =
             tile_needs_mask(m, r0, c.block_m, c0, c.block_n, c.seqlen_q, c.seqlen_k);
         // the kernel's bounds: per key
-        check_tile(c, trial, r0, c0, masked, [&](int64_t r, int64_t col) {
-          return col < c.seqlen_k && visible_rows_of_key(m, col, c.seqlen_q).contains(int(r));
-        }, seen);
+        check_tile(
+            c, trial, r0, c0, masked,
+            [&](int64_t r, int64_t col) {
+              return col < c.seqlen_k && visible_rows_of_key(m, col, c.seqlen_q).contains(int(r));
+            },
+            seen);
       }
     }
     check_seen_once(c, trial, seen);

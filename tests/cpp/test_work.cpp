@@ -18,8 +18,11 @@ TEST(Work, SumClampedMatchesLoop) {
 }
 
 TEST(Work, StepWorkCountsEveryVisiblePairAndTile) {
-  const struct { bool causal; int64_t left, right; } masks[] = {
-      {false, -1, -1}, {true, -1, -1}, {true, 5, -1}, {false, 7, 3}, {true, 0, -1}, {false, -1, 2}};
+  const struct {
+    bool causal;
+    int64_t left, right;
+  } masks[] = {{false, -1, -1}, {true, -1, -1}, {true, 5, -1},
+               {false, 7, 3},   {true, 0, -1},  {false, -1, 2}};
   for (Layout layout : {Layout::kContiguous, Layout::kZigzag, Layout::kStriped})
     for (int64_t world = 1; world <= 5; ++world)
       for (const auto& mc : masks) {
@@ -40,8 +43,8 @@ TEST(Work, StepWorkCountsEveryVisiblePairAndTile) {
               for (int64_t r0 = 0; r0 < sp.q.length; r0 += 4)
                 for (int64_t c0 = 0; c0 < sp.k.length; c0 += 3)
                   if (!tile_is_empty(sp.mask, r0, 4, c0, 3, sp.q.length, sp.k.length))
-                    tiles += (min_i64(r0 + 4, sp.q.length) - r0) *
-                             (min_i64(c0 + 3, sp.k.length) - c0);
+                    tiles +=
+                        (min_i64(r0 + 4, sp.q.length) - r0) * (min_i64(c0 + 3, sp.k.length) - c0);
             }
             const Work w = step_work(layout, seqlen, nullptr, 0, world, rank, step, global, 4, 3);
             ASSERT_EQ(w.pairs, pairs) << "rank " << rank << " step " << step;

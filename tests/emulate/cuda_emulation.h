@@ -269,7 +269,9 @@ inline float __half2float(__half h) { return static_cast<float>(std::bit_cast<_F
 inline __half __float2half_rn(float f) {
   return {std::bit_cast<uint16_t>(static_cast<_Float16>(f))};
 }
-inline __half2 __floats2half2_rn(float a, float b) { return {__float2half_rn(a), __float2half_rn(b)}; }
+inline __half2 __floats2half2_rn(float a, float b) {
+  return {__float2half_rn(a), __float2half_rn(b)};
+}
 inline float __int_as_float(int i) { return std::bit_cast<float>(i); }
 
 inline int min(int a, int b) { return a < b ? a : b; }
@@ -299,7 +301,8 @@ inline uint32_t smem_u32(const void* p) {
 
 inline void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
   emu::check_smem(smem_u32(smem_dst), 16, 16, "cp.async destination");
-  if (valid && reinterpret_cast<uintptr_t>(gmem_src) % 16 != 0) emu::fail("cp.async: misaligned source");
+  if (valid && reinterpret_cast<uintptr_t>(gmem_src) % 16 != 0)
+    emu::fail("cp.async: misaligned source");
   const emu::PendingCopy c{smem_dst, gmem_src, valid};
   if (emu::state().rng() & 1)
     emu::land(c);

@@ -212,9 +212,8 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
   using QCfg = DqConfigFor<kHeadDim>;
   constexpr int d = kHeadDim;
   const bool deterministic = opt.deterministic;
-  const std::string what = name_of(c, d) + " splits " + std::to_string(opt.head_splits) +
-                           " pad " + std::to_string(opt.row_pad) + " dim " +
-                           std::to_string(opt.real_dim);
+  const std::string what = name_of(c, d) + " splits " + std::to_string(opt.head_splits) + " pad " +
+                           std::to_string(opt.row_pad) + " dim " + std::to_string(opt.real_dim);
   SCOPED_TRACE(what);
   std::mt19937 rng(static_cast<uint32_t>(seed));
   const int B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, H = c.heads, Hk = c.kv_heads;
@@ -264,8 +263,8 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
   fp.scale_log2 = c.scale * 1.4426950408889634f;
   fp.mask = m;
   launch(fwd_launch<FCfg>(fp.shape), [&] { attention_fwd_kernel<FCfg, Elem, OutT>(fp); });
-  expect_close("out", out, ref.out, std::is_same_v<OutT, float> ? Host<Elem>::kOutTol / 2
-                                                                 : Host<Elem>::kOutTol);
+  expect_close("out", out, ref.out,
+               std::is_same_v<OutT, float> ? Host<Elem>::kOutTol / 2 : Host<Elem>::kOutTol);
   for (size_t i = 0; i < lse.size(); ++i) {
     if (std::isinf(ref.lse[i])) {
       ASSERT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << "lse " << i << " should be -inf";
@@ -382,7 +381,8 @@ TEST(EmulatedKernels, Fp16HeadDim64Deterministic) {
 TEST(EmulatedKernels, Bf16HeadDim128Deterministic) {
   uint64_t seed = 300;
   const auto cs = cases(all_cases());
-  for (size_t i = 0; i < cs.size(); i += 2) run_case<128, __nv_bfloat16, __nv_bfloat16>(cs[i], seed++, Options{true});
+  for (size_t i = 0; i < cs.size(); i += 2)
+    run_case<128, __nv_bfloat16, __nv_bfloat16>(cs[i], seed++, Options{true});
 }
 
 // Every other head dim's tile configuration (kernel_config.h), on two cases each.
@@ -429,10 +429,10 @@ TEST(EmulatedKernels, OpLayerOperands) {
 TEST(EmulatedKernels, OperandReadableRule) {
   alignas(16) static uint16_t buf[4096];
   const int64_t sizes[3] = {1, 8, 2};
-  EXPECT_TRUE(operand_readable(buf, sizes, {8 * 136, 136, 64}));    // rows padded by 8
-  EXPECT_FALSE(operand_readable(buf, sizes, {8 * 132, 132, 64}));   // rows padded by 4
+  EXPECT_TRUE(operand_readable(buf, sizes, {8 * 136, 136, 64}));       // rows padded by 8
+  EXPECT_FALSE(operand_readable(buf, sizes, {8 * 132, 132, 64}));      // rows padded by 4
   EXPECT_FALSE(operand_readable(buf + 1, sizes, {8 * 128, 128, 64}));  // base off by 2 bytes
-  EXPECT_FALSE(operand_readable(buf, sizes, {8 * 128, 128, 60}));   // head stride not 8k
+  EXPECT_FALSE(operand_readable(buf, sizes, {8 * 128, 128, 60}));      // head stride not 8k
   const int64_t one_row[3] = {1, 1, 1};
   EXPECT_TRUE(operand_readable(buf, one_row, {3, 5, 7}));  // size-1 dims: strides unused
   const Case c{1, 16, 16, 1, 1, false, -1, -1, 0, 0, 0.125f};

@@ -96,8 +96,8 @@ CPATTN_HOST_DEVICE void masked_runs(const CacheSharding& s, int64_t rank, const 
 // every span is such a run, with its mask on global positions.
 template <typename F>
 CPATTN_HOST_DEVICE void for_each_cache_span(const CacheSharding& s, int64_t rank, int64_t n,
-                                            const Mask& rule, int64_t q_begin, int64_t num_q,
-                                            F&& f, bool runs_only = false) {
+                                            const Mask& rule, int64_t q_begin, int64_t num_q, F&& f,
+                                            bool runs_only = false) {
   if (n <= 0 || num_q <= 0) return;
   if (runs_only || rule.has_prefix()) {
     detail::masked_runs(s, rank, rule, q_begin, num_q, 0, n - 1, f);

@@ -31,7 +31,8 @@ struct ShardRuns {
   Run runs[2];
 };
 
-CPATTN_HOST_DEVICE ShardRuns shard_runs(Layout layout, int64_t seqlen, int64_t world, int64_t rank) {
+CPATTN_HOST_DEVICE ShardRuns shard_runs(Layout layout, int64_t seqlen, int64_t world,
+                                        int64_t rank) {
   const int64_t local = seqlen / world;
   switch (layout) {
     case Layout::kZigzag: {

@@ -43,10 +43,10 @@ CPATTN_HOST_DEVICE int64_t normalized_window(int64_t side) {
 
 struct Mask {
   bool causal = false;
-  int64_t window_left = -1;   // -1: unbounded
-  int64_t window_right = -1;  // -1: unbounded
-  int64_t q_offset = 0;       // global position of local query 0
-  int64_t k_offset = 0;       // global position of local key 0
+  int64_t window_left = -1;          // -1: unbounded
+  int64_t window_right = -1;         // -1: unbounded
+  int64_t q_offset = 0;              // global position of local query 0
+  int64_t k_offset = 0;              // global position of local key 0
   int64_t prefix_end = -kUnbounded;  // keys at positions < prefix_end are seen by every query
 
   CPATTN_HOST_DEVICE bool has_prefix() const { return prefix_end > -kUnbounded; }
@@ -82,8 +82,8 @@ struct Mask {
   // first to the last such column (with a prefix it may hold columns between the prefix and the
   // rows' intervals that no row sees).
   CPATTN_HOST_DEVICE PosRange key_span(int64_t r0, int64_t r1, int64_t num_keys) const {
-    PosRange span = clip(first_key(q_offset + r0) - k_offset,
-                         last_key(q_offset + r1 - 1) - k_offset, num_keys);
+    PosRange span =
+        clip(first_key(q_offset + r0) - k_offset, last_key(q_offset + r1 - 1) - k_offset, num_keys);
     if (k_offset < prefix_end) {  // the prefix keys [0, prefix_end - k_offset) join the span
       const PosRange prefix = clip(0, prefix_end - 1 - k_offset, num_keys);
       if (span.empty()) return prefix;
@@ -108,7 +108,7 @@ struct Mask {
     const int64_t j_first = k_offset + c0, j_last = k_offset + c1 - 1;
     if (j_last < prefix_end) return BlockKind::kFull;
     const int64_t j_rule = j_first < prefix_end ? prefix_end : j_first;  // keys [j_rule, j_last]
-    if (last_key(i_last) < j_rule || first_key(i_first) > j_last)         // follow the rule
+    if (last_key(i_last) < j_rule || first_key(i_first) > j_last)        // follow the rule
       return j_first < prefix_end ? BlockKind::kPartial : BlockKind::kEmpty;
     if (first_key(i_last) <= j_rule && last_key(i_first) >= j_last) return BlockKind::kFull;
     return BlockKind::kPartial;

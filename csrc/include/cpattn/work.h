@@ -19,9 +19,9 @@ struct Work {
 // sum_{r=0}^{n-1} clamp(a + r, lo, hi), in O(1); lo <= hi.
 inline int64_t sum_clamped(int64_t a, int64_t n, int64_t lo, int64_t hi) {
   if (n <= 0) return 0;
-  const int64_t below = min_i64(n, max_i64(lo - a, 0));          // terms a + r < lo
-  const int64_t above = min_i64(n, max_i64(a + n - hi, 0));      // terms a + r > hi
-  const int64_t mid_first = below, mid_last = n - above;          // r in [mid_first, mid_last)
+  const int64_t below = min_i64(n, max_i64(lo - a, 0));      // terms a + r < lo
+  const int64_t above = min_i64(n, max_i64(a + n - hi, 0));  // terms a + r > hi
+  const int64_t mid_first = below, mid_last = n - above;     // r in [mid_first, mid_last)
   int64_t sum = below * lo + above * hi;
   if (mid_last > mid_first) {
     const int64_t count = mid_last - mid_first;
