@@ -27,7 +27,8 @@ def _call(strategy, layout, q, k, v):
     return cpattn.ring_attention(q, k, v, causal=True, layout=layout, strategy=strategy)
 
 
-def _measured_vs_model(rank: int, world: int) -> None:
+def _measured_vs_model(rank: int, world: int) -> list[str]:
+    failures = []  # returned, not raised: a rank that raised would leave its peer in a collective
     for strategy, layout, hkv, dtype in CASES:
         L = S // world
         torch.manual_seed(rank)
@@ -35,20 +36,27 @@ def _measured_vs_model(rank: int, world: int) -> None:
         g = torch.randn(1, L, H, D, dtype=dtype)
         _call(strategy, layout, q, k, v).backward(g)  # warm-up: lazy initialisation
         peaks = []
-        for _ in range(3):  # the least of 3: gloo frees its collectives' copies on its own
-            q.grad = k.grad = v.grad = None  # thread, at times in the next phase (plan.memory)
+        # The least of 5: gloo frees its collectives' copies on its own thread, at times in the
+        # next phase (plan.memory), which can only raise a measured peak (a loaded machine: up to
+        # +12 % in one of 3 calls).
+        for _ in range(5):
+            q.grad = k.grad = v.grad = None
             cpattn.release_buffers()  # the model counts the ring's buffers
+            dist.barrier()
             with cpattn.memory.counting() as c:
                 _call(strategy, layout, q, k, v).backward(g)
             peaks.append(c.peak)
         p = P.Problem(S, H, hkv, D, dtype=str(dtype).split(".")[1], causal=True)
         model = P.memory(p, strategy, world, layout, gloo=True)["peak"]
-        what = f"{strategy}/{layout} kv heads {hkv} {dtype}: measured {peaks}, model {model}"
-        assert abs(min(peaks) - model) <= 0.10 * model, what
+        if abs(min(peaks) - model) > 0.10 * model:
+            failures.append(f"rank {rank} {strategy}/{layout} kv heads {hkv} {dtype}: "
+                            f"measured {peaks}, model {model}")
+    return failures
 
 
 def test_memory_matches_model():
-    run_ranks(2, _measured_vs_model)
+    failures = [f for rank in run_ranks(2, _measured_vs_model) for f in rank]
+    assert not failures, "\n".join(failures)
 
 
 def _cached_buffers(rank: int, world: int) -> None:

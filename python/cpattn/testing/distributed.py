@@ -7,12 +7,19 @@ import faulthandler
 import os
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+@dataclass
+class _RankFailed:
+    trace: str
 
 
 def _entry(rank: int, world: int, init_file: str, fn: Callable, args: tuple, threads: int,
@@ -26,6 +33,11 @@ def _entry(rank: int, world: int, init_file: str, fn: Callable, args: tuple, thr
     )
     try:
         results.put((rank, fn(rank, world, *args)))
+    except BaseException:
+        # Every failed rank's own error reaches the caller, not only the first one mp.spawn
+        # reports (often a peer's "connection reset" that hides the cause).
+        results.put((rank, _RankFailed(traceback.format_exc())))
+        raise
     finally:
         dist.destroy_process_group()
     # A rank whose work succeeded leaves without interpreter finalisation: with transformers
@@ -57,7 +69,14 @@ def run_ranks(world: int, fn: Callable, *args, threads: int = 1, poison: bool = 
     with tempfile.TemporaryDirectory() as tmp:
         ranks = mp.spawn(_entry, args=(world, os.path.join(tmp, "rendezvous"), fn, args, threads,
                                        poison, results), nprocs=world, join=False)
-        while not ranks.join(timeout=0.05):
+        try:
+            while not ranks.join(timeout=0.05):
+                drain()
+        except mp.ProcessRaisedException as error:
             drain()
+            failed = sorted((r, v.trace) for r, v in received.items() if isinstance(v, _RankFailed))
+            message = "".join(f"\n\n-- rank {r} of {world} failed:\n{trace}" for r, trace in failed)
+            raise mp.ProcessRaisedException(message or str(error), error.error_index,
+                                            error.error_pid) from error
         drain()
     return [received[r] for r in range(world)]
