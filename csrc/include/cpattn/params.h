@@ -3,8 +3,10 @@
 // op layer (csrc/ops) fills them from tensors.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
+#include "cpattn/config.h"
 #include "cpattn/mask.h"
 
 namespace cpattn {
@@ -67,7 +69,45 @@ struct ScoreOptions {
   int64_t alibi_stride = 1;
   const float* sinks = nullptr;  // (H,) fp32 logits (natural log), or none
 
-  bool modifies_scores() const { return softcap > 0.f || alibi_slopes != nullptr; }
+  CPATTN_HOST_DEVICE bool modifies_scores() const {
+    return softcap > 0.f || alibi_slopes != nullptr;
+  }
+};
+
+// The score options of one head in the kernels' base-2 units (scores times log2(e)): the scalar
+// form of the rule above, used per element by the CUDA kernels (and their host emulation); the
+// CPU kernels apply the same arithmetic vectorised (cpu/attention_kernel.h, modify_scores).
+struct HeadScoring {
+  float cap2 = 0.f;    // softcap * log2(e); 0: none
+  float slope2 = 0.f;  // alibi slope of this head * log2(e); 0: none
+  int64_t q_begin = 0, k_begin = 0, stride = 1;
+
+  CPATTN_HOST_DEVICE static HeadScoring of(const ScoreOptions& o, int head) {
+    HeadScoring h;
+    h.cap2 = o.softcap * 1.4426950408889634f;
+    h.slope2 = o.alibi_slopes != nullptr ? o.alibi_slopes[head] * 1.4426950408889634f : 0.f;
+    h.q_begin = o.alibi_q_begin;
+    h.k_begin = o.alibi_k_begin;
+    h.stride = o.alibi_stride;
+    return h;
+  }
+  // The base-2 logit of local query r and local key c from their base-2 score s2 (softmax_scale
+  // * log2(e) * q.k): softcap first, then ALiBi on global positions. With dcap, d(logit)/d(s2)
+  // (1 - tanh^2 under a softcap, else 1) goes there for the backward's chain rule.
+  CPATTN_HOST_DEVICE float logit2(float s2, int64_t r, int64_t c, float* dcap = nullptr) const {
+    float x = s2, d = 1.f;
+    if (cap2 > 0.f) {
+      const float t = tanhf(s2 / cap2);
+      x = cap2 * t;
+      d = 1.f - t * t;
+    }
+    if (dcap != nullptr) *dcap = d;
+    if (slope2 != 0.f) {
+      const int64_t distance = q_begin + stride * r - k_begin - stride * c;  // exact below 2^24
+      x -= slope2 * static_cast<float>(distance < 0 ? -distance : distance);
+    }
+    return x;
+  }
 };
 
 // What turns q.k into probabilities, the same for every kernel's parameters (CPU: cpu/params.h,
