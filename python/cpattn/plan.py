@@ -740,8 +740,12 @@ def _cache_path(key: str) -> str:
 
 
 def _timed(fn, repeats: int, sync=None) -> float:
-    """Best of `repeats` after a warm-up (the least disturbed run); sync() before each run lines
-    the ranks up, so that they compute (and share cores) at the same time."""
+    """Best of `repeats` after a warm-up (the least disturbed run). With sync, each run is timed
+    from one sync() to the next: the ranks start together, share the cores while they compute,
+    and the run ends when the slowest rank is done. (Timing each rank's own call instead
+    under-counted by up to a third with 4 ranks on 2 cores: the scheduler lets some ranks finish
+    first, alone on a core, and the others then run faster too; a real strategy waits for the
+    slowest.)"""
     fn()  # warm-up
     best = math.inf
     for _ in range(repeats):
@@ -749,6 +753,8 @@ def _timed(fn, repeats: int, sync=None) -> float:
             sync()
         start = time.perf_counter()
         fn()
+        if sync is not None:
+            sync()
         best = min(best, time.perf_counter() - start)
     return best
 
