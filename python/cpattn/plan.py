@@ -739,13 +739,13 @@ def _cache_path(key: str) -> str:
     return os.path.join(root, f"machine-{key}.json")
 
 
-def _timed(fn, repeats: int, sync=None) -> float:
-    """Best of `repeats` after a warm-up (the least disturbed run). With sync, each run is timed
-    from one sync() to the next: the ranks start together, share the cores while they compute,
-    and the run ends when the slowest rank is done. (Timing each rank's own call instead
-    under-counted by up to a third with 4 ranks on 2 cores: the scheduler lets some ranks finish
-    first, alone on a core, and the others then run faster too; a real strategy waits for the
-    slowest.)"""
+def _timed(fn, repeats: int, sync=None, slowest: bool = False) -> float:
+    """Best of `repeats` after a warm-up (the least disturbed run); sync() before each run lines
+    the ranks up, so that they compute (and share cores) at the same time. slowest: each run
+    ends at a second sync(), when the slowest rank is done: for compute probes, where timing
+    each rank's own call ran up to a third fast with 4 ranks on 2 cores (the scheduler lets some
+    ranks finish first, and the others then run faster too; a strategy waits for the slowest).
+    Collectives need no second sync (they end together), and it would add a barrier's latency."""
     fn()  # warm-up
     best = math.inf
     for _ in range(repeats):
@@ -753,7 +753,7 @@ def _timed(fn, repeats: int, sync=None) -> float:
             sync()
         start = time.perf_counter()
         fn()
-        if sync is not None:
+        if slowest:
             sync()
         best = min(best, time.perf_counter() - start)
     return best
@@ -770,14 +770,16 @@ def _probe_kernel(device, dtype: torch.dtype, block: tuple, sync) -> tuple:
         q, k, v = (torch.randn(1, seqlen, heads, dim, device=device, dtype=dtype)
                    .requires_grad_() for _ in range(3))
         dout = torch.randn_like(q)
-        t_fwd = _timed(lambda: attention(q, k, v), 3, sync)
-        t_all = _timed(lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout), 3, sync)
+        t_fwd = _timed(lambda: attention(q, k, v), 3, sync, slowest=True)
+        t_all = _timed(lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout), 3, sync,
+                       slowest=True)
         tiles = -(-seqlen // block[0]) * block[0] * (-(-seqlen // block[1]) * block[1])
         results.append((tiles * heads * dim, t_fwd, max(t_all - t_fwd, 1e-9)))
     (w0, f0, b0), (w1, f1, b1) = results
     fwd_rate = 4 * (w1 - w0) / max(f1 - f0, 1e-9)
     bwd_rate = 10 * (w1 - w0) / max(b1 - b0, 1e-9)
-    overhead = max(f0 - 4 * w0 / fwd_rate, 0.0)
+    barrier = _timed(sync, 5)  # inside each timing above (slowest=True), not a call's cost
+    overhead = max(f0 - barrier - 4 * w0 / fwd_rate, 0.0)
     return fwd_rate, bwd_rate, overhead
 
 
@@ -857,7 +859,7 @@ def calibrate(group=None, *, dtypes: Sequence[str] = (), refresh: bool = False,
     # elementwise bandwidth: a 32 MiB copy
     src_t = torch.randn(8 << 20, device=device)
     dst_t = torch.empty_like(src_t)
-    mem_bw = 2 * src_t.numel() * 4 / _timed(lambda: dst_t.copy_(src_t), 3, sync)
+    mem_bw = 2 * src_t.numel() * 4 / _timed(lambda: dst_t.copy_(src_t), 3, sync, slowest=True)
     # the ring link: one shift of two sizes
     if world > 1:
         small = torch.zeros(1024, device=device)
