@@ -1,8 +1,8 @@
-"""Softcap, ALiBi and prefix-LM (with sinks) in prefill_attention and decode_attention, on global
-positions through the sharded cache and the exact merge: a prompt in two prefill chunks (the
-second also attends to the cached first), then decode steps of 2 and 1 queries with both merges,
-each against the float64 reference over the tokens present at that step, at W = 1..3; prefill
-chunks of any length."""
+"""Softcap, ALiBi, prefix-LM and sliding windows (with sinks) in prefill_attention and
+decode_attention, on global positions through the sharded cache and the exact merge: a prompt in
+two prefill chunks (the second also attends to the cached first), then decode steps of 2 and 1
+queries with both merges, each against the float64 reference over the tokens present at that
+step, at W = 1..3; prefill chunks of any length."""
 
 import pytest
 import torch
@@ -17,6 +17,10 @@ CASES = {
         "softcap": 4.0, "alibi": True, "sinks": True, "prefix_len": c + 3},
     "alibi_prefix_into_decode": lambda c: {"alibi": True, "prefix_len": 2 * c + 2},
     "softcap_only": lambda c: {"softcap": 2.5},
+    # the second chunk's and the decode steps' windows reach part way into the cached tokens
+    "window_sinks": lambda c: {"window": (c // 2 + 1, -1), "sinks": True},
+    "window_softcap_alibi_prefix": lambda c: {
+        "window": (3, -1), "softcap": 3.0, "alibi": True, "prefix_len": c - 1},
 }
 
 
@@ -27,7 +31,8 @@ def _steps(rank: int, world: int, name: str, interleave: int) -> None:
     total = 2 * chunk + 3
     options = CASES[name](chunk)
     q, k, v = (torch.randn(b, total, heads, d) for heads in (h, hkv, hkv))
-    kwargs = {"softcap": options.get("softcap", 0.0), "prefix_len": options.get("prefix_len", 0)}
+    kwargs = {"softcap": options.get("softcap", 0.0), "prefix_len": options.get("prefix_len", 0),
+              "window": options.get("window", (-1, -1))}
     if options.get("alibi"):
         kwargs["alibi_slopes"] = torch.rand(h) * 0.4 + 0.05
     if options.get("sinks"):
@@ -78,7 +83,7 @@ def _any_length_prefill(rank: int, world: int) -> None:
         total = sum(sizes) + 1
         q, k, v = (torch.randn(b, total, heads, d) for heads in (h, hkv, hkv))
         kwargs = {"softcap": 4.0, "alibi_slopes": torch.rand(h) * 0.4, "sinks": torch.randn(h),
-                  "prefix_len": sizes[0] + 1}
+                  "prefix_len": sizes[0] + 1, "window": (sizes[0] - 1, -1)}
         cache = cpattn.KVCacheShard(b, total, hkv, d, interleave=2)
         start = 0
         for c in sizes:
@@ -133,10 +138,15 @@ def _all_cases(rank: int, world: int) -> None:
         ({"prefix_len": -2}, r"decode_attention: prefix_len=-2: must be >= 0"),
         ({"alibi_slopes": torch.ones(2, requires_grad=True)}, r"alibi_slopes=.*are fixed"),
         ({"alibi_slopes": torch.ones(3)}, r"alibi_slopes"),
+        ({"window": (-2, -1)}, r"decode_attention: window\[0\] \(left\)=-2: must be >= -1"),
+        ({"window": 3}, r"decode_attention: window=3: must be a pair"),
     ]:
         with pytest.raises((ValueError, RuntimeError), match=match):
             cpattn.decode_attention(q, cache, **kwargs)
     cpattn.decode_attention(q, cache, alibi_slopes=torch.ones(2), prefix_len=1)
+    if world > 1:  # ranks that disagree on the window raise on every rank
+        with pytest.raises(ValueError, match=r"window_left"):
+            cpattn.decode_attention(q, cache, window=(rank, -1))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -129,7 +129,7 @@ def _raises(match: str, fn, *args, **kwargs) -> None:
 
 
 def _refusals():
-    from cpattn.integrations.transformers import ContextParallelCache, register
+    from cpattn.integrations.transformers import register
 
     cp = cpattn.ContextParallel()
     name = register(cp)
@@ -158,11 +158,13 @@ def _refusals():
             use_cache=False, alibi_slopes=0.5)
     _raises("softcap=-1.0: must be finite", model, input_ids=ids, position_ids=pos,
             use_cache=False, softcap=-1.0)
-    # The sharded cache has no window / softcap: generating with Gemma 2 raises.
-    gemma = tiny_model(tiny_config("gemma2"), name)
-    cache = ContextParallelCache(cp, gemma.config, capacity=60)
-    _raises("ContextParallelCache supports causal attention with optional sinks", gemma.generate,
-            batch["input_ids"][:, :9], cache=cache, max_new_tokens=2, do_sample=False)
+    # A model that computes attention in its own code (Bloom: it accepts any implementation)
+    # would attend within each rank's shard: it raises.
+    from transformers import BloomConfig
+
+    bloom = tiny_model(BloomConfig(vocab_size=96, hidden_size=32, n_layer=1, n_head=4), name)
+    _raises("'bloom' model computes attention in its own code", bloom, input_ids=ids,
+            use_cache=False)
     _raises("unknown keyword bias_scale", model, input_ids=ids, position_ids=pos,
             use_cache=False, bias_scale=2.0)
     _raises("cross_entropy", model, input_ids=ids, position_ids=pos, use_cache=False,

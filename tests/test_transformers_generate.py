@@ -1,7 +1,10 @@
-"""Greedy `model.generate` of a tiny transformers Llama (and a gpt-oss with sinks at W = 2) on W
-ranks through cpattn's sharded KV cache (ContextParallelCache: prefill_attention, then
-decode_attention) gives the same tokens as single-process generation with transformers' own
-attention and cache."""
+"""Greedy `model.generate` of tiny transformers models on W ranks (Llama at W = 2 and 3; at W = 2
+also gpt-oss with sinks and sliding layers and Gemma 2 with softcap and sliding layers; at W = 3
+Mistral's sliding window) through cpattn's sharded KV cache (ContextParallelCache:
+prefill_attention, then decode_attention) gives the same tokens as single-process generation
+with transformers' own attention and cache."""
+
+import copy
 
 import pytest
 import torch
@@ -18,12 +21,9 @@ NEW_TOKENS = 6
 
 
 def _generate_matches(rank, world):
-    # W = 2 also: a gpt-oss-like model (attention sinks; full-attention layers only, as the
-    # sharded cache has no sliding window), the sinks through prefill and decode.
-    kinds = ["llama", "gpt_oss"] if world == 2 else ["llama"]
+    kinds = ["llama", "gpt_oss", "gemma2"] if world == 2 else ["llama", "mistral"]
     for kind in kinds:
-        overrides = ({"layer_types": ["full_attention"] * 2, "initializer_range": 0.1}
-                     if kind == "gpt_oss" else {})
+        overrides = {"initializer_range": 0.1} if kind == "gpt_oss" else {}
         _generate_kind(rank, world, tiny_config(kind, **overrides))
 
 
@@ -34,14 +34,25 @@ def _generate_kind(rank, world, config):
     prompts = torch.randint(0, config.vocab_size, (2, PROMPT_LEN), generator=g)
     settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
                     pad_token_id=0)
-    ref_impl = "eager" if config.model_type == "gpt_oss" else "sdpa"
+    # transformers' SDPA path has no sinks or softcap: the eager reference for those models
+    ref_impl = "sdpa" if config.model_type in ("llama", "mistral") else "eager"
     ref = tiny_model(config, ref_impl).generate(prompts, **settings)
-    if config.model_type == "gpt_oss":  # the sinks change the tokens: dropping them would fail
+    # Each option changes the tokens, so that dropping it would fail the comparison below.
+    if getattr(config, "sliding_window", None):  # 7 < the 19 tokens
+        unwindowed = copy.deepcopy(config)
+        unwindowed.sliding_window = 64
+        assert not torch.equal(tiny_model(unwindowed, ref_impl).generate(prompts, **settings),
+                               ref), f"{config.model_type}: the window changes nothing"
+    if config.model_type == "gpt_oss":
         sinkless = tiny_model(config, ref_impl)
         with torch.no_grad():
             for layer in sinkless.model.layers:
                 layer.self_attn.sinks.fill_(-1e9)
         assert not torch.equal(sinkless.generate(prompts, **settings), ref)
+    if config.model_type == "gemma2":
+        uncapped = copy.deepcopy(config)
+        uncapped.attn_logit_softcapping = None
+        assert not torch.equal(tiny_model(uncapped, ref_impl).generate(prompts, **settings), ref)
 
     cp = cpattn.ContextParallel()
     model = tiny_model(config, register(cp))

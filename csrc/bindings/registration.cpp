@@ -65,12 +65,12 @@ TORCH_LIBRARY(cpattn, m) {
       "cache_attention_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
       "Tensor q_start, int rank, int world, int interleave, float softmax_scale, bool causal, "
       "ScalarType? out_dtype=None, float softcap=0., Tensor? alibi_slopes=None, "
-      "int prefix_len=0) -> (Tensor out, Tensor lse)");
+      "int prefix_len=0, int window_left=-1, int window_right=-1) -> (Tensor out, Tensor lse)");
   m.def(
       "prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor cache_lens, str group_name, float softmax_scale, int layout, int interleave, "
       "float timeout_s, float softcap=0., Tensor? alibi_slopes=None, int prefix_len=0, "
-      "int seqlen=0) -> (Tensor out, Tensor lse)");
+      "int seqlen=0, int window_left=-1, int window_right=-1) -> (Tensor out, Tensor lse)");
   m.def("cache_local_count(int n, int rank, int world, int interleave) -> int");
   m.def("cache_positions(int n, int rank, int world, int interleave) -> Tensor");
 }

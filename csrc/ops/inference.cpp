@@ -252,12 +252,14 @@ void cache_store_(const at::Tensor& k_cache, const at::Tensor& v_cache, const at
 // Partial attention of q (B, Sq, H, D), query row i of sequence b at position q_start[b] + i,
 // over the keys of positions [0, cache_lens[b]) that `rank` stores. Returns out (out_dtype,
 // default q's) and lse (B, H, Sq) fp32; a row that sees no key here is (0, -inf). Score options
-// (ops.h) on global positions: softcap, alibi_slopes (H,), keys below prefix_len seen by all.
+// (ops.h) on global positions: softcap, alibi_slopes (H,), keys below prefix_len seen by all, and
+// the sliding window (mask.h) with the causal rule.
 std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_lens, const at::Tensor& q_start, int64_t rank, int64_t world,
     int64_t interleave, double softmax_scale, bool causal, std::optional<at::ScalarType> out_dtype,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
+    double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len,
+    int64_t window_left, int64_t window_right) {
   const CacheSharding s = checked_sharding(rank, world, interleave);
   check_cache(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 4 && q.size(0) == k_cache.size(0) && q.size(3) == k_cache.size(3),
@@ -268,8 +270,7 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
               ") must be a multiple of the cache's key/value heads (", k_cache.size(2), ")");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "cpattn: q must have the cache's dtype ",
               k_cache.scalar_type(), ", got ", q.scalar_type());
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
-              "cpattn: softmax_scale must be finite and positive, got ", softmax_scale);
+  check_mask_args(softmax_scale, window_left, window_right);
   const int64_t B = q.size(0), Sq = q.size(1), H = q.size(2), D = q.size(3);
   const int64_t Hkv = k_cache.size(2), group = H / Hkv;
   const std::vector<int64_t> lens = per_sequence(cache_lens, B, "cache_lens");
@@ -285,6 +286,8 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
   at::Tensor lse = at::full({B, H, Sq}, -INFINITY, f32);
   Mask rule;
   rule.causal = causal;
+  rule.window_left = normalized_window(window_left);
+  rule.window_right = normalized_window(window_right);
   if (prefix_len > 0) rule.prefix_end = prefix_len;
   ScoreArgs score;
   score.softcap = softcap;
@@ -328,21 +331,25 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
 // Causal ring attention of a prompt chunk sharded over the group in `layout` (q, k, v as for
 // ring_fwd), which also stores each chunk token in its owner's cache at position
 // cache_lens[b] + (its position in the chunk). Attention to earlier cached tokens is not included.
-// Returns out in float32 and lse. Score options as ring_fwd, on positions within the chunk
-// (prefix_len: the prefix's end relative to the chunk's first token). seqlen > 0: the chunk's
+// Returns out in float32 and lse. Score options and window as ring_fwd, on positions within the
+// chunk (the same differences as the global ones; prefix_len: the prefix's end relative to the
+// chunk's first token). seqlen > 0: the chunk's
 // real length, the shards padded at its end (padding rows 0 / -inf, padding never stored).
 std::tuple<at::Tensor, at::Tensor> prefill_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& cache_lens, c10::string_view group_name,
     double softmax_scale, int64_t layout, int64_t interleave, double timeout_s, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len, int64_t seqlen) {
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len, int64_t seqlen,
+    int64_t window_left, int64_t window_right) {
   auto transport = group_transport(q, group_name, timeout_s);
   const int64_t world = transport->world(), rank = transport->rank();
   const CacheSharding s = checked_sharding(rank, world, interleave);
   check_cache(k_cache, v_cache);
   check_tokens(k, v, k_cache);
-  RingOptions o = make_ring_options(softmax_scale, /*causal=*/true, -1, -1, layout, std::nullopt,
-                                    softcap, alibi_slopes, std::nullopt, prefix_len);
+  check_mask_args(softmax_scale, window_left, window_right);
+  RingOptions o = make_ring_options(softmax_scale, /*causal=*/true, window_left, window_right,
+                                    layout, std::nullopt, softcap, alibi_slopes, std::nullopt,
+                                    prefix_len);
   o.out_dtype = at::kFloat;  // merged with the cached part before the one cast
   const std::vector<int64_t> start = per_sequence(cache_lens, k_cache.size(0), "cache_lens");
   const int64_t chunk = k.size(1) * world;

@@ -225,7 +225,7 @@ def _cache_store_fake(k_cache, v_cache, k, v, start, rank, world, interleave):
 @torch.library.register_fake("cpattn::cache_attention_fwd")
 def _cache_attention_fake(
     q, k_cache, v_cache, cache_lens, q_start, rank, world, interleave, softmax_scale, causal,
-    out_dtype=None, softcap=0.0, alibi_slopes=None, prefix_len=0,
+    out_dtype=None, softcap=0.0, alibi_slopes=None, prefix_len=0, window_left=-1, window_right=-1,
 ):
     b, sq, h, _ = q.shape
     out = q.new_empty(q.shape, dtype=out_dtype if out_dtype is not None else q.dtype)
@@ -235,7 +235,7 @@ def _cache_attention_fake(
 @torch.library.register_fake("cpattn::prefill_fwd")
 def _prefill_fake(
     q, k, v, k_cache, v_cache, cache_lens, group_name, softmax_scale, layout, interleave, timeout_s,
-    softcap=0.0, alibi_slopes=None, prefix_len=0, seqlen=0,
+    softcap=0.0, alibi_slopes=None, prefix_len=0, seqlen=0, window_left=-1, window_right=-1,
 ):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty((b, h, s), dtype=torch.float32)

@@ -29,6 +29,7 @@ from cpattn._validation import (
     check_score_options,
     check_tensor,
     check_timeout,
+    check_window,
     error,
 )
 from cpattn.comm import all_gather_flat
@@ -330,6 +331,7 @@ def prefill_attention(
     alibi_slopes: Optional[torch.Tensor] = None,
     prefix_len: int = 0,
     seqlen: Optional[int] = None,
+    window: tuple[int, int] = (-1, -1),
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Causal attention for a chunk of C prompt tokens per sequence, sharded over the ranks, that
     also stores the chunk's K/V in the owners' cache shards.
@@ -357,6 +359,9 @@ def prefill_attention(
             granularity (cpattn.positions(C) marks the padding -1); padding rows get out 0 and
             LSE -inf (with sinks: the sink), padding tokens are never attended to nor stored,
             and the cache grows by C.
+        window: (left, right) sliding window as cpattn.attention, with the causal rule, on
+            global positions: query i sees the chunk's and the cached keys j with
+            i - left <= j <= i (left = n - 1 for a model's sliding window of n tokens).
 
     Returns this rank's out (batch, C / W, heads, head_dim) in q's dtype. Forward only. Every rank
     must call it with the same shapes and options; a mismatch or a full cache raises on every rank.
@@ -372,6 +377,7 @@ def prefill_attention(
         _check_cache_type(cache, what)
         checked_sinks = _check_sinks(sinks, q, what)
         cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
+        sides = check_window(window, what)
         padded = q.shape[1] * world
         n = padded if seqlen is None else check_int(what, "seqlen", seqlen, minimum=1)
         if seqlen is None:  # any length: seqlen=
@@ -386,13 +392,14 @@ def prefill_attention(
             raise error(what, "prefix_len", prefix, "reaches into this chunk at different "
                         "positions of the batch's sequences (their cache lengths differ): "
                         "prefill them one at a time (cache.sequences(i, i + 1))")
-        return (scale, checked_sinks, cap, prefix, ring_prefix[0], n), [
+        return (scale, checked_sinks, cap, prefix, ring_prefix[0], n, sides), [
             *tensor_fields("q", q), *tensor_fields("k", k), *tensor_fields("v", v),
             ("layout", layout), ("softmax_scale", scale), *_cache_fields(cache, rank),
-            *score_fields(cap, alibi_slopes, checked_sinks, prefix), ("seqlen", n)]
+            *score_fields(cap, alibi_slopes, checked_sinks, prefix), ("seqlen", n),
+            ("window_left", sides[0]), ("window_right", sides[1])]
 
-    softmax_scale, sinks, softcap, prefix_len, ring_prefix, n = agree_on(what, group, timeout,
-                                                                         check)
+    softmax_scale, sinks, softcap, prefix_len, ring_prefix, n, window = agree_on(
+        what, group, timeout, check)
     layout_code = LAYOUTS[layout]
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
@@ -402,7 +409,7 @@ def prefill_attention(
     start = cache.lengths.clone()
     parts_out, parts_lse = [], []
     if bool((start > 0).any()):
-        # Every query of the chunk sees every cached token. Each rank attends all the chunk's
+        # Every query of the chunk may see cached tokens. Each rank attends all the chunk's
         # queries to its shard, then sends each rank the partials of that rank's queries.
         q_all = _all_gather(q, group, world, timeout, what)  # (W, B, C / W, H, D)
         q_all = q_all.transpose(0, 1).reshape(q.shape[0], chunk, *q.shape[2:])
@@ -413,7 +420,8 @@ def prefill_attention(
         po, pl = ops.cache_attention_fwd(
             q_all.index_select(1, order.argsort()), cache.k, cache.v, start, start, rank, world,
             cache.interleave, float(softmax_scale), True, torch.float32, softcap=softcap,
-            alibi_slopes=alibi_slopes, prefix_len=prefix_len,
+            alibi_slopes=alibi_slopes, prefix_len=prefix_len, window_left=window[0],
+            window_right=window[1],
         )
         po, pl = po.index_select(1, order), pl.index_select(2, order)
         msg = _pack(po, pl).view(q.shape[0], world, q.shape[1], q.shape[2], q.shape[3] + 1)
@@ -423,7 +431,7 @@ def prefill_attention(
     ring_out, ring_lse = ops.prefill_fwd(
         q, k, v, cache.k, cache.v, start, group.group_name, float(softmax_scale), layout_code,
         cache.interleave, timeout, softcap=softcap, alibi_slopes=alibi_slopes,
-        prefix_len=ring_prefix, seqlen=n,
+        prefix_len=ring_prefix, seqlen=n, window_left=window[0], window_right=window[1],
     )
     cache.lengths += n
     if len(parts_out):
@@ -455,6 +463,7 @@ def decode_attention(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     prefix_len: int = 0,
+    window: tuple[int, int] = (-1, -1),
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact causal attention of the newest Sq tokens of each sequence over the sharded cache.
 
@@ -483,6 +492,9 @@ def decode_attention(
         softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions (query row
             i at cache.lengths[b] - Sq + i); each rank's partial over its keys applies them.
             With ALiBi or a prefix the cache shard is visited in runs of `interleave` tokens.
+        window: (left, right) sliding window as cpattn.attention, with the causal rule: query
+            row i sees the keys at positions i - left .. i (left = n - 1 for a model's sliding
+            window of n tokens); the cache keeps every token, the window only masks.
 
     The partials travel and merge in float32; out is cast to q's dtype once. Forward only.
     A rank whose shard holds none of a sequence's tokens contributes an empty partial (lse -inf).
@@ -498,14 +510,16 @@ def decode_attention(
         _check_cache_type(cache, what)
         checked_sinks = _check_sinks(sinks, q, what)
         cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
-        return (scale, checked_sinks, cap, prefix), [
+        sides = check_window(window, what)
+        return (scale, checked_sinks, cap, prefix, sides), [
             *tensor_fields("q", q), ("comm", comm), ("softmax_scale", scale),
-            *_cache_fields(cache, rank), *score_fields(cap, alibi_slopes, checked_sinks, prefix)]
+            *_cache_fields(cache, rank), *score_fields(cap, alibi_slopes, checked_sinks, prefix),
+            ("window_left", sides[0]), ("window_right", sides[1])]
 
     if validate:
-        softmax_scale, sinks, softcap, prefix_len = agree_on(what, group, timeout, check)
+        softmax_scale, sinks, softcap, prefix_len, window = agree_on(what, group, timeout, check)
     else:
-        (softmax_scale, sinks, softcap, prefix_len), _ = check()
+        (softmax_scale, sinks, softcap, prefix_len, window), _ = check()
     _check_cache_group(cache, rank, world, what)
     _check_q(q, cache, what)
     b, sq, h, d = q.shape
@@ -525,7 +539,7 @@ def decode_attention(
     po, pl = ops.cache_attention_fwd(
         q, cache.k, cache.v, cache.lengths, cache.lengths - sq, rank, world, cache.interleave,
         float(softmax_scale), True, torch.float32, softcap=softcap, alibi_slopes=alibi_slopes,
-        prefix_len=prefix_len,
+        prefix_len=prefix_len, window_left=window[0], window_right=window[1],
     )
     if world == 1:
         out, lse = po, pl

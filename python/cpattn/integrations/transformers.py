@@ -46,9 +46,11 @@ from cpattn.inference import KVCacheShard, decode_attention, prefill_attention
 from cpattn.parallel import ContextParallel
 
 try:
+    import transformers
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.masking_utils import AttentionMaskInterface
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 except ImportError as e:  # pragma: no cover - only without transformers
     raise ImportError(
         "cpattn.integrations.transformers needs the transformers package (pip install "
@@ -188,10 +190,27 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
     return out, None
 
 
-def _mask(*args, attention_mask: Optional[torch.Tensor] = None, **kwargs):
+def _calls_attention_interface(model_type: str) -> bool:
+    """Whether transformers' model class for `model_type` computes attention through the
+    AttentionInterface (`_supports_attention_backend`); True when the type is not known here.
+    Not cached: a cache filled while tracing would change a guarded global and recompile."""
+    model_class = getattr(transformers, MODEL_MAPPING_NAMES.get(model_type, ""), None)
+    return getattr(model_class, "_supports_attention_backend", True)
+
+
+def _mask(*args, attention_mask: Optional[torch.Tensor] = None, config=None, **kwargs):
     """The AttentionMaskInterface function: no mask is built (cpattn applies causality and
     windows on global positions); a 2-D padding mask is handed on, for the attention to refuse,
-    unless it is all ones."""
+    unless it is all ones. A model that builds its mask here but computes attention in its own
+    code (Bloom, MPT: they accept any attn_implementation) would attend within each rank's
+    shard only: it raises, on every rank (the same config everywhere)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type is not None and not _calls_attention_interface(model_type):
+        raise ValueError(f"{WHAT}: the {model_type!r} model computes attention in its own code "
+                         "and never calls the attention interface, so cpattn cannot run it: "
+                         "under context parallelism each rank would attend to its own shard "
+                         "only. Use a model whose transformers class supports attention "
+                         "backends (Llama, Mistral, Qwen, Gemma, gpt-oss, ...)")
     if attention_mask is None:
         return None
     if not torch.compiler.is_compiling() and bool(attention_mask.all()):
@@ -276,13 +295,11 @@ class _ShardedLayer(CacheLayerMixin):
         """q (B, n, H, D), k / v (B, n, Hkv, D): the n new tokens, the same on every rank.
         Stores their K/V in the sharded cache; returns their attention output (B, n, H, D)."""
         self.pending = None
-        if not opts.causal or opts.window != (-1, -1) or opts.softcap or \
-                opts.alibi_slopes is not None:
-            raise ValueError(f"{WHAT}: ContextParallelCache supports causal attention with "
-                             "optional sinks, without a sliding window, softcap or ALiBi; got "
-                             f"causal={opts.causal}, window={opts.window}, "
-                             f"softcap={opts.softcap}, alibi_slopes={_short(opts.alibi_slopes)}")
-        scale, sinks = opts.scale, opts.sinks
+        if not opts.causal:
+            raise ValueError(f"{WHAT}: ContextParallelCache supports causal attention only (a "
+                             "decoder's); got causal=False")
+        options = dict(softmax_scale=opts.scale, sinks=opts.sinks, softcap=opts.softcap,
+                       alibi_slopes=opts.alibi_slopes, window=opts.window, timeout=self.cp.timeout)
         cp, shard = self.cp, self.shard
         n = q.shape[1]
         step = 2 * cp.world_size if cp.layout == "zigzag" else cp.world_size
@@ -294,12 +311,12 @@ class _ShardedLayer(CacheLayerMixin):
             index = cp.positions(lead, device=q.device)
             qs, ks, vs = (t[:, :lead].index_select(1, index).contiguous() for t in (q, k, v))
             out = prefill_attention(qs, ks, vs, shard, group=cp.group, layout=cp.layout,
-                                    softmax_scale=scale, timeout=cp.timeout, sinks=sinks)
+                                    **options)
             outs.append(cp.unshard(out))
         if n > lead:
             shard.append(k[:, lead:].contiguous(), v[:, lead:].contiguous())
             outs.append(decode_attention(q[:, lead:].contiguous(), shard, group=cp.group,
-                                         softmax_scale=scale, timeout=cp.timeout, sinks=sinks))
+                                         **options))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
