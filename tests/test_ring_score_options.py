@@ -276,3 +276,62 @@ def _any_length(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_any_length(world: int) -> None:
     run_ranks(world, _any_length)
+
+
+def _prefix_per_sequence(rank: int, world: int) -> None:
+    """prefix_len as one value per sequence of a batch (ring and all-gather, every layout, with
+    sinks, ALiBi and a window; a padded length too): each sequence against the reference with
+    its own prefix, forward, LSE and every gradient; bad tensors raise on every rank."""
+    h, hkv = 4, 2
+    for n, (layout, strategy, extra) in enumerate(
+        itertools.product(LAYOUTS, ["ring", "allgather"], [0, world + 1])
+    ):
+        seqlen = 2 * world * 3 + extra  # extra > 0: any length (padded shards, seqlen=)
+        torch.manual_seed(500 + n)
+        q, k, v, dout = (torch.randn(3, seqlen, heads, 16) for heads in (h, hkv, hkv, h))
+        prefixes = torch.tensor([0, 5, seqlen])  # none, part of the sequence, all of it
+        sinks = (torch.randn(h) * 2).requires_grad_()
+        opts = {"alibi_slopes": torch.rand(h) * 0.3, "window": (6, -1)}
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_sinks = sinks.detach().double().requires_grad_()
+        refs = [reference_attention(*(t[b:b + 1] for t in ref_leaves), causal=True,
+                                    sinks=ref_sinks, prefix_len=int(prefixes[b]), **opts)
+                for b in range(3)]
+        ref_out, ref_lse = torch.cat([r[0] for r in refs]), torch.cat([r[1] for r in refs])
+        ref_out.backward(dout.double())
+
+        shards = [cpattn.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
+        out, lse = cpattn.ring_attention(*shards, causal=True, layout=layout, strategy=strategy,
+                                         return_lse=True, seqlen=seqlen, prefix_len=prefixes,
+                                         sinks=sinks, **opts)
+        out.backward(cpattn.shard(dout, layout=layout))
+        what = f"W={world} {strategy} {layout} S={seqlen}"
+        unshard = lambda t, d=1: cpattn.unshard(t, layout=layout, dim=d, seqlen=seqlen)  # noqa: E731
+        torch.testing.assert_close(unshard(out.detach()).double(), ref_out.detach(), atol=2e-5,
+                                   rtol=2e-5, msg=lambda m: f"out {what}: {m}")
+        torch.testing.assert_close(unshard(lse.detach(), 2).double(), ref_lse.detach(),
+                                   atol=2e-5, rtol=2e-5, msg=lambda m: f"lse {what}: {m}")
+        for s, r in zip(shards, ref_leaves):
+            torch.testing.assert_close(unshard(s.grad).double(), r.grad, atol=1e-4, rtol=1e-4,
+                                       msg=lambda m: f"grad {what}: {m}")
+        dsinks = sinks.grad.clone()
+        dist.all_reduce(dsinks)
+        torch.testing.assert_close(dsinks.double(), ref_sinks.grad, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"dsinks {what}: {m}")
+    q = torch.randn(2, 4, 2, 8)
+    for prefix, match in [
+        (torch.tensor([1, 2, 3]), r"prefix_len.shape=\(3,\): must be \(2,\): one prefix per "
+                                  r"sequence of the batch"),
+        (torch.tensor([1.0, 2.0]), r"prefix_len.dtype=torch.float32: a prefix per sequence"),
+        (torch.tensor([1, 4 * world + 1]), r"prefix_len\[1\]=.*between 0 and the sequence's"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cpattn.ring_attention(q, q, q, causal=True, prefix_len=prefix)
+    with pytest.raises(ValueError, match="ranks disagree on prefix_per_sequence"):
+        cpattn.ring_attention(q, q, q, causal=True, prefix_len=torch.tensor([1, rank]))
+    cpattn.ring_attention(q, q, q, causal=True, prefix_len=torch.tensor([1, 2]))  # still usable
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_prefix_per_sequence_of_a_batch(world: int) -> None:
+    run_ranks(world, _prefix_per_sequence)

@@ -232,19 +232,21 @@ def check_score_options(what: str, softcap, alibi_slopes, prefix_len) -> tuple[f
     return float(softcap), check_int(what, "prefix_len", prefix_len, minimum=0)
 
 
-def check_prefix_per_document(what: str, prefix_len, doc_lengths: torch.Tensor) -> torch.Tensor:
-    """One prefix-LM length per document: an int64 tensor (D,) for D documents, each entry
-    0 <= P_d <= the document's length (0: no prefix). Returns it as int64 on the CPU."""
+def check_prefix_per_document(what: str, prefix_len, doc_lengths: torch.Tensor,
+                              unit: str = "document of cu_seqlens") -> torch.Tensor:
+    """One prefix-LM length per document (or sequence of a batch: `unit`): an int64 tensor (D,)
+    for D documents, each entry 0 <= P_d <= the document's length (0: no prefix). Returns it
+    as int64 on the CPU."""
     if prefix_len.dtype != torch.int64:
         raise error(what, "prefix_len.dtype", prefix_len.dtype,
-                    "a prefix per document must be an int64 tensor")
+                    f"a prefix per {unit.split()[0]} must be an int64 tensor")
     if tuple(prefix_len.shape) != (doc_lengths.numel(),):
         raise error(what, "prefix_len.shape", tuple(prefix_len.shape),
-                    f"must be ({doc_lengths.numel()},): one prefix per document of cu_seqlens")
+                    f"must be ({doc_lengths.numel()},): one prefix per {unit}")
     prefix = prefix_len.detach().cpu()
     bad = (prefix < 0) | (prefix > doc_lengths)
     if bool(bad.any()):
         d = int(bad.nonzero()[0])
         raise error(what, f"prefix_len[{d}]", int(prefix[d]),
-                    f"must be between 0 and the document's length {int(doc_lengths[d])}")
+                    f"must be between 0 and the {unit.split()[0]}'s length {int(doc_lengths[d])}")
     return prefix

@@ -375,9 +375,14 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
                 prefix_docs = check_prefix_per_document(what, prefix_len, docs)
                 fields += [("prefix_per_document", digest_ints(prefix_docs))]
         elif isinstance(prefix_len, torch.Tensor):
-            raise error(what, "prefix_len", prefix_len, "must be an int here (a prefix per "
-                        "document: ring_attention_varlen; per sequence of a batch: one call "
-                        "per sequence)")
+            # A prefix per sequence of the batch: the batch runs as packed documents, one per
+            # sequence (a sequence's shard is what per-document sharding gives it).
+            n = q.shape[1] * world if seqlen is None else check_int(what, "seqlen", seqlen,
+                                                                    minimum=1)
+            docs = torch.full((q.shape[0],), n, dtype=torch.int64)
+            prefix_docs = check_prefix_per_document(what, prefix_len, docs,
+                                                    unit="sequence of the batch")
+            fields += [("prefix_per_sequence", digest_ints(prefix_docs))]
         cap, prefix = check_score_options(what, softcap, alibi_slopes,
                                           0 if prefix_docs is not None else prefix_len)
         fields += [("strategy", strategy), ("allgather_chunk", chunk),
@@ -388,7 +393,7 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
                 raise error(what, "seqlen", n, f"gives shards of "
                             f"{padded_length(n, layout, world) // world} tokens under the "
                             f"{layout} layout over {world} ranks, not {q.shape[1]}")
-            if n != q.shape[1] * world:  # padded: one document of the real length
+            if n != q.shape[1] * world and docs is None:  # padded: a document of length n
                 docs = torch.tensor([n], dtype=torch.int64)
             fields += [("seqlen", n)]
         if strategy == "auto":  # the choice may only depend on what the ranks agree on
@@ -399,17 +404,26 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
         what, group, timeout, check)
     if cu_seqlens is not None:
         q, k, v = q[None], k[None], v[None]
+    elif prefix_docs is not None:  # the batch as packed documents: (B, L, ..) -> (1, B L, ..)
+        batch = q.shape[0]
+        q, k, v = (t.flatten(0, 1)[None] for t in (q, k, v))
     if strategy == "auto":
         strategy = auto_strategy(q, k, world, group, causal, layout, window, docs, chunk, what)
     if prefix_docs is not None:  # the ops take the prefixes as a second row of the documents
         docs = torch.stack([docs, prefix_docs])
     if strategy == "ring":
-        return _RingAttention.apply(q, k, v, group.group_name, scale, causal, window, layout_code,
-                                    timeout, docs, softcap, alibi_slopes, prefix_len, sinks)
-    chunk = chunk or max(1, k.shape[2] // 4)
-    return _GatheredAttention.apply(q, k, v, group, rank, world, scale, causal, window,
-                                    layout_code, docs, chunk, softcap, alibi_slopes, prefix_len,
-                                    sinks)
+        out, lse = _RingAttention.apply(q, k, v, group.group_name, scale, causal, window,
+                                        layout_code, timeout, docs, softcap, alibi_slopes,
+                                        prefix_len, sinks)
+    else:
+        chunk = chunk or max(1, k.shape[2] // 4)
+        out, lse = _GatheredAttention.apply(q, k, v, group, rank, world, scale, causal, window,
+                                            layout_code, docs, chunk, softcap, alibi_slopes,
+                                            prefix_len, sinks)
+    if cu_seqlens is None and prefix_docs is not None:  # back to (B, L, ..) and (B, H, L)
+        out = out.view(batch, -1, *out.shape[2:])
+        lse = lse.view(lse.shape[1], batch, -1).transpose(0, 1)
+    return out, lse
 
 
 def ring_attention(
@@ -429,7 +443,7 @@ def ring_attention(
     sinks: Optional[torch.Tensor] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
-    prefix_len: int = 0,
+    prefix_len: Union[int, torch.Tensor] = 0,
     seqlen: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded across the ranks of `group`.
@@ -454,6 +468,9 @@ def ring_attention(
             result is merged; the LSE returned includes it. The gradient of `sinks` on a rank is
             its own rows' share, like any parameter gradient under context parallelism: the
             usual gradient all-reduce over the group (as for the projection weights) sums it.
+            prefix_len may also be an int64 tensor (batch,): one prefix per sequence of the
+            batch (0 <= P_b <= seqlen); the batch then runs as packed documents, one per
+            sequence (as ring_attention_varlen).
         seqlen: the global sequence length, for any length (default: W times the shard length).
             Shards of a length-S sequence from cpattn.shard are padded at the end to the
             layout's granularity (cpattn.positions); padding rows get out 0 and LSE -inf (with
