@@ -36,10 +36,11 @@ def _draw(options: dict, heads: int) -> dict:
     return kwargs
 
 
-def _check(rank: int, world: int, strategy: str, dtypes: tuple) -> None:
+def _check(rank: int, world: int, strategy: str, dtypes: tuple, names: tuple = tuple(CASES)
+           ) -> None:
     seqlen = 2 * world * 5
     h, hkv = 4, 2
-    for n, (layout, name, dtype) in enumerate(itertools.product(LAYOUTS, CASES, dtypes)):
+    for n, (layout, name, dtype) in enumerate(itertools.product(LAYOUTS, names, dtypes)):
         causal, window, options = CASES[name]
         torch.manual_seed(100 * world + n)  # the same full tensors and options on every rank
         q, k, v, dout = (torch.randn(1, seqlen, heads, 16).to(dtype) for heads in (h, hkv, hkv, h))
@@ -86,6 +87,13 @@ def _check(rank: int, world: int, strategy: str, dtypes: tuple) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_options_match_reference(world: int, strategy: str) -> None:
     run_ranks(world, _check, strategy, (torch.float32,))
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_all_options_at_once_w1_w4(world: int) -> None:
+    """W = 1 and 4 (every layout, both strategies): the case with every option at once."""
+    for strategy in ("ring", "allgather"):
+        run_ranks(world, _check, strategy, (torch.float32,), ("all",))
 
 
 def test_options_bf16() -> None:
