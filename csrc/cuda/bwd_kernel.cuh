@@ -444,8 +444,8 @@ __global__ void __launch_bounds__(Cfg::kThreads)
           const int row = m0 + warp_row0 + g + 8 * (e >> 1);
           const int key = n0 + nt * 8 + 2 * t + (e & 1);
           float dcap;
-          float pv = fast_exp2(scoring.logit2(s[nt][e] * scale_log2, row, key, &dcap) -
-                               lse2[e >> 1]);
+          float pv =
+              fast_exp2(scoring.logit2(s[nt][e] * scale_log2, row, key, &dcap) - lse2[e >> 1]);
           if (masked && !prefix.contains(key) && !keys_of_row[e >> 1].contains(key)) pv = 0.f;
           s[nt][e] = pv * (dp[nt][e] - delta[e >> 1]) * dcap;
         }
@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
           s[nt][e] = pv * (dp[nt][e] - delta[e >> 1]);
         }
     }
-      // dQ += dS K.
+    // dQ += dS K.
 #pragma unroll
     for (int ps = 0; ps < kPSteps; ++ps) {
       uint32_t a[4];

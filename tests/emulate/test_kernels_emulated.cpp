@@ -235,7 +235,8 @@ Grads<OutT> run_backward(const BwdParamsCuda& in, const std::vector<OutT>& out,
   constexpr int d = kHeadDim;
   const ShapeCuda& sh = in.shape;
   const int B = sh.batch, H = sh.heads, Sq = sh.seqlen_q;
-  const size_t q_elems = size_t(B) * Sq * H * d, k_elems = size_t(B) * sh.seqlen_k * sh.kv_heads * d;
+  const size_t q_elems = size_t(B) * Sq * H * d,
+               k_elems = size_t(B) * sh.seqlen_k * sh.kv_heads * d;
   const BshdStrides qs{int64_t(Sq) * H * d, int64_t(H) * d, d};
   const BshdStrides ks{int64_t(sh.seqlen_k) * sh.kv_heads * d, int64_t(sh.kv_heads) * d, d};
   const int rounded = (Sq + kBwdSeqRound - 1) / kBwdSeqRound * kBwdSeqRound;
@@ -602,8 +603,8 @@ void run_scored_backward(const Case& c, const Scores& sc, uint64_t seed, bool de
   in.dout = dout.data();
   in.q_strides = in.dout_strides = {int64_t(Sq) * H * d, int64_t(H) * d, d};
   in.k_strides = in.v_strides = {int64_t(Sk) * Hk * d, int64_t(Hk) * d, d};
-  const auto [dq, dk, dv] = run_backward<kHeadDim, Elem, OutT>(in, out, lse, deterministic,
-                                                                head_splits);
+  const auto [dq, dk, dv] =
+      run_backward<kHeadDim, Elem, OutT>(in, out, lse, deterministic, head_splits);
   const double gt = Host<Elem>::kGradTol;
   expect_close("dq", dq, ref.dq, gt);
   expect_close("dk", dk, ref.dk, gt);
