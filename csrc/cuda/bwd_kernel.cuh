@@ -42,6 +42,28 @@
 
 namespace cpattn::cuda {
 
+// acc += C B for one warp: C is the warp's 16 x (16 * kKSteps) accumulator (2 * kKSteps n8 tiles,
+// C layout, turned into A operands by c_to_a), B rows [0, 16 * kKSteps) x columns
+// [c0, c0 + 8 * kNTiles) of a row-major shared tile (row stride kStride). The backward's
+// dV += P^T dO, dK += dS^T Q and dQ += dS K.
+template <typename Elem, int kKSteps, int kNTiles, int kStride>
+__device__ __forceinline__ void mma_c_b(float (&acc)[kNTiles][4], const float (&c)[2 * kKSteps][4],
+                                        uint32_t b_tile, int c0, int lane) {
+  static_assert(kNTiles % 2 == 0, "n8 tiles come in pairs (one ldmatrix_x4)");
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    uint32_t a[4];
+    c_to_a<Elem>(a, c[2 * ks], c[2 * ks + 1]);
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, b_addr_trans<kStride>(b_tile, ks * 16, c0 + np * 16, lane));
+      mma_16816<Elem>(acc[2 * np], a, b[0], b[1]);
+      mma_16816<Elem>(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
 template <typename Cfg, typename Elem, typename GradT, bool kScored>
 __global__ void __launch_bounds__(Cfg::kThreads)
     attention_bwd_dkdv_kernel(const __grid_constant__ BwdParamsCuda p) {
@@ -191,18 +213,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       }
     }
     // dV += P^T dO.
-#pragma unroll
-    for (int ms = 0; ms < kMSteps; ++ms) {
-      uint32_t a[4];
-      c_to_a<Elem>(a, st[2 * ms], st[2 * ms + 1]);
-#pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t bo[4];
-        ldmatrix_x4_trans(bo, b_addr_trans<kStride>(sdO, ms * 16, d0 + dp * 16, lane));
-        mma_16816<Elem>(dv[2 * dp], a, bo[0], bo[1]);
-        mma_16816<Elem>(dv[2 * dp + 1], a, bo[2], bo[3]);
-      }
-    }
+    mma_c_b<Elem, kMSteps, kDTiles, kStride>(dv, st, sdO, d0, lane);
     if constexpr (!kScored) {
       // dP^T = V dO^T.
       mma_a_bt<Elem, kKSteps, kQTiles, kStride>(dpt, sV, warp_key0, sdO, lane);
@@ -215,18 +226,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       }
     }
     // dK += dS^T Q (scaled at the end).
-#pragma unroll
-    for (int ms = 0; ms < kMSteps; ++ms) {
-      uint32_t a[4];
-      c_to_a<Elem>(a, dpt[2 * ms], dpt[2 * ms + 1]);
-#pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t bq[4];
-        ldmatrix_x4_trans(bq, b_addr_trans<kStride>(sQ, ms * 16, d0 + dp * 16, lane));
-        mma_16816<Elem>(dk[2 * dp], a, bq[0], bq[1]);
-        mma_16816<Elem>(dk[2 * dp + 1], a, bq[2], bq[3]);
-      }
-    }
+    mma_c_b<Elem, kMSteps, kDTiles, kStride>(dk, dpt, sQ, d0, lane);
 
     if (p.dq_accum != nullptr) {
       // dS^T -> shared, then dQ(tile rows) += dS K, in units of 16 rows x 32 columns.
@@ -460,18 +460,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         }
     }
     // dQ += dS K.
-#pragma unroll
-    for (int ps = 0; ps < kPSteps; ++ps) {
-      uint32_t a[4];
-      c_to_a<Elem>(a, s[2 * ps], s[2 * ps + 1]);
-#pragma unroll
-      for (int dp2 = 0; dp2 < kOTiles / 2; ++dp2) {
-        uint32_t bk[4];
-        ldmatrix_x4_trans(bk, b_addr_trans<kStride>(sK, ps * 16, dp2 * 16, lane));
-        mma_16816<Elem>(dq[2 * dp2], a, bk[0], bk[1]);
-        mma_16816<Elem>(dq[2 * dp2 + 1], a, bk[2], bk[3]);
-      }
-    }
+    mma_c_b<Elem, kPSteps, kOTiles, kStride>(dq, s, sK, 0, lane);
   }
 
   GradT* const dq_out = static_cast<GradT*>(p.dq) + b * p.dq_strides.batch + h * p.dq_strides.head;
