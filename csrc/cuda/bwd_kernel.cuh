@@ -14,6 +14,14 @@
 //   S, P, dP and dS for its rows against every key block they see and keeps dQ in registers.
 //
 // Scores and masks as in the forward kernel (tiling.h); scale is applied to dK and dQ at the end.
+//
+// kScored selects the path with the score options (ScoreOptions, cpattn/params.h), as the forward
+// defines them: P recomputed from HeadScoring::logit2 (softcap, then ALiBi on global positions),
+// the prefix-LM union in the element mask, and dS = P (dP - delta) d(logit)/d(score) (1 - tanh^2
+// under a softcap; ALiBi adds a constant, no term). Sinks need nothing here: the lse the backward
+// receives already holds them (log(exp(sink) + sum)), so P is the probability actually applied;
+// the sinks' own gradient is computed outside the kernels (sink_grad). The plain instantiation
+// (kScored = false) runs the code it had before.
 #pragma once
 
 #ifndef CPATTN_CUDA_EMULATE
@@ -34,7 +42,29 @@
 
 namespace cpattn::cuda {
 
-template <typename Cfg, typename Elem, typename GradT>
+// acc += C B for one warp: C is the warp's 16 x (16 * kKSteps) accumulator (2 * kKSteps n8 tiles,
+// C layout, turned into A operands by c_to_a), B rows [0, 16 * kKSteps) x columns
+// [c0, c0 + 8 * kNTiles) of a row-major shared tile (row stride kStride). The backward's
+// dV += P^T dO, dK += dS^T Q and dQ += dS K.
+template <typename Elem, int kKSteps, int kNTiles, int kStride>
+__device__ __forceinline__ void mma_c_b(float (&acc)[kNTiles][4], const float (&c)[2 * kKSteps][4],
+                                        uint32_t b_tile, int c0, int lane) {
+  static_assert(kNTiles % 2 == 0, "n8 tiles come in pairs (one ldmatrix_x4)");
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    uint32_t a[4];
+    c_to_a<Elem>(a, c[2 * ks], c[2 * ks + 1]);
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, b_addr_trans<kStride>(b_tile, ks * 16, c0 + np * 16, lane));
+      mma_16816<Elem>(acc[2 * np], a, b[0], b[1]);
+      mma_16816<Elem>(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+template <typename Cfg, typename Elem, typename GradT, bool kScored>
 __global__ void __launch_bounds__(Cfg::kThreads)
     attention_bwd_dkdv_kernel(const __grid_constant__ BwdParamsCuda p) {
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
@@ -116,6 +146,8 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     const int key = n0 + warp_key0 + g + 8 * half;
     rows_of_key[half] =
         key < seqlen_k ? visible_rows_of_key(mask, key, seqlen_q) : IndexBounds{0, -1};
+    if constexpr (kScored)  // every query sees a prefix key (mask.h's union)
+      if (prefix_keys(mask, seqlen_k).contains(key)) rows_of_key[half] = {0, seqlen_q - 1};
   }
 
   const uint32_t sK = smem_u32(sK_), sV = smem_u32(sV_), sdS = smem_u32(sdS_);
@@ -144,55 +176,57 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     const bool masked = tile_needs_mask(mask, m0_cur, kBlockM, n0, kBlockN, seqlen_q, seqlen_k);
 
     // S^T = K Q^T: this warp's 16 keys x the tile's kBlockM queries.
-    float st[kQTiles][4];
+    float st[kQTiles][4], dpt[kQTiles][4];
     mma_a_bt<Elem, kKSteps, kQTiles, kStride>(st, sK, warp_key0, sQ, lane);
-    // P^T from the global lse (base 2; +inf for an empty row gives 0).
+    if constexpr (kScored) {
+      // dP^T = V dO^T first: P^T and dS^T then come from one pass over S^T and dP^T, in their
+      // place (the chain-rule factor needs no registers of its own).
+      mma_a_bt<Elem, kKSteps, kQTiles, kStride>(dpt, sV, warp_key0, sdO, lane);
+      const HeadScoring scoring = HeadScoring::of(p.score, h_cur);
 #pragma unroll
-    for (int qt = 0; qt < kQTiles; ++qt) {
-      const float2 l2 = *reinterpret_cast<const float2*>(sLse + qt * 8 + 2 * t);
+      for (int qt = 0; qt < kQTiles; ++qt) {
+        const float2 l2 = *reinterpret_cast<const float2*>(sLse + qt * 8 + 2 * t);
+        const float2 d = *reinterpret_cast<const float2*>(sDelta + qt * 8 + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float pv = fast_exp2(fmaf(st[qt][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
-        if (masked && !rows_of_key[e >> 1].contains(m0_cur + qt * 8 + 2 * t + (e & 1))) pv = 0.f;
-        st[qt][e] = pv;
+        for (int e = 0; e < 4; ++e) {
+          const int row = m0_cur + qt * 8 + 2 * t + (e & 1);
+          const int key = n0 + warp_key0 + g + 8 * (e >> 1);
+          float dcap;
+          const float logit = scoring.logit2(st[qt][e] * scale_log2, row, key, &dcap);
+          float pv = fast_exp2(logit - ((e & 1) ? l2.y : l2.x));
+          if (masked && !rows_of_key[e >> 1].contains(row)) pv = 0.f;
+          st[qt][e] = pv;
+          dpt[qt][e] = pv * (dpt[qt][e] - ((e & 1) ? d.y : d.x)) * dcap;
+        }
+      }
+    } else {
+      // P^T from the global lse (base 2; +inf for an empty row gives 0).
+#pragma unroll
+      for (int qt = 0; qt < kQTiles; ++qt) {
+        const float2 l2 = *reinterpret_cast<const float2*>(sLse + qt * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float pv = fast_exp2(fmaf(st[qt][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+          if (masked && !rows_of_key[e >> 1].contains(m0_cur + qt * 8 + 2 * t + (e & 1))) pv = 0.f;
+          st[qt][e] = pv;
+        }
       }
     }
     // dV += P^T dO.
+    mma_c_b<Elem, kMSteps, kDTiles, kStride>(dv, st, sdO, d0, lane);
+    if constexpr (!kScored) {
+      // dP^T = V dO^T.
+      mma_a_bt<Elem, kKSteps, kQTiles, kStride>(dpt, sV, warp_key0, sdO, lane);
+      // dS^T = P^T (dP^T - delta), in place of dP^T.
 #pragma unroll
-    for (int ms = 0; ms < kMSteps; ++ms) {
-      uint32_t a[4];
-      c_to_a<Elem>(a, st[2 * ms], st[2 * ms + 1]);
+      for (int qt = 0; qt < kQTiles; ++qt) {
+        const float2 d = *reinterpret_cast<const float2*>(sDelta + qt * 8 + 2 * t);
 #pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t bo[4];
-        ldmatrix_x4_trans(bo, b_addr_trans<kStride>(sdO, ms * 16, d0 + dp * 16, lane));
-        mma_16816<Elem>(dv[2 * dp], a, bo[0], bo[1]);
-        mma_16816<Elem>(dv[2 * dp + 1], a, bo[2], bo[3]);
+        for (int e = 0; e < 4; ++e) dpt[qt][e] = st[qt][e] * (dpt[qt][e] - ((e & 1) ? d.y : d.x));
       }
-    }
-    // dP^T = V dO^T.
-    float dpt[kQTiles][4];
-    mma_a_bt<Elem, kKSteps, kQTiles, kStride>(dpt, sV, warp_key0, sdO, lane);
-    // dS^T = P^T (dP^T - delta), in place of dP^T.
-#pragma unroll
-    for (int qt = 0; qt < kQTiles; ++qt) {
-      const float2 d = *reinterpret_cast<const float2*>(sDelta + qt * 8 + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dpt[qt][e] = st[qt][e] * (dpt[qt][e] - ((e & 1) ? d.y : d.x));
     }
     // dK += dS^T Q (scaled at the end).
-#pragma unroll
-    for (int ms = 0; ms < kMSteps; ++ms) {
-      uint32_t a[4];
-      c_to_a<Elem>(a, dpt[2 * ms], dpt[2 * ms + 1]);
-#pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t bq[4];
-        ldmatrix_x4_trans(bq, b_addr_trans<kStride>(sQ, ms * 16, d0 + dp * 16, lane));
-        mma_16816<Elem>(dk[2 * dp], a, bq[0], bq[1]);
-        mma_16816<Elem>(dk[2 * dp + 1], a, bq[2], bq[3]);
-      }
-    }
+    mma_c_b<Elem, kMSteps, kDTiles, kStride>(dk, dpt, sQ, d0, lane);
 
     if (p.dq_accum != nullptr) {
       // dS^T -> shared, then dQ(tile rows) += dS K, in units of 16 rows x 32 columns.
@@ -280,7 +314,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 }
 
 // Deterministic dQ: one thread block per (query block, head, batch), warps split the rows.
-template <typename Cfg, typename Elem, typename GradT>
+template <typename Cfg, typename Elem, typename GradT, bool kScored>
 __global__ void __launch_bounds__(Cfg::kThreads)
     attention_bwd_dq_kernel(const __grid_constant__ BwdParamsCuda p) {
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
@@ -357,6 +391,13 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     delta[half] = p.delta[ws_row + r];
   }
 
+  [[maybe_unused]] HeadScoring scoring;
+  [[maybe_unused]] IndexBounds prefix{0, -1};
+  if constexpr (kScored) {
+    scoring = HeadScoring::of(p.score, h);
+    prefix = prefix_keys(mask, seqlen_k);
+  }
+
   const uint32_t sQ_u = smem_u32(sQ), sdO_u = smem_u32(sdO);
   for (int it = 0; it < n_blocks; ++it) {
     const int n0 = (kb.first + it) * kBlockN;
@@ -394,27 +435,32 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       }
     }
     // dS = P (dP - delta), P = exp2(S * scale * log2 e - lse_log2), masked pairs 0.
+    if constexpr (kScored) {
+      // P from the logit, the prefix joins the row's keys, dS takes d(logit)/d(score).
 #pragma unroll
-    for (int nt = 0; nt < kSTiles; ++nt)
+      for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float pv = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[e >> 1]));
-        if (masked && !keys_of_row[e >> 1].contains(n0 + nt * 8 + 2 * t + (e & 1))) pv = 0.f;
-        s[nt][e] = pv * (dp[nt][e] - delta[e >> 1]);
-      }
-      // dQ += dS K.
+        for (int e = 0; e < 4; ++e) {
+          const int row = m0 + warp_row0 + g + 8 * (e >> 1);
+          const int key = n0 + nt * 8 + 2 * t + (e & 1);
+          float dcap;
+          float pv =
+              fast_exp2(scoring.logit2(s[nt][e] * scale_log2, row, key, &dcap) - lse2[e >> 1]);
+          if (masked && !prefix.contains(key) && !keys_of_row[e >> 1].contains(key)) pv = 0.f;
+          s[nt][e] = pv * (dp[nt][e] - delta[e >> 1]) * dcap;
+        }
+    } else {
 #pragma unroll
-    for (int ps = 0; ps < kPSteps; ++ps) {
-      uint32_t a[4];
-      c_to_a<Elem>(a, s[2 * ps], s[2 * ps + 1]);
+      for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
-      for (int dp2 = 0; dp2 < kOTiles / 2; ++dp2) {
-        uint32_t bk[4];
-        ldmatrix_x4_trans(bk, b_addr_trans<kStride>(sK, ps * 16, dp2 * 16, lane));
-        mma_16816<Elem>(dq[2 * dp2], a, bk[0], bk[1]);
-        mma_16816<Elem>(dq[2 * dp2 + 1], a, bk[2], bk[3]);
-      }
+        for (int e = 0; e < 4; ++e) {
+          float pv = fast_exp2(fmaf(s[nt][e], scale_log2, -lse2[e >> 1]));
+          if (masked && !keys_of_row[e >> 1].contains(n0 + nt * 8 + 2 * t + (e & 1))) pv = 0.f;
+          s[nt][e] = pv * (dp[nt][e] - delta[e >> 1]);
+        }
     }
+    // dQ += dS K.
+    mma_c_b<Elem, kPSteps, kOTiles, kStride>(dq, s, sK, 0, lane);
   }
 
   GradT* const dq_out = static_cast<GradT*>(p.dq) + b * p.dq_strides.batch + h * p.dq_strides.head;
@@ -478,12 +524,18 @@ __global__ void dkv_reduce_kernel(const __grid_constant__ BwdParamsCuda p) {
   }
 }
 
+// Whether a backward call needs the scored instantiation: a score option or a prefix (sinks enter
+// only through the lse, above).
+inline bool bwd_needs_scoring(const BwdParamsCuda& p) {
+  return p.score.modifies_scores() || p.mask.has_prefix();
+}
+
 #ifndef CPATTN_CUDA_EMULATE  // the tests emulate the kernels on the host, without launchers
-template <int kHeadDim, typename Elem, typename GradT>
-int launch_bwd_typed(const BwdParamsCuda& p, cudaStream_t stream) {
+template <int kHeadDim, typename Elem, typename GradT, bool kScored>
+int launch_bwd_kernels(const BwdParamsCuda& p, cudaStream_t stream) {
   using Cfg = BwdConfigFor<kHeadDim>;
   using DqCfg = DqConfigFor<kHeadDim>;
-  if (const int e = launch_kernel(attention_bwd_dkdv_kernel<Cfg, Elem, GradT>,
+  if (const int e = launch_kernel(attention_bwd_dkdv_kernel<Cfg, Elem, GradT, kScored>,
                                   dkdv_launch<Cfg>(p.shape, p.head_splits), p, stream))
     return e;
   if (p.head_splits > 1) {
@@ -494,8 +546,14 @@ int launch_bwd_typed(const BwdParamsCuda& p, cudaStream_t stream) {
   if (p.dq_accum != nullptr)
     return launch_kernel(dq_convert_kernel<kHeadDim, GradT>, pairs_launch(dq_pairs(p.shape)), p,
                          stream);
-  return launch_kernel(attention_bwd_dq_kernel<DqCfg, Elem, GradT>, dq_launch<DqCfg>(p.shape), p,
-                       stream);
+  return launch_kernel(attention_bwd_dq_kernel<DqCfg, Elem, GradT, kScored>,
+                       dq_launch<DqCfg>(p.shape), p, stream);
+}
+
+template <int kHeadDim, typename Elem, typename GradT>
+int launch_bwd_typed(const BwdParamsCuda& p, cudaStream_t stream) {
+  if (bwd_needs_scoring(p)) return launch_bwd_kernels<kHeadDim, Elem, GradT, true>(p, stream);
+  return launch_bwd_kernels<kHeadDim, Elem, GradT, false>(p, stream);
 }
 
 template <DType kDtype, int kHeadDim>

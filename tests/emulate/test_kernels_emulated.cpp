@@ -32,8 +32,30 @@ struct Case {
   float scale;
 };
 
-Mask mask_of(const Case& c) {
+// The score options of a case (cpattn/params.h ScoreOptions) and the prefix-LM end of its mask;
+// the defaults change nothing.
+struct Scores {
+  float softcap = 0.f;
+  std::vector<float> slopes;  // (H,) ALiBi slopes, or empty
+  int64_t alibi_q_begin = 0, alibi_k_begin = 0, alibi_stride = 1;
+  std::vector<float> sinks;  // (H,) sink logits, or empty
+  int64_t prefix_end = -kUnbounded;
+
+  ScoreOptions options() const {
+    ScoreOptions o;
+    o.softcap = softcap;
+    o.alibi_slopes = slopes.empty() ? nullptr : slopes.data();
+    o.alibi_q_begin = alibi_q_begin;
+    o.alibi_k_begin = alibi_k_begin;
+    o.alibi_stride = alibi_stride;
+    o.sinks = sinks.empty() ? nullptr : sinks.data();
+    return o;
+  }
+};
+
+Mask mask_of(const Case& c, const Scores& sc = {}) {
   Mask m;
+  m.prefix_end = sc.prefix_end;
   m.causal = c.causal;
   m.window_left = c.window_left;
   m.window_right = c.window_right;
@@ -74,26 +96,31 @@ double rel_err(const std::vector<double>& x, const std::vector<double>& ref) {
   return std::sqrt(num) / (den > 0 ? std::sqrt(den) : 1.0);
 }
 
-// Reference in float64 from the rounded inputs: out, lse and the gradients.
+// Reference in float64 from the rounded inputs: out, lse and the gradients. The score options in
+// DESIGN.md's order, written out here independently of HeadScoring: s = scale q.k, softcap,
+// minus slope * |pos_q - pos_k|, the mask (prefix included), softmax with exp(sink) in the
+// denominator (the returned lse includes it).
 struct Reference {
   std::vector<double> out, lse, dq, dk, dv;
+  std::vector<char> empty;  // (B, H, Sq): the row sees no key (out 0; lse -inf, or the sink)
 };
 
 Reference reference(const Case& c, int d, const std::vector<double>& q,
                     const std::vector<double>& k, const std::vector<double>& v,
-                    const std::vector<double>& dout) {
-  const Mask m = mask_of(c);
+                    const std::vector<double>& dout, const Scores& sc = {}) {
+  const Mask m = mask_of(c, sc);
   const int B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, H = c.heads, Hk = c.kv_heads;
   const int group = H / Hk;
   Reference r;
   r.out.assign(size_t(B) * Sq * H * d, 0.0);
   r.lse.assign(size_t(B) * H * Sq, -INFINITY);
+  r.empty.assign(r.lse.size(), 1);
   r.dq.assign(r.out.size(), 0.0);
   r.dk.assign(size_t(B) * Sk * Hk * d, 0.0);
   r.dv.assign(r.dk.size(), 0.0);
   auto qi = [&](int b, int s, int h) { return ((size_t(b) * Sq + s) * H + h) * d; };
   auto ki = [&](int b, int s, int h) { return ((size_t(b) * Sk + s) * Hk + h) * d; };
-  std::vector<double> p(Sk), dp(Sk);
+  std::vector<double> p(Sk), dcap(Sk, 1.0);
   for (int b = 0; b < B; ++b)
     for (int h = 0; h < H; ++h) {
       const int hk = h / group;
@@ -106,11 +133,26 @@ Reference reference(const Case& c, int d, const std::vector<double>& q,
           }
           double s = 0;
           for (int e = 0; e < d; ++e) s += q[qi(b, i, h) + e] * k[ki(b, j, hk) + e];
-          p[j] = s * c.scale;
+          s *= c.scale;
+          if (sc.softcap > 0) {
+            const double th = std::tanh(s / sc.softcap);
+            s = sc.softcap * th;
+            dcap[j] = 1 - th * th;
+          }
+          if (!sc.slopes.empty())
+            s -= sc.slopes[h] * std::abs(double(sc.alibi_q_begin + sc.alibi_stride * i) -
+                                         double(sc.alibi_k_begin + sc.alibi_stride * j));
+          p[j] = s;
           mx = std::max(mx, p[j]);
         }
-        if (mx == -INFINITY) continue;  // empty row: out 0, lse -inf, no gradient
-        double sum = 0;
+        const double sink = sc.sinks.empty() ? -INFINITY : double(sc.sinks[h]);
+        if (mx == -INFINITY) {  // empty row: out 0, lse -inf (the sink, if any), no gradient
+          r.lse[(size_t(b) * H + h) * Sq + i] = sink;
+          continue;
+        }
+        r.empty[(size_t(b) * H + h) * Sq + i] = 0;
+        mx = std::max(mx, sink);
+        double sum = sink == -INFINITY ? 0.0 : std::exp(sink - mx);
         for (int j = 0; j < Sk; ++j) sum += p[j] == -INFINITY ? 0.0 : std::exp(p[j] - mx);
         const double lse = mx + std::log(sum);
         r.lse[(size_t(b) * H + h) * Sq + i] = lse;
@@ -126,7 +168,7 @@ Reference reference(const Case& c, int d, const std::vector<double>& q,
           if (p[j] == 0.0) continue;
           double x = 0;
           for (int e = 0; e < d; ++e) x += dout[qi(b, i, h) + e] * v[ki(b, j, hk) + e];
-          const double ds = p[j] * (x - delta);
+          const double ds = p[j] * (x - delta) * dcap[j];
           for (int e = 0; e < d; ++e) {
             r.dq[qi(b, i, h) + e] += c.scale * ds * k[ki(b, j, hk) + e];
             r.dk[ki(b, j, hk) + e] += c.scale * ds * q[qi(b, i, h) + e];
@@ -175,6 +217,79 @@ void expect_close(const std::string& what, const std::vector<T>& got,
   EXPECT_LE(err, tol) << what << ": relative error";
 }
 
+template <typename OutT>
+struct Grads {
+  std::vector<OutT> dq, dk, dv;
+};
+
+// The backward kernels as the launcher runs them (launch_bwd_typed), from out and the natural-log
+// lse of the forward: preprocess, dK/dV with atomic dQ plus the conversion or the deterministic
+// dQ pass, the head-split reduction; the scored instantiations when bwd_needs_scoring says so.
+// in holds the operands (q, k, v, dout and their strides), the scale, mask and score options;
+// dq, dk, dv come back dense (B, S, H, D), every output and workspace poisoned first.
+template <int kHeadDim, typename Elem, typename OutT>
+Grads<OutT> run_backward(const BwdParamsCuda& in, const std::vector<OutT>& out,
+                         const std::vector<float>& lse, bool deterministic, int head_splits) {
+  using BCfg = BwdConfigFor<kHeadDim>;
+  using QCfg = DqConfigFor<kHeadDim>;
+  constexpr int d = kHeadDim;
+  const ShapeCuda& sh = in.shape;
+  const int B = sh.batch, H = sh.heads, Sq = sh.seqlen_q;
+  const size_t q_elems = size_t(B) * Sq * H * d,
+               k_elems = size_t(B) * sh.seqlen_k * sh.kv_heads * d;
+  const BshdStrides qs{int64_t(Sq) * H * d, int64_t(H) * d, d};
+  const BshdStrides ks{int64_t(sh.seqlen_k) * sh.kv_heads * d, int64_t(sh.kv_heads) * d, d};
+  const int rounded = (Sq + kBwdSeqRound - 1) / kBwdSeqRound * kBwdSeqRound;
+  std::vector<float> lse_log2(size_t(B) * H * rounded, NAN), delta(lse_log2.size(), NAN);
+  std::vector<float> dq_accum(deterministic ? 0 : size_t(B) * H * rounded * d, 0.f);
+  const OutT nan_value = std::is_same_v<OutT, float> ? OutT(NAN) : OutT{0x7fff};
+  // poisoned: an unwritten gradient fails
+  Grads<OutT> g{std::vector<OutT>(q_elems, nan_value), std::vector<OutT>(k_elems, nan_value),
+                std::vector<OutT>(k_elems, nan_value)};
+  BwdParamsCuda bp = in;
+  bp.out = out.data();
+  bp.out_strides = qs;
+  bp.out_head_dim = d;
+  bp.lse = lse.data();
+  bp.lse_strides = {int64_t(H) * Sq, Sq, 1};
+  bp.seqlen_q_rounded = rounded;
+  bp.lse_log2 = lse_log2.data();
+  bp.delta = delta.data();
+  bp.dq_accum = deterministic ? nullptr : dq_accum.data();
+  bp.dq = g.dq.data();
+  bp.dk = g.dk.data();
+  bp.dv = g.dv.data();
+  bp.dq_strides = qs;
+  bp.dk_strides = bp.dv_strides = ks;
+  bp.scale_log2 = bp.softmax_scale * 1.4426950408889634f;
+  std::vector<float> dkv_partial;
+  if (head_splits > 1) {
+    dkv_partial.assign(size_t(2) * head_splits * k_elems, NAN);  // poisoned too
+    bp.head_splits = head_splits;
+    bp.dkv_partial = dkv_partial.data();
+  }
+  const bool scored = bwd_needs_scoring(bp);
+  launch(preprocess_launch(bp.shape, rounded), [&] { bwd_preprocess_kernel<OutT, Elem>(bp); });
+  launch(dkdv_launch<BCfg>(bp.shape, bp.head_splits), [&] {
+    if (scored)
+      attention_bwd_dkdv_kernel<BCfg, Elem, OutT, true>(bp);
+    else
+      attention_bwd_dkdv_kernel<BCfg, Elem, OutT, false>(bp);
+  });
+  if (head_splits > 1)
+    launch(pairs_launch(dkv_pairs(bp.shape)), [&] { dkv_reduce_kernel<d, OutT>(bp); });
+  if (deterministic)
+    launch(dq_launch<QCfg>(bp.shape), [&] {
+      if (scored)
+        attention_bwd_dq_kernel<QCfg, Elem, OutT, true>(bp);
+      else
+        attention_bwd_dq_kernel<QCfg, Elem, OutT, false>(bp);
+    });
+  else
+    launch(pairs_launch(dq_pairs(bp.shape)), [&] { dq_convert_kernel<d, OutT>(bp); });
+  return g;
+}
+
 // How the op layer may hand operands to the kernels (attention_cuda.cpp), and launch options.
 struct Options {
   bool deterministic = false;  // the separate dQ pass instead of atomics
@@ -208,8 +323,6 @@ std::vector<Elem> with_row_pad(const std::vector<Elem>& x, int row, int pad) {
 template <int kHeadDim, typename Elem, typename OutT>
 void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
   using FCfg = FwdConfigFor<kHeadDim>;
-  using BCfg = BwdConfigFor<kHeadDim>;
-  using QCfg = DqConfigFor<kHeadDim>;
   constexpr int d = kHeadDim;
   const bool deterministic = opt.deterministic;
   const std::string what = name_of(c, d) + " splits " + std::to_string(opt.head_splits) + " pad " +
@@ -238,7 +351,6 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
 
   const Mask m = mask_of(c);
   const BshdStrides qs{int64_t(Sq) * H * d, int64_t(H) * d, d};
-  const BshdStrides ks{int64_t(Sk) * Hk * d, int64_t(Hk) * d, d};
   ShapeCuda shape{B, H, Hk, Sq, Sk, d};
 
   // ---- forward
@@ -283,54 +395,17 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
       }
 
   // ---- backward from the kernel's own out (as the op layer) and lse
-  const int rounded = (Sq + kBwdSeqRound - 1) / kBwdSeqRound * kBwdSeqRound;
-  std::vector<float> lse_log2(size_t(B) * H * rounded, NAN), delta(lse_log2.size(), NAN);
-  std::vector<float> dq_accum(deterministic ? 0 : size_t(B) * H * rounded * d, 0.f);
-  std::vector<OutT> dq(q.size(), out[0]), dk(k.size(), out[0]), dv(k.size(), out[0]);
-  const OutT nan_value = std::is_same_v<OutT, float> ? OutT(NAN) : OutT{0x7fff};
-  std::fill(dq.begin(), dq.end(), nan_value);  // poisoned: an unwritten gradient fails
-  std::fill(dk.begin(), dk.end(), nan_value);
-  std::fill(dv.begin(), dv.end(), nan_value);
-  BwdParamsCuda bp;
-  bp.shape = shape;
-  bp.q = q_in.data();
-  bp.k = k_in.data();
-  bp.v = v_in.data();
-  bp.dout = dout_in.data();
-  bp.q_strides = bp.dout_strides = qs_in;
-  bp.k_strides = bp.v_strides = ks_in;
-  bp.out = out.data();
-  bp.out_strides = qs;
-  bp.out_head_dim = d;
-  bp.lse = lse.data();
-  bp.lse_strides = {int64_t(H) * Sq, Sq, 1};
-  bp.seqlen_q_rounded = rounded;
-  bp.lse_log2 = lse_log2.data();
-  bp.delta = delta.data();
-  bp.dq_accum = deterministic ? nullptr : dq_accum.data();
-  bp.dq = dq.data();
-  bp.dk = dk.data();
-  bp.dv = dv.data();
-  bp.dq_strides = qs;
-  bp.dk_strides = bp.dv_strides = ks;
-  bp.softmax_scale = c.scale;
-  bp.scale_log2 = fp.scale_log2;
-  bp.mask = m;
-  std::vector<float> dkv_partial;
-  if (opt.head_splits > 1) {
-    dkv_partial.assign(size_t(2) * opt.head_splits * k.size(), NAN);  // poisoned too
-    bp.head_splits = opt.head_splits;
-    bp.dkv_partial = dkv_partial.data();
-  }
-  launch(preprocess_launch(bp.shape, rounded), [&] { bwd_preprocess_kernel<OutT, Elem>(bp); });
-  launch(dkdv_launch<BCfg>(bp.shape, bp.head_splits),
-         [&] { attention_bwd_dkdv_kernel<BCfg, Elem, OutT>(bp); });
-  if (opt.head_splits > 1)
-    launch(pairs_launch(dkv_pairs(bp.shape)), [&] { dkv_reduce_kernel<d, OutT>(bp); });
-  if (deterministic)
-    launch(dq_launch<QCfg>(bp.shape), [&] { attention_bwd_dq_kernel<QCfg, Elem, OutT>(bp); });
-  else
-    launch(pairs_launch(dq_pairs(bp.shape)), [&] { dq_convert_kernel<d, OutT>(bp); });
+  BwdParamsCuda in;
+  static_cast<AttnScoring&>(in) = fp;  // scale, mask and score options as in the forward
+  in.shape = shape;
+  in.q = q_in.data();
+  in.k = k_in.data();
+  in.v = v_in.data();
+  in.dout = dout_in.data();
+  in.q_strides = in.dout_strides = qs_in;
+  in.k_strides = in.v_strides = ks_in;
+  const auto [dq, dk, dv] =
+      run_backward<kHeadDim, Elem, OutT>(in, out, lse, deterministic, opt.head_splits);
   const double gt = Host<Elem>::kGradTol;
   expect_close("dq", dq, ref.dq, gt);
   expect_close("dk", dk, ref.dk, gt);
@@ -482,6 +557,140 @@ void nan_row_case(uint64_t seed) {
 TEST(EmulatedKernels, NanRowPropagates) {
   nan_row_case<64, __nv_bfloat16>(701);
   nan_row_case<128, __half>(702);
+}
+
+// ---- The score options (backward): softcap, ALiBi, prefix-LM and sinks through the scored
+// instantiations of the dK/dV and dQ kernels, from the reference's own out and lse (rounded as the
+// forward returns them; the sinks enter through the lse alone), against the float64 reference
+// gradients: each option, combinations, GQA / MQA, odd lengths, both dQ paths, head splits.
+
+template <typename T>
+T from_double(double x) {
+  if constexpr (std::is_same_v<T, float>)
+    return static_cast<float>(x);
+  else
+    return Host<T>::enc(static_cast<float>(x));
+}
+
+template <int kHeadDim, typename Elem, typename OutT>
+void run_scored_backward(const Case& c, const Scores& sc, uint64_t seed, bool deterministic,
+                         int head_splits = 1) {
+  constexpr int d = kHeadDim;
+  SCOPED_TRACE(name_of(c, d) + (deterministic ? " deterministic" : " atomic") + " splits " +
+               std::to_string(head_splits) + " softcap " + std::to_string(sc.softcap) +
+               (sc.slopes.empty() ? "" : " alibi") + (sc.sinks.empty() ? "" : " sinks") +
+               " prefix " + std::to_string(sc.prefix_end));
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  const int B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, H = c.heads, Hk = c.kv_heads;
+  std::vector<double> qd, kd, vd, dod;
+  const auto q = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &qd);
+  const auto k = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &kd);
+  const auto v = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &vd);
+  const auto dout = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &dod);
+  const Reference ref = reference(c, d, qd, kd, vd, dod, sc);
+  std::vector<OutT> out(ref.out.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = from_double<OutT>(ref.out[i]);
+  const std::vector<float> lse(ref.lse.begin(), ref.lse.end());
+
+  BwdParamsCuda in;
+  in.softmax_scale = c.scale;
+  in.mask = mask_of(c, sc);
+  in.score = sc.options();
+  in.shape = ShapeCuda{B, H, Hk, Sq, Sk, d};
+  in.q = q.data();
+  in.k = k.data();
+  in.v = v.data();
+  in.dout = dout.data();
+  in.q_strides = in.dout_strides = {int64_t(Sq) * H * d, int64_t(H) * d, d};
+  in.k_strides = in.v_strides = {int64_t(Sk) * Hk * d, int64_t(Hk) * d, d};
+  const auto [dq, dk, dv] =
+      run_backward<kHeadDim, Elem, OutT>(in, out, lse, deterministic, head_splits);
+  const double gt = Host<Elem>::kGradTol;
+  expect_close("dq", dq, ref.dq, gt);
+  expect_close("dk", dk, ref.dk, gt);
+  expect_close("dv", dv, ref.dv, gt);
+}
+
+struct BackwardCase {
+  Case c;
+  Scores sc;
+};
+
+std::vector<BackwardCase> scored_backward_cases() {
+  std::vector<BackwardCase> v;
+  auto add = [&](const Case& c, auto&& set) {
+    Scores sc;
+    set(sc);
+    v.push_back({c, sc});
+  };
+  // softcap + causal, odd length over several blocks
+  add({1, 131, 131, 2, 2, true, -1, -1, 0, 0, 0.25f}, [](Scores& s) { s.softcap = 1.5f; });
+  // ALiBi on a ring step (the mask's offsets as positions), GQA
+  add({1, 100, 150, 4, 2, true, -1, -1, 256, 64, 0.1f}, [](Scores& s) {
+    s.slopes = {0.5f, 0.25f, 0.125f, 0.0625f};
+    s.alibi_q_begin = 256;
+    s.alibi_k_begin = 64;
+  });
+  // ALiBi in the striped layout (positions 3 apart), bidirectional, MQA, batch 2
+  add({2, 45, 70, 2, 1, false, -1, -1, 0, 0, 0.125f}, [](Scores& s) {
+    s.slopes = {0.3f, 0.075f};
+    s.alibi_q_begin = 1;
+    s.alibi_k_begin = 2;
+    s.alibi_stride = 3;
+  });
+  // prefix-LM with offsets: queries 50.. see keys < 100 beyond the causal rule
+  add({1, 90, 140, 2, 1, true, -1, -1, 50, 0, 0.125f}, [](Scores& s) { s.prefix_end = 100; });
+  // prefix + sliding window: key blocks between the prefix and the window are skipped
+  add({1, 80, 260, 2, 2, true, 16, -1, 180, 0, 0.125f}, [](Scores& s) { s.prefix_end = 40; });
+  // keys in the future of every query: only the prefix (key columns 0..9) is visible
+  add({1, 70, 130, 2, 1, true, -1, -1, 0, 100, 0.125f}, [](Scores& s) { s.prefix_end = 110; });
+  // softcap + ALiBi + window, GQA
+  add({1, 130, 200, 4, 2, true, 30, -1, 70, 0, 0.1f}, [](Scores& s) {
+    s.softcap = 2.f;
+    s.slopes = {0.25f, 0.125f, 0.0625f, 0.03125f};
+    s.alibi_q_begin = 70;
+  });
+  // sinks (through the lse only; the plain instantiation), window, rows 0..4 empty
+  add({1, 40, 50, 2, 1, true, 20, -1, -5, 0, 0.125f}, [](Scores& s) { s.sinks = {1.f, -2.f}; });
+  // everything at once, odd lengths, GQA
+  add({1, 77, 163, 4, 2, true, 60, -1, 90, 3, 0.2f}, [](Scores& s) {
+    s.softcap = 3.f;
+    s.slopes = {0.1f, 0.05f, 0.025f, 0.0125f};
+    s.alibi_q_begin = 90;
+    s.alibi_k_begin = 3;
+    s.prefix_end = 20;
+    s.sinks = {0.f, 1.f, -1.f, 2.f};
+  });
+  return v;
+}
+
+TEST(EmulatedKernels, ScoredBackwardBf16HeadDim64Atomic) {
+  uint64_t seed = 1100;
+  for (const BackwardCase& s : scored_backward_cases())
+    run_scored_backward<64, __nv_bfloat16, __nv_bfloat16>(s.c, s.sc, seed++, false);
+}
+TEST(EmulatedKernels, ScoredBackwardFp16HeadDim128Deterministic) {
+  uint64_t seed = 1200;
+  for (const BackwardCase& s : scored_backward_cases())
+    run_scored_backward<128, __half, float>(s.c, s.sc, seed++, true);
+}
+
+// The other head dims' tile configurations (incl. 256's head-dim split in the dK/dV pass), both
+// dQ paths, and the query heads of a kv head split over blocks (GQA / MQA head_splits).
+TEST(EmulatedKernels, ScoredBackwardHeadDimsAndSplits) {
+  const auto cs = scored_backward_cases();
+  const BackwardCase &softcap = cs[0], &alibi = cs[1], &striped = cs[2], &prefix = cs[3];
+  const BackwardCase &combo = cs[6], &all = cs.back();
+  run_scored_backward<32, __nv_bfloat16, float>(alibi.c, alibi.sc, 1301, true);
+  run_scored_backward<96, __half, __half>(prefix.c, prefix.sc, 1302, false);
+  run_scored_backward<160, __nv_bfloat16, __nv_bfloat16>(softcap.c, softcap.sc, 1303, true);
+  run_scored_backward<192, __half, float>(striped.c, striped.sc, 1304, false);
+  run_scored_backward<256, __nv_bfloat16, __nv_bfloat16>(all.c, all.sc, 1305, false);
+  run_scored_backward<256, __nv_bfloat16, float>(combo.c, combo.sc, 1306, true);
+  run_scored_backward<64, __nv_bfloat16, __nv_bfloat16>(all.c, all.sc, 1307, false, 2);
+  run_scored_backward<128, __half, __half>(combo.c, combo.sc, 1308, true, 2);
+  run_scored_backward<64, __nv_bfloat16, float>(striped.c, striped.sc, 1309, true, 2);
+  run_scored_backward<256, __nv_bfloat16, float>(alibi.c, alibi.sc, 1310, false, 2);
 }
 
 }  // namespace
