@@ -81,6 +81,13 @@ CPATTN_HOST_DEVICE IndexBounds visible_keys_of_row(const Mask& m, int64_t r, int
   return clip_bounds(m.first_key(i) - m.k_offset, m.last_key(i) - m.k_offset, seqlen_k);
 }
 
+// Local key columns [lo, hi] of the prefix (mask.h, prefix_end), clipped to [0, seqlen_k); empty
+// without a prefix. With a prefix, key column c of row r is visible iff c is in this range or in
+// visible_keys_of_row(m, r, seqlen_k) (the union of mask.h's rule).
+CPATTN_HOST_DEVICE IndexBounds prefix_keys(const Mask& m, int64_t seqlen_k) {
+  return clip_bounds(0, m.prefix_end - 1 - m.k_offset, seqlen_k);
+}
+
 // Local query rows [lo, hi] that see local key column c, clipped to [0, seqlen_q).
 CPATTN_HOST_DEVICE IndexBounds visible_rows_of_key(const Mask& m, int64_t c, int64_t seqlen_q) {
   const int64_t j = m.k_offset + c;
