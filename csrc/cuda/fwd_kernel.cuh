@@ -119,12 +119,6 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   // The scored path turns the scores into base-2 logits before the softmax, which then takes
   // them as they are (scale 1); the plain path folds the scale into the softmax's FFMA.
   const float softmax_scale2 = kScored ? 1.f : scale_log2;
-  [[maybe_unused]] HeadScoring scoring;
-  [[maybe_unused]] IndexBounds prefix{0, -1};
-  if constexpr (kScored) {
-    scoring = HeadScoring::of(p.score, h);
-    prefix = prefix_keys(mask, seqlen_k);
-  }
 
   const int n_blocks = kb.count();
   for (int it = 0; it < n_blocks; ++it) {
@@ -186,6 +180,10 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 
     if constexpr (kScored) {
       // logit2 on every score, then the mask: the union of the prefix and the row's interval.
+      // (Both read from the parameters here, per tile, rather than held across the loop: fewer
+      // live registers.)
+      const HeadScoring scoring = HeadScoring::of(p.score, h);
+      const IndexBounds prefix = prefix_keys(mask, seqlen_k);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -305,9 +303,11 @@ int launch_kernel(Kernel kernel, const LaunchShape& l, const Params& p, cudaStre
 
 template <typename Cfg, typename Elem, typename OutT>
 int launch_fwd_config(const FwdParamsCuda& p, cudaStream_t stream) {
-  if (fwd_needs_scoring(p))
-    return launch_kernel(attention_fwd_kernel<Cfg, Elem, OutT, true>, fwd_launch<Cfg>(p.shape), p,
-                         stream);
+  if (fwd_needs_scoring(p)) {
+    using SCfg = ScoredFwdConfig<Cfg>;
+    return launch_kernel(attention_fwd_kernel<SCfg, Elem, OutT, true>, fwd_launch<SCfg>(p.shape),
+                         p, stream);
+  }
   return launch_kernel(attention_fwd_kernel<Cfg, Elem, OutT, false>, fwd_launch<Cfg>(p.shape), p,
                        stream);
 }

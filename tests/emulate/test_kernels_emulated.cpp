@@ -314,8 +314,9 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}, const Score
   fp.scale_log2 = c.scale * 1.4426950408889634f;
   fp.mask = m;
   fp.score = sc.options();
+  using SCfg = ScoredFwdConfig<FCfg>;  // as launch_fwd_config picks
   if (fwd_needs_scoring(fp))
-    launch(fwd_launch<FCfg>(fp.shape), [&] { attention_fwd_kernel<FCfg, Elem, OutT, true>(fp); });
+    launch(fwd_launch<SCfg>(fp.shape), [&] { attention_fwd_kernel<SCfg, Elem, OutT, true>(fp); });
   else
     launch(fwd_launch<FCfg>(fp.shape), [&] { attention_fwd_kernel<FCfg, Elem, OutT, false>(fp); });
   expect_close("out", out, ref.out,
