@@ -305,8 +305,8 @@ template <typename Cfg, typename Elem, typename OutT>
 int launch_fwd_config(const FwdParamsCuda& p, cudaStream_t stream) {
   if (fwd_needs_scoring(p)) {
     using SCfg = ScoredFwdConfig<Cfg>;
-    return launch_kernel(attention_fwd_kernel<SCfg, Elem, OutT, true>, fwd_launch<SCfg>(p.shape),
-                         p, stream);
+    return launch_kernel(attention_fwd_kernel<SCfg, Elem, OutT, true>, fwd_launch<SCfg>(p.shape), p,
+                         stream);
   }
   return launch_kernel(attention_fwd_kernel<Cfg, Elem, OutT, false>, fwd_launch<Cfg>(p.shape), p,
                        stream);

@@ -251,10 +251,9 @@ void apply_sinks_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Ten
   });
 }
 
-[[maybe_unused]] const bool registered =
-    register_backend(c10::DeviceType::CPU, {&check_options_cpu, &attention_fwd_cpu,
-                                            &attention_bwd_cpu, &merge_into_cpu, &apply_sinks_cpu,
-                                            &sink_bwd_cpu});
+[[maybe_unused]] const bool registered = register_backend(
+    c10::DeviceType::CPU, {&check_options_cpu, &attention_fwd_cpu, &attention_bwd_cpu,
+                           &merge_into_cpu, &apply_sinks_cpu, &sink_bwd_cpu});
 
 }  // namespace
 }  // namespace cpattn::ops

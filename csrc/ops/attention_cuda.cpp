@@ -130,7 +130,9 @@ int bwd_head_splits(const AttnShape& s, int kd) {
 }
 
 // The kernels' one head dim for q, k (D) and v (Dv): the compiled one serving max(D, Dv).
-int kernel_head_dim(const AttnShape& s) { return kernel_head_dim(std::max(s.head_dim, s.head_dim_v)); }
+int kernel_head_dim(const AttnShape& s) {
+  return kernel_head_dim(std::max(s.head_dim, s.head_dim_v));
+}
 
 // What the parameters of both passes share: shape, q, k, v (as the kernels read them), scale,
 // mask, score options (slopes / sinks receive the fp32 tensors the pointers point into).
@@ -187,8 +189,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-    const AttnShape& s, double softmax_scale, const Mask& mask,
-    const ScoreArgs& score, std::optional<at::ScalarType> grad_dtype) {
+    const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
+    std::optional<at::ScalarType> grad_dtype) {
   check_half_inputs(q);
   TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "cpattn: CUDA dout must have q's dtype (",
               q.scalar_type(), "), got ", dout.scalar_type());

@@ -548,11 +548,9 @@ std::vector<ScoredCase> scored_cases() {
   // keys in the future of every query: only the prefix (key columns 0..9) is visible
   add({1, 70, 130, 2, 1, true, -1, -1, 0, 100, 0.125f}, [](Scores& s) { s.prefix_end = 110; });
   // sinks, MQA, window, batch 2
-  add({2, 70, 90, 2, 1, false, 40, 9, 0, 0, 0.09f},
-      [](Scores& s) { s.sinks = {0.5f, -1.f}; });
+  add({2, 70, 90, 2, 1, false, 40, 9, 0, 0, 0.09f}, [](Scores& s) { s.sinks = {0.5f, -1.f}; });
   // sinks where every row is empty (whole blocks skipped): out 0, lse the sink
-  add({1, 100, 130, 2, 1, true, -1, -1, 0, 256, 0.125f},
-      [](Scores& s) { s.sinks = {1.f, 2.f}; });
+  add({1, 100, 130, 2, 1, true, -1, -1, 0, 256, 0.125f}, [](Scores& s) { s.sinks = {1.f, 2.f}; });
   // sinks where rows 0..4 are empty inside a visited block
   add({1, 40, 50, 2, 1, true, -1, -1, -5, 0, 0.125f}, [](Scores& s) { s.sinks = {3.f, -2.f}; });
   // softcap + ALiBi + window, GQA
