@@ -64,10 +64,10 @@ def main() -> int:
     if not rows:
         print("ptxas_report: no ptxas -v output in", args.log)
         return 1
-    lines = [f"{'kernel':44s} {'arch':6s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s}"]
+    lines = [f"{'kernel':48s} {'arch':6s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s}"]
     bad = []
     for kernel, arch, regs, stack, st, ld in sorted(rows, key=lambda r: (short(r[0]), r[1])):
-        lines.append(f"{short(kernel)[:44]:44s} {arch:6s} {regs:4d} {f'{st}/{ld}':>11s} {stack:5d}")
+        lines.append(f"{short(kernel)[:48]:48s} {arch:6s} {regs:4d} {f'{st}/{ld}':>11s} {stack:5d}")
         if st and any(p in kernel for p in args.fail_on_spill):
             bad.append(lines[-1])
     text = "\n".join(lines)
