@@ -26,11 +26,14 @@ def short(mangled: str) -> str:
     cfg = re.search(r"Config(?:For)?ILi(\d+)E", mangled) or re.search(r"ILi(\d+)E", mangled)
     dtype = "bf16" if "bfloat16" in mangled else ("fp16" if "__half" in mangled else "")
     # The output / gradient type is the last template argument: float ("f") or the input type.
-    out = "f32out" if re.search(r"(bfloat16|__half)fE|EfEEv|IfS?\d*_?E|If13|If6", mangled) else ""
+    out = "f32out" if re.search(r"(bfloat16|__half)fE|EfEEv|IfS?\d*_?E|If13|If6|fLb[01]E",
+                                mangled) else ""
+    # The forward's scored instantiation (kScored = true, fwd_kernel.cuh).
+    scored = "scored" if re.search(r"Lb1EEEv", mangled) else ""
     parts = [kernel.group(0) if kernel else name[:40]]
     if cfg:
         parts.append(f"hd{cfg.group(1)}")
-    parts += [p for p in (dtype, out) if p]
+    parts += [p for p in (dtype, out, scored) if p]
     return " ".join(parts)
 
 
@@ -61,10 +64,10 @@ def main() -> int:
     if not rows:
         print("ptxas_report: no ptxas -v output in", args.log)
         return 1
-    lines = [f"{'kernel':44s} {'arch':6s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s}"]
+    lines = [f"{'kernel':48s} {'arch':6s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s}"]
     bad = []
     for kernel, arch, regs, stack, st, ld in sorted(rows, key=lambda r: (short(r[0]), r[1])):
-        lines.append(f"{short(kernel)[:44]:44s} {arch:6s} {regs:4d} {f'{st}/{ld}':>11s} {stack:5d}")
+        lines.append(f"{short(kernel)[:48]:48s} {arch:6s} {regs:4d} {f'{st}/{ld}':>11s} {stack:5d}")
         if st and any(p in kernel for p in args.fail_on_spill):
             bad.append(lines[-1])
     text = "\n".join(lines)

@@ -140,7 +140,7 @@ stage() {  # stage NAME CAP FLOOR RESERVE FILTERS
     line "$name: FAIL (rc $rc; ${summary:-no summary}; checks.log)"
   fi
 }
-stage kernels 150 45 175 "fwd_bwd/,head_dim/,fwd/,errors/,merge_state/"
+stage kernels 150 45 175 "fwd_bwd/,head_dim/,fwd/,errors/,merge_state/,score_options/"
 stage deterministic_dq 30 10 165 "bwd/deterministic,bwd/dlse"
 stage ring_emulated 60 20 145 "ring_emulated/"
 stage nccl_w1 40 20 125 "ring_nccl/"

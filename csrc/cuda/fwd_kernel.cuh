@@ -7,6 +7,11 @@
 // every other visited tile runs unmasked. Query row r sits at global position q_offset + r, key
 // column c at k_offset + c (the mask rule of mask.h), which covers causal, sliding windows,
 // bottom-right alignment and every ring step. A row that sees no key gets out 0 and lse -inf.
+//
+// kScored selects the path with the score options (ScoreOptions, cpattn/params.h): softcap and
+// ALiBi per score (HeadScoring::logit2), the prefix-LM union in the element mask, and the sink
+// once per row in the epilogue (add_sink; a caller that merges partial results passes none). The
+// plain instantiation (kScored = false) compiles exactly the code it had before.
 #pragma once
 
 #ifndef CPATTN_CUDA_EMULATE
@@ -26,7 +31,7 @@
 
 namespace cpattn::cuda {
 
-template <typename Cfg, typename Elem, typename OutT>
+template <typename Cfg, typename Elem, typename OutT, bool kScored>
 __global__ void __launch_bounds__(Cfg::kThreads)
     attention_fwd_kernel(const __grid_constant__ FwdParamsCuda p) {
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
@@ -63,8 +68,11 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       const int r = i / (kHeadDim / 2), c = (i % (kHeadDim / 2)) * 2;
       if (m0 + r < seqlen_q) store2(out + (m0 + r) * p.out_strides.seq + c, 0.f, 0.f);
     }
+    float empty_lse = neg_inf();
+    if constexpr (kScored)  // only the sink in the denominator: add_sink(-inf, sink)
+      if (p.score.sinks != nullptr) empty_lse = add_sink(neg_inf(), p.score.sinks[h]).lse;
     for (int r = tid; r < kBlockM; r += kThreads)
-      if (m0 + r < seqlen_q) lse[m0 + r] = neg_inf();
+      if (m0 + r < seqlen_q) lse[m0 + r] = empty_lse;
     return;
   }
 
@@ -108,6 +116,9 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
   const float scale_log2 = p.scale_log2;
+  // The scored path turns the scores into base-2 logits before the softmax, which then takes
+  // them as they are (scale 1); the plain path folds the scale into the softmax's FFMA.
+  const float softmax_scale2 = kScored ? 1.f : scale_log2;
 
   const int n_blocks = kb.count();
   for (int it = 0; it < n_blocks; ++it) {
@@ -167,7 +178,25 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       }
     }
 
-    if (masked) {
+    if constexpr (kScored) {
+      // logit2 on every score, then the mask: the union of the prefix and the row's interval.
+      // (Both read from the parameters here, per tile, rather than held across the loop: fewer
+      // live registers.)
+      const HeadScoring scoring = HeadScoring::of(p.score, h);
+      const IndexBounds prefix = prefix_keys(mask, seqlen_k);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kSTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = m0 + warp_row0 + mt * 16 + g + 8 * (e >> 1);
+            const int c = n0 + nt * 8 + 2 * t + (e & 1);
+            const bool hidden =
+                masked && !prefix.contains(c) && !keys_of_row[mt][e >> 1].contains(c);
+            s[mt][nt][e] = hidden ? neg_inf() : scoring.logit2(s[mt][nt][e] * scale_log2, r, c);
+          }
+    } else if (masked) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -189,7 +218,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
           mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
         // The block maximum in base 2 (scale > 0 commutes with max): the row state rescales
         // its sum and gives the factor for o and the reference point subtracted before exp2.
-        const float factor = row[mt][half].rescale_for_block_max(quad_max(mx) * scale_log2);
+        const float factor = row[mt][half].rescale_for_block_max(quad_max(mx) * softmax_scale2);
         const float ref = row[mt][half].reference();
 #pragma unroll
         for (int dt = 0; dt < kOTiles; ++dt) {
@@ -201,7 +230,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         for (int nt = 0; nt < kSTiles; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float pv = fast_exp2(fmaf(s[mt][nt][2 * half + e], scale_log2, -ref));
+            const float pv = fast_exp2(fmaf(s[mt][nt][2 * half + e], softmax_scale2, -ref));
             s[mt][nt][2 * half + e] = pv;
             sum += pv;
           }
@@ -234,16 +263,29 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     for (int half = 0; half < 2; ++half) {
       OnlineSoftmaxRow full = row[mt][half];
       full.sum = quad_sum(full.sum);
-      const float inv = full.inv_sum();
+      float inv = full.inv_sum();
+      const bool has_sink = kScored && p.score.sinks != nullptr;
+      [[maybe_unused]] SinkNormalisation sunk{1.f, 0.f};
+      if constexpr (kScored) {
+        if (has_sink) {  // the sink joins the denominator once, here
+          sunk = add_sink(full.lse(), p.score.sinks[h]);
+          inv *= sunk.out_factor;
+        }
+      }
       const int r = m0 + warp_row0 + mt * 16 + g + 8 * half;
       if (r < seqlen_q) {
         OutT* const dst = out + static_cast<int64_t>(r) * p.out_strides.seq + 2 * t;
 #pragma unroll
         for (int dt = 0; dt < kOTiles; ++dt)
           store2(dst + dt * 8, o[mt][dt][2 * half] * inv, o[mt][dt][2 * half + 1] * inv);
-        if (t == 0) lse[r] = full.lse();
+        if (t == 0) lse[r] = has_sink ? sunk.lse : full.lse();
       }
     }
+}
+
+// Whether a forward call needs the scored instantiation: any score option, a prefix or sinks.
+inline bool fwd_needs_scoring(const FwdParamsCuda& p) {
+  return p.score.modifies_scores() || p.score.sinks != nullptr || p.mask.has_prefix();
 }
 
 #ifndef CPATTN_CUDA_EMULATE  // the tests emulate the kernels on the host, without launchers
@@ -261,7 +303,13 @@ int launch_kernel(Kernel kernel, const LaunchShape& l, const Params& p, cudaStre
 
 template <typename Cfg, typename Elem, typename OutT>
 int launch_fwd_config(const FwdParamsCuda& p, cudaStream_t stream) {
-  return launch_kernel(attention_fwd_kernel<Cfg, Elem, OutT>, fwd_launch<Cfg>(p.shape), p, stream);
+  if (fwd_needs_scoring(p)) {
+    using SCfg = ScoredFwdConfig<Cfg>;
+    return launch_kernel(attention_fwd_kernel<SCfg, Elem, OutT, true>, fwd_launch<SCfg>(p.shape), p,
+                         stream);
+  }
+  return launch_kernel(attention_fwd_kernel<Cfg, Elem, OutT, false>, fwd_launch<Cfg>(p.shape), p,
+                       stream);
 }
 
 #endif  // CPATTN_CUDA_EMULATE

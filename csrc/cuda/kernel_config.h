@@ -62,6 +62,13 @@ struct FwdConfigFor<256> : FwdConfig<256, 128, 32, 8, false> {};
 // kSplit > 1 splits the head dim of dK, dV (and of dQ's columns) over kSplit thread blocks per
 // key block, which all recompute S and dP over the full head dim: dK and dV of 16 keys x 256
 // columns would not fit in registers.
+// The forward's scored instantiation (fwd_kernel.cuh, kScored): the same tiles with Q read from
+// shared memory, since its per-score options need the registers Q's fragments would hold (no
+// spills: the ptxas report).
+template <typename Cfg>
+using ScoredFwdConfig =
+    FwdConfig<Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kWarps, /*kQInRegs=*/false>;
+
 template <int kHeadDim_, int kBlockM_, int kWarps_, int kSplit_ = 1>
 struct BwdConfig {
   static constexpr int kHeadDim = kHeadDim_;

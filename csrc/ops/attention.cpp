@@ -133,10 +133,51 @@ void merge_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& 
   backend_for(out.device()).merge(out, lse, part_out, part_lse);
 }
 
+void apply_sinks_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks) {
+  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kFloat &&
+                  lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == out.size(0) &&
+                  lse.size(1) == out.size(2) && lse.size(2) == out.size(1),
+              "cpattn: apply_sinks_ needs out (B, S, H, Dv) and lse (B, H, S), float32, got ",
+              out.sizes(), " ", out.scalar_type(), " and ", lse.sizes(), " ", lse.scalar_type());
+  TORCH_CHECK(lse.device() == out.device(), "cpattn: apply_sinks_ needs lse on out's device (",
+              out.device(), "), got ", lse.device());
+  check_score_args("apply_sinks_", 0.0, std::nullopt, sinks, out.size(2), out.device());
+  backend_for(out.device()).apply_sinks(out, lse, sinks.to(at::kFloat).contiguous());
+}
+
+namespace {
+
+// The gradient of the sink logits (H,), reduced over batch and rows (softmax_state.h sink_grad).
+at::Tensor sink_bwd(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
+                    const at::Tensor& sinks, const std::optional<at::Tensor>& dlse) {
+  check_bshd(dout, "dout");
+  check_bshd(out, "out");
+  TORCH_CHECK(dout.sizes() == out.sizes() && dout.device() == out.device(),
+              "cpattn: dout must have out's shape ", out.sizes(), " and device ", out.device(),
+              ", got ", dout.sizes(), " on ", dout.device());
+  const int64_t batch = out.size(0), seqlen = out.size(1), heads = out.size(2);
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == batch &&
+                  lse.size(1) == heads && lse.size(2) == seqlen && lse.device() == out.device(),
+              "cpattn: lse must be float32 of shape (batch, heads, seqlen) = (", batch, ", ", heads,
+              ", ", seqlen, ") on ", out.device(), ", got ", lse.sizes(), " ", lse.scalar_type(),
+              " on ", lse.device());
+  check_score_args("sink_bwd", 0.0, std::nullopt, sinks, heads, out.device());
+  if (dlse && dlse->defined())
+    TORCH_CHECK(dlse->sizes() == lse.sizes() && dlse->device() == out.device(),
+                "cpattn: dlse must have lse's shape ", lse.sizes(), " and device ", out.device(),
+                ", got ", dlse->sizes(), " on ", dlse->device());
+  return backend_for(out.device())
+      .sink_bwd(dout, out, lse, sinks.to(at::kFloat).contiguous(), dlse);
+}
+
+}  // namespace
+
 void impl_attention_ops(torch::Library& m) {
   m.impl("attention_fwd", &attention_fwd);
   m.impl("attention_bwd", &attention_bwd);
   m.impl("merge_state_", &merge_state_);
+  m.impl("apply_sinks_", &apply_sinks_);
+  m.impl("sink_bwd", &sink_bwd);
 }
 
 }  // namespace cpattn::ops

@@ -18,30 +18,6 @@
 namespace cpattn::ops {
 namespace {
 
-// (H,) float tensor -> contiguous fp32 for the kernels.
-at::Tensor per_head_f32(const std::optional<at::Tensor>& t) {
-  return t->to(at::kFloat).contiguous();
-}
-
-// The kernels' ScoreOptions from ScoreArgs; slopes and sinks receive the fp32 copies the
-// pointers point into (the caller keeps them alive).
-ScoreOptions score_options(const ScoreArgs& a, at::Tensor& slopes, at::Tensor& sinks) {
-  ScoreOptions o;
-  o.softcap = static_cast<float>(a.softcap);
-  if (a.alibi_slopes) {
-    slopes = per_head_f32(a.alibi_slopes);
-    o.alibi_slopes = slopes.data_ptr<float>();
-  }
-  if (a.sinks) {
-    sinks = per_head_f32(a.sinks);
-    o.sinks = sinks.data_ptr<float>();
-  }
-  o.alibi_q_begin = a.alibi_q_begin;
-  o.alibi_k_begin = a.alibi_k_begin;
-  o.alibi_stride = a.alibi_stride;
-  return o;
-}
-
 // (B, S, H, D) any dtype -> (B, H, S, Dp) contiguous in `dtype`, zero beyond D: one copy that
 // converts and transposes together.
 at::Tensor pack(const at::Tensor& t, int64_t dp, at::ScalarType dtype = at::kFloat) {
@@ -228,38 +204,25 @@ void merge_into_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Tens
   });
 }
 
-at::Tensor sink_bwd(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
-                    const at::Tensor& sinks, const std::optional<at::Tensor>& dlse) {
-  check_bshd(dout, "dout");
-  check_bshd(out, "out");
-  TORCH_CHECK(dout.sizes() == out.sizes(), "cpattn: dout must have out's shape ", out.sizes(),
-              ", got ", dout.sizes());
+// sink_bwd's reduction (softmax_state.h sink_grad) in a fixed order: the same bits with any
+// thread count.
+at::Tensor sink_bwd_cpu(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
+                        const at::Tensor& sinks, const std::optional<at::Tensor>& dlse) {
   AttnShape s;
   s.batch = out.size(0);
   s.seqlen_q = out.size(1);
   s.heads = out.size(2);
   s.head_dim_v = out.size(3);
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == s.batch &&
-                  lse.size(1) == s.heads && lse.size(2) == s.seqlen_q,
-              "cpattn: lse must be float32 of shape (batch, heads, seqlen) = (", s.batch, ", ",
-              s.heads, ", ", s.seqlen_q, "), got ", lse.sizes(), " ", lse.scalar_type());
-  check_score_args("sink_bwd", 0.0, std::nullopt, sinks, s.heads, out.device());
-  TORCH_CHECK(out.device().is_cpu(), "cpattn: sink_bwd runs on CPU tensors only, got ",
-              out.device());
   at::Tensor delta = row_delta(dout, out, s);
-  if (dlse && dlse->defined()) {
-    TORCH_CHECK(dlse->sizes() == lse.sizes(), "cpattn: dlse must have lse's shape ", lse.sizes(),
-                ", got ", dlse->sizes());
-    delta.sub_(dlse->to(at::kFloat));
-  }
-  const at::Tensor l = lse.contiguous(), sk = sinks.to(at::kFloat).contiguous();
+  if (dlse && dlse->defined()) delta.sub_(dlse->to(at::kFloat));
+  const at::Tensor l = lse.contiguous();
   at::Tensor grad = at::empty({s.heads}, out.options().dtype(at::kFloat));
   const float* lp = l.data_ptr<float>();
   const float* dp = delta.data_ptr<float>();
-  const float* sp = sk.data_ptr<float>();
+  const float* sp = sinks.data_ptr<float>();
   float* gp = grad.data_ptr<float>();
   for (int64_t h = 0; h < s.heads; ++h) {
-    double sum = 0.0;  // a fixed order: the same bits with any thread count
+    double sum = 0.0;
     for (int64_t b = 0; b < s.batch; ++b)
       for (int64_t i = 0; i < s.seqlen_q; ++i) {
         const int64_t row = (b * s.heads + h) * s.seqlen_q + i;
@@ -270,23 +233,9 @@ at::Tensor sink_bwd(const at::Tensor& dout, const at::Tensor& out, const at::Ten
   return grad;
 }
 
-[[maybe_unused]] const bool registered =
-    register_backend(c10::DeviceType::CPU,
-                     {&check_options_cpu, &attention_fwd_cpu, &attention_bwd_cpu, &merge_into_cpu});
-
-}  // namespace
-
-void apply_sinks_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks) {
-  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kFloat &&
-                  lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == out.size(0) &&
-                  lse.size(1) == out.size(2) && lse.size(2) == out.size(1),
-              "cpattn: apply_sinks_ needs out (B, S, H, Dv) and lse (B, H, S), float32, got ",
-              out.sizes(), " ", out.scalar_type(), " and ", lse.sizes(), " ", lse.scalar_type());
-  check_score_args("apply_sinks_", 0.0, std::nullopt, sinks, out.size(2), out.device());
-  TORCH_CHECK(out.device().is_cpu(), "cpattn: apply_sinks_ runs on CPU tensors only, got ",
-              out.device());
-  const at::Tensor sk = sinks.to(at::kFloat).contiguous();
-  const float* sink = sk.data_ptr<float>();
+// add_sink (softmax_state.h) on every row, in place.
+void apply_sinks_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks) {
+  const float* sink = sinks.data_ptr<float>();
   const int64_t B = out.size(0), S = out.size(1), H = out.size(2), D = out.size(3);
   float* o = out.data_ptr<float>();
   float* l = lse.data_ptr<float>();
@@ -302,14 +251,17 @@ void apply_sinks_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor
   });
 }
 
+[[maybe_unused]] const bool registered = register_backend(
+    c10::DeviceType::CPU, {&check_options_cpu, &attention_fwd_cpu, &attention_bwd_cpu,
+                           &merge_into_cpu, &apply_sinks_cpu, &sink_bwd_cpu});
+
+}  // namespace
 }  // namespace cpattn::ops
 
 TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
   cpattn::ops::impl_attention_ops(m);
   cpattn::ops::impl_ring_ops(m);
   cpattn::ops::impl_inference_ops(m);
-  m.impl("apply_sinks_", &cpattn::ops::apply_sinks_);  // CPU only so far
-  m.impl("sink_bwd", &cpattn::ops::sink_bwd);
 }
 
 TORCH_LIBRARY_IMPL(cpattn_testing, CPU, m) { cpattn::ops::impl_testing_ops(m); }

@@ -1,8 +1,9 @@
 // The CUDA backend (backend.h): tensors -> cuda::FwdParamsCuda / BwdParamsCuda on the current
 // stream of the tensors' device, the merge kernel, and the CUDA registrations of the ops. The
 // kernels read the user's (B, S, H, D) bf16 / fp16 tensors in place; an operand is copied only
-// when its head dim has no compiled kernel (zero-padded up to the next one) or its strides /
-// alignment do not suit cp.async.
+// when its head dim has no compiled kernel (zero-padded up to the next one), when v's head dim
+// differs from q's (q, k, v zero-padded to one kernel head dim >= both; out and the gradients
+// sliced back), or its strides / alignment do not suit cp.async.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -128,10 +129,17 @@ int bwd_head_splits(const AttnShape& s, int kd) {
   return static_cast<int>(splits);
 }
 
-// What the parameters of both passes share: shape, q, k, v (as the kernels read them), scale, mask.
+// The kernels' one head dim for q, k (D) and v (Dv): the compiled one serving max(D, Dv).
+int kernel_head_dim(const AttnShape& s) {
+  return kernel_head_dim(std::max(s.head_dim, s.head_dim_v));
+}
+
+// What the parameters of both passes share: shape, q, k, v (as the kernels read them), scale,
+// mask, score options (slopes / sinks receive the fp32 tensors the pointers point into).
 template <typename Params>
 void fill_inputs(Params& p, const AttnShape& s, int kd, const at::Tensor& q, const at::Tensor& k,
-                 const at::Tensor& v, double softmax_scale, const Mask& mask) {
+                 const at::Tensor& v, double softmax_scale, const Mask& mask,
+                 const ScoreArgs& score, at::Tensor& slopes, at::Tensor& sinks) {
   p.shape = shape_of(s, kd);
   p.dtype = to_dtype(q.scalar_type());
   p.q = q.data_ptr();
@@ -143,53 +151,46 @@ void fill_inputs(Params& p, const AttnShape& s, int kd, const at::Tensor& q, con
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   p.mask = mask;
+  p.score = score_options(score, slopes, sinks);
 }
 
-// The options the CUDA kernels do not have yet raise (no silent drop).
-void check_options_cuda(const char* fn, const AttnShape& s, const Mask& mask,
-                        const ScoreArgs& score) {
-  TORCH_CHECK(s.head_dim_v == s.head_dim, "cpattn.", fn,
-              ": the CUDA kernels need v's head_dim equal to q's (got ", s.head_dim_v, " and ",
-              s.head_dim, "); head_dim_v != head_dim runs on CPU tensors only");
-  TORCH_CHECK(!mask.has_prefix(), "cpattn.", fn,
-              ": prefix_len is not supported by the CUDA kernels yet (CPU tensors only)");
-  TORCH_CHECK(score.softcap == 0.0 && !score.alibi_slopes && !score.sinks, "cpattn.", fn,
-              ": softcap, alibi_slopes and sinks are not supported by the CUDA kernels yet (CPU "
-              "tensors only)");
-}
+// Every option of ScoreArgs and the mask runs on CUDA (the head dim is checked by
+// kernel_head_dim).
+void check_options_cuda(const char*, const AttnShape&, const Mask&, const ScoreArgs&) {}
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& v, const AttnShape& s,
                                                       double softmax_scale, const Mask& mask,
-                                                      const ScoreArgs& /*score: none yet*/,
+                                                      const ScoreArgs& score,
                                                       at::ScalarType out_dtype) {
   check_half_inputs(q);
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == q.scalar_type(),
               "cpattn: CUDA out_dtype must be float32 or q's dtype (", q.scalar_type(), "), got ",
               out_dtype);
   const c10::cuda::CUDAGuard guard(q.device());
-  const int kd = kernel_head_dim(s.head_dim);
+  const int kd = kernel_head_dim(s);
   const at::Tensor qk = kernel_operand(q, kd), kk = kernel_operand(k, kd),
                    vk = kernel_operand(v, kd);
   at::Tensor out = new_output({s.batch, s.seqlen_q, s.heads, kd}, q.options().dtype(out_dtype));
   at::Tensor lse = new_output({s.batch, s.heads, s.seqlen_q}, q.options().dtype(at::kFloat));
 
   cuda::FwdParamsCuda p;
-  fill_inputs(p, s, kd, qk, kk, vk, softmax_scale, mask);
+  at::Tensor slopes, sinks;  // kept alive until the kernel has run (stream-ordered frees)
+  fill_inputs(p, s, kd, qk, kk, vk, softmax_scale, mask, score, slopes, sinks);
   p.out_dtype = to_dtype(out_dtype);
   p.out = out.data_ptr();
   p.out_strides = strides_of(out);
   p.lse = lse.data_ptr<float>();
   check_launch(cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream()), "forward");
-  if (kd != s.head_dim) out = out.narrow(3, 0, s.head_dim).contiguous();
+  if (kd != s.head_dim_v) out = out.narrow(3, 0, s.head_dim_v).contiguous();
   return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-    const AttnShape& s, double softmax_scale, const Mask& mask,
-    const ScoreArgs& /*score: none yet*/, std::optional<at::ScalarType> grad_dtype) {
+    const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
+    std::optional<at::ScalarType> grad_dtype) {
   check_half_inputs(q);
   TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "cpattn: CUDA dout must have q's dtype (",
               q.scalar_type(), "), got ", dout.scalar_type());
@@ -198,7 +199,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
               "cpattn: CUDA grad_dtype must be float32 or q's dtype (", q.scalar_type(), "), got ",
               gd);
   const c10::cuda::CUDAGuard guard(q.device());
-  const int kd = kernel_head_dim(s.head_dim);
+  const int kd = kernel_head_dim(s);
   const at::Tensor qk = kernel_operand(q, kd), kk = kernel_operand(k, kd),
                    vk = kernel_operand(v, kd), dok = kernel_operand(dout, kd);
   at::Tensor dlse_f;
@@ -219,13 +220,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
 
   cuda::BwdParamsCuda p;
-  fill_inputs(p, s, kd, qk, kk, vk, softmax_scale, mask);
+  at::Tensor slopes, sinks;
+  fill_inputs(p, s, kd, qk, kk, vk, softmax_scale, mask, score, slopes, sinks);
+  p.score.sinks = nullptr;  // already in lse (the forward's, or apply_sinks_ after a merge)
   p.dout = dok.data_ptr();
   p.dout_strides = strides_of(dok);
   p.out_dtype = to_dtype(out.scalar_type());
   p.out = out.data_ptr();
   p.out_strides = strides_of(out);
-  p.out_head_dim = static_cast<int>(s.head_dim);
+  p.out_head_dim = static_cast<int>(s.head_dim_v);
   p.lse = lse.data_ptr<float>();
   p.lse_strides = lse_strides_of(lse);
   if (dlse_f.defined()) {
@@ -249,8 +252,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   if (kd != s.head_dim) {
     dq = dq.narrow(3, 0, s.head_dim).contiguous();
     dk = dk.narrow(3, 0, s.head_dim).contiguous();
-    dv = dv.narrow(3, 0, s.head_dim).contiguous();
   }
+  if (kd != s.head_dim_v) dv = dv.narrow(3, 0, s.head_dim_v).contiguous();
   return {dq, dk, dv};
 }
 
@@ -268,9 +271,30 @@ void merge_into_cuda(const at::Tensor& out, const at::Tensor& lse, const at::Ten
               cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
+// add_sink (softmax_state.h) on whole tensors, in place: lse' = log(exp(lse) + exp(sink)),
+// out *= exp(lse - lse'), an empty row (lse -inf) gets out 0 and lse' = sink.
+void apply_sinks_cuda(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  const at::Tensor merged = at::logaddexp(lse, sinks.view({1, -1, 1}));
+  const at::Tensor factor = at::exp(lse - merged).masked_fill(lse == neg_inf(), 0.0);
+  out.mul_(factor.permute({0, 2, 1}).unsqueeze(3));
+  lse.copy_(merged);
+}
+
+// sink_grad (softmax_state.h) per row, reduced over batch and rows in float64.
+at::Tensor sink_bwd_cuda(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
+                         const at::Tensor& sinks, const std::optional<at::Tensor>& dlse) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  at::Tensor delta = (dout.to(at::kFloat) * out.to(at::kFloat)).sum(3).permute({0, 2, 1});
+  if (dlse && dlse->defined()) delta = delta - dlse->to(at::kFloat);
+  const at::Tensor grad =
+      (-at::exp(sinks.view({1, -1, 1}) - lse) * delta).masked_fill(lse == neg_inf(), 0.0);
+  return grad.to(at::kDouble).sum({0, 2}).to(at::kFloat);
+}
+
 [[maybe_unused]] const bool registered = register_backend(
-    c10::DeviceType::CUDA,
-    {&check_options_cuda, &attention_fwd_cuda, &attention_bwd_cuda, &merge_into_cuda});
+    c10::DeviceType::CUDA, {&check_options_cuda, &attention_fwd_cuda, &attention_bwd_cuda,
+                            &merge_into_cuda, &apply_sinks_cuda, &sink_bwd_cuda});
 
 }  // namespace
 }  // namespace cpattn::ops

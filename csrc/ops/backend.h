@@ -37,6 +37,11 @@ struct Backend {
   // merge_into (ops.h) on this device.
   void (*merge)(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
                 const at::Tensor& part_lse);
+  // The ops apply_sinks_ and sink_bwd (attention.cpp) with their arguments checked; sinks (H,)
+  // fp32 contiguous, lse (B, H, S) fp32.
+  void (*apply_sinks)(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks);
+  at::Tensor (*sink_bwd)(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
+                         const at::Tensor& sinks, const std::optional<at::Tensor>& dlse);
 };
 
 // The kernels' name of a float dtype (float32, bfloat16, float16).
@@ -47,6 +52,25 @@ inline DType to_dtype(at::ScalarType t) {
 // Strides of a (batch, seqlen, heads, head_dim) tensor, head_dim contiguous.
 inline BshdStrides strides_of(const at::Tensor& t) {
   return {t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// The kernels' ScoreOptions from ScoreArgs, on the tensors' device; slopes and sinks receive the
+// fp32 copies the pointers point into (the caller keeps them alive while the kernels run).
+inline ScoreOptions score_options(const ScoreArgs& a, at::Tensor& slopes, at::Tensor& sinks) {
+  ScoreOptions o;
+  o.softcap = static_cast<float>(a.softcap);
+  if (a.alibi_slopes) {
+    slopes = a.alibi_slopes->to(at::kFloat).contiguous();
+    o.alibi_slopes = slopes.data_ptr<float>();
+  }
+  if (a.sinks) {
+    sinks = a.sinks->to(at::kFloat).contiguous();
+    o.sinks = sinks.data_ptr<float>();
+  }
+  o.alibi_q_begin = a.alibi_q_begin;
+  o.alibi_k_begin = a.alibi_k_begin;
+  o.alibi_stride = a.alibi_stride;
+  return o;
 }
 
 // Called once per device type at load time (a static initialiser in the backend's file).

@@ -297,9 +297,6 @@ def _check_sinks(
     if sinks is None:
         return None
     heads = q.shape[2]
-    if q.device.type != "cpu":
-        raise error(what, "sinks", sinks, f"are supported with CPU tensors only for now (q is on "
-                    f"{q.device})")
     if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.shape[0] != heads or (
             not sinks.is_floating_point()):
         raise error(what, "sinks", sinks, f"must be a float tensor of shape (heads,) = ({heads},)")

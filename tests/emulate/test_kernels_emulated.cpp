@@ -297,6 +297,8 @@ struct Options {
   int row_pad = 0;             // q, k, v, dout rows strided: each (token) row padded by this many
                                // elements (a view of a larger tensor, as a packed qkv)
   int real_dim = 0;            // > 0: a smaller head dim zero-padded up to the kernel's
+  int real_dim_v = 0;          // > 0: v's (and dout's) own smaller head dim (Dv != D), likewise
+  bool forward_only = false;   // stop after the forward's checks
 };
 
 // Zeroes columns [real_dim, d) of every row (the op layer's zero padding of the head dim).
@@ -321,12 +323,16 @@ std::vector<Elem> with_row_pad(const std::vector<Elem>& x, int row, int pad) {
 }
 
 template <int kHeadDim, typename Elem, typename OutT>
-void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
+void run_case(const Case& c, uint64_t seed, const Options& opt = {}, const Scores& sc = {}) {
   using FCfg = FwdConfigFor<kHeadDim>;
   constexpr int d = kHeadDim;
   const bool deterministic = opt.deterministic;
   const std::string what = name_of(c, d) + " splits " + std::to_string(opt.head_splits) + " pad " +
-                           std::to_string(opt.row_pad) + " dim " + std::to_string(opt.real_dim);
+                           std::to_string(opt.row_pad) + " dim " + std::to_string(opt.real_dim) +
+                           " dim_v " + std::to_string(opt.real_dim_v) + " softcap " +
+                           std::to_string(sc.softcap) + (sc.slopes.empty() ? "" : " alibi") +
+                           (sc.sinks.empty() ? "" : " sinks") + " prefix " +
+                           std::to_string(sc.prefix_end);
   SCOPED_TRACE(what);
   std::mt19937 rng(static_cast<uint32_t>(seed));
   const int B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, H = c.heads, Hk = c.kv_heads;
@@ -335,13 +341,16 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
   auto k = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &kd);
   auto v = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &vd);
   auto dout = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &dod);
+  const int real_dim_v = opt.real_dim_v > 0 ? opt.real_dim_v : opt.real_dim;
   if (opt.real_dim > 0) {
     zero_pad_columns(&q, &qd, d, opt.real_dim);
     zero_pad_columns(&k, &kd, d, opt.real_dim);
-    zero_pad_columns(&v, &vd, d, opt.real_dim);
-    zero_pad_columns(&dout, &dod, d, opt.real_dim);
   }
-  const Reference ref = reference(c, d, qd, kd, vd, dod);
+  if (real_dim_v > 0) {
+    zero_pad_columns(&v, &vd, d, real_dim_v);
+    zero_pad_columns(&dout, &dod, d, real_dim_v);
+  }
+  const Reference ref = reference(c, d, qd, kd, vd, dod, sc);
   // The kernels' view of the inputs: rows of (heads * d + row_pad) elements.
   const int pad = opt.row_pad;
   const auto q_in = with_row_pad(q, H * d, pad), k_in = with_row_pad(k, Hk * d, pad),
@@ -349,7 +358,7 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
   const BshdStrides qs_in{int64_t(Sq) * (H * d + pad), int64_t(H) * d + pad, d};
   const BshdStrides ks_in{int64_t(Sk) * (Hk * d + pad), int64_t(Hk) * d + pad, d};
 
-  const Mask m = mask_of(c);
+  const Mask m = mask_of(c, sc);
   const BshdStrides qs{int64_t(Sq) * H * d, int64_t(H) * d, d};
   ShapeCuda shape{B, H, Hk, Sq, Sk, d};
 
@@ -374,11 +383,16 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
   fp.softmax_scale = c.scale;
   fp.scale_log2 = c.scale * 1.4426950408889634f;
   fp.mask = m;
-  launch(fwd_launch<FCfg>(fp.shape), [&] { attention_fwd_kernel<FCfg, Elem, OutT>(fp); });
+  fp.score = sc.options();
+  using SCfg = ScoredFwdConfig<FCfg>;  // as launch_fwd_config picks
+  if (fwd_needs_scoring(fp))
+    launch(fwd_launch<SCfg>(fp.shape), [&] { attention_fwd_kernel<SCfg, Elem, OutT, true>(fp); });
+  else
+    launch(fwd_launch<FCfg>(fp.shape), [&] { attention_fwd_kernel<FCfg, Elem, OutT, false>(fp); });
   expect_close("out", out, ref.out,
                std::is_same_v<OutT, float> ? Host<Elem>::kOutTol / 2 : Host<Elem>::kOutTol);
   for (size_t i = 0; i < lse.size(); ++i) {
-    if (std::isinf(ref.lse[i])) {
+    if (std::isinf(ref.lse[i])) {  // an empty row without a sink
       ASSERT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << "lse " << i << " should be -inf";
     } else {
       ASSERT_NEAR(lse[i], ref.lse[i], 2e-3) << "lse " << i;
@@ -387,12 +401,21 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
   for (int b = 0; b < B; ++b)
     for (int s = 0; s < Sq; ++s)
       for (int h = 0; h < H; ++h) {
-        if (!std::isinf(ref.lse[(size_t(b) * H + h) * Sq + s])) continue;
+        if (!ref.empty[(size_t(b) * H + h) * Sq + s]) continue;
         for (int e = 0; e < d; ++e) {
           ASSERT_EQ(as_double(out[((size_t(b) * Sq + s) * H + h) * d + e]), 0.0)
               << "empty row " << s << " must be 0";
         }
       }
+
+  if (real_dim_v > 0) {  // v's padded columns give exactly 0 in out (sliced off later)
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (static_cast<int>(i % d) >= real_dim_v) {
+        ASSERT_EQ(as_double(out[i]), 0.0) << "padded column of out " << i;
+      }
+    }
+  }
+  if (opt.forward_only) return;
 
   // ---- backward from the kernel's own out (as the op layer) and lse
   BwdParamsCuda in;
@@ -410,10 +433,10 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}) {
   expect_close("dq", dq, ref.dq, gt);
   expect_close("dk", dk, ref.dk, gt);
   expect_close("dv", dv, ref.dv, gt);
-  if (opt.real_dim > 0) {  // the padded columns of every result are exactly 0 (sliced off later)
-    for (size_t i = 0; i < out.size(); ++i) {
+  if (opt.real_dim > 0) {  // the padded columns of dq are exactly 0 (sliced off later; out's above)
+    for (size_t i = 0; i < dq.size(); ++i) {
       if (static_cast<int>(i % d) < opt.real_dim) continue;
-      ASSERT_TRUE(as_double(out[i]) == 0.0 && as_double(dq[i]) == 0.0) << "padded column " << i;
+      ASSERT_TRUE(as_double(dq[i]) == 0.0) << "padded column " << i;
     }
   }
 }
@@ -515,6 +538,104 @@ TEST(EmulatedKernels, OperandReadableRule) {
                std::runtime_error);
 }
 
+// ---- The score options (forward): softcap, ALiBi, prefix-LM, sinks, alone and combined, through
+// the scored instantiation, against the float64 reference.
+
+std::vector<float> per_head(int heads, float first, float ratio) {
+  std::vector<float> x(heads);
+  for (int h = 0; h < heads; ++h) x[h] = first * std::pow(ratio, float(h));
+  return x;
+}
+
+struct ScoredCase {
+  Case c;
+  Scores sc;
+};
+
+std::vector<ScoredCase> scored_cases() {
+  std::vector<ScoredCase> v;
+  auto add = [&](const Case& c, auto&& set) {
+    Scores sc;
+    set(sc);
+    v.push_back({c, sc});
+  };
+  // softcap + causal, odd length over several blocks
+  add({1, 131, 131, 2, 2, true, -1, -1, 0, 0, 0.25f}, [](Scores& s) { s.softcap = 1.5f; });
+  // ALiBi on a ring step: the global positions of the mask's offsets, GQA
+  add({1, 100, 150, 4, 2, true, -1, -1, 256, 64, 0.1f}, [](Scores& s) {
+    s.slopes = per_head(4, 0.5f, 0.5f);
+    s.alibi_q_begin = 256;
+    s.alibi_k_begin = 64;
+  });
+  // ALiBi in the striped layout: positions W apart (W = 3), bidirectional
+  add({2, 45, 70, 2, 1, false, -1, -1, 0, 0, 0.125f}, [](Scores& s) {
+    s.slopes = per_head(2, 0.3f, 0.25f);
+    s.alibi_q_begin = 1;
+    s.alibi_k_begin = 2;
+    s.alibi_stride = 3;
+  });
+  // prefix-LM with offsets: queries 50.. see keys < 100 beyond the causal rule
+  add({1, 90, 140, 2, 1, true, -1, -1, 50, 0, 0.125f}, [](Scores& s) { s.prefix_end = 100; });
+  // prefix + sliding window: key blocks between the prefix and the window are skipped
+  add({1, 80, 260, 2, 2, true, 16, -1, 180, 0, 0.125f}, [](Scores& s) { s.prefix_end = 40; });
+  // keys in the future of every query: only the prefix (key columns 0..9) is visible
+  add({1, 70, 130, 2, 1, true, -1, -1, 0, 100, 0.125f}, [](Scores& s) { s.prefix_end = 110; });
+  // sinks, MQA, window, batch 2
+  add({2, 70, 90, 2, 1, false, 40, 9, 0, 0, 0.09f}, [](Scores& s) { s.sinks = {0.5f, -1.f}; });
+  // sinks where every row is empty (whole blocks skipped): out 0, lse the sink
+  add({1, 100, 130, 2, 1, true, -1, -1, 0, 256, 0.125f}, [](Scores& s) { s.sinks = {1.f, 2.f}; });
+  // sinks where rows 0..4 are empty inside a visited block
+  add({1, 40, 50, 2, 1, true, -1, -1, -5, 0, 0.125f}, [](Scores& s) { s.sinks = {3.f, -2.f}; });
+  // softcap + ALiBi + window, GQA
+  add({1, 130, 200, 4, 2, true, 30, -1, 70, 0, 0.1f}, [](Scores& s) {
+    s.softcap = 2.f;
+    s.slopes = per_head(4, 0.25f, 0.5f);
+    s.alibi_q_begin = 70;
+  });
+  // everything at once, odd lengths, GQA
+  add({1, 77, 163, 4, 2, true, 60, -1, 90, 3, 0.2f}, [](Scores& s) {
+    s.softcap = 3.f;
+    s.slopes = per_head(4, 0.1f, 0.5f);
+    s.alibi_q_begin = 90;
+    s.alibi_k_begin = 3;
+    s.prefix_end = 20;
+    s.sinks = {0.f, 1.f, -1.f, 2.f};
+  });
+  return v;
+}
+
+Options forward_only(int real_dim = 0, int real_dim_v = 0) {
+  Options o;
+  o.forward_only = true;
+  o.real_dim = real_dim;
+  o.real_dim_v = real_dim_v;
+  return o;
+}
+
+TEST(EmulatedKernels, ScoredForwardBf16HeadDim64) {
+  uint64_t seed = 900;
+  for (const ScoredCase& s : scored_cases())
+    run_case<64, __nv_bfloat16, __nv_bfloat16>(s.c, seed++, forward_only(), s.sc);
+}
+TEST(EmulatedKernels, ScoredForwardFp16HeadDim128Fp32Out) {
+  uint64_t seed = 950;
+  for (const ScoredCase& s : scored_cases())
+    run_case<128, __half, float>(s.c, seed++, forward_only(), s.sc);
+}
+
+// The other head dims' tile configurations, and d_v != d_qk as the op layer runs it: q, k and v
+// zero-padded to one kernel head dim >= max(D, Dv) (D 40 / Dv 64, D 96 / Dv 64, D 192 / Dv 128).
+TEST(EmulatedKernels, ScoredForwardHeadDimsAndDv) {
+  const auto cs = scored_cases();
+  const ScoredCase& all = cs.back();
+  run_case<32, __nv_bfloat16, float>(cs[1].c, 1001, forward_only(), cs[1].sc);
+  run_case<96, __half, __half>(cs[3].c, 1002, forward_only(), cs[3].sc);
+  run_case<256, __nv_bfloat16, __nv_bfloat16>(all.c, 1003, forward_only(), all.sc);
+  run_case<64, __nv_bfloat16, float>(all.c, 1004, forward_only(40, 64), all.sc);
+  run_case<96, __nv_bfloat16, __nv_bfloat16>(cs[0].c, 1005, forward_only(96, 64), cs[0].sc);
+  run_case<192, __half, float>(cs[6].c, 1006, forward_only(192, 128), cs[6].sc);
+}
+
 // A NaN in one query row: that row's out and lse are NaN (as on the CPU, softmax_state.h), every
 // other row is unaffected.
 template <int kHeadDim, typename Elem>
@@ -543,7 +664,7 @@ void nan_row_case(uint64_t seed) {
   fp.softmax_scale = 0.125f;
   fp.scale_log2 = 0.125f * 1.4426950408889634f;
   fp.mask.causal = true;
-  launch(fwd_launch<FCfg>(fp.shape), [&] { attention_fwd_kernel<FCfg, Elem, float>(fp); });
+  launch(fwd_launch<FCfg>(fp.shape), [&] { attention_fwd_kernel<FCfg, Elem, float, false>(fp); });
   for (int i = 0; i < Sq; ++i)
     for (int h = 0; h < H; ++h) {
       const bool nan = i == nan_row && h == nan_head;
