@@ -612,15 +612,15 @@ Options forward_only(int real_dim = 0, int real_dim_v = 0) {
   return o;
 }
 
-TEST(EmulatedKernels, ScoredForwardBf16HeadDim64) {
+TEST(EmulatedKernels, ScoredForwardBackwardBf16HeadDim64) {
   uint64_t seed = 900;
   for (const ScoredCase& s : scored_cases())
-    run_case<64, __nv_bfloat16, __nv_bfloat16>(s.c, seed++, forward_only(), s.sc);
+    run_case<64, __nv_bfloat16, __nv_bfloat16>(s.c, seed++, Options{}, s.sc);
 }
-TEST(EmulatedKernels, ScoredForwardFp16HeadDim128Fp32Out) {
+TEST(EmulatedKernels, ScoredForwardBackwardFp16HeadDim128Fp32Out) {
   uint64_t seed = 950;
   for (const ScoredCase& s : scored_cases())
-    run_case<128, __half, float>(s.c, seed++, forward_only(), s.sc);
+    run_case<128, __half, float>(s.c, seed++, Options{}, s.sc);
 }
 
 // The other head dims' tile configurations, and d_v != d_qk as the op layer runs it: q, k and v
