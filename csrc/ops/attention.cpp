@@ -32,7 +32,8 @@ Mask public_mask(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   check_prefix_len("attention", prefix_len);
   TORCH_CHECK(q_offset.has_value() == k_offset.has_value(),
               "cpattn.attention: give q_offset and k_offset, or neither (bottom-right aligned), "
-              "got q_offset=", q_offset ? std::to_string(*q_offset) : "None",
+              "got q_offset=",
+              q_offset ? std::to_string(*q_offset) : "None",
               ", k_offset=", k_offset ? std::to_string(*k_offset) : "None");
   const AttnShape s = check_qkv(q, k, v);
   Mask m = bottom_right_mask(causal, normalized_window(window_left),
