@@ -6,8 +6,9 @@ rank per layer vs W and context length, prefill time vs W, KV-cache memory per r
 Each W runs as W spawned processes with one thread each. One attention layer (heads 16, kv heads
 4, head_dim 64, fp32, batch 1) is timed; a model runs it once per layer.
 - decode: cpattn.decode_attention for one new token (its K/V appended first), both comm
-  patterns, and all_gather with validate=False (no metadata check); "local" is the rank's partial attention alone (torch.ops.cpattn.cache_attention_fwd),
-  "check" the metadata all-gather every call makes so that mismatched ranks raise. Bytes sent per
+  patterns, and all_gather with validate=False (no metadata check); "local" is the rank's
+  partial attention alone (torch.ops.cpattn.cache_attention_fwd), "check" the metadata
+  all-gather every call makes so that mismatched ranks raise. Bytes sent per
   rank are counted from the message sizes: all_gather forwards W - 1 messages of
   B x Sq x H x (D + 1) fp32 around the ring, reduce_scatter (an all-to-all by heads) sends
   (W - 1) / W of one; plus the check's (W - 1) x 16 int64.
@@ -76,7 +77,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         cache.append(fill[:, :n], fill[:, :n])
     res["cache_bytes"] = cache.nbytes
     res["rss_growth_mib"] = _rss_mib() - rss0
-    del cache
+    cache = None  # freed before the next one is made
 
     for ctx in cfg["contexts"]:
         gen = torch.Generator().manual_seed(ctx)  # the same tokens on every rank
@@ -105,7 +106,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         fields = _cache_fields(cache, rank)
         row["check"] = _times(lambda: agree("bench", group, fields, 60), cfg["iters"])
         res["decode"][ctx] = row
-        del cache
+        cache = None  # freed before the next one is made
 
     s = cfg["prompt"]
     gen = torch.Generator().manual_seed(1)

@@ -102,7 +102,7 @@ def bench_case(d, s, causal, reps, tiny=False):
             ms = time_ms(lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True),
                          reps)
             row[f"{impl}_bwd"] = flops(b, h, s, d, causal, "bwd") / ms / 1e9
-            del o, qg, kg, vg
+            o = qg = kg = vg = None  # freed before the next implementation runs
         except Exception as e:  # noqa: BLE001 - one backend failing must not stop the table
             row[f"{impl}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     out = row.pop("cpattn_out", None)

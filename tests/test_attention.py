@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
-import cpattn
 import pytest
 import torch
+
+import cpattn
+
 from conftest import (
     Window,
     assert_close_baseline,
@@ -69,15 +71,8 @@ def run_public(
     return out, lse, grads
 
 
-def check_against_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dout: torch.Tensor,
-    causal: bool,
-    window: Window,
-    scale: float | None = None,
-) -> None:
+def check_against_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                            causal: bool, window: Window, scale: float | None = None) -> None:
     """Runs the public API and compares out, lse and gradients with the float64 reference."""
     dtype = q.dtype
     out, lse, (dq, dk, dv) = run_public(q, k, v, dout, causal, window, scale)

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 import cpattn
+
 from distributed import run_ranks
-from reference import reference_attention
+from reference import compare_sharded, reference_attention
 
 LAYOUTS = ["contiguous", "zigzag", "striped"]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -23,51 +24,6 @@ def _options(heads: int, every: bool) -> dict:
         return {}
     return {"sinks": torch.randn(heads) * 2, "softcap": 4.0,
             "alibi_slopes": torch.rand(heads) * 0.3 + 0.01, "prefix_len": 5}
-
-
-def _compare(what: str, run, shard, unshard, positions, full: tuple, causal: bool, window,
-             kwargs: dict, tol: float) -> None:
-    """Runs `run` on the shards of the full (q, k, v, dout) and checks it against the reference:
-    out, LSE, dq / dk / dv and the sinks' gradient (summed over the ranks); padding rows
-    (positions -1) must be exactly out 0 and LSE -inf (with sinks: the sink)."""
-    q, k, v, dout = full
-    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_kwargs = dict(kwargs)
-    if "sinks" in kwargs:
-        kwargs = dict(kwargs, sinks=kwargs["sinks"].clone().requires_grad_())
-        ref_kwargs["sinks"] = kwargs["sinks"].detach().double().requires_grad_()
-    ref_out, ref_lse = reference_attention(*ref_leaves, causal=causal, window=window,
-                                           **ref_kwargs)
-    ref_out.backward(dout.double())
-
-    shards = [shard(t).requires_grad_() for t in (q, k, v)]
-    out, lse = run(*shards, causal=causal, window=window, return_lse=True, **kwargs)
-    assert out.shape[-1] == v.shape[-1] and out.dtype == q.dtype, what
-    padding = positions < 0
-    assert torch.equal(out[:, padding], torch.zeros_like(out[:, padding])), what
-    pad_lse = lse[:, :, padding]
-    if "sinks" in kwargs:
-        assert torch.equal(pad_lse, kwargs["sinks"].detach()[None, :, None].expand_as(pad_lse))
-    else:
-        assert bool((pad_lse == float("-inf")).all()), what
-    out.backward(shard(dout))
-
-    torch.testing.assert_close(unshard(out.detach()).double(), ref_out.detach(), atol=tol,
-                               rtol=tol, msg=lambda m: f"out {what}: {m}")
-    full_lse = unshard(lse.detach(), 2)
-    finite = ref_lse.isfinite()
-    assert torch.equal(full_lse.isfinite(), finite), what
-    torch.testing.assert_close(full_lse[finite].double(), ref_lse.detach()[finite], atol=2e-5,
-                               rtol=2e-5, msg=lambda m: f"lse {what}: {m}")
-    pairs = [(name, unshard(s.grad), r) for name, s, r in zip("qkv", shards, ref_leaves)]
-    if "sinks" in kwargs:
-        dsinks = kwargs["sinks"].grad.clone()
-        dist.all_reduce(dsinks)  # the parameter-gradient reduction of a trainer
-        pairs.append(("sinks", dsinks, ref_kwargs["sinks"]))
-    for name, g, r in pairs:
-        scale = max(1.0, r.grad.abs().max().item())
-        torch.testing.assert_close(g.double(), r.grad, atol=5 * tol * scale, rtol=5 * tol,
-                                   msg=lambda m: f"d{name} {what}: {m}")
 
 
 def _head_dim_v(rank: int, world: int, dtypes: tuple) -> None:
@@ -87,10 +43,10 @@ def _head_dim_v(rank: int, world: int, dtypes: tuple) -> None:
             return cpattn.ring_attention(*a, **kw, layout=layout, strategy=strategy,
                                          allgather_chunk=1, seqlen=seqlen)
 
-        _compare(f"W={world} {layout} {strategy} options={every} S={seqlen} {dtype}", run,
-                 lambda t: cpattn.shard(t, layout=layout),
-                 lambda t, dim=1: cpattn.unshard(t, layout=layout, dim=dim, seqlen=seqlen),
-                 pos, full, True, (9, -1), kwargs, TOL[dtype])
+        compare_sharded(f"W={world} {layout} {strategy} options={every} S={seqlen} {dtype}", run,
+                        lambda t: cpattn.shard(t, layout=layout),
+                        lambda t, dim=1: cpattn.unshard(t, layout=layout, dim=dim, seqlen=seqlen),
+                        pos, full, True, (9, -1), kwargs, TOL[dtype])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -109,10 +65,11 @@ def _mla_shape(rank: int, world: int) -> None:
     full = tuple(torch.randn(1, seqlen, heads, dim)
                  for heads, dim in ((4, 192), (2, 192), (2, 128), (4, 128)))
     pos = cpattn.positions(seqlen, layout="zigzag")
-    _compare(f"MLA W={world}", lambda *a, **kw: cpattn.ring_attention(*a, **kw, seqlen=seqlen),
-             lambda t: cpattn.shard(t, layout="zigzag"),
-             lambda t, dim=1: cpattn.unshard(t, layout="zigzag", dim=dim, seqlen=seqlen),
-             pos, full, False, (-1, -1), {"sinks": torch.randn(4)}, 2e-5)
+    compare_sharded(f"MLA W={world}",
+                    lambda *a, **kw: cpattn.ring_attention(*a, **kw, seqlen=seqlen),
+                    lambda t: cpattn.shard(t, layout="zigzag"),
+                    lambda t, dim=1: cpattn.unshard(t, layout="zigzag", dim=dim, seqlen=seqlen),
+                    pos, full, False, (-1, -1), {"sinks": torch.randn(4)}, 2e-5)
 
 
 def test_mla_head_dims() -> None:
@@ -158,8 +115,8 @@ def _ulysses_hybrid_any_length(rank: int, world: int) -> None:
 
             def run(*a, **kw):
                 return cpattn.hybrid_attention(*a, **kw, **groups, seqlen=seqlen)
-        _compare(f"{strategy} {layout} S={seqlen} dv={dv} options={every}", run, shard, unshard,
-                 pos, full, True, (-1, -1) if every else (6, -1), kwargs, 2e-5)
+        compare_sharded(f"{strategy} {layout} S={seqlen} dv={dv} options={every}", run, shard,
+                        unshard, pos, full, True, (-1, -1) if every else (6, -1), kwargs, 2e-5)
     # a seqlen the shards do not hold raises on every rank, and the groups stay usable
     q = torch.randn(1, 3, h, d)
     with pytest.raises(ValueError, match=r"ulysses_attention: seqlen=20: gives head shards of 20"):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import cpattn
 import pytest
 import torch
+
+import cpattn
 
 ops = torch.ops.cpattn
 Errors = (RuntimeError, ValueError)

@@ -7,11 +7,13 @@ import functools
 import re
 import time
 
-import cpattn
 import pytest
 import torch
 import torch.distributed as dist
+
+import cpattn
 from cpattn import _agreement
+
 from distributed import run_ranks
 
 TIMEOUT = 20  # a test that hangs fails on this instead of the CI limit
@@ -231,7 +233,7 @@ def _check_bad_inputs(rank: int, world: int) -> None:
         "one_entry": ([0], r"cu_seqlens=\[0\]: must be 1-D, start at 0, hold at least one"),
     }
     for strategy in ("ring", "allgather"):
-        for name, (cu, pattern) in varlen.items():
+        for cu, pattern in varlen.values():
             with pytest.raises(ValueError, match="cpattn.ring_attention_varlen: " + pattern):
                 cpattn.ring_attention_varlen(x, x, x, cu, strategy=strategy, timeout=TIMEOUT)
             _valid_call_matches(rank, world)

@@ -4,9 +4,10 @@ them. The ring ops run on a one-rank gloo group; the gathered ops need no group.
 
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
 
 import cpattn  # noqa: F401  (registers the fake kernels)
+
+from distributed import run_ranks
 
 ops = torch.ops.cpattn
 TESTS = ("test_schema", "test_faketensor")
@@ -155,7 +156,7 @@ def _varlen_compile(rank, world):
             return cpattn.ring_attention_varlen(q, k, v, cu, causal=True, strategy=strategy,
                                                 sinks=sinks, softcap=3.0)
 
-        for i, cu in enumerate(([0, 5, 16, 24], [0, 11, 13, 24])):
+        for cu in ([0, 5, 16, 24], [0, 11, 13, 24]):
             q, k, v = (cpattn.shard_varlen(_fresh((24, 4, 8), 10 + j, False), cu)
                        for j in range(3))
             before = _agreement.exchanges

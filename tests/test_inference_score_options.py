@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import cpattn
+
 from distributed import run_ranks
 from reference import reference_attention
 

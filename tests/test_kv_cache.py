@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import itertools
 
-import cpattn
 import pytest
 import torch
+
+import cpattn
+
 from conftest import (
     assert_close_fp32,
     assert_close_low_out,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import sys
 
-import cpattn
 import pytest
 import torch
+
+import cpattn
 from cpattn import _build_info, _loader
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cpattn
+
 from conftest import assert_close_fp32, make_qkv
 from distributed import run_ranks
 from reference import reference_attention

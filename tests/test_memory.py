@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn import plan as P
+
 from distributed import run_ranks
 
 S, H, D = 1024, 4, 64  # global sequence; per rank 512 tokens

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import itertools
 
-import cpattn
 import pytest
 import torch
+
+import cpattn
+
 from conftest import (
     Window,
     assert_close_fp32,

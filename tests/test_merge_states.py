@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import cpattn
 import pytest
 import torch
+
+import cpattn
+
 from conftest import assert_close_fp32, assert_close_rounded, randn
 
 ops = torch.ops.cpattn

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import cpattn
 import pytest
 import torch
+
+import cpattn
+
 from conftest import assert_close_fp32, make_qkv, randn
 
 ops = torch.ops.cpattn
@@ -14,6 +16,7 @@ FWD_ARGS = [
     (9, 12, 4, 2, 16, True, (-1, -1), 3, 0),
     (8, 8, 2, 2, 24, False, (2, 3), 0, 0),
     (6, 10, 3, 1, 16, True, (-1, -1), 0, 4),  # some rows empty
+    (5, 11, 2, 2, 16, True, (3, -1), None, None),  # no offsets: bottom-right aligned
 ]
 
 
@@ -49,6 +52,28 @@ def test_opcheck_attention_bwd(
         ops.attention_bwd.default,
         (dout, q, k, v, out, lse, 0.3, causal, wl, wr, q_off, k_off, grad_dtype),
     )
+
+
+@pytest.mark.parametrize("sq, sk", [(3, 11), (11, 3), (7, 7)])
+def test_no_offsets_is_bottom_right(sq: int, sk: int, gen: torch.Generator) -> None:
+    """Without offsets the op aligns the rows bottom-right (query i at i + sk - sq, keys from
+    0), mask and ALiBi alike: the same out, LSE and gradients as those offsets given."""
+    q, k, v = make_qkv(gen, 2, sq, sk, 2, 1, 16)
+    dout = randn(q.shape, gen)
+    score = dict(softcap=3.0, alibi_slopes=torch.tensor([0.3, 0.1]), prefix_len=2)
+    results = []
+    for offsets in ((None, None), (sk - sq, 0)):
+        out, lse = ops.attention_fwd(q, k, v, 0.3, True, 4, -1, *offsets, None, **score)
+        grads = ops.attention_bwd(dout, q, k, v, out, lse, 0.3, True, 4, -1, *offsets, None,
+                                  None, **score)
+        results.append((out, lse, *grads))
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert torch.equal(got, want), name
+    with pytest.raises(RuntimeError, match=r"cpattn.attention: give q_offset and k_offset, or "
+                       r"neither \(bottom-right aligned\), got q_offset=None, k_offset=0"):
+        ops.attention_fwd(q, k, v, 0.3, True, -1, -1, None, 0)
+    with pytest.raises(RuntimeError, match=r"got q_offset=2, k_offset=None"):
+        ops.attention_bwd(dout, q, k, v, out, lse, 0.3, True, -1, -1, 2, None)
 
 
 @pytest.mark.parametrize("part_dtype", [torch.float32, torch.bfloat16])

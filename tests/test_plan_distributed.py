@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn import plan as P
+
 from conftest import assert_matches, seeded_problem
 from distributed import run_ranks
 from reference import reference_attention
@@ -138,7 +139,7 @@ def _auto_varlen_case(rank: int, world: int) -> None:
         shards = [cpattn.shard_varlen(t, cu) for t in (q, k, v)]
         out = cpattn.ring_attention_varlen(*shards, cu, causal=True, strategy=strategy)
         outs[strategy] = cpattn.unshard_varlen(out, cu)
-    for d, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         ref, _ = reference_attention(q[None, a:b].double(), k[None, a:b].double(),
                                      v[None, a:b].double(), causal=True, window=(-1, -1))
         torch.testing.assert_close(outs["auto"][a:b].double(), ref[0], atol=TOL, rtol=TOL)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn._layout import LAYOUTS
+
 from distributed import run_ranks
 from reference import reference_attention
 

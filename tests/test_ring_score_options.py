@@ -2,6 +2,7 @@
 real gloo ranks, against the float64 single-process reference on the full sequence: forward,
 LSE and every gradient, the sinks' summed over ranks (each rank holds its rows' share)."""
 
+import functools
 import itertools
 
 import pytest
@@ -10,8 +11,9 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn._layout import LAYOUTS
+
 from distributed import run_ranks
-from reference import reference_attention
+from reference import compare_sharded, reference_attention
 
 # name -> (causal, window, options); sinks / alibi_slopes: True = per-head values drawn below
 CASES = {
@@ -45,42 +47,13 @@ def _check(rank: int, world: int, strategy: str, dtypes: tuple, names: tuple = t
         torch.manual_seed(100 * world + n)  # the same full tensors and options on every rank
         q, k, v, dout = (torch.randn(1, seqlen, heads, 16).to(dtype) for heads in (h, hkv, hkv, h))
         kwargs = _draw(options, h)
-        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        ref_kwargs = dict(kwargs)
-        if "sinks" in kwargs:
-            ref_kwargs["sinks"] = kwargs["sinks"].double().requires_grad_()
-            kwargs["sinks"].requires_grad_()
-        ref_out, ref_lse = reference_attention(*ref_leaves, causal=causal, window=window,
-                                               **ref_kwargs)
-        ref_out.backward(dout.double())
-
-        shards = [cpattn.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
-        out, lse = cpattn.ring_attention(
-            *shards, causal=causal, window=window, layout=layout, return_lse=True,
-            strategy=strategy, allgather_chunk=1, **kwargs,
-        )
-        out.backward(cpattn.shard(dout, layout=layout))
-        full_out = cpattn.unshard(out.detach(), layout=layout)
-        full_lse = cpattn.unshard(lse.detach(), layout=layout, dim=2)
-        grads = [cpattn.unshard(s.grad, layout=layout) for s in shards]
-
-        what = f"W={world} {strategy} {layout} {name} {dtype}"
-        tol = TOL[dtype]
-        torch.testing.assert_close(full_out.double(), ref_out.detach(), atol=tol, rtol=tol,
-                                   msg=lambda m: f"out {what}: {m}")
-        finite = ref_lse.isfinite()
-        assert torch.equal(full_lse.isfinite(), finite), what
-        torch.testing.assert_close(full_lse[finite].double(), ref_lse.detach()[finite],
-                                   atol=2e-5, rtol=2e-5, msg=lambda m: f"lse {what}: {m}")
-        pairs = list(zip("qkv", grads, ref_leaves))
-        if "sinks" in kwargs:
-            dsinks = kwargs["sinks"].grad.clone()
-            dist.all_reduce(dsinks)  # the parameter-gradient reduction of a trainer
-            pairs.append(("sinks", dsinks, ref_kwargs["sinks"]))
-        for gname, g, r in pairs:
-            scale = max(1.0, r.grad.abs().max().item())
-            torch.testing.assert_close(g.double(), r.grad, atol=tol * scale, rtol=tol,
-                                       msg=lambda m: f"d{gname} {what}: {m}")
+        run = functools.partial(cpattn.ring_attention, layout=layout, strategy=strategy,
+                                allgather_chunk=1)
+        compare_sharded(f"W={world} {strategy} {layout} {name} {dtype}", run,
+                        functools.partial(cpattn.shard, layout=layout),
+                        lambda t, dim=1: cpattn.unshard(t, layout=layout, dim=dim),
+                        cpattn.positions(seqlen, layout=layout), (q, k, v, dout), causal, window,
+                        kwargs, TOL[dtype], grad_tol=1.0)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
@@ -113,10 +86,10 @@ def _check_varlen(rank: int, world: int) -> None:
     ref_sinks = sinks.detach().double().requires_grad_()
     outs, lses = [], []
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        o, l = reference_attention(*(t[None, a:b] for t in ref_leaves), causal=True,
-                                   sinks=ref_sinks, **opts)
+        o, lse = reference_attention(*(t[None, a:b] for t in ref_leaves), causal=True,
+                                     sinks=ref_sinks, **opts)
         outs.append(o[0])
-        lses.append(l[0])
+        lses.append(lse[0])
     ref_out, ref_lse = torch.cat(outs), torch.cat(lses, dim=1)
     ref_out.backward(dout.double())
 

@@ -9,9 +9,11 @@ import os
 import subprocess
 import sys
 
-import cpattn
 import pytest
 import torch
+
+import cpattn
+
 from conftest import (
     UNIT_ROUNDOFF,
     assert_close_baseline,

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
+
 from conftest import assert_matches, seeded_problem
 from distributed import run_ranks
 

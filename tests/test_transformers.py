@@ -12,6 +12,7 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 
 import cpattn  # noqa: E402
+
 from distributed import run_ranks  # noqa: E402
 from transformers_models import (  # noqa: E402
     assert_step_matches,
@@ -21,7 +22,6 @@ from transformers_models import (  # noqa: E402
     tiny_config,
     tiny_model,
 )
-
 
 # (model kind, strategies) per world size. W = 1 runs on a one-rank subgroup of the W = 2 ranks.
 CASES = {

@@ -14,6 +14,7 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 
 import cpattn  # noqa: E402
+
 from distributed import run_ranks  # noqa: E402
 from transformers_models import (  # noqa: E402
     assert_step_matches,

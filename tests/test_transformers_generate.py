@@ -13,6 +13,7 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 
 import cpattn  # noqa: E402
+
 from distributed import run_ranks  # noqa: E402
 from transformers_models import tiny_config, tiny_model  # noqa: E402
 

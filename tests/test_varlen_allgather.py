@@ -8,6 +8,7 @@ import torch
 
 import cpattn
 from cpattn._layout import LAYOUTS
+
 from conftest import assert_matches, seeded_problem
 from distributed import run_ranks
 from reference import reference_attention

@@ -5,16 +5,19 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(cpattn, m) {
+  // Local attention. Query row i / key j sit at global positions q_offset + i / k_offset + j;
+  // without offsets (cpattn.attention), bottom-right aligned: q_offset = seqlen_k - seqlen_q.
   m.def(
       "attention_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
-      "int window_left, int window_right, int q_offset, int k_offset, "
+      "int window_left, int window_right, int? q_offset=None, int? k_offset=None, "
       "ScalarType? out_dtype=None, float softcap=0., Tensor? alibi_slopes=None, "
       "Tensor? sinks=None, int prefix_len=0) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "float softmax_scale, bool causal, int window_left, int window_right, int q_offset, "
-      "int k_offset, ScalarType? grad_dtype=None, Tensor? dlse=None, float softcap=0., "
-      "Tensor? alibi_slopes=None, int prefix_len=0) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "float softmax_scale, bool causal, int window_left, int window_right, "
+      "int? q_offset=None, int? k_offset=None, ScalarType? grad_dtype=None, Tensor? dlse=None, "
+      "float softcap=0., Tensor? alibi_slopes=None, int prefix_len=0) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
   // Attention sinks (softmax_state.h add_sink): added once to merged results, and their gradient.
   m.def("apply_sinks_(Tensor(a!) out, Tensor(b!) lse, Tensor sinks) -> ()");
   m.def("sink_bwd(Tensor dout, Tensor out, Tensor lse, Tensor sinks, Tensor? dlse=None) -> Tensor");

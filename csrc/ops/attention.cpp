@@ -6,8 +6,10 @@
 
 #include <map>
 #include <sstream>
+#include <string>
 #include <tuple>
 
+#include "cpattn/mask.h"
 #include "cpattn/params.h"
 #include "ops/backend.h"
 #include "ops/checks.h"
@@ -21,27 +23,36 @@ std::map<c10::DeviceType, Backend>& backends() {
   return table;
 }
 
-// The mask and score options of a public attention call on global positions.
-Mask public_mask(bool causal, int64_t window_left, int64_t window_right, int64_t q_offset,
-                 int64_t k_offset, int64_t prefix_len) {
+// The mask and score options of a public attention call on global positions. Without offsets
+// (cpattn.attention passes none) the rows are bottom-right aligned, flash-attn's convention
+// (mask.h bottom_right_mask): the last query lines up with the last key.
+Mask public_mask(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                 int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
+                 std::optional<int64_t> k_offset, int64_t prefix_len) {
   check_prefix_len("attention", prefix_len);
-  Mask m;
-  m.causal = causal;
-  m.window_left = normalized_window(window_left);
-  m.window_right = normalized_window(window_right);
-  m.q_offset = q_offset;
-  m.k_offset = k_offset;
+  TORCH_CHECK(q_offset.has_value() == k_offset.has_value(),
+              "cpattn.attention: give q_offset and k_offset, or neither (bottom-right aligned), "
+              "got q_offset=",
+              q_offset ? std::to_string(*q_offset) : "None",
+              ", k_offset=", k_offset ? std::to_string(*k_offset) : "None");
+  const AttnShape s = check_qkv(q, k, v);
+  Mask m = bottom_right_mask(causal, normalized_window(window_left),
+                             normalized_window(window_right), s.seqlen_q, s.seqlen_k);
+  if (q_offset) {
+    m.q_offset = *q_offset;
+    m.k_offset = *k_offset;
+  }
   if (prefix_len > 0) m.prefix_end = prefix_len;
   return m;
 }
 ScoreArgs public_score(double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                       const std::optional<at::Tensor>& sinks, int64_t q_offset, int64_t k_offset) {
+                       const std::optional<at::Tensor>& sinks, const Mask& mask) {
   ScoreArgs a;
   a.softcap = softcap;
   a.alibi_slopes = alibi_slopes;
   a.sinks = sinks;
-  a.alibi_q_begin = q_offset;
-  a.alibi_k_begin = k_offset;
+  a.alibi_q_begin = mask.q_offset;
+  a.alibi_k_begin = mask.k_offset;
   return a;
 }
 
@@ -59,26 +70,28 @@ AttnShape check_attention_args(const at::Tensor& q, const at::Tensor& k, const a
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double softmax_scale,
-    bool causal, int64_t window_left, int64_t window_right, int64_t q_offset, int64_t k_offset,
-    std::optional<at::ScalarType> out_dtype, double softcap,
+    bool causal, int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
+    std::optional<int64_t> k_offset, std::optional<at::ScalarType> out_dtype, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
     int64_t prefix_len) {
-  return attention_fwd_scored(
-      q, k, v, softmax_scale,
-      public_mask(causal, window_left, window_right, q_offset, k_offset, prefix_len),
-      public_score(softcap, alibi_slopes, sinks, q_offset, k_offset), out_dtype);
+  const Mask m =
+      public_mask(q, k, v, causal, window_left, window_right, q_offset, k_offset, prefix_len);
+  return attention_fwd_scored(q, k, v, softmax_scale, m,
+                              public_score(softcap, alibi_slopes, sinks, m), out_dtype);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, int64_t q_offset, int64_t k_offset,
-    std::optional<at::ScalarType> grad_dtype, const std::optional<at::Tensor>& dlse, double softcap,
+    int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
+    std::optional<int64_t> k_offset, std::optional<at::ScalarType> grad_dtype,
+    const std::optional<at::Tensor>& dlse, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
-  return attention_bwd_scored(
-      dout, q, k, v, out, lse, softmax_scale,
-      public_mask(causal, window_left, window_right, q_offset, k_offset, prefix_len),
-      public_score(softcap, alibi_slopes, std::nullopt, q_offset, k_offset), grad_dtype, dlse);
+  const Mask m =
+      public_mask(q, k, v, causal, window_left, window_right, q_offset, k_offset, prefix_len);
+  return attention_bwd_scored(dout, q, k, v, out, lse, softmax_scale, m,
+                              public_score(softcap, alibi_slopes, std::nullopt, m), grad_dtype,
+                              dlse);
 }
 
 void merge_state_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,

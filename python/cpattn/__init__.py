@@ -8,9 +8,21 @@ from cpattn._loader import load_extension as _load_extension
 
 _C = _load_extension()
 
-from cpattn import _ops  # noqa: E402,F401  (registers fake kernels and autograd for the ops)
+# _ops registers the fake kernels and autograd of the ops; memory: allocator byte counts, the
+# ring's cached buffers; plan: the cost model behind strategy="auto"
+from cpattn import _ops, comm, memory, plan  # noqa: E402,F401
 from cpattn._agreement import get_rank_check, set_rank_check  # noqa: E402
 from cpattn.attention import attention, merge_state_  # noqa: E402
+from cpattn.inference import (  # noqa: E402
+    KVCacheShard,
+    chunk_positions,
+    decode_attention,
+    merge_attention_states,
+    prefill_attention,
+)
+from cpattn.memory import release_buffers  # noqa: E402
+from cpattn.parallel import ContextParallel  # noqa: E402
+from cpattn.plan_attention import context_attention  # noqa: E402
 from cpattn.ring import (  # noqa: E402
     destroy_communicators,
     pad_documents,
@@ -24,6 +36,7 @@ from cpattn.ring import (  # noqa: E402
     unshard,
     unshard_varlen,
 )
+from cpattn.training import cross_entropy, shard_batch  # noqa: E402
 from cpattn.ulysses import (  # noqa: E402
     hybrid_attention,
     hybrid_positions,
@@ -31,20 +44,6 @@ from cpattn.ulysses import (  # noqa: E402
     hybrid_unshard,
     ulysses_attention,
 )
-from cpattn import comm  # noqa: E402
-from cpattn import memory  # noqa: E402  (allocator byte counts, the ring's cached buffers)
-from cpattn.memory import release_buffers  # noqa: E402
-from cpattn import plan  # noqa: E402  (the cost model behind strategy="auto")
-from cpattn.plan_attention import context_attention  # noqa: E402
-from cpattn.inference import (  # noqa: E402
-    KVCacheShard,
-    chunk_positions,
-    decode_attention,
-    merge_attention_states,
-    prefill_attention,
-)
-from cpattn.parallel import ContextParallel  # noqa: E402
-from cpattn.training import cross_entropy, shard_batch  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

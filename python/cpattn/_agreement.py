@@ -98,7 +98,8 @@ def tensor_fields(
             (f"{name}.dtype", t.dtype), (f"{name}.device", t.device.type)]
 
 
-def score_fields(softcap: float, alibi_slopes, sinks, prefix_len: int) -> list[tuple[str, FieldValue]]:
+def score_fields(softcap: float, alibi_slopes, sinks, prefix_len: int
+                 ) -> list[tuple[str, FieldValue]]:
     """The score options every rank must agree on; the per-head tensors by their exact values
     (while torch.compile traces, their values are unknown: by presence only; C++ checks shapes)."""
 

@@ -26,8 +26,8 @@ def _check_same_device(names: str, *tensors: torch.Tensor) -> None:
 
 @torch.library.register_fake("cpattn::attention_fwd")
 def _attention_fwd_fake(
-    q, k, v, softmax_scale, causal, window_left, window_right, q_offset, k_offset, out_dtype=None,
-    softcap=0.0, alibi_slopes=None, sinks=None, prefix_len=0,
+    q, k, v, softmax_scale, causal, window_left, window_right, q_offset=None, k_offset=None,
+    out_dtype=None, softcap=0.0, alibi_slopes=None, sinks=None, prefix_len=0,
 ):
     _check_same_device("q, k and v", q, k, v)
     b, sq, h, _ = q.shape
@@ -40,8 +40,8 @@ def _attention_fwd_fake(
 
 @torch.library.register_fake("cpattn::attention_bwd")
 def _attention_bwd_fake(
-    dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, q_offset,
-    k_offset, grad_dtype=None, dlse=None, softcap=0.0, alibi_slopes=None, prefix_len=0,
+    dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, q_offset=None,
+    k_offset=None, grad_dtype=None, dlse=None, softcap=0.0, alibi_slopes=None, prefix_len=0,
 ):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
 
@@ -102,8 +102,8 @@ def attention_fwd(
     softmax_scale: float,
     causal: bool,
     window: tuple[int, int],
-    q_offset: int,
-    k_offset: int,
+    q_offset: Optional[int],
+    k_offset: Optional[int],
     out_dtype: Optional[torch.dtype] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,

@@ -9,18 +9,12 @@ from cpattn._validation import check_scale, check_score_options, check_window
 
 
 def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: Optional[float] = None,
-    window: tuple[int, int] = (-1, -1),
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+    softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
     return_lse: bool = False,
-    sinks: Optional[torch.Tensor] = None,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    prefix_len: int = 0,
+    # score options (DESIGN.md order)
+    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact softmax attention, differentiable with respect to q, k, v (and sinks).
 
@@ -59,10 +53,10 @@ def attention(
     window = check_window(window, "cpattn.attention")
     softcap, prefix_len = check_score_options("cpattn.attention", softcap, alibi_slopes,
                                               prefix_len)
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    # no positions given: the op aligns the rows bottom-right
     out, lse = _ops.attention_fwd(
-        q, k, v, float(softmax_scale), bool(causal), window, seqlen_k - seqlen_q, 0,
-        None, softcap, alibi_slopes, sinks, prefix_len,
+        q, k, v, float(softmax_scale), bool(causal), window, None, None, None, softcap,
+        alibi_slopes, sinks, prefix_len,
     )
     return (out, lse) if return_lse else out
 

@@ -313,20 +313,11 @@ def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
 
 
 def prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cache: KVCacheShard,
-    *,
-    group=None,
-    layout: str = "zigzag",
-    softmax_scale: Optional[float] = None,
-    return_lse: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheShard, *, group=None,
+    layout: str = "zigzag", softmax_scale: Optional[float] = None, return_lse: bool = False,
     timeout: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    prefix_len: int = 0,
+    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
     seqlen: Optional[int] = None,
     window: tuple[int, int] = (-1, -1),
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -447,19 +438,11 @@ def prefill_attention(
 
 
 def decode_attention(
-    q: torch.Tensor,
-    cache: KVCacheShard,
-    *,
-    group=None,
-    softmax_scale: Optional[float] = None,
-    return_lse: bool = False,
-    comm: str = "all_gather",
-    timeout: Optional[float] = None,
+    q: torch.Tensor, cache: KVCacheShard, *, group=None, softmax_scale: Optional[float] = None,
+    return_lse: bool = False, comm: str = "all_gather", timeout: Optional[float] = None,
     validate: bool = True,
-    sinks: Optional[torch.Tensor] = None,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    prefix_len: int = 0,
+    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
     window: tuple[int, int] = (-1, -1),
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact causal attention of the newest Sq tokens of each sequence over the sharded cache.

@@ -13,6 +13,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from cpattn._layout import granularity
 from cpattn.ring import LAYOUTS, _group_info, positions, ring_attention
 from cpattn.ulysses import hybrid_attention, hybrid_positions, ulysses_attention
 
@@ -102,10 +103,9 @@ class ContextParallel:
         """Sequence lengths must be a multiple of this (2W for zigzag, W otherwise; for hybrid
         the ring's granularity times the Ulysses size)."""
         if self.strategy == "hybrid":
-            r_world = dist.get_world_size(self.ring_group)
-            u_world = dist.get_world_size(self.ulysses_group)
-            return (2 * r_world if self.layout == "zigzag" else r_world) * u_world
-        return 2 * self.world_size if self.layout == "zigzag" else self.world_size
+            return (granularity(self.layout, dist.get_world_size(self.ring_group))
+                    * dist.get_world_size(self.ulysses_group))
+        return granularity(self.layout, self.world_size)
 
     def check_seqlen(self, seqlen: int, what: str) -> None:
         """Raises ValueError naming `what` unless seqlen splits evenly under this layout."""
@@ -141,17 +141,10 @@ class ContextParallel:
                        index=self.positions(seqlen))
 
     def attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        softmax_scale: Optional[float] = None,
-        window: tuple[int, int] = (-1, -1),
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+        softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
         return_lse: bool = False,
-        sinks: Optional[torch.Tensor] = None,
-        softcap: float = 0.0,
+        sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
         alibi_slopes: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Exact attention over the sharded sequence with this object's strategy.

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import torch
 
 from cpattn._flops import attention_flops
-from cpattn._layout import LAYOUTS
+from cpattn._layout import LAYOUTS, granularity, kv_heads_for_ranks, round_up
 
 log = logging.getLogger("cpattn.plan")
 
@@ -256,10 +256,10 @@ def _work(seqlen: int, world: int, layout: str, causal: bool, window: tuple,
 
 def _padded(p: Problem, world: int, layout: str) -> int:
     """Tokens per rank (documents padded per document as ring_attention_varlen does)."""
-    g = 2 * world if layout == "zigzag" else world
     if p.documents is None:
         return p.seqlen // world
-    return sum(-(-n // g) * g for n in p.documents) // world
+    g = granularity(layout, world)
+    return sum(round_up(n, g) for n in p.documents) // world
 
 
 def _compute_steps(p: Problem, m: Machine, world: int, layout: str, heads: int,
@@ -272,8 +272,7 @@ def _compute_steps(p: Problem, m: Machine, world: int, layout: str, heads: int,
 
 
 def _divisible(p: Problem, world: int, layout: str) -> bool:
-    g = 2 * world if layout == "zigzag" else world
-    return p.documents is not None or p.seqlen % g == 0
+    return p.documents is not None or p.seqlen % granularity(layout, world) == 0
 
 
 # ---- memory: the bytes a call allocates per rank ------------------------------------------------
@@ -541,12 +540,9 @@ def _all_to_all_time(m: Machine, total: float, world: int, span: int) -> float:
 
 
 def _kv_heads_sent(heads: int, kv_heads: int, u: int) -> int:
-    """KV heads each rank puts into Ulysses' all-to-all (_layout.kv_heads_for_ranks)."""
-    if kv_heads % u == 0:
-        return kv_heads
-    if (heads // kv_heads) % (heads // u) == 0:
-        return u
-    return heads
+    """KV heads each rank puts into Ulysses' all-to-all: those kv_heads_for_ranks picks."""
+    sent = kv_heads_for_ranks(heads, kv_heads, u)
+    return kv_heads if sent is None else len(sent)
 
 
 def _agreement(m: Machine, world: int) -> float:

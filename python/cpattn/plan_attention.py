@@ -72,17 +72,9 @@ def _hybrid_groups(group, u: int):
 
 
 def context_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group=None,
-    causal: bool = False,
-    softmax_scale: Optional[float] = None,
-    window: tuple = (-1, -1),
-    return_lse: bool = False,
-    strategy: str = "auto",
-    timeout: Optional[float] = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, causal: bool = False,
+    softmax_scale: Optional[float] = None, window: tuple = (-1, -1), return_lse: bool = False,
+    strategy: str = "auto", timeout: Optional[float] = None,
 ) -> Union[torch.Tensor, tuple]:
     """cpattn.attention over the ranks of `group`, each holding the whole q (B, S, H, D) and k, v
     (B, S, Hkv, D) (the same tensors), returning the whole output (and LSE (B, H, S)) on every

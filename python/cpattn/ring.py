@@ -427,23 +427,12 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
 
 
 def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group=None,
-    causal: bool = False,
-    layout: str = "zigzag",
-    softmax_scale: Optional[float] = None,
-    window: tuple[int, int] = (-1, -1),
-    return_lse: bool = False,
-    strategy: str = "ring",
-    allgather_chunk: Optional[int] = None,
-    timeout: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    prefix_len: Union[int, torch.Tensor] = 0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
+    causal: bool = False, layout: str = "zigzag", softmax_scale: Optional[float] = None,
+    window: tuple[int, int] = (-1, -1), return_lse: bool = False,
+    strategy: str = "ring", allgather_chunk: Optional[int] = None, timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: Union[int, torch.Tensor] = 0,
     seqlen: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded across the ranks of `group`.
@@ -499,24 +488,12 @@ def _document_lengths(cu_seqlens, what: str) -> torch.Tensor:
 
 
 def ring_attention_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens,
-    *,
-    group=None,
-    causal: bool = False,
-    layout: str = "zigzag",
-    softmax_scale: Optional[float] = None,
-    window: tuple[int, int] = (-1, -1),
-    return_lse: bool = False,
-    strategy: str = "ring",
-    allgather_chunk: Optional[int] = None,
-    timeout: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    prefix_len: Union[int, torch.Tensor] = 0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, *, group=None,
+    causal: bool = False, layout: str = "zigzag", softmax_scale: Optional[float] = None,
+    window: tuple[int, int] = (-1, -1), return_lse: bool = False,
+    strategy: str = "ring", allgather_chunk: Optional[int] = None, timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: Union[int, torch.Tensor] = 0,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ring (or all-gather) attention over packed documents that never attend across each other.
 

@@ -105,20 +105,11 @@ def _across_heads(what: str, q, k, v, group, timeout: float, attend: Callable, r
 
 
 def ulysses_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group=None,
-    causal: bool = False,
-    softmax_scale: Optional[float] = None,
-    window: tuple[int, int] = (-1, -1),
-    return_lse: bool = False,
-    timeout: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    prefix_len: int = 0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, causal: bool = False,
+    softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
+    return_lse: bool = False, timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
     seqlen: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded contiguously (rank r holds tokens
@@ -151,23 +142,11 @@ def ulysses_attention(
 
 
 def hybrid_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    ulysses_group=None,
-    ring_group=None,
-    mesh=None,
-    causal: bool = False,
-    layout: str = "zigzag",
-    softmax_scale: Optional[float] = None,
-    window: tuple[int, int] = (-1, -1),
-    return_lse: bool = False,
-    timeout: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    prefix_len: int = 0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_group=None, ring_group=None,
+    mesh=None, causal: bool = False, layout: str = "zigzag", softmax_scale: Optional[float] = None,
+    window: tuple[int, int] = (-1, -1), return_lse: bool = False, timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
     seqlen: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ulysses inside `ulysses_group` (size U), ring across `ring_group` (size R), W = U * R.

@@ -6,6 +6,7 @@
 #include <random>
 
 #include "cpattn/mask.h"
+#include "random_mask.h"
 
 namespace cpattn {
 namespace {
@@ -32,11 +33,7 @@ class RandomProblems {
   explicit RandomProblems(uint64_t seed) : rng_(seed) {}
   Problem next() {
     Problem p;
-    p.mask.causal = uniform(0, 1) == 1;
-    p.mask.window_left = uniform(0, 3) == 0 ? -1 : uniform(0, 20);
-    p.mask.window_right = uniform(0, 3) == 0 ? -1 : uniform(0, 20);
-    p.mask.q_offset = uniform(-40, 60);
-    p.mask.k_offset = uniform(-40, 60);
+    p.mask = random_mask([this](int64_t lo, int64_t hi) { return uniform(lo, hi); }, 20, -40, 60);
     if (uniform(0, 2) == 0) p.mask.prefix_end = uniform(-45, 80);
     p.seqlen_q = uniform(1, 40);
     p.seqlen_k = uniform(1, 40);
@@ -120,64 +117,57 @@ TEST(Mask, WindowsBeyondEveryPositionAreUnbounded) {
   EXPECT_EQ(m.classify(0, 64, 0, 64), BlockKind::kPartial);
 }
 
-// Brute-force [min, max] of the key columns that rows [r0, r1) see; empty when none.
-PosRange brute_key_span(const Problem& p, int64_t r0, int64_t r1) {
-  PosRange s{p.seqlen_k, -1};
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t c = 0; c < p.seqlen_k; ++c)
-      if (brute_local(p.mask, r, c)) {
-        s.first = std::min(s.first, c);
-        s.last = std::max(s.last, c);
-      }
-  return s;
-}
-PosRange brute_query_span(const Problem& p, int64_t c0, int64_t c1) {
-  PosRange s{p.seqlen_q, -1};
-  for (int64_t c = c0; c < c1; ++c)
-    for (int64_t r = 0; r < p.seqlen_q; ++r)
-      if (brute_local(p.mask, r, c)) {
-        s.first = std::min(s.first, r);
-        s.last = std::max(s.last, r);
+// Brute-force [min, max] of the key columns that rows [a, b) see (key_span), or of the query
+// rows that see key columns [a, b) (query span); empty when none.
+PosRange brute_span(const Problem& p, bool key_span, int64_t a, int64_t b) {
+  const int64_t other = key_span ? p.seqlen_k : p.seqlen_q;
+  PosRange s{other, -1};
+  for (int64_t x = a; x < b; ++x)
+    for (int64_t y = 0; y < other; ++y)
+      if (key_span ? brute_local(p.mask, x, y) : brute_local(p.mask, y, x)) {
+        s.first = std::min(s.first, y);
+        s.last = std::max(s.last, y);
       }
   return s;
 }
 
-TEST(Mask, KeySpanMatchesBruteForce) {
-  RandomProblems gen(2);
+// key_span of a random range [a, b) of rows, or query_span of a random range of key columns,
+// against brute force; then more(trial, problem, a, b, span) for checks of one direction.
+template <typename More>
+void check_spans(uint64_t seed, bool key_span, More more) {
+  RandomProblems gen(seed);
   for (int t = 0; t < kTrials; ++t) {
     const Problem p = gen.next();
-    const int64_t r0 = gen.uniform(0, p.seqlen_q - 1);
-    const int64_t r1 = gen.uniform(r0 + 1, p.seqlen_q);
-    const PosRange got = p.mask.key_span(r0, r1, p.seqlen_k);
-    const PosRange want = brute_key_span(p, r0, r1);
+    const int64_t n = key_span ? p.seqlen_q : p.seqlen_k;
+    const int64_t a = gen.uniform(0, n - 1);
+    const int64_t b = gen.uniform(a + 1, n);
+    const PosRange got =
+        key_span ? p.mask.key_span(a, b, p.seqlen_k) : p.mask.query_span(a, b, p.seqlen_q);
+    const PosRange want = brute_span(p, key_span, a, b);
     ASSERT_EQ(got.empty(), want.empty()) << "trial " << t;
     if (want.empty()) continue;
     ASSERT_EQ(got.first, want.first) << "trial " << t;
     ASSERT_EQ(got.last, want.last) << "trial " << t;
+    more(t, p, a, b, want);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST(Mask, KeySpanMatchesBruteForce) {
+  check_spans(2, true, [](int t, const Problem& p, int64_t r0, int64_t r1, PosRange want) {
     // No gaps: every column in the span is seen by some row of the range (a prefix may leave
     // a gap between itself and the rows' intervals).
-    if (p.mask.prefix_end > p.mask.k_offset) continue;
+    if (p.mask.prefix_end > p.mask.k_offset) return;
     for (int64_t c = want.first; c <= want.last; ++c) {
       bool seen = false;
       for (int64_t r = r0; r < r1 && !seen; ++r) seen = brute_local(p.mask, r, c);
       ASSERT_TRUE(seen) << "trial " << t << " gap at column " << c;
     }
-  }
+  });
 }
 
 TEST(Mask, QuerySpanMatchesBruteForce) {
-  RandomProblems gen(3);
-  for (int t = 0; t < kTrials; ++t) {
-    const Problem p = gen.next();
-    const int64_t c0 = gen.uniform(0, p.seqlen_k - 1);
-    const int64_t c1 = gen.uniform(c0 + 1, p.seqlen_k);
-    const PosRange got = p.mask.query_span(c0, c1, p.seqlen_q);
-    const PosRange want = brute_query_span(p, c0, c1);
-    ASSERT_EQ(got.empty(), want.empty()) << "trial " << t;
-    if (want.empty()) continue;
-    ASSERT_EQ(got.first, want.first) << "trial " << t;
-    ASSERT_EQ(got.last, want.last) << "trial " << t;
-  }
+  check_spans(3, false, [](int, const Problem&, int64_t, int64_t, PosRange) {});
 }
 
 TEST(Mask, SingleRowAndColumnSpansAreExactlyTheVisibleSets) {

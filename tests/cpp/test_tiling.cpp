@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cpattn/tiling.h"
+#include "random_mask.h"
 
 namespace cpattn {
 namespace {
@@ -26,11 +27,7 @@ Case random_case(std::mt19937_64& rng) {
   };
   static const int kBlocks[] = {16, 32, 64, 128};
   Case c;
-  c.mask.causal = uni(0, 1) == 1;
-  c.mask.window_left = uni(0, 3) == 0 ? -1 : uni(0, 150);
-  c.mask.window_right = uni(0, 3) == 0 ? -1 : uni(0, 150);
-  c.mask.q_offset = uni(-300, 300);
-  c.mask.k_offset = uni(-300, 300);
+  c.mask = random_mask(uni, 150, -300, 300);
   c.seqlen_q = uni(1, 400);
   c.seqlen_k = uni(1, 400);
   c.block_m = kBlocks[uni(0, 3)];
@@ -65,63 +62,50 @@ void check_seen_once(const Case& c, int trial, const std::vector<int>& seen) {
           << "trial " << trial << " pair (" << r << ", " << col << ")";
 }
 
-// Forward / dQ direction: per query block, the key blocks it visits.
-TEST(Tiling, ForwardVisitsEveryVisiblePairOnce) {
-  std::mt19937_64 rng(7);
+// The kernels' two walks over random cases: the forward / dQ kernel visits, per query block,
+// its key blocks (masked by per-row bounds; rows past seqlen_q are never stored); the dK/dV
+// kernel, per key block, its query blocks (masked by per-key bounds).
+void check_walk(uint64_t seed, bool per_query_block) {
+  std::mt19937_64 rng(seed);
   for (int trial = 0; trial < 600; ++trial) {
     const Case c = random_case(rng);
     const Mask& m = c.mask;
     std::vector<int> seen(c.seqlen_q * c.seqlen_k, 0);
-    for (int64_t r0 = 0; r0 < c.seqlen_q; r0 += c.block_m) {
-      const int64_t r1 = std::min<int64_t>(r0 + c.block_m, c.seqlen_q);
-      const BlockRange kb = key_blocks_of_rows(m, r0, r1, c.seqlen_k, c.block_n);
-      for (int nb = kb.first; nb <= kb.last; ++nb) {
-        const int64_t c0 = int64_t(nb) * c.block_n;
-        ASSERT_LT(c0, c.seqlen_k);
+    const int64_t outer_len = per_query_block ? c.seqlen_q : c.seqlen_k;
+    const int64_t inner_len = per_query_block ? c.seqlen_k : c.seqlen_q;
+    const int outer_block = per_query_block ? c.block_m : c.block_n;
+    const int inner_block = per_query_block ? c.block_n : c.block_m;
+    for (int64_t o0 = 0; o0 < outer_len; o0 += outer_block) {
+      const int64_t o1 = std::min<int64_t>(o0 + outer_block, outer_len);
+      const BlockRange inner = per_query_block
+                                   ? key_blocks_of_rows(m, o0, o1, c.seqlen_k, c.block_n)
+                                   : query_blocks_of_keys(m, o0, o1, c.seqlen_q, c.block_m);
+      for (int ib = inner.first; ib <= inner.last; ++ib) {
+        const int64_t i0 = int64_t(ib) * inner_block;
+        ASSERT_LT(i0, inner_len);
+        const int64_t r0 = per_query_block ? o0 : i0, c0 = per_query_block ? i0 : o0;
         if (tile_is_empty(m, r0, c.block_m, c0, c.block_n, c.seqlen_q, c.seqlen_k)) continue;
         const bool masked =
             tile_needs_mask(m, r0, c.block_m, c0, c.block_n, c.seqlen_q, c.seqlen_k);
-        // the kernel's bounds: per row (rows past seqlen_q are never stored)
         check_tile(
             c, trial, r0, c0, masked,
             [&](int64_t r, int64_t col) {
-              return r < c.seqlen_q && visible_keys_of_row(m, r, c.seqlen_k).contains(int(col));
-            },
-            seen);
-      }
-    }
-    check_seen_once(c, trial, seen);
-  }
-}
-
-// dK/dV direction: per key block, the query blocks it visits, masked by the per-key bounds.
-TEST(Tiling, BackwardVisitsEveryVisiblePairOnce) {
-  std::mt19937_64 rng(11);
-  for (int trial = 0; trial < 600; ++trial) {
-    const Case c = random_case(rng);
-    const Mask& m = c.mask;
-    std::vector<int> seen(c.seqlen_q * c.seqlen_k, 0);
-    for (int64_t c0 = 0; c0 < c.seqlen_k; c0 += c.block_n) {
-      const int64_t c1 = std::min<int64_t>(c0 + c.block_n, c.seqlen_k);
-      const BlockRange qb = query_blocks_of_keys(m, c0, c1, c.seqlen_q, c.block_m);
-      for (int mb = qb.first; mb <= qb.last; ++mb) {
-        const int64_t r0 = int64_t(mb) * c.block_m;
-        ASSERT_LT(r0, c.seqlen_q);
-        if (tile_is_empty(m, r0, c.block_m, c0, c.block_n, c.seqlen_q, c.seqlen_k)) continue;
-        const bool masked =
-            tile_needs_mask(m, r0, c.block_m, c0, c.block_n, c.seqlen_q, c.seqlen_k);
-        // the kernel's bounds: per key
-        check_tile(
-            c, trial, r0, c0, masked,
-            [&](int64_t r, int64_t col) {
+              if (per_query_block)
+                return r < c.seqlen_q && visible_keys_of_row(m, r, c.seqlen_k).contains(int(col));
               return col < c.seqlen_k && visible_rows_of_key(m, col, c.seqlen_q).contains(int(r));
             },
             seen);
+        if (::testing::Test::HasFatalFailure()) return;
       }
     }
     check_seen_once(c, trial, seen);
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
+
+TEST(Tiling, ForwardVisitsEveryVisiblePairOnce) { check_walk(7, /*per_query_block=*/true); }
+
+TEST(Tiling, BackwardVisitsEveryVisiblePairOnce) { check_walk(11, /*per_query_block=*/false); }
 
 // Huge windows / offsets: the clipped bounds stay in int range and keep their meaning.
 TEST(Tiling, BoundsClipUnboundedMasks) {

@@ -29,10 +29,10 @@ os.environ.setdefault("CPATTN_POISON", "1")  # before cpattn is imported
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from reference import reference_attention  # noqa: E402
-
 import cpattn  # noqa: E402
 from cpattn._layout import LAYOUTS  # noqa: E402
+
+from reference import reference_attention  # noqa: E402
 
 ops = torch.ops.cpattn
 # CPATTN_CHECKS_DEVICE=cpu runs the device-independent checks on the CPU kernels: a test of the

@@ -302,8 +302,7 @@ class _ShardedLayer(CacheLayerMixin):
                        alibi_slopes=opts.alibi_slopes, window=opts.window, timeout=self.cp.timeout)
         cp, shard = self.cp, self.shard
         n = q.shape[1]
-        step = 2 * cp.world_size if cp.layout == "zigzag" else cp.world_size
-        lead = n - n % step
+        lead = n - n % cp.granularity
         outs = []
         if lead:
             # The prompt's leading part: each rank attends its layout shard through the ring,
