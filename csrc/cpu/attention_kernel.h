@@ -30,11 +30,13 @@ inline int64_t visible_cols(const PosRange& keys, int64_t c0) {
   return std::min(kBlockK, keys.last + 1 - c0);
 }
 
-// Q^T of one query block, scaled: qt[d * kBlockQ + i] = q[i][d] * factor; padded queries are 0.
-inline void pack_transposed(const float* q, int64_t rows, int64_t dp, float factor, float* qt) {
+// Q^T of one query block, scaled: qt[d * kBlockQ + i] = q[i][d] * factor, from rows of dp
+// values `row_stride` apart; padded queries are 0.
+inline void pack_transposed(const float* q, int64_t row_stride, int64_t rows, int64_t dp,
+                            float factor, float* qt) {
   std::fill(qt, qt + dp * kBlockQ, 0.f);
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t d = 0; d < dp; ++d) qt[d * kBlockQ + i] = q[i * dp + d] * factor;
+    for (int64_t d = 0; d < dp; ++d) qt[d * kBlockQ + i] = q[i * row_stride + d] * factor;
 }
 
 // Sets st[c][i] = -inf for the pairs of a partial block that the mask hides.
@@ -275,7 +277,7 @@ inline void forward_blocks(const FwdParams& p, int64_t b, int64_t h, int64_t qb_
       p, b, h, qb_begin, qb_end, s.acc.get(),
       [&](int64_t j, int64_t r0, int64_t rows) {
         const float* q = p.q + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp;
-        pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, qt(j));
+        pack_transposed(q, dp, rows, dp, p.softmax_scale * kLog2e, qt(j));
       },
       [&](int64_t j, int64_t r0, int64_t rows, int64_t c0, int64_t cols, BlockKind kind,
           OnlineSoftmaxRow* state, float* acc, float* factor) {
@@ -402,12 +404,12 @@ inline void write_key_block_grads(const BwdParams& p, int64_t b, int64_t hk, int
   }
 }
 
-// Packs blocks of a (B, H, Sq, dim_padded) fp32 operand transposed, times factor.
-inline auto transposed_blocks(const AttnShape& sh, int64_t dim_padded, const float* x,
+// Packs blocks of a (B, Sq, H, dim_padded) fp32 operand with strides st transposed, times factor.
+inline auto transposed_blocks(int64_t dim_padded, const float* x, const BshdStrides& st,
                               float factor) {
-  return [&sh, dim_padded, x, factor](int64_t b, int64_t h, int64_t r0, int64_t rows, float* out) {
-    pack_transposed(x + ((b * sh.heads + h) * sh.seqlen_q + r0) * dim_padded, rows, dim_padded,
-                    factor, out);
+  return [dim_padded, x, st, factor](int64_t b, int64_t h, int64_t r0, int64_t rows, float* out) {
+    pack_transposed(x + b * st.batch + r0 * st.seq + h * st.head, st.seq, rows, dim_padded, factor,
+                    out);
   };
 }
 
@@ -416,9 +418,9 @@ struct PackedQueries {
   PackedQueryBlocks<float> qt, dot;
   explicit PackedQueries(const BwdParams& p)
       : qt(p.shape, p.shape.head_dim_padded,
-           transposed_blocks(p.shape, p.shape.head_dim_padded, p.q, p.softmax_scale * kLog2e)),
+           transposed_blocks(p.shape.head_dim_padded, p.q, p.q_strides, p.softmax_scale * kLog2e)),
         dot(p.shape, p.shape.head_dim_v_padded,
-            transposed_blocks(p.shape, p.shape.head_dim_v_padded, p.dout, 1.f)) {}
+            transposed_blocks(p.shape.head_dim_v_padded, p.dout, p.dout_strides, 1.f)) {}
 };
 
 // One key block of one kv head: dK and dV of the block in full, and its dQ contributions for
@@ -430,8 +432,10 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
   const bool modified = p.score.modifies_scores();
   float* softcap_grad = p.score.softcap > 0.f ? s.softcap_grad.get() : nullptr;
-  const float* k = p.k + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
-  const float* v = p.v + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dvp;
+  const BshdStrides &ks = p.k_strides, &vs = p.v_strides, &qs = p.q_strides,
+                    &os = p.dout_strides;
+  const float* k = p.k + b * ks.batch + c0 * ks.seq + hk * ks.head;
+  const float* v = p.v + b * vs.batch + c0 * vs.seq + hk * vs.head;
   std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
   std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
   alignas(64) float reference[kBlockQ], delta[kBlockQ];
@@ -439,26 +443,26 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
   for_each_query_block(
       p, b, hk, c0, cols,
       [&](int64_t row_base, int64_t r0, int64_t rows, int64_t seen, BlockKind kind) {
-        const float* q = p.q + (row_base + r0) * dp;
-        const float* dout = p.dout + (row_base + r0) * dvp;
+        const int64_t h = head_of_row(sh, row_base);
+        const float* q = p.q + b * qs.batch + r0 * qs.seq + h * qs.head;
+        const float* dout = p.dout + b * os.batch + r0 * os.seq + h * os.head;
         float* dq = dq_group + (row_base - group_first_row(sh, b, hk) + r0) * dp;
         load_row_stats(p, row_base + r0, rows, reference, delta);
         float* st = s.st.get();
         float* dpt = s.dpt.get();
 
         // P^T = exp2(K Q^T - lse)
-        gemm(seen, kBlockQ, dp, k, dp, 1, packed.qt.block(sh, row_base, r0), kBlockQ, st, kBlockQ,
-             false);
-        if (modified)
-          modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, 1.f, st, softcap_grad);
+        gemm(seen, kBlockQ, dp, k, ks.seq, 1, packed.qt.block(sh, row_base, r0), kBlockQ, st,
+             kBlockQ, false);
+        if (modified) modify_scores(p.score, h, r0, c0, seen, 1.f, st, softcap_grad);
         if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
         for (int64_t c = 0; c < seen; ++c)
           for (int64_t i = 0; i < kBlockQ; i += kLanes)
             store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
         // dV += P^T dO
-        gemm(seen, dvp, rows, st, kBlockQ, 1, dout, dvp, s.dv.get(), dvp, true);
+        gemm(seen, dvp, rows, st, kBlockQ, 1, dout, os.seq, s.dv.get(), dvp, true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
-        gemm(seen, kBlockQ, dvp, v, dvp, 1, packed.dot.block(sh, row_base, r0), kBlockQ, dpt,
+        gemm(seen, kBlockQ, dvp, v, vs.seq, 1, packed.dot.block(sh, row_base, r0), kBlockQ, dpt,
              kBlockQ, false);
         for (int64_t c = 0; c < seen; ++c)
           for (int64_t i = 0; i < kBlockQ; i += kLanes)
@@ -466,8 +470,8 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
                   load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
         if (softcap_grad) apply_softcap_grad(seen, softcap_grad, dpt);
         // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-        gemm(seen, dp, rows, dpt, kBlockQ, 1, q, dp, s.dk.get(), dp, true);
-        gemm(rows, dp, seen, dpt, 1, kBlockQ, k, dp, dq, dp, true);
+        gemm(seen, dp, rows, dpt, kBlockQ, 1, q, qs.seq, s.dk.get(), dp, true);
+        gemm(rows, dp, seen, dpt, 1, kBlockQ, k, ks.seq, dq, dp, true);
       });
 
   write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
@@ -478,10 +482,11 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
 // MQA) that leaves threads idle, so each range then accumulates dQ into an fp32 buffer of its
 // own (splits x the size of dQ in all), summed afterwards in a fixed order. The choice depends
 // on the shape only, never on the thread count, so results are the same bits with any number of
-// threads.
+// threads. The buffers are capped at 64 MiB in all (fewer splits for long sequences): they were
+// the largest part of a long backward's memory.
 inline int64_t key_splits(const AttnShape& sh, int64_t k_blocks) {
   constexpr int64_t kTargetTasks = 8;
-  constexpr int64_t kMaxBufferBytes = int64_t{256} << 20;
+  constexpr int64_t kMaxBufferBytes = int64_t{64} << 20;
   const int64_t pairs = sh.batch * sh.kv_heads;
   const int64_t dq_bytes = sh.batch * sh.heads * sh.seqlen_q * sh.head_dim_padded * 4;
   int64_t splits = std::min((kTargetTasks + pairs - 1) / pairs, k_blocks);

@@ -302,13 +302,16 @@ def _kernel_fwd(B: int, n: int, h: int, hkv: int, D: int, e: int, bf16: bool) ->
 def _kernel_bwd(B: int, n: int, h: int, hkv: int, D: int, e: int, g: int, bf16: bool) -> int:
     """Bytes alive inside one local backward kernel call over n query rows and n keys whose
     gradients are written in g-byte floats: delta, the LSE rows, dq / dk / dv, the packing
-    (bf16: K, V and K's key pairs; fp32 / fp16: Q, K, V and dO in fp32)."""
+    (bf16: K, V and K's key pairs; fp32 with D a multiple of 16: none, Q, K, V and dO are read
+    in place; otherwise Q, K, V and dO in fp32)."""
     dp = -(-D // 16) * 16
     rows = 4 * B * h * n * 2 + g * B * n * (h + 2 * hkv) * D
     if B > 1:  # the rows of dout and out, not contiguous with batch > 1, are copied for delta
         rows += 2 * e * B * n * h * D
     if bf16:
         return rows + 2 * B * hkv * dp * (2 * n + 2 * -(-n // 2))
+    if e == 4 and dp == D:
+        return rows
     return rows + 4 * B * dp * (2 * h * n + 2 * hkv * n)
 
 
@@ -316,12 +319,12 @@ def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, bf16: bool) ->
     """The backward kernel's own buffers (malloc'd, not tensors) on one thread: every query
     block of Q and dO packed once (fp32: transposed; bf16: transposed and row-paired) and the fp32
     dQ: one KV head's queries, or with fewer than 8 (batch, KV head) pairs, one whole dQ per split
-    of the key blocks (csrc/cpu/attention_kernel.h key_splits: 8 tasks, at most 256 MiB)."""
+    of the key blocks (csrc/cpu/attention_kernel.h key_splits: 8 tasks, at most 64 MiB)."""
     dp, nq = -(-D // 16) * 16, -(-n // 64) * 64
     packed = (4 * 2 if bf16 else 2 * 4) * B * h * nq * dp
     dq = 4 * B * h * n * dp
     splits = min(-(-8 // (B * hkv)), -(-n // 128))
-    while splits > 1 and splits * dq > 256 << 20:
+    while splits > 1 and splits * dq > 64 << 20:
         splits -= 1
     return packed + (splits * dq if splits > 1 else dq // (B * hkv))
 
