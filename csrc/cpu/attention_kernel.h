@@ -325,30 +325,37 @@ inline void apply_softcap_grad(int64_t cols, const float* softcap_grad, float* d
     store(dst + e, load(dst + e) * load(softcap_grad + e));
 }
 
-// Every query block of a query-shaped operand, packed once by pack(b, h, r0, rows, out) into
-// kBlockQ * dim_padded elements per block (Dp for q, Dvp for dout): the backward visits each
-// query block once per key block, so packing there would repeat the work Sk / kBlockK times.
+// Global row (in (B, H, Sq) order) of the first query row of kv head hk's first query head.
+inline int64_t group_first_row(const AttnShape& sh, int64_t b, int64_t hk) {
+  return (b * sh.heads + hk * sh.group_size()) * sh.seqlen_q;
+}
+
+// The query blocks of a query-shaped operand for the query heads of kv head hk of batch b, packed
+// once by pack(b, h, r0, rows, out) into kBlockQ * dim_padded elements per block (Dp for q, Dvp
+// for dout): a backward task visits each of them once per key block, so packing there would
+// repeat the work Sk / kBlockK times. Packed per task (one KV head's group), not for every head
+// up front, so that only the groups being computed are held.
 template <typename T>
 struct PackedQueryBlocks {
-  int64_t q_blocks, block_elems;
+  int64_t q_blocks, block_elems, first_row;
   AlignedArray<T> data;
 
   template <typename Pack>
-  PackedQueryBlocks(const AttnShape& sh, int64_t dim_padded, Pack&& pack)
+  PackedQueryBlocks(const AttnShape& sh, int64_t dim_padded, int64_t b, int64_t hk, Pack&& pack)
       : q_blocks((sh.seqlen_q + kBlockQ - 1) / kBlockQ),
         block_elems(kBlockQ * dim_padded),
-        data(aligned_array<T>(sh.batch * sh.heads * q_blocks * block_elems)) {
-    at::parallel_for(0, sh.batch * sh.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t r0 = t % q_blocks * kBlockQ, bh = t / q_blocks;
-        pack(bh / sh.heads, bh % sh.heads, r0, std::min(kBlockQ, sh.seqlen_q - r0),
-             data.get() + t * block_elems);
-      }
-    });
+        first_row(group_first_row(sh, b, hk)),
+        data(aligned_array<T>(sh.group_size() * q_blocks * block_elems)) {
+    for (int64_t t = 0; t < sh.group_size() * q_blocks; ++t) {
+      const int64_t r0 = t % q_blocks * kBlockQ;
+      pack(b, hk * sh.group_size() + t / q_blocks, r0, std::min(kBlockQ, sh.seqlen_q - r0),
+           data.get() + t * block_elems);
+    }
   }
   // The block of query rows r0.. of the head whose first global row is row_base.
   const T* block(const AttnShape& sh, int64_t row_base, int64_t r0) const {
-    return data.get() + (row_base / sh.seqlen_q * q_blocks + r0 / kBlockQ) * block_elems;
+    return data.get() + ((row_base - first_row) / sh.seqlen_q * q_blocks + r0 / kBlockQ) *
+                            block_elems;
   }
 };
 
@@ -362,11 +369,6 @@ inline void load_row_stats(const BwdParams& p, int64_t first, int64_t rows, floa
         i < rows ? backward_reference(p.lse[first + i]) : std::numeric_limits<float>::infinity();
     delta[i] = i < rows ? p.delta[first + i] : 0.f;
   }
-}
-
-// Global row (in (B, H, Sq) order) of the first query row of kv head hk's first query head.
-inline int64_t group_first_row(const AttnShape& sh, int64_t b, int64_t hk) {
-  return (b * sh.heads + hk * sh.group_size()) * sh.seqlen_q;
 }
 
 // Calls visit(row_base, r0, rows, seen, kind) for every query block, of every query head of kv
@@ -413,13 +415,14 @@ inline auto transposed_blocks(int64_t dim_padded, const float* x, const BshdStri
   };
 }
 
-// Q^T (scaled to base-2 scores) and dO^T of every query block, the fp32 backward's B operands.
+// Q^T (scaled to base-2 scores) and dO^T of every query block of kv head hk's query heads, the
+// fp32 backward's B operands.
 struct PackedQueries {
   PackedQueryBlocks<float> qt, dot;
-  explicit PackedQueries(const BwdParams& p)
-      : qt(p.shape, p.shape.head_dim_padded,
+  PackedQueries(const BwdParams& p, int64_t b, int64_t hk)
+      : qt(p.shape, p.shape.head_dim_padded, b, hk,
            transposed_blocks(p.shape.head_dim_padded, p.q, p.q_strides, p.softmax_scale * kLog2e)),
-        dot(p.shape, p.shape.head_dim_v_padded,
+        dot(p.shape, p.shape.head_dim_v_padded, b, hk,
             transposed_blocks(p.shape.head_dim_v_padded, p.dout, p.dout_strides, 1.f)) {}
 };
 
@@ -564,9 +567,9 @@ inline void run_backward(const BwdParams& p, Body&& body) {
 // (fp32 here, bf16 in attention_kernel_bf16.h).
 template <typename Packed, typename Scratch, typename KeyBlock>
 inline void backward_key_blocks(const BwdParams& p, KeyBlock key_block) {
-  const Packed packed(p);
   run_backward<Scratch>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
                                float* dq_group, Scratch& scratch) {
+    const Packed packed(p, b, hk);  // a split of the key blocks packs its group's queries again
     for (int64_t kb = kb_begin; kb < kb_end; ++kb)
       key_block(p, packed, b, hk, kb * kBlockK, dq_group, scratch);
   });
