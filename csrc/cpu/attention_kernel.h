@@ -354,8 +354,8 @@ struct PackedQueryBlocks {
   }
   // The block of query rows r0.. of the head whose first global row is row_base.
   const T* block(const AttnShape& sh, int64_t row_base, int64_t r0) const {
-    return data.get() + ((row_base - first_row) / sh.seqlen_q * q_blocks + r0 / kBlockQ) *
-                            block_elems;
+    return data.get() +
+           ((row_base - first_row) / sh.seqlen_q * q_blocks + r0 / kBlockQ) * block_elems;
   }
 };
 
@@ -435,8 +435,7 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
   const bool modified = p.score.modifies_scores();
   float* softcap_grad = p.score.softcap > 0.f ? s.softcap_grad.get() : nullptr;
-  const BshdStrides &ks = p.k_strides, &vs = p.v_strides, &qs = p.q_strides,
-                    &os = p.dout_strides;
+  const BshdStrides &ks = p.k_strides, &vs = p.v_strides, &qs = p.q_strides, &os = p.dout_strides;
   const float* k = p.k + b * ks.batch + c0 * ks.seq + hk * ks.head;
   const float* v = p.v + b * vs.batch + c0 * vs.seq + hk * vs.head;
   std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
