@@ -429,8 +429,9 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             ph["bwd: all-to-all dout"] = saved + 2 * Q * e
             ph["bwd: kernel"] = saved + Q * e + _kernel_bwd(B, S, h, hk, D, e, e, bf)
             grads_h = (Q + 2 * Ks) * e
-            ph["bwd: all-to-all dq"] = saved + grads_h + back + Q * e
-            ph["bwd: all-to-all dk, dv"] = saved + 2 * Ks * e + Q * e + back * Ks // Q + Ks * e
+            # dout by heads is freed once the kernel's autograd node has run
+            ph["bwd: all-to-all dq"] = saved + grads_h + back
+            ph["bwd: all-to-all dk, dv"] = saved + 2 * Ks * e + back * Ks // Q + Ks * e
             if hs != Hkv:  # summed back over the replicas (index_select's backward)
                 ph["bwd: unreplicate"] = saved + Q * e + 2 * Ks * e + 2 * K * e
             kept = (Q + 2 * K) * e
