@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 
 #include "cpattn/mask.h"
 #include "cpattn/softmax_state.h"
@@ -333,8 +334,8 @@ inline int64_t group_first_row(const AttnShape& sh, int64_t b, int64_t hk) {
 // The query blocks of a query-shaped operand for the query heads of kv head hk of batch b, packed
 // once by pack(b, h, r0, rows, out) into kBlockQ * dim_padded elements per block (Dp for q, Dvp
 // for dout): a backward task visits each of them once per key block, so packing there would
-// repeat the work Sk / kBlockK times. Packed per task (one KV head's group), not for every head
-// up front, so that only the groups being computed are held.
+// repeat the work Sk / kBlockK times. Packed by each parallel chunk for the pair it computes (one
+// KV head's group at a time), not for every head up front, so that only those groups are held.
 template <typename T>
 struct PackedQueryBlocks {
   int64_t q_blocks, block_elems, first_row;
@@ -564,13 +565,28 @@ inline void run_backward(const BwdParams& p, Body&& body) {
 
 // The backward with one operand flavour: its packed queries, scratch and per-key-block step
 // (fp32 here, bf16 in attention_kernel_bf16.h).
+template <typename Packed, typename Scratch>
+struct ScratchWithQueries : Scratch {
+  std::optional<Packed> packed;  // the queries of (batch, kv head) pair `pair`
+  int64_t pair = -1;
+  using Scratch::Scratch;
+};
+
 template <typename Packed, typename Scratch, typename KeyBlock>
 inline void backward_key_blocks(const BwdParams& p, KeyBlock key_block) {
-  run_backward<Scratch>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
-                               float* dq_group, Scratch& scratch) {
-    const Packed packed(p, b, hk);  // a split of the key blocks packs its group's queries again
+  using Chunk = ScratchWithQueries<Packed, Scratch>;
+  run_backward<Chunk>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
+                             float* dq_group, Chunk& chunk) {
+    // A parallel chunk's tasks come in pair order (the splits of a pair one after another), so
+    // each chunk packs a pair's queries once and holds one pair's at a time.
+    const int64_t pair = b * p.shape.kv_heads + hk;
+    if (chunk.pair != pair) {
+      chunk.packed.reset();
+      chunk.packed.emplace(p, b, hk);
+      chunk.pair = pair;
+    }
     for (int64_t kb = kb_begin; kb < kb_end; ++kb)
-      key_block(p, packed, b, hk, kb * kBlockK, dq_group, scratch);
+      key_block(p, *chunk.packed, b, hk, kb * kBlockK, dq_group, chunk);
   });
 }
 
