@@ -416,15 +416,29 @@ inline auto transposed_blocks(int64_t dim_padded, const float* x, const BshdStri
   };
 }
 
-// Q^T (scaled to base-2 scores) and dO^T of every query block of kv head hk's query heads, the
-// fp32 backward's B operands.
+// Packs blocks of a (B, Sq, H, dim_padded) fp32 operand with strides st as contiguous rows.
+inline auto row_blocks(int64_t dim_padded, const float* x, const BshdStrides& st) {
+  return [dim_padded, x, st](int64_t b, int64_t h, int64_t r0, int64_t rows, float* out) {
+    const float* src = x + b * st.batch + r0 * st.seq + h * st.head;
+    for (int64_t i = 0; i < rows; ++i)
+      std::copy(src + i * st.seq, src + i * st.seq + dim_padded, out + i * dim_padded);
+  };
+}
+
+// The fp32 backward's B operands of every query block of kv head hk's query heads: Q^T (scaled
+// to base-2 scores) and dO^T, and Q and dO as contiguous rows (read in place, their rows are
+// H D apart: at power-of-two strides the products' row loads conflict in the cache).
 struct PackedQueries {
-  PackedQueryBlocks<float> qt, dot;
+  PackedQueryBlocks<float> qt, dot, q_rows, do_rows;
   PackedQueries(const BwdParams& p, int64_t b, int64_t hk)
       : qt(p.shape, p.shape.head_dim_padded, b, hk,
            transposed_blocks(p.shape.head_dim_padded, p.q, p.q_strides, p.softmax_scale * kLog2e)),
         dot(p.shape, p.shape.head_dim_v_padded, b, hk,
-            transposed_blocks(p.shape.head_dim_v_padded, p.dout, p.dout_strides, 1.f)) {}
+            transposed_blocks(p.shape.head_dim_v_padded, p.dout, p.dout_strides, 1.f)),
+        q_rows(p.shape, p.shape.head_dim_padded, b, hk,
+               row_blocks(p.shape.head_dim_padded, p.q, p.q_strides)),
+        do_rows(p.shape, p.shape.head_dim_v_padded, b, hk,
+                row_blocks(p.shape.head_dim_v_padded, p.dout, p.dout_strides)) {}
 };
 
 // One key block of one kv head: dK and dV of the block in full, and its dQ contributions for
@@ -436,7 +450,7 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
   const bool modified = p.score.modifies_scores();
   float* softcap_grad = p.score.softcap > 0.f ? s.softcap_grad.get() : nullptr;
-  const BshdStrides &ks = p.k_strides, &vs = p.v_strides, &qs = p.q_strides, &os = p.dout_strides;
+  const BshdStrides &ks = p.k_strides, &vs = p.v_strides;
   const float* k = p.k + b * ks.batch + c0 * ks.seq + hk * ks.head;
   const float* v = p.v + b * vs.batch + c0 * vs.seq + hk * vs.head;
   std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
@@ -447,8 +461,6 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
       p, b, hk, c0, cols,
       [&](int64_t row_base, int64_t r0, int64_t rows, int64_t seen, BlockKind kind) {
         const int64_t h = head_of_row(sh, row_base);
-        const float* q = p.q + b * qs.batch + r0 * qs.seq + h * qs.head;
-        const float* dout = p.dout + b * os.batch + r0 * os.seq + h * os.head;
         float* dq = dq_group + (row_base - group_first_row(sh, b, hk) + r0) * dp;
         load_row_stats(p, row_base + r0, rows, reference, delta);
         float* st = s.st.get();
@@ -463,7 +475,8 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
           for (int64_t i = 0; i < kBlockQ; i += kLanes)
             store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
         // dV += P^T dO
-        gemm(seen, dvp, rows, st, kBlockQ, 1, dout, os.seq, s.dv.get(), dvp, true);
+        gemm(seen, dvp, rows, st, kBlockQ, 1, packed.do_rows.block(sh, row_base, r0), dvp,
+             s.dv.get(), dvp, true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
         gemm(seen, kBlockQ, dvp, v, vs.seq, 1, packed.dot.block(sh, row_base, r0), kBlockQ, dpt,
              kBlockQ, false);
@@ -473,7 +486,8 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
                   load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
         if (softcap_grad) apply_softcap_grad(seen, softcap_grad, dpt);
         // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-        gemm(seen, dp, rows, dpt, kBlockQ, 1, q, qs.seq, s.dk.get(), dp, true);
+        gemm(seen, dp, rows, dpt, kBlockQ, 1, packed.q_rows.block(sh, row_base, r0), dp, s.dk.get(),
+             dp, true);
         gemm(rows, dp, seen, dpt, 1, kBlockQ, k, ks.seq, dq, dp, true);
       });
 

@@ -317,12 +317,12 @@ def _kernel_bwd(B: int, n: int, h: int, hkv: int, D: int, e: int, g: int, bf16: 
 
 def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, bf16: bool) -> int:
     """The backward kernel's own buffers (malloc'd, not tensors) on one thread: the query blocks
-    of Q and dO of the task's KV head's query heads packed (fp32: transposed; bf16: transposed and
-    row-paired) and the fp32 dQ: one KV head's queries, or with fewer than 8 (batch, KV head)
+    of Q and dO of the task's KV head's query heads packed (transposed and as rows; bf16: row
+    pairs) and the fp32 dQ: one KV head's queries, or with fewer than 8 (batch, KV head)
     pairs, one whole dQ per split of the key blocks (csrc/cpu/attention_kernel.h key_splits: 8
     tasks, at most 64 MiB)."""
     dp, nq = -(-D // 16) * 16, -(-n // 64) * 64
-    packed = (4 * 2 if bf16 else 2 * 4) * (h // hkv) * nq * dp
+    packed = (4 * 2 if bf16 else 4 * 4) * (h // hkv) * nq * dp
     dq = 4 * B * h * n * dp
     splits = min(-(-8 // (B * hkv)), -(-n // 128))
     while splits > 1 and splits * dq > 64 << 20:
