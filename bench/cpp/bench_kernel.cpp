@@ -103,6 +103,10 @@ struct Problem {
   cpattn::BwdParams bwd_params() {
     auto p = inputs<cpattn::BwdParams>();
     p.dout = dout.data();
+    // the packed (B, H, S, Dp) buffers, as the backward reads operands: by (B, S, H) strides
+    const int64_t dp = shape.head_dim_padded, seqlen = shape.seqlen_q;
+    p.q_strides = p.dout_strides = {shape.heads * seqlen * dp, dp, seqlen * dp};
+    p.k_strides = p.v_strides = {shape.kv_heads * seqlen * dp, dp, seqlen * dp};
     p.lse = lse.data();
     p.delta = delta.data();
     p.dq = output(dq, shape.heads);

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 
 #include "cpattn/mask.h"
 #include "cpattn/softmax_state.h"
@@ -30,11 +31,13 @@ inline int64_t visible_cols(const PosRange& keys, int64_t c0) {
   return std::min(kBlockK, keys.last + 1 - c0);
 }
 
-// Q^T of one query block, scaled: qt[d * kBlockQ + i] = q[i][d] * factor; padded queries are 0.
-inline void pack_transposed(const float* q, int64_t rows, int64_t dp, float factor, float* qt) {
+// Q^T of one query block, scaled: qt[d * kBlockQ + i] = q[i][d] * factor, from rows of dp
+// values `row_stride` apart; padded queries are 0.
+inline void pack_transposed(const float* q, int64_t row_stride, int64_t rows, int64_t dp,
+                            float factor, float* qt) {
   std::fill(qt, qt + dp * kBlockQ, 0.f);
   for (int64_t i = 0; i < rows; ++i)
-    for (int64_t d = 0; d < dp; ++d) qt[d * kBlockQ + i] = q[i * dp + d] * factor;
+    for (int64_t d = 0; d < dp; ++d) qt[d * kBlockQ + i] = q[i * row_stride + d] * factor;
 }
 
 // Sets st[c][i] = -inf for the pairs of a partial block that the mask hides.
@@ -275,7 +278,7 @@ inline void forward_blocks(const FwdParams& p, int64_t b, int64_t h, int64_t qb_
       p, b, h, qb_begin, qb_end, s.acc.get(),
       [&](int64_t j, int64_t r0, int64_t rows) {
         const float* q = p.q + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp;
-        pack_transposed(q, rows, dp, p.softmax_scale * kLog2e, qt(j));
+        pack_transposed(q, dp, rows, dp, p.softmax_scale * kLog2e, qt(j));
       },
       [&](int64_t j, int64_t r0, int64_t rows, int64_t c0, int64_t cols, BlockKind kind,
           OnlineSoftmaxRow* state, float* acc, float* factor) {
@@ -323,30 +326,37 @@ inline void apply_softcap_grad(int64_t cols, const float* softcap_grad, float* d
     store(dst + e, load(dst + e) * load(softcap_grad + e));
 }
 
-// Every query block of a query-shaped operand, packed once by pack(b, h, r0, rows, out) into
-// kBlockQ * dim_padded elements per block (Dp for q, Dvp for dout): the backward visits each
-// query block once per key block, so packing there would repeat the work Sk / kBlockK times.
+// Global row (in (B, H, Sq) order) of the first query row of kv head hk's first query head.
+inline int64_t group_first_row(const AttnShape& sh, int64_t b, int64_t hk) {
+  return (b * sh.heads + hk * sh.group_size()) * sh.seqlen_q;
+}
+
+// The query blocks of a query-shaped operand for the query heads of kv head hk of batch b, packed
+// once by pack(b, h, r0, rows, out) into kBlockQ * dim_padded elements per block (Dp for q, Dvp
+// for dout): a backward task visits each of them once per key block, so packing there would
+// repeat the work Sk / kBlockK times. Packed by each parallel chunk for the pair it computes (one
+// KV head's group at a time), not for every head up front, so that only those groups are held.
 template <typename T>
 struct PackedQueryBlocks {
-  int64_t q_blocks, block_elems;
+  int64_t q_blocks, block_elems, first_row;
   AlignedArray<T> data;
 
   template <typename Pack>
-  PackedQueryBlocks(const AttnShape& sh, int64_t dim_padded, Pack&& pack)
+  PackedQueryBlocks(const AttnShape& sh, int64_t dim_padded, int64_t b, int64_t hk, Pack&& pack)
       : q_blocks((sh.seqlen_q + kBlockQ - 1) / kBlockQ),
         block_elems(kBlockQ * dim_padded),
-        data(aligned_array<T>(sh.batch * sh.heads * q_blocks * block_elems)) {
-    at::parallel_for(0, sh.batch * sh.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t r0 = t % q_blocks * kBlockQ, bh = t / q_blocks;
-        pack(bh / sh.heads, bh % sh.heads, r0, std::min(kBlockQ, sh.seqlen_q - r0),
-             data.get() + t * block_elems);
-      }
-    });
+        first_row(group_first_row(sh, b, hk)),
+        data(aligned_array<T>(sh.group_size() * q_blocks * block_elems)) {
+    for (int64_t t = 0; t < sh.group_size() * q_blocks; ++t) {
+      const int64_t r0 = t % q_blocks * kBlockQ;
+      pack(b, hk * sh.group_size() + t / q_blocks, r0, std::min(kBlockQ, sh.seqlen_q - r0),
+           data.get() + t * block_elems);
+    }
   }
   // The block of query rows r0.. of the head whose first global row is row_base.
   const T* block(const AttnShape& sh, int64_t row_base, int64_t r0) const {
-    return data.get() + (row_base / sh.seqlen_q * q_blocks + r0 / kBlockQ) * block_elems;
+    return data.get() +
+           ((row_base - first_row) / sh.seqlen_q * q_blocks + r0 / kBlockQ) * block_elems;
   }
 };
 
@@ -360,11 +370,6 @@ inline void load_row_stats(const BwdParams& p, int64_t first, int64_t rows, floa
         i < rows ? backward_reference(p.lse[first + i]) : std::numeric_limits<float>::infinity();
     delta[i] = i < rows ? p.delta[first + i] : 0.f;
   }
-}
-
-// Global row (in (B, H, Sq) order) of the first query row of kv head hk's first query head.
-inline int64_t group_first_row(const AttnShape& sh, int64_t b, int64_t hk) {
-  return (b * sh.heads + hk * sh.group_size()) * sh.seqlen_q;
 }
 
 // Calls visit(row_base, r0, rows, seen, kind) for every query block, of every query head of kv
@@ -402,23 +407,38 @@ inline void write_key_block_grads(const BwdParams& p, int64_t b, int64_t hk, int
   }
 }
 
-// Packs blocks of a (B, H, Sq, dim_padded) fp32 operand transposed, times factor.
-inline auto transposed_blocks(const AttnShape& sh, int64_t dim_padded, const float* x,
+// Packs blocks of a (B, Sq, H, dim_padded) fp32 operand with strides st transposed, times factor.
+inline auto transposed_blocks(int64_t dim_padded, const float* x, const BshdStrides& st,
                               float factor) {
-  return [&sh, dim_padded, x, factor](int64_t b, int64_t h, int64_t r0, int64_t rows, float* out) {
-    pack_transposed(x + ((b * sh.heads + h) * sh.seqlen_q + r0) * dim_padded, rows, dim_padded,
-                    factor, out);
+  return [dim_padded, x, st, factor](int64_t b, int64_t h, int64_t r0, int64_t rows, float* out) {
+    pack_transposed(x + b * st.batch + r0 * st.seq + h * st.head, st.seq, rows, dim_padded, factor,
+                    out);
   };
 }
 
-// Q^T (scaled to base-2 scores) and dO^T of every query block, the fp32 backward's B operands.
+// Packs blocks of a (B, Sq, H, dim_padded) fp32 operand with strides st as contiguous rows.
+inline auto row_blocks(int64_t dim_padded, const float* x, const BshdStrides& st) {
+  return [dim_padded, x, st](int64_t b, int64_t h, int64_t r0, int64_t rows, float* out) {
+    const float* src = x + b * st.batch + r0 * st.seq + h * st.head;
+    for (int64_t i = 0; i < rows; ++i)
+      std::copy(src + i * st.seq, src + i * st.seq + dim_padded, out + i * dim_padded);
+  };
+}
+
+// The fp32 backward's B operands of every query block of kv head hk's query heads: Q^T (scaled
+// to base-2 scores) and dO^T, and Q and dO as contiguous rows (read in place, their rows are
+// H D apart: at power-of-two strides the products' row loads conflict in the cache).
 struct PackedQueries {
-  PackedQueryBlocks<float> qt, dot;
-  explicit PackedQueries(const BwdParams& p)
-      : qt(p.shape, p.shape.head_dim_padded,
-           transposed_blocks(p.shape, p.shape.head_dim_padded, p.q, p.softmax_scale * kLog2e)),
-        dot(p.shape, p.shape.head_dim_v_padded,
-            transposed_blocks(p.shape, p.shape.head_dim_v_padded, p.dout, 1.f)) {}
+  PackedQueryBlocks<float> qt, dot, q_rows, do_rows;
+  PackedQueries(const BwdParams& p, int64_t b, int64_t hk)
+      : qt(p.shape, p.shape.head_dim_padded, b, hk,
+           transposed_blocks(p.shape.head_dim_padded, p.q, p.q_strides, p.softmax_scale * kLog2e)),
+        dot(p.shape, p.shape.head_dim_v_padded, b, hk,
+            transposed_blocks(p.shape.head_dim_v_padded, p.dout, p.dout_strides, 1.f)),
+        q_rows(p.shape, p.shape.head_dim_padded, b, hk,
+               row_blocks(p.shape.head_dim_padded, p.q, p.q_strides)),
+        do_rows(p.shape, p.shape.head_dim_v_padded, b, hk,
+                row_blocks(p.shape.head_dim_v_padded, p.dout, p.dout_strides)) {}
 };
 
 // One key block of one kv head: dK and dV of the block in full, and its dQ contributions for
@@ -430,8 +450,9 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
   const bool modified = p.score.modifies_scores();
   float* softcap_grad = p.score.softcap > 0.f ? s.softcap_grad.get() : nullptr;
-  const float* k = p.k + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
-  const float* v = p.v + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dvp;
+  const BshdStrides &ks = p.k_strides, &vs = p.v_strides;
+  const float* k = p.k + b * ks.batch + c0 * ks.seq + hk * ks.head;
+  const float* v = p.v + b * vs.batch + c0 * vs.seq + hk * vs.head;
   std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
   std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
   alignas(64) float reference[kBlockQ], delta[kBlockQ];
@@ -439,26 +460,25 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
   for_each_query_block(
       p, b, hk, c0, cols,
       [&](int64_t row_base, int64_t r0, int64_t rows, int64_t seen, BlockKind kind) {
-        const float* q = p.q + (row_base + r0) * dp;
-        const float* dout = p.dout + (row_base + r0) * dvp;
+        const int64_t h = head_of_row(sh, row_base);
         float* dq = dq_group + (row_base - group_first_row(sh, b, hk) + r0) * dp;
         load_row_stats(p, row_base + r0, rows, reference, delta);
         float* st = s.st.get();
         float* dpt = s.dpt.get();
 
         // P^T = exp2(K Q^T - lse)
-        gemm(seen, kBlockQ, dp, k, dp, 1, packed.qt.block(sh, row_base, r0), kBlockQ, st, kBlockQ,
-             false);
-        if (modified)
-          modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, 1.f, st, softcap_grad);
+        gemm(seen, kBlockQ, dp, k, ks.seq, 1, packed.qt.block(sh, row_base, r0), kBlockQ, st,
+             kBlockQ, false);
+        if (modified) modify_scores(p.score, h, r0, c0, seen, 1.f, st, softcap_grad);
         if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
         for (int64_t c = 0; c < seen; ++c)
           for (int64_t i = 0; i < kBlockQ; i += kLanes)
             store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
         // dV += P^T dO
-        gemm(seen, dvp, rows, st, kBlockQ, 1, dout, dvp, s.dv.get(), dvp, true);
+        gemm(seen, dvp, rows, st, kBlockQ, 1, packed.do_rows.block(sh, row_base, r0), dvp,
+             s.dv.get(), dvp, true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
-        gemm(seen, kBlockQ, dvp, v, dvp, 1, packed.dot.block(sh, row_base, r0), kBlockQ, dpt,
+        gemm(seen, kBlockQ, dvp, v, vs.seq, 1, packed.dot.block(sh, row_base, r0), kBlockQ, dpt,
              kBlockQ, false);
         for (int64_t c = 0; c < seen; ++c)
           for (int64_t i = 0; i < kBlockQ; i += kLanes)
@@ -466,8 +486,9 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
                   load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
         if (softcap_grad) apply_softcap_grad(seen, softcap_grad, dpt);
         // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-        gemm(seen, dp, rows, dpt, kBlockQ, 1, q, dp, s.dk.get(), dp, true);
-        gemm(rows, dp, seen, dpt, 1, kBlockQ, k, dp, dq, dp, true);
+        gemm(seen, dp, rows, dpt, kBlockQ, 1, packed.q_rows.block(sh, row_base, r0), dp, s.dk.get(),
+             dp, true);
+        gemm(rows, dp, seen, dpt, 1, kBlockQ, k, ks.seq, dq, dp, true);
       });
 
   write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
@@ -478,10 +499,11 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
 // MQA) that leaves threads idle, so each range then accumulates dQ into an fp32 buffer of its
 // own (splits x the size of dQ in all), summed afterwards in a fixed order. The choice depends
 // on the shape only, never on the thread count, so results are the same bits with any number of
-// threads.
+// threads. The buffers are capped at 64 MiB in all (fewer splits for long sequences): they were
+// the largest part of a long backward's memory.
 inline int64_t key_splits(const AttnShape& sh, int64_t k_blocks) {
   constexpr int64_t kTargetTasks = 8;
-  constexpr int64_t kMaxBufferBytes = int64_t{256} << 20;
+  constexpr int64_t kMaxBufferBytes = int64_t{64} << 20;
   const int64_t pairs = sh.batch * sh.kv_heads;
   const int64_t dq_bytes = sh.batch * sh.heads * sh.seqlen_q * sh.head_dim_padded * 4;
   int64_t splits = std::min((kTargetTasks + pairs - 1) / pairs, k_blocks);
@@ -557,13 +579,28 @@ inline void run_backward(const BwdParams& p, Body&& body) {
 
 // The backward with one operand flavour: its packed queries, scratch and per-key-block step
 // (fp32 here, bf16 in attention_kernel_bf16.h).
+template <typename Packed, typename Scratch>
+struct ScratchWithQueries : Scratch {
+  std::optional<Packed> packed;  // the queries of (batch, kv head) pair `pair`
+  int64_t pair = -1;
+  using Scratch::Scratch;
+};
+
 template <typename Packed, typename Scratch, typename KeyBlock>
 inline void backward_key_blocks(const BwdParams& p, KeyBlock key_block) {
-  const Packed packed(p);
-  run_backward<Scratch>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
-                               float* dq_group, Scratch& scratch) {
+  using Chunk = ScratchWithQueries<Packed, Scratch>;
+  run_backward<Chunk>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
+                             float* dq_group, Chunk& chunk) {
+    // A parallel chunk's tasks come in pair order (the splits of a pair one after another), so
+    // each chunk packs a pair's queries once and holds one pair's at a time.
+    const int64_t pair = b * p.shape.kv_heads + hk;
+    if (chunk.pair != pair) {
+      chunk.packed.reset();
+      chunk.packed.emplace(p, b, hk);
+      chunk.pair = pair;
+    }
     for (int64_t kb = kb_begin; kb < kb_end; ++kb)
-      key_block(p, packed, b, hk, kb * kBlockK, dq_group, scratch);
+      key_block(p, *chunk.packed, b, hk, kb * kBlockK, dq_group, chunk);
   });
 }
 

@@ -263,21 +263,21 @@ inline auto bshd_blocks(const uint16_t* x, const BshdStrides& st, int64_t dim, i
   };
 }
 
-// The bf16 backward's B operands of every query block: Q^T and dO^T as d pairs, Q and dO as row
-// pairs.
+// The bf16 backward's B operands of every query block of kv head hk's query heads: Q^T and dO^T
+// as d pairs, Q and dO as row pairs.
 struct PackedQueriesBf16 {
   PackedQueryBlocks<uint16_t> qt, dot, q_rows, do_rows;
-  explicit PackedQueriesBf16(const BwdParams& p)
-      : qt(p.shape, p.shape.head_dim_padded,
+  PackedQueriesBf16(const BwdParams& p, int64_t b, int64_t hk)
+      : qt(p.shape, p.shape.head_dim_padded, b, hk,
            bshd_blocks(p.q16, p.q16_strides, p.shape.head_dim, p.shape.head_dim_padded,
                        pack_pairs_transposed)),
-        dot(p.shape, p.shape.head_dim_v_padded,
+        dot(p.shape, p.shape.head_dim_v_padded, b, hk,
             bshd_blocks(p.dout16, p.dout16_strides, p.shape.head_dim_v, p.shape.head_dim_v_padded,
                         pack_pairs_transposed)),
-        q_rows(p.shape, p.shape.head_dim_padded,
+        q_rows(p.shape, p.shape.head_dim_padded, b, hk,
                bshd_blocks(p.q16, p.q16_strides, p.shape.head_dim, p.shape.head_dim_padded,
                            pack_row_pairs)),
-        do_rows(p.shape, p.shape.head_dim_v_padded,
+        do_rows(p.shape, p.shape.head_dim_v_padded, b, hk,
                 bshd_blocks(p.dout16, p.dout16_strides, p.shape.head_dim_v,
                             p.shape.head_dim_v_padded, pack_row_pairs)) {}
 };

@@ -30,10 +30,14 @@ struct FwdParams : AttnScoring {  // score.sinks: applied to out and lse when ro
 // Backward from the *global* out / lse of each query row (delta = rowsum(dout * out)).
 struct BwdParams : AttnScoring {  // score.sinks unused: the sink is already in lse
   AttnShape shape;
-  const float* q = nullptr;      // (B, H, Sq, Dp)
-  const float* k = nullptr;      // (B, Hkv, Sk, Dp)
-  const float* v = nullptr;      // (B, Hkv, Sk, Dvp)
-  const float* dout = nullptr;   // (B, H, Sq, Dvp)
+  // fp32 operands, element (b, s, h, d) at b * batch + s * seq + h * head + d of their strides,
+  // Dp (Dvp) values along d, zero beyond D: the caller's tensors read in place when they are
+  // fp32 with D = Dp, else packed copies.
+  const float* q = nullptr;     // (B, Sq, H, Dp)
+  const float* k = nullptr;     // (B, Sk, Hkv, Dp)
+  const float* v = nullptr;     // (B, Sk, Hkv, Dvp)
+  const float* dout = nullptr;  // (B, Sq, H, Dvp)
+  BshdStrides q_strides, k_strides, v_strides, dout_strides;
   const float* lse = nullptr;    // (B, H, Sq), natural log, sinks included (the final LSE)
   const float* delta = nullptr;  // (B, H, Sq)
   BshdOutput dq;                 // (B, Sq, H, D), fully written

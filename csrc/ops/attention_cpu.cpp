@@ -28,6 +28,14 @@ at::Tensor pack(const at::Tensor& t, int64_t dp, at::ScalarType dtype = at::kFlo
   return p;
 }
 
+// An fp32 operand of the backward as the kernel reads it, (B, S, H, Dp) by strides: the tensor
+// itself when it is fp32 with D = Dp and unit stride along D (no copy), else a packed copy
+// viewed in that order.
+at::Tensor fp32_operand(const at::Tensor& t, int64_t dp) {
+  if (t.scalar_type() == at::kFloat && t.size(3) == dp && t.stride(3) == 1) return t;
+  return pack(t, dp).transpose(1, 2);
+}
+
 // (B, Hkv, Sk, Dp) -> (B, Hkv, ceil(Sk / 2), Dp, 2): keys 2j and 2j+1 side by side (a zero key
 // past an odd end), the layout bf16 dot products reduce over keys with.
 at::Tensor pair_keys(const at::Tensor& packed) {
@@ -159,14 +167,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     p.v16 = bf16_data(vp);
     p.k16_pairs = bf16_data(k_pairs);
   } else {
-    qp = pack(q, dp);
-    kp = pack(k, dp);
-    vp = pack(v, dvp);
-    dop = pack(dout, dvp);
+    qp = fp32_operand(q, dp);
+    kp = fp32_operand(k, dp);
+    vp = fp32_operand(v, dvp);
+    dop = fp32_operand(dout, dvp);
     p.q = qp.data_ptr<float>();
     p.k = kp.data_ptr<float>();
     p.v = vp.data_ptr<float>();
     p.dout = dop.data_ptr<float>();
+    p.q_strides = strides_of(qp);
+    p.k_strides = strides_of(kp);
+    p.v_strides = strides_of(vp);
+    p.dout_strides = strides_of(dop);
   }
   p.lse = lse_c.data_ptr<float>();
   p.delta = delta.data_ptr<float>();

@@ -55,6 +55,10 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(v.dim() == 4 && k.sizes().slice(0, 3) == v.sizes().slice(0, 3),
               "cpattn.ring_attention: v must have k's shape but for the head dim, got k ",
               k.sizes(), " and v ", v.sizes());
+  // Relays carry K and V in one buffer of one dtype.
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(),
+              "cpattn.ring_attention: k and v must have the same dtype, got k ", k.scalar_type(),
+              " and v ", v.scalar_type());
   check_score_args("ring_attention", o.softcap, o.alibi_slopes, o.sinks, q.size(2), q.device());
   AttnShape s;
   s.head_dim = q.size(3);
@@ -206,17 +210,7 @@ void computing_while_shifting(std::initializer_list<Shifts*> shifts, Compute com
 // allocator instead, which orders reuse with the streams. release_buffers() frees them.
 class BufferCache {
  public:
-  enum Slot {
-    kKey0,
-    kValue0,
-    kKey1,
-    kValue1,
-    kGradKey0,
-    kGradValue0,
-    kGradKey1,
-    kGradValue1,
-    kSlots
-  };
+  enum Slot { kKv0, kKv1, kGradKv0, kGradKv1, kSlots };
 
   at::Tensor get(Slot slot, at::IntArrayRef sizes, const at::TensorOptions& options) {
     if (options.device().type() != at::kCPU) return at::empty(sizes, options);
@@ -249,33 +243,52 @@ BufferCache& buffer_cache() {
   return cache;
 }
 
+// A ring buffer of one shard's K and V (or their gradients) in one allocation: kv.k and kv.v are
+// contiguous views of `both` (k's elements, then v's), so that a relay moves the pair as one
+// message.
+struct KvBuffer {
+  at::Tensor both;
+  KvPair kv;
+};
+
+KvBuffer kv_buffer(BufferCache::Slot slot, const at::Tensor& k, const at::Tensor& v,
+                   const at::TensorOptions& options) {
+  const int64_t nk = k.numel();
+  at::Tensor both = buffer_cache().get(slot, {nk + v.numel()}, options);
+  return {both,
+          {both.narrow(0, 0, nk).view(k.sizes()), both.narrow(0, nk, v.numel()).view(v.sizes())}};
+}
+
 // The K/V shards a rank holds in turn: its own k, v at step 0 (never copied), then the receive
 // buffers, one at W = 2 and two alternating from W = 3 (one is received into while the other is
-// computed on). K and V travel as two messages, so the own shard needs no stacked copy.
+// computed on). The own shard travels as two messages (K and V; no stacked copy), every relay
+// after it as one.
 class KvRing {
  public:
   KvRing(const at::Tensor& k, const at::Tensor& v, int64_t world)
       : own_{k.contiguous(), v.contiguous()} {
-    const BufferCache::Slot slots[2][2] = {{BufferCache::kKey0, BufferCache::kValue0},
-                                           {BufferCache::kKey1, BufferCache::kValue1}};
+    const BufferCache::Slot slots[2] = {BufferCache::kKv0, BufferCache::kKv1};
     for (int64_t i = 0; i < std::min<int64_t>(world - 1, 2); ++i)
-      recv_.push_back({buffer_cache().get(slots[i][0], own_.k.sizes(), own_.k.options()),
-                       buffer_cache().get(slots[i][1], own_.v.sizes(), own_.v.options())});
+      recv_.push_back(kv_buffer(slots[i], own_.k, own_.v, own_.k.options()));
   }
-  const KvPair& at_step(int64_t step) const {
-    return step == 0 ? own_ : recv_[(step - 1) % recv_.size()];
-  }
+  const KvPair& at_step(int64_t step) const { return step == 0 ? own_ : held(step).kv; }
   // Posts the shift of the shard held at `step` into the buffer of step + 1.
   void post_shift(comm::Transport& t, Shifts& shifts, int64_t step, int64_t tag) const {
-    const KvPair &cur = at_step(step), &next = at_step(step + 1);
-    shifts.post(t, cur.k, next.k, tag);
-    shifts.post(t, cur.v, next.v, tag + 1);
+    const KvBuffer& next = held(step + 1);
+    if (step == 0) {
+      shifts.post(t, own_.k, next.kv.k, tag);
+      shifts.post(t, own_.v, next.kv.v, tag + 1);
+    } else {
+      shifts.post(t, held(step).both, next.both, tag);
+    }
   }
   void release() { recv_.clear(); }
 
  private:
+  const KvBuffer& held(int64_t step) const { return recv_[(step - 1) % recv_.size()]; }
+
   KvPair own_;
-  std::vector<KvPair> recv_;
+  std::vector<KvBuffer> recv_;
 };
 
 // The running fp32 (out, lse) of q's rows for values of head dim dv.
@@ -383,30 +396,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   // `incoming` the accumulator of the shard it now holds; the step's sub-problems add their
   // contributions straight into it once it has arrived (the first kernel runs during the
   // transfer), and the two buffers swap roles.
+  // Each accumulator pair is one buffer, so it travels as one message.
   KvRing kv(k, v, world);
   const auto f32 = k.options().dtype(at::kFloat);
-  auto& cache = buffer_cache();
-  KvPair acc{cache.get(BufferCache::kGradKey0, k.sizes(), f32),
-             cache.get(BufferCache::kGradValue0, v.sizes(), f32)};
-  KvPair incoming;
-  if (world > 1)
-    incoming = {cache.get(BufferCache::kGradKey1, k.sizes(), f32),
-                cache.get(BufferCache::kGradValue1, v.sizes(), f32)};
-  acc.k.zero_();
-  acc.v.zero_();
+  KvBuffer acc = kv_buffer(BufferCache::kGradKv0, k, v, f32);
+  KvBuffer incoming;
+  if (world > 1) incoming = kv_buffer(BufferCache::kGradKv1, k, v, f32);
+  acc.both.zero_();
   RingStats& stats = last_stats[1];
   stats = {};
   for (int64_t step = 0; step < world; ++step) {
     Shifts kv_shifts, acc_shifts;
     if (step + 1 < world) kv.post_shift(transport, kv_shifts, step, 4 * step);
-    if (step > 0) {
-      acc_shifts.post(transport, acc.k, incoming.k, 4 * step + 2);
-      acc_shifts.post(transport, acc.v, incoming.v, 4 * step + 3);
-    }
+    if (step > 0) acc_shifts.post(transport, acc.both, incoming.both, 4 * step + 2);
     double acc_wait = 0;
     const auto compute_start = Clock::now();
     computing_while_shifting({&kv_shifts, &acc_shifts}, [&] {
-      const KvPair& target = step > 0 ? incoming : acc;
+      const KvPair& target = step > 0 ? incoming.kv : acc.kv;
       backward_step(dout, q, kv.at_step(step), out, lse, dlse,
                     plan(o, q.size(1), world, rank, step), o, dq, target, [&] {
                       const auto wait_start = Clock::now();
@@ -424,24 +430,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   kv.release();
   // acc now belongs to the shard of rank + 1: one last hop brings every rank its own. In fp32
   // it lands in the returned dk and dv themselves (new tensors: autograd takes a gradient over
-  // without a copy only if nothing else refers to it, and the cache would).
+  // without a copy only if nothing else refers to it, and the cache would), as two messages;
+  // otherwise in `incoming`, as one, and is cast from there.
   const bool cast = k.scalar_type() != at::kFloat;
+  KvPair grads = acc.kv;
   if (world > 1) {
-    const KvPair home = cast ? incoming : KvPair{at::empty_like(acc.k), at::empty_like(acc.v)};
     const auto wait_start = Clock::now();
     Shifts shifts;
-    shifts.post(transport, acc.k, home.k, 4 * world);
-    shifts.post(transport, acc.v, home.v, 4 * world + 1);
+    if (cast) {
+      shifts.post(transport, acc.both, incoming.both, 4 * world);
+      grads = incoming.kv;
+    } else {
+      grads = {at::empty_like(acc.kv.k), at::empty_like(acc.kv.v)};
+      shifts.post(transport, acc.kv.k, grads.k, 4 * world);
+      shifts.post(transport, acc.kv.v, grads.v, 4 * world + 1);
+    }
     shifts.wait();
     stats.wait_s += seconds_since(wait_start);
-    acc = home;
   } else if (!cast) {
-    acc = {acc.k.clone(), acc.v.clone()};
+    grads = {acc.kv.k.clone(), acc.kv.v.clone()};
   }
-  incoming = {};
+  acc = incoming = {};
   // dk and dv are separate tensors (autograd may accumulate into either, and the op's schema and
   // fake kernel promise that).
-  return {dq.to(q.scalar_type()), acc.k.to(k.scalar_type()), acc.v.to(v.scalar_type())};
+  return {dq.to(q.scalar_type()), grads.k.to(k.scalar_type()), grads.v.to(v.scalar_type())};
 }
 
 // ---- all-gathered K/V: the same steps against shards that are already local ---------------

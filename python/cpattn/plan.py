@@ -301,26 +301,30 @@ def _kernel_fwd(B: int, n: int, h: int, hkv: int, D: int, e: int, bf16: bool) ->
 def _kernel_bwd(B: int, n: int, h: int, hkv: int, D: int, e: int, g: int, bf16: bool) -> int:
     """Bytes alive inside one local backward kernel call over n query rows and n keys whose
     gradients are written in g-byte floats: delta, the LSE rows, dq / dk / dv, the packing
-    (bf16: K, V and K's key pairs; fp32 / fp16: Q, K, V and dO in fp32)."""
+    (bf16: K, V and K's key pairs; fp32 with D a multiple of 16: none, Q, K, V and dO are read
+    in place; otherwise Q, K, V and dO in fp32)."""
     dp = -(-D // 16) * 16
     rows = 4 * B * h * n * 2 + g * B * n * (h + 2 * hkv) * D
     if B > 1:  # the rows of dout and out, not contiguous with batch > 1, are copied for delta
         rows += 2 * e * B * n * h * D
     if bf16:
         return rows + 2 * B * hkv * dp * (2 * n + 2 * -(-n // 2))
+    if e == 4 and dp == D:
+        return rows
     return rows + 4 * B * dp * (2 * h * n + 2 * hkv * n)
 
 
 def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, bf16: bool) -> int:
-    """The backward kernel's own buffers (malloc'd, not tensors) on one thread: every query
-    block of Q and dO packed once (fp32: transposed; bf16: transposed and row-paired) and the fp32
-    dQ: one KV head's queries, or with fewer than 8 (batch, KV head) pairs, one whole dQ per split
-    of the key blocks (csrc/cpu/attention_kernel.h key_splits: 8 tasks, at most 256 MiB)."""
+    """The backward kernel's own buffers (malloc'd, not tensors) on one thread: the query blocks
+    of Q and dO of the task's KV head's query heads packed (transposed and as rows; bf16: row
+    pairs) and the fp32 dQ: one KV head's queries, or with fewer than 8 (batch, KV head)
+    pairs, one whole dQ per split of the key blocks (csrc/cpu/attention_kernel.h key_splits: 8
+    tasks, at most 64 MiB)."""
     dp, nq = -(-D // 16) * 16, -(-n // 64) * 64
-    packed = (4 * 2 if bf16 else 2 * 4) * B * h * nq * dp
+    packed = (4 * 2 if bf16 else 4 * 4) * (h // hkv) * nq * dp
     dq = 4 * B * h * n * dp
     splits = min(-(-8 // (B * hkv)), -(-n // 128))
-    while splits > 1 and splits * dq > 256 << 20:
+    while splits > 1 and splits * dq > 64 << 20:
         splits -= 1
     return packed + (splits * dq if splits > 1 else dq // (B * hkv))
 
@@ -424,8 +428,9 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             ph["bwd: all-to-all dout"] = saved + 2 * Q * e
             ph["bwd: kernel"] = saved + Q * e + _kernel_bwd(B, S, h, hk, D, e, e, bf)
             grads_h = (Q + 2 * Ks) * e
-            ph["bwd: all-to-all dq"] = saved + grads_h + back + Q * e
-            ph["bwd: all-to-all dk, dv"] = saved + 2 * Ks * e + Q * e + back * Ks // Q + Ks * e
+            # dout by heads is freed once the kernel's autograd node has run
+            ph["bwd: all-to-all dq"] = saved + grads_h + back
+            ph["bwd: all-to-all dk, dv"] = saved + 2 * Ks * e + back * Ks // Q + Ks * e
             if hs != Hkv:  # summed back over the replicas (index_select's backward)
                 ph["bwd: unreplicate"] = saved + Q * e + 2 * Ks * e + 2 * K * e
             kept = (Q + 2 * K) * e
