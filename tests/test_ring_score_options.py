@@ -269,36 +269,16 @@ def _prefix_per_sequence(rank: int, world: int) -> None:
     ):
         seqlen = 2 * world * 3 + extra  # extra > 0: any length (padded shards, seqlen=)
         torch.manual_seed(500 + n)
-        q, k, v, dout = (torch.randn(3, seqlen, heads, 16) for heads in (h, hkv, hkv, h))
-        prefixes = torch.tensor([0, 5, seqlen])  # none, part of the sequence, all of it
-        sinks = (torch.randn(h) * 2).requires_grad_()
-        opts = {"alibi_slopes": torch.rand(h) * 0.3, "window": (6, -1)}
-        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        ref_sinks = sinks.detach().double().requires_grad_()
-        refs = [reference_attention(*(t[b:b + 1] for t in ref_leaves), causal=True,
-                                    sinks=ref_sinks, prefix_len=int(prefixes[b]), **opts)
-                for b in range(3)]
-        ref_out, ref_lse = torch.cat([r[0] for r in refs]), torch.cat([r[1] for r in refs])
-        ref_out.backward(dout.double())
-
-        shards = [cpattn.shard(t, layout=layout).requires_grad_() for t in (q, k, v)]
-        out, lse = cpattn.ring_attention(*shards, causal=True, layout=layout, strategy=strategy,
-                                         return_lse=True, seqlen=seqlen, prefix_len=prefixes,
-                                         sinks=sinks, **opts)
-        out.backward(cpattn.shard(dout, layout=layout))
-        what = f"W={world} {strategy} {layout} S={seqlen}"
-        unshard = lambda t, d=1: cpattn.unshard(t, layout=layout, dim=d, seqlen=seqlen)  # noqa: E731
-        torch.testing.assert_close(unshard(out.detach()).double(), ref_out.detach(), atol=2e-5,
-                                   rtol=2e-5, msg=lambda m: f"out {what}: {m}")
-        torch.testing.assert_close(unshard(lse.detach(), 2).double(), ref_lse.detach(),
-                                   atol=2e-5, rtol=2e-5, msg=lambda m: f"lse {what}: {m}")
-        for s, r in zip(shards, ref_leaves):
-            torch.testing.assert_close(unshard(s.grad).double(), r.grad, atol=1e-4, rtol=1e-4,
-                                       msg=lambda m: f"grad {what}: {m}")
-        dsinks = sinks.grad.clone()
-        dist.all_reduce(dsinks)
-        torch.testing.assert_close(dsinks.double(), ref_sinks.grad, atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"dsinks {what}: {m}")
+        full = tuple(torch.randn(3, seqlen, heads, 16) for heads in (h, hkv, hkv, h))
+        kwargs = {"prefix_len": torch.tensor([0, 5, seqlen]),  # none, part, all of a sequence
+                  "sinks": torch.randn(h) * 2, "alibi_slopes": torch.rand(h) * 0.3}
+        run = functools.partial(cpattn.ring_attention, layout=layout, strategy=strategy,
+                                seqlen=seqlen)
+        compare_sharded(f"W={world} {strategy} {layout} S={seqlen}", run,
+                        functools.partial(cpattn.shard, layout=layout),
+                        lambda t, dim=1: cpattn.unshard(t, layout=layout, dim=dim, seqlen=seqlen),
+                        cpattn.positions(seqlen, layout=layout), full, True, (6, -1), kwargs,
+                        2e-5, grad_tol=5.0)
     q = torch.randn(2, 4, 2, 8)
     for prefix, match in [
         (torch.tensor([1, 2, 3]), r"prefix_len.shape=\(3,\): must be \(2,\): one prefix per "

@@ -732,76 +732,24 @@ void run_scored_backward(const Case& c, const Scores& sc, uint64_t seed, bool de
   expect_close("dv", dv, ref.dv, gt);
 }
 
-struct BackwardCase {
-  Case c;
-  Scores sc;
-};
-
-std::vector<BackwardCase> scored_backward_cases() {
-  std::vector<BackwardCase> v;
-  auto add = [&](const Case& c, auto&& set) {
-    Scores sc;
-    set(sc);
-    v.push_back({c, sc});
-  };
-  // softcap + causal, odd length over several blocks
-  add({1, 131, 131, 2, 2, true, -1, -1, 0, 0, 0.25f}, [](Scores& s) { s.softcap = 1.5f; });
-  // ALiBi on a ring step (the mask's offsets as positions), GQA
-  add({1, 100, 150, 4, 2, true, -1, -1, 256, 64, 0.1f}, [](Scores& s) {
-    s.slopes = {0.5f, 0.25f, 0.125f, 0.0625f};
-    s.alibi_q_begin = 256;
-    s.alibi_k_begin = 64;
-  });
-  // ALiBi in the striped layout (positions 3 apart), bidirectional, MQA, batch 2
-  add({2, 45, 70, 2, 1, false, -1, -1, 0, 0, 0.125f}, [](Scores& s) {
-    s.slopes = {0.3f, 0.075f};
-    s.alibi_q_begin = 1;
-    s.alibi_k_begin = 2;
-    s.alibi_stride = 3;
-  });
-  // prefix-LM with offsets: queries 50.. see keys < 100 beyond the causal rule
-  add({1, 90, 140, 2, 1, true, -1, -1, 50, 0, 0.125f}, [](Scores& s) { s.prefix_end = 100; });
-  // prefix + sliding window: key blocks between the prefix and the window are skipped
-  add({1, 80, 260, 2, 2, true, 16, -1, 180, 0, 0.125f}, [](Scores& s) { s.prefix_end = 40; });
-  // keys in the future of every query: only the prefix (key columns 0..9) is visible
-  add({1, 70, 130, 2, 1, true, -1, -1, 0, 100, 0.125f}, [](Scores& s) { s.prefix_end = 110; });
-  // softcap + ALiBi + window, GQA
-  add({1, 130, 200, 4, 2, true, 30, -1, 70, 0, 0.1f}, [](Scores& s) {
-    s.softcap = 2.f;
-    s.slopes = {0.25f, 0.125f, 0.0625f, 0.03125f};
-    s.alibi_q_begin = 70;
-  });
-  // sinks (through the lse only; the plain instantiation), window, rows 0..4 empty
-  add({1, 40, 50, 2, 1, true, 20, -1, -5, 0, 0.125f}, [](Scores& s) { s.sinks = {1.f, -2.f}; });
-  // everything at once, odd lengths, GQA
-  add({1, 77, 163, 4, 2, true, 60, -1, 90, 3, 0.2f}, [](Scores& s) {
-    s.softcap = 3.f;
-    s.slopes = {0.1f, 0.05f, 0.025f, 0.0125f};
-    s.alibi_q_begin = 90;
-    s.alibi_k_begin = 3;
-    s.prefix_end = 20;
-    s.sinks = {0.f, 1.f, -1.f, 2.f};
-  });
-  return v;
-}
-
+// The backward from the reference's out / lse, over the forward's scored cases (scored_cases).
 TEST(EmulatedKernels, ScoredBackwardBf16HeadDim64Atomic) {
   uint64_t seed = 1100;
-  for (const BackwardCase& s : scored_backward_cases())
+  for (const ScoredCase& s : scored_cases())
     run_scored_backward<64, __nv_bfloat16, __nv_bfloat16>(s.c, s.sc, seed++, false);
 }
 TEST(EmulatedKernels, ScoredBackwardFp16HeadDim128Deterministic) {
   uint64_t seed = 1200;
-  for (const BackwardCase& s : scored_backward_cases())
+  for (const ScoredCase& s : scored_cases())
     run_scored_backward<128, __half, float>(s.c, s.sc, seed++, true);
 }
 
 // The other head dims' tile configurations (incl. 256's head-dim split in the dK/dV pass), both
 // dQ paths, and the query heads of a kv head split over blocks (GQA / MQA head_splits).
 TEST(EmulatedKernels, ScoredBackwardHeadDimsAndSplits) {
-  const auto cs = scored_backward_cases();
-  const BackwardCase &softcap = cs[0], &alibi = cs[1], &striped = cs[2], &prefix = cs[3];
-  const BackwardCase &combo = cs[6], &all = cs.back();
+  const auto cs = scored_cases();
+  const ScoredCase &softcap = cs[0], &alibi = cs[1], &striped = cs[2], &prefix = cs[3];
+  const ScoredCase &combo = cs[9], &all = cs.back();  // combo: softcap + ALiBi + window
   run_scored_backward<32, __nv_bfloat16, float>(alibi.c, alibi.sc, 1301, true);
   run_scored_backward<96, __half, __half>(prefix.c, prefix.sc, 1302, false);
   run_scored_backward<160, __nv_bfloat16, __nv_bfloat16>(softcap.c, softcap.sc, 1303, true);

@@ -56,14 +56,20 @@ def reference_attention(
     sinks: torch.Tensor | None = None,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
-    prefix_len: int = 0,
+    prefix_len: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention in plain torch, differentiable; returns out (B, Sq, H, Dv), lse (B, H, Sq).
+    prefix_len: an int, or a tensor (B,): one prefix per sequence of the batch.
 
     Inputs are cast to compute_dtype (float64 for the reference; a low dtype to measure torch's
     own error in that dtype). q_offset defaults to Sk - Sq (bottom-right alignment, as the public
     API). K/V heads are repeated for GQA here only. lse is returned in compute_dtype.
     """
+    if isinstance(prefix_len, torch.Tensor):  # each sequence with its own prefix
+        parts = [reference_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal, window, scale,
+                                     q_offset, k_offset, compute_dtype, sinks, softcap,
+                                     alibi_slopes, int(prefix_len[b])) for b in range(q.shape[0])]
+        return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
     seqlen_q, heads, head_dim = q.shape[1], q.shape[2], q.shape[3]
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     if q_offset is None:
