@@ -133,7 +133,7 @@ def test_ranks_must_agree_on_options() -> None:
     run_ranks(2, _disagree)
 
 
-def _ulysses_and_hybrid(rank: int, world: int) -> None:
+def _ulysses_and_hybrid(rank: int, world: int, dtype: torch.dtype) -> None:
     """Ulysses (W=4) and hybrid (U=2 x R=2), each also with head_dim_v != head_dim, with every
     option: per-head sinks and slopes sliced to each rank's heads."""
     from test_strategies import _hybrid_groups
@@ -141,47 +141,29 @@ def _ulysses_and_hybrid(rank: int, world: int) -> None:
     ug, rg = _hybrid_groups(world, 2)
     seqlen, h, hkv = 24, 4, 2
     for n, (strategy, dv) in enumerate([("ulysses", 16), ("ulysses", 8), ("hybrid", 16),
-                                                 ("hybrid", 8)]):
+                                        ("hybrid", 8)]):
         torch.manual_seed(40 + n)
-        q, k, dout_like = (torch.randn(1, seqlen, heads, 16) for heads in (h, hkv, h))
-        v = torch.randn(1, seqlen, hkv, dv)
-        dout = torch.randn(1, seqlen, h, dv)
-        sinks = (torch.randn(h) * 2).requires_grad_()
-        opts = {"softcap": 4.0, "alibi_slopes": torch.rand(h) * 0.3, "prefix_len": 5}
-        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        ref_sinks = sinks.detach().double().requires_grad_()
-        ref_out, ref_lse = reference_attention(*ref_leaves, causal=True, window=(11, -1),
-                                               sinks=ref_sinks, **opts)
-        ref_out.backward(dout.double())
+        full = tuple(torch.randn(1, seqlen, heads, d).to(dtype)
+                     for heads, d in ((h, 16), (hkv, 16), (hkv, dv), (h, dv)))
+        kwargs = {"softcap": 4.0, "alibi_slopes": torch.rand(h) * 0.3, "prefix_len": 5,
+                  "sinks": torch.randn(h) * 2}
         if strategy == "ulysses":
             shard = lambda t, d=1: t.chunk(world, dim=d)[rank]  # noqa: E731
-            unshard = lambda t, d=1: cpattn.unshard(t, layout="contiguous", dim=d)  # noqa: E731
-            run = lambda *a, **kw: cpattn.ulysses_attention(*a, **kw)  # noqa: E731
+            unshard = lambda t, dim=1: cpattn.unshard(t, layout="contiguous", dim=dim)  # noqa: E731
+            run = cpattn.ulysses_attention
         else:
             kw = {"ulysses_group": ug, "ring_group": rg, "layout": "zigzag"}
             shard = lambda t, d=1: cpattn.hybrid_shard(t, dim=d, **kw)  # noqa: E731
-            unshard = lambda t, d=1: cpattn.hybrid_unshard(t, dim=d, **kw)  # noqa: E731
-            run = lambda *a, **k2: cpattn.hybrid_attention(*a, **kw, **k2)  # noqa: E731
-        shards = [shard(t).requires_grad_() for t in (q, k, v)]
-        out, lse = run(*shards, causal=True, window=(11, -1), return_lse=True, sinks=sinks,
-                       **opts)
-        out.backward(shard(dout))
-        what = f"{strategy} dv={dv}"
-        torch.testing.assert_close(unshard(out.detach()).double(), ref_out.detach(), atol=2e-5,
-                                   rtol=2e-5, msg=lambda m: f"out {what}: {m}")
-        torch.testing.assert_close(unshard(lse.detach(), 2).double(), ref_lse.detach(),
-                                   atol=2e-5, rtol=2e-5, msg=lambda m: f"lse {what}: {m}")
-        for s, r in zip(shards, ref_leaves):
-            torch.testing.assert_close(unshard(s.grad).double(), r.grad, atol=1e-4, rtol=1e-4,
-                                       msg=lambda m: f"grad {what}: {m}")
-        dsinks = sinks.grad.clone()
-        dist.all_reduce(dsinks)
-        torch.testing.assert_close(dsinks.double(), ref_sinks.grad, atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"dsinks {what}: {m}")
+            unshard = lambda t, dim=1: cpattn.hybrid_unshard(t, dim=dim, **kw)  # noqa: E731
+            run = functools.partial(cpattn.hybrid_attention, **kw)
+        compare_sharded(f"{strategy} dv={dv} {dtype}", run, shard, unshard,
+                        torch.zeros(seqlen // world, dtype=torch.int64), full, True, (11, -1),
+                        kwargs, TOL[dtype], grad_tol=5.0 if dtype == torch.float32 else 1.0)
 
 
-def test_ulysses_and_hybrid_options() -> None:
-    run_ranks(4, _ulysses_and_hybrid)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ulysses_and_hybrid_options(dtype: torch.dtype) -> None:
+    run_ranks(4, _ulysses_and_hybrid, dtype)
 
 
 def _prefill_decode_sinks(rank: int, world: int) -> None:
