@@ -289,7 +289,7 @@ at::Tensor sink_bwd_cuda(const at::Tensor& dout, const at::Tensor& out, const at
   if (dlse && dlse->defined()) delta = delta - dlse->to(at::kFloat);
   const at::Tensor grad =
       (-at::exp(sinks.view({1, -1, 1}) - lse) * delta).masked_fill(lse == neg_inf(), 0.0);
-  return grad.to(at::kDouble).sum({0, 2}).to(at::kFloat);
+  return grad.to(at::kDouble).sum(at::IntArrayRef{0, 2}).to(at::kFloat);
 }
 
 [[maybe_unused]] const bool registered = register_backend(
