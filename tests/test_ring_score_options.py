@@ -278,3 +278,34 @@ def _prefix_per_sequence(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_prefix_per_sequence_of_a_batch(world: int) -> None:
     run_ranks(world, _prefix_per_sequence)
+
+
+def _tensor_prefix_refused(rank: int, world: int) -> None:
+    """Only ring_attention (ring / all-gather) takes a prefix per sequence: every other entry
+    point refuses a tensor prefix_len on every rank with a message naming the argument, never
+    reading it as a number or dropping it."""
+    from test_strategies import _hybrid_groups
+
+    ug, rg = _hybrid_groups(world, 2)
+    prefix = torch.tensor([3])
+    q = torch.randn(1, 2 * world, 4, 8)
+    cache = cpattn.KVCacheShard(1, 4 * world, 4, 8)
+    calls = {
+        "attention": lambda: cpattn.attention(q, q, q, causal=True, prefix_len=prefix),
+        "ulysses_attention": lambda: cpattn.ulysses_attention(q, q, q, causal=True,
+                                                              prefix_len=prefix),
+        "hybrid_attention": lambda: cpattn.hybrid_attention(
+            q, q, q, causal=True, prefix_len=prefix, ulysses_group=ug, ring_group=rg),
+        "prefill_attention": lambda: cpattn.prefill_attention(q, q, q, cache, prefix_len=prefix),
+        "decode_attention": lambda: cpattn.decode_attention(q[:, :1], cache, prefix_len=prefix),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"prefix_len=tensor\(shape=\(1,\).*must be an int"):
+            call()
+    # nothing was left half-done: every strategy still runs
+    torch.testing.assert_close(cpattn.ulysses_attention(q, q, q, causal=True, prefix_len=3),
+                               cpattn.ulysses_attention(q, q, q, causal=True, prefix_len=3))
+
+
+def test_tensor_prefix_refused_where_not_supported() -> None:
+    run_ranks(4, _tensor_prefix_refused)
