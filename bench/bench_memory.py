@@ -5,7 +5,9 @@
                                  [--kv-heads 8 2] [--out FILE.md]
 
 Causal attention, heads 8, head_dim 128, batch 1, W gloo ranks x 1 thread. Methods:
-  cpattn ring (zigzag), cpattn Ulysses, cpattn all-gather (zigzag, default chunk);
+  cpattn ring (zigzag), cpattn ring in passes (ring_chunk = a quarter of the KV heads, at
+  least 1: the all-gather's default chunk), cpattn Ulysses, cpattn all-gather (zigzag, default
+  chunk);
   yunchang zigzag ring and yunchang Ulysses (yunchang 0.6.4: its ring driver and all-to-alls run
   as they are; their flash-attn calls, CUDA only, are patched to cpattn's CPU kernel, the same
   local kernel cpattn's strategies use: the rows compare what the drivers hold around it);
@@ -31,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 HEADS, HEAD_DIM = 8, 128
-METHODS = ["cpattn ring", "cpattn ulysses", "cpattn allgather", "yunchang ring",
-           "yunchang ulysses", "yunchang ulysses + sdpa", "allgather + sdpa"]
+METHODS = ["cpattn ring", "cpattn ring passes", "cpattn ulysses", "cpattn allgather",
+           "yunchang ring", "yunchang ulysses", "yunchang ulysses + sdpa", "allgather + sdpa"]
 
 
 def _status_kib(field: str) -> int:
@@ -67,12 +69,20 @@ def _yunchang_kernels():
     return lambda impl, stage="fwd-bwd", attn_processor=None: fwd if stage == "fwd-only" else bwd
 
 
+def _passes_chunk(kv_heads: int) -> int:
+    """KV heads per pass of "cpattn ring passes": a quarter, at least one."""
+    return max(1, kv_heads // 4)
+
+
 def _method(name: str, group, world: int, hkv: int):
     """fn(q, k, v) -> out for a method, or a reason it cannot run."""
     import cpattn
 
     if name == "cpattn ring":
         return lambda q, k, v: cpattn.ring_attention(q, k, v, causal=True, layout="zigzag")
+    if name == "cpattn ring passes":
+        return lambda q, k, v: cpattn.ring_attention(q, k, v, causal=True, layout="zigzag",
+                                                     ring_chunk=_passes_chunk(hkv))
     if name == "cpattn allgather":
         return lambda q, k, v: cpattn.ring_attention(q, k, v, causal=True, layout="zigzag",
                                                      strategy="allgather")
@@ -156,7 +166,8 @@ def _worker(rank: int, world: int, cfg: dict) -> list:
             strategy = name.split()[1]
             p = P.Problem(cfg["seqlen"], HEADS, hkv, HEAD_DIM, dtype=cfg["dtype"], causal=True)
             layout = "contiguous" if strategy == "ulysses" else "zigzag"
-            m = P.memory(p, strategy, world, layout, gloo=True)
+            chunk = _passes_chunk(hkv) if name == "cpattn ring passes" else None
+            m = P.memory(p, strategy, world, layout, chunk, gloo=True)
             model, scratch = m["peak"], m.get("scratch", 0)
         results.append({"rank": rank, "method": name, "alloc": counts.peak if counts else None,
                         "rss": rss * 1024, "scratch": scratch, "model": model})

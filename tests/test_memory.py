@@ -11,31 +11,35 @@ from cpattn import plan as P
 from distributed import run_ranks
 
 S, H, D = 1024, 4, 64  # global sequence; per rank 512 tokens
-CASES = [  # (strategy, layout, kv heads, dtype)
-    ("ring", "zigzag", 4, torch.float32),
-    ("ring", "zigzag", 2, torch.bfloat16),
-    ("ring", "contiguous", 4, torch.bfloat16),
-    ("allgather", "zigzag", 4, torch.float32),
-    ("allgather", "zigzag", 2, torch.bfloat16),
-    ("ulysses", "contiguous", 4, torch.float32),
-    ("ulysses", "contiguous", 2, torch.bfloat16),
+CASES = [  # (strategy, layout, kv heads, dtype, chunk: ring_chunk / allgather_chunk)
+    ("ring", "zigzag", 4, torch.float32, None),
+    ("ring", "zigzag", 2, torch.bfloat16, None),
+    ("ring", "contiguous", 4, torch.bfloat16, None),
+    ("ring", "zigzag", 4, torch.float32, 1),
+    ("ring", "zigzag", 4, torch.bfloat16, 3),
+    ("allgather", "zigzag", 4, torch.float32, None),
+    ("allgather", "zigzag", 2, torch.bfloat16, None),
+    ("ulysses", "contiguous", 4, torch.float32, None),
+    ("ulysses", "contiguous", 2, torch.bfloat16, None),
 ]
 
 
-def _call(strategy, layout, q, k, v):
+def _call(strategy, layout, chunk, q, k, v):
     if strategy == "ulysses":
         return cpattn.ulysses_attention(q, k, v, causal=True)
-    return cpattn.ring_attention(q, k, v, causal=True, layout=layout, strategy=strategy)
+    name = "ring_chunk" if strategy == "ring" else "allgather_chunk"
+    return cpattn.ring_attention(q, k, v, causal=True, layout=layout, strategy=strategy,
+                                 **{name: chunk})
 
 
 def _measured_vs_model(rank: int, world: int) -> list[str]:
     failures = []  # returned, not raised: a rank that raised would leave its peer in a collective
-    for strategy, layout, hkv, dtype in CASES:
+    for strategy, layout, hkv, dtype, chunk in CASES:
         L = S // world
         torch.manual_seed(rank)
         q, k, v = (torch.randn(1, L, h, D, dtype=dtype, requires_grad=True) for h in (H, hkv, hkv))
         g = torch.randn(1, L, H, D, dtype=dtype)
-        _call(strategy, layout, q, k, v).backward(g)  # warm-up: lazy initialisation
+        _call(strategy, layout, chunk, q, k, v).backward(g)  # warm-up: lazy initialisation
         peaks = []
         # The least of 5: gloo frees its collectives' copies on its own thread, at times in the
         # next phase (plan.memory), which can only raise a measured peak (a loaded machine: up to
@@ -45,13 +49,13 @@ def _measured_vs_model(rank: int, world: int) -> list[str]:
             cpattn.release_buffers()  # the model counts the ring's buffers
             dist.barrier()
             with cpattn.memory.counting() as c:
-                _call(strategy, layout, q, k, v).backward(g)
+                _call(strategy, layout, chunk, q, k, v).backward(g)
             peaks.append(c.peak)
         p = P.Problem(S, H, hkv, D, dtype=str(dtype).split(".")[1], causal=True)
-        model = P.memory(p, strategy, world, layout, gloo=True)["peak"]
+        model = P.memory(p, strategy, world, layout, chunk, gloo=True)["peak"]
         if abs(min(peaks) - model) > 0.10 * model:
-            failures.append(f"rank {rank} {strategy}/{layout} kv heads {hkv} {dtype}: "
-                            f"measured {peaks}, model {model}")
+            failures.append(f"rank {rank} {strategy}/{layout} kv heads {hkv} {dtype} chunk "
+                            f"{chunk}: measured {peaks}, model {model}")
     return failures
 
 

@@ -144,6 +144,26 @@ def test_memory_that_does_not_fit_ranks_last():
     assert [r.fits for r in ranked] == sorted((r.fits for r in ranked), reverse=True)
 
 
+def test_short_of_memory_the_ring_runs_in_passes():
+    p = P.Problem(1 << 18, 32, 8, 128, causal=True, dtype="bfloat16")
+    cands = [P.Candidate("ring", "zigzag"), P.Candidate("allgather", "zigzag", chunk=2)]
+    roomy = dataclasses.replace(P.PRESETS["h100-ib"], memory=80e9)
+    ranked, _ = P.plan(p, roomy, 8, cands)
+    assert [r.name for r in ranked] == ["ring/zigzag", "allgather/zigzag"]  # nothing added
+    one_pass = ranked[0].peak_memory
+    short = dataclasses.replace(roomy, memory=0.8 * one_pass)
+    ranked, why = P.plan(p, short, 8, cands)
+    best = ranked[0]
+    assert best.candidate.strategy == "ring" and 0 < best.candidate.chunk < 8 and best.fits
+    assert why.startswith(best.name) and best.name == f"ring/zigzag/{best.candidate.chunk}kv"
+    passes = {r.candidate.chunk: r for r in ranked if r.candidate.strategy == "ring"}
+    assert sorted(passes) == [0, 1, 2, 4]
+    # fewer KV heads per pass: less memory, more (smaller) messages, never faster
+    for more, fewer in ((0, 4), (4, 2), (2, 1)):
+        assert passes[fewer].peak_memory < passes[more].peak_memory
+        assert passes[fewer].time >= passes[more].time
+
+
 def test_problem_and_machine_errors_name_the_argument():
     with pytest.raises(ValueError, match="heads/kv_heads"):
         P.Problem(1024, 6, 4, 64)

@@ -38,6 +38,8 @@ class ContextParallel:
             "contiguous" or "striped". Ulysses needs (and defaults to) "contiguous"; for hybrid
             the layout is that of the ring dimension.
         allgather_chunk: KV heads gathered at a time by "allgather" (default: a quarter).
+        ring_chunk: KV heads per pass of "ring" (default: all, one pass; fewer divide the ring's
+            memory, see cpattn.ring_attention).
         timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
 
     Every rank of the group must make the same object (same strategy and layout).
@@ -50,6 +52,7 @@ class ContextParallel:
         strategy: str = "ring",
         layout: Optional[str] = None,
         allgather_chunk: Optional[int] = None,
+        ring_chunk: Optional[int] = None,
         timeout: Optional[float] = None,
     ) -> None:
         if strategy not in STRATEGIES:
@@ -68,7 +71,7 @@ class ContextParallel:
                 f"layout must be 'contiguous', got {layout!r}"
             )
         self.strategy, self.layout = strategy, layout
-        self.allgather_chunk, self.timeout = allgather_chunk, timeout
+        self.allgather_chunk, self.ring_chunk, self.timeout = allgather_chunk, ring_chunk, timeout
         self.ring_group = self.ulysses_group = None
         if strategy == "hybrid":
             if _is_mesh(group) and group.ndim == 2:
@@ -161,6 +164,7 @@ class ContextParallel:
         if self.strategy in ("ring", "allgather"):
             return ring_attention(q, k, v, group=self.group, layout=self.layout,
                                   strategy=self.strategy, allgather_chunk=self.allgather_chunk,
+                                  ring_chunk=self.ring_chunk,
                                   **common)
         if self.strategy == "ulysses":
             return ulysses_attention(q, k, v, group=self.group, **common)

@@ -211,10 +211,12 @@ class Candidate:
     layout: str = ""
     ulysses: int = 1
     ring: int = 1
-    chunk: int = 0  # allgather: KV heads per gather
+    chunk: int = 0  # allgather: KV heads per gather; ring: KV heads per pass (0: all, one pass)
 
     @property
     def name(self) -> str:
+        if self.strategy == "ring" and self.chunk:
+            return f"ring/{self.layout}/{self.chunk}kv"
         if self.strategy in ("ring", "allgather"):
             return f"{self.strategy}/{self.layout}"
         if self.strategy == "hybrid":
@@ -348,7 +350,8 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
     own malloc'd buffers, on top of the peak phase (the RSS sees them)}. The ring's receive
     buffers and fp32 dK/dV
     accumulators are counted (cached between calls: cpattn.release_buffers() frees them).
-    chunk: all-gather KV heads per gather (default ring_attention's: max(1, Hkv // 4)).
+    chunk: all-gather KV heads per gather (default ring_attention's: max(1, Hkv // 4)); ring: KV
+        heads per pass (ring_chunk; default all of them, one pass).
     gloo: the process group is gloo's (CPU tensors), whose all-gather and reduce-scatter copy the
     whole gathered / reduced buffer (NCCL's do not). Gloo frees that copy on its own thread,
     racing the caller: it may still be alive in the next phase (not counted here)."""
@@ -361,6 +364,8 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
     bf = p.dtype == "bfloat16" and _bf16_dot()
     cast = e != 4  # fp32 state converted to the input dtype at the end
     ph: dict = {}
+    if strategy == "ring" and chunk and chunk < Hkv:
+        return _memory_ring_passes(p, world, layout, chunk)
     if strategy in ("ring", "none"):
         if strategy == "none":
             return _memory_local(ph, B, p.seqlen, H, Hkv, D, e, train, bf)
@@ -436,6 +441,24 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             kept = (Q + 2 * K) * e
         return _result(ph, kept, train and _kernel_bwd_scratch(B, S, h, hk, D, bf))
     raise ValueError(f"cpattn.plan.memory: unknown strategy {strategy!r}")
+
+
+def _memory_ring_passes(p: Problem, world: int, layout: str, chunk: int) -> dict:
+    """The ring in passes of `chunk` KV heads (ring_attention(ring_chunk=...)): each pass is the
+    ring of its heads (its phases), around it the whole results written pass by pass, the pass's
+    k, v heads made contiguous for the ring and, in the backward, its dout heads."""
+    q_heads = p.heads // p.kv_heads * chunk
+    one = memory(dataclasses.replace(p, heads=q_heads, kv_heads=chunk), "ring", world, layout)
+    L, e = _padded(p, world, layout), p.elem
+    Q, K = p.batch * L * p.heads * p.head_dim, p.batch * L * p.kv_heads * p.head_dim
+    Qc, Kc = Q // p.heads * q_heads, K // p.kv_heads * chunk
+    lse, lse_c = 4 * p.batch * p.heads * L, 4 * p.batch * q_heads * L
+    # The pass's own out and LSE (saved, in its phases) are views of the whole ones here.
+    fwd = Q * e + lse + 2 * Kc * e
+    bwd = (Q - Qc) * e + lse - lse_c + (Q + 2 * K) * e + Qc * e + 2 * Kc * e
+    ph = {name: b + (bwd if name.startswith("bwd") else fwd) for name, b in one["phases"].items()}
+    grads = (Q + 2 * K - Qc - 2 * Kc) * e if p.mode == "train" else (Q - Qc) * e
+    return _result(ph, one["kept"] + grads, one["scratch"])
 
 
 def _inputs(p: Problem, world: int) -> int:
@@ -578,11 +601,15 @@ def _predict_strategy(p: Problem, m: Machine, world: int, c: Candidate) -> Predi
         return Prediction(c, time_, r["compute"], 0.0, 0.0, peak)
     if c.strategy in ("ring", "allgather"):
         link = m.link(world)
-        r = _ring(p, m, world, c.layout, H, Hkv, link)
         peak = _inputs(p, world) + memory(p, c.strategy, world, c.layout, c.chunk)["peak"]
-        if c.strategy == "ring":
-            time_ = r["fwd"] + r.get("bwd", 0.0)
-            return Prediction(c, time_, r["compute"], r["exposed"], r["sent"], peak)
+        if c.strategy == "ring":  # in passes of c.chunk KV heads (ring_chunk), each a ring
+            passes = math.ceil(Hkv / c.chunk) if 0 < c.chunk < Hkv else 1
+            r = _ring(p, m, world, c.layout, H // Hkv * min(c.chunk or Hkv, Hkv),
+                      min(c.chunk or Hkv, Hkv), link)
+            time_ = passes * (r["fwd"] + r.get("bwd", 0.0))
+            return Prediction(c, time_, passes * r["compute"], passes * r["exposed"],
+                              passes * r["sent"], peak)
+        r = _ring(p, m, world, c.layout, H, Hkv, link)
         chunks = math.ceil(Hkv / c.chunk)
         fwd_c = _compute_steps(p, m, world, c.layout, H).sum(1).amax().item()
         kv_chunk = r["kv"] / Hkv * c.chunk
@@ -716,9 +743,22 @@ def explain(ranked: Sequence[Prediction]) -> str:
 
 
 def plan(p: Problem, m: Machine, world: int, cands: Optional[Sequence[Candidate]] = None):
-    """(ranked predictions, one-line explanation)."""
-    ranked = rank(predict(p, m, world, cands))
+    """(ranked predictions, one-line explanation). When the fastest candidate does not fit in
+    memory, the rings among them are also tried in passes of fewer KV heads (ring_chunk: half,
+    a quarter, ... of them, down to one), which divide the ring's own memory."""
+    preds = predict(p, m, world, cands)
+    if preds and not min(preds, key=lambda r: r.time).fits:
+        preds += predict(p, m, world, _ring_passes(p, [r.candidate for r in preds]))
+    ranked = rank(preds)
     return ranked, explain(ranked)
+
+
+def _ring_passes(p: Problem, cands: Sequence[Candidate]) -> list:
+    """The one-pass rings of `cands` in passes of Hkv / 2, Hkv / 4, ..., 1 KV heads."""
+    chunks = sorted({max(1, p.kv_heads >> i) for i in range(1, p.kv_heads.bit_length())},
+                    reverse=True)
+    return [dataclasses.replace(c, chunk=n) for c in cands
+            if c.strategy == "ring" and not c.chunk for n in chunks if n < p.kv_heads]
 
 
 def table(ranked: Sequence[Prediction]) -> str:

@@ -215,8 +215,10 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
 
 
 def auto_strategy(q, k, world: int, group, causal: bool, layout: str, window, docs,
-                  allgather_chunk: Optional[int], what: str) -> str:
-    """ring_attention(strategy="auto"): "ring" or "allgather" for this rank's shards q
+                  allgather_chunk: Optional[int], ring_chunk: Optional[int], what: str
+                  ) -> plan.Candidate:
+    """ring_attention(strategy="auto"): the ring (in passes of ring_chunk KV heads if given; of
+    fewer KV heads when memory is short) or the all-gather for this rank's shards q
     (B, S/W, H, D), k (B, S/W, Hkv, D) in `layout`. Call it only after the ranks agreed on the
     shapes, options, documents and on whether gradients are needed."""
     p = plan.Problem(
@@ -225,9 +227,9 @@ def auto_strategy(q, k, world: int, group, causal: bool, layout: str, window, do
         documents=None if docs is None else tuple(docs.tolist()),
         mode="train" if needs_grad(q, k) else "forward")
     chunk = allgather_chunk or max(1, k.shape[2] // 4)
-    cands = [plan.Candidate("ring", layout), plan.Candidate("allgather", layout, chunk=chunk)]
-    return plan.choose(p, world, cands, group, what).candidate.strategy
-
+    cands = [plan.Candidate("ring", layout, chunk=ring_chunk or 0),
+             plan.Candidate("allgather", layout, chunk=chunk)]
+    return plan.choose(p, world, cands, group, what).candidate
 
 
 def _sink_grad(ctx, sinks, dout, out, lse, dlse):
@@ -238,17 +240,44 @@ def _sink_grad(ctx, sinks, dout, out, lse, dlse):
     return torch.ops.cpattn.sink_bwd(dout, out, lse, sinks, dlse).to(sinks.dtype)
 
 
+def _head_chunks(q, k, chunk: int) -> list:
+    """(query heads, KV heads) slices of each pass over `chunk` KV heads at a time; one pass of
+    every head when chunk >= kv heads."""
+    if chunk >= k.shape[2]:
+        return [(slice(None), slice(None))]
+    group_size = q.shape[2] // k.shape[2]
+    return [(slice(c0 * group_size, (c0 + chunk) * group_size), slice(c0, c0 + chunk))
+            for c0 in range(0, k.shape[2], chunk)]
+
+
 class _RingAttention(torch.autograd.Function):
+    """The ring (csrc/ops/ring.cpp), in one pass over every head or, with `chunk` < kv heads,
+    one pass per chunk of `chunk` KV heads (and their query heads): each pass holds the fp32
+    state and the ring buffers of its heads only, and writes its part of the results."""
+
     @staticmethod
     def forward(ctx, q, k, v, group_name, scale, causal, window, layout_code, timeout, docs,
-                softcap, alibi_slopes, prefix_len, sinks):
-        out, lse = torch.ops.cpattn.ring_fwd(
-            q, k, v, group_name, scale, causal, window[0], window[1], layout_code, timeout,
-            doc_lengths=docs, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-            prefix_len=prefix_len,
-        )
+                softcap, alibi_slopes, prefix_len, chunk, sinks):
+        args = (group_name, scale, causal, window[0], window[1], layout_code, timeout)
+        passes = _head_chunks(q, k, chunk)
+        out = lse = None
+        for qh, kh in passes:
+            out_c, lse_c = torch.ops.cpattn.ring_fwd(
+                q[:, :, qh], k[:, :, kh], v[:, :, kh], *args, doc_lengths=docs, softcap=softcap,
+                alibi_slopes=_heads(alibi_slopes, qh), sinks=_heads(sinks, qh),
+                prefix_len=prefix_len,
+            )
+            if len(passes) == 1:  # its result is the result
+                out, lse = out_c, lse_c
+                break
+            if out is None:  # written pass by pass: no list of parts and no concatenation
+                out = out_c.new_empty((*q.shape[:3], out_c.shape[3]))
+                lse = lse_c.new_empty((q.shape[0], q.shape[2], q.shape[1]))
+            out[:, :, qh].copy_(out_c)
+            lse[:, qh].copy_(lse_c)
+            del out_c, lse_c
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
-        ctx.args = (group_name, scale, causal, window[0], window[1], layout_code, timeout)
+        ctx.args, ctx.chunk = args, chunk
         ctx.docs, ctx.softcap, ctx.prefix_len = docs, softcap, prefix_len
         return out, lse
 
@@ -257,12 +286,26 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = torch.ops.cpattn.ring_bwd(
-            dout, q, k, v, out, lse, *ctx.args, dlse=dlse, doc_lengths=ctx.docs,
-            softcap=ctx.softcap, alibi_slopes=alibi_slopes, prefix_len=ctx.prefix_len,
-        )
+        passes = _head_chunks(q, k, ctx.chunk)
+        if len(passes) > 1:  # written pass by pass
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for qh, kh in passes:
+            dq_c, dk_c, dv_c = torch.ops.cpattn.ring_bwd(
+                dout if len(passes) == 1 else dout[:, :, qh].contiguous(), q[:, :, qh],
+                k[:, :, kh], v[:, :, kh], out[:, :, qh], lse[:, qh], *ctx.args,
+                dlse=None if dlse is None else dlse[:, qh], doc_lengths=ctx.docs,
+                softcap=ctx.softcap, alibi_slopes=_heads(alibi_slopes, qh),
+                prefix_len=ctx.prefix_len,
+            )
+            if len(passes) == 1:
+                dq, dk, dv = dq_c, dk_c, dv_c
+                break
+            dq[:, :, qh].copy_(dq_c)
+            dk[:, :, kh].copy_(dk_c)
+            dv[:, :, kh].copy_(dv_c)
+            del dq_c, dk_c, dv_c
         dsinks = _sink_grad(ctx, sinks, dout, out, lse, dlse)
-        return dq, dk, dv, *([None] * 10), dsinks
+        return dq, dk, dv, *([None] * 11), dsinks
 
 
 def _gather_kv(k, v, group, world):
@@ -351,7 +394,7 @@ def _heads(per_head: Optional[torch.Tensor], heads: slice) -> Optional[torch.Ten
 
 def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, window, timeout,
                       strategy, allgather_chunk, cu_seqlens, sinks=None, softcap=0.0,
-                      alibi_slopes=None, prefix_len=0, seqlen=None):
+                      alibi_slopes=None, prefix_len=0, seqlen=None, ring_chunk=None):
     """Shared by ring_attention and ring_attention_varlen (cu_seqlens given: q, k, v are 3-D):
     validation and the agreement check, then the strategy. Returns 4-D out and lse.
     `seqlen` (ring_attention): the real length of a sequence padded to the layout's granularity,
@@ -363,9 +406,9 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
         args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout,
                                        varlen=cu_seqlens is not None)
         check_choice(what, "strategy", strategy, tuple(STRATEGIES))
-        chunk = allgather_chunk
-        if chunk is not None:
-            chunk = check_int(what, "allgather_chunk", chunk, minimum=1)
+        chunk, r_chunk = (None if c is None else check_int(what, name, c, minimum=1)
+                          for name, c in (("allgather_chunk", allgather_chunk),
+                                          ("ring_chunk", ring_chunk)))
         docs = prefix_docs = None
         if cu_seqlens is not None:  # the exact boundaries, not a sum: other splits must not pass
             docs, tokens, raw = document_lengths(what, cu_seqlens)
@@ -385,7 +428,7 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
             fields += [("prefix_per_sequence", digest_ints(prefix_docs))]
         cap, prefix = check_score_options(what, softcap, alibi_slopes,
                                           0 if prefix_docs is not None else prefix_len)
-        fields += [("strategy", strategy), ("allgather_chunk", chunk),
+        fields += [("strategy", strategy), ("allgather_chunk", chunk), ("ring_chunk", r_chunk),
                    *score_fields(cap, alibi_slopes, sinks, prefix)]
         if seqlen is not None:
             n = check_int(what, "seqlen", seqlen, minimum=1)
@@ -398,23 +441,27 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
             fields += [("seqlen", n)]
         if strategy == "auto":  # the choice may only depend on what the ranks agree on
             fields += [("requires_grad", needs_grad(q, k, v))]
-        return (*args, chunk, docs, prefix_docs, cap, prefix), fields
+        return (*args, chunk, r_chunk, docs, prefix_docs, cap, prefix), fields
 
-    causal, layout_code, scale, window, chunk, docs, prefix_docs, softcap, prefix_len = agree_on(
-        what, group, timeout, check)
+    (causal, layout_code, scale, window, chunk, ring_chunk, docs, prefix_docs, softcap,
+     prefix_len) = agree_on(what, group, timeout, check)
     if cu_seqlens is not None:
         q, k, v = q[None], k[None], v[None]
     elif prefix_docs is not None:  # the batch as packed documents: (B, L, ..) -> (1, B L, ..)
         batch = q.shape[0]
         q, k, v = (t.flatten(0, 1)[None] for t in (q, k, v))
     if strategy == "auto":
-        strategy = auto_strategy(q, k, world, group, causal, layout, window, docs, chunk, what)
+        chosen = auto_strategy(q, k, world, group, causal, layout, window, docs, chunk,
+                               ring_chunk, what)
+        strategy = chosen.strategy
+        if strategy == "ring":
+            ring_chunk = chosen.chunk or None
     if prefix_docs is not None:  # the ops take the prefixes as a second row of the documents
         docs = torch.stack([docs, prefix_docs])
     if strategy == "ring":
         out, lse = _RingAttention.apply(q, k, v, group.group_name, scale, causal, window,
                                         layout_code, timeout, docs, softcap, alibi_slopes,
-                                        prefix_len, sinks)
+                                        prefix_len, ring_chunk or k.shape[2], sinks)
     else:
         chunk = chunk or max(1, k.shape[2] // 4)
         out, lse = _GatheredAttention.apply(q, k, v, group, rank, world, scale, causal, window,
@@ -433,7 +480,7 @@ def ring_attention(
     strategy: str = "ring", allgather_chunk: Optional[int] = None, timeout: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None, prefix_len: Union[int, torch.Tensor] = 0,
-    seqlen: Optional[int] = None,
+    seqlen: Optional[int] = None, ring_chunk: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -451,6 +498,10 @@ def ring_attention(
             time, default a quarter of them; simplest, good for short sequences or few KV heads).
             "auto": the cost model (cpattn.plan) picks one of the two for this problem and
             machine, once per distinct problem, the same on every rank (logged at debug level).
+        ring_chunk: KV heads per pass of the ring (default: all of them, one pass). Each pass
+            runs the ring for its KV heads and their query heads only, so the ring's buffers and
+            fp32 state (out, dq, the travelling dK/dV accumulators) shrink by the number of
+            passes, for as many times more (smaller) messages.
         timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
         sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions
             (the same values on every rank). A sink joins each row once, after every partial
@@ -472,7 +523,7 @@ def ring_attention(
     """
     out, lse = _context_parallel("cpattn.ring_attention", q, k, v, group, causal, layout,
                                  softmax_scale, window, timeout, strategy, allgather_chunk, None,
-                                 sinks, softcap, alibi_slopes, prefix_len, seqlen)
+                                 sinks, softcap, alibi_slopes, prefix_len, seqlen, ring_chunk)
     return (out, lse) if return_lse else out
 
 
@@ -494,6 +545,7 @@ def ring_attention_varlen(
     strategy: str = "ring", allgather_chunk: Optional[int] = None, timeout: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None, prefix_len: Union[int, torch.Tensor] = 0,
+    ring_chunk: Optional[int] = None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ring (or all-gather) attention over packed documents that never attend across each other.
 
@@ -502,14 +554,16 @@ def ring_attention_varlen(
     and sharded on its own (per-document zigzag), so documents straddle ranks.
     q (T_local, H, D), k/v (T_local, Hkv, D) come from cpattn.shard_varlen; padding tokens give
     output 0 and LSE -inf. Returns out (T_local, H, D) and optionally lse (H, T_local).
-    sinks, softcap, alibi_slopes: as ring_attention (ALiBi on positions within the document);
+    sinks, softcap, alibi_slopes, ring_chunk: as ring_attention (ALiBi on positions within the
+    document);
     prefix_len: an int, the same prefix for every document, or an int64 tensor (D,), one prefix
     per document (0 <= P_d <= its length, 0: none), on positions within the document.
     Padding rows with a sink: LSE = the sink. v may have its own head dim Dv (out then has Dv).
     """
     out, lse = _context_parallel("cpattn.ring_attention_varlen", q, k, v, group, causal, layout,
                                  softmax_scale, window, timeout, strategy, allgather_chunk,
-                                 cu_seqlens, sinks, softcap, alibi_slopes, prefix_len)
+                                 cu_seqlens, sinks, softcap, alibi_slopes, prefix_len,
+                                 ring_chunk=ring_chunk)
     return (out[0], lse[0]) if return_lse else out[0]
 
 
