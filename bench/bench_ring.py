@@ -1,13 +1,15 @@
 """Ring attention on CPU ranks: efficiency against the same per-rank work without communication,
 layout balance for causal masks, and per-rank peak memory against W.
 
-    python bench/bench_ring.py [--slocal 2048 4096] [--out FILE]
+    python bench/bench_ring.py [--slocal 2048 4096] [--ring-chunk C] [--out FILE]
 
 Ring efficiency: W = 2 spawned ranks (gloo), one thread each, run cpattn.ring_attention forward
 and backward; in the same processes, at the same time, each rank then runs exactly its share of
 the ring's work with every shift replaced by a local copy
 (torch.ops.cpattn_testing.ring_loopback_timing).
-The ratio ring / local is the cost of communication that compute did not hide.
+The ratio ring / local is the cost of communication that compute did not hide. With
+--ring-chunk C the ring runs in passes of C KV heads (ring_chunk) against the same local work:
+the ratio then includes the cost of the passes (more, smaller messages and kernel calls).
 """
 
 import argparse
@@ -46,7 +48,8 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
         dist.barrier()
         t0 = time.perf_counter()
-        out = cpattn.ring_attention(qs, ks, vs, causal=causal, layout=layout)
+        out = cpattn.ring_attention(qs, ks, vs, causal=causal, layout=layout,
+                                    ring_chunk=cfg.get("ring_chunk"))
         t1 = time.perf_counter()
         out.backward(dout)
         t2 = time.perf_counter()
@@ -78,15 +81,20 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--memory-seqlen", type=int, default=16384)
+    parser.add_argument("--ring-chunk", type=int, help="KV heads per pass of the ring "
+                        "(ring_chunk; default all, one pass)")
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
     args = parser.parse_args()
 
     emit = Report("ring benchmark")
 
     base = {"batch": 1, "heads": args.heads, "kv_heads": args.kv_heads,
-            "head_dim": args.head_dim, "iters": args.iters, "threads": 1}
+            "head_dim": args.head_dim, "iters": args.iters, "threads": 1,
+            "ring_chunk": args.ring_chunk}
+    passes = "" if args.ring_chunk is None else f", ring_chunk {args.ring_chunk}"
     emit("## Ring efficiency: W = 2 ranks x 1 thread, causal, zigzag "
-         f"(heads {args.heads}, head_dim {args.head_dim}); time = max over ranks of the median")
+         f"(heads {args.heads}, head_dim {args.head_dim}{passes}); time = max over ranks of the "
+         "median")
     emit("| S_local | ring fwd (s) | local fwd (s) | fwd ratio | ring bwd (s) | local bwd (s) "
          "| bwd ratio | fwd+bwd ratio |")
     emit("|---|---|---|---|---|---|---|---|")
