@@ -99,7 +99,8 @@ def test_bad_ring_chunk_raises_on_every_rank() -> None:
 
 
 def _auto_takes_the_passes(rank: int, world: int) -> None:
-    """strategy="auto" runs the ring in the passes the planner chose (short of memory)."""
+    """strategy="auto" runs the ring in the passes the planner chose (short of memory), and
+    ContextParallel (the transformers integration's settings) passes ring_chunk on."""
     from cpattn import plan, ring
 
     chosen = plan.Prediction(plan.Candidate("ring", "zigzag", chunk=1), 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -111,6 +112,9 @@ def _auto_takes_the_passes(rank: int, world: int) -> None:
     q, k, v = (cpattn.shard(torch.randn(1, 8 * world, h, 16)) for h in (4, 2, 2))
     out = cpattn.ring_attention(q, k, v, causal=True, strategy="auto")
     assert seen == [1]  # ring_chunk=1: two passes of one KV head
+    cpattn.ContextParallel(strategy="ring", ring_chunk=1).attention(q, k, v, causal=True)
+    cpattn.ring_attention(q, k, v, causal=True)
+    assert seen == [1, 1, 2]  # then one pass of both: the default
     torch.testing.assert_close(out, cpattn.ring_attention(q, k, v, causal=True), atol=1e-6,
                                rtol=1e-5)
 
