@@ -355,12 +355,18 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       uint32_t aq[4], ao[4];
       ldmatrix_x4(aq, elem_addr(sQ_u, a_at));
       ldmatrix_x4(ao, elem_addr(sdO_u, a_at));
-      mma_k16<Elem, 1>(&s, &aq, [&](int np, uint32_t(&bk)[4]) {
-        ldmatrix_x4(bk, elem_addr(sK, bt_offset<kStride>(np * 16, ks * 16, lane)));
-      });
-      mma_k16<Elem, 1>(&dp, &ao, [&](int np, uint32_t(&bv)[4]) {
-        ldmatrix_x4(bv, elem_addr(sV, bt_offset<kStride>(np * 16, ks * 16, lane)));
-      });
+      // S and dP side by side (their n8 tile pairs share the row addresses).
+#pragma unroll
+      for (int np = 0; np < kSTiles / 2; ++np) {
+        const int b_at = bt_offset<kStride>(np * 16, ks * 16, lane);
+        uint32_t bk[4], bv[4];
+        ldmatrix_x4(bk, elem_addr(sK, b_at));
+        ldmatrix_x4(bv, elem_addr(sV, b_at));
+        mma_16816<Elem>(s[2 * np], aq, bk[0], bk[1]);
+        mma_16816<Elem>(s[2 * np + 1], aq, bk[2], bk[3]);
+        mma_16816<Elem>(dp[2 * np], ao, bv[0], bv[1]);
+        mma_16816<Elem>(dp[2 * np + 1], ao, bv[2], bv[3]);
+      }
     }
     // dS = P (dP - delta), P = exp2(S * scale * log2 e - lse_log2), masked pairs 0.
     if constexpr (kScored) {
@@ -401,18 +407,28 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   }
 }
 
+// The pair of an element-wise pass over fp32 pairs (pairs_launch) that this thread handles: pair
+// i, in a row of kHeadDim / 2 pairs whose index is (i0 * n1 + i1) * n2 + i2; c is its first
+// column.
+struct PairIndex {
+  int64_t i;
+  int i0, i1, i2, c;
+};
+template <int kHeadDim>
+__device__ __forceinline__ PairIndex pair_index(int n1, int n2) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = i / (kHeadDim / 2);
+  return {i, static_cast<int>(row / n2 / n1), static_cast<int>(row / n2 % n1),
+          static_cast<int>(row % n2), static_cast<int>(i % (kHeadDim / 2)) * 2};
+}
+
 // dq (B, Sq, H, D) in GradT = scale * dq_accum (B, H, rounded, D) fp32.
 template <int kHeadDim, typename GradT>
 __global__ void dq_convert_kernel(const __grid_constant__ BwdParamsCuda p) {
-  const int64_t pairs = dq_pairs(p.shape);  // p.shape.head_dim == kHeadDim
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= pairs) return;
-  const int c = static_cast<int>(i % (kHeadDim / 2)) * 2;
-  const int64_t row = i / (kHeadDim / 2);  // (b * H + h) * Sq + s
-  const int s = static_cast<int>(row % p.shape.seqlen_q);
-  const int64_t bh = row / p.shape.seqlen_q;
-  const int h = static_cast<int>(bh % p.shape.heads);
-  const int b = static_cast<int>(bh / p.shape.heads);
+  const PairIndex at = pair_index<kHeadDim>(p.shape.heads, p.shape.seqlen_q);
+  if (at.i >= dq_pairs(p.shape)) return;  // p.shape.head_dim == kHeadDim
+  const int b = at.i0, h = at.i1, s = at.i2, c = at.c;
+  const int64_t bh = static_cast<int64_t>(b) * p.shape.heads + h;
   const float2 x =
       *reinterpret_cast<const float2*>(p.dq_accum + (bh * p.seqlen_q_rounded + s) * kHeadDim + c);
   GradT* const dst = static_cast<GradT*>(p.dq) + b * p.dq_strides.batch + h * p.dq_strides.head +
@@ -424,17 +440,12 @@ __global__ void dq_convert_kernel(const __grid_constant__ BwdParamsCuda p) {
 template <int kHeadDim, typename GradT>
 __global__ void dkv_reduce_kernel(const __grid_constant__ BwdParamsCuda p) {
   const int64_t pairs = dkv_pairs(p.shape);  // p.shape.head_dim == kHeadDim
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= pairs) return;
-  const int c = static_cast<int>(i % (kHeadDim / 2)) * 2;
-  const int64_t row = i / (kHeadDim / 2);  // (b * Sk + s) * Hkv + hk
-  const int hk = static_cast<int>(row % p.shape.kv_heads);
-  const int64_t bs = row / p.shape.kv_heads;
-  const int s = static_cast<int>(bs % p.shape.seqlen_k);
-  const int b = static_cast<int>(bs / p.shape.seqlen_k);
+  const PairIndex at = pair_index<kHeadDim>(p.shape.seqlen_k, p.shape.kv_heads);
+  if (at.i >= pairs) return;
+  const int b = at.i0, s = at.i1, hk = at.i2, c = at.c;
   const int64_t part = pairs * 2;  // elements of one (kind, split) slice
   for (int kind = 0; kind < 2; ++kind) {
-    const float* src = p.dkv_partial + kind * p.head_splits * part + 2 * i;
+    const float* src = p.dkv_partial + kind * p.head_splits * part + 2 * at.i;
     float x = 0.f, y = 0.f;
     for (int sp = 0; sp < p.head_splits; ++sp) {
       const float2 v = *reinterpret_cast<const float2*>(src + sp * part);

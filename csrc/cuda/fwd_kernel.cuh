@@ -55,8 +55,10 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   constexpr int kKSteps = Cfg::kKSteps, kSTiles = Cfg::kSTiles, kOTiles = Cfg::kOTiles;
   constexpr bool kQInRegs = Cfg::kQInRegs;
 
-  Elem* const smem = shared_tiles<Elem>();                        // K/V stages 0 and 1, then Q
-  Elem* const sQ = smem + (kQInRegs ? 1 : 2) * Cfg::kStageElems;  // in regs: Q in stage 1 first
+  // K/V stages 0 and 1, then Q; with Q in registers, Q's tile is stage 1 until its fragments
+  // are read (the first iteration).
+  Elem* const smem = shared_tiles<Elem>();
+  Elem* const sQ = smem + (kQInRegs ? 1 : 2) * Cfg::kStageElems;
 
   const QueryBlock blk = query_block<Cfg>(p);
   const int m0 = blk.m0, h = blk.h, b = blk.b;

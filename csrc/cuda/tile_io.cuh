@@ -1,5 +1,6 @@
-// Tile movement shared by the attention kernels: global (strided rows) -> shared (padded rows)
-// with cp.async, and the ldmatrix addressing of the four operand roles.
+// The tile vocabulary of the attention kernels (forward and backward use it alike): global
+// (strided rows) -> shared (padded rows) with cp.async, the two-stage K/V pipeline, shared
+// addresses for ldmatrix, the k16 step of the warp's MMAs, and accumulator rows -> global.
 #pragma once
 
 #include <cstdint>
