@@ -37,6 +37,12 @@ void check_half_inputs(const at::Tensor& q) {
               " (cast with .to(torch.bfloat16); float32 attention runs on the CPU only)");
 }
 
+// The kernels write their results (out, or the gradients) in float32 or in q's dtype.
+void check_result_dtype(const char* name, at::ScalarType dtype, const at::Tensor& q) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == q.scalar_type(), "cpattn: CUDA ", name,
+              " must be float32 or q's dtype (", q.scalar_type(), "), got ", dtype);
+}
+
 std::string compiled_list() {
   int n = 0;
   const int* dims = cuda::compiled_head_dims(&n);
@@ -173,9 +179,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const
                                                       const ScoreArgs& score,
                                                       at::ScalarType out_dtype) {
   check_half_inputs(q);
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == q.scalar_type(),
-              "cpattn: CUDA out_dtype must be float32 or q's dtype (", q.scalar_type(), "), got ",
-              out_dtype);
+  check_result_dtype("out_dtype", out_dtype, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const int kd = kernel_head_dim(s);
   const at::Tensor qk = kernel_operand(q, kd), kk = kernel_operand(k, kd),
@@ -203,9 +207,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "cpattn: CUDA dout must have q's dtype (",
               q.scalar_type(), "), got ", dout.scalar_type());
   const at::ScalarType gd = grad_dtype.value_or(q.scalar_type());
-  TORCH_CHECK(gd == at::kFloat || gd == q.scalar_type(),
-              "cpattn: CUDA grad_dtype must be float32 or q's dtype (", q.scalar_type(), "), got ",
-              gd);
+  check_result_dtype("grad_dtype", gd, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const int kd = kernel_head_dim(s);
   const at::Tensor qk = kernel_operand(q, kd), kk = kernel_operand(k, kd),
