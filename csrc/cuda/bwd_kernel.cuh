@@ -49,18 +49,13 @@ namespace cpattn::cuda {
 template <typename Elem, int kKSteps, int kNTiles, int kStride>
 __device__ __forceinline__ void mma_c_b(float (&acc)[kNTiles][4], const float (&c)[2 * kKSteps][4],
                                         uint32_t b_tile, int c0, int lane) {
-  static_assert(kNTiles % 2 == 0, "n8 tiles come in pairs (one ldmatrix_x4)");
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
     uint32_t a[4];
     c_to_a<Elem>(a, c[2 * ks], c[2 * ks + 1]);
-#pragma unroll
-    for (int np = 0; np < kNTiles / 2; ++np) {
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, b_addr_trans<kStride>(b_tile, ks * 16, c0 + np * 16, lane));
-      mma_16816<Elem>(acc[2 * np], a, b[0], b[1]);
-      mma_16816<Elem>(acc[2 * np + 1], a, b[2], b[3]);
-    }
+    mma_k16<Elem, 1>(&acc, &a, [&](int np, uint32_t(&b)[4]) {
+      ldmatrix_x4_trans(b, elem_addr(b_tile, b_trans_offset<kStride>(ks * 16, c0 + np * 16, lane)));
+    });
   }
 }
 
@@ -70,10 +65,9 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
   constexpr int kThreads = Cfg::kThreads, kStride = Cfg::kStride, kDSStride = Cfg::kDSStride;
   constexpr int kKSteps = Cfg::kKSteps, kQTiles = Cfg::kQTiles, kMSteps = Cfg::kMSteps;
-  constexpr int kDTiles = Cfg::kDTiles, kWarps = Cfg::kWarps;
+  constexpr int kDTiles = Cfg::kDTiles;
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Elem* const sK_ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* const sK_ = shared_tiles<Elem>();
   Elem* const sV_ = sK_ + Cfg::kKVElems;
   Elem* const sQ0 = sV_ + Cfg::kKVElems;                                // per stage: Q, then dO
   Elem* const sdS_ = sQ0 + 4 * Cfg::kQElems;                            // dS^T [key][query]
@@ -89,8 +83,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const int seqlen_q = p.shape.seqlen_q, seqlen_k = p.shape.seqlen_k;
   const int rounded = p.seqlen_q_rounded;
   const int n0 = n_block * kBlockN;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const Mask& mask = p.mask;
   const float scale_log2 = p.scale_log2;
 
@@ -105,34 +98,21 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
 
-  const Elem* const q_base = static_cast<const Elem*>(p.q) + b * p.q_strides.batch;
-  const Elem* const do_base = static_cast<const Elem*>(p.dout) + b * p.dout_strides.batch;
   // Query tile (head h, rows from m0) into stage st: Q, dO at sQ0 + st * 2 * kQElems; lse_log2,
   // delta at sLse0 + st * 2 * kBlockM.
   auto load_q_tile = [&](int h, int m0, int st) {
     Elem* const sQ = sQ0 + st * 2 * Cfg::kQElems;
     float* const sLse = sLse0 + st * 2 * kBlockM;
-    load_tile_async<kBlockM, kHeadDim, kStride, kThreads>(
-        sQ, q_base + h * p.q_strides.head + static_cast<int64_t>(m0) * p.q_strides.seq,
-        p.q_strides.seq, seqlen_q - m0, tid);
-    load_tile_async<kBlockM, kHeadDim, kStride, kThreads>(
-        sQ + Cfg::kQElems,
-        do_base + h * p.dout_strides.head + static_cast<int64_t>(m0) * p.dout_strides.seq,
-        p.dout_strides.seq, seqlen_q - m0, tid);
+    load_rows_async<kBlockM, Cfg>(sQ, p.q, p.q_strides, b, h, m0, seqlen_q, tid);
+    load_rows_async<kBlockM, Cfg>(sQ + Cfg::kQElems, p.dout, p.dout_strides, b, h, m0, seqlen_q,
+                                  tid);
     const int64_t row0 = (static_cast<int64_t>(b) * p.shape.heads + h) * rounded + m0;
     load_floats_async<kBlockM, kThreads>(sLse, p.lse_log2 + row0, tid);
     load_floats_async<kBlockM, kThreads>(sLse + kBlockM, p.delta + row0, tid);
   };
 
   if (total > 0) {
-    const Elem* const k = static_cast<const Elem*>(p.k) + b * p.k_strides.batch +
-                          hk * p.k_strides.head + static_cast<int64_t>(n0) * p.k_strides.seq;
-    const Elem* const v = static_cast<const Elem*>(p.v) + b * p.v_strides.batch +
-                          hk * p.v_strides.head + static_cast<int64_t>(n0) * p.v_strides.seq;
-    load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(sK_, k, p.k_strides.seq, seqlen_k - n0,
-                                                          tid);
-    load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(sV_, v, p.v_strides.seq, seqlen_k - n0,
-                                                          tid);
+    load_kv_async<Cfg>(p, b, hk, n_block, sK_, sV_, tid);
     load_q_tile(h_first, qb.first * kBlockM, 0);
     cp_async_commit();
   }
@@ -242,7 +222,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
           p.dq_accum +
           ((static_cast<int64_t>(b) * p.shape.heads + h_cur) * rounded + m0_cur) * kHeadDim;
       constexpr int kColUnits = Cfg::kSliceDim / Cfg::kDqCols;
-      for (int u = warp; u < Cfg::kDqUnits; u += kWarps) {
+      for (int u = warp; u < Cfg::kDqUnits; u += Cfg::kWarps) {
         const int r0 = (u / kColUnits) * 16, c0 = d0 + (u % kColUnits) * Cfg::kDqCols;
         float acc[4][4];
 #pragma unroll
@@ -252,14 +232,11 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
         for (int ns = 0; ns < kBlockN / 16; ++ns) {
           uint32_t a[4];
-          ldmatrix_x4_trans(a, a_addr_trans<kDSStride>(sdS, r0, ns * 16, lane));
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            uint32_t bk[4];
-            ldmatrix_x4_trans(bk, b_addr_trans<kStride>(sK, ns * 16, c0 + j * 16, lane));
-            mma_16816<Elem>(acc[2 * j], a, bk[0], bk[1]);
-            mma_16816<Elem>(acc[2 * j + 1], a, bk[2], bk[3]);
-          }
+          ldmatrix_x4_trans(a, elem_addr(sdS, a_trans_offset<kDSStride>(r0, ns * 16, lane)));
+          mma_k16<Elem, 1>(&acc, &a, [&](int j, uint32_t(&bk)[4]) {
+            ldmatrix_x4_trans(bk,
+                              elem_addr(sK, b_trans_offset<kStride>(ns * 16, c0 + j * 16, lane)));
+          });
         }
         // One base address per unit; the rest are compile-time offsets (RED [R + imm]).
         float* const dst = dq_tile + (r0 + g) * kHeadDim + c0 + 2 * t;
@@ -287,12 +264,9 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     for (int half = 0; half < 2; ++half) {
       const int key = n0 + warp_key0 + g + 8 * half;
       if (key >= seqlen_k) continue;
-      const int64_t at = static_cast<int64_t>(key) * p.shape.kv_heads * kHeadDim + d0 + 2 * t;
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        store2(dk_part + at + dt * 8, dk[dt][2 * half] * scale, dk[dt][2 * half + 1] * scale);
-        store2(dv_part + at + dt * 8, dv[dt][2 * half], dv[dt][2 * half + 1]);
-      }
+      const int64_t at = static_cast<int64_t>(key) * p.shape.kv_heads * kHeadDim + d0;
+      store_acc_row(dk_part + at, dk, half, scale, t);
+      store_acc_row(dv_part + at, dv, half, 1.f, t);
     }
     return;
   }
@@ -302,13 +276,8 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   for (int half = 0; half < 2; ++half) {
     const int key = n0 + warp_key0 + g + 8 * half;
     if (key < seqlen_k) {
-      GradT* const dkr = dk_out + static_cast<int64_t>(key) * p.dk_strides.seq + d0 + 2 * t;
-      GradT* const dvr = dv_out + static_cast<int64_t>(key) * p.dv_strides.seq + d0 + 2 * t;
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        store2(dkr + dt * 8, dk[dt][2 * half] * scale, dk[dt][2 * half + 1] * scale);
-        store2(dvr + dt * 8, dv[dt][2 * half], dv[dt][2 * half + 1]);
-      }
+      store_acc_row(dk_out + static_cast<int64_t>(key) * p.dk_strides.seq + d0, dk, half, scale, t);
+      store_acc_row(dv_out + static_cast<int64_t>(key) * p.dv_strides.seq + d0, dv, half, 1.f, t);
     }
   }
 }
@@ -317,33 +286,21 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 template <typename Cfg, typename Elem, typename GradT, bool kScored>
 __global__ void __launch_bounds__(Cfg::kThreads)
     attention_bwd_dq_kernel(const __grid_constant__ BwdParamsCuda p) {
-  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
-  constexpr int kThreads = Cfg::kThreads, kStride = Cfg::kStride;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStride = Cfg::kStride;
   constexpr int kKSteps = Cfg::kKSteps, kSTiles = Cfg::kSTiles, kOTiles = Cfg::kOTiles;
-  constexpr int kPSteps = Cfg::kPSteps;
   static_assert(Cfg::kMTiles == 1, "the dQ pass gives each warp one m16 tile");
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Elem* const sQ = reinterpret_cast<Elem*>(smem_raw);
+  Elem* const sQ = shared_tiles<Elem>();
   Elem* const sdO = sQ + Cfg::kQElems;
-  Elem* const sK0 = sdO + Cfg::kQElems;
-  Elem* const sV0 = sK0 + Cfg::kKVElems;
-  Elem* const sK1 = sV0 + Cfg::kKVElems;
-  Elem* const sV1 = sK1 + Cfg::kKVElems;
+  Elem* const sKV = sdO + Cfg::kQElems;  // K/V stages 0 and 1
 
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (p.shape.heads / p.shape.kv_heads);
+  const QueryBlock blk = query_block<Cfg>(p);
+  const int m0 = blk.m0, h = blk.h, b = blk.b;
   const int seqlen_q = p.shape.seqlen_q, seqlen_k = p.shape.seqlen_k;
-  const int m0 = m_block * kBlockM;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const Mask& mask = p.mask;
   const float scale_log2 = p.scale_log2;
   const int warp_row0 = warp * 16;
-
-  const BlockRange kb =
-      key_blocks_of_rows(mask, m0, min(m0 + kBlockM, seqlen_q), seqlen_k, kBlockN);
 
   float dq[kOTiles][4];
 #pragma unroll
@@ -351,32 +308,12 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
 
-  const Elem* const k =
-      static_cast<const Elem*>(p.k) + b * p.k_strides.batch + hk * p.k_strides.head;
-  const Elem* const v =
-      static_cast<const Elem*>(p.v) + b * p.v_strides.batch + hk * p.v_strides.head;
-  auto load_kv = [&](int n_block, Elem* sK, Elem* sV) {
-    const int n0 = n_block * kBlockN;
-    load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(
-        sK, k + static_cast<int64_t>(n0) * p.k_strides.seq, p.k_strides.seq, seqlen_k - n0, tid);
-    load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(
-        sV, v + static_cast<int64_t>(n0) * p.v_strides.seq, p.v_strides.seq, seqlen_k - n0, tid);
-  };
-
-  const int n_blocks = kb.count();
+  const KvStages<Cfg, Elem> kv{sKV, b, blk.hk, blk.kb.first};
+  const int n_blocks = blk.kb.count();
   if (n_blocks > 0) {
-    load_tile_async<kBlockM, kHeadDim, kStride, kThreads>(
-        sQ,
-        static_cast<const Elem*>(p.q) + b * p.q_strides.batch + h * p.q_strides.head +
-            static_cast<int64_t>(m0) * p.q_strides.seq,
-        p.q_strides.seq, seqlen_q - m0, tid);
-    load_tile_async<kBlockM, kHeadDim, kStride, kThreads>(
-        sdO,
-        static_cast<const Elem*>(p.dout) + b * p.dout_strides.batch + h * p.dout_strides.head +
-            static_cast<int64_t>(m0) * p.dout_strides.seq,
-        p.dout_strides.seq, seqlen_q - m0, tid);
-    load_kv(kb.first, sK0, sV0);
-    cp_async_commit();
+    load_rows_async<kBlockM, Cfg>(sQ, p.q, p.q_strides, b, h, m0, seqlen_q, tid);
+    load_rows_async<kBlockM, Cfg>(sdO, p.dout, p.dout_strides, b, h, m0, seqlen_q, tid);
+    kv.load(p, 0, tid);
   }
 
   // This thread's rows g and g + 8 of the warp's m16 tile: key bounds, lse and delta.
@@ -400,15 +337,9 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 
   const uint32_t sQ_u = smem_u32(sQ), sdO_u = smem_u32(sdO);
   for (int it = 0; it < n_blocks; ++it) {
-    const int n0 = (kb.first + it) * kBlockN;
-    const uint32_t sK = smem_u32(sK0) + (it & 1) * (2 * Cfg::kStageElems);
-    const uint32_t sV = sK + 2 * Cfg::kKVElems;
-    cp_async_wait<0>();
-    __syncthreads();
-    if (it + 1 < n_blocks) {
-      load_kv(kb.first + it + 1, (it & 1) ? sK0 : sK1, (it & 1) ? sV0 : sV1);
-      cp_async_commit();
-    }
+    const int n0 = (blk.kb.first + it) * kBlockN;
+    const uint32_t sK = kv.wait(it), sV = sK + 2 * Cfg::kKVElems;
+    if (it + 1 < n_blocks) kv.load(p, it + 1, tid);
     if (tile_is_empty(mask, m0, kBlockM, n0, kBlockN, seqlen_q, seqlen_k)) continue;
     const bool masked = tile_needs_mask(mask, m0, kBlockM, n0, kBlockN, seqlen_q, seqlen_k);
 
@@ -420,14 +351,17 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
+      const int a_at = a_offset<kStride>(warp_row0, ks * 16, lane);
       uint32_t aq[4], ao[4];
-      ldmatrix_x4(aq, a_addr<kStride>(sQ_u, warp_row0, ks * 16, lane));
-      ldmatrix_x4(ao, a_addr<kStride>(sdO_u, warp_row0, ks * 16, lane));
+      ldmatrix_x4(aq, elem_addr(sQ_u, a_at));
+      ldmatrix_x4(ao, elem_addr(sdO_u, a_at));
+      // S and dP side by side (their n8 tile pairs share the row addresses).
 #pragma unroll
       for (int np = 0; np < kSTiles / 2; ++np) {
+        const int b_at = bt_offset<kStride>(np * 16, ks * 16, lane);
         uint32_t bk[4], bv[4];
-        ldmatrix_x4(bk, bt_addr<kStride>(sK, np * 16, ks * 16, lane));
-        ldmatrix_x4(bv, bt_addr<kStride>(sV, np * 16, ks * 16, lane));
+        ldmatrix_x4(bk, elem_addr(sK, b_at));
+        ldmatrix_x4(bv, elem_addr(sV, b_at));
         mma_16816<Elem>(s[2 * np], aq, bk[0], bk[1]);
         mma_16816<Elem>(s[2 * np + 1], aq, bk[2], bk[3]);
         mma_16816<Elem>(dp[2 * np], ao, bv[0], bv[1]);
@@ -460,7 +394,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
         }
     }
     // dQ += dS K.
-    mma_c_b<Elem, kPSteps, kOTiles, kStride>(dq, s, sK, 0, lane);
+    mma_c_b<Elem, Cfg::kPSteps, kOTiles, kStride>(dq, s, sK, 0, lane);
   }
 
   GradT* const dq_out = static_cast<GradT*>(p.dq) + b * p.dq_strides.batch + h * p.dq_strides.head;
@@ -468,27 +402,33 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = m0 + warp_row0 + g + 8 * half;
-    if (r < seqlen_q) {
-      GradT* const dst = dq_out + static_cast<int64_t>(r) * p.dq_strides.seq + 2 * t;
-#pragma unroll
-      for (int dt = 0; dt < kOTiles; ++dt)
-        store2(dst + dt * 8, dq[dt][2 * half] * scale, dq[dt][2 * half + 1] * scale);
-    }
+    if (r < seqlen_q)
+      store_acc_row(dq_out + static_cast<int64_t>(r) * p.dq_strides.seq, dq, half, scale, t);
   }
+}
+
+// The pair of an element-wise pass over fp32 pairs (pairs_launch) that this thread handles: pair
+// i, in a row of kHeadDim / 2 pairs whose index is (i0 * n1 + i1) * n2 + i2; c is its first
+// column.
+struct PairIndex {
+  int64_t i;
+  int i0, i1, i2, c;
+};
+template <int kHeadDim>
+__device__ __forceinline__ PairIndex pair_index(int n1, int n2) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = i / (kHeadDim / 2);
+  return {i, static_cast<int>(row / n2 / n1), static_cast<int>(row / n2 % n1),
+          static_cast<int>(row % n2), static_cast<int>(i % (kHeadDim / 2)) * 2};
 }
 
 // dq (B, Sq, H, D) in GradT = scale * dq_accum (B, H, rounded, D) fp32.
 template <int kHeadDim, typename GradT>
 __global__ void dq_convert_kernel(const __grid_constant__ BwdParamsCuda p) {
-  const int64_t pairs = dq_pairs(p.shape);  // p.shape.head_dim == kHeadDim
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= pairs) return;
-  const int c = static_cast<int>(i % (kHeadDim / 2)) * 2;
-  const int64_t row = i / (kHeadDim / 2);  // (b * H + h) * Sq + s
-  const int s = static_cast<int>(row % p.shape.seqlen_q);
-  const int64_t bh = row / p.shape.seqlen_q;
-  const int h = static_cast<int>(bh % p.shape.heads);
-  const int b = static_cast<int>(bh / p.shape.heads);
+  const PairIndex at = pair_index<kHeadDim>(p.shape.heads, p.shape.seqlen_q);
+  if (at.i >= dq_pairs(p.shape)) return;  // p.shape.head_dim == kHeadDim
+  const int b = at.i0, h = at.i1, s = at.i2, c = at.c;
+  const int64_t bh = static_cast<int64_t>(b) * p.shape.heads + h;
   const float2 x =
       *reinterpret_cast<const float2*>(p.dq_accum + (bh * p.seqlen_q_rounded + s) * kHeadDim + c);
   GradT* const dst = static_cast<GradT*>(p.dq) + b * p.dq_strides.batch + h * p.dq_strides.head +
@@ -500,17 +440,12 @@ __global__ void dq_convert_kernel(const __grid_constant__ BwdParamsCuda p) {
 template <int kHeadDim, typename GradT>
 __global__ void dkv_reduce_kernel(const __grid_constant__ BwdParamsCuda p) {
   const int64_t pairs = dkv_pairs(p.shape);  // p.shape.head_dim == kHeadDim
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= pairs) return;
-  const int c = static_cast<int>(i % (kHeadDim / 2)) * 2;
-  const int64_t row = i / (kHeadDim / 2);  // (b * Sk + s) * Hkv + hk
-  const int hk = static_cast<int>(row % p.shape.kv_heads);
-  const int64_t bs = row / p.shape.kv_heads;
-  const int s = static_cast<int>(bs % p.shape.seqlen_k);
-  const int b = static_cast<int>(bs / p.shape.seqlen_k);
+  const PairIndex at = pair_index<kHeadDim>(p.shape.seqlen_k, p.shape.kv_heads);
+  if (at.i >= pairs) return;
+  const int b = at.i0, s = at.i1, hk = at.i2, c = at.c;
   const int64_t part = pairs * 2;  // elements of one (kind, split) slice
   for (int kind = 0; kind < 2; ++kind) {
-    const float* src = p.dkv_partial + kind * p.head_splits * part + 2 * i;
+    const float* src = p.dkv_partial + kind * p.head_splits * part + 2 * at.i;
     float x = 0.f, y = 0.f;
     for (int sp = 0; sp < p.head_splits; ++sp) {
       const float2 v = *reinterpret_cast<const float2*>(src + sp * part);
@@ -558,10 +493,9 @@ int launch_bwd_typed(const BwdParamsCuda& p, cudaStream_t stream) {
 
 template <DType kDtype, int kHeadDim>
 int launch_bwd(const BwdParamsCuda& p, void* stream) {
-  using Elem = ElemT<kDtype>;
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (p.grad_dtype == DType::kFloat32) return launch_bwd_typed<kHeadDim, Elem, float>(p, s);
-  return launch_bwd_typed<kHeadDim, Elem, Elem>(p, s);
+  return launch_typed<kDtype>(p.grad_dtype, [&]<typename Elem, typename GradT>() {
+    return launch_bwd_typed<kHeadDim, Elem, GradT>(p, static_cast<cudaStream_t>(stream));
+  });
 }
 
 #endif  // CPATTN_CUDA_EMULATE

@@ -31,39 +31,45 @@
 
 namespace cpattn::cuda {
 
+// A thread block of the forward's grid (fwd_launch: one per query block, head and batch; the
+// deterministic dQ pass's too): first row m0, head h, its kv head hk, batch b, and the key blocks
+// kb that its rows see (tiling.h). The heaviest query blocks (the last ones, under a causal mask)
+// are scheduled first.
+struct QueryBlock {
+  int m0, h, hk, b;
+  BlockRange kb;
+};
+template <typename Cfg, typename Params>
+__device__ __forceinline__ QueryBlock query_block(const Params& p) {
+  const int m0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * Cfg::kBlockM, h = blockIdx.y;
+  return {m0, h, h / (p.shape.heads / p.shape.kv_heads), static_cast<int>(blockIdx.z),
+          key_blocks_of_rows(p.mask, m0, min(m0 + Cfg::kBlockM, p.shape.seqlen_q), p.shape.seqlen_k,
+                             Cfg::kBlockN)};
+}
+
 template <typename Cfg, typename Elem, typename OutT, bool kScored>
 __global__ void __launch_bounds__(Cfg::kThreads)
     attention_fwd_kernel(const __grid_constant__ FwdParamsCuda p) {
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
   constexpr int kThreads = Cfg::kThreads, kStride = Cfg::kStride, kMTiles = Cfg::kMTiles;
   constexpr int kKSteps = Cfg::kKSteps, kSTiles = Cfg::kSTiles, kOTiles = Cfg::kOTiles;
-  constexpr int kPSteps = Cfg::kPSteps;
   constexpr bool kQInRegs = Cfg::kQInRegs;
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Elem* const smem = reinterpret_cast<Elem*>(smem_raw);
-  Elem* const sK0 = smem;
-  Elem* const sV0 = smem + Cfg::kKVElems;
-  Elem* const sK1 = smem + Cfg::kStageElems;
-  Elem* const sV1 = sK1 + Cfg::kKVElems;
-  Elem* const sQ = kQInRegs ? sK1 : smem + 2 * Cfg::kStageElems;
+  // K/V stages 0 and 1, then Q; with Q in registers, Q's tile is stage 1 until its fragments
+  // are read (the first iteration).
+  Elem* const smem = shared_tiles<Elem>();
+  Elem* const sQ = smem + (kQInRegs ? 1 : 2) * Cfg::kStageElems;
 
-  // Heaviest query blocks (the last ones, under a causal mask) are scheduled first.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (p.shape.heads / p.shape.kv_heads);
+  const QueryBlock blk = query_block<Cfg>(p);
+  const int m0 = blk.m0, h = blk.h, b = blk.b;
   const int seqlen_q = p.shape.seqlen_q, seqlen_k = p.shape.seqlen_k;
-  const int m0 = m_block * kBlockM;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const Mask& mask = p.mask;
 
   OutT* const out = static_cast<OutT*>(p.out) + b * p.out_strides.batch + h * p.out_strides.head;
   float* const lse = p.lse + (static_cast<int64_t>(b) * p.shape.heads + h) * seqlen_q;
 
-  const int m_end = min(m0 + kBlockM, seqlen_q);
-  const BlockRange kb = key_blocks_of_rows(mask, m0, m_end, seqlen_k, kBlockN);
-  if (kb.empty()) {  // no row of this block sees a key
+  if (blk.kb.empty()) {  // no row of this block sees a key
     for (int i = tid; i < kBlockM * (kHeadDim / 2); i += kThreads) {
       const int r = i / (kHeadDim / 2), c = (i % (kHeadDim / 2)) * 2;
       if (m0 + r < seqlen_q) store2(out + (m0 + r) * p.out_strides.seq + c, 0.f, 0.f);
@@ -76,23 +82,9 @@ __global__ void __launch_bounds__(Cfg::kThreads)
     return;
   }
 
-  const Elem* const q = static_cast<const Elem*>(p.q) + b * p.q_strides.batch +
-                        h * p.q_strides.head + static_cast<int64_t>(m0) * p.q_strides.seq;
-  const Elem* const k =
-      static_cast<const Elem*>(p.k) + b * p.k_strides.batch + hk * p.k_strides.head;
-  const Elem* const v =
-      static_cast<const Elem*>(p.v) + b * p.v_strides.batch + hk * p.v_strides.head;
-  auto load_kv = [&](int n_block, Elem* sK, Elem* sV) {
-    const int n0 = n_block * kBlockN;
-    load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(
-        sK, k + static_cast<int64_t>(n0) * p.k_strides.seq, p.k_strides.seq, seqlen_k - n0, tid);
-    load_tile_async<kBlockN, kHeadDim, kStride, kThreads>(
-        sV, v + static_cast<int64_t>(n0) * p.v_strides.seq, p.v_strides.seq, seqlen_k - n0, tid);
-  };
-
-  load_tile_async<kBlockM, kHeadDim, kStride, kThreads>(sQ, q, p.q_strides.seq, seqlen_q - m0, tid);
-  load_kv(kb.first, sK0, sV0);
-  cp_async_commit();
+  const KvStages<Cfg, Elem> kv{smem, b, blk.hk, blk.kb.first};
+  load_rows_async<kBlockM, Cfg>(sQ, p.q, p.q_strides, b, h, m0, seqlen_q, tid);
+  kv.load(p, 0, tid);
 
   // This thread's rows: warp * 16 * kMTiles + mt * 16 + g + 8 * half (local to the block).
   const int warp_row0 = warp * 16 * kMTiles;
@@ -104,7 +96,11 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       keys_of_row[mt][half] =
           visible_keys_of_row(mask, m0 + warp_row0 + mt * 16 + g + 8 * half, seqlen_k);
 
+  // Q's A fragment of m16 tile mt, k16 step ks: in q_frag, or read from sQ at every tile.
   uint32_t q_frag[kQInRegs ? kMTiles : 1][kQInRegs ? kKSteps : 1][4];
+  auto q_addr = [&](int mt, int ks) {
+    return elem_addr(smem_u32(sQ), a_offset<kStride>(warp_row0 + mt * 16, ks * 16, lane));
+  };
   float o[kMTiles][kOTiles][4];
   // The online softmax of softmax_state.h (the CPU kernels' too), base 2; `sum` holds this
   // thread's part of the row sum (its quad adds the four parts up in the epilogue).
@@ -120,29 +116,20 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   // them as they are (scale 1); the plain path folds the scale into the softmax's FFMA.
   const float softmax_scale2 = kScored ? 1.f : scale_log2;
 
-  const int n_blocks = kb.count();
+  const int n_blocks = blk.kb.count();
   for (int it = 0; it < n_blocks; ++it) {
-    const int n0 = (kb.first + it) * kBlockN;
-    // Shared addresses of this stage's K and V tiles (stage 1 sits kStageElems after stage 0).
-    const uint32_t sK = smem_u32(sK0) + (it & 1) * (2 * Cfg::kStageElems);
-    const uint32_t sV = sK + 2 * Cfg::kKVElems;
-    cp_async_wait<0>();
-    __syncthreads();  // this stage has landed; every warp is done with the other stage
+    const int n0 = (blk.kb.first + it) * kBlockN;
+    const uint32_t sK = kv.wait(it), sV = sK + 2 * Cfg::kKVElems;
     if constexpr (kQInRegs) {
       if (it == 0) {
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-          for (int ks = 0; ks < kKSteps; ++ks)
-            ldmatrix_x4(q_frag[mt][ks],
-                        a_addr<kStride>(smem_u32(sQ), warp_row0 + mt * 16, ks * 16, lane));
+          for (int ks = 0; ks < kKSteps; ++ks) ldmatrix_x4(q_frag[mt][ks], q_addr(mt, ks));
         __syncthreads();  // sQ is the second stage, overwritten by the prefetch below
       }
     }
-    if (it + 1 < n_blocks) {
-      load_kv(kb.first + it + 1, (it & 1) ? sK0 : sK1, (it & 1) ? sV0 : sV1);
-      cp_async_commit();
-    }
+    if (it + 1 < n_blocks) kv.load(p, it + 1, tid);
     if (tile_is_empty(mask, m0, kBlockM, n0, kBlockN, seqlen_q, seqlen_k)) continue;
     const bool masked = tile_needs_mask(mask, m0, kBlockM, n0, kBlockN, seqlen_q, seqlen_k);
 
@@ -163,19 +150,12 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
           for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][ks][e];
         } else {
-          ldmatrix_x4(a[mt], a_addr<kStride>(smem_u32(sQ), warp_row0 + mt * 16, ks * 16, lane));
+          ldmatrix_x4(a[mt], q_addr(mt, ks));
         }
       }
-#pragma unroll
-      for (int np = 0; np < kSTiles / 2; ++np) {
-        uint32_t bk[4];
-        ldmatrix_x4(bk, bt_addr<kStride>(sK, np * 16, ks * 16, lane));
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<Elem>(s[mt][2 * np], a[mt], bk[0], bk[1]);
-          mma_16816<Elem>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-        }
-      }
+      mma_k16<Elem, kMTiles>(s, a, [&](int np, uint32_t(&bk)[4]) {
+        ldmatrix_x4(bk, elem_addr(sK, bt_offset<kStride>(np * 16, ks * 16, lane)));
+      });
     }
 
     if constexpr (kScored) {
@@ -239,20 +219,13 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 
       // O += P V: P from the score registers (C layout -> A layout), V tiles via ldmatrix.trans.
 #pragma unroll
-    for (int ps = 0; ps < kPSteps; ++ps) {
+    for (int ps = 0; ps < Cfg::kPSteps; ++ps) {
       uint32_t a[kMTiles][4];
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) c_to_a<Elem>(a[mt], s[mt][2 * ps], s[mt][2 * ps + 1]);
-#pragma unroll
-      for (int dp = 0; dp < kOTiles / 2; ++dp) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, b_addr_trans<kStride>(sV, ps * 16, dp * 16, lane));
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_16816<Elem>(o[mt][2 * dp], a[mt], bv[0], bv[1]);
-          mma_16816<Elem>(o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
-        }
-      }
+      mma_k16<Elem, kMTiles>(o, a, [&](int dp, uint32_t(&bv)[4]) {
+        ldmatrix_x4_trans(bv, elem_addr(sV, b_trans_offset<kStride>(ps * 16, dp * 16, lane)));
+      });
     }
   }
 
@@ -274,10 +247,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       }
       const int r = m0 + warp_row0 + mt * 16 + g + 8 * half;
       if (r < seqlen_q) {
-        OutT* const dst = out + static_cast<int64_t>(r) * p.out_strides.seq + 2 * t;
-#pragma unroll
-        for (int dt = 0; dt < kOTiles; ++dt)
-          store2(dst + dt * 8, o[mt][dt][2 * half] * inv, o[mt][dt][2 * half + 1] * inv);
+        store_acc_row(out + static_cast<int64_t>(r) * p.out_strides.seq, o[mt], half, inv, t);
         if (t == 0) lse[r] = has_sink ? sunk.lse : full.lse();
       }
     }
@@ -318,13 +288,21 @@ template <DType kDtype>
 using ElemT = std::conditional_t<kDtype == DType::kBFloat16, __nv_bfloat16, __half>;
 
 #ifndef CPATTN_CUDA_EMULATE
+// launch.template operator()<Elem, OutT>() with kDtype's element type and the type of the
+// results (out, or the gradients): fp32 or the element type.
+template <DType kDtype, typename Launch>
+int launch_typed(DType out_dtype, Launch&& launch) {
+  using Elem = ElemT<kDtype>;
+  if (out_dtype == DType::kFloat32) return launch.template operator()<Elem, float>();
+  return launch.template operator()<Elem, Elem>();
+}
+
 template <DType kDtype, int kHeadDim>
 int launch_fwd(const FwdParamsCuda& p, void* stream) {
-  using Elem = ElemT<kDtype>;
-  using Cfg = FwdConfigFor<kHeadDim>;
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (p.out_dtype == DType::kFloat32) return launch_fwd_config<Cfg, Elem, float>(p, s);
-  return launch_fwd_config<Cfg, Elem, Elem>(p, s);
+  return launch_typed<kDtype>(p.out_dtype, [&]<typename Elem, typename OutT>() {
+    return launch_fwd_config<FwdConfigFor<kHeadDim>, Elem, OutT>(p,
+                                                                 static_cast<cudaStream_t>(stream));
+  });
 }
 
 #endif  // CPATTN_CUDA_EMULATE

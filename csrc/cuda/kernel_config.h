@@ -115,23 +115,10 @@ template <>
 struct BwdConfigFor<256> : BwdConfig<256, 32, 4, 2> {};
 
 // Backward, deterministic dQ pass: the forward's shape (warps split the query rows, one m16 tile
-// each), Q and dO fragments read from shared memory, dQ rows in registers.
+// each) with its key tile, 64 query rows, Q and dO fragments read from shared memory, dQ rows in
+// registers.
 template <int kHeadDim>
-struct DqConfigFor;
-template <>
-struct DqConfigFor<32> : FwdConfig<32, 64, 64, 4, false> {};
-template <>
-struct DqConfigFor<64> : FwdConfig<64, 64, 64, 4, false> {};
-template <>
-struct DqConfigFor<96> : FwdConfig<96, 64, 64, 4, false> {};
-template <>
-struct DqConfigFor<128> : FwdConfig<128, 64, 64, 4, false> {};
-template <>
-struct DqConfigFor<160> : FwdConfig<160, 64, 32, 4, false> {};
-template <>
-struct DqConfigFor<192> : FwdConfig<192, 64, 32, 4, false> {};
-template <>
-struct DqConfigFor<256> : FwdConfig<256, 64, 32, 4, false> {};
+struct DqConfigFor : FwdConfig<kHeadDim, 64, FwdConfigFor<kHeadDim>::kBlockN, 4, false> {};
 
 // How a kernel is launched: grid, threads per block and dynamic shared memory, derived once from
 // the configs above for the launchers (fwd_kernel.cuh, bwd_kernel.cuh, bwd_preprocess.cu) and the

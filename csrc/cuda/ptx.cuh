@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #ifdef CPATTN_CUDA_EMULATE
 // Host emulation for the tests (tests/emulate/cuda_emulation.h): the same kernels run on the CPU,
@@ -56,28 +57,22 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t sme
                : "r"(smem_row));
 }
 
-// d += a * b for one m16n8k16 tile.
+// d += a * b for one m16n8k16 tile of Elem (bf16 or fp16) inputs; the instruction differs only
+// in the input type's name.
 template <typename Elem>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1);
-
-template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
-                                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4],
-                                                  uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+                                          uint32_t b1) {
+  static_assert(std::is_same_v<Elem, __nv_bfloat16> || std::is_same_v<Elem, __half>);
+#define CPATTN_MMA_16816(T)                                                             \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." T "." T                         \
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n" \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                         \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+  if constexpr (std::is_same_v<Elem, __nv_bfloat16>)
+    CPATTN_MMA_16816("bf16");
+  else
+    CPATTN_MMA_16816("f16");
+#undef CPATTN_MMA_16816
 }
 
 // 2^x; 2^-inf = +0.
@@ -92,24 +87,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 namespace cpattn::cuda {
 
-// Two floats -> one register of two 16-bit elements (lo in the low half), round to nearest.
-template <typename Elem>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, 4);  // a register move after compilation
-  return r;
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, 4);
-  return r;
-}
-
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -119,50 +96,49 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-// Element type <-> DType, and stores of 1 / 2 floats in an element type.
+// The element types the kernels read and write, one row each: conversion of one value to fp32,
+// and of two fp32 values to the type's pair (round to nearest, the lower one first in memory
+// and in the low half of a register).
 template <typename T>
-__device__ __forceinline__ void store2(T* dst, float a, float b);
+struct ElemTraits;
 template <>
-__device__ __forceinline__ void store2<float>(float* dst, float a, float b) {
-  *reinterpret_cast<float2*>(dst) = make_float2(a, b);
-}
+struct ElemTraits<float> {
+  using Pair = float2;
+  static __device__ __forceinline__ float to_float(float x) { return x; }
+  static __device__ __forceinline__ Pair pair(float a, float b) { return make_float2(a, b); }
+};
 template <>
-__device__ __forceinline__ void store2<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b) {
-  *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
-}
+struct ElemTraits<__nv_bfloat16> {
+  using Pair = __nv_bfloat162;
+  static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ Pair pair(float a, float b) {
+    return __floats2bfloat162_rn(a, b);
+  }
+};
 template <>
-__device__ __forceinline__ void store2<__half>(__half* dst, float a, float b) {
-  *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
-}
+struct ElemTraits<__half> {
+  using Pair = __half2;
+  static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ Pair pair(float a, float b) { return __floats2half2_rn(a, b); }
+};
 
 template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) {
-  return x;
+__device__ __forceinline__ float to_float(T x) {
+  return ElemTraits<T>::to_float(x);
 }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) {
-  return __half2float(x);
-}
-
+// Two floats -> dst[0], dst[1] in T.
 template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
+__device__ __forceinline__ void store2(T* dst, float a, float b) {
+  *reinterpret_cast<typename ElemTraits<T>::Pair*>(dst) = ElemTraits<T>::pair(a, b);
 }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
+// Two floats -> one register of two 16-bit elements (lo in the low half).
+template <typename Elem>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  static_assert(sizeof(typename ElemTraits<Elem>::Pair) == 4, "a pair of 16-bit elements");
+  const typename ElemTraits<Elem>::Pair v = ElemTraits<Elem>::pair(lo, hi);
+  uint32_t r;
+  memcpy(&r, &v, 4);  // a register move after compilation
+  return r;
 }
 
 }  // namespace cpattn::cuda

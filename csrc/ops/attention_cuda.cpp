@@ -37,6 +37,12 @@ void check_half_inputs(const at::Tensor& q) {
               " (cast with .to(torch.bfloat16); float32 attention runs on the CPU only)");
 }
 
+// The kernels write their results (out, or the gradients) in float32 or in q's dtype.
+void check_result_dtype(const char* name, at::ScalarType dtype, const at::Tensor& q) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == q.scalar_type(), "cpattn: CUDA ", name,
+              " must be float32 or q's dtype (", q.scalar_type(), "), got ", dtype);
+}
+
 std::string compiled_list() {
   int n = 0;
   const int* dims = cuda::compiled_head_dims(&n);
@@ -69,6 +75,18 @@ at::Tensor kernel_operand(const at::Tensor& t, int64_t kd) {
   if (t.size(3) != kd) return at::constant_pad_nd(t, {0, kd - t.size(3)}, 0.0).contiguous();
   if (kernel_readable(t)) return t;
   return t.clone(at::MemoryFormat::Contiguous);
+}
+
+// The inverse of kernel_operand's padding: t (a kernel output, head dim kd) cut to head dim d.
+at::Tensor unpadded(const at::Tensor& t, int64_t d) {
+  return t.size(3) == d ? t : t.narrow(3, 0, d).contiguous();
+}
+
+// Points a kernel operand (its data pointer and (B, S, H, D) strides) at t.
+template <typename Ptr>
+void bind(Ptr& data, BshdStrides& strides, const at::Tensor& t) {
+  data = t.data_ptr();
+  strides = strides_of(t);
 }
 
 BhsStrides lse_strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
@@ -142,12 +160,9 @@ void fill_inputs(Params& p, const AttnShape& s, int kd, const at::Tensor& q, con
                  const ScoreArgs& score, at::Tensor& slopes, at::Tensor& sinks) {
   p.shape = shape_of(s, kd);
   p.dtype = to_dtype(q.scalar_type());
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.q_strides = strides_of(q);
-  p.k_strides = strides_of(k);
-  p.v_strides = strides_of(v);
+  bind(p.q, p.q_strides, q);
+  bind(p.k, p.k_strides, k);
+  bind(p.v, p.v_strides, v);
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
   p.mask = mask;
@@ -164,26 +179,23 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const
                                                       const ScoreArgs& score,
                                                       at::ScalarType out_dtype) {
   check_half_inputs(q);
-  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == q.scalar_type(),
-              "cpattn: CUDA out_dtype must be float32 or q's dtype (", q.scalar_type(), "), got ",
-              out_dtype);
+  check_result_dtype("out_dtype", out_dtype, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const int kd = kernel_head_dim(s);
   const at::Tensor qk = kernel_operand(q, kd), kk = kernel_operand(k, kd),
                    vk = kernel_operand(v, kd);
-  at::Tensor out = new_output({s.batch, s.seqlen_q, s.heads, kd}, q.options().dtype(out_dtype));
+  const at::Tensor out =
+      new_output({s.batch, s.seqlen_q, s.heads, kd}, q.options().dtype(out_dtype));
   at::Tensor lse = new_output({s.batch, s.heads, s.seqlen_q}, q.options().dtype(at::kFloat));
 
   cuda::FwdParamsCuda p;
   at::Tensor slopes, sinks;  // kept alive until the kernel has run (stream-ordered frees)
   fill_inputs(p, s, kd, qk, kk, vk, softmax_scale, mask, score, slopes, sinks);
   p.out_dtype = to_dtype(out_dtype);
-  p.out = out.data_ptr();
-  p.out_strides = strides_of(out);
+  bind(p.out, p.out_strides, out);
   p.lse = lse.data_ptr<float>();
   check_launch(cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream()), "forward");
-  if (kd != s.head_dim_v) out = out.narrow(3, 0, s.head_dim_v).contiguous();
-  return {out, lse};
+  return {unpadded(out, s.head_dim_v), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
@@ -195,9 +207,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "cpattn: CUDA dout must have q's dtype (",
               q.scalar_type(), "), got ", dout.scalar_type());
   const at::ScalarType gd = grad_dtype.value_or(q.scalar_type());
-  TORCH_CHECK(gd == at::kFloat || gd == q.scalar_type(),
-              "cpattn: CUDA grad_dtype must be float32 or q's dtype (", q.scalar_type(), "), got ",
-              gd);
+  check_result_dtype("grad_dtype", gd, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const int kd = kernel_head_dim(s);
   const at::Tensor qk = kernel_operand(q, kd), kk = kernel_operand(k, kd),
@@ -215,19 +225,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   at::Tensor dkv_partial;  // every element written by the dK/dV pass
   if (head_splits > 1)
     dkv_partial = at::empty({2, head_splits, s.batch, s.seqlen_k, s.kv_heads, kd}, f32);
-  at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, kd}, q.options().dtype(gd));
-  at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
-  at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
+  const at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, kd}, q.options().dtype(gd));
+  const at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
+  const at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
 
   cuda::BwdParamsCuda p;
   at::Tensor slopes, sinks;
   fill_inputs(p, s, kd, qk, kk, vk, softmax_scale, mask, score, slopes, sinks);
   p.score.sinks = nullptr;  // already in lse (the forward's, or apply_sinks_ after a merge)
-  p.dout = dok.data_ptr();
-  p.dout_strides = strides_of(dok);
+  bind(p.dout, p.dout_strides, dok);
   p.out_dtype = to_dtype(out.scalar_type());
-  p.out = out.data_ptr();
-  p.out_strides = strides_of(out);
+  bind(p.out, p.out_strides, out);
   p.out_head_dim = static_cast<int>(s.head_dim_v);
   p.lse = lse.data_ptr<float>();
   p.lse_strides = lse_strides_of(lse);
@@ -242,19 +250,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   p.head_splits = head_splits;
   p.dkv_partial = dkv_partial.defined() ? dkv_partial.data_ptr<float>() : nullptr;
   p.grad_dtype = to_dtype(gd);
-  p.dq = dq.data_ptr();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
-  p.dq_strides = strides_of(dq);
-  p.dk_strides = strides_of(dk);
-  p.dv_strides = strides_of(dv);
+  bind(p.dq, p.dq_strides, dq);
+  bind(p.dk, p.dk_strides, dk);
+  bind(p.dv, p.dv_strides, dv);
   check_launch(cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream()), "backward");
-  if (kd != s.head_dim) {
-    dq = dq.narrow(3, 0, s.head_dim).contiguous();
-    dk = dk.narrow(3, 0, s.head_dim).contiguous();
-  }
-  if (kd != s.head_dim_v) dv = dv.narrow(3, 0, s.head_dim_v).contiguous();
-  return {dq, dk, dv};
+  return {unpadded(dq, s.head_dim), unpadded(dk, s.head_dim), unpadded(dv, s.head_dim_v)};
 }
 
 void merge_into_cuda(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
