@@ -331,7 +331,7 @@ inline void apply_softcap_grad(int64_t cols, const float* softcap_grad, float* d
 // Rows per chunk: at most kMaxChunkRows, fewer when many (batch, head) pairs share a chunk (the
 // chunk's packed blocks hold B H x rows rows), a multiple of kBlockQ; a function of the shape only.
 constexpr int64_t kMaxChunkRows = 512;
-constexpr int64_t kChunkRowBudget = 4096;
+constexpr int64_t kChunkRowBudget = 2048;
 
 inline int64_t chunk_rows(const AttnShape& sh) {
   const int64_t by_budget = kChunkRowBudget / (sh.batch * sh.heads) / kBlockQ * kBlockQ;
