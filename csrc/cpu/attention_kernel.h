@@ -10,8 +10,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
-#include <optional>
 
 #include "cpattn/mask.h"
 #include "cpattn/softmax_state.h"
@@ -576,9 +576,12 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
     const int64_t kb_first = keys.first / kBlockK;
     const int64_t kb_count = keys.empty() ? 0 : keys.last / kBlockK + 1 - kb_first;
     const int64_t splits = std::clamp<int64_t>(kb_count, 1, max_splits);
-    at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
+    // Tasks are taken in order by whichever thread is free (a thread on a shared core takes
+    // fewer); which thread runs a task changes no bits.
+    std::atomic<int64_t> next_task{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
       Scratch scratch(sh);
-      for (int64_t t = begin; t < end; ++t) {
+      for (int64_t t; (t = next_task.fetch_add(1)) < pairs * splits;) {
         const int64_t pair = t / splits, split = t % splits;
         const int64_t b = pair / sh.kv_heads, hk = pair % sh.kv_heads;
         float* dq_split = dq.get() + split * chunk_elems;
