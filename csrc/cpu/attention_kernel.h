@@ -328,8 +328,9 @@ inline void apply_softcap_grad(int64_t cols, const float* softcap_grad, float* d
 
 // The backward runs over chunks of query rows, one chunk after another (backward_chunks below):
 // the packed query blocks and the dQ buffers are a chunk's size, whatever the sequence length.
-// Rows per chunk: at most kMaxChunkRows, fewer when many (batch, head) pairs share a chunk (the
-// chunk's packed blocks hold B H x rows rows), a multiple of kBlockQ; a function of the shape only.
+// Rows per chunk: at most kMaxChunkRows, and at most kChunkRowBudget over all B H heads (the
+// chunk's packed blocks hold B H x rows rows: the ring's many-head calls stay lean), at least
+// kBlockQ, a multiple of it; a function of the shape only.
 constexpr int64_t kMaxChunkRows = 512;
 constexpr int64_t kChunkRowBudget = 2048;
 
