@@ -328,14 +328,15 @@ inline void apply_softcap_grad(int64_t cols, const float* softcap_grad, float* d
 
 // The backward runs over chunks of query rows, one chunk after another (backward_chunks below):
 // the packed query blocks and the dQ buffers are a chunk's size, whatever the sequence length.
-// Rows per chunk: at most kMaxChunkRows, and at most kChunkRowBudget over all B H heads (the
-// chunk's packed blocks hold B H x rows rows: the ring's many-head calls stay lean), at least
-// kBlockQ, a multiple of it; a function of the shape only.
+// Rows per chunk: at most kMaxChunkRows, and at most kChunkElemBudget query elements over all
+// B H heads (the chunk's packed blocks hold B H x rows x Dp of each operand: the ring's many-head
+// calls stay lean), at least kBlockQ, a multiple of it; a function of the shape only.
 constexpr int64_t kMaxChunkRows = 512;
-constexpr int64_t kChunkRowBudget = 2048;
+constexpr int64_t kChunkElemBudget = 2048 * 128;
 
 inline int64_t chunk_rows(const AttnShape& sh) {
-  const int64_t by_budget = kChunkRowBudget / (sh.batch * sh.heads) / kBlockQ * kBlockQ;
+  const int64_t by_budget =
+      kChunkElemBudget / (sh.batch * sh.heads * sh.head_dim_padded) / kBlockQ * kBlockQ;
   const int64_t rows = std::clamp(by_budget, kBlockQ, kMaxChunkRows);
   return std::min(rows, (sh.seqlen_q + kBlockQ - 1) / kBlockQ * kBlockQ);
 }

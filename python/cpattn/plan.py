@@ -324,7 +324,7 @@ def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, g: int, bf16: 
     gradients are fp32 with D a multiple of 16 (then summed in place in them). Per-thread
     blocks of about 0.2-0.3 MiB are not counted."""
     dp = -(-D // 16) * 16
-    cq = min(max(2048 // (B * h) // 64 * 64, 64), 512, -(-n // 64) * 64)  # chunk_rows
+    cq = min(max(2048 * 128 // (B * h * dp) // 64 * 64, 64), 512, -(-n // 64) * 64)  # chunk_rows
     packed = (8 if bf16 else 16) * B * h * cq * dp
     dq = -(-8 // (B * hkv)) * 4 * B * h * cq * dp
     sums = 0 if g == 4 and dp == D else 4 * B * n * hkv * 2 * dp
