@@ -475,3 +475,30 @@ def test_deterministic_and_thread_independent(gen: torch.Generator) -> None:
         torch.set_num_threads(threads)
     for a, b, c in zip(first, second, single):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim", [(torch.float32, 64), (torch.float32, 40), (torch.bfloat16, 64)],
+    ids=["fp32-in-place", "fp32-padded", "bf16"],
+)
+def test_chunked_backward_thread_independent(
+    dtype: torch.dtype, head_dim: int, gen: torch.Generator
+) -> None:
+    """The backward over three query chunks (512 rows at this shape) with the key blocks of the
+    one (batch, kv head) pair split 8 ways, dK / dV summed in the fp32 outputs themselves (D a
+    multiple of 16) or in a buffer of their own (padded D, bf16): close to the float64 reference,
+    and the same bits with 1, 2 and 3 threads."""
+    q, k, v = make_qkv(gen, 1, 1100, 1100, 2, 1, head_dim, dtype=dtype, requires_grad=True)
+    dout = randn(q.shape, gen, dtype)
+    check_against_reference(q, k, v, dout, True, (-1, -1))
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(run_public(q, k, v, dout, True, (-1, -1))[2])
+    finally:
+        torch.set_num_threads(threads)
+    for grads in runs[1:]:
+        for a, b in zip(runs[0], grads):
+            assert torch.equal(a, b)

@@ -10,8 +10,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
-#include <optional>
 
 #include "cpattn/mask.h"
 #include "cpattn/softmax_state.h"
@@ -326,37 +326,52 @@ inline void apply_softcap_grad(int64_t cols, const float* softcap_grad, float* d
     store(dst + e, load(dst + e) * load(softcap_grad + e));
 }
 
-// Global row (in (B, H, Sq) order) of the first query row of kv head hk's first query head.
-inline int64_t group_first_row(const AttnShape& sh, int64_t b, int64_t hk) {
-  return (b * sh.heads + hk * sh.group_size()) * sh.seqlen_q;
+// The backward runs over chunks of query rows, one chunk after another (backward_chunks below):
+// the packed query blocks and the dQ buffers are a chunk's size, whatever the sequence length.
+// Rows per chunk: at most kMaxChunkRows, and at most kChunkElemBudget query elements over all
+// B H heads (the chunk's packed blocks hold B H x rows x Dp of each operand: the ring's many-head
+// calls stay lean), at least kBlockQ, a multiple of it; a function of the shape only.
+constexpr int64_t kMaxChunkRows = 512;
+constexpr int64_t kChunkElemBudget = 2048 * 128;
+
+inline int64_t chunk_rows(const AttnShape& sh) {
+  const int64_t by_budget =
+      kChunkElemBudget / (sh.batch * sh.heads * sh.head_dim_padded) / kBlockQ * kBlockQ;
+  const int64_t rows = std::clamp(by_budget, kBlockQ, kMaxChunkRows);
+  return std::min(rows, (sh.seqlen_q + kBlockQ - 1) / kBlockQ * kBlockQ);
 }
 
-// The query blocks of a query-shaped operand for the query heads of kv head hk of batch b, packed
-// once by pack(b, h, r0, rows, out) into kBlockQ * dim_padded elements per block (Dp for q, Dvp
-// for dout): a backward task visits each of them once per key block, so packing there would
-// repeat the work Sk / kBlockK times. Packed by each parallel chunk for the pair it computes (one
-// KV head's group at a time), not for every head up front, so that only those groups are held.
+// The query blocks of a query-shaped operand for one chunk of query rows of every (batch, head),
+// kBlockQ * dim_padded elements per block (Dp for q, Dvp for dout), packed once per chunk: a
+// backward task visits each of them once per key block, so packing there would repeat the work.
 template <typename T>
-struct PackedQueryBlocks {
-  int64_t q_blocks, block_elems, first_row;
+struct ChunkQueryBlocks {
+  int64_t block_elems;
   AlignedArray<T> data;
+  ChunkQueryBlocks(const AttnShape& sh, int64_t dim_padded, int64_t rows_per_chunk)
+      : block_elems(kBlockQ * dim_padded),
+        data(aligned_array<T>(sh.batch * sh.heads * rows_per_chunk * dim_padded)) {}
+  T* at(int64_t slot) { return data.get() + slot * block_elems; }
+  const T* at(int64_t slot) const { return data.get() + slot * block_elems; }
+};
 
-  template <typename Pack>
-  PackedQueryBlocks(const AttnShape& sh, int64_t dim_padded, int64_t b, int64_t hk, Pack&& pack)
-      : q_blocks((sh.seqlen_q + kBlockQ - 1) / kBlockQ),
-        block_elems(kBlockQ * dim_padded),
-        first_row(group_first_row(sh, b, hk)),
-        data(aligned_array<T>(sh.group_size() * q_blocks * block_elems)) {
-    for (int64_t t = 0; t < sh.group_size() * q_blocks; ++t) {
-      const int64_t r0 = t % q_blocks * kBlockQ;
-      pack(b, hk * sh.group_size() + t / q_blocks, r0, std::min(kBlockQ, sh.seqlen_q - r0),
-           data.get() + t * block_elems);
-    }
-  }
-  // The block of query rows r0.. of the head whose first global row is row_base.
-  const T* block(const AttnShape& sh, int64_t row_base, int64_t r0) const {
-    return data.get() +
-           ((row_base - first_row) / sh.seqlen_q * q_blocks + r0 / kBlockQ) * block_elems;
+// The backward's B operands of the current chunk's query blocks: Q^T and dO^T, Q and dO as rows
+// (fp32: Q^T scaled to base-2 scores, rows contiguous; bf16: d pairs and row pairs). Block j of
+// the chunk of head b * H + h sits in slot (b * H + h) * blocks_per_chunk + j.
+template <typename T>
+struct PackedChunk {
+  int64_t q0 = 0;  // the chunk's first query row
+  int64_t blocks_per_chunk;
+  ChunkQueryBlocks<T> qt, dot, q_rows, do_rows;
+  PackedChunk(const AttnShape& sh, int64_t rows_per_chunk)
+      : blocks_per_chunk(rows_per_chunk / kBlockQ),
+        qt(sh, sh.head_dim_padded, rows_per_chunk),
+        dot(sh, sh.head_dim_v_padded, rows_per_chunk),
+        q_rows(sh, sh.head_dim_padded, rows_per_chunk),
+        do_rows(sh, sh.head_dim_v_padded, rows_per_chunk) {}
+  // The slot of the block of query rows r0.. of the head whose first global row is row_base.
+  int64_t slot(const AttnShape& sh, int64_t row_base, int64_t r0) const {
+    return row_base / sh.seqlen_q * blocks_per_chunk + (r0 - q0) / kBlockQ;
   }
 };
 
@@ -372,79 +387,108 @@ inline void load_row_stats(const BwdParams& p, int64_t first, int64_t rows, floa
   }
 }
 
-// Calls visit(row_base, r0, rows, seen, kind) for every query block, of every query head of kv
-// head hk, that sees some key of the key block [c0, c0 + cols); row_base is the head's first
-// global row, and the visit covers keys [c0, c0 + seen), up to the last key the query block sees
-// (visible_cols).
+// Calls visit(row_base, r0, rows, seen, kind) for every query block of the query rows [q0, q1)
+// (q0 a multiple of kBlockQ), of every query head of kv head hk, that sees some key of the key
+// block [c0, c0 + cols); row_base is the head's first global row, and the visit covers keys
+// [c0, c0 + seen), up to the last key the query block sees (visible_cols). Returns whether it
+// visited any.
 template <typename Visit>
-inline void for_each_query_block(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
-                                 int64_t cols, Visit&& visit) {
+inline bool for_each_query_block(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
+                                 int64_t cols, int64_t q0, int64_t q1, Visit&& visit) {
   const AttnShape& sh = p.shape;
   const PosRange queries = p.mask.query_span(c0, c0 + cols, sh.seqlen_q);
+  const int64_t first = std::max(queries.first, q0), last = std::min(queries.last, q1 - 1);
+  bool visited = false;
   for (int64_t h = hk * sh.group_size(); h < (hk + 1) * sh.group_size(); ++h) {
     const int64_t row_base = (b * sh.heads + h) * sh.seqlen_q;
-    for (int64_t r0 = queries.first / kBlockQ * kBlockQ; r0 <= queries.last; r0 += kBlockQ) {
+    for (int64_t r0 = first / kBlockQ * kBlockQ; r0 <= last; r0 += kBlockQ) {
       const int64_t rows = std::min(kBlockQ, sh.seqlen_q - r0);
       const PosRange keys = p.mask.key_span(r0, r0 + rows, sh.seqlen_k);
       const int64_t seen = std::min(cols, visible_cols(keys, c0));
       const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + seen);  // empty if seen <= 0
-      if (kind != BlockKind::kEmpty) visit(row_base, r0, rows, seen, kind);
+      if (kind == BlockKind::kEmpty) continue;
+      visit(row_base, r0, rows, seen, kind);
+      visited = true;
     }
   }
+  return visited;
 }
 
-// Writes a key block's dK (scaled by the softmax scale) and dV from fp32 rows of Dp and Dvp.
-inline void write_key_block_grads(const BwdParams& p, int64_t b, int64_t hk, int64_t c0,
-                                  int64_t cols, const float* dk, const float* dv) {
-  const AttnShape& sh = p.shape;
-  for (int64_t c = 0; c < cols; ++c) {
-    const BshdStrides& k = p.dk.strides;
-    const BshdStrides& v = p.dv.strides;
-    write_row(p.dk, b * k.batch + (c0 + c) * k.seq + hk * k.head, dk + c * sh.head_dim_padded,
-              p.softmax_scale, sh.head_dim);
-    write_row(p.dv, b * v.batch + (c0 + c) * v.seq + hk * v.head, dv + c * sh.head_dim_v_padded,
-              1.f, sh.head_dim_v);
+// The fp32 sums of dK (or dV) over the query chunks, one row of dim_padded values per (batch,
+// key, kv head), zero at first: the output itself when it is fp32 with D = dim_padded (no copy:
+// the ring's case, and fp32 Ulysses), else a (B, Sk, Hkv, dim_padded) buffer of its own.
+struct KeyGradSums {
+  AlignedArray<float> own;
+  float* data;
+  BshdStrides strides;
+  int64_t dim_padded;
+  bool in_place;
+  KeyGradSums(const AttnShape& sh, const BshdOutput& out, int64_t dim, int64_t padded)
+      : dim_padded(padded), in_place(out.type == DType::kFloat32 && dim == padded) {
+    if (in_place) {
+      data = static_cast<float*>(out.data);
+      strides = out.strides;
+    } else {
+      own = aligned_array<float>(sh.batch * sh.seqlen_k * sh.kv_heads * padded);
+      data = own.get();
+      strides = {sh.seqlen_k * sh.kv_heads * padded, sh.kv_heads * padded, padded};
+    }
+    at::parallel_for(0, sh.batch * sh.seqlen_k * sh.kv_heads, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {  // r = (b * Sk + c) * Hkv + hk
+        float* x = row(r / (sh.seqlen_k * sh.kv_heads), r / sh.kv_heads % sh.seqlen_k,
+                       r % sh.kv_heads);
+        std::fill(x, x + dim_padded, 0.f);
+      }
+    });
+  }
+  float* row(int64_t b, int64_t c, int64_t hk) const {
+    return data + b * strides.batch + c * strides.seq + hk * strides.head;
+  }
+  // Adds `cols` rows of a key block's gradient (rows of dim_padded values) from key c0 on.
+  void add(int64_t b, int64_t hk, int64_t c0, int64_t cols, const float* block) const {
+    for (int64_t c = 0; c < cols; ++c) {
+      float* x = row(b, c0 + c, hk);
+      const float* y = block + c * dim_padded;
+      for (int64_t d = 0; d < dim_padded; ++d) x[d] += y[d];
+    }
+  }
+  // Writes the sums to `out` (D values of a row), times factor; nothing to do in place with 1.
+  void write(const AttnShape& sh, const BshdOutput& out, int64_t dim, float factor) const {
+    if (in_place && factor == 1.f) return;
+    at::parallel_for(0, sh.batch * sh.seqlen_k * sh.kv_heads, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t b = r / (sh.seqlen_k * sh.kv_heads), c = r / sh.kv_heads % sh.seqlen_k,
+                      hk = r % sh.kv_heads;
+        const BshdStrides& o = out.strides;
+        write_row(out, b * o.batch + c * o.seq + hk * o.head, row(b, c, hk), factor, dim);
+      }
+    });
+  }
+};
+
+// Packs query block `slot` of the fp32 chunk from rows r0.. (`rows` of them) of head h of batch
+// b: Q^T scaled to base-2 scores, dO^T, and Q and dO as contiguous rows (read in place, their
+// rows are H D apart: at power-of-two strides the products' row loads conflict in the cache).
+inline void pack_query_block(const BwdParams& p, int64_t b, int64_t h, int64_t r0, int64_t rows,
+                             int64_t slot, PackedChunk<float>& out) {
+  const int64_t dp = p.shape.head_dim_padded, dvp = p.shape.head_dim_v_padded;
+  const BshdStrides &qs = p.q_strides, &ds = p.dout_strides;
+  const float* q = p.q + b * qs.batch + r0 * qs.seq + h * qs.head;
+  const float* dout = p.dout + b * ds.batch + r0 * ds.seq + h * ds.head;
+  pack_transposed(q, qs.seq, rows, dp, p.softmax_scale * kLog2e, out.qt.at(slot));
+  pack_transposed(dout, ds.seq, rows, dvp, 1.f, out.dot.at(slot));
+  for (int64_t i = 0; i < rows; ++i) {
+    std::copy(q + i * qs.seq, q + i * qs.seq + dp, out.q_rows.at(slot) + i * dp);
+    std::copy(dout + i * ds.seq, dout + i * ds.seq + dvp, out.do_rows.at(slot) + i * dvp);
   }
 }
 
-// Packs blocks of a (B, Sq, H, dim_padded) fp32 operand with strides st transposed, times factor.
-inline auto transposed_blocks(int64_t dim_padded, const float* x, const BshdStrides& st,
-                              float factor) {
-  return [dim_padded, x, st, factor](int64_t b, int64_t h, int64_t r0, int64_t rows, float* out) {
-    pack_transposed(x + b * st.batch + r0 * st.seq + h * st.head, st.seq, rows, dim_padded, factor,
-                    out);
-  };
-}
-
-// Packs blocks of a (B, Sq, H, dim_padded) fp32 operand with strides st as contiguous rows.
-inline auto row_blocks(int64_t dim_padded, const float* x, const BshdStrides& st) {
-  return [dim_padded, x, st](int64_t b, int64_t h, int64_t r0, int64_t rows, float* out) {
-    const float* src = x + b * st.batch + r0 * st.seq + h * st.head;
-    for (int64_t i = 0; i < rows; ++i)
-      std::copy(src + i * st.seq, src + i * st.seq + dim_padded, out + i * dim_padded);
-  };
-}
-
-// The fp32 backward's B operands of every query block of kv head hk's query heads: Q^T (scaled
-// to base-2 scores) and dO^T, and Q and dO as contiguous rows (read in place, their rows are
-// H D apart: at power-of-two strides the products' row loads conflict in the cache).
-struct PackedQueries {
-  PackedQueryBlocks<float> qt, dot, q_rows, do_rows;
-  PackedQueries(const BwdParams& p, int64_t b, int64_t hk)
-      : qt(p.shape, p.shape.head_dim_padded, b, hk,
-           transposed_blocks(p.shape.head_dim_padded, p.q, p.q_strides, p.softmax_scale * kLog2e)),
-        dot(p.shape, p.shape.head_dim_v_padded, b, hk,
-            transposed_blocks(p.shape.head_dim_v_padded, p.dout, p.dout_strides, 1.f)),
-        q_rows(p.shape, p.shape.head_dim_padded, b, hk,
-               row_blocks(p.shape.head_dim_padded, p.q, p.q_strides)),
-        do_rows(p.shape, p.shape.head_dim_v_padded, b, hk,
-                row_blocks(p.shape.head_dim_v_padded, p.dout, p.dout_strides)) {}
-};
-
-// One key block of one kv head: dK and dV of the block in full, and its dQ contributions for
-// every query head of the group (dQ rows of these heads are touched by this task only).
-inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, int64_t b,
-                               int64_t hk, int64_t c0, float* dq_group, BwdScratch& s) {
+// One key block of kv head hk against the current chunk's query blocks (rows packed.q0 to q1):
+// the block's dK and dV contributions in s.dk and s.dv, and its dQ contributions added to
+// dq_chunk, (B H, chunk rows, Dp). Returns whether any query block of the chunk sees the keys.
+inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& packed, int64_t b,
+                               int64_t hk, int64_t c0, int64_t q1, float* dq_chunk,
+                               BwdScratch& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -457,155 +501,121 @@ inline void backward_key_block(const BwdParams& p, const PackedQueries& packed, 
   std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
   alignas(64) float reference[kBlockQ], delta[kBlockQ];
 
-  for_each_query_block(
-      p, b, hk, c0, cols,
+  return for_each_query_block(
+      p, b, hk, c0, cols, packed.q0, q1,
       [&](int64_t row_base, int64_t r0, int64_t rows, int64_t seen, BlockKind kind) {
         const int64_t h = head_of_row(sh, row_base);
-        float* dq = dq_group + (row_base - group_first_row(sh, b, hk) + r0) * dp;
+        const int64_t slot = packed.slot(sh, row_base, r0);
+        float* dq = dq_chunk + slot * kBlockQ * dp;
         load_row_stats(p, row_base + r0, rows, reference, delta);
         float* st = s.st.get();
         float* dpt = s.dpt.get();
 
         // P^T = exp2(K Q^T - lse)
-        gemm(seen, kBlockQ, dp, k, ks.seq, 1, packed.qt.block(sh, row_base, r0), kBlockQ, st,
-             kBlockQ, false);
+        gemm(seen, kBlockQ, dp, k, ks.seq, 1, packed.qt.at(slot), kBlockQ, st, kBlockQ, false);
         if (modified) modify_scores(p.score, h, r0, c0, seen, 1.f, st, softcap_grad);
         if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
         for (int64_t c = 0; c < seen; ++c)
           for (int64_t i = 0; i < kBlockQ; i += kLanes)
             store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
         // dV += P^T dO
-        gemm(seen, dvp, rows, st, kBlockQ, 1, packed.do_rows.block(sh, row_base, r0), dvp,
-             s.dv.get(), dvp, true);
+        gemm(seen, dvp, rows, st, kBlockQ, 1, packed.do_rows.at(slot), dvp, s.dv.get(), dvp,
+             true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
-        gemm(seen, kBlockQ, dvp, v, vs.seq, 1, packed.dot.block(sh, row_base, r0), kBlockQ, dpt,
-             kBlockQ, false);
+        gemm(seen, kBlockQ, dvp, v, vs.seq, 1, packed.dot.at(slot), kBlockQ, dpt, kBlockQ, false);
         for (int64_t c = 0; c < seen; ++c)
           for (int64_t i = 0; i < kBlockQ; i += kLanes)
             store(dpt + c * kBlockQ + i,
                   load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
         if (softcap_grad) apply_softcap_grad(seen, softcap_grad, dpt);
         // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-        gemm(seen, dp, rows, dpt, kBlockQ, 1, packed.q_rows.block(sh, row_base, r0), dp, s.dk.get(),
-             dp, true);
+        gemm(seen, dp, rows, dpt, kBlockQ, 1, packed.q_rows.at(slot), dp, s.dk.get(), dp, true);
         gemm(rows, dp, seen, dpt, 1, kBlockQ, k, ks.seq, dq, dp, true);
       });
-
-  write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
 }
 
-// How many ranges the key blocks of each (batch, kv head) are split into. Without a split a task
-// per (batch, kv head) owns the dQ rows of its query heads; with few such pairs (small batch,
-// MQA) that leaves threads idle, so each range then accumulates dQ into an fp32 buffer of its
-// own (splits x the size of dQ in all), summed afterwards in a fixed order. The choice depends
-// on the shape only, never on the thread count, so results are the same bits with any number of
-// threads. The buffers are capped at 64 MiB in all (fewer splits for long sequences): they were
-// the largest part of a long backward's memory.
-inline int64_t key_splits(const AttnShape& sh, int64_t k_blocks) {
+// How many ranges the key blocks that a query chunk sees are split into per (batch, kv head)
+// pair. A task per (pair, range) adds its dQ into a chunk-sized fp32 buffer of its range; with
+// few pairs (small batch, MQA) the ranges keep the threads busy. The choice depends on the shape
+// only, never on the thread count, so results are the same bits with any number of threads.
+inline int64_t key_splits(const AttnShape& sh) {
   constexpr int64_t kTargetTasks = 8;
-  constexpr int64_t kMaxBufferBytes = int64_t{64} << 20;
   const int64_t pairs = sh.batch * sh.kv_heads;
-  const int64_t dq_bytes = sh.batch * sh.heads * sh.seqlen_q * sh.head_dim_padded * 4;
-  int64_t splits = std::min((kTargetTasks + pairs - 1) / pairs, k_blocks);
-  while (splits > 1 && splits * dq_bytes > kMaxBufferBytes) --splits;
-  return std::max<int64_t>(splits, 1);
+  return (kTargetTasks + pairs - 1) / pairs;
 }
 
-// Writes the dQ rows of the (batch, kv head) pair `pair`, scaled by the softmax scale, from its
-// fp32 accumulators: `splits` of them, `split_stride` apart, each (group heads, Sq, Dp), summed
-// in split order (into the first).
-inline void write_group_dq(const BwdParams& p, int64_t pair, float* acc, int64_t split_stride,
-                           int64_t splits) {
+// The backward, one chunk of query rows after another. Per chunk: (1) pack(p, b, h, r0, rows,
+// slot, packed) packs the chunk's query blocks of every head; (2) a task per (batch, kv head)
+// pair and split of the key blocks that the chunk sees runs key_block(p, packed, b, hk, c0, q1,
+// dq, scratch) on each of its key blocks, adding dQ into its split's buffer and the block's dK /
+// dV into their sums; (3) the splits' dQ are summed in split order and written. Then dK and dV
+// are written. Every key block of a chunk is one task's and the chunks run in order, so every
+// sum has a fixed order: the same bits with any number of threads. Memory beyond the outputs:
+// the chunk's packed blocks, splits x the chunk's dQ, and the sums when not in place.
+template <typename T, typename Scratch, typename Pack, typename KeyBlock>
+inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
   const AttnShape& sh = p.shape;
-  const int64_t dp = sh.head_dim_padded;
-  const int64_t b = pair / sh.kv_heads, first_head = pair % sh.kv_heads * sh.group_size();
-  const BshdStrides& o = p.dq.strides;
-  for (int64_t r = 0; r < sh.group_size() * sh.seqlen_q; ++r) {
-    float* row = acc + r * dp;
-    for (int64_t split = 1; split < splits; ++split)
-      for (int64_t d = 0; d < dp; ++d) row[d] += row[split * split_stride + d];
-    const int64_t h = first_head + r / sh.seqlen_q, i = r % sh.seqlen_q;
-    write_row(p.dq, b * o.batch + i * o.seq + h * o.head, row, p.softmax_scale, sh.head_dim);
-  }
-}
-
-// Runs the backward tasks: body(b, hk, kb_begin, kb_end, dq_group, scratch) computes the key
-// blocks [kb_begin, kb_end) of (batch b, kv head hk), adding dQ to the fp32 accumulator
-// dq_group, (group heads, Sq, Dp) and zero at first, the rows of the query heads of hk; then dQ
-// is written to p.dq. One Scratch per parallel chunk.
-template <typename Scratch, typename Body>
-inline void run_backward(const BwdParams& p, Body&& body) {
-  const AttnShape& sh = p.shape;
-  const int64_t dp = sh.head_dim_padded;
-  const int64_t k_blocks = (sh.seqlen_k + kBlockK - 1) / kBlockK;
-  const int64_t splits = key_splits(sh, k_blocks);
-  const int64_t pairs = sh.batch * sh.kv_heads;
-  const int64_t group_elems = sh.group_size() * sh.seqlen_q * dp;
-  if (splits == 1) {
-    // A task owns its pair's dQ rows: they accumulate in a buffer of the parallel chunk, which
-    // stays in cache for moderate lengths, and are written out when the task ends.
-    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-      Scratch scratch(sh);
-      AlignedArray<float> dq = aligned_array<float>(group_elems);
-      for (int64_t pair = begin; pair < end; ++pair) {
-        std::fill(dq.get(), dq.get() + group_elems, 0.f);
-        body(pair / sh.kv_heads, pair % sh.kv_heads, 0, k_blocks, dq.get(), scratch);
-        write_group_dq(p, pair, dq.get(), 0, 1);
+  const int64_t dp = sh.head_dim_padded, group = sh.group_size();
+  const int64_t rows_per_chunk = chunk_rows(sh);
+  const int64_t heads = sh.batch * sh.heads, pairs = sh.batch * sh.kv_heads;
+  const int64_t max_splits = key_splits(sh);
+  const int64_t chunk_elems = heads * rows_per_chunk * dp;
+  PackedChunk<T> packed(sh, rows_per_chunk);
+  AlignedArray<float> dq = aligned_array<float>(max_splits * chunk_elems);
+  const KeyGradSums dk(sh, p.dk, sh.head_dim, dp), dv(sh, p.dv, sh.head_dim_v, sh.head_dim_v_padded);
+  for (int64_t q0 = 0; q0 < sh.seqlen_q; q0 += rows_per_chunk) {
+    const int64_t q1 = std::min(sh.seqlen_q, q0 + rows_per_chunk);
+    const int64_t blocks = (q1 - q0 + kBlockQ - 1) / kBlockQ;
+    packed.q0 = q0;
+    at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t bh = t / blocks, j = t % blocks, r0 = q0 + j * kBlockQ;
+        pack(p, bh / sh.heads, bh % sh.heads, r0, std::min(kBlockQ, q1 - r0),
+             bh * packed.blocks_per_chunk + j, packed);
       }
     });
-    return;
+    const PosRange keys = p.mask.key_span(q0, q1, sh.seqlen_k);
+    const int64_t kb_first = keys.first / kBlockK;
+    const int64_t kb_count = keys.empty() ? 0 : keys.last / kBlockK + 1 - kb_first;
+    const int64_t splits = std::clamp<int64_t>(kb_count, 1, max_splits);
+    // Tasks are taken in order by whichever thread is free (a thread on a shared core takes
+    // fewer); which thread runs a task changes no bits.
+    std::atomic<int64_t> next_task{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      Scratch scratch(sh);
+      for (int64_t t; (t = next_task.fetch_add(1)) < pairs * splits;) {
+        const int64_t pair = t / splits, split = t % splits;
+        const int64_t b = pair / sh.kv_heads, hk = pair % sh.kv_heads;
+        float* dq_split = dq.get() + split * chunk_elems;
+        float* own = dq_split + (b * sh.heads + hk * group) * rows_per_chunk * dp;
+        std::fill(own, own + group * rows_per_chunk * dp, 0.f);
+        // every splits-th key block: a causal diagonal's partly masked blocks spread over splits
+        for (int64_t kb = kb_first + split; kb < kb_first + kb_count; kb += splits) {
+          const int64_t c0 = kb * kBlockK, cols = std::min(kBlockK, sh.seqlen_k - c0);
+          if (!key_block(p, packed, b, hk, c0, q1, dq_split, scratch)) continue;
+          dk.add(b, hk, c0, cols, scratch.dk.get());
+          dv.add(b, hk, c0, cols, scratch.dv.get());
+        }
+      }
+    });
+    at::parallel_for(0, heads * (q1 - q0), 64, [&](int64_t begin, int64_t end) {
+      const BshdStrides& o = p.dq.strides;
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t bh = r / (q1 - q0), i = r % (q1 - q0);
+        float* row = dq.get() + (bh * rows_per_chunk + i) * dp;
+        for (int64_t split = 1; split < splits; ++split)
+          for (int64_t d = 0; d < dp; ++d) row[d] += row[split * chunk_elems + d];
+        write_row(p.dq, bh / sh.heads * o.batch + (q0 + i) * o.seq + bh % sh.heads * o.head, row,
+                  p.softmax_scale, sh.head_dim);
+      }
+    });
   }
-  // Few pairs: each split of a pair's key blocks accumulates dQ in a buffer of its own; the
-  // splits are summed afterwards in a fixed order.
-  const int64_t split_stride = pairs * group_elems;
-  AlignedArray<float> dq = aligned_array<float>(splits * split_stride);
-  at::parallel_for(0, splits * split_stride, 1 << 16, [&](int64_t begin, int64_t end) {
-    std::fill(dq.get() + begin, dq.get() + end, 0.f);
-  });
-  at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(sh);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t split = t % splits, pair = t / splits;
-      body(pair / sh.kv_heads, pair % sh.kv_heads, k_blocks * split / splits,
-           k_blocks * (split + 1) / splits, dq.get() + split * split_stride + pair * group_elems,
-           scratch);
-    }
-  });
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair)
-      write_group_dq(p, pair, dq.get() + pair * group_elems, split_stride, splits);
-  });
-}
-
-// The backward with one operand flavour: its packed queries, scratch and per-key-block step
-// (fp32 here, bf16 in attention_kernel_bf16.h).
-template <typename Packed, typename Scratch>
-struct ScratchWithQueries : Scratch {
-  std::optional<Packed> packed;  // the queries of (batch, kv head) pair `pair`
-  int64_t pair = -1;
-  using Scratch::Scratch;
-};
-
-template <typename Packed, typename Scratch, typename KeyBlock>
-inline void backward_key_blocks(const BwdParams& p, KeyBlock key_block) {
-  using Chunk = ScratchWithQueries<Packed, Scratch>;
-  run_backward<Chunk>(p, [&](int64_t b, int64_t hk, int64_t kb_begin, int64_t kb_end,
-                             float* dq_group, Chunk& chunk) {
-    // A parallel chunk's tasks come in pair order (the splits of a pair one after another), so
-    // each chunk packs a pair's queries once and holds one pair's at a time.
-    const int64_t pair = b * p.shape.kv_heads + hk;
-    if (chunk.pair != pair) {
-      chunk.packed.reset();
-      chunk.packed.emplace(p, b, hk);
-      chunk.pair = pair;
-    }
-    for (int64_t kb = kb_begin; kb < kb_end; ++kb)
-      key_block(p, *chunk.packed, b, hk, kb * kBlockK, dq_group, chunk);
-  });
+  dk.write(sh, p.dk, sh.head_dim, p.softmax_scale);
+  dv.write(sh, p.dv, sh.head_dim_v, 1.f);
 }
 
 inline void attention_bwd_impl(const BwdParams& p) {
-  backward_key_blocks<PackedQueries, BwdScratch>(p, backward_key_block);
+  backward_chunks<float, BwdScratch>(p, pack_query_block, backward_key_block);
 }
 
 }  // namespace CPATTN_CPU_ISA

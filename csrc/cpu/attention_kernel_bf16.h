@@ -252,39 +252,25 @@ struct BwdScratchBf16 {
         dv(aligned_array<float>(kBlockK * sh.head_dim_v_padded)) {}
 };
 
-// Packs blocks of a (B, Sq, H, dim) bf16 operand with pack (pack_pairs_transposed or
-// pack_row_pairs) to rows of dim_padded.
-template <typename Pack>
-inline auto bshd_blocks(const uint16_t* x, const BshdStrides& st, int64_t dim, int64_t dim_padded,
-                        Pack pack) {
-  return [x, st, dim, dim_padded, pack](int64_t b, int64_t h, int64_t r0, int64_t rows,
-                                        uint16_t* out) {
-    pack(x + b * st.batch + r0 * st.seq + h * st.head, st.seq, rows, dim, dim_padded, out);
-  };
+// Packs query block `slot` of the bf16 chunk from rows r0.. (`rows` of them) of head h of batch
+// b: Q^T and dO^T as d pairs, Q and dO as row pairs.
+inline void pack_query_block_bf16(const BwdParams& p, int64_t b, int64_t h, int64_t r0,
+                                  int64_t rows, int64_t slot, PackedChunk<uint16_t>& out) {
+  const AttnShape& sh = p.shape;
+  const BshdStrides &qs = p.q16_strides, &ds = p.dout16_strides;
+  const uint16_t* q = p.q16 + b * qs.batch + r0 * qs.seq + h * qs.head;
+  const uint16_t* dout = p.dout16 + b * ds.batch + r0 * ds.seq + h * ds.head;
+  pack_pairs_transposed(q, qs.seq, rows, sh.head_dim, sh.head_dim_padded, out.qt.at(slot));
+  pack_pairs_transposed(dout, ds.seq, rows, sh.head_dim_v, sh.head_dim_v_padded,
+                        out.dot.at(slot));
+  pack_row_pairs(q, qs.seq, rows, sh.head_dim, sh.head_dim_padded, out.q_rows.at(slot));
+  pack_row_pairs(dout, ds.seq, rows, sh.head_dim_v, sh.head_dim_v_padded, out.do_rows.at(slot));
 }
 
-// The bf16 backward's B operands of every query block of kv head hk's query heads: Q^T and dO^T
-// as d pairs, Q and dO as row pairs.
-struct PackedQueriesBf16 {
-  PackedQueryBlocks<uint16_t> qt, dot, q_rows, do_rows;
-  PackedQueriesBf16(const BwdParams& p, int64_t b, int64_t hk)
-      : qt(p.shape, p.shape.head_dim_padded, b, hk,
-           bshd_blocks(p.q16, p.q16_strides, p.shape.head_dim, p.shape.head_dim_padded,
-                       pack_pairs_transposed)),
-        dot(p.shape, p.shape.head_dim_v_padded, b, hk,
-            bshd_blocks(p.dout16, p.dout16_strides, p.shape.head_dim_v, p.shape.head_dim_v_padded,
-                        pack_pairs_transposed)),
-        q_rows(p.shape, p.shape.head_dim_padded, b, hk,
-               bshd_blocks(p.q16, p.q16_strides, p.shape.head_dim, p.shape.head_dim_padded,
-                           pack_row_pairs)),
-        do_rows(p.shape, p.shape.head_dim_v_padded, b, hk,
-                bshd_blocks(p.dout16, p.dout16_strides, p.shape.head_dim_v,
-                            p.shape.head_dim_v_padded, pack_row_pairs)) {}
-};
-
 // backward_key_block (attention_kernel.h) with the five products on bf16 operands.
-inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16& packed, int64_t b,
-                                    int64_t hk, int64_t c0, float* dq_group, BwdScratchBf16& s) {
+inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16_t>& packed,
+                                   int64_t b, int64_t hk, int64_t c0, int64_t q1,
+                                   float* dq_chunk, BwdScratchBf16& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -301,10 +287,11 @@ inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16&
   // modify_scores leaves base-2 logits, which exp2 then takes as they are
   const vfloat scale = broadcast(modified ? 1.f : base2);
 
-  for_each_query_block(
-      p, b, hk, c0, cols,
+  return for_each_query_block(
+      p, b, hk, c0, cols, packed.q0, q1,
       [&](int64_t row_base, int64_t r0, int64_t rows, int64_t seen, BlockKind kind) {
-        float* dq = dq_group + (row_base - group_first_row(sh, b, hk) + r0) * dp;
+        const int64_t slot = packed.slot(sh, row_base, r0);
+        float* dq = dq_chunk + slot * kBlockQ * dp;
         load_row_stats(p, row_base + r0, rows, reference, delta);
         const int64_t row_pairs = (rows + 1) / 2;
         float* st = s.st.get();
@@ -313,7 +300,7 @@ inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16&
         uint16_t* ds16 = s.ds16.get();
 
         // P^T = exp2(scale K Q^T - lse), kept in fp32 for dS and in bf16 for dV
-        gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.block(sh, row_base, r0), 2 * kBlockQ,
+        gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.at(slot), 2 * kBlockQ,
                   st, kBlockQ, false);
         if (modified)
           modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, base2, st, softcap_grad);
@@ -326,11 +313,11 @@ inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16&
             store_bf16(p16 + e, pr);
           }
         // dV += P^T dO
-        gemm_bf16(seen, dvp, row_pairs, p16, kBlockQ, 2, packed.do_rows.block(sh, row_base, r0),
+        gemm_bf16(seen, dvp, row_pairs, p16, kBlockQ, 2, packed.do_rows.at(slot),
                   2 * dvp, s.dv.get(), dvp, true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta), in bf16 both as is (for dK) and as key pairs
         // (for dQ)
-        gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.block(sh, row_base, r0),
+        gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.at(slot),
                   2 * kBlockQ, dpt, kBlockQ, false);
         if (softcap_grad) {  // the chain rule through the softcap, folded into P for dS only
           for (int64_t e = 0; e < seen * kBlockQ; e += kLanes)
@@ -349,16 +336,15 @@ inline void backward_key_block_bf16(const BwdParams& p, const PackedQueriesBf16&
             store_key_pair(s.ds_pairs.get(), c, i, ds0, ds1);
           }
         // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-        gemm_bf16(seen, dp, row_pairs, ds16, kBlockQ, 2, packed.q_rows.block(sh, row_base, r0),
+        gemm_bf16(seen, dp, row_pairs, ds16, kBlockQ, 2, packed.q_rows.at(slot),
                   2 * dp, s.dk.get(), dp, true);
         gemm_bf16(rows, dp, (seen + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp, dq,
                   dp, true);
       });
-  write_key_block_grads(p, b, hk, c0, cols, s.dk.get(), s.dv.get());
 }
 
 inline void attention_bwd_bf16_impl(const BwdParams& p) {
-  backward_key_blocks<PackedQueriesBf16, BwdScratchBf16>(p, backward_key_block_bf16);
+  backward_chunks<uint16_t, BwdScratchBf16>(p, pack_query_block_bf16, backward_key_block_bf16);
 }
 
 }  // namespace CPATTN_CPU_ISA

@@ -283,8 +283,9 @@ def _divisible(p: Problem, world: int, layout: str) -> bool:
 # of the tensors alive in it, and a call's peak is the largest phase. Counted: every at::Tensor
 # a call allocates on top of its inputs (q, k, v and, for the backward, the gradient of out):
 # outputs, fp32 state, saved tensors, the ring's buffers, packing copies, conversions. Not
-# counted: the CPU kernels' per-thread scratch (malloc'd blocks, about 100 KiB per thread; the
-# backward's dQ block of a KV head, 4 * (H / Hkv) * S_q * D bytes per thread) and Python objects.
+# counted: the CPU kernels' own buffers (malloc'd: the "scratch" of the result, the backward's
+# chunk buffers and, unless summed in place, fp32 dK / dV sums, _kernel_bwd_scratch) and Python
+# objects.
 # CUDA kernels pack nothing (their transients are the sub-problem outputs only), so this is an
 # upper bound there.
 
@@ -316,19 +317,20 @@ def _kernel_bwd(B: int, n: int, h: int, hkv: int, D: int, e: int, g: int, bf16: 
     return rows + 4 * B * dp * (2 * h * n + 2 * hkv * n)
 
 
-def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, bf16: bool) -> int:
-    """The backward kernel's own buffers (malloc'd, not tensors) on one thread: the query blocks
-    of Q and dO of the task's KV head's query heads packed (transposed and as rows; bf16: row
-    pairs) and the fp32 dQ: one KV head's queries, or with fewer than 8 (batch, KV head)
-    pairs, one whole dQ per split of the key blocks (csrc/cpu/attention_kernel.h key_splits: 8
-    tasks, at most 64 MiB)."""
-    dp, nq = -(-D // 16) * 16, -(-n // 64) * 64
-    packed = (4 * 2 if bf16 else 4 * 4) * (h // hkv) * nq * dp
-    dq = 4 * B * h * n * dp
-    splits = min(-(-8 // (B * hkv)), -(-n // 128))
-    while splits > 1 and splits * dq > 64 << 20:
-        splits -= 1
-    return packed + (splits * dq if splits > 1 else dq // (B * hkv))
+def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, g: int, bf16: bool) -> int:
+    """The backward kernel's own buffers (malloc'd, not tensors; csrc/cpu/attention_kernel.h
+    backward_chunks), all threads together, for n query rows and n keys whose gradients are
+    written in g-byte floats: one chunk of cq query rows of every head packed (Q^T, dO^T and Q,
+    dO as rows: 16 bytes per element in fp32, 8 in bf16), the chunk's fp32 dQ per split of the
+    key blocks (8 / (B Hkv) splits, at least 1), and fp32 sums of dK and dV unless the
+    gradients are fp32 with D a multiple of 16 (then summed in place in them). Per-thread
+    blocks of about 0.2-0.3 MiB are not counted."""
+    dp = -(-D // 16) * 16
+    cq = min(max(2048 * 128 // (B * h * dp) // 64 * 64, 64), 512, -(-n // 64) * 64)  # chunk_rows
+    packed = (8 if bf16 else 16) * B * h * cq * dp
+    dq = -(-8 // (B * hkv)) * 4 * B * h * cq * dp
+    sums = 0 if g == 4 and dp == D else 4 * B * n * hkv * 2 * dp
+    return packed + dq + sums
 
 
 @functools.lru_cache(maxsize=1)
@@ -383,7 +385,7 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             grads = (Q + 2 * K) * e if cast else 2 * K * 4
             ph["bwd: gradients"] = base + grads
             kept = recv + acc + (Q + 2 * K) * e  # the graph freed: gradients and cached buffers
-        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, H, Hkv, D, bf))
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, H, Hkv, D, 4, bf))
     if strategy == "allgather":
         c = chunk or max(1, Hkv // 4)
         one = c >= Hkv
@@ -412,7 +414,7 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             ph["bwd: reduce-scatter"] = base + dq_c + (1 + bool(gloo)) * dkv_all + 2 * Kc * 4
             ph["bwd: cast dk dv"] = base + dq_c + 2 * Kc * 4 + one * 2 * Kc * e
             kept = (Q + 2 * K) * e
-        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, hq, c, D, bf))
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, hq, c, D, 4, bf))
     if strategy == "ulysses":
         hs = _kv_heads_sent(H, Hkv, W)  # KV heads each rank sends (GQA: replicated)
         Ks = B * L * hs * D
@@ -439,7 +441,7 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             if hs != Hkv:  # summed back over the replicas (index_select's backward)
                 ph["bwd: unreplicate"] = saved + Q * e + 2 * Ks * e + 2 * K * e
             kept = (Q + 2 * K) * e
-        return _result(ph, kept, train and _kernel_bwd_scratch(B, S, h, hk, D, bf))
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, S, h, hk, D, e, bf))
     raise ValueError(f"cpattn.plan.memory: unknown strategy {strategy!r}")
 
 
@@ -476,7 +478,7 @@ def _memory_local(ph: dict, B, S, H, Hkv, D, e, train, bf) -> dict:
     if train:
         ph["bwd: kernel"] = kept + lse + _kernel_bwd(B, S, H, Hkv, D, e, e, bf)
         kept = (Q + 2 * K) * e
-    return _result(ph, kept, train and _kernel_bwd_scratch(B, S, H, Hkv, D, bf))
+    return _result(ph, kept, train and _kernel_bwd_scratch(B, S, H, Hkv, D, e, bf))
 
 
 def _result(phases: dict, kept: int, scratch: int) -> dict:
