@@ -435,8 +435,8 @@ struct KeyGradSums {
     }
     at::parallel_for(0, sh.batch * sh.seqlen_k * sh.kv_heads, 256, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {  // r = (b * Sk + c) * Hkv + hk
-        float* x = row(r / (sh.seqlen_k * sh.kv_heads), r / sh.kv_heads % sh.seqlen_k,
-                       r % sh.kv_heads);
+        float* x =
+            row(r / (sh.seqlen_k * sh.kv_heads), r / sh.kv_heads % sh.seqlen_k, r % sh.kv_heads);
         std::fill(x, x + dim_padded, 0.f);
       }
     });
@@ -487,8 +487,7 @@ inline void pack_query_block(const BwdParams& p, int64_t b, int64_t h, int64_t r
 // the block's dK and dV contributions in s.dk and s.dv, and its dQ contributions added to
 // dq_chunk, (B H, chunk rows, Dp). Returns whether any query block of the chunk sees the keys.
 inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& packed, int64_t b,
-                               int64_t hk, int64_t c0, int64_t q1, float* dq_chunk,
-                               BwdScratch& s) {
+                               int64_t hk, int64_t c0, int64_t q1, float* dq_chunk, BwdScratch& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -519,8 +518,7 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
           for (int64_t i = 0; i < kBlockQ; i += kLanes)
             store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
         // dV += P^T dO
-        gemm(seen, dvp, rows, st, kBlockQ, 1, packed.do_rows.at(slot), dvp, s.dv.get(), dvp,
-             true);
+        gemm(seen, dvp, rows, st, kBlockQ, 1, packed.do_rows.at(slot), dvp, s.dv.get(), dvp, true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
         gemm(seen, kBlockQ, dvp, v, vs.seq, 1, packed.dot.at(slot), kBlockQ, dpt, kBlockQ, false);
         for (int64_t c = 0; c < seen; ++c)
@@ -562,7 +560,8 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
   const int64_t chunk_elems = heads * rows_per_chunk * dp;
   PackedChunk<T> packed(sh, rows_per_chunk);
   AlignedArray<float> dq = aligned_array<float>(max_splits * chunk_elems);
-  const KeyGradSums dk(sh, p.dk, sh.head_dim, dp), dv(sh, p.dv, sh.head_dim_v, sh.head_dim_v_padded);
+  const KeyGradSums dk(sh, p.dk, sh.head_dim, dp),
+      dv(sh, p.dv, sh.head_dim_v, sh.head_dim_v_padded);
   for (int64_t q0 = 0; q0 < sh.seqlen_q; q0 += rows_per_chunk) {
     const int64_t q1 = std::min(sh.seqlen_q, q0 + rows_per_chunk);
     const int64_t blocks = (q1 - q0 + kBlockQ - 1) / kBlockQ;

@@ -261,16 +261,15 @@ inline void pack_query_block_bf16(const BwdParams& p, int64_t b, int64_t h, int6
   const uint16_t* q = p.q16 + b * qs.batch + r0 * qs.seq + h * qs.head;
   const uint16_t* dout = p.dout16 + b * ds.batch + r0 * ds.seq + h * ds.head;
   pack_pairs_transposed(q, qs.seq, rows, sh.head_dim, sh.head_dim_padded, out.qt.at(slot));
-  pack_pairs_transposed(dout, ds.seq, rows, sh.head_dim_v, sh.head_dim_v_padded,
-                        out.dot.at(slot));
+  pack_pairs_transposed(dout, ds.seq, rows, sh.head_dim_v, sh.head_dim_v_padded, out.dot.at(slot));
   pack_row_pairs(q, qs.seq, rows, sh.head_dim, sh.head_dim_padded, out.q_rows.at(slot));
   pack_row_pairs(dout, ds.seq, rows, sh.head_dim_v, sh.head_dim_v_padded, out.do_rows.at(slot));
 }
 
 // backward_key_block (attention_kernel.h) with the five products on bf16 operands.
 inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16_t>& packed,
-                                   int64_t b, int64_t hk, int64_t c0, int64_t q1,
-                                   float* dq_chunk, BwdScratchBf16& s) {
+                                    int64_t b, int64_t hk, int64_t c0, int64_t q1, float* dq_chunk,
+                                    BwdScratchBf16& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -300,8 +299,8 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
         uint16_t* ds16 = s.ds16.get();
 
         // P^T = exp2(scale K Q^T - lse), kept in fp32 for dS and in bf16 for dV
-        gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.at(slot), 2 * kBlockQ,
-                  st, kBlockQ, false);
+        gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.at(slot), 2 * kBlockQ, st, kBlockQ,
+                  false);
         if (modified)
           modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, base2, st, softcap_grad);
         if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
@@ -313,12 +312,12 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
             store_bf16(p16 + e, pr);
           }
         // dV += P^T dO
-        gemm_bf16(seen, dvp, row_pairs, p16, kBlockQ, 2, packed.do_rows.at(slot),
-                  2 * dvp, s.dv.get(), dvp, true);
+        gemm_bf16(seen, dvp, row_pairs, p16, kBlockQ, 2, packed.do_rows.at(slot), 2 * dvp,
+                  s.dv.get(), dvp, true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta), in bf16 both as is (for dK) and as key pairs
         // (for dQ)
-        gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.at(slot),
-                  2 * kBlockQ, dpt, kBlockQ, false);
+        gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.at(slot), 2 * kBlockQ, dpt, kBlockQ,
+                  false);
         if (softcap_grad) {  // the chain rule through the softcap, folded into P for dS only
           for (int64_t e = 0; e < seen * kBlockQ; e += kLanes)
             store(st + e, load(st + e) * load(softcap_grad + e));
@@ -336,8 +335,8 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
             store_key_pair(s.ds_pairs.get(), c, i, ds0, ds1);
           }
         // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-        gemm_bf16(seen, dp, row_pairs, ds16, kBlockQ, 2, packed.q_rows.at(slot),
-                  2 * dp, s.dk.get(), dp, true);
+        gemm_bf16(seen, dp, row_pairs, ds16, kBlockQ, 2, packed.q_rows.at(slot), 2 * dp, s.dk.get(),
+                  dp, true);
         gemm_bf16(rows, dp, (seen + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp, dq,
                   dp, true);
       });

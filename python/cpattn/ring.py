@@ -250,6 +250,25 @@ def _head_chunks(q, k, chunk: int) -> list:
             for c0 in range(0, k.shape[2], chunk)]
 
 
+def _forward_in_passes(q, k, chunk: int, attend: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (B, S, H, Dv) and lse (B, H, S) from attend(query heads, KV heads) -> (out, lse) of
+    each pass over `chunk` KV heads, written pass by pass (no list of parts, no concatenation);
+    with one pass, its result."""
+    passes = _head_chunks(q, k, chunk)
+    if len(passes) == 1:
+        return attend(*passes[0])
+    out = lse = None
+    for qh, kh in passes:
+        out_c, lse_c = attend(qh, kh)
+        if out is None:
+            out = out_c.new_empty((*q.shape[:3], out_c.shape[3]))
+            lse = lse_c.new_empty((q.shape[0], q.shape[2], q.shape[1]))
+        out[:, :, qh].copy_(out_c)
+        lse[:, qh].copy_(lse_c)
+        del out_c, lse_c
+    return out, lse
+
+
 class _RingAttention(torch.autograd.Function):
     """The ring (csrc/ops/ring.cpp), in one pass over every head or, with `chunk` < kv heads,
     one pass per chunk of `chunk` KV heads (and their query heads): each pass holds the fp32
@@ -259,23 +278,10 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group_name, scale, causal, window, layout_code, timeout, docs,
                 softcap, alibi_slopes, prefix_len, chunk, sinks):
         args = (group_name, scale, causal, window[0], window[1], layout_code, timeout)
-        passes = _head_chunks(q, k, chunk)
-        out = lse = None
-        for qh, kh in passes:
-            out_c, lse_c = torch.ops.cpattn.ring_fwd(
-                q[:, :, qh], k[:, :, kh], v[:, :, kh], *args, doc_lengths=docs, softcap=softcap,
-                alibi_slopes=_heads(alibi_slopes, qh), sinks=_heads(sinks, qh),
-                prefix_len=prefix_len,
-            )
-            if len(passes) == 1:  # its result is the result
-                out, lse = out_c, lse_c
-                break
-            if out is None:  # written pass by pass: no list of parts and no concatenation
-                out = out_c.new_empty((*q.shape[:3], out_c.shape[3]))
-                lse = lse_c.new_empty((q.shape[0], q.shape[2], q.shape[1]))
-            out[:, :, qh].copy_(out_c)
-            lse[:, qh].copy_(lse_c)
-            del out_c, lse_c
+        out, lse = _forward_in_passes(q, k, chunk, lambda qh, kh: torch.ops.cpattn.ring_fwd(
+            q[:, :, qh], k[:, :, kh], v[:, :, kh], *args, doc_lengths=docs, softcap=softcap,
+            alibi_slopes=_heads(alibi_slopes, qh), sinks=_heads(sinks, qh), prefix_len=prefix_len,
+        ))
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
         ctx.args, ctx.chunk = args, chunk
         ctx.docs, ctx.softcap, ctx.prefix_len = docs, softcap, prefix_len
@@ -324,26 +330,15 @@ class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, rank, world, scale, causal, window, layout_code, docs,
                 chunk, softcap, alibi_slopes, prefix_len, sinks):
-        group_size = q.shape[2] // k.shape[2]
-        out = lse = None
-        for c0 in range(0, k.shape[2], chunk):
-            kh, qh = slice(c0, c0 + chunk), slice(c0 * group_size, (c0 + chunk) * group_size)
+        def attend(qh, kh):  # the gathered chunk is freed on return, before the next gather
             kv_all = _gather_kv(k[:, :, kh], v[:, :, kh], group, world)
-            out_c, lse_c = torch.ops.cpattn.gathered_fwd(
+            return torch.ops.cpattn.gathered_fwd(
                 q[:, :, qh], kv_all, rank, scale, causal, window[0], window[1], layout_code,
                 doc_lengths=docs, softcap=softcap, alibi_slopes=_heads(alibi_slopes, qh),
                 sinks=_heads(sinks, qh), prefix_len=prefix_len,
             )
-            del kv_all  # before the next chunk's gather
-            if chunk >= k.shape[2]:  # one chunk: its result is the result
-                out, lse = out_c, lse_c
-                break
-            if out is None:  # written chunk by chunk: no list of parts and no concatenation
-                out = out_c.new_empty((*q.shape[:3], out_c.shape[3]))
-                lse = lse_c.new_empty((q.shape[0], q.shape[2], q.shape[1]))
-            out[:, :, qh].copy_(out_c)
-            lse[:, qh].copy_(lse_c)
-            del out_c, lse_c
+
+        out, lse = _forward_in_passes(q, k, chunk, attend)
         ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
         ctx.args = (group, rank, world, scale, causal, window, layout_code, docs, chunk)
         ctx.softcap, ctx.prefix_len = softcap, prefix_len
