@@ -349,14 +349,12 @@ class _GatheredAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
         group, rank, world, scale, causal, window, layout_code, docs, chunk = ctx.args
-        group_size = q.shape[2] // k.shape[2]
         dout = dout.contiguous()
         one = chunk >= k.shape[2]
         # Written chunk by chunk (no list of parts and no concatenation), except with one chunk.
         dq = None if one else torch.empty_like(q)
         dk, dv = (None, None) if one else (torch.empty_like(k), torch.empty_like(v))
-        for c0 in range(0, k.shape[2], chunk):
-            kh, qh = slice(c0, c0 + chunk), slice(c0 * group_size, (c0 + chunk) * group_size)
+        for qh, kh in _head_chunks(q, k, chunk):
             kv_all = _gather_kv(k[:, :, kh], v[:, :, kh], group, world)  # gathered again: bounded
             dq_c, dkv_all = torch.ops.cpattn.gathered_bwd(
                 dout[:, :, qh] if one else dout[:, :, qh].contiguous(), q[:, :, qh], kv_all,
