@@ -62,7 +62,7 @@ def _call(c, seqlen, heads, kv_heads, dim, causal, mode, world, hybrid):
     elif c.strategy in ("ring", "allgather"):
         fwd = lambda: cpattn.ring_attention(  # noqa: E731
             q, k, v, causal=causal, layout=c.layout, strategy=c.strategy,
-            allgather_chunk=c.chunk or None, ring_chunk=c.chunk or None)
+            **{"ring_chunk" if c.strategy == "ring" else "allgather_chunk": c.chunk or None})
     elif c.strategy == "ulysses":
         fwd = lambda: cpattn.ulysses_attention(q, k, v, causal=causal)  # noqa: E731
     else:

@@ -89,6 +89,8 @@ def _bad_chunk(rank: int, world: int) -> None:
             cpattn.ring_attention(q, q, q, ring_chunk=chunk)
     with pytest.raises(ValueError, match="ring_chunk=1.5: must be an int"):
         cpattn.ring_attention(q, q, q, ring_chunk=1.5)
+    with pytest.raises(ValueError, match='ring_chunk=1: sets the passes of strategy "ring"'):
+        cpattn.ring_attention(q, q, q, strategy="allgather", ring_chunk=1)  # never ignored
     with pytest.raises(ValueError, match="ranks disagree on ring_chunk"):
         cpattn.ring_attention(q, q, q, ring_chunk=1 + rank)
     cpattn.ring_attention(q, q, q, ring_chunk=1)  # the group stays usable

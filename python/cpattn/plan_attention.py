@@ -131,10 +131,11 @@ def context_attention(
             out, lse = hybrid_attention(*shards, ulysses_group=u_group, ring_group=r_group,
                                         layout=chosen.layout, timeout=timeout, **opts)
         else:
-            chunk = chosen.chunk or None  # KV heads per gather or per pass of the ring
+            # KV heads per gather, or per pass of the ring
+            name = "ring_chunk" if chosen.strategy == "ring" else "allgather_chunk"
             out, lse = ring_attention(*shards, group=group, layout=chosen.layout,
-                                      strategy=chosen.strategy, allgather_chunk=chunk,
-                                      ring_chunk=chunk, timeout=timeout, **opts)
+                                      strategy=chosen.strategy, timeout=timeout,
+                                      **{name: chosen.chunk or None}, **opts)
         out = _Gather.apply(out, index, seqlen, group, 1)
         lse = _Gather.apply(lse, index, seqlen, group, 2)
     return (out, lse) if return_lse else out

@@ -421,6 +421,9 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
             fields += [("prefix_per_sequence", digest_ints(prefix_docs))]
         cap, prefix = check_score_options(what, softcap, alibi_slopes,
                                           0 if prefix_docs is not None else prefix_len)
+        if r_chunk is not None and strategy == "allgather":  # never ignored: it saves memory
+            raise error(what, "ring_chunk", r_chunk, 'sets the passes of strategy "ring" (or '
+                        '"auto"); the all-gather takes allgather_chunk')
         fields += [("strategy", strategy), ("allgather_chunk", chunk), ("ring_chunk", r_chunk),
                    *score_fields(cap, alibi_slopes, sinks, prefix)]
         if seqlen is not None:
@@ -494,7 +497,8 @@ def ring_attention(
         ring_chunk: KV heads per pass of the ring (default: all of them, one pass). Each pass
             runs the ring for its KV heads and their query heads only, so the ring's buffers and
             fp32 state (out, dq, the travelling dK/dV accumulators) shrink by the number of
-            passes, for as many times more (smaller) messages.
+            passes, for as many times more (smaller) messages. Strategy "ring" or "auto"; with
+            "allgather" it raises (that strategy takes allgather_chunk).
         timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
         sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions
             (the same values on every rank). A sink joins each row once, after every partial
