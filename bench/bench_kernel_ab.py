@@ -26,6 +26,10 @@ CASES = [
     ("float32", 4096, 4, 1, 128),
     ("float32", 4096, 8, 8, 64),
     ("bfloat16", 4096, 4, 1, 128),
+    # backward in groups of KV heads (csrc/ops/attention_cpu.cpp): one KV head per call, two, one
+    ("bfloat16", 8192, 4, 4, 128),
+    ("bfloat16", 4096, 8, 8, 64),
+    ("float32", 4096, 4, 4, 72),
 ]
 
 

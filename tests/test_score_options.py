@@ -204,3 +204,35 @@ def test_every_isa(isa: str) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout
+
+
+@pytest.fixture
+def one_kv_head_per_backward_call():
+    """The CPU backward in one kernel call per KV head wherever it packs operands or sums dK / dV
+    apart from the gradients (every bf16 call; fp32 with D or Dv not a multiple of 16)."""
+    previous = torch.ops.cpattn_testing.set_cpu_backward_group_bytes(1)
+    yield
+    torch.ops.cpattn_testing.set_cpu_backward_group_bytes(previous)
+
+
+GROUP_SHAPES = [
+    (1, 130, 130, 4, 2, 40),  # GQA, D not a multiple of 16: fp32 packs too
+    (2, 96, 96, 6, 3, 32),  # batch 2: the groups' LSE and delta rows are copies
+    (1, 70, 20, 3, 3, 16),  # empty rows under causal
+]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("shape", GROUP_SHAPES, ids=["x".join(map(str, s)) for s in GROUP_SHAPES])
+@pytest.mark.parametrize("name", ["all", "dv_big_window", "softcap_alibi", "sinks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_options_in_kv_head_groups(one_kv_head_per_backward_call, dtype, name, shape, causal,
+                                   gen) -> None:
+    """Each group's heads get their own slopes, LSE and delta rows and write only their own
+    gradients' heads (outputs are poisoned under CPATTN_POISON=1)."""
+    test_options_against_reference(dtype, name, shape, causal, gen)
+
+
+def test_group_budget_must_be_positive() -> None:
+    with pytest.raises(RuntimeError, match="must be positive"):
+        torch.ops.cpattn_testing.set_cpu_backward_group_bytes(0)

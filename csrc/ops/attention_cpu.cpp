@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <tuple>
 
 #include "cpattn/softmax_state.h"
@@ -31,9 +33,11 @@ at::Tensor pack(const at::Tensor& t, int64_t dp, at::ScalarType dtype = at::kFlo
 // An fp32 operand of the backward as the kernel reads it, (B, S, H, Dp) by strides: the tensor
 // itself when it is fp32 with D = Dp and unit stride along D (no copy), else a packed copy
 // viewed in that order.
+bool read_in_place(const at::Tensor& t, int64_t dp) {
+  return t.scalar_type() == at::kFloat && t.size(3) == dp && t.stride(3) == 1;
+}
 at::Tensor fp32_operand(const at::Tensor& t, int64_t dp) {
-  if (t.scalar_type() == at::kFloat && t.size(3) == dp && t.stride(3) == 1) return t;
-  return pack(t, dp).transpose(1, 2);
+  return read_in_place(t, dp) ? t : pack(t, dp).transpose(1, 2);
 }
 
 // (B, Hkv, Sk, Dp) -> (B, Hkv, ceil(Sk / 2), Dp, 2): keys 2j and 2j+1 side by side (a zero key
@@ -134,6 +138,30 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
   return {out, lse};
 }
 
+// The backward runs in groups of KV heads (with their query heads), one kernel call each, so
+// that what it allocates beyond the gradients scales with a group, not with all the heads: the
+// operands' packing (bf16: K, V and K's key pairs; fp32: copies of operands not read in place)
+// and the kernel's fp32 dK / dV sums when they cannot be the gradients themselves. A group holds
+// as many KV heads as fit kBackwardGroupBytes (at least one); a function of the shape only, so
+// the bits do not depend on the thread count. cpattn.plan._backward_group is the same rule.
+constexpr int64_t kBackwardGroupBytes = int64_t{8} << 20;
+std::atomic<int64_t> backward_group_bytes{kBackwardGroupBytes};  // tests lower it
+
+// Bytes one KV head (and its query heads) adds to a backward call beyond the gradients.
+int64_t backward_bytes_per_kv_head(const AttnShape& s, bool bf16, bool operands_in_place,
+                                   at::ScalarType grad) {
+  const int64_t dp = s.head_dim_padded, dvp = s.head_dim_v_padded, group = s.group_size();
+  int64_t bytes = 0;
+  if (bf16)
+    bytes += 2 * s.batch * (s.seqlen_k * (dp + dvp) + 2 * ((s.seqlen_k + 1) / 2) * dp);
+  else if (!operands_in_place)  // an upper bound: some of them may be in place
+    bytes += 4 * s.batch * (dp + dvp) * (group * s.seqlen_q + s.seqlen_k);
+  const bool fp32 = grad == at::kFloat;
+  bytes += 4 * s.batch * s.seqlen_k *
+           ((fp32 && s.head_dim == dp ? 0 : dp) + (fp32 && s.head_dim_v == dvp ? 0 : dvp));
+  return bytes;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
@@ -143,56 +171,84 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   // delta = rowsum(dout * out) per query row, over the global output.
   at::Tensor delta = row_delta(dout, out, s);
   if (dlse && dlse->defined()) delta.sub_(dlse->to(at::kFloat));
-  const at::Tensor lse_c = lse.contiguous();
   const at::ScalarType grad = grad_dtype.value_or(q.scalar_type());
   const auto grad_options = q.options().dtype(grad);
   at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, grad_options);
   at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, grad_options);
   at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim_v}, grad_options);
-
-  BwdParams p;
-  p.shape = s;
-  at::Tensor qp, kp, vp, dop, k_pairs;
-  if (q.scalar_type() == at::kBFloat16 && dout.scalar_type() == at::kBFloat16 &&
-      cpu::has_bf16_dot()) {
-    // Q and dO are read in place (the kernel packs its query blocks itself).
-    kp = pack(k, dp, at::kBFloat16);
-    vp = pack(v, dvp, at::kBFloat16);
-    k_pairs = pair_keys(kp);
-    p.q16 = bf16_data(q);
-    p.q16_strides = strides_of(q);
-    p.dout16 = bf16_data(dout);
-    p.dout16_strides = strides_of(dout);
-    p.k16 = bf16_data(kp);
-    p.v16 = bf16_data(vp);
-    p.k16_pairs = bf16_data(k_pairs);
-  } else {
-    qp = fp32_operand(q, dp);
-    kp = fp32_operand(k, dp);
-    vp = fp32_operand(v, dvp);
-    dop = fp32_operand(dout, dvp);
-    p.q = qp.data_ptr<float>();
-    p.k = kp.data_ptr<float>();
-    p.v = vp.data_ptr<float>();
-    p.dout = dop.data_ptr<float>();
-    p.q_strides = strides_of(qp);
-    p.k_strides = strides_of(kp);
-    p.v_strides = strides_of(vp);
-    p.dout_strides = strides_of(dop);
-  }
-  p.lse = lse_c.data_ptr<float>();
-  p.delta = delta.data_ptr<float>();
-  p.dq = output_of(dq);
-  p.dk = output_of(dk);
-  p.dv = output_of(dv);
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.mask = mask;
+  const bool bf16 = q.scalar_type() == at::kBFloat16 && dout.scalar_type() == at::kBFloat16 &&
+                    cpu::has_bf16_dot();
+  const bool in_place = read_in_place(q, dp) && read_in_place(k, dp) && read_in_place(v, dvp) &&
+                        read_in_place(dout, dvp);
+  const int64_t per_head = backward_bytes_per_kv_head(s, bf16, in_place, grad);
+  const int64_t kv_per_call =
+      per_head == 0 ? s.kv_heads
+                    : std::clamp<int64_t>(backward_group_bytes.load() / per_head, 1, s.kv_heads);
   at::Tensor slopes, sinks;
-  p.score = score_options(score, slopes, sinks);
-  p.score.sinks = nullptr;  // already in lse
-  cpu::attention_bwd(p);
+  const ScoreOptions all_heads = score_options(score, slopes, sinks);
+
+  for (int64_t kh0 = 0; kh0 < s.kv_heads; kh0 += kv_per_call) {
+    AttnShape g = s;  // this group's heads
+    g.kv_heads = std::min(kv_per_call, s.kv_heads - kh0);
+    g.heads = g.kv_heads * s.group_size();
+    const int64_t h0 = kh0 * s.group_size();
+    const auto q_heads = [&](const at::Tensor& t) { return t.narrow(2, h0, g.heads); };
+    const auto kv_heads = [&](const at::Tensor& t) { return t.narrow(2, kh0, g.kv_heads); };
+    const auto rows = [&](const at::Tensor& t) { return t.narrow(1, h0, g.heads).contiguous(); };
+    BwdParams p;
+    p.shape = g;
+    at::Tensor qp, kp, vp, dop, k_pairs;
+    const at::Tensor q_g = q_heads(q), dout_g = q_heads(dout);
+    if (bf16) {
+      // Q and dO are read in place (the kernel packs its query blocks itself).
+      kp = pack(kv_heads(k), dp, at::kBFloat16);
+      vp = pack(kv_heads(v), dvp, at::kBFloat16);
+      k_pairs = pair_keys(kp);
+      p.q16 = bf16_data(q_g);
+      p.q16_strides = strides_of(q_g);
+      p.dout16 = bf16_data(dout_g);
+      p.dout16_strides = strides_of(dout_g);
+      p.k16 = bf16_data(kp);
+      p.v16 = bf16_data(vp);
+      p.k16_pairs = bf16_data(k_pairs);
+    } else {
+      qp = fp32_operand(q_g, dp);
+      kp = fp32_operand(kv_heads(k), dp);
+      vp = fp32_operand(kv_heads(v), dvp);
+      dop = fp32_operand(dout_g, dvp);
+      p.q = qp.data_ptr<float>();
+      p.k = kp.data_ptr<float>();
+      p.v = vp.data_ptr<float>();
+      p.dout = dop.data_ptr<float>();
+      p.q_strides = strides_of(qp);
+      p.k_strides = strides_of(kp);
+      p.v_strides = strides_of(vp);
+      p.dout_strides = strides_of(dop);
+    }
+    const at::Tensor lse_g = rows(lse), delta_g = rows(delta);  // (B, heads, Sq) contiguous
+    p.lse = lse_g.data_ptr<float>();
+    p.delta = delta_g.data_ptr<float>();
+    p.dq = output_of(q_heads(dq));
+    p.dk = output_of(kv_heads(dk));
+    p.dv = output_of(kv_heads(dv));
+    p.softmax_scale = static_cast<float>(softmax_scale);
+    p.mask = mask;
+    p.score = all_heads;
+    if (p.score.alibi_slopes) p.score.alibi_slopes += h0;
+    p.score.sinks = nullptr;  // already in lse
+    cpu::attention_bwd(p);
+  }
   return {dq, dk, dv};
 }
+
+}  // namespace
+
+int64_t exchange_cpu_backward_group_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes > 0, "cpattn: the backward's group budget must be positive, got ", bytes);
+  return backward_group_bytes.exchange(bytes);
+}
+
+namespace {
 
 void merge_into_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
                     const at::Tensor& part_lse) {

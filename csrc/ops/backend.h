@@ -73,6 +73,10 @@ inline ScoreOptions score_options(const ScoreArgs& a, at::Tensor& slopes, at::Te
   return o;
 }
 
+// The CPU backward's byte budget per kernel call (attention_cpu.cpp, kBackwardGroupBytes): sets
+// it, returns the previous one. For tests, which lower it to run every head group's path.
+int64_t exchange_cpu_backward_group_bytes(int64_t bytes);
+
 // Called once per device type at load time (a static initialiser in the backend's file).
 bool register_backend(c10::DeviceType type, const Backend& backend);
 

@@ -141,7 +141,14 @@ TORCH_LIBRARY(cpattn_testing, m) {
   // One shift of `send` over the group (NCCL for CUDA tensors).
   m.def("ring_shift(Tensor send, str group_name, float timeout_s) -> Tensor");
   // (forward s, backward s) of one rank's ring work without communication.
+  // The CPU backward's byte budget per kernel call; returns the previous one.
+  m.def("set_cpu_backward_group_bytes(int bytes) -> int");
   m.def(
       "ring_loopback_timing(Tensor q, Tensor k, Tensor v, Tensor dout, int rank, int world, "
       "float softmax_scale, bool causal, int window_left, int window_right, int layout) -> Tensor");
+}
+
+// No tensor argument to dispatch on.
+TORCH_LIBRARY_IMPL(cpattn_testing, CompositeExplicitAutograd, m) {
+  m.impl("set_cpu_backward_group_bytes", &cpattn::ops::exchange_cpu_backward_group_bytes);
 }

@@ -301,30 +301,58 @@ def _kernel_fwd(B: int, n: int, h: int, hkv: int, D: int, e: int, bf16: bool) ->
     return state + 4 * B * dp * (h * n + 2 * hkv * n)
 
 
+_BACKWARD_GROUP_BYTES = 8 << 20  # csrc/ops/attention_cpu.cpp kBackwardGroupBytes
+
+
+def _backward_group(B: int, n: int, h: int, hkv: int, D: int, e: int, g: int, bf16: bool) -> int:
+    """KV heads per backward kernel call (csrc/ops/attention_cpu.cpp): as many as keep what one
+    call allocates beyond the gradients (the packing of K, V and K's key pairs in bf16, fp32
+    copies of operands not read in place, fp32 dK / dV sums not in the gradients) within 8 MiB,
+    at least one; all of them when that is nothing."""
+    dp = -(-D // 16) * 16
+    per_head = 0
+    if bf16:
+        per_head += 2 * B * (2 * n * dp + 2 * -(-n // 2) * dp)
+    elif e != 4 or dp != D:
+        per_head += 4 * B * 2 * dp * (h // hkv * n + n)
+    if g != 4 or dp != D:
+        per_head += 4 * B * n * 2 * dp
+    return hkv if per_head == 0 else min(max(_BACKWARD_GROUP_BYTES // per_head, 1), hkv)
+
+
 def _kernel_bwd(B: int, n: int, h: int, hkv: int, D: int, e: int, g: int, bf16: bool) -> int:
     """Bytes alive inside one local backward kernel call over n query rows and n keys whose
-    gradients are written in g-byte floats: delta, the LSE rows, dq / dk / dv, the packing
-    (bf16: K, V and K's key pairs; fp32 with D a multiple of 16: none, Q, K, V and dO are read
-    in place; otherwise Q, K, V and dO in fp32)."""
+    gradients are written in g-byte floats: delta, the LSE rows, dq / dk / dv, and one group of
+    KV heads' (_backward_group) packing (bf16: K, V and K's key pairs; fp32 with D a multiple
+    of 16: none, Q, K, V and dO are read in place; otherwise Q, K, V and dO in fp32) and, with
+    batch > 1, its LSE and delta rows."""
     dp = -(-D // 16) * 16
     rows = 4 * B * h * n * 2 + g * B * n * (h + 2 * hkv) * D
     if B > 1:  # the rows of dout and out, not contiguous with batch > 1, are copied for delta
         rows += 2 * e * B * n * h * D
+    c = _backward_group(B, n, h, hkv, D, e, g, bf16)
+    hc = h // hkv * c
+    if B > 1 and c < hkv:
+        rows += 4 * B * hc * n * 2
     if bf16:
-        return rows + 2 * B * hkv * dp * (2 * n + 2 * -(-n // 2))
+        return rows + 2 * B * c * dp * (2 * n + 2 * -(-n // 2))
     if e == 4 and dp == D:
         return rows
-    return rows + 4 * B * dp * (2 * h * n + 2 * hkv * n)
+    return rows + 4 * B * dp * (2 * hc * n + 2 * c * n)
 
 
-def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, g: int, bf16: bool) -> int:
+def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, g: int, bf16: bool,
+                        e: Optional[int] = None) -> int:
     """The backward kernel's own buffers (malloc'd, not tensors; csrc/cpu/attention_kernel.h
     backward_chunks), all threads together, for n query rows and n keys whose gradients are
-    written in g-byte floats: one chunk of cq query rows of every head packed (Q^T, dO^T and Q,
+    written in g-byte floats (inputs of e bytes, default g), in one call of a group of KV heads
+    (_backward_group): one chunk of cq query rows of every head packed (Q^T, dO^T and Q,
     dO as rows: 16 bytes per element in fp32, 8 in bf16), the chunk's fp32 dQ per split of the
     key blocks (8 / (B Hkv) splits, at least 1), and fp32 sums of dK and dV unless the
     gradients are fp32 with D a multiple of 16 (then summed in place in them). Per-thread
     blocks of about 0.2-0.3 MiB are not counted."""
+    c = _backward_group(B, n, h, hkv, D, g if e is None else e, g, bf16)
+    h, hkv = h // hkv * c, c
     dp = -(-D // 16) * 16
     cq = min(max(2048 * 128 // (B * h * dp) // 64 * 64, 64), 512, -(-n // 64) * 64)  # chunk_rows
     packed = (8 if bf16 else 16) * B * h * cq * dp
@@ -385,7 +413,7 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             grads = (Q + 2 * K) * e if cast else 2 * K * 4
             ph["bwd: gradients"] = base + grads
             kept = recv + acc + (Q + 2 * K) * e  # the graph freed: gradients and cached buffers
-        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, H, Hkv, D, 4, bf))
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, H, Hkv, D, 4, bf, e))
     if strategy == "allgather":
         c = chunk or max(1, Hkv // 4)
         one = c >= Hkv
@@ -414,7 +442,7 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             ph["bwd: reduce-scatter"] = base + dq_c + (1 + bool(gloo)) * dkv_all + 2 * Kc * 4
             ph["bwd: cast dk dv"] = base + dq_c + 2 * Kc * 4 + one * 2 * Kc * e
             kept = (Q + 2 * K) * e
-        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, hq, c, D, 4, bf))
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, hq, c, D, 4, bf, e))
     if strategy == "ulysses":
         hs = _kv_heads_sent(H, Hkv, W)  # KV heads each rank sends (GQA: replicated)
         Ks = B * L * hs * D
