@@ -304,7 +304,7 @@ def _double_backward_cases(rank: int, world: int) -> None:
         (lambda: cpattn.ring_attention_varlen(q[0], k[0], v[0], [0, 4 * world, 8 * world],
                                               causal=True, strategy="allgather"),
          "cpattn.ring_attention(strategy='allgather')"),
-        (lambda: cpattn.ulysses_attention(q, k, v, causal=True), "cpattn.attention"),
+        (lambda: cpattn.ulysses_attention(q, k, v, causal=True), "cpattn.ulysses_attention"),
         (lambda: cpattn.hybrid_attention(q, k, v, ulysses_group=dist.group.WORLD,
                                          ring_group=u_groups[rank], causal=True,
                                          layout="contiguous"), "cpattn.ring_attention"),

@@ -13,14 +13,17 @@ TORCH_LIBRARY(cpattn, m) {
       "ScalarType? out_dtype=None, float softcap=0., Tensor? alibi_slopes=None, "
       "Tensor? sinks=None, int prefix_len=0) -> (Tensor out, Tensor lse)");
   m.def(
-      "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? out, Tensor lse, "
       "float softmax_scale, bool causal, int window_left, int window_right, "
       "int? q_offset=None, int? k_offset=None, ScalarType? grad_dtype=None, Tensor? dlse=None, "
-      "float softcap=0., Tensor? alibi_slopes=None, int prefix_len=0) "
+      "float softcap=0., Tensor? alibi_slopes=None, int prefix_len=0, Tensor? row_dot=None) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
   // Attention sinks (softmax_state.h add_sink): added once to merged results, and their gradient.
   m.def("apply_sinks_(Tensor(a!) out, Tensor(b!) lse, Tensor sinks) -> ()");
   m.def("sink_bwd(Tensor dout, Tensor out, Tensor lse, Tensor sinks, Tensor? dlse=None) -> Tensor");
+  // rowsum(a * b) over head_dim of (B, S, H, D) tensors: (B, H, S) float32 (attention_bwd's
+  // row_dot for a caller holding out in another layout).
+  m.def("row_dot(Tensor a, Tensor b) -> Tensor");
   m.def("merge_state_(Tensor(a!) out, Tensor(b!) lse, Tensor part_out, Tensor part_lse) -> ()");
   // Ring attention over the process group registered as group_name; layout: 0 contiguous,
   // 1 zigzag, 2 striped. doc_lengths: (D,) packed documents' lengths, or (2, D) with each

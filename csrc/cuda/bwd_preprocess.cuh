@@ -1,4 +1,5 @@
-// Backward preprocess kernel: per query row, delta = rowsum(dout * out) - dlse and the lse in
+// Backward preprocess kernel: per query row, delta = rowsum(dout * out) - dlse (no rowsum term
+// without out) and the lse in
 // base 2 (an empty row's -inf becomes +inf, so its probabilities recompute to exactly 0), into
 // the (B, H, seqlen_q_rounded) fp32 workspace; rows past seqlen_q get +inf and 0. One warp per row.
 #pragma once
@@ -27,12 +28,14 @@ __global__ void __launch_bounds__(32 * kPreprocessWarps)
   float delta = 0.f;
   float lse2 = __int_as_float(0x7f800000);  // +inf
   if (s < p.shape.seqlen_q) {
-    const TOut* o = static_cast<const TOut*>(p.out) + b * p.out_strides.batch +
-                    h * p.out_strides.head + static_cast<int64_t>(s) * p.out_strides.seq;
-    const TdOut* d = static_cast<const TdOut*>(p.dout) + b * p.dout_strides.batch +
-                     h * p.dout_strides.head + static_cast<int64_t>(s) * p.dout_strides.seq;
     float acc = 0.f;
-    for (int c = lane; c < out_head_dim; c += 32) acc += to_float(o[c]) * to_float(d[c]);
+    if (p.out != nullptr) {  // else the caller folded rowsum(dout * out) into dlse (row_dot)
+      const TOut* o = static_cast<const TOut*>(p.out) + b * p.out_strides.batch +
+                      h * p.out_strides.head + static_cast<int64_t>(s) * p.out_strides.seq;
+      const TdOut* d = static_cast<const TdOut*>(p.dout) + b * p.dout_strides.batch +
+                       h * p.dout_strides.head + static_cast<int64_t>(s) * p.dout_strides.seq;
+      for (int c = lane; c < out_head_dim; c += 32) acc += to_float(o[c]) * to_float(d[c]);
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
     delta = acc;

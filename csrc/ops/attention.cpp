@@ -80,18 +80,38 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(
                               public_score(softcap, alibi_slopes, sinks, m), out_dtype);
 }
 
+// row_dot: rowsum(dout * out) (B, H, Sq) fp32 given in place of out (None), for a caller that
+// holds out in another layout (Ulysses: by sequence). The backward's delta is row_dot - dlse,
+// so the backends get it as an undefined out (no rowsum term) and dlse - row_dot.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, bool causal,
+    const std::optional<at::Tensor>& out, const at::Tensor& lse, double softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
     std::optional<int64_t> k_offset, std::optional<at::ScalarType> grad_dtype,
     const std::optional<at::Tensor>& dlse, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len,
+    const std::optional<at::Tensor>& row_dot) {
   const Mask m =
       public_mask(q, k, v, causal, window_left, window_right, q_offset, k_offset, prefix_len);
-  return attention_bwd_scored(dout, q, k, v, out, lse, softmax_scale, m,
+  const bool has_out = out && out->defined(), has_dot = row_dot && row_dot->defined();
+  TORCH_CHECK(has_out != has_dot,
+              "cpattn: attention_bwd needs exactly one of out and row_dot, got ",
+              has_out ? "both" : "neither");
+  std::optional<at::Tensor> shifted = dlse;  // dlse - row_dot
+  if (has_dot) {
+    TORCH_CHECK(row_dot->scalar_type() == at::kFloat && row_dot->sizes() == lse.sizes() &&
+                    row_dot->device() == lse.device(),
+                "cpattn: row_dot must be float32 with lse's shape ", lse.sizes(), " and device ",
+                lse.device(), ", got ", row_dot->sizes(), " ", row_dot->scalar_type(), " on ",
+                row_dot->device());
+    const bool has_dlse = dlse && dlse->defined();
+    TORCH_CHECK(!has_dlse || dlse->sizes() == lse.sizes(), "cpattn: dlse must have lse's shape ",
+                lse.sizes(), ", got ", has_dlse ? dlse->sizes() : lse.sizes());
+    shifted = has_dlse ? dlse->to(at::kFloat) - *row_dot : -*row_dot;
+  }
+  return attention_bwd_scored(dout, q, k, v, has_out ? *out : at::Tensor(), lse, softmax_scale, m,
                               public_score(softcap, alibi_slopes, std::nullopt, m), grad_dtype,
-                              dlse);
+                              shifted);
 }
 
 void merge_state_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
@@ -183,6 +203,14 @@ at::Tensor sink_bwd(const at::Tensor& dout, const at::Tensor& out, const at::Ten
       .sink_bwd(dout, out, lse, sinks.to(at::kFloat).contiguous(), dlse);
 }
 
+at::Tensor row_dot(const at::Tensor& a, const at::Tensor& b) {
+  check_bshd(a, "a");
+  TORCH_CHECK(a.sizes() == b.sizes() && a.device() == b.device(),
+              "cpattn: row_dot needs a and b of one shape and device, got ", a.sizes(), " on ",
+              a.device(), " and ", b.sizes(), " on ", b.device());
+  return backend_for(a.device()).row_dot(a, b);
+}
+
 }  // namespace
 
 void impl_attention_ops(torch::Library& m) {
@@ -191,6 +219,7 @@ void impl_attention_ops(torch::Library& m) {
   m.impl("merge_state_", &merge_state_);
   m.impl("apply_sinks_", &apply_sinks_);
   m.impl("sink_bwd", &sink_bwd);
+  m.impl("row_dot", &row_dot);
 }
 
 }  // namespace cpattn::ops

@@ -83,8 +83,10 @@ void rowwise_dot(const T* dout, const T* out, const AttnShape& s, float* delta) 
   });
 }
 
-// The backward's delta = rowsum(dout * out), (B, H, Sq) fp32.
+// The backward's delta = rowsum(dout * out), (B, H, Sq) fp32; 0 for an undefined out.
 at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out, const AttnShape& s) {
+  if (!out.defined())
+    return at::zeros({s.batch, s.heads, s.seqlen_q}, dout.options().dtype(at::kFloat));
   const bool same = dout.scalar_type() == out.scalar_type();
   const at::Tensor x = (same ? dout : dout.to(at::kFloat)).contiguous();
   const at::Tensor y = (same ? out : out.to(at::kFloat)).contiguous();
@@ -319,9 +321,18 @@ void apply_sinks_cpu(const at::Tensor& out, const at::Tensor& lse, const at::Ten
   });
 }
 
+at::Tensor row_dot_cpu(const at::Tensor& a, const at::Tensor& b) {
+  AttnShape s;
+  s.batch = a.size(0);
+  s.seqlen_q = a.size(1);
+  s.heads = a.size(2);
+  s.head_dim_v = a.size(3);
+  return row_delta(a, b, s);
+}
+
 [[maybe_unused]] const bool registered = register_backend(
     c10::DeviceType::CPU, {&check_options_cpu, &attention_fwd_cpu, &attention_bwd_cpu,
-                           &merge_into_cpu, &apply_sinks_cpu, &sink_bwd_cpu});
+                           &merge_into_cpu, &apply_sinks_cpu, &sink_bwd_cpu, &row_dot_cpu});
 
 }  // namespace
 }  // namespace cpattn::ops

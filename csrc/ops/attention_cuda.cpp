@@ -234,8 +234,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   fill_inputs(p, s, kd, qk, kk, vk, softmax_scale, mask, score, slopes, sinks);
   p.score.sinks = nullptr;  // already in lse (the forward's, or apply_sinks_ after a merge)
   bind(p.dout, p.dout_strides, dok);
-  p.out_dtype = to_dtype(out.scalar_type());
-  bind(p.out, p.out_strides, out);
+  if (out.defined()) {  // else no rowsum(dout * out) term: delta = -dlse
+    p.out_dtype = to_dtype(out.scalar_type());
+    bind(p.out, p.out_strides, out);
+  } else {
+    p.out_dtype = to_dtype(dout.scalar_type());
+  }
   p.out_head_dim = static_cast<int>(s.head_dim_v);
   p.lse = lse.data_ptr<float>();
   p.lse_strides = lse_strides_of(lse);
@@ -292,9 +296,14 @@ at::Tensor sink_bwd_cuda(const at::Tensor& dout, const at::Tensor& out, const at
   return grad.to(at::kDouble).sum(at::IntArrayRef{0, 2}).to(at::kFloat);
 }
 
+at::Tensor row_dot_cuda(const at::Tensor& a, const at::Tensor& b) {
+  const c10::cuda::CUDAGuard guard(a.device());
+  return (a.to(at::kFloat) * b.to(at::kFloat)).sum(3).permute({0, 2, 1}).contiguous();
+}
+
 [[maybe_unused]] const bool registered = register_backend(
     c10::DeviceType::CUDA, {&check_options_cuda, &attention_fwd_cuda, &attention_bwd_cuda,
-                            &merge_into_cuda, &apply_sinks_cuda, &sink_bwd_cuda});
+                            &merge_into_cuda, &apply_sinks_cuda, &sink_bwd_cuda, &row_dot_cuda});
 
 }  // namespace
 }  // namespace cpattn::ops

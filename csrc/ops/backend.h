@@ -42,6 +42,8 @@ struct Backend {
   void (*apply_sinks)(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks);
   at::Tensor (*sink_bwd)(const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
                          const at::Tensor& sinks, const std::optional<at::Tensor>& dlse);
+  // The op row_dot (attention.cpp) with its arguments checked.
+  at::Tensor (*row_dot)(const at::Tensor& a, const at::Tensor& b);
 };
 
 // The kernels' name of a float dtype (float32, bfloat16, float16).

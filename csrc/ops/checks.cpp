@@ -122,23 +122,23 @@ void check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::Tenso
                     const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
                     std::optional<at::ScalarType> grad_dtype, const AttnShape& s) {
   check_bshd(dout, "dout");
-  check_bshd(out, "out");
   const std::vector<int64_t> out_shape{s.batch, s.seqlen_q, s.heads, s.head_dim_v};
   TORCH_CHECK(dout.sizes() == at::IntArrayRef(out_shape),
               "cpattn: dout must have q's shape with v's head_dim ", at::IntArrayRef(out_shape),
               ", got ", dout.sizes());
-  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape),
+  const at::Tensor& o = out.defined() ? out : dout;  // undefined: delta is -dlse (row_dot)
+  check_bshd(o, "out");
+  TORCH_CHECK(o.sizes() == at::IntArrayRef(out_shape),
               "cpattn: out must have q's shape with v's head_dim ", at::IntArrayRef(out_shape),
-              ", got ", out.sizes());
+              ", got ", o.sizes());
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == s.batch && lse.size(1) == s.heads &&
                   lse.size(2) == s.seqlen_q,
               "cpattn: lse must have shape (batch, heads, seqlen_q) = (", s.batch, ", ", s.heads,
               ", ", s.seqlen_q, "), got ", lse.sizes());
   TORCH_CHECK(lse.scalar_type() == at::kFloat, "cpattn: lse must be float32, got ",
               lse.scalar_type());
-  TORCH_CHECK(
-      dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(),
-      "cpattn: dout, out and lse must be on q's device ", q.device());
+  TORCH_CHECK(dout.device() == q.device() && o.device() == q.device() && lse.device() == q.device(),
+              "cpattn: dout, out and lse must be on q's device ", q.device());
   if (grad_dtype)
     TORCH_CHECK(is_float_type(*grad_dtype),
                 "cpattn: grad_dtype must be float32, bfloat16 or float16, got ", *grad_dtype);

@@ -39,7 +39,8 @@ void check_prefix_len(const char* fn, int64_t prefix_len);
 void check_score_args(const char* fn, double softcap, const std::optional<at::Tensor>& alibi_slopes,
                       const std::optional<at::Tensor>& sinks, int64_t heads, at::Device device);
 
-// dout, out, lse, dlse and grad_dtype of a backward call on q, k, v of shape s.
+// dout, out, lse, dlse and grad_dtype of a backward call on q, k, v of shape s; out may be
+// undefined (its rowsum term folded into dlse, attention_bwd's row_dot).
 void check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,
                     const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
                     std::optional<at::ScalarType> grad_dtype, const AttnShape& s);

@@ -37,6 +37,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_scored(const at::Tensor& q, con
 // inputs' dtypes (fp32 is what a ring accumulates in). dlse (B, H, Sq), when given, is the
 // gradient flowing into lse: d lse_i / d s_ij = p_ij, so it enters as delta - dlse. lse includes
 // the sinks of the forward (they need nothing else here: the op sink_bwd gives their gradient).
+// An undefined out: no rowsum(dout * out) term (the caller folded it into dlse).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Mask& mask,

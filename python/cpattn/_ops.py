@@ -42,8 +42,12 @@ def _attention_fwd_fake(
 def _attention_bwd_fake(
     dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, q_offset=None,
     k_offset=None, grad_dtype=None, dlse=None, softcap=0.0, alibi_slopes=None, prefix_len=0,
+    row_dot=None,
 ):
-    _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
+    given = [t for t in (out, row_dot) if t is not None]
+    torch._check(len(given) == 1, lambda: "cpattn: attention_bwd needs exactly one of out and "
+                 "row_dot")
+    _check_same_device("dout, q, k, v, out (or row_dot) and lse", dout, q, k, v, *given, lse)
 
     def like(t):
         return t.new_empty(t.shape, dtype=grad_dtype if grad_dtype is not None else t.dtype)
@@ -61,6 +65,13 @@ def _merge_state_fake(out, lse, part_out, part_lse):
 def _apply_sinks_fake(out, lse, sinks):
     _check_same_device("out, lse and sinks", out, lse, sinks)
     return None
+
+
+@torch.library.register_fake("cpattn::row_dot")
+def _row_dot_fake(a, b):
+    _check_same_device("a and b", a, b)
+    batch, seqlen, heads, _ = a.shape
+    return a.new_empty((batch, heads, seqlen), dtype=torch.float32)
 
 
 @torch.library.register_fake("cpattn::sink_bwd")

@@ -459,9 +459,12 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
         ph["fwd: all-to-all out"] = held + Q * e + lse_h + back + Q * e
         kept = Q * e
         if train:
-            saved = held + Q * e + lse_h + Q * e  # q, k, v, out by heads, its LSE; out
+            # q, k, v by heads, the LSE by heads and by sequence, out by sequence only (the
+            # backward sends rowsum(dout * out) by heads: ulysses._LocalAcrossHeads)
+            saved = held + 2 * lse_h + Q * e
             ph["bwd: all-to-all dout"] = saved + 2 * Q * e
-            ph["bwd: kernel"] = saved + Q * e + _kernel_bwd(B, S, h, hk, D, e, e, bf)
+            # + the row dots by heads and their negation (the op's dlse - row_dot)
+            ph["bwd: kernel"] = saved + Q * e + 2 * lse_h + _kernel_bwd(B, S, h, hk, D, e, e, bf)
             grads_h = (Q + 2 * Ks) * e
             # dout by heads is freed once the kernel's autograd node has run
             ph["bwd: all-to-all dq"] = saved + grads_h + back

@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from cpattn import comm
 from cpattn._agreement import agree_on, score_fields
+from cpattn._autograd import once_differentiable
 from cpattn._layout import kv_heads_for_ranks, padded_length, round_up
-from cpattn._validation import check_int, check_score_options, check_timeout, error
+from cpattn._validation import check_int, check_scale, check_score_options, check_timeout, error
 from cpattn.attention import attention
 from cpattn.ring import _attention_args, _group_info, positions, ring_attention, shard, unshard
 
@@ -61,13 +62,62 @@ def _pad_rows(out: torch.Tensor, lse: torch.Tensor, length: int,
             torch.cat([lse, pad_lse], dim=2))
 
 
-def _across_heads(what: str, q, k, v, group, timeout: float, attend: Callable, return_lse: bool,
-                  *, causal, softmax_scale, window, sinks, softcap, alibi_slopes, prefix_len,
-                  seqlen, rows: Callable[[int], tuple[int, int]], layout: str = "contiguous"):
+class _LocalAcrossHeads(torch.autograd.Function):
+    """Ulysses' local attention on this rank's heads and the all-to-all of its results back to
+    sequence shards, as one autograd node that keeps the output by sequence only (the caller's
+    tensor) instead of also by heads: the backward needs out only for rowsum(dout * out) per
+    row, which it computes on the sequence shard and sends by heads (H floats per token instead
+    of H x Dv). The sinks' gradient likewise comes from the sequence shard: this rank's rows of
+    every head (the group's sum is the same as with each rank's heads over every row)."""
+
+    @staticmethod
+    def forward(ctx, qh, kh, vh, sinks, real, group, options):
+        heads = qh.shape[2] * dist.get_world_size(group)
+        my_sinks = _my_heads(sinks, heads, group)
+        out_h, lse_h = attention(qh[:, :real], kh[:, :real], vh[:, :real], return_lse=True,
+                                 sinks=my_sinks, **options)
+        out_h, lse_h = _pad_rows(out_h, lse_h, qh.shape[1], my_sinks)
+        out = comm._all_to_all(out_h, 1, 2, group)
+        lse = comm._all_to_all(lse_h, 2, 1, group)
+        ctx.save_for_backward(qh, kh, vh, lse_h, out, lse, sinks)
+        ctx.real, ctx.group, ctx.options = real, group, options
+        return out, lse
+
+    @staticmethod
+    @once_differentiable("cpattn.ulysses_attention")
+    def backward(ctx, dout, dlse):
+        qh, kh, vh, lse_h, out, lse, sinks = ctx.saved_tensors
+        real, group, o = ctx.real, ctx.group, ctx.options
+        dout = dout.contiguous()
+        # (B, H, S/W) by sequence -> (B, H/W, S) by heads, as the LSE's gradient
+        dot_h = comm._all_to_all(torch.ops.cpattn.row_dot(dout, out), 1, 2, group)
+        dlse_h = None if dlse is None else comm._all_to_all(dlse.contiguous(), 1, 2, group)
+        dout_h = comm._all_to_all(dout, 2, 1, group)
+        scale = check_scale("cpattn.ulysses_attention", o["softmax_scale"], qh.shape[-1])
+        grads = torch.ops.cpattn.attention_bwd(
+            dout_h[:, :real], qh[:, :real], kh[:, :real], vh[:, :real], None, lse_h[:, :, :real],
+            scale, o["causal"], o["window"][0], o["window"][1], None, None, None,
+            None if dlse_h is None else dlse_h[:, :, :real], o["softcap"], o["alibi_slopes"],
+            o["prefix_len"], dot_h[:, :, :real])
+        del dout_h
+        pad = qh.shape[1] - real  # padding rows: no gradient
+        dq, dk, dv = (torch.nn.functional.pad(g, (0, 0, 0, 0, 0, pad)) if pad else g
+                      for g in grads)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            dsinks = torch.ops.cpattn.sink_bwd(dout, out, lse, sinks, dlse).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None, None
+
+
+def _across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Callable],
+                  return_lse: bool, *, causal, softmax_scale, window, sinks, softcap,
+                  alibi_slopes, prefix_len, seqlen, rows: Callable[[int], tuple[int, int]],
+                  layout: str = "contiguous"):
     """The Ulysses steps of ulysses_attention and hybrid_attention: validation and the agreement
     check over `group`, the all-to-all to head shards, attend(qh, kh, vh, n, **options) ->
     (out_h, lse_h) on this rank's heads (per-head options sliced to them) for a sequence of n
-    real tokens, and the all-to-all back.
+    real tokens, and the all-to-all back. attend None: cpattn.attention, with the all-to-all
+    back in the same autograd node (_LocalAcrossHeads).
     Any length: rows(n) gives (the length of a head shard once a length-n sequence is padded,
     the rows of it that attend gets); the rows after those come back as padding (0 / -inf)."""
     world = dist.get_world_size(group)
@@ -91,6 +141,12 @@ def _across_heads(what: str, q, k, v, group, timeout: float, attend: Callable, r
     qh, kh, vh = _scatter_heads(q, k, v, group)
     heads = q.shape[2]
     real = qh.shape[1] if n is None else rows(n)[1]
+    if attend is None:
+        out, lse = _LocalAcrossHeads.apply(
+            qh, kh, vh, sinks, real, group,
+            dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                 alibi_slopes=_my_heads(alibi_slopes, heads, group), prefix_len=prefix_len))
+        return (out, lse) if return_lse else out
     my_sinks = _my_heads(sinks, heads, group)
     out_h, lse_h = attend(qh[:, :real], kh[:, :real], vh[:, :real], n, causal=causal,
                           softmax_scale=softmax_scale, window=window, return_lse=True,
@@ -121,8 +177,9 @@ def ulysses_attention(
     per query head (K/V traffic x H / Hkv). Returns out (B, S/W, H, Dv) and optionally the LSE
     (B, H, S/W). Differentiable. v may have its own head dim Dv.
     sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention on global positions; each rank
-    uses the sinks / slopes of the heads it computes, so the gradient of `sinks` on a rank is
-    its heads' share (summed over the group by the usual parameter-gradient all-reduce).
+    uses the sinks / slopes of the heads it computes; the gradient of `sinks` on a rank is its
+    tokens' share, every head (summed over the group by the usual parameter-gradient
+    all-reduce). The backward keeps the output by sequence only (not also by heads).
     seqlen: the global sequence length, for any length (default: W times the shard length):
     cpattn.shard(x, layout="contiguous") pads a length-S sequence at its end to a multiple of W
     (cpattn.positions marks the padding with -1); padding rows get out 0 and LSE -inf (with
@@ -130,11 +187,7 @@ def ulysses_attention(
     """
     what = "cpattn.ulysses_attention"
     group, _, world = _group_info(group)
-
-    def attend(qh, kh, vh, n, **options):  # the whole sequence, its real tokens only
-        return attention(qh, kh, vh, **options)
-
-    return _across_heads(what, q, k, v, group, check_timeout(what, timeout), attend,
+    return _across_heads(what, q, k, v, group, check_timeout(what, timeout), None,
                          return_lse, causal=causal, softmax_scale=softmax_scale, window=window,
                          sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
                          prefix_len=prefix_len, seqlen=seqlen,

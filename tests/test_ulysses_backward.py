@@ -1,0 +1,113 @@
+"""Ulysses' backward keeps the output by sequence only: it sends rowsum(dout * out) by heads
+(cpattn::row_dot, attention_bwd(row_dot=...)) instead of holding out by heads. Checked here: the
+op path gives the same bits as attention_bwd with out, bad combinations raise, and Ulysses'
+gradients through out and the LSE together, with every score option, GQA replication and padding
+rows, match the float64 reference on real gloo ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpattn
+
+from conftest import make_qkv, randn
+from distributed import run_ranks
+from reference import reference_attention
+
+ops = torch.ops.cpattn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_dot_matches_reference(dtype, gen) -> None:
+    a, b = (randn((2, 37, 3, 24), gen, dtype) for _ in range(2))
+    got = ops.row_dot(a, b)
+    want = torch.einsum("bshd,bshd->bhs", a.double(), b.double())
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 37)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backward_from_row_dot_is_the_backward_from_out(dtype, with_dlse, gen) -> None:
+    """delta = row_dot - dlse either way: the same bits (every option that reaches the kernel)."""
+    q, k, v = make_qkv(gen, 2, 45, 45, 4, 2, 32, dtype)
+    slopes = torch.rand(4, generator=gen) * 0.3
+    args = (0.2, True, 7, -1, None, None, None)
+    score = (3.0, slopes, 4)
+    out, lse = ops.attention_fwd(q, k, v, 0.2, True, 7, -1, None, None, None, 3.0, slopes, None, 4)
+    dout = randn(out.shape, gen, dtype)
+    dlse = randn(lse.shape, gen) if with_dlse else None
+    from_out = ops.attention_bwd(dout, q, k, v, out, lse, *args, dlse, *score)
+    from_dot = ops.attention_bwd(dout, q, k, v, None, lse, *args, dlse, *score,
+                                 row_dot=ops.row_dot(dout, out))
+    for name, x, y in zip("qkv", from_out, from_dot):
+        assert torch.equal(x, y), f"d{name}"
+
+
+def test_bad_row_dot_raises(gen) -> None:
+    q, k, v = make_qkv(gen, 1, 8, 8, 2, 2, 16)
+    out, lse = ops.attention_fwd(q, k, v, 0.25, True, -1, -1)
+    dout = randn(out.shape, gen)
+    args = (0.25, True, -1, -1)
+    with pytest.raises(RuntimeError, match="exactly one of out and row_dot, got neither"):
+        ops.attention_bwd(dout, q, k, v, None, lse, *args)
+    with pytest.raises(RuntimeError, match="exactly one of out and row_dot, got both"):
+        ops.attention_bwd(dout, q, k, v, out, lse, *args, row_dot=ops.row_dot(dout, out))
+    with pytest.raises(RuntimeError, match="row_dot must be float32 with lse's shape"):
+        ops.attention_bwd(dout, q, k, v, None, lse, *args, row_dot=lse[:, :, :4])
+    with pytest.raises(RuntimeError, match="row_dot must be float32 with lse's shape"):
+        ops.attention_bwd(dout, q, k, v, None, lse, *args, row_dot=lse.double())
+    with pytest.raises(RuntimeError, match="dlse must have lse's shape"):  # not broadcast
+        ops.attention_bwd(dout, q, k, v, None, lse, *args, None, None, None, lse[:, :, :1],
+                          row_dot=ops.row_dot(dout, out))
+    with pytest.raises(RuntimeError, match="row_dot needs a and b of one shape"):
+        ops.row_dot(dout, dout[:, :4])
+
+
+def _through_out_and_lse(rank: int, world: int, dtype: torch.dtype) -> None:
+    """A loss on out and the LSE together (dlse flows), every score option, any length."""
+    h, d = 6, 16
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    for n, hkv in enumerate([6, 2, 1]):  # W = 3 replicates 2 KV heads before the all-to-all
+        seqlen = 4 * world + n  # padding rows when n > 0
+        torch.manual_seed(900 + 10 * world + n)
+        q, k, v, g_out = (torch.randn(1, seqlen, heads, d).to(dtype)
+                          for heads in (h, hkv, hkv, h))
+        g_lse = torch.randn(1, h, seqlen)
+        sinks = (torch.randn(h) * 2).requires_grad_()
+        opts = dict(causal=True, window=(9, -1), softcap=4.0, prefix_len=3,
+                    alibi_slopes=torch.rand(h) * 0.3 + 0.01)
+
+        ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+        ref_sinks = sinks.detach().double().requires_grad_()
+        r_out, r_lse = reference_attention(*ref_in, sinks=ref_sinks, **opts)
+        ((r_out * g_out.double()).sum() + (r_lse * g_lse.double()).sum()).backward()
+
+        shard = lambda t, dim=1: cpattn.shard(t, layout="contiguous", dim=dim)  # noqa: E731
+        unshard = lambda t, dim=1: cpattn.unshard(  # noqa: E731
+            t, layout="contiguous", dim=dim, seqlen=seqlen)
+        shards = [shard(t).requires_grad_() for t in (q, k, v)]
+        out, lse = cpattn.ulysses_attention(*shards, return_lse=True, sinks=sinks,
+                                            seqlen=seqlen, **opts)
+        ((out * shard(g_out)).sum() + (lse * shard(g_lse, 2)).sum()).backward()
+
+        what = f"W={world} kv heads {hkv} S={seqlen} {dtype}"
+        torch.testing.assert_close(unshard(out.detach()).double(), r_out.detach(), atol=tol,
+                                   rtol=tol, msg=lambda m: f"out {what}: {m}")
+        dsinks = sinks.grad.clone()
+        dist.all_reduce(dsinks)
+        pairs = [(f"d{name}", unshard(s.grad), r.grad) for name, s, r in zip("qkv", shards,
+                                                                             ref_in)]
+        for name, got, want in pairs + [("dsinks", dsinks, ref_sinks.grad)]:
+            scale = max(1.0, want.abs().max().item())
+            torch.testing.assert_close(got.double(), want, atol=5 * tol * scale, rtol=5 * tol,
+                                       msg=lambda m: f"{name} {what}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradients_through_out_and_lse(world: int) -> None:
+    run_ranks(world, _through_out_and_lse, torch.float32)
+
+
+def test_gradients_through_out_and_lse_bf16() -> None:
+    run_ranks(2, _through_out_and_lse, torch.bfloat16)
