@@ -81,6 +81,7 @@ class _LocalAcrossHeads(torch.autograd.Function):
         lse = comm._all_to_all(lse_h, 2, 1, group)
         ctx.save_for_backward(qh, kh, vh, lse_h, out, lse, sinks)
         ctx.real, ctx.group, ctx.options = real, group, options
+        ctx.set_materialize_grads(False)  # no all-to-all of a zero dlse when lse is unused
         return out, lse
 
     @staticmethod
@@ -88,7 +89,7 @@ class _LocalAcrossHeads(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         qh, kh, vh, lse_h, out, lse, sinks = ctx.saved_tensors
         real, group, o = ctx.real, ctx.group, ctx.options
-        dout = dout.contiguous()
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
         # (B, H, S/W) by sequence -> (B, H/W, S) by heads, as the LSE's gradient
         dot_h = comm._all_to_all(torch.ops.cpattn.row_dot(dout, out), 1, 2, group)
         dlse_h = None if dlse is None else comm._all_to_all(dlse.contiguous(), 1, 2, group)
