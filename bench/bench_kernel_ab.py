@@ -30,6 +30,9 @@ CASES = [
     ("bfloat16", 8192, 4, 4, 128),
     ("bfloat16", 4096, 8, 8, 64),
     ("float32", 4096, 4, 4, 72),
+    # GQA with one or two (batch, KV head) pairs: chunks shortened by the key splits
+    ("float32", 4096, 8, 2, 128),
+    ("float32", 4096, 8, 1, 64),
 ]
 
 

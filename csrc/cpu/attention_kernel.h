@@ -326,17 +326,31 @@ inline void apply_softcap_grad(int64_t cols, const float* softcap_grad, float* d
     store(dst + e, load(dst + e) * load(softcap_grad + e));
 }
 
+// How many ranges the key blocks that a query chunk sees are split into per (batch, kv head)
+// pair. A task per (pair, range) adds its dQ into a chunk-sized fp32 buffer of its range; with
+// few pairs (small batch, MQA) the ranges keep the threads busy. The choice depends on the shape
+// only, never on the thread count, so results are the same bits with any number of threads.
+inline int64_t key_splits(const AttnShape& sh) {
+  constexpr int64_t kTargetTasks = 8;
+  const int64_t pairs = sh.batch * sh.kv_heads;
+  return (kTargetTasks + pairs - 1) / pairs;
+}
+
 // The backward runs over chunks of query rows, one chunk after another (backward_chunks below):
 // the packed query blocks and the dQ buffers are a chunk's size, whatever the sequence length.
 // Rows per chunk: at most kMaxChunkRows, and at most kChunkElemBudget query elements over all
 // B H heads (the chunk's packed blocks hold B H x rows x Dp of each operand: the ring's many-head
-// calls stay lean), at least kBlockQ, a multiple of it; a function of the shape only.
+// calls stay lean), divided by half the key splits beyond two (each split holds a chunk of dQ:
+// with one or two pairs, GQA, the splits' buffers would outweigh the packed blocks), at least
+// kBlockQ, a multiple of it; a function of the shape only.
 constexpr int64_t kMaxChunkRows = 512;
 constexpr int64_t kChunkElemBudget = 2048 * 128;
 
 inline int64_t chunk_rows(const AttnShape& sh) {
-  const int64_t by_budget =
-      kChunkElemBudget / (sh.batch * sh.heads * sh.head_dim_padded) / kBlockQ * kBlockQ;
+  const int64_t split_share = std::max<int64_t>(1, key_splits(sh) / 2);
+  const int64_t by_budget = kChunkElemBudget /
+                            (sh.batch * sh.heads * sh.head_dim_padded * split_share) / kBlockQ *
+                            kBlockQ;
   const int64_t rows = std::clamp(by_budget, kBlockQ, kMaxChunkRows);
   return std::min(rows, (sh.seqlen_q + kBlockQ - 1) / kBlockQ * kBlockQ);
 }
@@ -530,16 +544,6 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
         gemm(seen, dp, rows, dpt, kBlockQ, 1, packed.q_rows.at(slot), dp, s.dk.get(), dp, true);
         gemm(rows, dp, seen, dpt, 1, kBlockQ, k, ks.seq, dq, dp, true);
       });
-}
-
-// How many ranges the key blocks that a query chunk sees are split into per (batch, kv head)
-// pair. A task per (pair, range) adds its dQ into a chunk-sized fp32 buffer of its range; with
-// few pairs (small batch, MQA) the ranges keep the threads busy. The choice depends on the shape
-// only, never on the thread count, so results are the same bits with any number of threads.
-inline int64_t key_splits(const AttnShape& sh) {
-  constexpr int64_t kTargetTasks = 8;
-  const int64_t pairs = sh.batch * sh.kv_heads;
-  return (kTargetTasks + pairs - 1) / pairs;
 }
 
 // The backward, one chunk of query rows after another. Per chunk: (1) pack(p, b, h, r0, rows,

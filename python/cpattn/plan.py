@@ -354,9 +354,12 @@ def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, g: int, bf16: 
     c = _backward_group(B, n, h, hkv, D, g if e is None else e, g, bf16)
     h, hkv = h // hkv * c, c
     dp = -(-D // 16) * 16
-    cq = min(max(2048 * 128 // (B * h * dp) // 64 * 64, 64), 512, -(-n // 64) * 64)  # chunk_rows
+    splits = -(-8 // (B * hkv))  # key_splits
+    share = max(1, splits // 2)
+    cq = min(max(2048 * 128 // (B * h * dp * share) // 64 * 64, 64), 512,
+             -(-n // 64) * 64)  # chunk_rows
     packed = (8 if bf16 else 16) * B * h * cq * dp
-    dq = -(-8 // (B * hkv)) * 4 * B * h * cq * dp
+    dq = splits * 4 * B * h * cq * dp
     sums = 0 if g == 4 and dp == D else 4 * B * n * hkv * 2 * dp
     return packed + dq + sums
 
