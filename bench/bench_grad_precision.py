@@ -29,7 +29,8 @@ def grads(fn, inputs, dout):
 
 
 def reference(inputs, dout):
-    """float64 gradients of the bf16 inputs, one head at a time (SDPA's math path)."""
+    """float64 gradients of the bf16 inputs (their exact values), torch SDPA in float64, one head
+    at a time."""
     heads = inputs[0].shape[2]
     ref = [torch.empty(t.shape, dtype=torch.float64) for t in inputs]
     for h in range(heads):
