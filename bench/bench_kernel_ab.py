@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Times the local CPU kernel's backward (cpattn.attention, causal) of two builds of cpattn in the
-same run: each build is an installed copy of the package (a directory to put on sys.path); the
-builds alternate repeat by repeat, each repeat a fresh process, so that drift in machine load
-hits both alike. Reports per case and build the min and median over the repeats of the median
-backward time of each process (torch.autograd.grad on a graph built once, no forward inside).
+"""Times the local CPU kernel's backward (or with --pass fwd its forward; cpattn.attention,
+causal) of two builds of cpattn in the same run: each build is an installed copy of the package
+(a directory to put on sys.path); the builds alternate repeat by repeat, each repeat a fresh
+process, so that drift in machine load hits both alike. Reports per case and build the min and
+median over the repeats of the median time of each process (backward: torch.autograd.grad on a
+graph built once, no forward inside; forward: under no_grad).
 
 Example (the previous build installed with `pip install --no-deps --target /tmp/before .` from
 its checkout, this one in the venv):
@@ -36,8 +37,8 @@ CASES = [
 ]
 
 
-def _child(case: list, threads: int, calls: int) -> None:
-    """Prints the median backward time (s) of `calls` calls after one warm-up."""
+def _child(case: list, threads: int, calls: int, forward: bool) -> None:
+    """Prints the median backward (forward) time (s) of `calls` calls after one warm-up."""
     import time
 
     import torch
@@ -50,11 +51,15 @@ def _child(case: list, threads: int, calls: int) -> None:
     q, k, v = (torch.randn(1, s, n, d, generator=gen).to(getattr(torch, dtype)).requires_grad_()
                for n in (h, hkv, hkv))
     dout = torch.randn(1, s, h, d, generator=gen).to(q.dtype)
-    out = cpattn.attention(q, k, v, causal=True)
+    out = None if forward else cpattn.attention(q, k, v, causal=True)
     times = []
     for _ in range(calls + 1):
         t0 = time.perf_counter()
-        torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        if forward:
+            with torch.no_grad():
+                cpattn.attention(q, k, v, causal=True)
+        else:
+            torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         times.append(time.perf_counter() - t0)
     print(json.dumps(statistics.median(times[1:])))
 
@@ -67,11 +72,12 @@ def main() -> None:
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--pass", dest="direction", choices=["bwd", "fwd"], default="bwd")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
         case, threads = json.loads(a.child)
-        return _child(case, threads, a.calls)
+        return _child(case, threads, a.calls, a.direction == "fwd")
     builds = dict(b.split("=", 1) for b in a.builds)
     print("| dtype | S | heads | kv heads | D | threads | "
           + " | ".join(f"{n} min / median (s)" for n in builds) + " |")
@@ -83,7 +89,7 @@ def main() -> None:
                 for name, path in builds.items():
                     env = dict(os.environ, PYTHONPATH=path)
                     r = subprocess.run(
-                        [sys.executable, __file__, "--calls", str(a.calls),
+                        [sys.executable, __file__, "--calls", str(a.calls), "--pass", a.direction,
                          "--child", json.dumps([case, threads])],
                         env=env, check=True, capture_output=True, text=True, cwd="/tmp")
                     times[name].append(json.loads(r.stdout.strip().splitlines()[-1]))

@@ -49,6 +49,15 @@ def gen(request: pytest.FixtureRequest) -> torch.Generator:
     return g
 
 
+@pytest.fixture
+def one_kv_head_per_backward_call():
+    """The CPU backward in one kernel call per KV head wherever it packs operands or sums dK / dV
+    apart from the gradients (every bf16 call; fp32 with D or Dv not a multiple of 16)."""
+    previous = torch.ops.cpattn_testing.set_cpu_backward_group_bytes(1)
+    yield
+    torch.ops.cpattn_testing.set_cpu_backward_group_bytes(previous)
+
+
 def randn(
     shape: Sequence[int],
     gen: torch.Generator,

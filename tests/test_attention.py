@@ -416,6 +416,36 @@ def test_non_contiguous_matches_contiguous(dtype: torch.dtype, gen: torch.Genera
         assert torch.equal(got, want)
 
 
+SPLIT_SUM_CASES = [  # (batch, Sq, Sk, heads, kv heads, D, causal, window)
+    (1, 700, 700, 4, 2, 64, True, (-1, -1)),  # several query chunks: sums carried across them
+    (2, 300, 333, 2, 1, 128, False, (50, 20)),  # batch 2, odd key count, a band
+    (1, 70, 20, 3, 3, 32, True, (-1, -1)),  # empty rows
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_SUM_CASES, ids=["chunks", "batch2_band", "empty_rows"])
+def test_bf16_gradient_sums_in_split_halves(
+    one_kv_head_per_backward_call, case: tuple, gen: torch.Generator
+) -> None:
+    """Bitwise: bf16 dK / dV are summed as fp32 values split in two halves (the high ones in the
+    gradient itself, the low ones beside it) and rounded once at the end: the same bits as
+    summing in fp32 gradients and rounding those (one KV head per kernel call in both, so the
+    two calls sum in the same order)."""
+    b, sq, sk, h, hkv, d, causal, (wl, wr) = case
+    q, k, v = make_qkv(gen, b, sq, sk, h, hkv, d, dtype=torch.bfloat16)
+    dout = randn(q.shape, gen, torch.bfloat16)
+    scale, q_off = d**-0.5, sk - sq
+    out, lse = ops.attention_fwd(q, k, v, scale, causal, wl, wr, q_off, 0, None)
+    split = ops.attention_bwd(dout, q, k, v, out, lse, scale, causal, wl, wr, q_off, 0)
+    wide = ops.attention_bwd(
+        dout, q, k, v, out, lse, scale, causal, wl, wr, q_off, 0, torch.float32
+    )
+    for name, got, want in zip(("dq", "dk", "dv"), split, wide):
+        assert got.dtype == torch.bfloat16 and want.dtype == torch.float32
+        assert torch.equal(got, want.to(torch.bfloat16)), name
+    assert split[1].abs().sum() > 0 and split[2].abs().sum() > 0
+
+
 def test_inputs_without_grad(gen: torch.Generator) -> None:
     """No input requires grad: a plain tensor comes back; under no_grad likewise."""
     q, k, v = make_qkv(gen, 1, 20, 25, 2, 1, 32)

@@ -206,15 +206,6 @@ def test_every_isa(isa: str) -> None:
     assert " passed" in proc.stdout
 
 
-@pytest.fixture
-def one_kv_head_per_backward_call():
-    """The CPU backward in one kernel call per KV head wherever it packs operands or sums dK / dV
-    apart from the gradients (every bf16 call; fp32 with D or Dv not a multiple of 16)."""
-    previous = torch.ops.cpattn_testing.set_cpu_backward_group_bytes(1)
-    yield
-    torch.ops.cpattn_testing.set_cpu_backward_group_bytes(previous)
-
-
 GROUP_SHAPES = [
     (1, 130, 130, 4, 2, 40),  # GQA, D not a multiple of 16: fp32 packs too
     (2, 96, 96, 6, 3, 32),  # batch 2: the groups' LSE and delta rows are copies

@@ -151,6 +151,30 @@ inline void write_row(const BshdOutput& o, int64_t offset, const float* src, flo
   }
 }
 
+// Adds n values of src times factor to row `offset` of an fp32 output, or of split fp32 sums (a
+// bf16 output of their high halves, `low` their low halves at the same offsets; join_halves).
+inline void add_row(const BshdOutput& o, uint16_t* low, int64_t offset, const float* src,
+                    float factor, int64_t n) {
+  if (o.type == DType::kBFloat16) {
+    uint16_t *high = static_cast<uint16_t*>(o.data) + offset, *lo = low + offset;
+    int64_t d = 0;
+    for (; d + kLanes <= n; d += kLanes)
+      split_halves(join_halves(high + d, lo + d) + load(src + d) * factor, high + d, lo + d);
+    for (; d < n; ++d) split_halves(join_halves(high[d], lo[d]) + src[d] * factor, high[d], lo[d]);
+    return;
+  }
+  float* dst = static_cast<float*>(o.data) + offset;
+  for (int64_t d = 0; d < n; ++d) dst[d] += src[d] * factor;
+}
+
+// Rounds n split fp32 sums (add_row) to the nearest bf16, in place in their high halves.
+inline void round_split_sums_impl(uint16_t* high, const uint16_t* low, int64_t n) {
+  at::parallel_for(0, (n + kLanes - 1) / kLanes, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * kLanes; i < std::min(n, end * kLanes); ++i)
+      high[i] = bf16_bits(join_halves(high[i], low[i]));
+  });
+}
+
 // Normalises the accumulator rows of query block r0 and writes out and lse; a sink joins each
 // row's denominator here, once (add_sink).
 inline void write_output(const FwdParams& p, int64_t b, int64_t h, int64_t r0, int64_t rows,
@@ -429,52 +453,117 @@ inline bool for_each_query_block(const BwdParams& p, int64_t b, int64_t hk, int6
 }
 
 // The fp32 sums of dK (or dV) over the query chunks, one row of dim_padded values per (batch,
-// key, kv head), zero at first: the output itself when it is fp32 with D = dim_padded (no copy:
-// the ring's case, and fp32 Ulysses), else a (B, Sk, Hkv, dim_padded) buffer of its own.
+// key, kv head), zero at first, times `factor` in the end. Where they live depends on the output
+// (D = dim_padded for the first two):
+// - fp32: the output itself (no copy: the ring's case, and fp32 Ulysses); with `accumulate`
+//   (BwdParams) its values are kept and each block's gradient is added times factor;
+// - bf16: split in halves, each sum's high 16 bits (its bf16 truncation) in the output and its
+//   low 16 bits in a (B, Sk, Hkv, dim_padded) buffer of their own: the same fp32 sums, the same
+//   bits, in half the bytes of an fp32 buffer; rounded to nearest into the output at the end;
+// - otherwise a (B, Sk, Hkv, dim_padded) fp32 buffer of their own.
 struct KeyGradSums {
+  enum class Storage { kOutput, kSplit, kOwn };
+  Storage storage;
   AlignedArray<float> own;
-  float* data;
-  BshdStrides strides;
-  int64_t dim_padded;
-  bool in_place;
-  KeyGradSums(const AttnShape& sh, const BshdOutput& out, int64_t dim, int64_t padded)
-      : dim_padded(padded), in_place(out.type == DType::kFloat32 && dim == padded) {
-    if (in_place) {
-      data = static_cast<float*>(out.data);
-      strides = out.strides;
-    } else {
-      own = aligned_array<float>(sh.batch * sh.seqlen_k * sh.kv_heads * padded);
+  AlignedArray<uint16_t> low;  // kSplit: the low halves, rows contiguous like `own`
+  void* data;                  // kOutput, kOwn: fp32 rows; kSplit: the high halves, in the output
+  BshdStrides strides;         // of data
+  int64_t seqlen_k, kv_heads, dim_padded;
+  float factor;
+  bool accumulate;
+  KeyGradSums(const AttnShape& sh, const BshdOutput& out, int64_t dim, int64_t padded,
+              float factor_, bool accumulate_)
+      : seqlen_k(sh.seqlen_k),
+        kv_heads(sh.kv_heads),
+        dim_padded(padded),
+        factor(factor_),
+        accumulate(accumulate_) {
+    const int64_t rows = sh.batch * sh.seqlen_k * sh.kv_heads;
+    storage = dim != padded                     ? Storage::kOwn
+              : out.type == DType::kFloat32  ? Storage::kOutput
+              : out.type == DType::kBFloat16 ? Storage::kSplit
+                                             : Storage::kOwn;
+    if (storage == Storage::kOwn) {
+      own = aligned_array<float>(rows * padded);
       data = own.get();
       strides = {sh.seqlen_k * sh.kv_heads * padded, sh.kv_heads * padded, padded};
+    } else {
+      data = out.data;
+      strides = out.strides;
     }
-    at::parallel_for(0, sh.batch * sh.seqlen_k * sh.kv_heads, 256, [&](int64_t begin, int64_t end) {
+    if (storage == Storage::kSplit) low = aligned_array<uint16_t>(rows * padded);
+    if (storage == Storage::kOutput && accumulate) return;  // added to what the output holds
+    at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {  // r = (b * Sk + c) * Hkv + hk
-        float* x =
-            row(r / (sh.seqlen_k * sh.kv_heads), r / sh.kv_heads % sh.seqlen_k, r % sh.kv_heads);
-        std::fill(x, x + dim_padded, 0.f);
+        const int64_t b = r / (sh.seqlen_k * sh.kv_heads), c = r / sh.kv_heads % sh.seqlen_k,
+                      hk = r % sh.kv_heads;
+        if (storage == Storage::kSplit) {
+          std::fill(high_row(b, c, hk), high_row(b, c, hk) + dim_padded, uint16_t{0});
+          std::fill(low_row(b, c, hk), low_row(b, c, hk) + dim_padded, uint16_t{0});
+        } else {
+          std::fill(row(b, c, hk), row(b, c, hk) + dim_padded, 0.f);
+        }
       }
     });
   }
+  int64_t offset(int64_t b, int64_t c, int64_t hk) const {
+    return b * strides.batch + c * strides.seq + hk * strides.head;
+  }
   float* row(int64_t b, int64_t c, int64_t hk) const {
-    return data + b * strides.batch + c * strides.seq + hk * strides.head;
+    return static_cast<float*>(data) + offset(b, c, hk);
+  }
+  uint16_t* high_row(int64_t b, int64_t c, int64_t hk) const {
+    return static_cast<uint16_t*>(data) + offset(b, c, hk);
+  }
+  uint16_t* low_row(int64_t b, int64_t c, int64_t hk) const {
+    return low.get() + ((b * seqlen_k + c) * kv_heads + hk) * dim_padded;
   }
   // Adds `cols` rows of a key block's gradient (rows of dim_padded values) from key c0 on.
   void add(int64_t b, int64_t hk, int64_t c0, int64_t cols, const float* block) const {
     for (int64_t c = 0; c < cols; ++c) {
-      float* x = row(b, c0 + c, hk);
       const float* y = block + c * dim_padded;
-      for (int64_t d = 0; d < dim_padded; ++d) x[d] += y[d];
+      if (storage == Storage::kSplit) {
+        uint16_t *high = high_row(b, c0 + c, hk), *lo = low_row(b, c0 + c, hk);
+        // the high halves' rows are Hkv D apart in the output, a stride the hardware
+        // prefetchers follow poorly: fetch a few rows ahead
+        if (c + 8 < cols)
+          for (int64_t d = 0; d < dim_padded; d += 32) {
+            __builtin_prefetch(high_row(b, c0 + c + 8, hk) + d, 1);
+            __builtin_prefetch(low_row(b, c0 + c + 8, hk) + d, 1);
+          }
+        for (int64_t d = 0; d < dim_padded; d += kLanes)
+          split_halves(join_halves(high + d, lo + d) + load(y + d), high + d, lo + d);
+      } else if (storage == Storage::kOutput && accumulate) {
+        float* x = row(b, c0 + c, hk);
+        for (int64_t d = 0; d < dim_padded; ++d) x[d] += y[d] * factor;
+      } else {
+        float* x = row(b, c0 + c, hk);
+        for (int64_t d = 0; d < dim_padded; ++d) x[d] += y[d];
+      }
     }
   }
-  // Writes the sums to `out` (D values of a row), times factor; nothing to do in place with 1.
-  void write(const AttnShape& sh, const BshdOutput& out, int64_t dim, float factor) const {
-    if (in_place && factor == 1.f) return;
+  // Writes (or with accumulate adds) the sums to `out` (D values of a row), times factor; nothing
+  // to do in the output with factor 1 or accumulate.
+  void write(const AttnShape& sh, const BshdOutput& out, int64_t dim) const {
+    if (storage == Storage::kOutput && (factor == 1.f || accumulate)) return;
     at::parallel_for(0, sh.batch * sh.seqlen_k * sh.kv_heads, 256, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int64_t b = r / (sh.seqlen_k * sh.kv_heads), c = r / sh.kv_heads % sh.seqlen_k,
                       hk = r % sh.kv_heads;
-        const BshdStrides& o = out.strides;
-        write_row(out, b * o.batch + c * o.seq + hk * o.head, row(b, c, hk), factor, dim);
+        if (storage == Storage::kSplit) {  // rounded from the joined fp32 sums, in place
+          uint16_t *high = high_row(b, c, hk), *lo = low_row(b, c, hk);
+          for (int64_t d = 0; d < dim_padded; d += kLanes) {
+            const vbits16 bits = bf16_bits(join_halves(high + d, lo + d) * factor);
+            std::memcpy(high + d, &bits, sizeof(bits));
+          }
+        } else {
+          const BshdStrides& o = out.strides;
+          const int64_t offset = b * o.batch + c * o.seq + hk * o.head;
+          if (accumulate)
+            add_row(out, nullptr, offset, row(b, c, hk), factor, dim);
+          else
+            write_row(out, offset, row(b, c, hk), factor, dim);
+        }
       }
     });
   }
@@ -564,8 +653,8 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
   const int64_t chunk_elems = heads * rows_per_chunk * dp;
   PackedChunk<T> packed(sh, rows_per_chunk);
   AlignedArray<float> dq = aligned_array<float>(max_splits * chunk_elems);
-  const KeyGradSums dk(sh, p.dk, sh.head_dim, dp),
-      dv(sh, p.dv, sh.head_dim_v, sh.head_dim_v_padded);
+  const KeyGradSums dk(sh, p.dk, sh.head_dim, dp, p.softmax_scale, p.accumulate),
+      dv(sh, p.dv, sh.head_dim_v, sh.head_dim_v_padded, 1.f, p.accumulate);
   for (int64_t q0 = 0; q0 < sh.seqlen_q; q0 += rows_per_chunk) {
     const int64_t q1 = std::min(sh.seqlen_q, q0 + rows_per_chunk);
     const int64_t blocks = (q1 - q0 + kBlockQ - 1) / kBlockQ;
@@ -608,13 +697,16 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
         float* row = dq.get() + (bh * rows_per_chunk + i) * dp;
         for (int64_t split = 1; split < splits; ++split)
           for (int64_t d = 0; d < dp; ++d) row[d] += row[split * chunk_elems + d];
-        write_row(p.dq, bh / sh.heads * o.batch + (q0 + i) * o.seq + bh % sh.heads * o.head, row,
-                  p.softmax_scale, sh.head_dim);
+        const int64_t offset = bh / sh.heads * o.batch + (q0 + i) * o.seq + bh % sh.heads * o.head;
+        if (p.accumulate)
+          add_row(p.dq, p.dq_low, offset, row, p.softmax_scale, sh.head_dim);
+        else
+          write_row(p.dq, offset, row, p.softmax_scale, sh.head_dim);
       }
     });
   }
-  dk.write(sh, p.dk, sh.head_dim, p.softmax_scale);
-  dv.write(sh, p.dv, sh.head_dim_v, 1.f);
+  dk.write(sh, p.dk, sh.head_dim);
+  dv.write(sh, p.dv, sh.head_dim_v);
 }
 
 inline void attention_bwd_impl(const BwdParams& p) {

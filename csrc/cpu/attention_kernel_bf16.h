@@ -239,18 +239,33 @@ inline void pack_row_pairs(const uint16_t* x, int64_t row_stride, int64_t rows, 
 }
 
 struct BwdScratchBf16 {
-  AlignedArray<uint16_t> p16, ds16, ds_pairs;
+  AlignedArray<uint16_t> p16, ds16, ds_pairs, k_rows, v_rows;
   AlignedArray<float> st, dpt, softcap_grad, dk, dv;
   explicit BwdScratchBf16(const AttnShape& sh)
       : p16(aligned_array<uint16_t>(kBlockK * kBlockQ)),
         ds16(aligned_array<uint16_t>(kBlockK * kBlockQ)),
         ds_pairs(aligned_array<uint16_t>(kBlockK * kBlockQ)),
+        k_rows(aligned_array<uint16_t>(kBlockK * sh.head_dim_padded)),
+        v_rows(aligned_array<uint16_t>(kBlockK * sh.head_dim_v_padded)),
         st(aligned_array<float>(kBlockK * kBlockQ)),
         dpt(aligned_array<float>(kBlockK * kBlockQ)),
         softcap_grad(aligned_array<float>(kBlockK * kBlockQ)),
         dk(aligned_array<float>(kBlockK * sh.head_dim_padded)),
         dv(aligned_array<float>(kBlockK * sh.head_dim_v_padded)) {}
 };
+
+// The rows of a key block, `stride` apart, as contiguous rows of `dim` values in `out`; the rows
+// themselves when they already are. Read in place, K and V rows are H D values apart, and rows
+// at such strides meet in a few L1 sets while every query block of the chunk reuses them.
+inline const uint16_t* block_rows(const uint16_t* x, int64_t stride, int64_t rows, int64_t dim,
+                                  uint16_t* out) {
+  if (stride == dim) return x;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < dim; d += 16)  // dim is a multiple of 16: 32-byte moves, inlined
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * dim + d),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * stride + d)));
+  return out;
+}
 
 // Packs query block `slot` of the bf16 chunk from rows r0.. (`rows` of them) of head h of batch
 // b: Q^T and dO^T as d pairs, Q and dO as row pairs.
@@ -274,8 +289,11 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
   const int64_t key_pairs = (sh.seqlen_k + 1) / 2;
-  const uint16_t* k = p.k16 + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dp;
-  const uint16_t* v = p.v16 + ((b * sh.kv_heads + hk) * sh.seqlen_k + c0) * dvp;
+  const BshdStrides &ks = p.k16_strides, &vs = p.v16_strides;
+  const uint16_t* k =
+      block_rows(p.k16 + b * ks.batch + c0 * ks.seq + hk * ks.head, ks.seq, cols, dp, s.k_rows.get());
+  const uint16_t* v = block_rows(p.v16 + b * vs.batch + c0 * vs.seq + hk * vs.head, vs.seq, cols,
+                                 dvp, s.v_rows.get());
   const uint16_t* k_pairs = p.k16_pairs + ((b * sh.kv_heads + hk) * key_pairs + c0 / 2) * dp * 2;
   std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
   std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
@@ -299,8 +317,8 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
         uint16_t* ds16 = s.ds16.get();
 
         // P^T = exp2(scale K Q^T - lse), kept in fp32 for dS and in bf16 for dV
-        gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.at(slot), 2 * kBlockQ, st, kBlockQ,
-                  false);
+        gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.at(slot), 2 * kBlockQ, st,
+                  kBlockQ, false);
         if (modified)
           modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, base2, st, softcap_grad);
         if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
@@ -316,8 +334,8 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
                   s.dv.get(), dvp, true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta), in bf16 both as is (for dK) and as key pairs
         // (for dQ)
-        gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.at(slot), 2 * kBlockQ, dpt, kBlockQ,
-                  false);
+        gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.at(slot), 2 * kBlockQ, dpt,
+                  kBlockQ, false);
         if (softcap_grad) {  // the chain rule through the softcap, folded into P for dS only
           for (int64_t e = 0; e < seen * kBlockQ; e += kLanes)
             store(st + e, load(st + e) * load(softcap_grad + e));

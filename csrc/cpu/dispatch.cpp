@@ -81,4 +81,17 @@ void attention_bwd(const BwdParams& params) {
   }
 }
 
+void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n) {
+  switch (isa()) {
+    case Isa::kAvx512Bf16:
+      return avx512bf16::round_split_sums(high, low, n);
+    case Isa::kAvx512:
+      return avx512::round_split_sums(high, low, n);
+    case Isa::kAvx2:
+      return avx2::round_split_sums(high, low, n);
+    default:
+      return generic::round_split_sums(high, low, n);
+  }
+}
+
 }  // namespace cpattn::cpu

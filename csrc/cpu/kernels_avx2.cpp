@@ -9,4 +9,7 @@
 namespace cpattn::cpu::avx2 {
 void attention_fwd(const FwdParams& params) { attention_fwd_impl(params); }
 void attention_bwd(const BwdParams& params) { attention_bwd_impl(params); }
+void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n) {
+  round_split_sums_impl(high, low, n);
+}
 }  // namespace cpattn::cpu::avx2

@@ -20,4 +20,7 @@ void attention_bwd(const BwdParams& params) {
   else
     attention_bwd_impl(params);
 }
+void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n) {
+  round_split_sums_impl(high, low, n);
+}
 }  // namespace cpattn::cpu::avx512bf16

@@ -61,6 +61,51 @@ inline vbits16 bf16_bits(vfloat x) {  // the same, 16 lanes at a time
   return __builtin_convertvector((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded, vbits16);
 }
 
+// An fp32 value as two 16-bit halves, the high one its bf16 truncation: fp32 sums beside a bf16
+// result keep their high halves in the result itself and only the low ones apart (the backward's
+// dK / dV sums, KeyGradSums; the ring's dQ), in half the bytes of an fp32 copy, the same bits.
+inline vfloat join_halves(const uint16_t* high, const uint16_t* low) {  // 16 values
+#ifdef __AVX512BW__  // one widening load each (the generic form splits into halves)
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)));
+  const __m512i l = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low)));
+  return (vfloat)_mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(h, 16), l));
+#else
+  vbits16 h, l;
+  std::memcpy(&h, high, sizeof(h));
+  std::memcpy(&l, low, sizeof(l));
+  const vuint u = __builtin_convertvector(h, vuint) << 16 | __builtin_convertvector(l, vuint);
+  vfloat x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+inline void split_halves(vfloat x, uint16_t* high, uint16_t* low) {
+#ifdef __AVX512BW__  // narrowing stores (vpmovdw truncates: the low halves as they are)
+  const __m512i u = _mm512_castps_si512((__m512)x);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(high), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(low), _mm512_cvtepi32_epi16(u));
+#else
+  vuint u;
+  std::memcpy(&u, &x, sizeof(u));
+  const vbits16 h = __builtin_convertvector(u >> 16, vbits16),
+                l = __builtin_convertvector(u & 0xffffu, vbits16);
+  std::memcpy(high, &h, sizeof(h));
+  std::memcpy(low, &l, sizeof(l));
+#endif
+}
+inline float join_halves(uint16_t high, uint16_t low) {  // one value
+  const uint32_t u = static_cast<uint32_t>(high) << 16 | low;
+  float x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
+inline void split_halves(float x, uint16_t& high, uint16_t& low) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  high = static_cast<uint16_t>(u >> 16);
+  low = static_cast<uint16_t>(u & 0xffffu);
+}
+
 // The fp16 bits of x, rounded to nearest even: beyond the fp16 range to +-inf, below 2^-14 to
 // subnormals; a NaN stays a (quiet) NaN.
 inline uint16_t fp16_bits(float x) {

@@ -160,6 +160,56 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
       .bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, grad_dtype);
 }
 
+void attention_bwd_add_scored(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                              const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                              double softmax_scale, const Mask& mask, const ScoreArgs& score,
+                              const std::optional<at::Tensor>& dlse,
+                              const std::optional<at::Tensor>& dq_low) {
+  const AttnShape s = check_attention_args(q, k, v, softmax_scale, mask, score);
+  check_bwd_args(dout, q, out, lse, dlse, at::kFloat, s);
+  const bool split = dq_low.has_value();
+  const at::ScalarType dq_type = split ? at::kBFloat16 : at::kFloat;
+  for (const auto& [target, like, want] :
+       {std::tuple(dq, q, dq_type), std::tuple(dk, k, at::kFloat), std::tuple(dv, v, at::kFloat)}) {
+    TORCH_CHECK(target.scalar_type() == want && target.sizes() == like.sizes() &&
+                    target.device() == like.device() && target.stride(3) == 1,
+                "cpattn: the backward adds into ", want, " gradients of the inputs' shapes and "
+                "device, contiguous in head_dim; got ",
+                target.scalar_type(), " ", target.sizes(), " on ", target.device(), " for ",
+                like.sizes(), " on ", like.device());
+  }
+  if (split)
+    TORCH_CHECK(split_sums_supported(q.device()) && dq_low->scalar_type() == at::kShort &&
+                    dq_low->sizes() == dq.sizes() && dq_low->strides() == dq.strides(),
+                "cpattn: split dQ sums need int16 low halves of dq's shape and strides on a "
+                "backend that adds into them");
+  const Backend& backend = backend_for(q.device());
+  if (backend.bwd_add) {
+    backend.bwd_add(dq, split ? *dq_low : at::Tensor(), dk, dv, dout, q, k, v, out, lse, dlse, s,
+                    softmax_scale, mask, score);
+    return;
+  }
+  const auto [dq_part, dk_part, dv_part] =
+      backend.bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, at::kFloat);
+  dq.add_(dq_part);
+  dk.add_(dk_part);
+  dv.add_(dv_part);
+}
+
+bool split_sums_supported(const c10::Device& device) {
+  const Backend& backend = backend_for(device);
+  return backend.bwd_add && backend.round_split;
+}
+
+void round_split_(const at::Tensor& high, const at::Tensor& low) {
+  TORCH_CHECK(high.scalar_type() == at::kBFloat16 && low.scalar_type() == at::kShort &&
+                  high.sizes() == low.sizes() && high.is_contiguous() && low.is_contiguous() &&
+                  split_sums_supported(high.device()),
+              "cpattn: round_split_ needs contiguous bf16 high and int16 low halves of one shape");
+  backend_for(high.device()).round_split(high, low);
+}
+
 void merge_into(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
                 const at::Tensor& part_lse) {
   TORCH_CHECK(out.stride(3) == 1, "cpattn: merge out must be contiguous in head_dim");

@@ -30,22 +30,30 @@ at::Tensor pack(const at::Tensor& t, int64_t dp, at::ScalarType dtype = at::kFlo
   return p;
 }
 
-// An fp32 operand of the backward as the kernel reads it, (B, S, H, Dp) by strides: the tensor
-// itself when it is fp32 with D = Dp and unit stride along D (no copy), else a packed copy
-// viewed in that order.
-bool read_in_place(const at::Tensor& t, int64_t dp) {
-  return t.scalar_type() == at::kFloat && t.size(3) == dp && t.stride(3) == 1;
+// An operand as the kernels read it in `dtype` (fp32, or bf16 for bf16 dot products), (B, S, H,
+// Dp) by strides: the tensor itself when it is in that dtype with D = Dp and unit stride along
+// D (no copy), else a packed copy viewed in that order.
+bool read_in_place(const at::Tensor& t, int64_t dp, at::ScalarType dtype = at::kFloat) {
+  return t.scalar_type() == dtype && t.size(3) == dp && t.stride(3) == 1;
 }
-at::Tensor fp32_operand(const at::Tensor& t, int64_t dp) {
-  return read_in_place(t, dp) ? t : pack(t, dp).transpose(1, 2);
+at::Tensor operand(const at::Tensor& t, int64_t dp, at::ScalarType dtype = at::kFloat) {
+  return read_in_place(t, dp, dtype) ? t : pack(t, dp, dtype).transpose(1, 2);
 }
 
-// (B, Hkv, Sk, Dp) -> (B, Hkv, ceil(Sk / 2), Dp, 2): keys 2j and 2j+1 side by side (a zero key
-// past an odd end), the layout bf16 dot products reduce over keys with.
-at::Tensor pair_keys(const at::Tensor& packed) {
-  at::Tensor t = packed;
-  if (t.size(2) % 2) t = at::constant_pad_nd(t, {0, 0, 0, 1}, 0.0);
-  return t.view({t.size(0), t.size(1), t.size(2) / 2, 2, t.size(3)}).transpose(3, 4).contiguous();
+// (B, Sk, Hkv, D) any dtype -> (B, Hkv, ceil(Sk / 2), Dp, 2) bf16: keys 2j and 2j+1 side by
+// side (a zero key past an odd end, zero beyond D), the layout bf16 dot products reduce over
+// keys with. One copy.
+at::Tensor pair_keys(const at::Tensor& t, int64_t dp) {
+  const int64_t B = t.size(0), S = t.size(1), H = t.size(2), D = t.size(3), S2 = (S + 1) / 2;
+  at::Tensor pairs = at::empty({B, H, S2, dp, 2}, t.options().dtype(at::kBFloat16));
+  if (dp != D) pairs.narrow(3, D, dp - D).zero_();
+  if (S % 2) pairs.select(4, 1).select(2, S2 - 1).zero_();
+  // key 2j + i lands in pairs[b, h, j, d, i]
+  const at::Tensor dst = pairs.narrow(3, 0, D).permute({0, 2, 4, 1, 3});  // (B, S2, 2, H, D)
+  const int64_t even = S / 2;
+  dst.narrow(1, 0, even).copy_(t.narrow(1, 0, 2 * even).unflatten(1, {even, 2}));
+  if (S % 2) dst.select(1, even).select(1, 0).copy_(t.select(1, S - 1));
+  return pairs;
 }
 
 // The CPU kernels write their outputs in the dtype asked for (no conversion pass afterwards).
@@ -117,7 +125,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
     // bf16 dot products: operands stay bf16, Q is read in place; V gets its key pairs
     // interleaved.
     kp = pack(k, s.head_dim_padded, at::kBFloat16);
-    vp = pair_keys(pack(v, s.head_dim_v_padded, at::kBFloat16));
+    vp = pair_keys(v, s.head_dim_v_padded);
     p.q16 = bf16_data(q);
     p.q16_strides = strides_of(q);
     p.k16 = bf16_data(kp);
@@ -142,46 +150,53 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
 
 // The backward runs in groups of KV heads (with their query heads), one kernel call each, so
 // that what it allocates beyond the gradients scales with a group, not with all the heads: the
-// operands' packing (bf16: K, V and K's key pairs; fp32: copies of operands not read in place)
-// and the kernel's fp32 dK / dV sums when they cannot be the gradients themselves. A group holds
+// operands' packing (bf16: K's key pairs, and K and V unless read in place; fp32: copies of
+// operands not read in place) and the kernel's dK / dV sums beyond the gradients (KeyGradSums:
+// none for fp32 gradients, the low halves for bf16 ones, fp32 sums otherwise). A group holds
 // as many KV heads as fit kBackwardGroupBytes (at least one); a function of the shape only, so
 // the bits do not depend on the thread count. cpattn.plan._backward_group is the same rule.
 constexpr int64_t kBackwardGroupBytes = int64_t{8} << 20;
 std::atomic<int64_t> backward_group_bytes{kBackwardGroupBytes};  // tests lower it
 
-// Bytes one KV head (and its query heads) adds to a backward call beyond the gradients.
+// Bytes one KV head (and its query heads) adds to a backward call beyond the gradients; the
+// operands' "in place" as read_in_place says for all of them (an upper bound otherwise).
 int64_t backward_bytes_per_kv_head(const AttnShape& s, bool bf16, bool operands_in_place,
                                    at::ScalarType grad) {
   const int64_t dp = s.head_dim_padded, dvp = s.head_dim_v_padded, group = s.group_size();
   int64_t bytes = 0;
-  if (bf16)
-    bytes += 2 * s.batch * (s.seqlen_k * (dp + dvp) + 2 * ((s.seqlen_k + 1) / 2) * dp);
-  else if (!operands_in_place)  // an upper bound: some of them may be in place
+  if (bf16) {
+    bytes += 2 * s.batch * 2 * ((s.seqlen_k + 1) / 2) * dp;  // K's key pairs
+    if (!operands_in_place) bytes += 2 * s.batch * s.seqlen_k * (dp + dvp);
+  } else if (!operands_in_place) {
     bytes += 4 * s.batch * (dp + dvp) * (group * s.seqlen_q + s.seqlen_k);
-  const bool fp32 = grad == at::kFloat;
-  bytes += 4 * s.batch * s.seqlen_k *
-           ((fp32 && s.head_dim == dp ? 0 : dp) + (fp32 && s.head_dim_v == dvp ? 0 : dvp));
+  }
+  // KeyGradSums: bytes per summed value beyond the gradient
+  const auto sums = [&](int64_t dim, int64_t padded) -> int64_t {
+    if (dim != padded) return 4;
+    return grad == at::kFloat ? 0 : grad == at::kBFloat16 ? 2 : 4;
+  };
+  bytes += s.batch * s.seqlen_k * (sums(s.head_dim, dp) * dp + sums(s.head_dim_v, dvp) * dvp);
   return bytes;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-    const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
-    std::optional<at::ScalarType> grad_dtype) {
+// The backward into dq, dk, dv (B, S, H, D by strides): written, or with `accumulate` (fp32, or
+// for dq split sums with dq_low: BwdParams) added to what they hold.
+void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tensor& dk,
+                  const at::Tensor& dv, bool accumulate, const at::Tensor& dout, const at::Tensor& q,
+                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                  const at::Tensor& lse, const std::optional<at::Tensor>& dlse, const AttnShape& s,
+                  double softmax_scale, const Mask& mask, const ScoreArgs& score) {
   const int64_t dp = s.head_dim_padded, dvp = s.head_dim_v_padded;
   // delta = rowsum(dout * out) per query row, over the global output.
   at::Tensor delta = row_delta(dout, out, s);
   if (dlse && dlse->defined()) delta.sub_(dlse->to(at::kFloat));
-  const at::ScalarType grad = grad_dtype.value_or(q.scalar_type());
-  const auto grad_options = q.options().dtype(grad);
-  at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, grad_options);
-  at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, grad_options);
-  at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim_v}, grad_options);
+  const at::ScalarType grad = dk.scalar_type();  // dk and dv: fp32 where dq is split sums
   const bool bf16 = q.scalar_type() == at::kBFloat16 && dout.scalar_type() == at::kBFloat16 &&
                     cpu::has_bf16_dot();
-  const bool in_place = read_in_place(q, dp) && read_in_place(k, dp) && read_in_place(v, dvp) &&
-                        read_in_place(dout, dvp);
+  const bool in_place = bf16 ? read_in_place(k, dp, at::kBFloat16) &&
+                                   read_in_place(v, dvp, at::kBFloat16)
+                             : read_in_place(q, dp) && read_in_place(k, dp) &&
+                                   read_in_place(v, dvp) && read_in_place(dout, dvp);
   const int64_t per_head = backward_bytes_per_kv_head(s, bf16, in_place, grad);
   const int64_t kv_per_call =
       per_head == 0 ? s.kv_heads
@@ -202,22 +217,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     at::Tensor qp, kp, vp, dop, k_pairs;
     const at::Tensor q_g = q_heads(q), dout_g = q_heads(dout);
     if (bf16) {
-      // Q and dO are read in place (the kernel packs its query blocks itself).
-      kp = pack(kv_heads(k), dp, at::kBFloat16);
-      vp = pack(kv_heads(v), dvp, at::kBFloat16);
-      k_pairs = pair_keys(kp);
+      // Q and dO are read in place (the kernel packs its query blocks itself), K and V too
+      // when D = Dp.
+      kp = operand(kv_heads(k), dp, at::kBFloat16);
+      vp = operand(kv_heads(v), dvp, at::kBFloat16);
+      k_pairs = pair_keys(kv_heads(k), dp);
       p.q16 = bf16_data(q_g);
       p.q16_strides = strides_of(q_g);
       p.dout16 = bf16_data(dout_g);
       p.dout16_strides = strides_of(dout_g);
       p.k16 = bf16_data(kp);
       p.v16 = bf16_data(vp);
+      p.k16_strides = strides_of(kp);
+      p.v16_strides = strides_of(vp);
       p.k16_pairs = bf16_data(k_pairs);
     } else {
-      qp = fp32_operand(q_g, dp);
-      kp = fp32_operand(kv_heads(k), dp);
-      vp = fp32_operand(kv_heads(v), dvp);
-      dop = fp32_operand(dout_g, dvp);
+      qp = operand(q_g, dp);
+      kp = operand(kv_heads(k), dp);
+      vp = operand(kv_heads(v), dvp);
+      dop = operand(dout_g, dvp);
       p.q = qp.data_ptr<float>();
       p.k = kp.data_ptr<float>();
       p.v = vp.data_ptr<float>();
@@ -233,6 +251,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     p.dq = output_of(q_heads(dq));
     p.dk = output_of(kv_heads(dk));
     p.dv = output_of(kv_heads(dv));
+    p.accumulate = accumulate;
+    if (dq_low.defined())  // the group's heads, at dq's offsets
+      p.dq_low = reinterpret_cast<uint16_t*>(q_heads(dq_low).data_ptr<int16_t>());
     p.softmax_scale = static_cast<float>(softmax_scale);
     p.mask = mask;
     p.score = all_heads;
@@ -240,7 +261,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     p.score.sinks = nullptr;  // already in lse
     cpu::attention_bwd(p);
   }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
+    std::optional<at::ScalarType> grad_dtype) {
+  const auto grad_options = q.options().dtype(grad_dtype.value_or(q.scalar_type()));
+  at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, grad_options);
+  at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, grad_options);
+  at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim_v}, grad_options);
+  backward_cpu(dq, at::Tensor(), dk, dv, false, dout, q, k, v, out, lse, dlse, s, softmax_scale,
+               mask, score);
   return {dq, dk, dv};
+}
+
+void attention_bwd_add_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tensor& dk,
+                           const at::Tensor& dv, const at::Tensor& dout, const at::Tensor& q,
+                           const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                           const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+                           const AttnShape& s, double softmax_scale, const Mask& mask,
+                           const ScoreArgs& score) {
+  backward_cpu(dq, dq_low, dk, dv, true, dout, q, k, v, out, lse, dlse, s, softmax_scale, mask,
+               score);
+}
+
+void round_split_cpu(const at::Tensor& high, const at::Tensor& low) {
+  cpu::round_split_sums(reinterpret_cast<uint16_t*>(high.data_ptr<at::BFloat16>()),
+                        reinterpret_cast<const uint16_t*>(low.data_ptr<int16_t>()), high.numel());
 }
 
 }  // namespace
@@ -332,7 +381,8 @@ at::Tensor row_dot_cpu(const at::Tensor& a, const at::Tensor& b) {
 
 [[maybe_unused]] const bool registered = register_backend(
     c10::DeviceType::CPU, {&check_options_cpu, &attention_fwd_cpu, &attention_bwd_cpu,
-                           &merge_into_cpu, &apply_sinks_cpu, &sink_bwd_cpu, &row_dot_cpu});
+                           &attention_bwd_add_cpu, &round_split_cpu, &merge_into_cpu,
+                           &apply_sinks_cpu, &sink_bwd_cpu, &row_dot_cpu});
 
 }  // namespace
 }  // namespace cpattn::ops

@@ -34,6 +34,15 @@ struct Backend {
       const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
       const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
       std::optional<at::ScalarType> grad_dtype);
+  // attention_bwd_add_scored (ops.h) with its arguments checked (dq_low undefined unless dq is
+  // split sums), and round_split_ (ops.h). Both nullptr on a backend without them: then
+  // attention.cpp runs bwd and adds, and dQ is never split.
+  void (*bwd_add)(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tensor& dk,
+                  const at::Tensor& dv, const at::Tensor& dout, const at::Tensor& q,
+                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                  const at::Tensor& lse, const std::optional<at::Tensor>& dlse, const AttnShape& s,
+                  double softmax_scale, const Mask& mask, const ScoreArgs& score);
+  void (*round_split)(const at::Tensor& high, const at::Tensor& low);
   // merge_into (ops.h) on this device.
   void (*merge)(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
                 const at::Tensor& part_lse);

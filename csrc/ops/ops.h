@@ -44,6 +44,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
     const ScoreArgs& score, std::optional<at::ScalarType> grad_dtype,
     const std::optional<at::Tensor>& dlse);
 
+// attention_bwd_scored adding the gradients (fp32) into dq, dk, dv, fp32 tensors of q's, k's and
+// v's shapes with head_dim contiguous, instead of returning new ones: the ring's accumulators
+// take a sub-problem's gradients without a temporary. With dq_low, dq holds split fp32 sums: dq
+// bf16 their high halves, dq_low (int16, dq's shape and strides) their low halves (only where
+// split_sums_supported).
+void attention_bwd_add_scored(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                              const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                              double softmax_scale, const Mask& mask, const ScoreArgs& score,
+                              const std::optional<at::Tensor>& dlse,
+                              const std::optional<at::Tensor>& dq_low = std::nullopt);
+// Whether the backend of `device` adds into split sums and rounds them (round_split_).
+bool split_sums_supported(const c10::Device& device);
+// Rounds split fp32 sums to the nearest bf16, in place in `high` (bf16); low int16, both
+// contiguous and of one shape.
+void round_split_(const at::Tensor& high, const at::Tensor& low);
+
 // Adds the sinks (H,) to merged results in place, once (softmax_state.h add_sink): out
 // (B, S, H, Dv) fp32, lse (B, H, S) fp32, any strides.
 void apply_sinks_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& sinks);

@@ -145,24 +145,60 @@ std::tuple<at::Tensor, at::Tensor> finish_forward(const at::Tensor& q, at::Tenso
   return {out.to(o.out_dtype.value_or(q.scalar_type())), lse};
 }
 
+// dQ summed over the steps in fp32. With bf16 inputs on a backend that adds into split sums, split:
+// the high halves in the bf16 result itself, the low halves beside, rounded in place at the end,
+// so that an fp32 dQ and its bf16 copy never exist together; else an fp32 tensor.
+struct DqSums {
+  at::Tensor sums, low;
+  explicit DqSums(const at::Tensor& q) {
+    const bool split = q.scalar_type() == at::kBFloat16 && split_sums_supported(q.device());
+    sums = at::zeros(q.sizes(), q.options().dtype(split ? at::kBFloat16 : at::kFloat));
+    if (split) low = at::zeros(q.sizes(), q.options().dtype(at::kShort));
+  }
+  std::optional<at::Tensor> low_rows(const Run& run) const {
+    return low.defined() ? std::optional<at::Tensor>(rows(low, run)) : std::nullopt;
+  }
+  at::Tensor result(at::ScalarType dtype) {
+    if (!low.defined()) return sums.to(dtype);
+    round_split_(sums, low);
+    low = at::Tensor();
+    return sums;
+  }
+};
+
 // One step of the backward pass: adds the sub-problems' dQ to dq and their dK/dV to the fp32
-// accumulators dkv, from the global out / lse (and dlse) of the queries. before_add() runs
-// before the first addition into dkv (the ring waits there for that accumulator to arrive, so
-// the first sub-problem's kernel overlaps its transfer).
+// accumulators dkv, from the global out / lse (and dlse) of the queries; the kernels add into
+// them directly. When there is a before_add(), it runs before anything is added into dkv (the
+// ring waits there for that accumulator to arrive): the step's first sub-problem adds its dK/dV
+// into zeroed temporaries instead, added to dkv after the wait, so that its kernel overlaps the
+// transfer.
 void backward_step(const at::Tensor& dout, const at::Tensor& q, const KvPair& kv,
                    const at::Tensor& out, const at::Tensor& lse,
                    const std::optional<at::Tensor>& dlse, const std::vector<SubProblem>& items,
-                   const RingOptions& o, const at::Tensor& dq, const KvPair& dkv,
+                   const RingOptions& o, const DqSums& dq, const KvPair& dkv,
                    const std::function<void()>& before_add = {}) {
+  bool arrived = !before_add;
   for (const SubProblem& sp : items) {
-    auto [dq_part, dk_part, dv_part] = attention_bwd_scored(
-        rows(dout, sp.q), rows(q, sp.q), rows(kv.k, sp.k), rows(kv.v, sp.k), rows(out, sp.q),
-        lse_rows(lse, sp.q), o.softmax_scale, sp.mask, sub_problem_score(o, sp), at::kFloat,
-        dlse ? std::optional<at::Tensor>(lse_rows(*dlse, sp.q)) : std::nullopt);
-    rows(dq, sp.q).add_(dq_part);
-    if (before_add) before_add();
-    rows(dkv.k, sp.k).add_(dk_part);
-    rows(dkv.v, sp.k).add_(dv_part);
+    const at::Tensor dk = rows(dkv.k, sp.k), dv = rows(dkv.v, sp.k);
+    const auto add_into = [&](const at::Tensor& dk_target, const at::Tensor& dv_target) {
+      attention_bwd_add_scored(
+          rows(dq.sums, sp.q), dk_target, dv_target, rows(dout, sp.q), rows(q, sp.q),
+          rows(kv.k, sp.k), rows(kv.v, sp.k), rows(out, sp.q), lse_rows(lse, sp.q),
+          o.softmax_scale, sp.mask, sub_problem_score(o, sp),
+          dlse ? std::optional<at::Tensor>(lse_rows(*dlse, sp.q)) : std::nullopt,
+          dq.low_rows(sp.q));
+    };
+    if (arrived) {
+      add_into(dk, dv);
+      continue;
+    }
+    const at::Tensor dk_part = at::zeros(dk.sizes(), dk.options()),
+                     dv_part = at::zeros(dv.sizes(), dv.options());
+    add_into(dk_part, dv_part);
+    before_add();
+    arrived = true;
+    dk.add_(dk_part);
+    dv.add_(dv_part);
   }
 }
 
@@ -389,7 +425,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   const int64_t world = transport.world(), rank = transport.rank();
   check_ring_args(q, k, v, o);
   check_local_length(q, o, world);
-  at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  DqSums dq(q);
 
   // K/V go round as in the forward pass. The fp32 dK/dV accumulator of each shard follows it one
   // step behind: at step t a rank sends the accumulator of step t - 1 (`acc`) and receives into
@@ -413,12 +449,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     const auto compute_start = Clock::now();
     computing_while_shifting({&kv_shifts, &acc_shifts}, [&] {
       const KvPair& target = step > 0 ? incoming.kv : acc.kv;
+      const auto wait_for_acc = [&] {
+        const auto wait_start = Clock::now();
+        acc_shifts.wait();
+        acc_wait += seconds_since(wait_start);
+      };
       backward_step(dout, q, kv.at_step(step), out, lse, dlse,
-                    plan(o, q.size(1), world, rank, step), o, dq, target, [&] {
-                      const auto wait_start = Clock::now();
-                      acc_shifts.wait();
-                      acc_wait += seconds_since(wait_start);
-                    });
+                    plan(o, q.size(1), world, rank, step), o, dq, target,
+                    step > 0 ? std::function<void()>(wait_for_acc) : std::function<void()>());
     });
     stats.compute_s += seconds_since(compute_start) - acc_wait;
     const auto wait_start = Clock::now();
@@ -453,7 +491,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   acc = incoming = {};
   // dk and dv are separate tensors (autograd may accumulate into either, and the op's schema and
   // fake kernel promise that).
-  return {dq.to(q.scalar_type()), grads.k.to(k.scalar_type()), grads.v.to(v.scalar_type())};
+  return {dq.result(q.scalar_type()), grads.k.to(k.scalar_type()), grads.v.to(v.scalar_type())};
 }
 
 // ---- all-gathered K/V: the same steps against shards that are already local ---------------
@@ -495,7 +533,7 @@ std::tuple<at::Tensor, at::Tensor> gathered_backward(const at::Tensor& dout, con
                                                      int64_t rank, const RingOptions& o) {
   check_gathered_args(q, kv_all, rank, o);
   const int64_t world = kv_all.size(0);
-  at::Tensor dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+  DqSums dq(q);
   at::Tensor dkv_all = at::zeros(kv_all.sizes(), kv_all.options().dtype(at::kFloat));
   for (int64_t step = 0; step < world; ++step) {
     const int64_t source = ring_source(rank, step, world);
@@ -504,7 +542,7 @@ std::tuple<at::Tensor, at::Tensor> gathered_backward(const at::Tensor& dout, con
                   split_kv(dkv_all[source], q.size(3)));
   }
   // dkv_all[s] holds this rank's contribution to shard s; a reduce-scatter sums them.
-  return {dq.to(q.scalar_type()), dkv_all};
+  return {dq.result(q.scalar_type()), dkv_all};
 }
 
 int64_t release_buffers() { return buffer_cache().release(); }

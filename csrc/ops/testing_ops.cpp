@@ -119,6 +119,19 @@ at::Tensor ring_shift(const at::Tensor& send, c10::string_view group_name, doubl
   return recv;
 }
 
+// The ring's sub-problem backward, adding into given gradients (ops.h attention_bwd_add_scored),
+// bottom-right aligned like cpattn.attention, no score options.
+void attention_bwd_add(const at::Tensor& dq, const std::optional<at::Tensor>& dq_low,
+                       const at::Tensor& dk, const at::Tensor& dv, const at::Tensor& dout,
+                       const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& out, const at::Tensor& lse, double softmax_scale,
+                       bool causal) {
+  const Mask m = bottom_right_mask(causal, normalized_window(-1), normalized_window(-1),
+                                   q.size(1), k.size(1));
+  attention_bwd_add_scored(dq, dk, dv, dout, q, k, v, out, lse, softmax_scale, m, ScoreArgs{},
+                           std::nullopt, dq_low);
+}
+
 }  // namespace
 
 void impl_testing_ops(torch::Library& m) {
@@ -126,6 +139,8 @@ void impl_testing_ops(torch::Library& m) {
   m.impl("ring_bwd_emulated", &ring_bwd_emulated);
   m.impl("ring_shift", &ring_shift);
   m.impl("ring_loopback_timing", &ring_loopback_timing);
+  m.impl("attention_bwd_add", &attention_bwd_add);
+  m.impl("round_split_", &round_split_);
 }
 
 }  // namespace cpattn::ops
@@ -140,12 +155,19 @@ TORCH_LIBRARY(cpattn_testing, m) {
       "int layout) -> (Tensor[] dq, Tensor[] dk, Tensor[] dv)");
   // One shift of `send` over the group (NCCL for CUDA tensors).
   m.def("ring_shift(Tensor send, str group_name, float timeout_s) -> Tensor");
-  // (forward s, backward s) of one rank's ring work without communication.
   // The CPU backward's byte budget per kernel call; returns the previous one.
   m.def("set_cpu_backward_group_bytes(int bytes) -> int");
+  // (forward s, backward s) of one rank's ring work without communication.
   m.def(
       "ring_loopback_timing(Tensor q, Tensor k, Tensor v, Tensor dout, int rank, int world, "
       "float softmax_scale, bool causal, int window_left, int window_right, int layout) -> Tensor");
+  // The backward adding into dq (fp32, or bf16 split sums with int16 dq_low), dk, dv (fp32), and
+  // the rounding of split sums: the ring's accumulation step.
+  m.def(
+      "attention_bwd_add(Tensor(a!) dq, Tensor(b!)? dq_low, Tensor(c!) dk, Tensor(d!) dv, "
+      "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
+      "bool causal) -> ()");
+  m.def("round_split_(Tensor(a!) high, Tensor low) -> ()");
 }
 
 // No tensor argument to dispatch on.

@@ -292,66 +292,80 @@ def _divisible(p: Problem, world: int, layout: str) -> bool:
 def _kernel_fwd(B: int, n: int, h: int, hkv: int, D: int, e: int, bf16: bool) -> int:
     """Bytes alive inside one local forward kernel call (cpattn.attention_fwd on CPU) over n query
     rows and n keys, fp32 output: the output and LSE, and the operand packing (csrc/ops/
-    attention_ops.cpp pack / pair_keys): bf16 on a CPU with bf16 dot products keeps Q in place
+    attention_cpu.cpp pack / pair_keys): bf16 on a CPU with bf16 dot products keeps Q in place
     and packs K, V and V's key pairs; otherwise Q, K and V are packed to fp32."""
     dp = -(-D // 16) * 16
     state = 4 * B * n * h * D + 4 * B * h * n
     if bf16:
-        return state + 2 * B * hkv * dp * (2 * n + 2 * -(-n // 2))
+        return state + 2 * B * hkv * dp * (n + 2 * -(-n // 2))
     return state + 4 * B * dp * (h * n + 2 * hkv * n)
 
 
 _BACKWARD_GROUP_BYTES = 8 << 20  # csrc/ops/attention_cpu.cpp kBackwardGroupBytes
 
 
-def _backward_group(B: int, n: int, h: int, hkv: int, D: int, e: int, g: int, bf16: bool) -> int:
-    """KV heads per backward kernel call (csrc/ops/attention_cpu.cpp): as many as keep what one
-    call allocates beyond the gradients (the packing of K, V and K's key pairs in bf16, fp32
-    copies of operands not read in place, fp32 dK / dV sums not in the gradients) within 8 MiB,
-    at least one; all of them when that is nothing."""
+def _sum_bytes(grad: str, D: int) -> int:
+    """Bytes per dK / dV value that the backward kernel sums in beyond the gradient
+    (csrc/cpu/attention_kernel.h KeyGradSums): none in fp32 gradients, the low halves of the fp32
+    sums beside bf16 ones, whole fp32 sums otherwise (and whenever D is not a multiple of 16)."""
+    if D % 16:
+        return 4
+    return {"float32": 0, "bfloat16": 2}.get(grad, 4)
+
+
+def _backward_group(B: int, n: int, h: int, hkv: int, D: int, e: int, grad: str,
+                    bf16: bool) -> int:
+    """KV heads per backward kernel call (csrc/ops/attention_cpu.cpp) with gradients in dtype
+    `grad`: as many as keep what one call allocates beyond the gradients (bf16: K's key pairs,
+    and K and V unless D is a multiple of 16; fp32: copies of operands not read in place; the dK
+    / dV sums beyond the gradients, _sum_bytes) within 8 MiB, at least one; all of them when
+    that is nothing."""
     dp = -(-D // 16) * 16
     per_head = 0
     if bf16:
-        per_head += 2 * B * (2 * n * dp + 2 * -(-n // 2) * dp)
+        per_head += 2 * B * 2 * -(-n // 2) * dp + (2 * B * 2 * n * dp if dp != D else 0)
     elif e != 4 or dp != D:
         per_head += 4 * B * 2 * dp * (h // hkv * n + n)
-    if g != 4 or dp != D:
-        per_head += 4 * B * n * 2 * dp
+    per_head += _sum_bytes(grad, D) * B * n * 2 * dp
     return hkv if per_head == 0 else min(max(_BACKWARD_GROUP_BYTES // per_head, 1), hkv)
 
 
-def _kernel_bwd(B: int, n: int, h: int, hkv: int, D: int, e: int, g: int, bf16: bool) -> int:
+def _kernel_bwd(B: int, n: int, h: int, hkv: int, D: int, e: int, grad: str, bf16: bool,
+                new: str = "qkv") -> int:
     """Bytes alive inside one local backward kernel call over n query rows and n keys whose
-    gradients are written in g-byte floats: delta, the LSE rows, dq / dk / dv, and one group of
-    KV heads' (_backward_group) packing (bf16: K, V and K's key pairs; fp32 with D a multiple
-    of 16: none, Q, K, V and dO are read in place; otherwise Q, K, V and dO in fp32) and, with
-    batch > 1, its LSE and delta rows."""
+    gradients are in dtype `grad`: delta, the LSE rows, the gradients it allocates (`new`: "qkv"
+    all three; "kv" dk and dv only, dq added into an accumulator; "" none: the ring's
+    sub-problems, csrc/ops/ring.cpp backward_step), and one group of KV heads'
+    (_backward_group) packing (bf16: K's key pairs, and K and V unless D is a multiple of 16;
+    fp32 with D a multiple of 16: none, Q, K, V and dO are read in place; otherwise Q, K, V and
+    dO in fp32) and, with batch > 1, its LSE and delta rows."""
     dp = -(-D // 16) * 16
-    rows = 4 * B * h * n * 2 + g * B * n * (h + 2 * hkv) * D
+    g = _DTYPE_BYTES[grad]
+    rows = 4 * B * h * n * 2 + g * B * n * D * (h * ("q" in new) + 2 * hkv * ("kv" in new))
     if B > 1:  # the rows of dout and out, not contiguous with batch > 1, are copied for delta
         rows += 2 * e * B * n * h * D
-    c = _backward_group(B, n, h, hkv, D, e, g, bf16)
+    c = _backward_group(B, n, h, hkv, D, e, grad, bf16)
     hc = h // hkv * c
     if B > 1 and c < hkv:
         rows += 4 * B * hc * n * 2
     if bf16:
-        return rows + 2 * B * c * dp * (2 * n + 2 * -(-n // 2))
+        return rows + 2 * B * c * dp * ((2 * n if dp != D else 0) + 2 * -(-n // 2))
     if e == 4 and dp == D:
         return rows
     return rows + 4 * B * dp * (2 * hc * n + 2 * c * n)
 
 
-def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, g: int, bf16: bool,
+def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, grad: str, bf16: bool,
                         e: Optional[int] = None) -> int:
     """The backward kernel's own buffers (malloc'd, not tensors; csrc/cpu/attention_kernel.h
     backward_chunks), all threads together, for n query rows and n keys whose gradients are
-    written in g-byte floats (inputs of e bytes, default g), in one call of a group of KV heads
-    (_backward_group): one chunk of cq query rows of every head packed (Q^T, dO^T and Q,
+    written in dtype `grad` (inputs of e bytes, default grad's), in one call of a group of KV
+    heads (_backward_group): one chunk of cq query rows of every head packed (Q^T, dO^T and Q,
     dO as rows: 16 bytes per element in fp32, 8 in bf16), the chunk's fp32 dQ per split of the
-    key blocks (8 / (B Hkv) splits, at least 1), and fp32 sums of dK and dV unless the
-    gradients are fp32 with D a multiple of 16 (then summed in place in them). Per-thread
-    blocks of about 0.2-0.3 MiB are not counted."""
-    c = _backward_group(B, n, h, hkv, D, g if e is None else e, g, bf16)
+    key blocks (8 / (B Hkv) splits, at least 1), and the dK and dV sums beyond the gradients
+    (_sum_bytes). Per-thread blocks of about 0.2-0.3 MiB are not counted."""
+    e = _DTYPE_BYTES[grad] if e is None else e
+    c = _backward_group(B, n, h, hkv, D, e, grad, bf16)
     h, hkv = h // hkv * c, c
     dp = -(-D // 16) * 16
     splits = -(-8 // (B * hkv))  # key_splits
@@ -360,7 +374,7 @@ def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, g: int, bf16: 
              -(-n // 64) * 64)  # chunk_rows
     packed = (8 if bf16 else 16) * B * h * cq * dp
     dq = splits * 4 * B * h * cq * dp
-    sums = 0 if g == 4 and dp == D else 4 * B * n * hkv * 2 * dp
+    sums = _sum_bytes(grad, D) * B * n * hkv * 2 * dp
     return packed + dq + sums
 
 
@@ -380,14 +394,16 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
     "kept": bytes still alive after the call when the caller keeps only its result (train: the
     gradients, out and the graph freed; forward: out), cached buffers included,
     "phases": {name: bytes alive in that phase}, "scratch": the largest backward kernel call's
-    own malloc'd buffers, on top of the peak phase (the RSS sees them)}. The ring's receive
-    buffers and fp32 dK/dV
-    accumulators are counted (cached between calls: cpattn.release_buffers() frees them).
+    own malloc'd buffers, on top of the peak phase (the RSS sees them), "gloo_late": with gloo,
+    the largest of gloo's copies, which may outlive its phase (below)}. The ring's receive
+    buffers and fp32 dK/dV accumulators are counted (cached between calls:
+    cpattn.release_buffers() frees them).
     chunk: all-gather KV heads per gather (default ring_attention's: max(1, Hkv // 4)); ring: KV
         heads per pass (ring_chunk; default all of them, one pass).
     gloo: the process group is gloo's (CPU tensors), whose all-gather and reduce-scatter copy the
     whole gathered / reduced buffer (NCCL's do not). Gloo frees that copy on its own thread,
-    racing the caller: it may still be alive in the next phase (not counted here)."""
+    racing the caller: it may still be alive in the next phase (not counted in the phases:
+    "gloo_late")."""
     B, H, Hkv, D, e = p.batch, p.heads, p.kv_heads, p.head_dim, p.elem
     train = p.mode == "train"
     W = world
@@ -396,12 +412,15 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
     lse = 4 * B * H * L
     bf = p.dtype == "bfloat16" and _bf16_dot()
     cast = e != 4  # fp32 state converted to the input dtype at the end
+    # bf16: dQ's fp32 sums kept split, high halves in the bf16 result and low halves beside,
+    # rounded in place (csrc/ops/ring.cpp DqSums): no bf16 copy of an fp32 dQ
+    split_dq = p.dtype == "bfloat16"
     ph: dict = {}
     if strategy == "ring" and chunk and chunk < Hkv:
         return _memory_ring_passes(p, world, layout, chunk)
     if strategy in ("ring", "none"):
         if strategy == "none":
-            return _memory_local(ph, B, p.seqlen, H, Hkv, D, e, train, bf)
+            return _memory_local(ph, B, p.seqlen, H, Hkv, D, e, train, bf, p.dtype)
         n = L // 2 if layout == "zigzag" else L  # sub-problems: runs of the local shard
         recv = min(W - 1, 2) * 2 * K * e  # K/V receive buffers (cached)
         ph["fwd: kernel step"] = 4 * Q + lse + recv + _kernel_fwd(B, n, H, Hkv, D, e, bf)
@@ -410,13 +429,16 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
         if train:
             acc = (2 if W > 1 else 1) * 2 * K * 4  # fp32 dK/dV accumulators (cached)
             base = kept + lse + 4 * Q + acc  # out and LSE saved, fp32 dq
-            ph["bwd: kernel step"] = base + _kernel_bwd(B, n, H, Hkv, D, e, 4, bf)
+            # the kernels add into dq and the accumulators; a step after the first adds its first
+            # sub-problem's dK/dV into temporaries while the accumulator is in flight
+            ph["bwd: kernel step"] = base + _kernel_bwd(B, n, H, Hkv, D, e, "float32", bf,
+                                                        "kv" if W > 1 else "")
             # the gradients: cast from the fp32 dq and accumulators; in fp32, dq itself and the
             # last hop's (or at W = 1 a copy's) new dk, dv
-            grads = (Q + 2 * K) * e if cast else 2 * K * 4
+            grads = ((0 if split_dq else Q) + 2 * K) * e if cast else 2 * K * 4
             ph["bwd: gradients"] = base + grads
             kept = recv + acc + (Q + 2 * K) * e  # the graph freed: gradients and cached buffers
-        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, H, Hkv, D, 4, bf, e))
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, H, Hkv, D, "float32", bf, e))
     if strategy == "allgather":
         c = chunk or max(1, Hkv // 4)
         one = c >= Hkv
@@ -432,6 +454,7 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
                                   + _kernel_fwd(B, n, hq, c, D, e, bf))
         ph["fwd: cast out"] = out_all + W * sc + 4 * Qc + 4 * B * hq * L + cast * Qc * e
         kept = Q * e
+        late = tmp * sc  # gloo's copies, which may outlive their phase
         if train:
             grads = 0 if one else (Q + 2 * K) * e  # written chunk by chunk
             dout_c = 0 if one else Qc * e  # the chunk's dout heads, made contiguous
@@ -439,13 +462,16 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             dkv_all = W * 2 * Kc * 4
             ph["bwd: gather"] = base + (W + 1 + tmp) * sc
             ph["bwd: kernel step"] = (base + W * sc + dout_c + 4 * Qc + dkv_all
-                                      + _kernel_bwd(B, n, hq, c, D, e, 4, bf))
-            ph["bwd: cast dq"] = base + W * sc + dout_c + 4 * Qc + dkv_all + cast * Qc * e
+                                      + _kernel_bwd(B, n, hq, c, D, e, "float32", bf, ""))
+            ph["bwd: cast dq"] = (base + W * sc + dout_c + 4 * Qc + dkv_all
+                                  + (cast and not split_dq) * Qc * e)
             dq_c = Qc * (e if cast else 4)
             ph["bwd: reduce-scatter"] = base + dq_c + (1 + bool(gloo)) * dkv_all + 2 * Kc * 4
+            late = max(late, bool(gloo) * dkv_all)
             ph["bwd: cast dk dv"] = base + dq_c + 2 * Kc * 4 + one * 2 * Kc * e
             kept = (Q + 2 * K) * e
-        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, hq, c, D, 4, bf, e))
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, n, hq, c, D, "float32", bf, e),
+                       late)
     if strategy == "ulysses":
         hs = _kv_heads_sent(H, Hkv, W)  # KV heads each rank sends (GQA: replicated)
         Ks = B * L * hs * D
@@ -467,7 +493,8 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             saved = held + 2 * lse_h + Q * e
             ph["bwd: all-to-all dout"] = saved + 2 * Q * e
             # + the row dots by heads and their negation (the op's dlse - row_dot)
-            ph["bwd: kernel"] = saved + Q * e + 2 * lse_h + _kernel_bwd(B, S, h, hk, D, e, e, bf)
+            ph["bwd: kernel"] = (saved + Q * e + 2 * lse_h
+                                 + _kernel_bwd(B, S, h, hk, D, e, p.dtype, bf))
             grads_h = (Q + 2 * Ks) * e
             # dout by heads is freed once the kernel's autograd node has run
             ph["bwd: all-to-all dq"] = saved + grads_h + back
@@ -475,7 +502,7 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             if hs != Hkv:  # summed back over the replicas (index_select's backward)
                 ph["bwd: unreplicate"] = saved + Q * e + 2 * Ks * e + 2 * K * e
             kept = (Q + 2 * K) * e
-        return _result(ph, kept, train and _kernel_bwd_scratch(B, S, h, hk, D, e, bf))
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, S, h, hk, D, p.dtype, bf))
     raise ValueError(f"cpattn.plan.memory: unknown strategy {strategy!r}")
 
 
@@ -504,20 +531,20 @@ def _inputs(p: Problem, world: int) -> int:
     return q + kv + (q if p.mode == "train" else 0)
 
 
-def _memory_local(ph: dict, B, S, H, Hkv, D, e, train, bf) -> dict:
+def _memory_local(ph: dict, B, S, H, Hkv, D, e, train, bf, dtype) -> dict:
     """cpattn.attention over the whole sequence on one rank."""
     Q, K, lse = B * S * H * D, B * S * Hkv * D, 4 * B * H * S
     ph["fwd: kernel"] = Q * e + _kernel_fwd(B, S, H, Hkv, D, e, bf) - 4 * Q  # out in e
     kept = Q * e
     if train:
-        ph["bwd: kernel"] = kept + lse + _kernel_bwd(B, S, H, Hkv, D, e, e, bf)
+        ph["bwd: kernel"] = kept + lse + _kernel_bwd(B, S, H, Hkv, D, e, dtype, bf)
         kept = (Q + 2 * K) * e
-    return _result(ph, kept, train and _kernel_bwd_scratch(B, S, H, Hkv, D, e, bf))
+    return _result(ph, kept, train and _kernel_bwd_scratch(B, S, H, Hkv, D, dtype, bf))
 
 
-def _result(phases: dict, kept: int, scratch: int) -> dict:
+def _result(phases: dict, kept: int, scratch: int, gloo_late: int = 0) -> dict:
     return {"peak": max(phases.values()), "kept": kept, "phases": phases,
-            "scratch": int(scratch)}
+            "scratch": int(scratch), "gloo_late": gloo_late}
 
 
 # ---- the strategies --------------------------------------------------------------------------
