@@ -1,7 +1,7 @@
 """Ring attention on CPU ranks: efficiency against the same per-rank work without communication,
 layout balance for causal masks, and per-rank peak memory against W.
 
-    python bench/bench_ring.py [--slocal 2048 4096] [--ring-chunk C] [--out FILE]
+    python bench/bench_ring.py [--slocal 2048 4096] [--ring-chunk C] [--dtype bfloat16] [--out FILE]
 
 Ring efficiency: W = 2 spawned ranks (gloo), one thread each, run cpattn.ring_attention forward
 and backward; in the same processes, at the same time, each rank then runs exactly its share of
@@ -30,9 +30,10 @@ def rank_inputs(rank: int, cfg: dict) -> tuple[torch.Tensor, ...]:
     """This rank's random q, dout (batch, slocal, heads, head_dim) and k, v (kv_heads)."""
     torch.manual_seed(rank)
     b, h, hkv, d, sl = cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["slocal"]
-    q = torch.randn(b, sl, h, d)
-    k, v = torch.randn(b, sl, hkv, d), torch.randn(b, sl, hkv, d)
-    return q, k, v, torch.randn(b, sl, h, d)
+    dtype = getattr(torch, cfg.get("dtype", "float32"))
+    q = torch.randn(b, sl, h, d).to(dtype)
+    k, v = torch.randn(b, sl, hkv, d).to(dtype), torch.randn(b, sl, hkv, d).to(dtype)
+    return q, k, v, torch.randn(b, sl, h, d).to(dtype)
 
 
 def _worker(rank: int, world: int, cfg: dict) -> dict:
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--memory-seqlen", type=int, default=16384)
     parser.add_argument("--ring-chunk", type=int, help="KV heads per pass of the ring "
                         "(ring_chunk; default all, one pass)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
     args = parser.parse_args()
 
@@ -90,11 +92,11 @@ def main() -> None:
 
     base = {"batch": 1, "heads": args.heads, "kv_heads": args.kv_heads,
             "head_dim": args.head_dim, "iters": args.iters, "threads": 1,
-            "ring_chunk": args.ring_chunk}
+            "ring_chunk": args.ring_chunk, "dtype": args.dtype}
     passes = "" if args.ring_chunk is None else f", ring_chunk {args.ring_chunk}"
     emit("## Ring efficiency: W = 2 ranks x 1 thread, causal, zigzag "
-         f"(heads {args.heads}, head_dim {args.head_dim}{passes}); time = max over ranks of the "
-         "median")
+         f"(heads {args.heads}, head_dim {args.head_dim}, {args.dtype}{passes}); time = max over "
+         "ranks of the median")
     emit("| S_local | ring fwd (s) | local fwd (s) | fwd ratio | ring bwd (s) | local bwd (s) "
          "| bwd ratio | fwd+bwd ratio |")
     emit("|---|---|---|---|---|---|---|---|")
