@@ -479,7 +479,7 @@ struct KeyGradSums {
         factor(factor_),
         accumulate(accumulate_) {
     const int64_t rows = sh.batch * sh.seqlen_k * sh.kv_heads;
-    storage = dim != padded                     ? Storage::kOwn
+    storage = dim != padded                  ? Storage::kOwn
               : out.type == DType::kFloat32  ? Storage::kOutput
               : out.type == DType::kBFloat16 ? Storage::kSplit
                                              : Storage::kOwn;

@@ -290,8 +290,8 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
   const int64_t key_pairs = (sh.seqlen_k + 1) / 2;
   const BshdStrides &ks = p.k16_strides, &vs = p.v16_strides;
-  const uint16_t* k =
-      block_rows(p.k16 + b * ks.batch + c0 * ks.seq + hk * ks.head, ks.seq, cols, dp, s.k_rows.get());
+  const uint16_t* k = block_rows(p.k16 + b * ks.batch + c0 * ks.seq + hk * ks.head, ks.seq, cols,
+                                 dp, s.k_rows.get());
   const uint16_t* v = block_rows(p.v16 + b * vs.batch + c0 * vs.seq + hk * vs.head, vs.seq, cols,
                                  dvp, s.v_rows.get());
   const uint16_t* k_pairs = p.k16_pairs + ((b * sh.kv_heads + hk) * key_pairs + c0 / 2) * dp * 2;
@@ -317,8 +317,8 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
         uint16_t* ds16 = s.ds16.get();
 
         // P^T = exp2(scale K Q^T - lse), kept in fp32 for dS and in bf16 for dV
-        gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.at(slot), 2 * kBlockQ, st,
-                  kBlockQ, false);
+        gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.at(slot), 2 * kBlockQ, st, kBlockQ,
+                  false);
         if (modified)
           modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, base2, st, softcap_grad);
         if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
@@ -334,8 +334,8 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
                   s.dv.get(), dvp, true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta), in bf16 both as is (for dK) and as key pairs
         // (for dQ)
-        gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.at(slot), 2 * kBlockQ, dpt,
-                  kBlockQ, false);
+        gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.at(slot), 2 * kBlockQ, dpt, kBlockQ,
+                  false);
         if (softcap_grad) {  // the chain rule through the softcap, folded into P for dS only
           for (int64_t e = 0; e < seen * kBlockQ; e += kLanes)
             store(st + e, load(st + e) * load(softcap_grad + e));

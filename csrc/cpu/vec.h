@@ -66,8 +66,10 @@ inline vbits16 bf16_bits(vfloat x) {  // the same, 16 lanes at a time
 // dK / dV sums, KeyGradSums; the ring's dQ), in half the bytes of an fp32 copy, the same bits.
 inline vfloat join_halves(const uint16_t* high, const uint16_t* low) {  // 16 values
 #ifdef __AVX512BW__  // one widening load each (the generic form splits into halves)
-  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)));
-  const __m512i l = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low)));
+  const __m512i h =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)));
+  const __m512i l =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(low)));
   return (vfloat)_mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(h, 16), l));
 #else
   vbits16 h, l;
@@ -82,7 +84,8 @@ inline vfloat join_halves(const uint16_t* high, const uint16_t* low) {  // 16 va
 inline void split_halves(vfloat x, uint16_t* high, uint16_t* low) {
 #ifdef __AVX512BW__  // narrowing stores (vpmovdw truncates: the low halves as they are)
   const __m512i u = _mm512_castps_si512((__m512)x);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(high), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(high),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(low), _mm512_cvtepi32_epi16(u));
 #else
   vuint u;

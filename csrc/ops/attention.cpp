@@ -174,7 +174,8 @@ void attention_bwd_add_scored(const at::Tensor& dq, const at::Tensor& dk, const 
        {std::tuple(dq, q, dq_type), std::tuple(dk, k, at::kFloat), std::tuple(dv, v, at::kFloat)}) {
     TORCH_CHECK(target.scalar_type() == want && target.sizes() == like.sizes() &&
                     target.device() == like.device() && target.stride(3) == 1,
-                "cpattn: the backward adds into ", want, " gradients of the inputs' shapes and "
+                "cpattn: the backward adds into ", want,
+                " gradients of the inputs' shapes and "
                 "device, contiguous in head_dim; got ",
                 target.scalar_type(), " ", target.sizes(), " on ", target.device(), " for ",
                 like.sizes(), " on ", like.device());

@@ -182,10 +182,11 @@ int64_t backward_bytes_per_kv_head(const AttnShape& s, bool bf16, bool operands_
 // The backward into dq, dk, dv (B, S, H, D by strides): written, or with `accumulate` (fp32, or
 // for dq split sums with dq_low: BwdParams) added to what they hold.
 void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tensor& dk,
-                  const at::Tensor& dv, bool accumulate, const at::Tensor& dout, const at::Tensor& q,
-                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                  const at::Tensor& lse, const std::optional<at::Tensor>& dlse, const AttnShape& s,
-                  double softmax_scale, const Mask& mask, const ScoreArgs& score) {
+                  const at::Tensor& dv, bool accumulate, const at::Tensor& dout,
+                  const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& out, const at::Tensor& lse,
+                  const std::optional<at::Tensor>& dlse, const AttnShape& s, double softmax_scale,
+                  const Mask& mask, const ScoreArgs& score) {
   const int64_t dp = s.head_dim_padded, dvp = s.head_dim_v_padded;
   // delta = rowsum(dout * out) per query row, over the global output.
   at::Tensor delta = row_delta(dout, out, s);
@@ -193,10 +194,10 @@ void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tens
   const at::ScalarType grad = dk.scalar_type();  // dk and dv: fp32 where dq is split sums
   const bool bf16 = q.scalar_type() == at::kBFloat16 && dout.scalar_type() == at::kBFloat16 &&
                     cpu::has_bf16_dot();
-  const bool in_place = bf16 ? read_in_place(k, dp, at::kBFloat16) &&
-                                   read_in_place(v, dvp, at::kBFloat16)
-                             : read_in_place(q, dp) && read_in_place(k, dp) &&
-                                   read_in_place(v, dvp) && read_in_place(dout, dvp);
+  const bool in_place =
+      bf16 ? read_in_place(k, dp, at::kBFloat16) && read_in_place(v, dvp, at::kBFloat16)
+           : read_in_place(q, dp) && read_in_place(k, dp) && read_in_place(v, dvp) &&
+                 read_in_place(dout, dvp);
   const int64_t per_head = backward_bytes_per_kv_head(s, bf16, in_place, grad);
   const int64_t kv_per_call =
       per_head == 0 ? s.kv_heads
@@ -380,9 +381,9 @@ at::Tensor row_dot_cpu(const at::Tensor& a, const at::Tensor& b) {
 }
 
 [[maybe_unused]] const bool registered = register_backend(
-    c10::DeviceType::CPU, {&check_options_cpu, &attention_fwd_cpu, &attention_bwd_cpu,
-                           &attention_bwd_add_cpu, &round_split_cpu, &merge_into_cpu,
-                           &apply_sinks_cpu, &sink_bwd_cpu, &row_dot_cpu});
+    c10::DeviceType::CPU,
+    {&check_options_cpu, &attention_fwd_cpu, &attention_bwd_cpu, &attention_bwd_add_cpu,
+     &round_split_cpu, &merge_into_cpu, &apply_sinks_cpu, &sink_bwd_cpu, &row_dot_cpu});
 
 }  // namespace
 }  // namespace cpattn::ops

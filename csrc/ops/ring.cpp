@@ -183,8 +183,8 @@ void backward_step(const at::Tensor& dout, const at::Tensor& q, const KvPair& kv
     const auto add_into = [&](const at::Tensor& dk_target, const at::Tensor& dv_target) {
       attention_bwd_add_scored(
           rows(dq.sums, sp.q), dk_target, dv_target, rows(dout, sp.q), rows(q, sp.q),
-          rows(kv.k, sp.k), rows(kv.v, sp.k), rows(out, sp.q), lse_rows(lse, sp.q),
-          o.softmax_scale, sp.mask, sub_problem_score(o, sp),
+          rows(kv.k, sp.k), rows(kv.v, sp.k), rows(out, sp.q), lse_rows(lse, sp.q), o.softmax_scale,
+          sp.mask, sub_problem_score(o, sp),
           dlse ? std::optional<at::Tensor>(lse_rows(*dlse, sp.q)) : std::nullopt,
           dq.low_rows(sp.q));
     };

@@ -126,8 +126,8 @@ void attention_bwd_add(const at::Tensor& dq, const std::optional<at::Tensor>& dq
                        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& out, const at::Tensor& lse, double softmax_scale,
                        bool causal) {
-  const Mask m = bottom_right_mask(causal, normalized_window(-1), normalized_window(-1),
-                                   q.size(1), k.size(1));
+  const Mask m =
+      bottom_right_mask(causal, normalized_window(-1), normalized_window(-1), q.size(1), k.size(1));
   attention_bwd_add_scored(dq, dk, dv, dout, q, k, v, out, lse, softmax_scale, m, ScoreArgs{},
                            std::nullopt, dq_low);
 }
