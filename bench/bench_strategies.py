@@ -33,7 +33,7 @@ def _bytes_sent(strategy: str, cfg: dict, world: int) -> float:
     u = cfg.get("ulysses", world)
     layout = "contiguous" if strategy == "ulysses" else "zigzag"
     cand = P.Candidate(strategy, layout, u, world // u if strategy == "hybrid" else 1,
-                       chunk=max(1, cfg["kv_heads"] // 4))
+                       chunk=P.allgather_chunk(cfg["kv_heads"], world))
     p = P.Problem(cfg["slocal"] * world, cfg["heads"], cfg["kv_heads"], cfg["head_dim"],
                   batch=cfg["batch"], dtype="float32", causal=True)
     return P.predict(p, P.PRESETS["cpu-gloo"], world, [cand])[0].bytes_sent

@@ -1,6 +1,7 @@
 """Ulysses' backward keeps the output by sequence only: it sends rowsum(dout * out) by heads
-(cpattn::row_dot, attention_bwd(row_dot=...)) instead of holding out by heads. Checked here: the
-op path gives the same bits as attention_bwd with out, bad combinations raise, and Ulysses'
+(cpattn::row_dot, attention_bwd(row_dot=...)) instead of holding out by heads, and writes dq over
+its own dout by heads (attention_bwd_in_dout). Checked here: the op paths give the same bits as
+attention_bwd with out, bad combinations raise, and Ulysses'
 gradients through out and the LSE together, with every score option, GQA replication and padding
 rows, match the float64 reference on real gloo ranks."""
 
@@ -62,6 +63,60 @@ def test_bad_row_dot_raises(gen) -> None:
                           row_dot=ops.row_dot(dout, out))
     with pytest.raises(RuntimeError, match="row_dot needs a and b of one shape"):
         ops.row_dot(dout, dout[:, :4])
+
+
+IN_DOUT_CASES = [  # (batch, Sq, Sk, heads, kv heads, D, causal)
+    (1, 1100, 1100, 4, 2, 64, True),  # several query chunks, GQA
+    (2, 90, 130, 2, 1, 128, False),  # batch 2, more keys than queries
+    (1, 70, 20, 3, 3, 40, True),  # rows that see no key; D not a multiple of 16 (fp32: dO copied)
+]
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one_call", "per_kv_head"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", IN_DOUT_CASES, ids=["chunks", "batch2", "empty_rows_d40"])
+def test_dq_written_over_dout_is_attention_bwd(case, dtype, grouped, gen, request) -> None:
+    """attention_bwd_in_dout: dout afterwards holds attention_bwd's dq and dk, dv are its own,
+    bitwise, with every score option and dlse, from out or from row_dot. dout starts as the
+    random gradient, so a row left unwritten (or read after being overwritten) differs."""
+    if grouped:
+        request.getfixturevalue("one_kv_head_per_backward_call")
+    b, sq, sk, h, hkv, d, causal = case
+    q, k, v = make_qkv(gen, b, sq, sk, h, hkv, d, dtype)
+    slopes = torch.rand(h, generator=gen) * 0.3
+    args = (d**-0.5, causal, 300, -1, None, None)
+    score = (2.5, slopes, 5)
+    out, lse = ops.attention_fwd(q, k, v, *args, None, *score[:2], None, score[2])
+    dout, dlse = randn(out.shape, gen, dtype), randn(lse.shape, gen)
+    want = ops.attention_bwd(dout, q, k, v, out, lse, *args, None, dlse, *score)
+    assert want[0].abs().sum() > 0
+    for given in ("out", "row_dot"):
+        mine = dout.clone()
+        extra = dict(row_dot=ops.row_dot(dout, out)) if given == "row_dot" else {}
+        dk, dv = ops.attention_bwd_in_dout(mine, q, k, v, out if given == "out" else None, lse,
+                                           *args, dlse, *score, **extra)
+        for name, x, y in zip("qkv", (mine, dk, dv), want):
+            assert torch.equal(x, y), f"d{name} from {given}"
+
+
+def test_dq_over_dout_bad_arguments_raise(gen) -> None:
+    q, k, v = make_qkv(gen, 1, 8, 8, 2, 2, 16)
+    out, lse = ops.attention_fwd(q, k, v, 0.25, True, -1, -1)
+    dout = randn(out.shape, gen)
+    args = (0.25, True, -1, -1)
+    with pytest.raises(RuntimeError, match="dout must have q's shape .* and dtype"):
+        ops.attention_bwd_in_dout(dout.to(torch.bfloat16), q, k, v, out, lse, *args)
+    v_wide = randn((1, 8, 2, 32), gen)
+    out_w, lse_w = ops.attention_fwd(q, k, v_wide, 0.25, True, -1, -1)
+    with pytest.raises(RuntimeError, match="dout must have q's shape"):  # Dv != D
+        ops.attention_bwd_in_dout(randn(out_w.shape, gen), q, k, v_wide, out_w, lse_w, *args)
+    with pytest.raises(RuntimeError, match="dout must not overlap q"):  # dq over q would corrupt the backward
+        ops.attention_bwd_in_dout(q, q, k, v, out, lse, *args)
+    with pytest.raises(RuntimeError, match="attention_bwd_in_dout needs exactly one of out"):
+        ops.attention_bwd_in_dout(dout, q, k, v, None, lse, *args)
+    meta = [t.to("meta") for t in (dout, q, k, v, out, lse)]
+    dk, dv = ops.attention_bwd_in_dout(*meta, *args)
+    assert dk.shape == k.shape and dv.shape == v.shape and dk.device.type == "meta"
 
 
 def _through_out_and_lse(rank: int, world: int, dtype: torch.dtype) -> None:

@@ -18,6 +18,15 @@ TORCH_LIBRARY(cpattn, m) {
       "int? q_offset=None, int? k_offset=None, ScalarType? grad_dtype=None, Tensor? dlse=None, "
       "float softcap=0., Tensor? alibi_slopes=None, int prefix_len=0, Tensor? row_dot=None) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
+  // attention_bwd (grad_dtype: q's) with dq written over dout, for a caller that owns dout and
+  // needs it no more (Ulysses' dout by heads): one (B, S, H, D) buffer less. dout must have q's
+  // shape and dtype and must not overlap q, k or v; dq is dout afterwards.
+  m.def(
+      "attention_bwd_in_dout(Tensor(a!) dout, Tensor q, Tensor k, Tensor v, Tensor? out, "
+      "Tensor lse, float softmax_scale, bool causal, int window_left, int window_right, "
+      "int? q_offset=None, int? k_offset=None, Tensor? dlse=None, float softcap=0., "
+      "Tensor? alibi_slopes=None, int prefix_len=0, Tensor? row_dot=None) "
+      "-> (Tensor dk, Tensor dv)");
   // Attention sinks (softmax_state.h add_sink): added once to merged results, and their gradient.
   m.def("apply_sinks_(Tensor(a!) out, Tensor(b!) lse, Tensor sinks) -> ()");
   m.def("sink_bwd(Tensor dout, Tensor out, Tensor lse, Tensor sinks, Tensor? dlse=None) -> Tensor");

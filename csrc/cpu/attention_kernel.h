@@ -642,7 +642,9 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
 // dV into their sums; (3) the splits' dQ are summed in split order and written. Then dK and dV
 // are written. Every key block of a chunk is one task's and the chunks run in order, so every
 // sum has a fixed order: the same bits with any number of threads. Memory beyond the outputs:
-// the chunk's packed blocks, splits x the chunk's dQ, and the sums when not in place.
+// the chunk's packed blocks, splits x the chunk's dQ, and the sums when not in place. dQ may be
+// dO itself (same strides): a chunk's dO rows are read when packed, before its dQ rows are
+// written, and never again (attention_bwd_in_dout).
 template <typename T, typename Scratch, typename Pack, typename KeyBlock>
 inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
   const AttnShape& sh = p.shape;

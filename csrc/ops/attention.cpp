@@ -1,6 +1,7 @@
 // The device-generic attention ops: arguments checked once (checks.h), then the kernels of the
 // tensors' device (backend.h). Backend registry included.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -8,6 +9,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "cpattn/mask.h"
 #include "cpattn/params.h"
@@ -80,22 +82,22 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(
                               public_score(softcap, alibi_slopes, sinks, m), out_dtype);
 }
 
-// row_dot: rowsum(dout * out) (B, H, Sq) fp32 given in place of out (None), for a caller that
-// holds out in another layout (Ulysses: by sequence). The backward's delta is row_dot - dlse,
-// so the backends get it as an undefined out (no rowsum term) and dlse - row_dot.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& out, const at::Tensor& lse, double softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
-    std::optional<int64_t> k_offset, std::optional<at::ScalarType> grad_dtype,
-    const std::optional<at::Tensor>& dlse, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len,
-    const std::optional<at::Tensor>& row_dot) {
+// The options of a public backward call (attention_bwd, attention_bwd_in_dout) on global
+// positions, then run(out, dlse, mask, score). row_dot: rowsum(dout * out) (B, H, Sq) fp32
+// given in place of out (None), for a caller that holds out in another layout (Ulysses: by
+// sequence). The backward's delta is row_dot - dlse, so the backends get it as an undefined out
+// (no rowsum term) and dlse - row_dot.
+template <typename Run>
+auto public_bwd(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                const std::optional<at::Tensor>& out, const at::Tensor& lse, bool causal,
+                int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
+                std::optional<int64_t> k_offset, const std::optional<at::Tensor>& dlse,
+                double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len,
+                const std::optional<at::Tensor>& row_dot, Run run) {
   const Mask m =
       public_mask(q, k, v, causal, window_left, window_right, q_offset, k_offset, prefix_len);
   const bool has_out = out && out->defined(), has_dot = row_dot && row_dot->defined();
-  TORCH_CHECK(has_out != has_dot,
-              "cpattn: attention_bwd needs exactly one of out and row_dot, got ",
+  TORCH_CHECK(has_out != has_dot, "cpattn: ", fn, " needs exactly one of out and row_dot, got ",
               has_out ? "both" : "neither");
   std::optional<at::Tensor> shifted = dlse;  // dlse - row_dot
   if (has_dot) {
@@ -109,9 +111,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
                 lse.sizes(), ", got ", has_dlse ? dlse->sizes() : lse.sizes());
     shifted = has_dlse ? dlse->to(at::kFloat) - *row_dot : -*row_dot;
   }
-  return attention_bwd_scored(dout, q, k, v, has_out ? *out : at::Tensor(), lse, softmax_scale, m,
-                              public_score(softcap, alibi_slopes, std::nullopt, m), grad_dtype,
-                              shifted);
+  return run(has_out ? *out : at::Tensor(), shifted, m,
+             public_score(softcap, alibi_slopes, std::nullopt, m));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& out, const at::Tensor& lse, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
+    std::optional<int64_t> k_offset, std::optional<at::ScalarType> grad_dtype,
+    const std::optional<at::Tensor>& dlse, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len,
+    const std::optional<at::Tensor>& row_dot) {
+  return public_bwd("attention_bwd", q, k, v, out, lse, causal, window_left, window_right,
+                    q_offset, k_offset, dlse, softcap, alibi_slopes, prefix_len, row_dot,
+                    [&](const at::Tensor& o, const std::optional<at::Tensor>& d, const Mask& m,
+                        const ScoreArgs& score) {
+                      return attention_bwd_scored(dout, q, k, v, o, lse, softmax_scale, m, score,
+                                                  grad_dtype, d);
+                    });
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& out, const at::Tensor& lse, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
+    std::optional<int64_t> k_offset, const std::optional<at::Tensor>& dlse, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len,
+    const std::optional<at::Tensor>& row_dot) {
+  return public_bwd("attention_bwd_in_dout", q, k, v, out, lse, causal, window_left, window_right,
+                    q_offset, k_offset, dlse, softcap, alibi_slopes, prefix_len, row_dot,
+                    [&](const at::Tensor& o, const std::optional<at::Tensor>& d, const Mask& m,
+                        const ScoreArgs& score) {
+                      return attention_bwd_in_dout_scored(dout, q, k, v, o, lse, softmax_scale, m,
+                                                          score, d);
+                    });
 }
 
 void merge_state_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
@@ -158,6 +192,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
   check_bwd_args(dout, q, out, lse, dlse, grad_dtype, s);
   return backend_for(q.device())
       .bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, grad_dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout_scored(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Mask& mask,
+    const ScoreArgs& score, const std::optional<at::Tensor>& dlse) {
+  const AttnShape s = check_attention_args(q, k, v, softmax_scale, mask, score);
+  check_bwd_args(dout, q, out, lse, dlse, std::nullopt, s);
+  TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type(),
+              "cpattn: attention_bwd_in_dout writes dq over dout, so dout must have q's shape ",
+              q.sizes(), " and dtype ", q.scalar_type(), ", got ", dout.sizes(), " ",
+              dout.scalar_type());
+  for (const auto& [name, input] : {std::pair("q", &q), std::pair("k", &k), std::pair("v", &v)})
+    TORCH_CHECK(at::get_overlap_status(dout, *input) == at::MemOverlapStatus::No,
+                "cpattn: attention_bwd_in_dout writes dq over dout, so dout must not overlap ",
+                name, " (the backward still reads it)");
+  const Backend& backend = backend_for(q.device());
+  if (backend.bwd_in_dout)
+    return backend.bwd_in_dout(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score);
+  auto [dq, dk, dv] =
+      backend.bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, std::nullopt);
+  dout.copy_(dq);
+  return {dk, dv};
 }
 
 void attention_bwd_add_scored(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
@@ -267,6 +324,7 @@ at::Tensor row_dot(const at::Tensor& a, const at::Tensor& b) {
 void impl_attention_ops(torch::Library& m) {
   m.impl("attention_fwd", &attention_fwd);
   m.impl("attention_bwd", &attention_bwd);
+  m.impl("attention_bwd_in_dout", &attention_bwd_in_dout);
   m.impl("merge_state_", &merge_state_);
   m.impl("apply_sinks_", &apply_sinks_);
   m.impl("sink_bwd", &sink_bwd);

@@ -264,18 +264,37 @@ void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tens
   }
 }
 
+// New dk, dv (B, Sk, Hkv, D / Dv) of q's options in dtype `grad`.
+std::tuple<at::Tensor, at::Tensor> new_key_grads(const at::Tensor& q, const AttnShape& s,
+                                                 at::ScalarType grad) {
+  const auto options = q.options().dtype(grad);
+  return {new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, options),
+          new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim_v}, options)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
     std::optional<at::ScalarType> grad_dtype) {
-  const auto grad_options = q.options().dtype(grad_dtype.value_or(q.scalar_type()));
-  at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, grad_options);
-  at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim}, grad_options);
-  at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, s.head_dim_v}, grad_options);
+  const at::ScalarType grad = grad_dtype.value_or(q.scalar_type());
+  at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, q.options().dtype(grad));
+  auto [dk, dv] = new_key_grads(q, s, grad);
   backward_cpu(dq, at::Tensor(), dk, dv, false, dout, q, k, v, out, lse, dlse, s, softmax_scale,
                mask, score);
   return {dq, dk, dv};
+}
+
+// dQ over dout: backward_chunks reads a chunk's dO rows (packing them) before it writes the
+// chunk's dQ rows, and never again; the fp32 path's copy of dO, where it makes one, is read only.
+std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score) {
+  auto [dk, dv] = new_key_grads(q, s, q.scalar_type());
+  backward_cpu(dout, at::Tensor(), dk, dv, false, dout, q, k, v, out, lse, dlse, s, softmax_scale,
+               mask, score);
+  return {dk, dv};
 }
 
 void attention_bwd_add_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tensor& dk,
@@ -383,7 +402,8 @@ at::Tensor row_dot_cpu(const at::Tensor& a, const at::Tensor& b) {
 [[maybe_unused]] const bool registered = register_backend(
     c10::DeviceType::CPU,
     {&check_options_cpu, &attention_fwd_cpu, &attention_bwd_cpu, &attention_bwd_add_cpu,
-     &round_split_cpu, &merge_into_cpu, &apply_sinks_cpu, &sink_bwd_cpu, &row_dot_cpu});
+     &round_split_cpu, &attention_bwd_in_dout_cpu, &merge_into_cpu, &apply_sinks_cpu,
+     &sink_bwd_cpu, &row_dot_cpu});
 
 }  // namespace
 }  // namespace cpattn::ops

@@ -44,6 +44,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
     const ScoreArgs& score, std::optional<at::ScalarType> grad_dtype,
     const std::optional<at::Tensor>& dlse);
 
+// attention_bwd_scored with dq (of q's dtype) written over dout, which must have q's shape and
+// dtype and must not overlap q, k or v: returns dk, dv; dq is dout afterwards. For a caller that
+// owns dout and needs it no more (Ulysses: dout by heads, received from the all-to-all).
+std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout_scored(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Mask& mask,
+    const ScoreArgs& score, const std::optional<at::Tensor>& dlse);
+
 // attention_bwd_scored adding the gradients (fp32) into dq, dk, dv, fp32 tensors of q's, k's and
 // v's shapes with head_dim contiguous, instead of returning new ones: the ring's accumulators
 // take a sub-problem's gradients without a temporary. With dq_low, dq holds split fp32 sums: dq

@@ -55,6 +55,16 @@ def _attention_bwd_fake(
     return like(q), like(k), like(v)
 
 
+@torch.library.register_fake("cpattn::attention_bwd_in_dout")
+def _attention_bwd_in_dout_fake(
+    dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, q_offset=None,
+    k_offset=None, dlse=None, softcap=0.0, alibi_slopes=None, prefix_len=0, row_dot=None,
+):
+    _, dk, dv = _attention_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
+                                    window_right, row_dot=row_dot)
+    return dk, dv
+
+
 @torch.library.register_fake("cpattn::merge_state_")
 def _merge_state_fake(out, lse, part_out, part_lse):
     _check_same_device("merge out, lse, part_out and part_lse", out, lse, part_out, part_lse)

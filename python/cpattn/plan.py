@@ -378,6 +378,13 @@ def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, grad: str, bf1
     return packed + dq + sums
 
 
+def allgather_chunk(kv_heads: int, world: int) -> int:
+    """ring_attention(strategy="allgather")'s default KV heads per gather: kv_heads / (2 W), at
+    least one, so a gathered chunk (its K and V over the whole sequence) is at most half this
+    rank's own K and V shards and the memory per rank falls as 1/W."""
+    return max(1, kv_heads // (2 * world))
+
+
 @functools.lru_cache(maxsize=1)
 def _bf16_dot() -> bool:
     """Whether this CPU's kernel takes bf16 through bf16 dot products (its packing differs)."""
@@ -398,7 +405,7 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
     the largest of gloo's copies, which may outlive its phase (below)}. The ring's receive
     buffers and fp32 dK/dV accumulators are counted (cached between calls:
     cpattn.release_buffers() frees them).
-    chunk: all-gather KV heads per gather (default ring_attention's: max(1, Hkv // 4)); ring: KV
+    chunk: all-gather KV heads per gather (default ring_attention's: allgather_chunk); ring: KV
         heads per pass (ring_chunk; default all of them, one pass).
     gloo: the process group is gloo's (CPU tensors), whose all-gather and reduce-scatter copy the
     whole gathered / reduced buffer (NCCL's do not). Gloo frees that copy on its own thread,
@@ -440,7 +447,7 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             kept = recv + acc + (Q + 2 * K) * e  # the graph freed: gradients and cached buffers
         return _result(ph, kept, train and _kernel_bwd_scratch(B, n, H, Hkv, D, "float32", bf, e))
     if strategy == "allgather":
-        c = chunk or max(1, Hkv // 4)
+        c = chunk or allgather_chunk(Hkv, W)
         one = c >= Hkv
         c = min(c, Hkv)
         hq = c * (H // Hkv)
@@ -492,15 +499,18 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             # backward sends rowsum(dout * out) by heads: ulysses._LocalAcrossHeads)
             saved = held + 2 * lse_h + Q * e
             ph["bwd: all-to-all dout"] = saved + 2 * Q * e
-            # + the row dots by heads and their negation (the op's dlse - row_dot)
+            # + the row dots by heads and their negation (the op's dlse - row_dot); dq is written
+            # over dout by heads (attention_bwd_in_dout)
             ph["bwd: kernel"] = (saved + Q * e + 2 * lse_h
-                                 + _kernel_bwd(B, S, h, hk, D, e, p.dtype, bf))
+                                 + _kernel_bwd(B, S, h, hk, D, e, p.dtype, bf, "kv"))
             grads_h = (Q + 2 * Ks) * e
-            # dout by heads is freed once the kernel's autograd node has run
-            ph["bwd: all-to-all dq"] = saved + grads_h + back
-            ph["bwd: all-to-all dk, dv"] = saved + 2 * Ks * e + back * Ks // Q + Ks * e
+            # Once the kernel's autograd node has run, its saved tensors are freed: out (the
+            # caller's) and the gradients by heads remain. The engine sends dv, dk, then dq (the
+            # forward's order reversed), each by heads freed once sent.
+            ph["bwd: all-to-all dk, dv"] = Q * e + grads_h + back * Ks // Q
+            ph["bwd: all-to-all dq"] = 2 * Q * e + 2 * Ks * e + back
             if hs != Hkv:  # summed back over the replicas (index_select's backward)
-                ph["bwd: unreplicate"] = saved + Q * e + 2 * Ks * e + 2 * K * e
+                ph["bwd: unreplicate"] = 2 * Q * e + 2 * Ks * e + 2 * K * e
             kept = (Q + 2 * K) * e
         return _result(ph, kept, train and _kernel_bwd_scratch(B, S, h, hk, D, p.dtype, bf))
     raise ValueError(f"cpattn.plan.memory: unknown strategy {strategy!r}")
@@ -744,7 +754,7 @@ def candidates(p: Problem, world: int, layouts: Sequence[str] = ("zigzag", "cont
     for layout in layouts:
         if _divisible(p, world, layout):
             out.append(Candidate("ring", layout))
-            out.append(Candidate("allgather", layout, chunk=max(1, p.kv_heads // 4)))
+            out.append(Candidate("allgather", layout, chunk=allgather_chunk(p.kv_heads, world)))
     if p.documents is None:  # Ulysses and hybrid take one sequence
         for u in range(2, world + 1):
             r = world // u

@@ -226,7 +226,7 @@ def auto_strategy(q, k, world: int, group, causal: bool, layout: str, window, do
         batch=q.shape[0], dtype=DTYPE_NAMES[q.dtype], causal=bool(causal), window=tuple(window),
         documents=None if docs is None else tuple(docs.tolist()),
         mode="train" if needs_grad(q, k) else "forward")
-    chunk = allgather_chunk or max(1, k.shape[2] // 4)
+    chunk = allgather_chunk or plan.allgather_chunk(k.shape[2], world)
     cands = [plan.Candidate("ring", layout, chunk=ring_chunk or 0),
              plan.Candidate("allgather", layout, chunk=chunk)]
     return plan.choose(p, world, cands, group, what).candidate
@@ -459,7 +459,7 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
                                         layout_code, timeout, docs, softcap, alibi_slopes,
                                         prefix_len, ring_chunk or k.shape[2], sinks)
     else:
-        chunk = chunk or max(1, k.shape[2] // 4)
+        chunk = chunk or plan.allgather_chunk(k.shape[2], world)
         out, lse = _GatheredAttention.apply(q, k, v, group, rank, world, scale, causal, window,
                                             layout_code, docs, chunk, softcap, alibi_slopes,
                                             prefix_len, sinks)
@@ -491,7 +491,9 @@ def ring_attention(
         return_lse: also return the LSE (batch, heads, seqlen / W), float32.
         strategy: "ring" (K/V shards travel while each step computes: overlaps communication,
             memory per rank 1/W) or "allgather" (all-gather K/V, `allgather_chunk` KV heads at a
-            time, default a quarter of them; simplest, good for short sequences or few KV heads).
+            time, default Hkv / (2 W), at least 1 (cpattn.plan.allgather_chunk: a gathered chunk
+            is at most half the rank's own K/V); simplest, good for short sequences or few KV
+            heads).
             "auto": the cost model (cpattn.plan) picks one of the two for this problem and
             machine, once per distinct problem, the same on every rank (logged at debug level).
         ring_chunk: KV heads per pass of the ring (default: all of them, one pass). Each pass

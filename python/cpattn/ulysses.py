@@ -95,11 +95,16 @@ class _LocalAcrossHeads(torch.autograd.Function):
         dlse_h = None if dlse is None else comm._all_to_all(dlse.contiguous(), 1, 2, group)
         dout_h = comm._all_to_all(dout, 2, 1, group)
         scale = check_scale("cpattn.ulysses_attention", o["softmax_scale"], qh.shape[-1])
-        grads = torch.ops.cpattn.attention_bwd(
-            dout_h[:, :real], qh[:, :real], kh[:, :real], vh[:, :real], None, lse_h[:, :, :real],
-            scale, o["causal"], o["window"][0], o["window"][1], None, None, None,
-            None if dlse_h is None else dlse_h[:, :, :real], o["softcap"], o["alibi_slopes"],
-            o["prefix_len"], dot_h[:, :, :real])
+        args = (qh[:, :real], kh[:, :real], vh[:, :real], None, lse_h[:, :, :real], scale,
+                o["causal"], o["window"][0], o["window"][1], None, None)
+        score = (None if dlse_h is None else dlse_h[:, :, :real], o["softcap"],
+                 o["alibi_slopes"], o["prefix_len"], dot_h[:, :, :real])
+        if dout_h.shape == qh.shape and dout_h.dtype == qh.dtype:
+            # dout by heads is ours (received) and needed no more: dq is written over it
+            dq = dout_h[:, :real]
+            grads = (dq, *torch.ops.cpattn.attention_bwd_in_dout(dq, *args, *score))
+        else:  # Dv != D or another out dtype
+            grads = torch.ops.cpattn.attention_bwd(dout_h[:, :real], *args, None, *score)
         del dout_h
         pad = qh.shape[1] - real  # padding rows: no gradient
         dq, dk, dv = (torch.nn.functional.pad(g, (0, 0, 0, 0, 0, pad)) if pad else g
