@@ -123,8 +123,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const std::optional<at::Tensor>& dlse, double softcap,
     const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len,
     const std::optional<at::Tensor>& row_dot) {
-  return public_bwd("attention_bwd", q, k, v, out, lse, causal, window_left, window_right,
-                    q_offset, k_offset, dlse, softcap, alibi_slopes, prefix_len, row_dot,
+  return public_bwd("attention_bwd", q, k, v, out, lse, causal, window_left, window_right, q_offset,
+                    k_offset, dlse, softcap, alibi_slopes, prefix_len, row_dot,
                     [&](const at::Tensor& o, const std::optional<at::Tensor>& d, const Mask& m,
                         const ScoreArgs& score) {
                       return attention_bwd_scored(dout, q, k, v, o, lse, softmax_scale, m, score,

@@ -303,8 +303,8 @@ at::Tensor row_dot_cuda(const at::Tensor& a, const at::Tensor& b) {
 
 [[maybe_unused]] const bool registered = register_backend(
     c10::DeviceType::CUDA, {&check_options_cuda, &attention_fwd_cuda, &attention_bwd_cuda,
-                            /*bwd_add=*/nullptr, /*round_split=*/nullptr, /*bwd_in_dout=*/nullptr, &merge_into_cuda,
-                            &apply_sinks_cuda, &sink_bwd_cuda, &row_dot_cuda});
+                            /*bwd_add=*/nullptr, /*round_split=*/nullptr, /*bwd_in_dout=*/nullptr,
+                            &merge_into_cuda, &apply_sinks_cuda, &sink_bwd_cuda, &row_dot_cuda});
 
 }  // namespace
 }  // namespace cpattn::ops

@@ -45,10 +45,12 @@ struct Backend {
   void (*round_split)(const at::Tensor& high, const at::Tensor& low);
   // attention_bwd_in_dout_scored (ops.h) with its arguments checked; nullptr on a backend whose
   // kernel reads dO after writing dQ: then attention.cpp runs bwd and copies dQ over dout.
-  std::tuple<at::Tensor, at::Tensor> (*bwd_in_dout)(
-      const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-      const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-      const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score);
+  std::tuple<at::Tensor, at::Tensor> (*bwd_in_dout)(const at::Tensor& dout, const at::Tensor& q,
+                                                    const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& out, const at::Tensor& lse,
+                                                    const std::optional<at::Tensor>& dlse,
+                                                    const AttnShape& s, double softmax_scale,
+                                                    const Mask& mask, const ScoreArgs& score);
   // merge_into (ops.h) on this device.
   void (*merge)(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
                 const at::Tensor& part_lse);
