@@ -1,7 +1,8 @@
 """The same attention problem under each context-parallel strategy on CPU ranks (gloo): time of
 forward + backward, bytes sent per rank, peak memory per rank.
 
-    python bench/bench_strategies.py [--seqlen 8192] [--out FILE]
+    python bench/bench_strategies.py [--seqlen 8192] [--world 2 4] [--strategies ...]
+                                     [--allgather-chunk 0 1 2] [--out FILE]
 
 Bytes sent per rank come from the cost model (cpattn.plan, `bytes_sent`), whose figures
 tests/test_plan_distributed.py checks against the bytes gloo really sends, per forward + backward:
@@ -33,7 +34,7 @@ def _bytes_sent(strategy: str, cfg: dict, world: int) -> float:
     u = cfg.get("ulysses", world)
     layout = "contiguous" if strategy == "ulysses" else "zigzag"
     cand = P.Candidate(strategy, layout, u, world // u if strategy == "hybrid" else 1,
-                       chunk=P.allgather_chunk(cfg["kv_heads"], world))
+                       chunk=cfg.get("chunk") or P.allgather_chunk(cfg["kv_heads"], world))
     p = P.Problem(cfg["slocal"] * world, cfg["heads"], cfg["kv_heads"], cfg["head_dim"],
                   batch=cfg["batch"], dtype="float32", causal=True)
     return P.predict(p, P.PRESETS["cpu-gloo"], world, [cand])[0].bytes_sent
@@ -57,7 +58,8 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
             return cpattn.ulysses_attention(qs, ks, vs, causal=True)
     else:
         def call(qs, ks, vs):
-            return cpattn.ring_attention(qs, ks, vs, causal=True, strategy=strategy)
+            return cpattn.ring_attention(qs, ks, vs, causal=True, strategy=strategy,
+                                         allgather_chunk=cfg.get("chunk") or None)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
     for it in range(cfg["iters"] + 1):
@@ -78,6 +80,11 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4], choices=[2, 4])
+    parser.add_argument("--strategies", nargs="+", default=["ring", "allgather", "ulysses",
+                                                            "hybrid"])
+    parser.add_argument("--allgather-chunk", type=int, nargs="+", default=[0],
+                        help="KV heads per gather, one row each (0: the library's default)")
     parser.add_argument("--out")
     parser.add_argument("--plot", help="PNG of the table (default: next to --out)")
     args = parser.parse_args()
@@ -93,17 +100,20 @@ def main() -> None:
     emit("|---|---|---|---|---|---|---|")
     rows = []
     for seqlen in args.seqlen:
-        for world, strategies in ((2, [("ring", 0), ("allgather", 0), ("ulysses", 0)]),
-                                  (4, [("ring", 0), ("allgather", 0), ("ulysses", 0),
-                                       ("hybrid", 2)])):
+        for world in args.world:
+            strategies = [("ring", 0, 0), *(("allgather", 0, c) for c in args.allgather_chunk),
+                          ("ulysses", 0, 0), *([("hybrid", 2, 0)] if world == 4 else [])]
             for hkv in args.kv_heads:
-                for strategy, u in strategies:
+                for strategy, u, chunk in strategies:
+                    if strategy not in args.strategies:
+                        continue
                     cfg = {"batch": 1, "slocal": seqlen // world, "heads": args.heads,
                            "kv_heads": hkv, "head_dim": args.head_dim, "iters": args.iters,
-                           "strategy": strategy}
+                           "strategy": strategy, "chunk": chunk}
                     if u:
                         cfg["ulysses"] = u
-                    name = f"hybrid U={u} x R={world // u}" if u else strategy
+                    name = (f"hybrid U={u} x R={world // u}" if u else
+                            f"{strategy} (chunk {chunk})" if chunk else strategy)
                     res = run(world, cfg, _worker)
                     row = {"S": seqlen, "W": world, "kv heads": hkv, "strategy": name,
                            "time (s)": max(r["time"] for r in res),

@@ -110,13 +110,29 @@ def test_dq_over_dout_bad_arguments_raise(gen) -> None:
     out_w, lse_w = ops.attention_fwd(q, k, v_wide, 0.25, True, -1, -1)
     with pytest.raises(RuntimeError, match="dout must have q's shape"):  # Dv != D
         ops.attention_bwd_in_dout(randn(out_w.shape, gen), q, k, v_wide, out_w, lse_w, *args)
-    with pytest.raises(RuntimeError, match="dout must not overlap q"):  # dq over q would corrupt the backward
+    # dq written over q would corrupt the backward that still reads q
+    with pytest.raises(RuntimeError, match="dout must not overlap q"):
         ops.attention_bwd_in_dout(q, q, k, v, out, lse, *args)
     with pytest.raises(RuntimeError, match="attention_bwd_in_dout needs exactly one of out"):
         ops.attention_bwd_in_dout(dout, q, k, v, None, lse, *args)
     meta = [t.to("meta") for t in (dout, q, k, v, out, lse)]
     dk, dv = ops.attention_bwd_in_dout(*meta, *args)
     assert dk.shape == k.shape and dv.shape == v.shape and dk.device.type == "meta"
+
+
+def _caller_gradient_kept(rank: int, world: int) -> None:
+    """dq goes over Ulysses' own dout by heads, never over the caller's gradient (on one rank the
+    all-to-all returns it as it is)."""
+    torch.manual_seed(rank)
+    q, k, v, g = (torch.randn(1, 16, 4, 16, requires_grad=i < 3) for i in range(4))
+    kept = g.clone()
+    cpattn.ulysses_attention(q, k, v, causal=True).backward(g)
+    assert torch.equal(g, kept) and q.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_caller_gradient_is_not_overwritten(world: int) -> None:
+    run_ranks(world, _caller_gradient_kept)
 
 
 def _through_out_and_lse(rank: int, world: int, dtype: torch.dtype) -> None:

@@ -37,7 +37,7 @@ class ContextParallel:
         layout: how the sequence is cut over the ranks: "zigzag" (default; balanced for causal),
             "contiguous" or "striped". Ulysses needs (and defaults to) "contiguous"; for hybrid
             the layout is that of the ring dimension.
-        allgather_chunk: KV heads gathered at a time by "allgather" (default: Hkv / (2 W), at
+        allgather_chunk: KV heads gathered at a time by "allgather" (default: Hkv / (4 W), at
             least 1).
         ring_chunk: KV heads per pass of "ring" (default: all, one pass; fewer divide the ring's
             memory, see cpattn.ring_attention).

@@ -379,10 +379,10 @@ def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, grad: str, bf1
 
 
 def allgather_chunk(kv_heads: int, world: int) -> int:
-    """ring_attention(strategy="allgather")'s default KV heads per gather: kv_heads / (2 W), at
-    least one, so a gathered chunk (its K and V over the whole sequence) is at most half this
-    rank's own K and V shards and the memory per rank falls as 1/W."""
-    return max(1, kv_heads // (2 * world))
+    """ring_attention(strategy="allgather")'s default KV heads per gather: kv_heads / (4 W), at
+    least one, so a gathered chunk (its K and V over the whole sequence) is at most a quarter of
+    this rank's own K and V shards and the memory per rank falls as 1/W."""
+    return max(1, kv_heads // (4 * world))
 
 
 @functools.lru_cache(maxsize=1)
@@ -408,9 +408,9 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
     chunk: all-gather KV heads per gather (default ring_attention's: allgather_chunk); ring: KV
         heads per pass (ring_chunk; default all of them, one pass).
     gloo: the process group is gloo's (CPU tensors), whose all-gather and reduce-scatter copy the
-    whole gathered / reduced buffer (NCCL's do not). Gloo frees that copy on its own thread,
-    racing the caller: it may still be alive in the next phase (not counted in the phases:
-    "gloo_late")."""
+    whole gathered / reduced buffer (NCCL's do not). Gloo frees that copy, and the buffer an
+    all-to-all sends, on its own thread, racing the caller: it may still be alive in the next
+    phase (not counted in the phases: "gloo_late")."""
     B, H, Hkv, D, e = p.batch, p.heads, p.kv_heads, p.head_dim, p.elem
     train = p.mode == "train"
     W = world
@@ -512,7 +512,11 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             if hs != Hkv:  # summed back over the replicas (index_select's backward)
                 ph["bwd: unreplicate"] = 2 * Q * e + 2 * Ks * e + 2 * K * e
             kept = (Q + 2 * K) * e
-        return _result(ph, kept, train and _kernel_bwd_scratch(B, S, h, hk, D, p.dtype, bf))
+        # gloo: the copy of q (dout) in rank order for the all-to-all to heads may be freed by
+        # gloo's thread after the next phase has begun
+        late = Q * e if gloo and W > 1 else 0
+        return _result(ph, kept, train and _kernel_bwd_scratch(B, S, h, hk, D, p.dtype, bf),
+                       late)
     raise ValueError(f"cpattn.plan.memory: unknown strategy {strategy!r}")
 
 

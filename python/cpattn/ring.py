@@ -491,9 +491,9 @@ def ring_attention(
         return_lse: also return the LSE (batch, heads, seqlen / W), float32.
         strategy: "ring" (K/V shards travel while each step computes: overlaps communication,
             memory per rank 1/W) or "allgather" (all-gather K/V, `allgather_chunk` KV heads at a
-            time, default Hkv / (2 W), at least 1 (cpattn.plan.allgather_chunk: a gathered chunk
-            is at most half the rank's own K/V); simplest, good for short sequences or few KV
-            heads).
+            time, default Hkv / (4 W), at least 1 (cpattn.plan.allgather_chunk: a gathered chunk
+            is at most a quarter of the rank's own K/V); simplest, good for short sequences or
+            few KV heads).
             "auto": the cost model (cpattn.plan) picks one of the two for this problem and
             machine, once per distinct problem, the same on every rank (logged at debug level).
         ring_chunk: KV heads per pass of the ring (default: all of them, one pass). Each pass

@@ -99,8 +99,9 @@ class _LocalAcrossHeads(torch.autograd.Function):
                 o["causal"], o["window"][0], o["window"][1], None, None)
         score = (None if dlse_h is None else dlse_h[:, :, :real], o["softcap"],
                  o["alibi_slopes"], o["prefix_len"], dot_h[:, :, :real])
-        if dout_h.shape == qh.shape and dout_h.dtype == qh.dtype:
-            # dout by heads is ours (received) and needed no more: dq is written over it
+        if dout_h is not dout and dout_h.shape == qh.shape and dout_h.dtype == qh.dtype:
+            # dout by heads is ours (received; on one rank it is the caller's gradient) and
+            # needed no more: dq is written over it
             dq = dout_h[:, :real]
             grads = (dq, *torch.ops.cpattn.attention_bwd_in_dout(dq, *args, *score))
         else:  # Dv != D or another out dtype
