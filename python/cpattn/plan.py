@@ -425,9 +425,9 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
     ph: dict = {}
     if strategy == "ring" and chunk and chunk < Hkv:
         return _memory_ring_passes(p, world, layout, chunk)
-    if strategy in ("ring", "none"):
-        if strategy == "none":
-            return _memory_local(ph, B, p.seqlen, H, Hkv, D, e, train, bf, p.dtype)
+    if strategy == "none" or (strategy == "ulysses" and W == 1):  # one rank: no all-to-all
+        return _memory_local(ph, B, p.seqlen, H, Hkv, D, e, train, bf, p.dtype)
+    if strategy == "ring":
         n = L // 2 if layout == "zigzag" else L  # sub-problems: runs of the local shard
         recv = min(W - 1, 2) * 2 * K * e  # K/V receive buffers (cached)
         ph["fwd: kernel step"] = 4 * Q + lse + recv + _kernel_fwd(B, n, H, Hkv, D, e, bf)
@@ -440,10 +440,11 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
             # sub-problem's dK/dV into temporaries while the accumulator is in flight
             ph["bwd: kernel step"] = base + _kernel_bwd(B, n, H, Hkv, D, e, "float32", bf,
                                                         "kv" if W > 1 else "")
-            # the gradients: cast from the fp32 dq and accumulators; in fp32, dq itself and the
-            # last hop's (or at W = 1 a copy's) new dk, dv
+            # the gradients: cast from the fp32 dq and accumulators (split dq: rounded in place,
+            # its low halves freed first); in fp32, dq itself and the last hop's (or at W = 1 a
+            # copy's) new dk, dv
             grads = ((0 if split_dq else Q) + 2 * K) * e if cast else 2 * K * 4
-            ph["bwd: gradients"] = base + grads
+            ph["bwd: gradients"] = base - split_dq * 2 * Q + grads
             kept = recv + acc + (Q + 2 * K) * e  # the graph freed: gradients and cached buffers
         return _result(ph, kept, train and _kernel_bwd_scratch(B, n, H, Hkv, D, "float32", bf, e))
     if strategy == "allgather":
