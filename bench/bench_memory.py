@@ -6,8 +6,8 @@
 
 Causal attention, heads 8, head_dim 128, batch 1, W gloo ranks x 1 thread. Methods:
   cpattn ring (zigzag), cpattn ring in passes (ring_chunk = a quarter of the KV heads, at
-  least 1: the all-gather's default chunk), cpattn Ulysses, cpattn all-gather (zigzag, default
-  chunk);
+  least 1), cpattn Ulysses, cpattn all-gather (zigzag, its default chunk: KV heads / 4W, at
+  least 1);
   yunchang zigzag ring and yunchang Ulysses (yunchang 0.6.4: its ring driver and all-to-alls run
   as they are; their flash-attn calls, CUDA only, are patched to cpattn's CPU kernel, the same
   local kernel cpattn's strategies use: the rows compare what the drivers hold around it);
