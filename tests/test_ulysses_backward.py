@@ -45,11 +45,15 @@ def test_backward_from_row_dot_is_the_backward_from_out(dtype, with_dlse, gen) -
         assert torch.equal(x, y), f"d{name}"
 
 
-def test_bad_row_dot_raises(gen) -> None:
+def _small_problem(gen):
+    """q, k, v, out, lse and a random dout of a small causal problem, and its mask arguments."""
     q, k, v = make_qkv(gen, 1, 8, 8, 2, 2, 16)
     out, lse = ops.attention_fwd(q, k, v, 0.25, True, -1, -1)
-    dout = randn(out.shape, gen)
-    args = (0.25, True, -1, -1)
+    return q, k, v, out, lse, randn(out.shape, gen), (0.25, True, -1, -1)
+
+
+def test_bad_row_dot_raises(gen) -> None:
+    q, k, v, out, lse, dout, args = _small_problem(gen)
     with pytest.raises(RuntimeError, match="exactly one of out and row_dot, got neither"):
         ops.attention_bwd(dout, q, k, v, None, lse, *args)
     with pytest.raises(RuntimeError, match="exactly one of out and row_dot, got both"):
@@ -100,10 +104,7 @@ def test_dq_written_over_dout_is_attention_bwd(case, dtype, grouped, gen, reques
 
 
 def test_dq_over_dout_bad_arguments_raise(gen) -> None:
-    q, k, v = make_qkv(gen, 1, 8, 8, 2, 2, 16)
-    out, lse = ops.attention_fwd(q, k, v, 0.25, True, -1, -1)
-    dout = randn(out.shape, gen)
-    args = (0.25, True, -1, -1)
+    q, k, v, out, lse, dout, args = _small_problem(gen)
     with pytest.raises(RuntimeError, match="dout must have q's shape .* and dtype"):
         ops.attention_bwd_in_dout(dout.to(torch.bfloat16), q, k, v, out, lse, *args)
     v_wide = randn((1, 8, 2, 32), gen)
