@@ -104,7 +104,7 @@ class _LocalAcrossHeads(torch.autograd.Function):
             # needed no more: dq is written over it
             dq = dout_h[:, :real]
             grads = (dq, *torch.ops.cpattn.attention_bwd_in_dout(dq, *args, *score))
-        else:  # Dv != D or another out dtype
+        else:  # one rank (dout is the caller's), Dv != D, or another out dtype
             grads = torch.ops.cpattn.attention_bwd(dout_h[:, :real], *args, None, *score)
         del dout_h
         pad = qh.shape[1] - real  # padding rows: no gradient
