@@ -1,13 +1,17 @@
 """Ring attention on CPU ranks: efficiency against the same per-rank work without communication,
 layout balance for causal masks, and per-rank peak memory against W.
 
-    python bench/bench_ring.py [--slocal 2048 4096] [--ring-chunk C] [--dtype bfloat16] [--out FILE]
+    python bench/bench_ring.py [--slocal 2048 4096] [--iters 7] [--ring-chunk C] [--dtype bfloat16]
+                               [--memory-seqlen 16384] [--out FILE]
 
 Ring efficiency: W = 2 spawned ranks (gloo), one thread each, run cpattn.ring_attention forward
 and backward; in the same processes, at the same time, each rank then runs exactly its share of
 the ring's work with every shift replaced by a local copy
 (torch.ops.cpattn_testing.ring_loopback_timing).
-The ratio ring / local is the cost of communication that compute did not hide. With
+The ratio ring / local is the cost of communication that compute did not hide: of the medians
+over iterations (max over ranks), and paired, the median over iterations of each iteration's
+ratio (the ring call and the local work right after it), which a machine whose speed drifts from
+one second to the next moves alike (the efficiency is 1 / the paired ratio). With
 --ring-chunk C the ring runs in passes of C KV heads (ring_chunk) against the same local work:
 the ratio then includes the cost of the passes (more, smaller messages and kernel calls).
 """
@@ -65,7 +69,18 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     peak_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
     return {"rank": rank, "ring_fwd": statistics.median(ring_f),
             "ring_bwd": statistics.median(ring_b), "local_fwd": statistics.median(loop_f),
-            "local_bwd": statistics.median(loop_b), "peak_mib": peak_mib}
+            "local_bwd": statistics.median(loop_b), "peak_mib": peak_mib,
+            "ring_iters": [f + b for f, b in zip(ring_f, ring_b)],
+            "local_iters": [f + b for f, b in zip(loop_f, loop_b)]}
+
+
+def paired_ratio(res: list) -> float:
+    """Median over iterations of (the slowest rank's ring fwd + bwd) / (the slowest rank's local
+    fwd + bwd) of the same iteration, which ran right after it: a machine whose speed drifts
+    between iterations moves both alike."""
+    iters = len(res[0]["ring_iters"])
+    return statistics.median(max(r["ring_iters"][i] for r in res) /
+                             max(r["local_iters"][i] for r in res) for i in range(iters))
 
 
 def run(world: int, cfg: dict, worker=_worker) -> list:
@@ -80,7 +95,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--memory-seqlen", type=int, default=16384)
     parser.add_argument("--ring-chunk", type=int, help="KV heads per pass of the ring "
                         "(ring_chunk; default all, one pass)")
@@ -98,14 +113,15 @@ def main() -> None:
          f"(heads {args.heads}, head_dim {args.head_dim}, {args.dtype}{passes}); time = max over "
          "ranks of the median")
     emit("| S_local | ring fwd (s) | local fwd (s) | fwd ratio | ring bwd (s) | local bwd (s) "
-         "| bwd ratio | fwd+bwd ratio |")
-    emit("|---|---|---|---|---|---|---|---|")
+         "| bwd ratio | fwd+bwd ratio | paired fwd+bwd ratio | efficiency (1 / paired) |")
+    emit("|---|---|---|---|---|---|---|---|---|---|")
     for sl in args.slocal:
         res = run(2, {**base, "slocal": sl, "layout": "zigzag", "causal": True})
         rf, lf = max(r["ring_fwd"] for r in res), max(r["local_fwd"] for r in res)
         rb, lb = max(r["ring_bwd"] for r in res), max(r["local_bwd"] for r in res)
+        paired = paired_ratio(res)
         emit(f"| {sl} | {rf:.3f} | {lf:.3f} | {rf / lf:.3f} | {rb:.3f} | {lb:.3f} | "
-             f"{rb / lb:.3f} | {(rf + rb) / (lf + lb):.3f} |")
+             f"{rb / lb:.3f} | {(rf + rb) / (lf + lb):.3f} | {paired:.3f} | {1 / paired:.2f} |")
 
     emit()
     sl = args.slocal[0]

@@ -93,14 +93,16 @@ def test_bytes_follow_the_strategies_messages():
     m = P.PRESETS["cpu-gloo"]
     kv = 2 * (4096 // 4) * 2 * 64 * 4  # one rank's K/V shard, bytes
     got = {r.name: r.bytes_sent for r in P.predict(p, m, 4)}
-    # K/V twice round; the fp32 dK/dV accumulators W - 1 hops (the own shard's stays home)
-    assert got["ring/zigzag"] == 2 * 3 * kv + 3 * kv
+    assert got["ring/zigzag"] == 2 * 3 * kv + 4 * kv  # K/V twice round, fp32 dK/dV W hops
     assert got["allgather/zigzag"] == 2 * 3 * kv + 3 * kv * m.reduce_scatter_factor
     q = 4096 // 4 * 8 * 64 * 4
     assert got["ulysses"] == pytest.approx(3 / 4 * 2 * (2 * q + 2 * q // 8 * 4))
-    # bf16: K/V in bf16, the fp32 accumulators W hops (the own shard's travels too)
-    bf = {r.name: r.bytes_sent for r in P.predict(dataclasses.replace(p, dtype="bfloat16"), m, 4)}
-    assert bf["ring/zigzag"] == 2 * 3 * kv // 2 + 4 * kv
+    # at W = 2 in fp32 the own shard's accumulator stays home: one hop (W - 1); in bf16 two
+    at2 = {r.name: r.bytes_sent for r in P.predict(p, m, 2)}
+    kv2 = 2 * kv  # a shard twice as long
+    assert at2["ring/zigzag"] == 2 * kv2 + kv2
+    bf = {r.name: r.bytes_sent for r in P.predict(dataclasses.replace(p, dtype="bfloat16"), m, 2)}
+    assert bf["ring/zigzag"] == 2 * kv2 // 2 + 2 * kv2
 
 
 def test_zigzag_balances_causal_and_memory_falls_with_world():

@@ -32,7 +32,7 @@ def _bytes_cases(rank: int, world: int) -> None:
     torch.manual_seed(rank)
     q = torch.randn(1, seqlen // world, heads, dim, requires_grad=True)
     k, v = (torch.randn(1, seqlen // world, kv_heads, dim, requires_grad=True) for _ in range(2))
-    # bf16: the ring's accumulators make W hops (the own shard's travels), fp32 W - 1
+    # the ring's accumulators make W hops, W - 1 in fp32 at W = 2 (the own shard's stays home)
     qb, kb, vb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
     calls = [
         (P.Candidate("ring", "zigzag"), "float32",
@@ -86,9 +86,9 @@ def test_calibrate_gives_every_rank_the_same_machine(tmp_path):
 
 
 # Links that make one or the other win. Bandwidth only -> the all-gather with bf16 inputs: the
-# ring sends W fp32 dK/dV shards (the own shard's accumulator travels too), the all-gather W - 1
-# (reduce_scatter_factor 1); in fp32 the ring's own shard's accumulator stays home and the bytes
-# are equal. Latency only -> the ring, which has fewer messages than the chunked gathers.
+# ring sends W fp32 dK/dV shards, the all-gather W - 1 (reduce_scatter_factor 1); in fp32 at
+# W = 2 the ring's own shard's accumulator stays home and the bytes are equal. Latency only ->
+# the ring, which has fewer messages than the chunked gathers.
 def _machine(bandwidth: float, latency: float) -> P.Machine:
     return dataclasses.replace(P.PRESETS["cpu-gloo"], intra=P.Link(bandwidth, latency),
                                inter=P.Link(bandwidth, latency), reduce_scatter_factor=1.0)

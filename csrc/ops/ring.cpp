@@ -433,15 +433,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   // contributions straight into it once it has arrived (the first kernel runs during the
   // transfer), and the two buffers swap roles. Each accumulator pair is one buffer, so it
   // travels as one message.
-  // With fp32 k and v the own shard's contributions (step 0) stay at home, in the gradients this
-  // call returns (which exist by the end anyway): the accumulator that travels starts empty at
-  // step 1, so the ring has one hop of the accumulators and one wait on a peer fewer (at W = 2
-  // the only middle hop). With other dtypes that would hold a third fp32 buffer beside the two
-  // that travel, so the own shard's accumulator travels from step 0 and the last hop brings it
-  // home.
+  // At W = 2 that makes the own shard's contributions (step 0) a round trip: to the peer at step 1
+  // and back by the last hop. With fp32 k and v they stay home instead, in the gradients this
+  // call returns (which exist by then anyway): half the accumulator bytes, no wait on the peer's
+  // step 0 and no temporaries. (With other dtypes that would hold a third fp32 buffer; from W = 3
+  // the home buffer would be alive beside the temporaries of the accumulators that arrive.) At
+  // W = 1 the accumulator never leaves and is the gradient itself in fp32.
   KvRing kv(k, v, world);
   const auto f32 = k.options().dtype(at::kFloat);
-  const bool own_at_home = k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat;
+  const bool cast = k.scalar_type() != at::kFloat;
+  const bool own_at_home = !cast && world <= 2;
   const int64_t travel_start = own_at_home ? 1 : 0;  // the step whose accumulator travels first
   KvPair own;
   if (own_at_home) own = {at::zeros(k.sizes(), f32), at::zeros(v.sizes(), f32)};
@@ -479,19 +480,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     if (acc_arrives) std::swap(acc, incoming);
   }
   kv.release();
-  // acc now belongs to the shard of rank + 1: one last hop brings every rank the accumulator of
-  // its own shard, into `incoming`, added to the contributions kept at home or cast.
+  // acc now belongs to the shard of rank + 1: one last hop brings every rank its own shard's,
+  // into `incoming` (one message), added to the contributions kept home or cast from there; else
+  // (fp32) into the returned dk and dv themselves, as two messages (new tensors: autograd takes a
+  // gradient over without a copy only if nothing else refers to it, and the cache would).
   KvPair grads = own_at_home ? own : acc.kv;
   if (world > 1) {
     const auto wait_start = Clock::now();
     Shifts shifts;
-    shifts.post(transport, acc.both, incoming.both, 4 * world);
+    if (own_at_home || cast) {
+      shifts.post(transport, acc.both, incoming.both, 4 * world);
+    } else {
+      grads = {at::empty_like(acc.kv.k), at::empty_like(acc.kv.v)};
+      shifts.post(transport, acc.kv.k, grads.k, 4 * world);
+      shifts.post(transport, acc.kv.v, grads.v, 4 * world + 1);
+    }
     shifts.wait();
     stats.wait_s += seconds_since(wait_start);
     if (own_at_home) {
       own.k.add_(incoming.kv.k);
       own.v.add_(incoming.kv.v);
-    } else {
+    } else if (cast) {
       grads = incoming.kv;
     }
   }
