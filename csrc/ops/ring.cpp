@@ -431,38 +431,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   // step behind: at step t a rank sends the accumulator of step t - 1 (`acc`) and receives into
   // `incoming` the accumulator of the shard it now holds; the step's sub-problems add their
   // contributions straight into it once it has arrived (the first kernel runs during the
-  // transfer), and the two buffers swap roles. Each accumulator pair is one buffer, so it
-  // travels as one message.
-  // At W = 2 that makes the own shard's contributions (step 0) a round trip: to the peer at step 1
-  // and back by the last hop. With fp32 k and v they stay home instead, in the gradients this
-  // call returns (which exist by then anyway): half the accumulator bytes, no wait on the peer's
-  // step 0 and no temporaries. (With other dtypes that would hold a third fp32 buffer; from W = 3
-  // the home buffer would be alive beside the temporaries of the accumulators that arrive.) At
-  // W = 1 the accumulator never leaves and is the gradient itself in fp32.
+  // transfer), and the two buffers swap roles.
+  // Each accumulator pair is one buffer, so it travels as one message.
   KvRing kv(k, v, world);
   const auto f32 = k.options().dtype(at::kFloat);
-  const bool cast = k.scalar_type() != at::kFloat;
-  const bool own_at_home = !cast && world <= 2;
-  const int64_t travel_start = own_at_home ? 1 : 0;  // the step whose accumulator travels first
-  KvPair own;
-  if (own_at_home) own = {at::zeros(k.sizes(), f32), at::zeros(v.sizes(), f32)};
-  KvBuffer acc, incoming;
-  if (world > travel_start) {
-    acc = kv_buffer(BufferCache::kGradKv0, k, v, f32);
-    acc.both.zero_();
-  }
+  KvBuffer acc = kv_buffer(BufferCache::kGradKv0, k, v, f32);
+  KvBuffer incoming;
   if (world > 1) incoming = kv_buffer(BufferCache::kGradKv1, k, v, f32);
+  acc.both.zero_();
   RingStats& stats = last_stats[1];
   stats = {};
   for (int64_t step = 0; step < world; ++step) {
     Shifts kv_shifts, acc_shifts;
     if (step + 1 < world) kv.post_shift(transport, kv_shifts, step, 4 * step);
-    const bool acc_arrives = step > travel_start;
-    if (acc_arrives) acc_shifts.post(transport, acc.both, incoming.both, 4 * step + 2);
+    if (step > 0) acc_shifts.post(transport, acc.both, incoming.both, 4 * step + 2);
     double acc_wait = 0;
     const auto compute_start = Clock::now();
     computing_while_shifting({&kv_shifts, &acc_shifts}, [&] {
-      const KvPair& target = step < travel_start ? own : acc_arrives ? incoming.kv : acc.kv;
+      const KvPair& target = step > 0 ? incoming.kv : acc.kv;
       const auto wait_for_acc = [&] {
         const auto wait_start = Clock::now();
         acc_shifts.wait();
@@ -470,26 +456,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
       };
       backward_step(dout, q, kv.at_step(step), out, lse, dlse,
                     plan(o, q.size(1), world, rank, step), o, dq, target,
-                    acc_arrives ? std::function<void()>(wait_for_acc) : std::function<void()>());
+                    step > 0 ? std::function<void()>(wait_for_acc) : std::function<void()>());
     });
     stats.compute_s += seconds_since(compute_start) - acc_wait;
     const auto wait_start = Clock::now();
     kv_shifts.wait();
     acc_shifts.wait();  // a step without sub-problems
     stats.wait_s += seconds_since(wait_start) + acc_wait;
-    if (acc_arrives) std::swap(acc, incoming);
+    if (step > 0) std::swap(acc, incoming);
   }
   kv.release();
-  // acc now belongs to the shard of rank + 1: one last hop brings every rank its own shard's,
-  // into `incoming` (one message), added to the contributions kept home or cast from there; else
-  // (fp32) into the returned dk and dv themselves, as two messages (new tensors: autograd takes a
-  // gradient over without a copy only if nothing else refers to it, and the cache would).
-  KvPair grads = own_at_home ? own : acc.kv;
+  // acc now belongs to the shard of rank + 1: one last hop brings every rank its own. In fp32
+  // it lands in the returned dk and dv themselves (new tensors: autograd takes a gradient over
+  // without a copy only if nothing else refers to it, and the cache would), as two messages;
+  // otherwise in `incoming`, as one, and is cast from there.
+  const bool cast = k.scalar_type() != at::kFloat;
+  KvPair grads = acc.kv;
   if (world > 1) {
     const auto wait_start = Clock::now();
     Shifts shifts;
-    if (own_at_home || cast) {
+    if (cast) {
       shifts.post(transport, acc.both, incoming.both, 4 * world);
+      grads = incoming.kv;
     } else {
       grads = {at::empty_like(acc.kv.k), at::empty_like(acc.kv.v)};
       shifts.post(transport, acc.kv.k, grads.k, 4 * world);
@@ -497,12 +485,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     }
     shifts.wait();
     stats.wait_s += seconds_since(wait_start);
-    if (own_at_home) {
-      own.k.add_(incoming.kv.k);
-      own.v.add_(incoming.kv.v);
-    } else if (cast) {
-      grads = incoming.kv;
-    }
+  } else if (!cast) {
+    grads = {acc.kv.k.clone(), acc.kv.v.clone()};
   }
   acc = incoming = {};
   // dk and dv are separate tensors (autograd may accumulate into either, and the op's schema and

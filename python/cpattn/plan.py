@@ -434,20 +434,16 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
         ph["fwd: cast out"] = 4 * Q + lse + recv + cast * Q * e
         kept = Q * e + recv
         if train:
-            # fp32 dK/dV accumulators (cached): the two that travel. In fp32 at W <= 2 the own
-            # shard's stays home, in the new dk, dv that the call returns (ring.cpp
-            # ring_backward); at W = 1 with a cast, the one accumulator
-            home = not cast and W <= 2
-            acc = (2 if W > 1 else 0 if home else 1) * 2 * K * 4
-            base = kept + lse + 4 * Q + acc + home * 2 * K * 4  # out and LSE saved, fp32 dq
-            # the kernels add into dq and the accumulators; a step whose accumulator is in flight
-            # adds its first sub-problem's dK/dV into temporaries
+            acc = (2 if W > 1 else 1) * 2 * K * 4  # fp32 dK/dV accumulators (cached)
+            base = kept + lse + 4 * Q + acc  # out and LSE saved, fp32 dq
+            # the kernels add into dq and the accumulators; a step after the first adds its first
+            # sub-problem's dK/dV into temporaries while the accumulator is in flight
             ph["bwd: kernel step"] = base + _kernel_bwd(B, n, H, Hkv, D, e, "float32", bf,
-                                                        "kv" if W > 1 and not home else "")
+                                                        "kv" if W > 1 else "")
             # the gradients: cast from the fp32 dq and accumulators (split dq: rounded in place,
-            # its low halves freed first); in fp32, dq itself and the dk, dv kept home or the
-            # last hop's new ones
-            grads = ((0 if split_dq else Q) + 2 * K) * e if cast else (not home) * 2 * K * 4
+            # its low halves freed first); in fp32, dq itself and the last hop's (or at W = 1 a
+            # copy's) new dk, dv
+            grads = ((0 if split_dq else Q) + 2 * K) * e if cast else 2 * K * 4
             ph["bwd: gradients"] = base - split_dq * 2 * Q + grads
             kept = recv + acc + (Q + 2 * K) * e  # the graph freed: gradients and cached buffers
         return _result(ph, kept, train and _kernel_bwd_scratch(B, n, H, Hkv, D, "float32", bf, e))
@@ -599,24 +595,20 @@ def _ring(p: Problem, m: Machine, world: int, layout: str, heads: int, kv_heads:
         return res
     bwd = _compute_steps(p, m, world, layout, heads, seqlen, backward=True).amax(0).tolist()
     t_bwd = 2 * state / m.mem_bandwidth  # dq zeroed and cast
-    home = e == 4 and world <= 2  # fp32, W = 2: the own shard's accumulator stays home
     for t, c in enumerate(bwd):
         c += (3 * acc + state) / m.mem_bandwidth  # partial zeroed, acc added, dq accumulated
-        acc_hop = t > home  # a step that receives an accumulator
-        nbytes = (kv if t + 1 < world else 0) + (acc if acc_hop else 0)
-        comm = link.time(nbytes, (t + 1 < world) + acc_hop)
+        nbytes = (kv if t + 1 < world else 0) + (acc if t > 0 else 0)
+        comm = link.time(nbytes, (t + 1 < world) + (t > 0))
         step = _combine(c, comm, m.overlap)
         compute += c
         exposed += step - c
         t_bwd += step
-    if world > 1:  # the accumulators' final hop home, nothing left to hide it behind, then
-        # added to the contributions kept home or cast
-        final = link.time(acc) + (3 if home else 1) * acc / m.mem_bandwidth
+    if world > 1:  # the accumulators' final hop home, nothing left to hide it behind
+        final = link.time(acc) + acc / m.mem_bandwidth
         exposed += final
         t_bwd += final
-    hops = world - 1 if home else world
-    res.update(bwd=t_bwd, compute=compute, exposed=exposed,
-               sent=2 * (world - 1) * kv + hops * acc if world > 1 else 0.0)
+    res.update(bwd=t_bwd, compute=compute, exposed=exposed, sent=2 * (world - 1) * kv + world * acc
+               if world > 1 else 0.0)
     return res
 
 
