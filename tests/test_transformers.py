@@ -141,17 +141,19 @@ def _refusals():
 
     padded = torch.ones_like(batch["input_ids"])
     padded[1, -3:] = 0
-    _raises("padding", cpattn.shard_batch, {**batch, "attention_mask": padded}, cp)
+    # Padding is unpadded into documents; a padding token with a target would lose its term.
+    _raises("padding token has a target", cpattn.shard_batch,
+            {**batch, "attention_mask": padded}, cp)
     local_mask = torch.ones_like(ids)
     local_mask[1, -1] = 0
-    _raises("attention mask", model, input_ids=ids, position_ids=pos, use_cache=False,
-            attention_mask=local_mask)
+    _raises("attention_mask with padding", model, input_ids=ids, position_ids=pos,
+            use_cache=False, attention_mask=local_mask)
     _raises("attention mask", model, input_ids=ids, position_ids=pos, use_cache=False,
             attention_mask=torch.ones(2, 1, ids.shape[1], ids.shape[1], dtype=torch.bool))
     # An all-ones mask masks nothing: it runs.
     model(input_ids=ids, position_ids=pos, use_cache=False, attention_mask=torch.ones_like(ids))
     _raises("use_cache", model, input_ids=ids, position_ids=pos)
-    _raises("position_ids are not the global positions", model, input_ids=ids, use_cache=False)
+    _raises("position_ids are not the position ids", model, input_ids=ids, use_cache=False)
     _raises("position_bias", model, input_ids=ids, position_ids=pos, use_cache=False,
             position_bias=torch.zeros(1))
     _raises("alibi_slopes must be a tensor", model, input_ids=ids, position_ids=pos,

@@ -361,10 +361,15 @@ def agree_on(
         checked, fields, error = None, [(_INVALID, type(e).__name__ + ": " + str(e))], e
     try:
         agree(function_name, group, fields, timeout)
+        if error is not None:
+            raise error
     except ValueError as mismatch:
-        if error is None:
+        if error is None or mismatch is error:
             raise
         raise ValueError(f"{mismatch} (here: {error})") from error
-    if error is not None:
-        raise error
+    finally:
+        # The error raised holds this frame in its traceback: a local referring back to it would
+        # be a cycle that keeps every frame of the call (and the process group they hold) alive
+        # until the garbage collector runs, past dist.destroy_process_group().
+        del error
     return checked

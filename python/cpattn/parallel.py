@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from cpattn._layout import granularity
-from cpattn.ring import LAYOUTS, _group_info, positions, ring_attention
+from cpattn.packing import Documents
+from cpattn.ring import LAYOUTS, _group_info, positions, ring_attention, ring_attention_varlen
 from cpattn.ulysses import hybrid_attention, hybrid_positions, ulysses_attention
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
@@ -149,7 +150,7 @@ class ContextParallel:
         softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
         return_lse: bool = False,
         sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-        alibi_slopes: Optional[torch.Tensor] = None,
+        alibi_slopes: Optional[torch.Tensor] = None, documents: Optional[Documents] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Exact attention over the sharded sequence with this object's strategy.
 
@@ -158,10 +159,23 @@ class ContextParallel:
         (batch, heads, seqlen / W) with return_lse). Differentiable (also in `sinks`).
         sinks (heads,), softcap, alibi_slopes (heads,): as cpattn.ring_attention, the same on
         every rank.
+        documents: packed documents (from cpattn.shard_batch): batch 1, the tokens in the
+            per-document layout of cpattn.shard_varlen; strategies "ring" and "allgather".
         """
         common = dict(causal=causal, softmax_scale=softmax_scale, window=window,
                       return_lse=return_lse, timeout=self.timeout, sinks=sinks, softcap=softcap,
                       alibi_slopes=alibi_slopes)
+        if documents is not None:
+            if self.strategy not in ("ring", "allgather") or q.shape[0] != 1:
+                raise ValueError(
+                    "cpattn.ContextParallel.attention: packed documents need strategy 'ring' or "
+                    f"'allgather' and a batch of one row, got {self.strategy!r} and "
+                    f"{q.shape[0]} rows")
+            result = ring_attention_varlen(
+                q[0], k[0], v[0], documents.cu_seqlens, group=self.group, layout=self.layout,
+                strategy=self.strategy, allgather_chunk=self.allgather_chunk,
+                ring_chunk=self.ring_chunk, **common)
+            return tuple(t[None] for t in result) if return_lse else result[None]
         if self.strategy in ("ring", "allgather"):
             return ring_attention(q, k, v, group=self.group, layout=self.layout,
                                   strategy=self.strategy, allgather_chunk=self.allgather_chunk,

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from cpattn.packing import FLASH_KEYS, KEYWORD, Packing, find_packing
 from cpattn.parallel import ContextParallel
 
 IGNORE_INDEX = -100
@@ -32,55 +33,126 @@ def shard_batch(
         batch: full (unsharded) batch, the same on every rank of cp's group: "input_ids"
             (batch, seqlen) (or "inputs_embeds" (batch, seqlen, hidden)), optionally "labels"
             (batch, seqlen) (the tokens themselves, as for transformers), "attention_mask"
-            (batch, seqlen) and any other tensor with `seqlen` entries along `seq_dim`.
+            (batch, seqlen), "position_ids" (batch, seqlen), the packed-sequence keys of
+            transformers' DataCollatorWithFlattening ("cu_seq_lens_q" / "_k", "max_length_q" /
+            "_k") and any other tensor with `seqlen` entries along `seq_dim`.
         cp: the ContextParallel settings.
         ignore_index: label of positions without a target.
 
     Returns a new dict: every token-aligned tensor sharded along seq_dim; "position_ids"
-    (int64, (batch, seqlen / W)): the global positions of the local tokens (pass them to the
-    model, e.g. for RoPE); "shift_labels" (batch, seqlen / W) instead of "labels": the next
-    token of each position over the whole sequence, `ignore_index` at the last one (give them to
-    `cpattn.cross_entropy`, not to the model, which would shift them again). An all-ones
-    "attention_mask" is dropped; one with padding raises (padded batches are not supported:
-    pack documents with cpattn.ring_attention_varlen instead). Other entries pass through.
+    (int64, (batch, local)): the position ids of the local tokens (pass them to the model, e.g.
+    for RoPE); "shift_labels" (batch, local) instead of "labels": the next token of each
+    position in its row of the whole batch, `ignore_index` at the last one (give them to
+    `cpattn.cross_entropy`, not to the model, which would shift them again).
+
+    Packed documents (cpattn.packing: position_ids that restart inside a row, the collator's
+    cu_seq_lens_q, or an attention_mask with padding, whose rows' real tokens become documents)
+    are sharded per document (as cpattn.shard_varlen: each document padded to the layout's
+    granularity and split over every rank) into one row: "position_ids" are then the tokens' own
+    position ids (within their documents), padding slots get token 0, position 0 and label
+    `ignore_index`, and "cpattn_documents" (a cpattn.packing.Documents) must be passed to the
+    model with the rest (`model(**batch)` does), so that the attention keeps the documents
+    apart. Strategies "ring" and "allgather" run packed documents; the others raise. A
+    batch of rows of one document each (positions 0, 1, ... or none) is sharded as one
+    sequence per row, with "cpattn_documents" None: passed to the model, it tells the attention
+    that the batch's position_ids were passed too (needed by models whose attention does not
+    receive position_ids, e.g. ModernBERT). The batch's own attention_mask, position_ids and
+    flash keys are never passed on (they would describe the unsharded batch).
     """
     what = "cpattn.shard_batch"
     key = "input_ids" if "input_ids" in batch else "inputs_embeds"
-    if key not in batch or not isinstance(batch[key], torch.Tensor):
-        raise ValueError(f"{what}: batch needs a tensor 'input_ids' or 'inputs_embeds', got keys "
-                         f"{sorted(batch)}")
-    if "position_ids" in batch:
-        raise ValueError(f"{what}: batch already has 'position_ids'; shard_batch makes the global "
-                         "ones itself: remove them")
+    if key not in batch or not isinstance(batch[key], torch.Tensor) or batch[key].dim() < 2:
+        raise ValueError(f"{what}: batch needs a tensor 'input_ids' or 'inputs_embeds' (batch, "
+                         f"seqlen, ...), got keys {sorted(batch)}")
     if "shift_labels" in batch:
         raise ValueError(f"{what}: batch already has 'shift_labels'; give the unshifted 'labels'")
+    if KEYWORD in batch:
+        raise ValueError(f"{what}: batch already has {KEYWORD!r}: it is sharded already")
     bsz, seqlen = batch[key].shape[0], batch[key].shape[seq_dim]
+    labels = batch.get("labels")
+    if labels is not None and (labels.dim() < 2 or labels.shape[seq_dim] != seqlen):
+        raise ValueError(f"{what}: labels must have seqlen {seqlen} along dim {seq_dim}, got "
+                         f"shape {tuple(labels.shape)}")
+    shifted = None if labels is None else _shift(labels, seq_dim, ignore_index)
+    packing = find_packing(batch, key, what) if seq_dim == 1 else None
+    if packing is None and seq_dim != 1 and any(
+            k in batch for k in ("position_ids", "attention_mask", *FLASH_KEYS)):
+        raise ValueError(f"{what}: position_ids, attention_mask and packed-sequence keys need "
+                         f"seq_dim=1, got seq_dim={seq_dim}")
+    if packing is not None:
+        return _shard_packed(batch, cp, key, packing, shifted, ignore_index, what)
     cp.check_seqlen(seqlen, what)
-    mask = batch.get("attention_mask")
-    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
-        raise ValueError(
-            f"{what}: attention_mask has padding (zeros); cpattn cannot apply a padding mask "
-            "under context parallelism. Pack the documents without padding and use "
-            "cpattn.ring_attention_varlen, or trim the batch to equal lengths"
-        )
     index = cp.positions(seqlen, device=batch[key].device)
     out: dict[str, Any] = {}
     for name, value in batch.items():
-        if name == "attention_mask":
-            continue  # all ones: nothing to mask
+        if name in _NOT_PASSED_ON:
+            continue  # the batch's positions are 0, 1, ...; its mask is all ones (find_packing)
         if name == "labels":
-            if value.dim() < 2 or value.shape[seq_dim] != seqlen:
-                raise ValueError(f"{what}: labels must have seqlen {seqlen} along dim {seq_dim}, "
-                                 f"got shape {tuple(value.shape)}")
-            pad = torch.full_like(value.narrow(seq_dim, 0, 1), ignore_index)
-            shifted = torch.cat([value.narrow(seq_dim, 1, seqlen - 1), pad], seq_dim)
             out["shift_labels"] = shifted.index_select(seq_dim, index.to(value.device))
-        elif (isinstance(value, torch.Tensor) and value.dim() > seq_dim
-              and value.shape[seq_dim] == seqlen):
+        elif _token_aligned(value, seq_dim, seqlen):
             out[name] = value.index_select(seq_dim, index.to(value.device))
         else:
             out[name] = value
     out["position_ids"] = index[None, :].expand(bsz, -1).contiguous()
+    out[KEYWORD] = None  # one sequence per row (passed on: the model got this whole batch)
+    return out
+
+
+_NOT_PASSED_ON = frozenset({"attention_mask", "position_ids", *FLASH_KEYS})
+
+
+def _token_aligned(value, seq_dim: int, seqlen: int) -> bool:
+    return (isinstance(value, torch.Tensor) and value.dim() > seq_dim
+            and value.shape[seq_dim] == seqlen)
+
+
+def _shift(labels: torch.Tensor, seq_dim: int, ignore_index: int) -> torch.Tensor:
+    """Each position's target: the next label of its row, ignore_index at the row's end."""
+    seqlen = labels.shape[seq_dim]
+    pad = torch.full_like(labels.narrow(seq_dim, 0, 1), ignore_index)
+    return torch.cat([labels.narrow(seq_dim, 1, seqlen - 1), pad], seq_dim)
+
+
+def _shard_packed(batch: dict[str, Any], cp: ContextParallel, key: str, packing: Packing,
+                  shifted: Optional[torch.Tensor], ignore_index: int, what: str
+                  ) -> dict[str, Any]:
+    """shard_batch for packed documents: one row of this rank's per-document shards."""
+    docs = packing.docs
+    if cp.strategy not in ("ring", "allgather"):
+        raise ValueError(
+            f"{what}: the batch holds packed documents ({len(docs.lengths)} documents: position "
+            "ids that restart, cu_seq_lens_q, or padding), which strategy "
+            f"{cp.strategy!r} does not run: use ContextParallel(strategy='ring') or "
+            "'allgather' for packed batches")
+    bsz, seqlen = batch[key].shape[:2]
+    index, positions = docs.local_positions(cp.layout, cp.world_size, cp.rank)
+    real = index >= 0
+    source = packing.source[index.clamp(min=0)]
+    out: dict[str, Any] = {}
+    if shifted is not None:
+        flat = shifted.reshape(-1).clone()
+        dropped = torch.ones(flat.numel(), dtype=torch.bool)
+        dropped[packing.source] = False
+        if bool((flat[dropped.to(flat.device)] != ignore_index).any()):
+            raise ValueError(
+                f"{what}: a padding token has a target (its shifted label is not {ignore_index}):"
+                f" padding is dropped under context parallelism, so its loss term would be lost."
+                f" Set the labels of padding tokens to {ignore_index}, and with left padding also"
+                " the label of each row's first real token (the one a padding token predicts)")
+        out["shift_labels"] = torch.where(real.to(flat.device), flat[source.to(flat.device)],
+                                          ignore_index)[None]
+    for name, value in batch.items():
+        if name in _NOT_PASSED_ON or name == "labels":
+            continue
+        if _token_aligned(value, 1, seqlen) and value.shape[0] == bsz:
+            flat = value.flatten(0, 1)
+            picked = flat.index_select(0, source.to(value.device))
+            keep = real.to(value.device).view(-1, *([1] * (picked.dim() - 1)))
+            out[name] = torch.where(keep, picked, torch.zeros_like(picked))[None]
+        else:
+            out[name] = value
+    out["position_ids"] = positions.to(batch[key].device)[None]
+    out[KEYWORD] = docs
     return out
 
 

@@ -43,6 +43,13 @@ from typing import Any, Optional
 import torch
 
 from cpattn.inference import KVCacheShard, decode_attention, prefill_attention
+from cpattn.integrations._model_checks import (
+    agree,
+    check_config,
+    check_layer,
+    check_mask_function,
+)
+from cpattn.packing import KEYWORD, Documents
 from cpattn.parallel import ContextParallel
 
 try:
@@ -61,10 +68,11 @@ WHAT = "cpattn.integrations.transformers"
 
 # Keywords transformers passes that do not change the attention math.
 _INERT = frozenset({"use_cache", "output_hidden_states", "output_router_logits",
-                    "num_items_in_batch", "return_dict", "cache_position", "layer_idx"})
+                    "num_items_in_batch", "return_dict", "cache_position", "layer_idx",
+                    "deterministic"})  # (ModernBERT: flash-attn's deterministic backward)
 # Keywords mapped to cpattn's options (in _score_options).
 _MAPPED = frozenset({"position_ids", "is_causal", "sliding_window", "softcap", "s_aux", "sinks",
-                     "alibi_slopes"})
+                     "alibi_slopes", KEYWORD})
 # Keywords that change the math and that cpattn cannot honour: value -> whether it is in use.
 _UNSUPPORTED = {
     "position_bias": lambda v: v is not None,  # a general additive score bias (T5-like)
@@ -74,6 +82,7 @@ _UNSUPPORTED = {
     "max_length_q": lambda v: v is not None,
     "max_length_k": lambda v: v is not None,
     "seq_idx": lambda v: v is not None,
+    "encoder_hidden_states": lambda v: v is not None,  # cross-attention (BERT: None in encoders)
 }
 _MISPLACED = {"labels", "shift_labels"}  # reach attention when a batch is passed as **batch
 
@@ -119,12 +128,11 @@ def _score_options(module: torch.nn.Module, head_dim: int, scaling, dropout: flo
     window = (-1, -1)
     sliding = kwargs.get("sliding_window")
     if sliding is not None:
-        if not causal:
-            raise ValueError(f"{WHAT}: a bidirectional sliding window ({sliding}) has no single "
-                             "convention in transformers; cpattn supports causal windows only")
         if isinstance(sliding, bool) or not isinstance(sliding, int) or sliding < 1:
             raise ValueError(f"{WHAT}: sliding_window must be a positive int, got {sliding!r}")
-        window = (sliding - 1, -1)  # key j visible iff i - j < sliding_window
+        # transformers' (and flash-attn's) convention: key j visible iff |i - j| < sliding
+        # (causal: i - j < sliding); its masks for ModernBERT's bidirectional window agree
+        window = (sliding - 1, -1) if causal else (sliding - 1, sliding - 1)
     if kwargs.get("s_aux") is not None and kwargs.get("sinks") is not None:
         raise ValueError(f"{WHAT}: the model passes both s_aux and sinks; pass one")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
@@ -144,19 +152,55 @@ def _short(value) -> str:
     return repr(value)
 
 
-def _check_positions(cp: ContextParallel, position_ids: Optional[torch.Tensor],
-                     local_len: int) -> None:
-    """position_ids (batch or 1, local) must hold this rank's global positions (RoPE used them)."""
-    if position_ids is None or torch.compiler.is_compiling():
+def _expected_positions(cp: ContextParallel, local_len: int, docs: Optional[Documents],
+                        device) -> torch.Tensor:
+    """The position ids RoPE must have seen for this rank's tokens."""
+    if docs is not None:
+        return docs.local_positions(cp.layout, cp.world_size, cp.rank)[1].to(device)
+    return cp.positions(local_len * cp.world_size, device=device)
+
+
+def _check_positions(cp: ContextParallel, module: torch.nn.Module,
+                     position_ids: Optional[torch.Tensor], local_len: int,
+                     docs: Optional[Documents], passed_whole_batch: bool) -> None:
+    """position_ids (batch or 1, local) must be this rank's tokens' position ids from
+    cpattn.shard_batch (global positions; with packed documents, positions within the
+    documents), else RoPE was wrong. Checked once per position tensor (every layer gets the same
+    one) and agreed over the ranks, so a mismatch on one rank raises on every rank."""
+    if torch.compiler.is_compiling():
         return  # under compile the tensor's values are unknown; shard_batch made them
-    expected = cp.positions(local_len * cp.world_size, device=position_ids.device)
-    if position_ids.shape[-1] != local_len or not bool((position_ids == expected).all()):
+    if position_ids is None:
+        if getattr(module, "use_rope", True) is False or passed_whole_batch:
+            return  # (Llama 4's NoPE layers; the batch of shard_batch, its positions with it)
         raise ValueError(
-            f"{WHAT}: position_ids are not the global positions of this rank's tokens (rank "
-            f"{cp.rank} of {cp.world_size}, layout {cp.layout!r}): pass "
-            "position_ids=cpattn.shard_batch(...)['position_ids'] to the model, else RoPE sees "
-            "local positions and the model is wrong"
-        )
+            f"{WHAT}: {type(module).__name__} gets no position_ids from its decoder layer, so "
+            "cpattn cannot check that the model used the tokens' global positions (given none, "
+            "a model uses each rank's local positions: silently wrong). Pass the whole batch of "
+            "cpattn.shard_batch to the model (model(**batch) without 'shift_labels'): its "
+            f"position_ids with its {KEYWORD!r}, which tells cpattn they were passed")
+    last = _CHECKED.get(id(cp))
+    if last is not None and last[0] is position_ids and last[1] == (position_ids._version,
+                                                                   local_len, docs):
+        return
+
+    def check():
+        expected = _expected_positions(cp, local_len, docs, position_ids.device)
+        if position_ids.shape[-1] != local_len or not bool((position_ids == expected).all()):
+            packed = " (packed documents: give the whole batch to shard_batch, and pass its " \
+                "'cpattn_documents' to the model too)" if docs is None else ""
+            raise ValueError(
+                f"{WHAT}: position_ids are not the position ids of this rank's tokens (rank "
+                f"{cp.rank} of {cp.world_size}, layout {cp.layout!r}): pass "
+                "position_ids=cpattn.shard_batch(...)['position_ids'] to the model, else RoPE "
+                f"sees other positions and the model is wrong{packed}")
+
+    agree(cp, WHAT, check)
+    _CHECKED[id(cp)] = (position_ids, (position_ids._version, local_len, docs))
+
+
+# id(settings) -> (the position tensor last checked, (its version, length, documents)): the
+# tensor is held, so that its id cannot be reused by another tensor while it is remembered.
+_CHECKED: dict[int, tuple] = {}
 
 
 def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torch.Tensor,
@@ -168,14 +212,21 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
     if attention_mask is not None:
         raise ValueError(
             f"{WHAT}: the model passes an attention mask (padding, or a custom 4-D mask): cpattn "
-            "cannot apply it under context parallelism. Pass no attention_mask (or all ones); "
-            "pack documents with cpattn.ring_attention_varlen instead of padding"
-        )
+            "cannot apply it under context parallelism. Give the padded batch (with its "
+            "attention_mask) to cpattn.shard_batch, which unpacks it into documents, and pass "
+            "no attention_mask to the model")
     opts = _score_options(module, query.shape[-1], scaling, dropout, kwargs)
+    docs = kwargs.get(KEYWORD)
+    if docs is not None and not isinstance(docs, Documents):
+        raise ValueError(f"{WHAT}: {KEYWORD} must be the cpattn.packing.Documents that "
+                         f"cpattn.shard_batch made, got {_short(docs)}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     layer = _PENDING.pop(id(key), None)
     if layer is not None and layer.pending[0] is key:
-        return layer.attend(q, k, v, opts), None
+        if docs is not None:
+            raise ValueError(f"{WHAT}: ContextParallelCache generates from one prompt per row, "
+                             "not from packed documents")
+        return layer.attend(module, q, k, v, opts), None
     if kwargs.get("use_cache") or key.shape[2] != query.shape[2]:
         # A transformers cache here would hold this rank's shard of K/V: useless for decoding.
         raise ValueError(
@@ -184,9 +235,13 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
             "config.use_cache = False) for training, and cache=ContextParallelCache(...) to "
             "generate"
         )
-    _check_positions(cp, kwargs.get("position_ids"), q.shape[1])
+    tokens = docs.tokens if docs is not None else q.shape[1] * cp.world_size
+    check_layer(module, tokens, docs.max_position if docs is not None else tokens - 1)
+    _check_positions(cp, module, kwargs.get("position_ids"), q.shape[1], docs,
+                     KEYWORD in kwargs)
     out = cp.attention(q, k, v, causal=opts.causal, softmax_scale=opts.scale, window=opts.window,
-                       sinks=opts.sinks, softcap=opts.softcap, alibi_slopes=opts.alibi_slopes)
+                       sinks=opts.sinks, softcap=opts.softcap, alibi_slopes=opts.alibi_slopes,
+                       documents=docs)
     return out, None
 
 
@@ -198,12 +253,15 @@ def _calls_attention_interface(model_type: str) -> bool:
     return getattr(model_class, "_supports_attention_backend", True)
 
 
-def _mask(*args, attention_mask: Optional[torch.Tensor] = None, config=None, **kwargs):
-    """The AttentionMaskInterface function: no mask is built (cpattn applies causality and
-    windows on global positions); a 2-D padding mask is handed on, for the attention to refuse,
-    unless it is all ones. A model that builds its mask here but computes attention in its own
-    code (Bloom, MPT: they accept any attn_implementation) would attend within each rank's
-    shard only: it raises, on every rank (the same config everywhere)."""
+def _mask(cp: ContextParallel, *args, attention_mask: Optional[torch.Tensor] = None, config=None,
+          mask_function=None, **kwargs):
+    """The AttentionMaskInterface function, called by the model before its layers: refuses (on
+    every rank: the same config everywhere) a model that mixes tokens outside attention or
+    builds a mask cpattn does not apply; builds no mask (cpattn applies causality, windows and
+    documents on global positions). A 2-D padding mask that is not all ones raises on every
+    rank (shard_batch unpads padded batches). A model that builds its mask here but computes
+    attention in its own code (Bloom, MPT: they accept any attn_implementation) would attend
+    within each rank's shard only: it raises too."""
     model_type = getattr(config, "model_type", None)
     if model_type is not None and not _calls_attention_interface(model_type):
         raise ValueError(f"{WHAT}: the {model_type!r} model computes attention in its own code "
@@ -211,11 +269,23 @@ def _mask(*args, attention_mask: Optional[torch.Tensor] = None, config=None, **k
                          "under context parallelism each rank would attend to its own shard "
                          "only. Use a model whose transformers class supports attention "
                          "backends (Llama, Mistral, Qwen, Gemma, gpt-oss, ...)")
+    check_config(config)
+    check_mask_function(mask_function)
     if attention_mask is None:
         return None
-    if not torch.compiler.is_compiling() and bool(attention_mask.all()):
-        return None
-    return attention_mask
+    if torch.compiler.is_compiling():
+        return attention_mask  # the attention refuses it (values unknown while tracing)
+
+    def all_ones():
+        if not bool(attention_mask.all()):
+            raise ValueError(
+                f"{WHAT}: the model was given an attention_mask with padding (zeros): cpattn "
+                "cannot apply a padding mask under context parallelism. Give the padded batch "
+                "to cpattn.shard_batch (it unpacks the rows into documents) and pass no "
+                "attention_mask to the model")
+
+    agree(cp, WHAT, all_ones)
+    return None
 
 
 # name -> the settings registered under it. The functions handed to transformers look them up
@@ -232,6 +302,7 @@ def _forget_settings() -> None:
     active exception")."""
     _SETTINGS.clear()
     _PENDING.clear()
+    _CHECKED.clear()
     gc.collect()
 
 
@@ -250,9 +321,13 @@ def register(cp: ContextParallel, name: str = "cpattn") -> str:
         return _attention_forward(_SETTINGS[name], module, query, key, value, attention_mask,
                                   **kwargs)
 
+    def mask(*args, **kwargs):
+        return _mask(_SETTINGS[name], *args, **kwargs)
+
     attention.__name__ = attention.__qualname__ = f"cpattn_attention_{name}"
+    mask.__name__ = mask.__qualname__ = f"cpattn_mask_{name}"
     AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, _mask)
+    AttentionMaskInterface.register(name, mask)
     return name
 
 
@@ -290,11 +365,13 @@ class _ShardedLayer(CacheLayerMixin):
         _PENDING[id(key_states)] = self
         return key_states, value_states
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               opts: _Options) -> torch.Tensor:
+    def attend(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, opts: _Options) -> torch.Tensor:
         """q (B, n, H, D), k / v (B, n, Hkv, D): the n new tokens, the same on every rank.
         Stores their K/V in the sharded cache; returns their attention output (B, n, H, D)."""
         self.pending = None
+        total = self.get_seq_length() + q.shape[1]  # every token, the prompt replicated
+        check_layer(module, 0, total - 1)  # (temperature tuning sees the global positions here)
         if not opts.causal:
             raise ValueError(f"{WHAT}: ContextParallelCache supports causal attention only (a "
                              "decoder's); got causal=False")
@@ -367,3 +444,41 @@ class ContextParallelCache(Cache):
                   for _ in range(config.get_text_config().num_hidden_layers)]
         super().__init__(layers=layers)
         self.cp = cp
+
+
+def load_balancing_loss(router_logits, cp: ContextParallel, num_experts: int, top_k: int,
+                        documents: Optional[Documents] = None) -> torch.Tensor:
+    """The MoE auxiliary load-balancing loss (transformers' `load_balancing_loss_func`, Switch
+    Transformer eq. 4-6) over the tokens of every rank of cp's sequence, the same on every rank:
+    equal to one process's over the whole sequence (transformers' own, computed inside the
+    model, would average over each rank's tokens only).
+
+    router_logits: the model output's `router_logits` (with output_router_logits=True): one
+    (local tokens, num_experts) tensor per MoE layer. documents: the batch's
+    "cpattn_documents" from cpattn.shard_batch (its padding slots are left out). Gradients
+    follow cpattn.cross_entropy's convention (averaging them over the group is exact)."""
+    from cpattn.training import _loss_groups, _sum, _SumOverGroups
+
+    if not router_logits:
+        raise ValueError(f"{WHAT}.load_balancing_loss: no router logits (pass "
+                         "output_router_logits=True to the model)")
+    groups = _loss_groups(cp, None)
+    layers = tuple(router_logits)
+    device = layers[0].device
+    weight = None
+    if documents is not None:
+        index, _ = documents.local_positions(cp.layout, cp.world_size, cp.rank)
+        weight = (index >= 0).to(device, torch.float32)
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for logits in layers:
+        routing = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(routing, top_k, dim=-1).indices
+        w = torch.ones(routing.shape[0], device=device) if weight is None else weight
+        counts = counts.scatter_add(0, chosen.reshape(-1), w.repeat_interleave(top_k))
+        probs = probs + (routing * w[:, None]).sum(0)
+        rows = rows + w.sum()
+    rows, counts = _sum(rows, groups), _sum(counts, groups)
+    probs = _SumOverGroups.apply(probs, groups)
+    return (counts / rows * (probs / rows)).sum() * num_experts

@@ -1,0 +1,191 @@
+"""What a transformers model computes outside the attention call, checked for context parallelism.
+
+Under context parallelism each rank runs the model on its shard of the tokens; only the attention
+call sees the whole sequence. Everything else must be per token, or be made exact, or be refused:
+- token mixers outside attention (convolutions, Mamba / SSM, linear or lightning attention, a
+  sparse-attention indexer) would mix each rank's shard only: refused, from the config's
+  `layer_types` and the classes of the model's modeling module (`check_config`);
+- masks the model builds (`mask_function` handed to the mask hook): the ones cpattn applies on
+  global positions (causal, bidirectional, sliding windows, chunks, packed documents, padding
+  handled by shard_batch) pass, any other raises (`check_mask_function`);
+- per-layer position arithmetic: Llama 4's chunked attention is exact only while every position
+  lies in the first chunk, its attention-temperature tuning (computed from the local length)
+  only while the sequence is shorter than `floor_scale` (`check_layer`).
+Every check depends only on what every rank has the same (config, module, global lengths), so a
+refusal raises on every rank; `agree` makes a check on local values (positions, a padding mask)
+raise on every rank too.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+
+from cpattn._agreement import agree_on
+
+WHAT = "cpattn.integrations.transformers"
+
+_ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+_PER_TOKEN_LAYERS = frozenset({"mlp", "moe", "dense"})  # (Nemotron-H lists its MLP layers too)
+_MIXER_CLASS = re.compile(r"(Conv|Mamba|SSM|Mixer|LinearAttention|Lightning|DeltaNet|Recurrent|"
+                          r"RWKV|Retention|Hyena|Indexer|ShortConv|GatedDelta)")
+_MIXER_EXEMPT = re.compile(r"(Embedding|Norm|Rotary|MLP|Expert|Router|Gate$)")
+
+
+def check_config(config) -> None:
+    """Raises ValueError naming the layer type (or class) when the model mixes tokens outside
+    the attention call."""
+    if config is None:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    message = _config_refusal(getattr(text, "model_type", "") or "",
+                              tuple(getattr(text, "layer_types", None) or ()))
+    if message:
+        raise ValueError(message)
+
+
+@torch._dynamo.assume_constant_result
+def _config_refusal(model_type: str, layer_types: tuple) -> str:
+    """"" or why the model cannot run under context parallelism (a compile-time constant)."""
+    if layer_types:
+        others = sorted(set(layer_types) - _ATTENTION_LAYERS - _PER_TOKEN_LAYERS)
+        if "indexed_attention" in others:
+            return (f"{WHAT}: the {model_type!r} model's sparse attention selects keys with an "
+                    "indexer (top-k over the scores of the whole sequence) before the attention "
+                    "call; under context parallelism the indexer would see each rank's shard "
+                    "only, so cpattn refuses it (no exact sharded indexer yet)")
+        if others:
+            first = next(i for i, t in enumerate(layer_types) if t in others)
+            return (f"{WHAT}: the {model_type!r} model has layers of type {others} (layer "
+                    f"{first} first), which mix tokens outside the attention call (convolution, "
+                    "state-space or linear attention); under context parallelism they would "
+                    "see each rank's shard only, so cpattn refuses the model")
+        return ""
+    mixers = _mixer_classes(model_type)
+    if mixers:
+        return (f"{WHAT}: the {model_type!r} model defines token-mixing layers outside attention "
+                f"({', '.join(mixers)}); under context parallelism they would see each rank's "
+                "shard only, so cpattn refuses the model")
+    return ""
+
+
+def _mixer_classes(model_type: str) -> list[str]:
+    """Classes of the model type's modeling module whose names say they mix tokens."""
+    module = sys.modules.get(f"transformers.models.{model_type}.modeling_{model_type}")
+    if module is None:
+        return []
+    return sorted(name for name, obj in vars(module).items()
+                  if isinstance(obj, type) and issubclass(obj, torch.nn.Module)
+                  and obj.__module__ == module.__name__ and _MIXER_CLASS.search(name)
+                  and not _MIXER_EXEMPT.search(name))
+
+
+# transformers.masking_utils' mask functions that cpattn applies itself, on global positions, by
+# qualified name; and_masks / or_masks combine them (their parts are checked).
+_KNOWN_MASKS = frozenset({
+    "causal_mask_function", "bidirectional_mask_function",
+    "sliding_window_overlay.<locals>.inner_mask",  # sliding_window (causal)
+    "sliding_window_bidirectional_overlay.<locals>.inner_mask",  # ModernBERT's local attention
+    "chunked_overlay.<locals>.inner_mask",  # Llama 4 (check_layer)
+    "packed_sequence_mask_function.<locals>.inner_mask",  # packed documents (shard_batch)
+    "remap_positions_for_packed_sequence.<locals>.inner_mask",
+    "padding_mask_function.<locals>.inner_mask",  # padding (shard_batch unpads)
+    "add_offsets_to_mask_function.<locals>.inner_mask",
+})
+_COMBINERS = frozenset({"and_masks.<locals>.and_mask", "or_masks.<locals>.or_mask"})
+
+
+def check_mask_function(mask_function: Optional[Callable]) -> None:
+    """Raises ValueError for a mask function cpattn does not apply (an image-token overlay, a
+    user's function): never silently dropped. Not while torch.compile traces (the function is
+    then dynamo's; the eager run of the same model checks it)."""
+    if mask_function is None or torch.compiler.is_compiling():
+        return
+    unknown = _unknown_masks(mask_function)
+    if unknown:
+        raise ValueError(
+            f"{WHAT}: the model builds an attention mask from {', '.join(unknown)}, which cpattn "
+            "does not apply (it applies causal, bidirectional, sliding-window and chunked masks "
+            "and packed documents on global positions); running without it would train another "
+            "model, so it raises. Use another attention implementation for this model")
+
+
+def _unknown_masks(fn: Callable) -> list[str]:
+    name = getattr(fn, "__qualname__", repr(fn))
+    if getattr(fn, "__module__", None) != "transformers.masking_utils":
+        return [f"{getattr(fn, '__module__', '?')}.{name}"]
+    if name in _KNOWN_MASKS and name != "remap_positions_for_packed_sequence.<locals>.inner_mask":
+        return []
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    if name in _COMBINERS:
+        return [u for part in cells.get("mask_functions", ()) for u in _unknown_masks(part)]
+    if name in _KNOWN_MASKS:  # the remap wraps the mask it remaps
+        return _unknown_masks(cells["mask_function"])
+    return [name]
+
+
+def check_layer(module: torch.nn.Module, tokens: int, max_position: int) -> None:
+    """Per-layer position arithmetic of the model that cpattn cannot make exact beyond a length.
+    tokens: the sequence's (or packed batch's) number of tokens; max_position: its largest
+    position id. The same on every rank."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if layer_types and layer is not None and layer < len(layer_types) and (
+            layer_types[layer] == "chunked_attention"):
+        chunk = getattr(config, "attention_chunk_size", None)
+        if chunk is not None and max_position >= chunk:
+            raise ValueError(
+                f"{WHAT}: layer {layer} uses chunked attention (attention_chunk_size={chunk}) "
+                f"and positions reach {max_position}: cpattn does not apply chunked masks across "
+                "chunks yet, so it runs only while every position is below the chunk size. "
+                "Shorten the sequences (or pack documents below the chunk size)")
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        floor = getattr(module, "floor_scale", None)
+        if floor is not None and tokens >= floor:
+            raise ValueError(
+                f"{WHAT}: layer {layer} scales its queries by attention-temperature tuning, "
+                f"which transformers computes from the local length; with {tokens} tokens "
+                f"(>= floor_scale {floor}) each rank would scale by its own shard's positions. "
+                "Set config.attn_temperature_tuning = False, or keep sequences shorter than "
+                "floor_scale")
+
+
+def agree(cp, what: str, check: Callable[[], None]) -> None:
+    """Runs check() (which raises ValueError on a bad local value) so that every rank of cp's
+    sequence raises when any rank's check fails: over cp's group, or for hybrid over its Ulysses
+    groups and then its ring groups (every rank takes part in both exchanges)."""
+    timeout = cp.timeout if cp.timeout is not None else _default_timeout()
+
+    def validated():
+        check()
+        return None, []
+
+    if cp.strategy != "hybrid":
+        agree_on(what, cp.group, timeout, validated)
+        return
+    failure = None
+    try:
+        agree_on(what, cp.ulysses_group, timeout, validated)
+    except ValueError as e:
+        failure = e
+
+    def across():
+        if failure is not None:
+            raise failure
+        return None, []
+
+    try:
+        agree_on(what, cp.ring_group, timeout, across)
+    finally:
+        del failure  # no cycle from the raised error's frames back to it
+
+
+def _default_timeout() -> float:
+    from cpattn._validation import check_timeout
+
+    return check_timeout(WHAT, None)

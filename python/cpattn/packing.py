@@ -1,0 +1,141 @@
+"""Packed documents in a training batch: found in what the collators give, sharded per document.
+
+A batch holds packed documents when its `position_ids` restart inside a row
+(transformers' `DataCollatorWithFlattening`, TRL's padding-free batches), when it carries the
+collator's document boundaries (`cu_seq_lens_q` / `cu_seq_lens_k`, with
+`return_flash_attn_kwargs=True`), or when its `attention_mask` has padding (each row's real
+tokens are then one document: unpadding is exact, padding never is under context parallelism).
+`cpattn.shard_batch` shards such a batch per document (`cpattn.shard_varlen`'s layout: each
+document padded to the layout's granularity and split over every rank) and hands the documents
+to the attention as the model keyword `cpattn_documents`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from cpattn._layout import document_positions
+
+KEYWORD = "cpattn_documents"  # the model keyword that carries the documents to the attention
+FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+@dataclass(frozen=True)
+class Documents:
+    """The documents of a packed sequence, the same on every rank (made by cpattn.shard_batch).
+
+    lengths: each document's number of tokens, in packed order.
+    starts: each document's first position id (RoPE; 0 for the collators' batches).
+    """
+
+    lengths: tuple[int, ...]
+    starts: tuple[int, ...]
+
+    @property
+    def cu_seqlens(self) -> list[int]:
+        cu = [0]
+        for n in self.lengths:
+            cu.append(cu[-1] + n)
+        return cu
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def max_position(self) -> int:
+        """The largest position id of any token (-1 without tokens)."""
+        return max((s + n - 1 for s, n in zip(self.starts, self.lengths)), default=-1)
+
+    def local_positions(self, layout: str, world: int, rank: int) -> tuple[torch.Tensor,
+                                                                            torch.Tensor]:
+        """For `rank`'s local tokens: (index into the packed sequence, -1 for padding; position
+        id, 0 for padding)."""
+        return _local_positions(self, layout, world, rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _local_positions(docs: Documents, layout: str, world: int, rank: int):
+    index, within = document_positions(torch.tensor(docs.lengths, dtype=torch.int64), layout,
+                                       world, rank)
+    doc = torch.searchsorted(torch.tensor(docs.cu_seqlens), index.clamp(min=0), right=True) - 1
+    starts = torch.tensor(docs.starts, dtype=torch.int64)
+    return index, torch.where(index >= 0, within + starts[doc.clamp(max=len(docs.starts) - 1)], 0)
+
+
+@dataclass
+class Packing:
+    """A batch seen as packed documents: `docs`, and for each token of the packed sequence its
+    place in the batch's rows (`source`, into the flattened (batch * seqlen)) and position id."""
+
+    docs: Documents
+    source: torch.Tensor  # int64 (tokens,)
+    positions: torch.Tensor  # int64 (tokens,)
+
+
+def find_packing(batch: dict[str, Any], key: str, what: str) -> Optional[Packing]:
+    """The packed documents of a full batch (None: rows of one document each, positions
+    0, 1, ...). Raises ValueError for a form that cannot be made exact."""
+    ids = batch[key]
+    bsz, seqlen = ids.shape[0], ids.shape[1]
+    mask = batch.get("attention_mask")
+    mask = None if mask is None else torch.as_tensor(mask).bool().cpu()
+    pos = batch.get("position_ids")
+    pos = None if pos is None else torch.as_tensor(pos).cpu().to(torch.int64)
+    if pos is not None:
+        if pos.dim() == 1:
+            pos = pos[None]
+        if pos.shape[-1] != seqlen or pos.shape[0] not in (1, bsz):
+            raise ValueError(f"{what}: position_ids must be (batch, seqlen) = ({bsz}, {seqlen}), "
+                             f"got {tuple(pos.shape)}")
+        pos = pos.expand(bsz, -1)
+    cu = _flash_boundaries(batch, bsz, seqlen, what)
+    default = torch.arange(seqlen).expand(bsz, -1)
+    padded = mask is not None and not bool(mask.all())
+    if cu is None and not padded and (pos is None or torch.equal(pos, default)):
+        return None
+    if mask is not None and mask.shape != (bsz, seqlen):
+        raise ValueError(f"{what}: attention_mask must be (batch, seqlen) = ({bsz}, {seqlen}), "
+                         f"got {tuple(mask.shape)}")
+    pos = default if pos is None else pos
+    lengths, starts, sources = [], [], []
+    for b in range(bsz):
+        real = (torch.arange(seqlen) if mask is None else mask[b].nonzero().flatten())
+        if real.numel() and int(real[-1] - real[0]) + 1 != real.numel():
+            raise ValueError(f"{what}: attention_mask row {b} has padding between real tokens; "
+                             "only left or right padding can be unpadded exactly")
+        if cu is not None:
+            bounds = cu
+        else:  # a new document wherever the position does not follow the previous one
+            row = pos[b, real]
+            new = torch.ones(row.numel(), dtype=torch.bool)
+            new[1:] = row.diff() != 1
+            bounds = torch.cat([new.nonzero().flatten(), torch.tensor([row.numel()])]).tolist()
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            if e > s:
+                lengths.append(e - s)
+                starts.append(int(pos[b, real[s]]))
+        sources.append(b * seqlen + real)
+    source = torch.cat(sources)
+    return Packing(Documents(tuple(lengths), tuple(starts)), source,
+                   pos.reshape(-1)[source])
+
+
+def _flash_boundaries(batch, bsz: int, seqlen: int, what: str) -> Optional[list[int]]:
+    """The collator's cu_seq_lens_q (== cu_seq_lens_k), checked, or None."""
+    if not any(k in batch for k in FLASH_KEYS[:2]):
+        return None
+    cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None or not torch.equal(torch.as_tensor(cu_q).cpu(),
+                                                       torch.as_tensor(cu_k).cpu()):
+        raise ValueError(f"{what}: cu_seq_lens_q and cu_seq_lens_k must both be given and equal "
+                         "(self-attention over packed documents)")
+    cu = torch.as_tensor(cu_q).cpu().to(torch.int64).flatten().tolist()
+    if bsz != 1 or cu[0] != 0 or cu[-1] != seqlen or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"{what}: cu_seq_lens_q {cu if len(cu) <= 16 else '...'} must run from 0 "
+                         f"to the packed length {seqlen} of a batch of one row (got {bsz} rows)")
+    return cu

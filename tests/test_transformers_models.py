@@ -1,0 +1,322 @@
+"""Real transformers model code under context parallelism: every case matches one process (fp32:
+loss 1e-5, gradients 1e-4) or raises on every rank, promptly.
+
+Exact: packed documents from DataCollatorWithFlattening (position ids that restart, and its
+cu_seq_lens form), a padded batch (unpadded into documents), families beyond the ones of
+test_transformers (Qwen3, Gemma 3, Cohere2, DeepSeek-V3's MLA), encoders (BERT, ModernBERT's
+bidirectional local window), Qwen3-MoE's load-balancing loss over the whole sequence. Each exact
+case has an ablation showing that its feature changes the one-process result (so the test can
+fail). Refused on every rank: token mixers outside attention (LFM2's convolutions,
+GraniteMoeHybrid's Mamba layers, MiniMax's lightning attention), a sparse-attention indexer
+(DeepSeek-V3.2), Llama 4 (its attention gets no position ids; chunked attention and temperature
+tuning), packed documents under Ulysses; and the one-rank-only triggers (a padding mask whose
+zeros lie in one shard, a document boundary in one shard, local positions that are global on
+rank 0 only) raise on every rank within a second."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+import transformers as T  # noqa: E402
+
+import cpattn  # noqa: E402
+from cpattn.integrations.transformers import load_balancing_loss, register  # noqa: E402
+
+from distributed import run_ranks  # noqa: E402
+from transformers_models import assert_step_matches  # noqa: E402
+
+COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              attention_dropout=0.0, tie_word_embeddings=False, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2, use_cache=False)
+
+
+def _config(kind: str, **overrides):
+    if kind == "llama":
+        return T.LlamaConfig(**COMMON, **overrides)
+    if kind == "qwen3":
+        return T.Qwen3Config(**COMMON, head_dim=8, **overrides)
+    if kind == "gemma3":
+        return T.Gemma3TextConfig(**{**COMMON, "head_dim": 8, "query_pre_attn_scalar": 8,
+                                     "sliding_window": 5, "layer_types": ["sliding_attention",
+                                                                          "full_attention"],
+                                     "initializer_range": 0.05, **overrides})
+    if kind == "cohere2":
+        return T.Cohere2Config(**{**COMMON, "sliding_window": 5, "logit_scale": 1.0,
+                                  "layer_types": ["sliding_attention", "full_attention"],
+                                  **overrides})
+    if kind == "deepseek_v3":
+        return T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4, "kv_lora_rank": 16,
+                                     "q_lora_rank": 16, "qk_rope_head_dim": 8,
+                                     "qk_nope_head_dim": 8, "v_head_dim": 8,
+                                     "first_k_dense_replace": 2, "n_routed_experts": 4,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                     "n_group": 1, "topk_group": 1, **overrides})
+    if kind == "gpt_oss":
+        return T.GptOssConfig(**{**COMMON, "head_dim": 8, "sliding_window": 5,
+                                 "initializer_range": 0.1,
+                                 "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+                                 **overrides})
+    if kind == "qwen3_moe":
+        return T.Qwen3MoeConfig(**{**COMMON, "head_dim": 8, "num_experts": 4,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                   "decoder_sparse_step": 1, **overrides})
+    if kind == "bert":
+        return T.BertConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                            num_hidden_layers=2, num_attention_heads=4,
+                            attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0,
+                            max_position_embeddings=256, **overrides)
+    if kind == "modernbert":
+        return T.ModernBertConfig(**{"vocab_size": 96, "hidden_size": 32,
+                                     "intermediate_size": 64, "num_hidden_layers": 2,
+                                     "num_attention_heads": 4, "pad_token_id": 0,
+                                     "eos_token_id": 1, "bos_token_id": 2, "cls_token_id": 3,
+                                     "sep_token_id": 4, "local_attention": 6,
+                                     "global_attn_every_n_layers": 2, "attention_dropout": 0.0,
+                                     "embedding_dropout": 0.0, "mlp_dropout": 0.0,
+                                     "initializer_range": 0.1,
+                                     **overrides})
+    raise AssertionError(kind)
+
+
+ENCODERS = ("bert", "modernbert")
+
+
+def _model(config, implementation: str):
+    torch.manual_seed(0)
+    auto = T.AutoModelForMaskedLM if config.model_type in ENCODERS else T.AutoModelForCausalLM
+    model = auto.from_config(config, attn_implementation=implementation, dtype=torch.float32)
+    with torch.no_grad():  # logits with a real spread
+        for _, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    model.eval()  # (no dropout anywhere; the reference and the ranks run the same graph)
+    return model
+
+
+def _shifted_loss(logits, labels):
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                             labels[:, 1:].flatten())
+
+
+def _reference(config, batch: dict, aux=None, lengths=None) -> tuple[float, dict]:
+    """One process: the loss over the shifted labels (+ the load-balancing loss), gradients.
+    lengths: packed documents, each run as a sequence of its own (the definition: transformers'
+    own packed mask is not trusted here, its eager gpt-oss lets documents see each other)."""
+    implementation = "eager" if config.model_type in ("gpt_oss",) else "sdpa"
+    model = _model(config, implementation)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    extra = {"output_router_logits": True} if aux else {}
+    if lengths is None:
+        out = model(**inputs, **extra)
+        logits, router = out.logits, getattr(out, "router_logits", None)
+    else:
+        parts = [model(input_ids=part, **extra)
+                 for part in batch["input_ids"].split(list(lengths), dim=1)]
+        logits = torch.cat([p.logits for p in parts], dim=1)
+        router = aux and tuple(torch.cat(layer) for layer in zip(*(p.router_logits
+                                                                    for p in parts)))
+    loss = _shifted_loss(logits, batch["labels"])
+    if aux:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+        loss = loss + aux * load_balancing_loss_func(router, config.num_experts,
+                                                     config.num_experts_per_tok)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
+                         if p.grad is not None and not n.endswith(_ZERO_GRADIENT)}
+
+
+# A key bias adds the same amount to every score of a row: its exact gradient is 0, and what
+# either side computes for it is rounding noise.
+_ZERO_GRADIENT = ("attention.self.key.bias",)
+
+
+def _cp_step(config, batch: dict, cp, aux=None) -> tuple[float, dict]:
+    model = _model(config, register(cp, f"cpattn_{cp.strategy}"))
+    local = cpattn.shard_batch(batch, cp)
+    inputs = {k: v for k, v in local.items() if k != "shift_labels"}
+    out = model(**inputs, **({"output_router_logits": True} if aux else {}))
+    loss = cpattn.cross_entropy(out.logits, local["shift_labels"], cp)
+    if aux:
+        loss = loss + aux * load_balancing_loss(
+            out.router_logits, cp, config.num_experts, config.num_experts_per_tok,
+            documents=local["cpattn_documents"])
+    loss.backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.clone()
+        dist.all_reduce(g, group=cp.group)
+        grads[n] = g / cp.world_size
+    return loss.item(), grads
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 96, (n,), generator=g).tolist()
+
+
+def _packed(lengths, flash: bool = False) -> dict:
+    collator = T.DataCollatorWithFlattening(return_flash_attn_kwargs=flash)
+    return collator([{"input_ids": _ids(n, i)} for i, n in enumerate(lengths)])
+
+
+def _sequences(rows: int = 2, seqlen: int = 24, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 96, (rows, seqlen), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _exact(what, config, batch, cp, ablation=None, aux=None, lengths=None):
+    ref = _reference(config, batch, aux, lengths)
+    if ablation is not None:
+        off_config, off_batch, *off_aux = ablation
+        off = _reference(off_config, off_batch, off_aux[0] if off_aux else aux)
+        assert abs(off[0] - ref[0]) > 1e-3, f"{what}: the ablation does not change the loss"
+    assert_step_matches(ref, _cp_step(config, batch, cp, aux), what)
+
+
+LENGTHS = [7, 13, 4, 9, 15]  # documents of the packed batches (48 tokens)
+
+
+def _unpacked(batch: dict) -> dict:
+    """The same tokens as one sequence: documents attending to each other."""
+    return {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+
+
+def _packed_cases(cp):
+    for kind in ("llama", "gpt_oss"):
+        config = _config(kind)
+        batch = _packed(LENGTHS)
+        _exact(f"packed {kind} {cp.strategy}", config, batch, cp, (config, _unpacked(batch)),
+               lengths=LENGTHS)
+    config = _config("llama")
+    flash = _packed(LENGTHS, flash=True)
+    assert_step_matches(_reference(config, flash, lengths=LENGTHS), _cp_step(config, flash, cp),
+                        f"packed (cu_seq_lens) llama {cp.strategy}")
+    # A padded batch: each row's real tokens become a document; padding labels -100. Row 0 is
+    # right-padded, row 1 left-padded (its first real token is predicted by padding: -100 too;
+    # its positions count the padding, as transformers' default positions do).
+    padded = _sequences()
+    mask = torch.ones_like(padded["input_ids"])
+    mask[0, -5:] = 0
+    mask[1, :11] = 0
+    padded["labels"] = padded["labels"].masked_fill(mask == 0, -100)
+    padded["labels"][1, 11] = -100
+    padded["attention_mask"] = mask
+    _exact(f"padded llama {cp.strategy}", config, padded, cp,
+           (config, {k: v for k, v in padded.items() if k != "attention_mask"}))
+
+
+def _family_cases(cp):
+    for kind, ablation in (("qwen3", None), ("gemma3", {"sliding_window": 1000}),
+                           ("cohere2", {"sliding_window": 1000}), ("deepseek_v3", None)):
+        config = _config(kind)
+        off = None if ablation is None else (_config(kind, **ablation), _sequences())
+        _exact(f"{kind} {cp.strategy}", config, _sequences(), cp, off)
+    for kind in ENCODERS:  # bidirectional; ModernBERT's local window (6) on global positions
+        config = _config(kind)
+        off = (_config(kind, local_attention=1000), _sequences()) if kind == "modernbert" else None
+        _exact(f"{kind} {cp.strategy}", config, _sequences(), cp, off)
+    config = _config("qwen3_moe")
+    _exact(f"qwen3_moe load balancing {cp.strategy}", config, _sequences(), cp,
+           (config, _sequences(), None), aux=0.5)  # (ablation: without the auxiliary loss)
+    _exact(f"qwen3_moe packed load balancing {cp.strategy}", config, _packed(LENGTHS), cp,
+           aux=0.5, lengths=LENGTHS)
+
+
+def _raises_everywhere(match: str, fn, *args, **kwargs) -> None:
+    """fn raises ValueError matching `match` on this rank, within a second (every rank runs it:
+    a rank that did not raise would leave the others waiting)."""
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+    assert time.monotonic() - start < 1.0, f"{match}: raised after {time.monotonic() - start} s"
+
+
+def _refusals(cp):
+    name = register(cp, "cpattn_refusals")
+    ids = _sequences()["input_ids"]
+    local = cpattn.shard_batch({"input_ids": ids}, cp)
+    refused = {
+        "lfm2": (T.Lfm2Config(vocab_size=96, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              layer_types=["conv", "full_attention"]), r"\['conv'\]"),
+        "granitemoehybrid": (T.GraniteMoeHybridConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention"],
+            mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
+            num_local_experts=2, num_experts_per_tok=1), "linear_attention"),  # (its Mamba)
+        "minimax": (T.MiniMaxConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                                    num_experts_per_tok=1,
+                                    layer_types=["linear_attention", "full_attention"]),
+                    "linear_attention"),
+        "deepseek_v32": (T.DeepseekV32Config(vocab_size=96, hidden_size=32,
+                                              intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=4, num_key_value_heads=4,
+                                              kv_lora_rank=16, q_lora_rank=16,
+                                              qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                              v_head_dim=8, first_k_dense_replace=1,
+                                              n_routed_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=16, n_group=1,
+                                              topk_group=1, index_n_heads=2,
+                                              index_head_dim=16, index_topk=4), "indexer"),
+        "llama4": (T.Llama4TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                      intermediate_size_mlp=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      attention_chunk_size=8, num_local_experts=2),
+                   "gets no position_ids|chunked|temperature"),
+    }
+    for kind, (config, match) in refused.items():
+        try:
+            model = T.AutoModelForCausalLM.from_config(config, attn_implementation=name)
+        except Exception as e:  # noqa: BLE001 - a config this transformers cannot build
+            pytest.fail(f"{kind}: the tiny config does not build: {e}")
+        _raises_everywhere(match, model, input_ids=local["input_ids"],
+                           position_ids=local["position_ids"], use_cache=False)
+    # Ulysses does not run packed documents: shard_batch says so on every rank.
+    ulysses = cpattn.ContextParallel(cp.group, strategy="ulysses")
+    _raises_everywhere("strategy='ring'", cpattn.shard_batch, _packed(LENGTHS), ulysses)
+    # One-rank-only triggers, each raising on every rank within a second.
+    model = _model(_config("llama"), name)
+    mask = torch.ones_like(local["input_ids"])
+    if cp.rank == 1:
+        mask[0, 2] = 0  # zeros in rank 1's shard only
+    one_rank = r"invalid on rank\(s\) 1 but not on rank\(s\) 0"  # (rank 1 adds its error)
+    _raises_everywhere(one_rank, model, input_ids=local["input_ids"],
+                       position_ids=local["position_ids"], use_cache=False,
+                       attention_mask=mask)
+    # Contiguous layout: rank 1 holds tokens 24..47, so a document boundary at token 30 lies in
+    # its shard only, and local positions 0..23 (none given) are right on rank 0 only.
+    contiguous = cpattn.ContextParallel(cp.group, layout="contiguous")
+    c_model = _model(_config("llama"), register(contiguous, "cpattn_contiguous"))
+    packed = _packed([30, 18])
+    restart = contiguous.shard(packed["position_ids"])
+    assert bool((restart == contiguous.positions(48)).all()) == (cp.rank == 0)
+    _raises_everywhere(one_rank, c_model, input_ids=contiguous.shard(packed["input_ids"]),
+                       position_ids=restart, use_cache=False)
+    _raises_everywhere(one_rank, c_model, input_ids=contiguous.shard(ids), use_cache=False)
+    # After the errors the group still works.
+    _exact("llama after errors", _config("llama"), _sequences(), cp)
+
+
+def _w2(rank, world):
+    for strategy in ("ring", "allgather"):
+        cp = cpattn.ContextParallel(strategy=strategy)
+        _packed_cases(cp)
+    _family_cases(cpattn.ContextParallel())
+    _refusals(cpattn.ContextParallel())
+
+
+def test_models_exact_or_refused_w2():
+    """One spawn of 2 ranks (CI time) for every case."""
+    run_ranks(2, _w2)
