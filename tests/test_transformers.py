@@ -108,6 +108,7 @@ def _w2(rank, world):
 def _w4(rank, world):
     _training_matches(4)
     _hybrid_loss_group()
+    _hybrid_one_rank_refusal()
     _dp_times_cp(rank, world)
 
 
@@ -205,6 +206,25 @@ def _loss_is_global_mean():
     # A group that misses some of cp's ranks would average over part of the sequence: refused.
     alone = [dist.new_group([r]) for r in range(cp.world_size)][cp.rank]
     _raises("misses ranks", cpattn.cross_entropy, local_logits, local_labels, cp, group=alone)
+
+
+def _hybrid_one_rank_refusal():
+    """Hybrid 2 x 2: a padding mask with zeros in one rank's shard raises on all four ranks
+    (agreed over the Ulysses groups, then the ring groups), and the group works afterwards."""
+    from cpattn.integrations.transformers import register
+
+    cp = _make_cp("hybrid")
+    config = tiny_config()
+    batch = tiny_batch(config)
+    local = cpattn.shard_batch(batch, cp)
+    model = tiny_model(config, register(cp, "cpattn_hybrid_refusal"))
+    mask = torch.ones_like(local["input_ids"])
+    if dist.get_rank() == 3:
+        mask[0, 1] = 0
+    _raises("invalid on rank", model, input_ids=local["input_ids"],
+            position_ids=local["position_ids"], use_cache=False, attention_mask=mask)
+    assert_step_matches(reference_step(config, batch),
+                        cp_step(config, batch, cp, "cpattn_hybrid_refusal"), "hybrid after")
 
 
 def _hybrid_loss_group():

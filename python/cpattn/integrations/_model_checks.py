@@ -168,21 +168,21 @@ def agree(cp, what: str, check: Callable[[], None]) -> None:
     if cp.strategy != "hybrid":
         agree_on(what, cp.group, timeout, validated)
         return
-    failure = None
+    failures = []  # this Ulysses group's error (every rank of it has the same)
     try:
         agree_on(what, cp.ulysses_group, timeout, validated)
     except ValueError as e:
-        failure = e
+        failures.append(e)
 
     def across():
-        if failure is not None:
-            raise failure
+        if failures:
+            raise failures[0]
         return None, []
 
     try:
         agree_on(what, cp.ring_group, timeout, across)
     finally:
-        del failure  # no cycle from the raised error's frames back to it
+        failures.clear()  # no cycle from the raised error's frames back to it
 
 
 def _default_timeout() -> float:

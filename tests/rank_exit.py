@@ -1,0 +1,60 @@
+"""One rank of a W = 2 job, launched as its own process by tests/test_exit.py: catches cpattn
+errors (the same bad input on every rank, ranks that disagree), destroys the group and checks that
+no gloo thread survived it; then, in a new group, catches an integration refusal and runs one
+training step of a tiny Llama under context parallelism, and exits through the normal
+interpreter shutdown (exit code 0)."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import cpattn
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    before = threads()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    q = torch.randn(1, 8 + 2 * rank, 4, 16)
+    for bad in (lambda: cpattn.ring_attention(q[:, :8], q[:, :8], q[:, :8], window=(-5, 0)),
+                lambda: cpattn.ring_attention(q, q, q, causal=True)):
+        try:
+            bad()
+            raise AssertionError("no error")
+        except ValueError:
+            pass
+    dist.destroy_process_group()
+    after = threads()
+    assert after == before, f"rank {rank}: {after} threads after destroy, {before} before init"
+    # A training step through the integration (its registry holds the settings, and through
+    # them the group, until exit: the process must still exit cleanly).
+    dist.init_process_group("gloo")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from cpattn.integrations.transformers import register
+
+    cp = cpattn.ContextParallel()
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, use_cache=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=register(cp))
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    batch = cpattn.shard_batch({"input_ids": ids, "labels": ids}, cp)
+    try:
+        model(input_ids=batch["input_ids"])  # no position_ids: refused on every rank
+        raise AssertionError("no error")
+    except ValueError:
+        pass
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    cpattn.cross_entropy(logits, batch["shift_labels"], cp).backward()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
