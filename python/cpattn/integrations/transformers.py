@@ -13,15 +13,16 @@ cpattn works on (batch, seqlen, heads, head_dim): the function transposes views,
 the GQA K/V heads, and returns (batch, seqlen, heads, head_dim) as transformers expects.
 
 Every keyword the model passes is either honoured exactly or raises (`_score_options` is the one
-place that maps them): scaling, causal or bidirectional, `sliding_window` (a causal window on
-global positions), GQA, attention sinks (gpt-oss's `s_aux`, the module's learnable `sinks`:
-cpattn's `sinks=`, with their gradient), logit softcapping (Gemma 2's `softcap`: `softcap=`) and
-`alibi_slopes` (`alibi_slopes=`). A padding mask, dropout > 0, a general score bias
-(`position_bias`), attention weights, packed-sequence (flash varlen) keywords and any keyword
-this module does not know raise ValueError, the same on every rank (they are the same on every
-rank). `position_ids`, when the
-model passes them, must be the tokens' global positions (from `cpattn.shard_batch`), else
-ValueError (checked on each rank in eager mode).
+place that maps them): scaling, causal or bidirectional, `sliding_window` (causal or
+bidirectional, on global positions), GQA, attention sinks (gpt-oss's `s_aux`, the module's
+learnable `sinks`: cpattn's `sinks=`, with their gradient), logit softcapping (Gemma 2's
+`softcap`: `softcap=`), `alibi_slopes` (`alibi_slopes=`) and packed documents
+(`cpattn_documents`, from `cpattn.shard_batch`). A padding mask, dropout > 0, a general score
+bias (`position_bias`), cross-attention, attention weights, flash varlen keywords and any
+keyword this module does not know raise ValueError, the same on every rank. What the model
+computes outside the call is checked in `_model_checks` (token mixers, mask functions, Llama 4's
+position arithmetic). `position_ids` must be the tokens' position ids from `cpattn.shard_batch`,
+else ValueError on every rank (checked once per forward in eager mode and agreed over the ranks).
 
 Generation: `ContextParallelCache` is a transformers `Cache` whose layers are cpattn
 `KVCacheShard`s: `model.generate(..., cache=ContextParallelCache(cp, model.config, capacity))`
@@ -29,8 +30,8 @@ Generation: `ContextParallelCache` is a transformers `Cache` whose layers are cp
 prompt on every rank. Prompt attention runs sharded through `cpattn.prefill_attention` (the
 leading multiple of the layout granularity) and `cpattn.decode_attention` (the rest, and every
 new token); the cache holds each token's K/V on one rank only. Everything outside attention
-(embeddings, MLPs, logits) runs replicated. Sinks are honoured there too; a sliding window,
-softcap or ALiBi raise (prefill / decode do not have them).
+(embeddings, MLPs, logits) runs replicated. Sinks, sliding windows, softcap and ALiBi are honoured
+there too; bidirectional attention raises.
 """
 
 from __future__ import annotations
