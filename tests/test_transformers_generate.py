@@ -75,3 +75,37 @@ def _generate_kind(rank, world, config):
 @pytest.mark.parametrize("world", [2, 3])
 def test_generate_matches_single_process(world):
     run_ranks(world, _generate_matches)
+
+
+def _llama4(rank, world):
+    """Llama 4 (a chunked RoPE layer, a NoPE layer): chunks longer than prompt + new tokens give
+    the same tokens (chunks of 8 give others); chunks the generation crosses raise on every
+    rank, at the prompt (its 13 tokens pass 8)."""
+    from test_transformers_models import model_config
+
+    from cpattn.integrations.transformers import ContextParallelCache, register
+
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.randint(5, 96, (2, PROMPT_LEN), generator=g)
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
+                    pad_token_id=0)
+    cp = cpattn.ContextParallel()
+    name = register(cp)
+    results = {}
+    for chunk in (64, 8):
+        config = model_config("llama4", attention_chunk_size=chunk, use_cache=True)
+        ref = tiny_model(config, "sdpa").generate(prompts, **settings)
+        model = tiny_model(config, name)
+        cache = ContextParallelCache(cp, model.config, capacity=PROMPT_LEN + NEW_TOKENS)
+        if chunk == 64:
+            got = model.generate(prompts, cache=cache, **settings)
+            assert torch.equal(got, ref), f"rank {rank}: {got.tolist()} vs {ref.tolist()}"
+        else:
+            with pytest.raises(ValueError, match="chunked attention"):
+                model.generate(prompts, cache=cache, **settings)
+        results[chunk] = ref
+    assert not torch.equal(results[64], results[8]), "the chunks change nothing"
+
+
+def test_generate_llama4_chunks():
+    run_ranks(2, _llama4)

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 import transformers as T  # noqa: E402
 
 import cpattn  # noqa: E402
-from cpattn.integrations.transformers import load_balancing_loss, register  # noqa: E402
+from cpattn.integrations.transformers import register  # noqa: E402
 
 from distributed import run_ranks  # noqa: E402
 from transformers_models import assert_step_matches  # noqa: E402
@@ -35,7 +35,7 @@ COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_la
               bos_token_id=1, eos_token_id=2, use_cache=False)
 
 
-def _config(kind: str, **overrides):
+def model_config(kind: str, **overrides):
     if kind == "llama":
         return T.LlamaConfig(**COMMON, **overrides)
     if kind == "qwen3":
@@ -66,6 +66,11 @@ def _config(kind: str, **overrides):
         return T.Qwen3MoeConfig(**{**COMMON, "head_dim": 8, "num_experts": 4,
                                    "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                                    "decoder_sparse_step": 1, **overrides})
+    if kind == "llama4":  # layer 0: RoPE and chunked attention; layer 1: NoPE, full attention
+        return T.Llama4TextConfig(**{**COMMON, "head_dim": 8, "intermediate_size_mlp": 64,
+                                     "num_local_experts": 2, "no_rope_layers": [1, 0],
+                                     "attention_chunk_size": 64, "initializer_range": 0.1,
+                                     **overrides})
     if kind == "bert":
         return T.BertConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
                             num_hidden_layers=2, num_attention_heads=4,
@@ -144,7 +149,7 @@ def _cp_step(config, batch: dict, cp, aux=None) -> tuple[float, dict]:
     out = model(**inputs, **({"output_router_logits": True} if aux else {}))
     loss = cpattn.cross_entropy(out.logits, local["shift_labels"], cp)
     if aux:
-        loss = loss + aux * load_balancing_loss(
+        loss = loss + aux * cpattn.load_balancing_loss(
             out.router_logits, cp, config.num_experts, config.num_experts_per_tok,
             documents=local["cpattn_documents"])
     loss.backward()
@@ -193,11 +198,11 @@ def _unpacked(batch: dict) -> dict:
 
 def _packed_cases(cp):
     for kind in ("llama", "gpt_oss"):
-        config = _config(kind)
+        config = model_config(kind)
         batch = _packed(LENGTHS)
         _exact(f"packed {kind} {cp.strategy}", config, batch, cp, (config, _unpacked(batch)),
                lengths=LENGTHS)
-    config = _config("llama")
+    config = model_config("llama")
     flash = _packed(LENGTHS, flash=True)
     assert_step_matches(_reference(config, flash, lengths=LENGTHS), _cp_step(config, flash, cp),
                         f"packed (cu_seq_lens) llama {cp.strategy}")
@@ -218,14 +223,19 @@ def _packed_cases(cp):
 def _family_cases(cp):
     for kind, ablation in (("qwen3", None), ("gemma3", {"sliding_window": 1000}),
                            ("cohere2", {"sliding_window": 1000}), ("deepseek_v3", None)):
-        config = _config(kind)
-        off = None if ablation is None else (_config(kind, **ablation), _sequences())
+        config = model_config(kind)
+        off = None if ablation is None else (model_config(kind, **ablation), _sequences())
         _exact(f"{kind} {cp.strategy}", config, _sequences(), cp, off)
     for kind in ENCODERS:  # bidirectional; ModernBERT's local window (6) on global positions
-        config = _config(kind)
-        off = (_config(kind, local_attention=1000), _sequences()) if kind == "modernbert" else None
+        config = model_config(kind)
+        off = None if kind == "bert" else (model_config(kind, local_attention=1000), _sequences())
         _exact(f"{kind} {cp.strategy}", config, _sequences(), cp, off)
-    config = _config("qwen3_moe")
+    # Llama 4 with chunks longer than the sequence (exact: its chunked layer is causal then),
+    # given the whole batch (its attention gets no position_ids). Ablation: chunks of 8.
+    config = model_config("llama4")
+    _exact(f"llama4 {cp.strategy}", config, _sequences(), cp,
+           (model_config("llama4", attention_chunk_size=8), _sequences()))
+    config = model_config("qwen3_moe")
     _exact(f"qwen3_moe load balancing {cp.strategy}", config, _sequences(), cp,
            (config, _sequences(), None), aux=0.5)  # (ablation: without the auxiliary loss)
     _exact(f"qwen3_moe packed load balancing {cp.strategy}", config, _packed(LENGTHS), cp,
@@ -270,24 +280,29 @@ def _refusals(cp):
                                               moe_intermediate_size=16, n_group=1,
                                               topk_group=1, index_n_heads=2,
                                               index_head_dim=16, index_topk=4), "indexer"),
-        "llama4": (T.Llama4TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
-                                      intermediate_size_mlp=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                      attention_chunk_size=8, num_local_experts=2),
-                   "gets no position_ids|chunked|temperature"),
+        # Llama 4 given the whole batch: chunks shorter than the sequence; temperature tuning
+        # at floor_scale 16 < 48 tokens (it changes the one-process loss: checked below)
+        "llama4 chunked": (model_config("llama4", attention_chunk_size=8), "chunked attention"),
+        "llama4 temperature": (model_config("llama4", floor_scale=16), "temperature tuning"),
     }
+    tuned = _reference(model_config("llama4", floor_scale=16), _sequences())[0]
+    assert abs(tuned - _reference(model_config("llama4"), _sequences())[0]) > 1e-3
+    whole = {k: v for k, v in local.items() if k != "shift_labels"}
     for kind, (config, match) in refused.items():
         try:
             model = T.AutoModelForCausalLM.from_config(config, attn_implementation=name)
         except Exception as e:  # noqa: BLE001 - a config this transformers cannot build
             pytest.fail(f"{kind}: the tiny config does not build: {e}")
-        _raises_everywhere(match, model, input_ids=local["input_ids"],
-                           position_ids=local["position_ids"], use_cache=False)
+        _raises_everywhere(match, model, **whole, use_cache=False)
+    # Llama 4's attention gets no position_ids: without the whole batch it cannot be checked.
+    model = _model(model_config("llama4"), name)
+    _raises_everywhere("gets no position_ids", model, input_ids=local["input_ids"],
+                       position_ids=local["position_ids"])
     # Ulysses does not run packed documents: shard_batch says so on every rank.
     ulysses = cpattn.ContextParallel(cp.group, strategy="ulysses")
     _raises_everywhere("strategy='ring'", cpattn.shard_batch, _packed(LENGTHS), ulysses)
     # One-rank-only triggers, each raising on every rank within a second.
-    model = _model(_config("llama"), name)
+    model = _model(model_config("llama"), name)
     mask = torch.ones_like(local["input_ids"])
     if cp.rank == 1:
         mask[0, 2] = 0  # zeros in rank 1's shard only
@@ -298,7 +313,7 @@ def _refusals(cp):
     # Contiguous layout: rank 1 holds tokens 24..47, so a document boundary at token 30 lies in
     # its shard only, and local positions 0..23 (none given) are right on rank 0 only.
     contiguous = cpattn.ContextParallel(cp.group, layout="contiguous")
-    c_model = _model(_config("llama"), register(contiguous, "cpattn_contiguous"))
+    c_model = _model(model_config("llama"), register(contiguous, "cpattn_contiguous"))
     packed = _packed([30, 18])
     restart = contiguous.shard(packed["position_ids"])
     assert bool((restart == contiguous.positions(48)).all()) == (cp.rank == 0)
@@ -306,7 +321,7 @@ def _refusals(cp):
                        position_ids=restart, use_cache=False)
     _raises_everywhere(one_rank, c_model, input_ids=contiguous.shard(ids), use_cache=False)
     # After the errors the group still works.
-    _exact("llama after errors", _config("llama"), _sequences(), cp)
+    _exact("llama after errors", model_config("llama"), _sequences(), cp)
 
 
 def _w2(rank, world):

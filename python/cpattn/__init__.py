@@ -36,7 +36,7 @@ from cpattn.ring import (  # noqa: E402
     unshard,
     unshard_varlen,
 )
-from cpattn.training import cross_entropy, shard_batch  # noqa: E402
+from cpattn.training import cross_entropy, load_balancing_loss, shard_batch  # noqa: E402
 from cpattn.ulysses import (  # noqa: E402
     hybrid_attention,
     hybrid_positions,
@@ -79,6 +79,7 @@ __all__ = [
     "ContextParallel",
     "shard_batch",
     "cross_entropy",
+    "load_balancing_loss",
     "set_rank_check",
     "get_rank_check",
 ]

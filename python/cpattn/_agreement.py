@@ -263,6 +263,7 @@ def agree(
     group,
     fields: Sequence[tuple[str, FieldValue]],
     timeout: float,
+    every_call: bool = False,
 ) -> None:
     """Raises ValueError on every rank unless every rank of `group` calls `function_name` with the
     same `fields`; RuntimeError if a peer does not join within `timeout` seconds.
@@ -275,6 +276,8 @@ def agree(
             tensor_fields for tensors. Built from the raw arguments, before validating them, so
             that a bad input on one rank only is a disagreement, not a one-sided error.
         timeout: seconds to wait for the peers.
+        every_call: check in mode "once" too (for fields that are the same at every call while
+            valid, so that "once" would not see a rank whose values went wrong).
 
     Must be called identically on every rank before the call's first message. Costs one
     all-gather of 12 int64 per call in "always" mode (a second one only on a mismatch).
@@ -287,7 +290,7 @@ def agree(
         group = group if group is not None else dist.group.WORLD
         _agree_while_tracing(function_name, group.group_name, _traced_fields(fields), timeout)
         return
-    _agree_now(function_name, group, fields, timeout, mode)
+    _agree_now(function_name, group, fields, timeout, "always" if every_call else mode)
 
 
 def _agree_now(function_name: str, group, fields: Fields, timeout: float, mode: str) -> None:
@@ -342,7 +345,8 @@ def _agree_while_tracing(function_name: str, group_name: str, fields: tuple,
 
 
 def agree_on(
-    function_name: str, group, timeout: float, check: Callable[[], tuple[T, Fields]]
+    function_name: str, group, timeout: float, check: Callable[[], tuple[T, Fields]],
+    every_call: bool = False,
 ) -> T:
     """Validates a call's arguments and agrees on them across the ranks, in that order.
 
@@ -351,7 +355,8 @@ def agree_on(
     that error instead: when
     every rank has it (the same bad input everywhere) every rank raises it; when only some do,
     every rank raises the disagreement (chained to the local error). Either way no rank is left
-    waiting in the call's first message. Returns check()'s checked arguments.
+    waiting in the call's first message. Returns check()'s checked arguments. every_call: as
+    agree's.
     """
     try:
         checked, fields = check()
@@ -360,7 +365,7 @@ def agree_on(
         # (not an f-string: dynamo keeps a formatted exception non-constant while tracing)
         checked, fields, error = None, [(_INVALID, type(e).__name__ + ": " + str(e))], e
     try:
-        agree(function_name, group, fields, timeout)
+        agree(function_name, group, fields, timeout, every_call)
         if error is not None:
             raise error
     except ValueError as mismatch:

@@ -70,11 +70,11 @@ def _local_positions(docs: Documents, layout: str, world: int, rank: int):
 @dataclass
 class Packing:
     """A batch seen as packed documents: `docs`, and for each token of the packed sequence its
-    place in the batch's rows (`source`, into the flattened (batch * seqlen)) and position id."""
+    place in the batch's rows (`source`, into the flattened (batch * seqlen)). Inside a document
+    the position ids count up by one from its start (find_packing checks it)."""
 
     docs: Documents
     source: torch.Tensor  # int64 (tokens,)
-    positions: torch.Tensor  # int64 (tokens,)
 
 
 def find_packing(batch: dict[str, Any], key: str, what: str) -> Optional[Packing]:
@@ -101,6 +101,9 @@ def find_packing(batch: dict[str, Any], key: str, what: str) -> Optional[Packing
     if mask is not None and mask.shape != (bsz, seqlen):
         raise ValueError(f"{what}: attention_mask must be (batch, seqlen) = ({bsz}, {seqlen}), "
                          f"got {tuple(mask.shape)}")
+    if cu is not None and padded:
+        raise ValueError(f"{what}: a batch with cu_seq_lens_q has no padding; got an "
+                         "attention_mask with zeros too")
     pos = default if pos is None else pos
     lengths, starts, sources = [], [], []
     for b in range(bsz):
@@ -108,21 +111,24 @@ def find_packing(batch: dict[str, Any], key: str, what: str) -> Optional[Packing
         if real.numel() and int(real[-1] - real[0]) + 1 != real.numel():
             raise ValueError(f"{what}: attention_mask row {b} has padding between real tokens; "
                              "only left or right padding can be unpadded exactly")
+        row = pos[b, real]
+        new = torch.ones(row.numel(), dtype=torch.bool)  # where positions do not count up
+        new[1:] = row.diff() != 1
         if cu is not None:
             bounds = cu
+            inside = torch.ones_like(new)
+            inside[torch.tensor([c for c in cu[:-1] if c < row.numel()], dtype=torch.int64)] = False
+            if bool((new & inside).any()):
+                raise ValueError(f"{what}: position_ids restart inside a document of "
+                                 "cu_seq_lens_q: the two disagree on the documents")
         else:  # a new document wherever the position does not follow the previous one
-            row = pos[b, real]
-            new = torch.ones(row.numel(), dtype=torch.bool)
-            new[1:] = row.diff() != 1
             bounds = torch.cat([new.nonzero().flatten(), torch.tensor([row.numel()])]).tolist()
         for s, e in zip(bounds[:-1], bounds[1:]):
             if e > s:
                 lengths.append(e - s)
                 starts.append(int(pos[b, real[s]]))
         sources.append(b * seqlen + real)
-    source = torch.cat(sources)
-    return Packing(Documents(tuple(lengths), tuple(starts)), source,
-                   pos.reshape(-1)[source])
+    return Packing(Documents(tuple(lengths), tuple(starts)), torch.cat(sources))
 
 
 def _flash_boundaries(batch, bsz: int, seqlen: int, what: str) -> Optional[list[int]]:

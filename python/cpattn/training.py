@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from cpattn.packing import FLASH_KEYS, KEYWORD, Packing, find_packing
+from cpattn.packing import FLASH_KEYS, KEYWORD, Documents, Packing, find_packing
 from cpattn.parallel import ContextParallel
 
 IGNORE_INDEX = -100
@@ -130,7 +130,7 @@ def _shard_packed(batch: dict[str, Any], cp: ContextParallel, key: str, packing:
     source = packing.source[index.clamp(min=0)]
     out: dict[str, Any] = {}
     if shifted is not None:
-        flat = shifted.reshape(-1).clone()
+        flat = shifted.reshape(-1)
         dropped = torch.ones(flat.numel(), dtype=torch.bool)
         dropped[packing.source] = False
         if bool((flat[dropped.to(flat.device)] != ignore_index).any()):
@@ -244,3 +244,45 @@ def cross_entropy(
     count = _sum(count.to(total.device), groups)
     # All tokens ignored everywhere: 0 with zero gradients, not NaN.
     return total / count.clamp(min=1)
+
+
+def load_balancing_loss(router_logits, cp: ContextParallel, num_experts: int, top_k: int,
+                        documents: Optional[Documents] = None) -> torch.Tensor:
+    """The MoE auxiliary load-balancing loss (transformers' `load_balancing_loss_func`, Switch
+    Transformer eq. 4-6) over the tokens of every rank of cp's sequence, the same on every
+    rank: equal to one process's over the whole sequence (transformers' own, computed inside
+    the model, averages over each rank's tokens only).
+
+    router_logits: the model output's `router_logits` (with output_router_logits=True): one
+    (local tokens, num_experts) tensor per MoE layer. documents: the batch's
+    "cpattn_documents" from cpattn.shard_batch (its padding slots are left out). Gradients
+    follow cpattn.cross_entropy's convention (averaging them over the group is exact)."""
+    if not router_logits:
+        raise ValueError("cpattn.load_balancing_loss: no router logits (pass "
+                         "output_router_logits=True to the model)")
+    groups = _loss_groups(cp, None)
+    layers = tuple(router_logits)
+    device = layers[0].device
+    weight = None
+    if documents is not None:
+        index, _ = documents.local_positions(cp.layout, cp.world_size, cp.rank)
+        weight = (index >= 0).to(device, torch.float32)
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for logits in layers:
+        if logits.dim() != 2 or logits.shape[-1] != num_experts or (
+                weight is not None and logits.shape[0] != weight.numel()):
+            raise ValueError(
+                f"cpattn.load_balancing_loss: router logits must be (local tokens"
+                f"{'' if weight is None else ' = ' + str(weight.numel())}, num_experts = "
+                f"{num_experts}), got {tuple(logits.shape)}")
+        routing = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(routing, top_k, dim=-1).indices
+        w = torch.ones(routing.shape[0], device=device) if weight is None else weight
+        counts = counts.scatter_add(0, chosen.reshape(-1), w.repeat_interleave(top_k))
+        probs = probs + (routing * w[:, None]).sum(0)
+        rows = rows + w.sum()
+    rows, counts = _sum(rows, groups), _sum(counts, groups)
+    probs = _SumOverGroups.apply(probs, groups)
+    return (counts / rows * (probs / rows)).sum() * num_experts

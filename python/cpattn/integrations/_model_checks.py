@@ -18,6 +18,7 @@ raise on every rank too.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Callable
@@ -49,8 +50,10 @@ def check_config(config) -> None:
 
 
 @torch._dynamo.assume_constant_result
+@functools.lru_cache(maxsize=64)
 def _config_refusal(model_type: str, layer_types: tuple) -> str:
-    """"" or why the model cannot run under context parallelism (a compile-time constant)."""
+    """"" or why the model cannot run under context parallelism (a compile-time constant;
+    cached: the mask hook asks at every forward)."""
     if layer_types:
         others = sorted(set(layer_types) - _ATTENTION_LAYERS - _PER_TOKEN_LAYERS)
         if "indexed_attention" in others:
@@ -158,7 +161,8 @@ def check_layer(module: torch.nn.Module, tokens: int, max_position: int) -> None
 def agree(cp, what: str, check: Callable[[], None]) -> None:
     """Runs check() (which raises ValueError on a bad local value) so that every rank of cp's
     sequence raises when any rank's check fails: over cp's group, or for hybrid over its Ulysses
-    groups and then its ring groups (every rank takes part in both exchanges)."""
+    groups and then its ring groups (every rank takes part in both exchanges). In rank-check
+    mode "once" too (a valid check's fields are the same at every call)."""
     timeout = cp.timeout if cp.timeout is not None else _default_timeout()
 
     def validated():
@@ -166,11 +170,11 @@ def agree(cp, what: str, check: Callable[[], None]) -> None:
         return None, []
 
     if cp.strategy != "hybrid":
-        agree_on(what, cp.group, timeout, validated)
+        agree_on(what, cp.group, timeout, validated, every_call=True)
         return
     failures = []  # this Ulysses group's error (every rank of it has the same)
     try:
-        agree_on(what, cp.ulysses_group, timeout, validated)
+        agree_on(what, cp.ulysses_group, timeout, validated, every_call=True)
     except ValueError as e:
         failures.append(e)
 
@@ -180,7 +184,7 @@ def agree(cp, what: str, check: Callable[[], None]) -> None:
         return None, []
 
     try:
-        agree_on(what, cp.ring_group, timeout, across)
+        agree_on(what, cp.ring_group, timeout, across, every_call=True)
     finally:
         failures.clear()  # no cycle from the raised error's frames back to it
 
