@@ -109,3 +109,26 @@ def _llama4(rank, world):
 
 def test_generate_llama4_chunks():
     run_ranks(2, _llama4)
+
+
+def _mla(rank, world):
+    """DeepSeek-V3 (MLA) caches latents: ContextParallelCache refuses it naming the cause, and
+    so does the attention when such a model reaches it with a cache made another way."""
+    from test_transformers_models import model_config
+
+    from cpattn.integrations.transformers import ContextParallelCache, register
+
+    cp = cpattn.ContextParallel()
+    config = model_config("deepseek_v3", use_cache=True)
+    with pytest.raises(ValueError, match="latent"):
+        ContextParallelCache(cp, config, capacity=32)
+    model = tiny_model(config, register(cp))
+    # a cache made for the same number of layers from another config (past the constructor)
+    cache = ContextParallelCache(cp, model_config("llama", use_cache=True), capacity=32)
+    with pytest.raises(ValueError, match="changes what it caches"):
+        model.generate(torch.randint(5, 96, (1, 8)), cache=cache, max_new_tokens=2,
+                       do_sample=False, pad_token_id=0)
+
+
+def test_generate_mla_refused():
+    run_ranks(2, _mla)

@@ -37,9 +37,9 @@ COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_la
 
 def model_config(kind: str, **overrides):
     if kind == "llama":
-        return T.LlamaConfig(**COMMON, **overrides)
+        return T.LlamaConfig(**{**COMMON, **overrides})
     if kind == "qwen3":
-        return T.Qwen3Config(**COMMON, head_dim=8, **overrides)
+        return T.Qwen3Config(**{**COMMON, "head_dim": 8, **overrides})
     if kind == "gemma3":
         return T.Gemma3TextConfig(**{**COMMON, "head_dim": 8, "query_pre_attn_scalar": 8,
                                      "sliding_window": 5, "layer_types": ["sliding_attention",

@@ -223,6 +223,13 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
                          f"cpattn.shard_batch made, got {_short(docs)}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     layer = _PENDING.pop(id(key), None)
+    if layer is None and _PENDING:
+        _PENDING.clear()
+        raise ValueError(
+            f"{WHAT}: ContextParallelCache stored K/V that the attention did not receive: "
+            f"{type(module).__name__} changes what it caches before attending (MLA models such "
+            "as DeepSeek-V3 cache latents and expand them after the cache), so the sharded cache "
+            "cannot serve it; generate without context parallelism for this model")
     if layer is not None and layer.pending[0] is key:
         if docs is not None:
             raise ValueError(f"{WHAT}: ContextParallelCache generates from one prompt per row, "
@@ -441,6 +448,12 @@ class ContextParallelCache(Cache):
         if cp.strategy == "hybrid":
             raise ValueError(f"{WHAT}: ContextParallelCache needs a single process group; "
                              "strategy 'hybrid' has two")
+        if getattr(config.get_text_config(), "kv_lora_rank", None):
+            raise ValueError(
+                f"{WHAT}: the {config.model_type!r} model uses multi-head latent attention: it "
+                "caches latents and expands them to K/V after the cache, so ContextParallelCache "
+                "(a cache of K/V sharded by token) cannot serve it; generate without context "
+                "parallelism for this model")
         layers = [_ShardedLayer(cp, capacity, interleave)
                   for _ in range(config.get_text_config().num_hidden_layers)]
         super().__init__(layers=layers)
