@@ -223,6 +223,9 @@ def _hybrid_one_rank_refusal():
         mask[0, 1] = 0
     _raises("invalid on rank", model, input_ids=local["input_ids"],
             position_ids=local["position_ids"], use_cache=False, attention_mask=mask)
+    packed = {"input_ids": batch["input_ids"][:1], "position_ids": torch.tensor([[0, 1, 2] + list(
+        range(45))])}  # two documents
+    _raises("does not run", cpattn.shard_batch, packed, cp)
     assert_step_matches(reference_step(config, batch),
                         cp_step(config, batch, cp, "cpattn_hybrid_refusal"), "hybrid after")
 

@@ -2,16 +2,17 @@
 loss 1e-5, gradients 1e-4) or raises on every rank, promptly.
 
 Exact: packed documents from DataCollatorWithFlattening (position ids that restart, and its
-cu_seq_lens form), a padded batch (unpadded into documents), families beyond the ones of
-test_transformers (Qwen3, Gemma 3, Cohere2, DeepSeek-V3's MLA), encoders (BERT, ModernBERT's
-bidirectional local window), Qwen3-MoE's load-balancing loss over the whole sequence. Each exact
-case has an ablation showing that its feature changes the one-process result (so the test can
-fail). Refused on every rank: token mixers outside attention (LFM2's convolutions,
-GraniteMoeHybrid's Mamba layers, MiniMax's lightning attention), a sparse-attention indexer
-(DeepSeek-V3.2), Llama 4 (its attention gets no position ids; chunked attention and temperature
-tuning), packed documents under Ulysses; and the one-rank-only triggers (a padding mask whose
-zeros lie in one shard, a document boundary in one shard, local positions that are global on
-rank 0 only) raise on every rank within a second."""
+cu_seq_lens form) and a padded batch (unpadded into documents), with ring, all-gather and
+Ulysses; families beyond the ones of test_transformers (Qwen3, Gemma 3, Cohere2, DeepSeek-V3's
+MLA, Llama 4 with chunks longer than the sequence), encoders (BERT, ModernBERT's bidirectional
+local window), Qwen3-MoE's load-balancing loss over the whole sequence. Each exact case has an
+ablation showing that its feature changes the one-process result (so the test can fail).
+Refused on every rank: token mixers outside attention (LFM2's convolutions, GraniteMoeHybrid's
+Mamba layers, MiniMax's lightning attention), a sparse-attention indexer (DeepSeek-V3.2), Llama
+4's chunks shorter than the sequence, its temperature tuning past floor_scale, and its attention
+without position ids; and the one-rank-only triggers (a padding mask whose zeros lie in one
+shard, a document boundary in one shard, local positions that are global on rank 0 only) raise
+on every rank within a second."""
 
 import time
 
@@ -298,9 +299,6 @@ def _refusals(cp):
     model = _model(model_config("llama4"), name)
     _raises_everywhere("gets no position_ids", model, input_ids=local["input_ids"],
                        position_ids=local["position_ids"])
-    # Ulysses does not run packed documents: shard_batch says so on every rank.
-    ulysses = cpattn.ContextParallel(cp.group, strategy="ulysses")
-    _raises_everywhere("strategy='ring'", cpattn.shard_batch, _packed(LENGTHS), ulysses)
     # One-rank-only triggers, each raising on every rank within a second.
     model = _model(model_config("llama"), name)
     mask = torch.ones_like(local["input_ids"])
@@ -325,7 +323,7 @@ def _refusals(cp):
 
 
 def _w2(rank, world):
-    for strategy in ("ring", "allgather"):
+    for strategy in ("ring", "allgather", "ulysses"):
         cp = cpattn.ContextParallel(strategy=strategy)
         _packed_cases(cp)
     _family_cases(cpattn.ContextParallel())

@@ -24,6 +24,7 @@ from cpattn.memory import release_buffers  # noqa: E402
 from cpattn.parallel import ContextParallel  # noqa: E402
 from cpattn.plan_attention import context_attention  # noqa: E402
 from cpattn.ring import (  # noqa: E402
+    attention_varlen,
     destroy_communicators,
     pad_documents,
     positions,
@@ -43,6 +44,7 @@ from cpattn.ulysses import (  # noqa: E402
     hybrid_shard,
     hybrid_unshard,
     ulysses_attention,
+    ulysses_attention_varlen,
 )
 
 __version__ = "0.1.0"
@@ -61,6 +63,8 @@ __all__ = [
     "positions_varlen",
     "pad_documents",
     "ulysses_attention",
+    "ulysses_attention_varlen",
+    "attention_varlen",
     "hybrid_attention",
     "hybrid_positions",
     "hybrid_shard",

@@ -16,9 +16,15 @@ import torch.distributed as dist
 from cpattn._layout import granularity
 from cpattn.packing import Documents
 from cpattn.ring import LAYOUTS, _group_info, positions, ring_attention, ring_attention_varlen
-from cpattn.ulysses import hybrid_attention, hybrid_positions, ulysses_attention
+from cpattn.ulysses import (
+    hybrid_attention,
+    hybrid_positions,
+    ulysses_attention,
+    ulysses_attention_varlen,
+)
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
+PACKED_STRATEGIES = ("ring", "allgather", "ulysses")  # the ones that run packed documents
 
 
 def _is_mesh(obj) -> bool:
@@ -160,21 +166,26 @@ class ContextParallel:
         sinks (heads,), softcap, alibi_slopes (heads,): as cpattn.ring_attention, the same on
         every rank.
         documents: packed documents (from cpattn.shard_batch): batch 1, the tokens in the
-            per-document layout of cpattn.shard_varlen; strategies "ring" and "allgather".
+            per-document layout of cpattn.shard_varlen; strategies "ring", "allgather" and
+            "ulysses".
         """
         common = dict(causal=causal, softmax_scale=softmax_scale, window=window,
                       return_lse=return_lse, timeout=self.timeout, sinks=sinks, softcap=softcap,
                       alibi_slopes=alibi_slopes)
         if documents is not None:
-            if self.strategy not in ("ring", "allgather") or q.shape[0] != 1:
+            if self.strategy not in PACKED_STRATEGIES or q.shape[0] != 1:
                 raise ValueError(
-                    "cpattn.ContextParallel.attention: packed documents need strategy 'ring' or "
-                    f"'allgather' and a batch of one row, got {self.strategy!r} and "
+                    "cpattn.ContextParallel.attention: packed documents need a strategy of "
+                    f"{PACKED_STRATEGIES} and a batch of one row, got {self.strategy!r} and "
                     f"{q.shape[0]} rows")
-            result = ring_attention_varlen(
-                q[0], k[0], v[0], documents.cu_seqlens, group=self.group, layout=self.layout,
-                strategy=self.strategy, allgather_chunk=self.allgather_chunk,
-                ring_chunk=self.ring_chunk, **common)
+            if self.strategy == "ulysses":
+                result = ulysses_attention_varlen(q[0], k[0], v[0], documents.cu_seqlens,
+                                                  group=self.group, **common)
+            else:
+                result = ring_attention_varlen(
+                    q[0], k[0], v[0], documents.cu_seqlens, group=self.group,
+                    layout=self.layout, strategy=self.strategy,
+                    allgather_chunk=self.allgather_chunk, ring_chunk=self.ring_chunk, **common)
             return tuple(t[None] for t in result) if return_lse else result[None]
         if self.strategy in ("ring", "allgather"):
             return ring_attention(q, k, v, group=self.group, layout=self.layout,

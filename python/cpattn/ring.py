@@ -380,6 +380,58 @@ class _GatheredAttention(torch.autograd.Function):
         return (dq, dk, dv, *([None] * 12), dsinks)
 
 
+class _LocalDocuments(torch.autograd.Function):
+    """Attention over packed documents held whole by this process: the all-gather strategy's
+    kernels on a "group" of one rank (contiguous layout: no padding)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, docs, scale, causal, window, softcap, alibi_slopes, sinks):
+        kv_all = torch.cat([k, v], dim=-1)[None]  # (1, B, T, Hkv, D + Dv)
+        out, lse = torch.ops.cpattn.gathered_fwd(
+            q, kv_all, 0, scale, causal, window[0], window[1], LAYOUTS["contiguous"],
+            doc_lengths=docs, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
+        ctx.args = (docs, scale, causal, window, softcap)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable("cpattn.attention_varlen")
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
+        docs, scale, causal, window, softcap = ctx.args
+        dout = dout.contiguous()
+        dq, dkv_all = torch.ops.cpattn.gathered_bwd(
+            dout, q, torch.cat([k, v], dim=-1)[None], out, lse, 0, scale, causal, window[0],
+            window[1], LAYOUTS["contiguous"], doc_lengths=docs, dlse=dlse, softcap=softcap,
+            alibi_slopes=alibi_slopes)
+        d = k.shape[-1]
+        dk, dv = dkv_all[0, ..., :d].to(k.dtype), dkv_all[0, ..., d:].to(v.dtype)
+        return (dq, dk, dv, *([None] * 6), _sink_grad(ctx, sinks, dout, out, lse, dlse))
+
+
+def attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, *, causal: bool = False,
+    softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
+    return_lse: bool = False, sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Attention over packed documents in one process (no communication): q (T, H, D), k / v
+    (T, Hkv, D) hold the documents of cu_seqlens (int, D+1, from 0, ending at T) one after the
+    other; a document never attends to another. Options as cpattn.attention, on positions
+    within each document. Returns out (T, H, Dv) and optionally lse (H, T). Differentiable."""
+    what = "cpattn.attention_varlen"
+    (causal, _, scale, window), _ = _attention_args(what, q, k, v, causal, softmax_scale, window,
+                                                   varlen=True)
+    docs, tokens, _ = document_lengths(what, cu_seqlens)
+    if tokens != q.shape[0]:
+        raise error(what, "cu_seqlens", f"[..., {tokens}]", f"must end at the {q.shape[0]} "
+                    "tokens of q")
+    softcap, _ = check_score_options(what, softcap, alibi_slopes, 0)
+    out, lse = _LocalDocuments.apply(q[None], k[None], v[None], docs, scale, causal, window,
+                                     softcap, alibi_slopes, sinks)
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
 def _heads(per_head: Optional[torch.Tensor], heads: slice) -> Optional[torch.Tensor]:
     """The entries of a per-head parameter (sinks, ALiBi slopes) for a slice of query heads."""
     return None if per_head is None else per_head[heads]

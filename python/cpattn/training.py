@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn.packing import FLASH_KEYS, KEYWORD, Documents, Packing, find_packing
-from cpattn.parallel import ContextParallel
+from cpattn.parallel import PACKED_STRATEGIES, ContextParallel
 
 IGNORE_INDEX = -100
 
@@ -52,7 +52,7 @@ def shard_batch(
     position ids (within their documents), padding slots get token 0, position 0 and label
     `ignore_index`, and "cpattn_documents" (a cpattn.packing.Documents) must be passed to the
     model with the rest (`model(**batch)` does), so that the attention keeps the documents
-    apart. Strategies "ring" and "allgather" run packed documents; the others raise. A
+    apart. Strategies "ring", "allgather" and "ulysses" run packed documents; "hybrid" raises. A
     batch of rows of one document each (positions 0, 1, ... or none) is sharded as one
     sequence per row, with "cpattn_documents" None: passed to the model, it tells the attention
     that the batch's position_ids were passed too (needed by models whose attention does not
@@ -118,12 +118,12 @@ def _shard_packed(batch: dict[str, Any], cp: ContextParallel, key: str, packing:
                   ) -> dict[str, Any]:
     """shard_batch for packed documents: one row of this rank's per-document shards."""
     docs = packing.docs
-    if cp.strategy not in ("ring", "allgather"):
+    if cp.strategy not in PACKED_STRATEGIES:
         raise ValueError(
             f"{what}: the batch holds packed documents ({len(docs.lengths)} documents: position "
             "ids that restart, cu_seq_lens_q, or padding), which strategy "
-            f"{cp.strategy!r} does not run: use ContextParallel(strategy='ring') or "
-            "'allgather' for packed batches")
+            f"{cp.strategy!r} does not run: use ContextParallel(strategy='ring'), 'allgather' "
+            "or 'ulysses' for packed batches")
     bsz, seqlen = batch[key].shape[:2]
     index, positions = docs.local_positions(cp.layout, cp.world_size, cp.rank)
     real = index >= 0

@@ -16,10 +16,25 @@ import torch.distributed as dist
 from cpattn import comm
 from cpattn._agreement import agree_on, score_fields
 from cpattn._autograd import once_differentiable
-from cpattn._layout import kv_heads_for_ranks, padded_length, round_up
-from cpattn._validation import check_int, check_scale, check_score_options, check_timeout, error
+from cpattn._layout import document_positions, kv_heads_for_ranks, padded_length, round_up
+from cpattn._validation import (
+    check_int,
+    check_scale,
+    check_score_options,
+    check_timeout,
+    document_lengths,
+    error,
+)
 from cpattn.attention import attention
-from cpattn.ring import _attention_args, _group_info, positions, ring_attention, shard, unshard
+from cpattn.ring import (
+    _attention_args,
+    _group_info,
+    attention_varlen,
+    positions,
+    ring_attention,
+    shard,
+    unshard,
+)
 
 
 def _scatter_heads(q, k, v, group):
@@ -119,14 +134,15 @@ class _LocalAcrossHeads(torch.autograd.Function):
 def _across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Callable],
                   return_lse: bool, *, causal, softmax_scale, window, sinks, softcap,
                   alibi_slopes, prefix_len, seqlen, rows: Callable[[int], tuple[int, int]],
-                  layout: str = "contiguous"):
+                  layout: str = "contiguous", fields_of: Optional[Callable[[], list]] = None):
     """The Ulysses steps of ulysses_attention and hybrid_attention: validation and the agreement
     check over `group`, the all-to-all to head shards, attend(qh, kh, vh, n, **options) ->
     (out_h, lse_h) on this rank's heads (per-head options sliced to them) for a sequence of n
     real tokens, and the all-to-all back. attend None: cpattn.attention, with the all-to-all
     back in the same autograd node (_LocalAcrossHeads).
     Any length: rows(n) gives (the length of a head shard once a length-n sequence is padded,
-    the rows of it that attend gets); the rows after those come back as padding (0 / -inf)."""
+    the rows of it that attend gets); the rows after those come back as padding (0 / -inf).
+    fields_of(): more fields of the signature, validated with the rest (varlen's documents)."""
     world = dist.get_world_size(group)
 
     def check():
@@ -140,8 +156,9 @@ def _across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Ca
             if rows(n)[0] != held:
                 raise error(what, "seqlen", n, f"gives head shards of {rows(n)[0]} tokens once "
                             f"padded (see cpattn.positions), but the shards hold {held}")
+        more = fields_of() if fields_of is not None else []
         return (*args, cap, prefix, n), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix),
-                                         ("seqlen", n)]
+                                         ("seqlen", n), *more]
 
     causal, _, softmax_scale, window, softcap, prefix_len, n = agree_on(what, group, timeout,
                                                                        check)
@@ -199,6 +216,51 @@ def ulysses_attention(
                          sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
                          prefix_len=prefix_len, seqlen=seqlen,
                          rows=lambda n: (padded_length(n, "contiguous", world), n))
+
+
+def ulysses_attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, *, group=None,
+    causal: bool = False, softmax_scale: Optional[float] = None,
+    window: tuple[int, int] = (-1, -1), return_lse: bool = False,
+    timeout: Optional[float] = None, sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Ulysses attention over packed documents that never attend across each other.
+
+    cu_seqlens: global document boundaries (int, D+1, from 0), the same on every rank. q
+    (T_local, H, D), k / v (T_local, Hkv, D) come from cpattn.shard_varlen(..., layout=
+    "contiguous"): each document padded to a multiple of W and split contiguously. The
+    all-to-all gives each rank every token of H / W heads; the documents then attend locally
+    (cpattn.attention_varlen) and come back by sequence. Padding tokens: output 0, LSE -inf
+    (with sinks: the sink). Options as ulysses_attention, on positions within each document.
+    Returns out (T_local, H, Dv) and optionally lse (H, T_local).
+    """
+    what = "cpattn.ulysses_attention_varlen"
+    group, _, world = _group_info(group)
+
+    def fields_of():
+        docs, _, raw = document_lengths(what, cu_seqlens)
+        return [("documents", docs.numel()), ("document_lengths", raw)]
+
+    def attend(qh, kh, vh, n, *, return_lse, prefix_len, sinks, **options):
+        # (1, W T_local, h, D): every rank's shard in rank order -> the packed documents
+        docs, _, _ = document_lengths(what, cu_seqlens)
+        index = torch.cat([document_positions(docs, "contiguous", world, r)[0]
+                           for r in range(world)]).to(qh.device)
+        held = (index >= 0).nonzero().flatten()
+        order = held[index[held].argsort()]  # packed position p sits at row order[p]
+        out_p, lse_p = attention_varlen(qh[0, order], kh[0, order], vh[0, order],
+                                        cu_seqlens, return_lse=True, sinks=sinks, **options)
+        out = out_p.new_zeros((qh.shape[1], *out_p.shape[1:])).index_copy(0, order, out_p)
+        empty = (lse_p.new_full((lse_p.shape[0], qh.shape[1]), float("-inf")) if sinks is None
+                 else sinks.to(lse_p.dtype)[:, None].expand(-1, qh.shape[1]))
+        return out[None], empty.index_copy(1, order, lse_p)[None]
+
+    result = _across_heads(what, q[None], k[None], v[None], group, check_timeout(what, timeout),
+                           attend, return_lse, causal=causal, softmax_scale=softmax_scale,
+                           window=window, sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
+                           prefix_len=0, seqlen=None, rows=lambda n: (n, n), fields_of=fields_of)
+    return (result[0][0], result[1][0]) if return_lse else result[0]
 
 
 def hybrid_attention(

@@ -1,0 +1,120 @@
+"""Packed documents without the ring: cpattn.attention_varlen (one process) and
+cpattn.ulysses_attention_varlen (all-to-all to heads, then the documents attend locally) against
+the float64 reference run per document: out, LSE and every gradient (the sinks' included), on
+fresh random inputs with poisoned outputs (CPATTN_POISON in the ranks); padding rows give 0 and
+-inf; ranks that disagree on the documents raise on every rank."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpattn
+
+from conftest import assert_matches
+from distributed import run_ranks
+from reference import reference_attention
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+# (causal, window, softcap, sinks, Dv): the options on positions within each document
+CASES = [(True, (-1, -1), 0.0, False, 16), (True, (3, 0), 0.0, True, 16),
+         (False, (2, 4), 2.0, False, 8), (False, (-1, -1), 0.0, True, 16)]
+
+
+def _reference(q, k, v, dout, sinks, lengths, causal, window, softcap):
+    """float64 attention per document, concatenated; the sinks' gradient summed."""
+    outs, lses, grads = [], [], [[], [], []]
+    s64 = None if sinks is None else sinks.detach().double().requires_grad_()
+    start = 0
+    for n in lengths:
+        if n == 0:
+            continue
+        piece = [t[start:start + n].detach().double()[None].requires_grad_() for t in (q, k, v)]
+        out, lse = reference_attention(*piece, causal=causal, window=window, sinks=s64,
+                                       softcap=softcap)
+        out.backward(dout[start:start + n].double()[None])
+        outs.append(out.detach()[0])
+        lses.append(lse.detach()[0])
+        for g, p in zip(grads, piece):
+            g.append(p.grad[0])
+        start += n
+    grads = [torch.cat(g) for g in grads]
+    return torch.cat(outs), torch.cat(lses, dim=1), grads, None if s64 is None else s64.grad
+
+
+def _problem(seed, lengths, heads, kv_heads, dv, dtype, sinks):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k = (torch.randn(total, h, 16, generator=g).to(dtype) for h in (heads, kv_heads))
+    v = torch.randn(total, kv_heads, dv, generator=g).to(dtype)
+    dout = torch.randn(total, heads, dv, generator=g).to(dtype)
+    s = torch.randn(heads, generator=g) if sinks else None
+    return q, k, v, dout, s
+
+
+def test_attention_varlen_matches_reference():
+    lengths = [5, 0, 11, 1, 7]
+    cu = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    for n, (causal, window, softcap, sinks, dv) in enumerate(CASES):
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v, dout, s = _problem(n, lengths, 4, 2, dv, dtype, sinks)
+            ins = [t.clone().requires_grad_() for t in (q, k, v)]
+            s_in = None if s is None else s.clone().requires_grad_()
+            out, lse = cpattn.attention_varlen(*ins, cu, causal=causal, window=window,
+                                               softcap=softcap, sinks=s_in, return_lse=True)
+            out.backward(dout)
+            ref_out, ref_lse, ref_grads, ref_ds = _reference(q, k, v, dout, s, lengths, causal,
+                                                             window, softcap)
+            what = f"attention_varlen {causal} {window} {softcap} sinks={sinks} {dtype}"
+            assert_matches(what, out.detach()[None], lse.detach()[None],
+                           [t.grad[None] for t in ins], ref_out[None], ref_lse[None],
+                           [r[None] for r in ref_grads], TOL[dtype])
+            if s is not None:
+                assert torch.allclose(s_in.grad.double(), ref_ds, rtol=TOL[dtype],
+                                      atol=TOL[dtype] * ref_ds.abs().max()), what
+    with pytest.raises(ValueError, match="must end at the"):
+        cpattn.attention_varlen(q, k, v, [0, 3])
+
+
+def _ulysses_cases(rank, world):
+    for n, (causal, window, softcap, sinks, dv) in enumerate(CASES):
+        dtype = torch.bfloat16 if n == 1 else torch.float32
+        lengths = [1, 0, 3 * world + 1, world, 2 * world + 3]
+        cu = torch.tensor([0, *lengths]).cumsum(0).tolist()
+        q, k, v, dout, s = _problem(200 + n, lengths, 2 * world, world if n % 2 else 1, dv,
+                                    dtype, sinks)
+        shards = [cpattn.shard_varlen(t, cu, layout="contiguous").requires_grad_()
+                  for t in (q, k, v)]
+        s_in = None if s is None else s.clone().requires_grad_()
+        out, lse = cpattn.ulysses_attention_varlen(*shards, cu, causal=causal, window=window,
+                                                   softcap=softcap, sinks=s_in, return_lse=True)
+        index, _ = cpattn.positions_varlen(cu, layout="contiguous")
+        pad = index < 0
+        padded = torch.tensor([int(pad.sum())])
+        dist.all_reduce(padded)
+        assert padded.item() > 0, "the documents must need padding here (on some rank)"
+        assert (out[pad] == 0).all(), "padding rows"
+        pad_lse = float("-inf") if s is None else s[:, None].expand(-1, int(pad.sum()))
+        assert torch.equal(lse[:, pad], torch.as_tensor(pad_lse).expand_as(lse[:, pad])), "lse"
+        out.backward(cpattn.shard_varlen(dout, cu, layout="contiguous"))
+        un = lambda t, d=0: cpattn.unshard_varlen(t, cu, layout="contiguous", dim=d)  # noqa: E731
+        ref_out, ref_lse, ref_grads, ref_ds = _reference(q, k, v, dout, s, lengths, causal,
+                                                         window, softcap)
+        what = f"ulysses varlen W={world} case {n} {dtype}"
+        assert_matches(what, un(out.detach())[None], un(lse.detach(), 1)[None],
+                       [un(t.grad)[None] for t in shards], ref_out[None], ref_lse[None],
+                       [r[None] for r in ref_grads], TOL[dtype])
+        if s is not None:  # each rank's share, summed over the group
+            ds = s_in.grad.clone()
+            dist.all_reduce(ds)
+            assert torch.allclose(ds.double(), ref_ds, rtol=TOL[dtype],
+                                  atol=TOL[dtype] * ref_ds.abs().max()), what
+    # Ranks that disagree on the documents (same token counts) raise on every rank.
+    t = torch.randn(4 * world, 2 * world, 16)
+    cu = [0, 2 * world, 4 * world] if rank == 0 else [0, world, 4 * world]
+    with pytest.raises(ValueError, match="document_lengths"):
+        cpattn.ulysses_attention_varlen(t, t[:, :2], t[:, :2], cu)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ulysses_varlen_matches_reference(world):
+    run_ranks(world, _ulysses_cases)
