@@ -2,7 +2,8 @@
 0 graph breaks, and the same loss and gradients as the single-process step (ring; the other
 strategies compile at the op level in tests/test_fake_kernels.py). The rank-agreement check runs
 while a graph is traced, not in the compiled graph: once per compiled signature; a mismatch
-raises on every rank.
+raises on every rank. The position check runs in the graph (an all-reduced flag): positions
+wrong on one rank raise on every rank.
 
 The aot_eager backend traces exactly what inductor would receive (dynamo graph, fake kernels,
 AOT autograd's joint graph) without code generation, which would take minutes on CI's 2 cores."""
@@ -77,9 +78,27 @@ def _compiled_mismatch(rank, world):
     f(q, k, v)
 
 
+def _compiled_positions(rank, world):
+    """Compiled: position ids wrong on rank 1 only (local ones: rank 0's are global under the
+    contiguous layout) raise on both ranks, from the graph's all-reduced check."""
+    from cpattn.integrations.transformers import register
+
+    torch._dynamo.reset()
+    cp = cpattn.ContextParallel(layout="contiguous")
+    config = tiny_config()
+    model, forward = cp_model(config, cp, register(cp, "cpattn_positions"),
+                              compile_model="aot_eager")
+    local = cpattn.shard_batch(tiny_batch(config), cp)
+    forward(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+    wrong = torch.arange(local["input_ids"].shape[1])[None].expand_as(local["position_ids"])
+    with pytest.raises(RuntimeError, match="position_ids are not the position ids"):
+        forward(input_ids=local["input_ids"], position_ids=wrong.contiguous(), use_cache=False)
+
+
 def _compiled_w2(rank, world):
     _compiled_steps(rank, world, ["ring"])
     _compiled_mismatch(rank, world)
+    _compiled_positions(rank, world)
 
 
 def test_fullgraph_compile_matches_eager_and_mismatch_raises_w2():

@@ -22,7 +22,8 @@ bias (`position_bias`), cross-attention, attention weights, flash varlen keyword
 keyword this module does not know raise ValueError, the same on every rank. What the model
 computes outside the call is checked in `_model_checks` (token mixers, mask functions, Llama 4's
 position arithmetic). `position_ids` must be the tokens' position ids from `cpattn.shard_batch`,
-else ValueError on every rank (checked once per forward in eager mode and agreed over the ranks).
+else ValueError on every rank (checked once per forward and agreed over the ranks; compiled:
+in the graph, by an all-reduced flag, RuntimeError).
 
 Generation: `ContextParallelCache` is a transformers `Cache` whose layers are cpattn
 `KVCacheShard`s: `model.generate(..., cache=ContextParallelCache(cp, model.config, capacity))`
@@ -167,9 +168,9 @@ def _check_positions(cp: ContextParallel, module: torch.nn.Module,
     """position_ids (batch or 1, local) must be this rank's tokens' position ids from
     cpattn.shard_batch (global positions; with packed documents, positions within the
     documents), else RoPE was wrong. Checked once per position tensor (every layer gets the same
-    one) and agreed over the ranks, so a mismatch on one rank raises on every rank."""
-    if torch.compiler.is_compiling():
-        return  # under compile the tensor's values are unknown; shard_batch made them
+    one) and agreed over the ranks, so a mismatch on one rank raises on every rank. Under
+    torch.compile: in the graph, at the model's first layer (layer_idx 0), by one all-reduce of
+    a flag (RuntimeError on every rank)."""
     if position_ids is None:
         if getattr(module, "use_rope", True) is False or passed_whole_batch:
             return  # (Llama 4's NoPE layers; the batch of shard_batch, its positions with it)
@@ -179,6 +180,10 @@ def _check_positions(cp: ContextParallel, module: torch.nn.Module,
             "a model uses each rank's local positions: silently wrong). Pass the whole batch of "
             "cpattn.shard_batch to the model (model(**batch) without 'shift_labels'): its "
             f"position_ids with its {KEYWORD!r}, which tells cpattn they were passed")
+    if torch.compiler.is_compiling():
+        if getattr(module, "layer_idx", 0) == 0:
+            _check_positions_in_graph(cp, position_ids, local_len, docs)
+        return
     last = _CHECKED.get(id(cp))
     if last is not None and last[0] is position_ids and last[1] == (position_ids._version,
                                                                    local_len, docs):
@@ -197,6 +202,25 @@ def _check_positions(cp: ContextParallel, module: torch.nn.Module,
 
     agree(cp, WHAT, check)
     _CHECKED[id(cp)] = (position_ids, (position_ids._version, local_len, docs))
+
+
+def _check_positions_in_graph(cp: ContextParallel, position_ids: torch.Tensor, local_len: int,
+                              docs: Optional[Documents]) -> None:
+    """_check_positions inside a compiled graph (the values are not known while tracing): each
+    rank's mismatch flag, all-reduced (max) over cp's sequence, asserted on every rank."""
+    import torch.distributed._functional_collectives as funcol
+
+    if position_ids.shape[-1] != local_len:
+        raise ValueError(f"{WHAT}: position_ids hold {position_ids.shape[-1]} positions for "
+                         f"{local_len} local tokens")
+    expected = _expected_positions(cp, local_len, docs, position_ids.device)
+    flag = (position_ids != expected).any().to(torch.int32).reshape(1)
+    groups = (cp.ulysses_group, cp.ring_group) if cp.strategy == "hybrid" else (cp.group,)
+    for group in groups:
+        flag = funcol.all_reduce(flag, "max", group)
+    torch._assert_async(flag[0] == 0, f"{WHAT}: position_ids are not the position ids of the "
+                        "tokens on some rank: pass position_ids=cpattn.shard_batch(...)"
+                        "['position_ids'] to the model, else RoPE sees other positions")
 
 
 # id(settings) -> (the position tensor last checked, (its version, length, documents)): the
