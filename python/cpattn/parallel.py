@@ -157,7 +157,8 @@ class ContextParallel:
         return_lse: bool = False,
         sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
         alibi_slopes: Optional[torch.Tensor] = None, documents: Optional[Documents] = None,
-    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        return_max_logits: bool = False,
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Exact attention over the sharded sequence with this object's strategy.
 
         q (batch, seqlen / W, heads, head_dim), k / v (batch, seqlen / W, kv_heads, head_dim),
@@ -168,10 +169,12 @@ class ContextParallel:
         documents: packed documents (from cpattn.shard_batch): batch 1, the tokens in the
             per-document layout of cpattn.shard_varlen; strategies "ring", "allgather" and
             "ulysses".
+        return_max_logits: also each head's largest logit over the whole sequence (heads,),
+            last (as cpattn.ring_attention; not with strategy "hybrid").
         """
         common = dict(causal=causal, softmax_scale=softmax_scale, window=window,
                       return_lse=return_lse, timeout=self.timeout, sinks=sinks, softcap=softcap,
-                      alibi_slopes=alibi_slopes)
+                      alibi_slopes=alibi_slopes, return_max_logits=return_max_logits)
         if documents is not None:
             if self.strategy not in PACKED_STRATEGIES or q.shape[0] != 1:
                 raise ValueError(
@@ -186,7 +189,11 @@ class ContextParallel:
                     q[0], k[0], v[0], documents.cu_seqlens, group=self.group,
                     layout=self.layout, strategy=self.strategy,
                     allgather_chunk=self.allgather_chunk, ring_chunk=self.ring_chunk, **common)
-            return tuple(t[None] for t in result) if return_lse else result[None]
+            if not isinstance(result, tuple):
+                return result[None]
+            out, *rest = result  # (lse (H, T) -> (1, H, T); the max logits stay (H,))
+            return (out[None], *(t[None] for t in rest[:int(return_lse)]),
+                    *rest[int(return_lse):])
         if self.strategy in ("ring", "allgather"):
             return ring_attention(q, k, v, group=self.group, layout=self.layout,
                                   strategy=self.strategy, allgather_chunk=self.allgather_chunk,

@@ -39,6 +39,12 @@ from cpattn._validation import (
     document_lengths,
     error,
 )
+from cpattn.max_logits import (
+    document_placement,
+    global_max_logits,
+    returned,
+    sequence_placement,
+)
 
 
 def _group_info(group) -> tuple:
@@ -439,9 +445,11 @@ def _heads(per_head: Optional[torch.Tensor], heads: slice) -> Optional[torch.Ten
 
 def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, window, timeout,
                       strategy, allgather_chunk, cu_seqlens, sinks=None, softcap=0.0,
-                      alibi_slopes=None, prefix_len=0, seqlen=None, ring_chunk=None):
+                      alibi_slopes=None, prefix_len=0, seqlen=None, ring_chunk=None,
+                      return_max_logits=False):
     """Shared by ring_attention and ring_attention_varlen (cu_seqlens given: q, k, v are 3-D):
-    validation and the agreement check, then the strategy. Returns 4-D out and lse.
+    validation and the agreement check, then the strategy. Returns 4-D out and lse, and with
+    return_max_logits each head's largest logit (cpattn.max_logits).
     `seqlen` (ring_attention): the real length of a sequence padded to the layout's granularity,
     handled as one document of that length."""
     group, rank, world = _group_info(group)
@@ -489,10 +497,19 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
             fields += [("seqlen", n)]
         if strategy == "auto":  # the choice may only depend on what the ranks agree on
             fields += [("requires_grad", needs_grad(q, k, v))]
+        max_logits = check_bool(what, "return_max_logits", return_max_logits)
+        if max_logits and prefix_docs is not None:
+            raise error(what, "return_max_logits", True, "is not supported with a prefix per "
+                        "sequence or document (prefix_len a tensor)")
+        fields += [("return_max_logits", max_logits)]
         return (*args, chunk, r_chunk, docs, prefix_docs, cap, prefix), fields
 
     (causal, layout_code, scale, window, chunk, ring_chunk, docs, prefix_docs, softcap,
      prefix_len) = agree_on(what, group, timeout, check)
+    max_logits = None
+    if return_max_logits:  # before q, k, v are reshaped below
+        max_logits = _max_logits(q, k, group, world, layout, cu_seqlens, docs, seqlen, scale,
+                                 causal, window, prefix_len)
     if cu_seqlens is not None:
         q, k, v = q[None], k[None], v[None]
     elif prefix_docs is not None:  # the batch as packed documents: (B, L, ..) -> (1, B L, ..)
@@ -518,7 +535,22 @@ def _context_parallel(what, q, k, v, group, causal, layout, softmax_scale, windo
     if cu_seqlens is None and prefix_docs is not None:  # back to (B, L, ..) and (B, H, L)
         out = out.view(batch, -1, *out.shape[2:])
         lse = lse.view(lse.shape[1], batch, -1).transpose(0, 1)
-    return out, lse
+    return (out, lse) if max_logits is None else (out, lse, max_logits)
+
+
+def _max_logits(q, k, group, world, layout, cu_seqlens, docs, seqlen, scale, causal, window,
+                prefix_len) -> torch.Tensor:
+    """global_max_logits for ring_attention (a sequence, padded to the layout when seqlen is
+    given) or ring_attention_varlen (the documents of cu_seqlens)."""
+    if cu_seqlens is not None:
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), docs.cumsum(0)])
+        placement = document_placement(
+            lambda r: document_positions(docs, layout, world, r), cu)
+        return global_max_logits(q[None], k[None], group, placement, scale, causal, window,
+                                 prefix_len)
+    n = q.shape[1] * world if seqlen is None else seqlen
+    placement = sequence_placement(lambda r: shard_positions(n, layout, world, r))
+    return global_max_logits(q, k, group, placement, scale, causal, window, prefix_len)
 
 
 def ring_attention(
@@ -529,7 +561,8 @@ def ring_attention(
     sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None, prefix_len: Union[int, torch.Tensor] = 0,
     seqlen: Optional[int] = None, ring_chunk: Optional[int] = None,
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    return_max_logits: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
     Args:
@@ -567,15 +600,21 @@ def ring_attention(
             layout's granularity (cpattn.positions); padding rows get out 0 and LSE -inf (with
             sinks: LSE = the sink) and padding keys are never attended to.
 
+        return_max_logits: also return each head's largest logit softmax_scale * q_i . k_j
+            over the visible pairs of the whole sequence ((heads,) float32, the same on every
+            rank, no gradient; see cpattn.max_logits), last in the returned tuple.
+
     Every rank must call it with the same shapes and options; a mismatch raises on every rank
     (the agreement check, see cpattn.set_rank_check), as does a bad argument.
     CUDA tensors (bf16 / fp16) shift over cpattn's own NCCL communicator, bootstrapped through
     `group` and cached: call cpattn.destroy_communicators() before destroying the group.
     """
-    out, lse = _context_parallel("cpattn.ring_attention", q, k, v, group, causal, layout,
-                                 softmax_scale, window, timeout, strategy, allgather_chunk, None,
-                                 sinks, softcap, alibi_slopes, prefix_len, seqlen, ring_chunk)
-    return (out, lse) if return_lse else out
+    out, lse, *max_logits = _context_parallel(
+        "cpattn.ring_attention", q, k, v, group, causal, layout, softmax_scale, window, timeout,
+        strategy, allgather_chunk, None, sinks, softcap, alibi_slopes, prefix_len, seqlen,
+        ring_chunk, return_max_logits)
+    return returned(out, lse if return_lse else None, max_logits)
+
 
 
 def destroy_communicators() -> int:
@@ -596,8 +635,8 @@ def ring_attention_varlen(
     strategy: str = "ring", allgather_chunk: Optional[int] = None, timeout: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None, prefix_len: Union[int, torch.Tensor] = 0,
-    ring_chunk: Optional[int] = None,
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    ring_chunk: Optional[int] = None, return_max_logits: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Ring (or all-gather) attention over packed documents that never attend across each other.
 
     cu_seqlens: global document boundaries (int, D+1, from 0), the same on every rank. Each
@@ -610,12 +649,13 @@ def ring_attention_varlen(
     prefix_len: an int, the same prefix for every document, or an int64 tensor (D,), one prefix
     per document (0 <= P_d <= its length, 0: none), on positions within the document.
     Padding rows with a sink: LSE = the sink. v may have its own head dim Dv (out then has Dv).
+    return_max_logits: as ring_attention (positions within the documents).
     """
-    out, lse = _context_parallel("cpattn.ring_attention_varlen", q, k, v, group, causal, layout,
-                                 softmax_scale, window, timeout, strategy, allgather_chunk,
-                                 cu_seqlens, sinks, softcap, alibi_slopes, prefix_len,
-                                 ring_chunk=ring_chunk)
-    return (out[0], lse[0]) if return_lse else out[0]
+    out, lse, *max_logits = _context_parallel(
+        "cpattn.ring_attention_varlen", q, k, v, group, causal, layout, softmax_scale, window,
+        timeout, strategy, allgather_chunk, cu_seqlens, sinks, softcap, alibi_slopes,
+        prefix_len, ring_chunk=ring_chunk, return_max_logits=return_max_logits)
+    return returned(out[0], lse[0] if return_lse else None, max_logits)
 
 
 def positions_varlen(

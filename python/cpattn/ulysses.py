@@ -16,16 +16,25 @@ import torch.distributed as dist
 from cpattn import comm
 from cpattn._agreement import agree_on, score_fields
 from cpattn._autograd import once_differentiable
-from cpattn._layout import document_positions, kv_heads_for_ranks, padded_length, round_up
+from cpattn._layout import (
+    document_positions,
+    kv_heads_for_ranks,
+    padded_length,
+    round_up,
+    shard_positions,
+)
 from cpattn._validation import (
+    check_bool,
     check_int,
     check_scale,
     check_score_options,
     check_timeout,
+    check_window,
     document_lengths,
     error,
 )
 from cpattn.attention import attention
+from cpattn.max_logits import document_placement, global_max_logits, returned, sequence_placement
 from cpattn.ring import (
     _attention_args,
     _group_info,
@@ -190,8 +199,8 @@ def ulysses_attention(
     return_lse: bool = False, timeout: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
-    seqlen: Optional[int] = None,
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    seqlen: Optional[int] = None, return_max_logits: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Exact attention over a sequence sharded contiguously (rank r holds tokens
     [r*S/W, (r+1)*S/W)) by all-to-all between sequence and head shards.
 
@@ -208,14 +217,30 @@ def ulysses_attention(
     cpattn.shard(x, layout="contiguous") pads a length-S sequence at its end to a multiple of W
     (cpattn.positions marks the padding with -1); padding rows get out 0 and LSE -inf (with
     sinks: the sink), padding keys are never attended to; cpattn.unshard(..., seqlen=S).
+    return_max_logits: as cpattn.ring_attention (last in the returned tuple).
     """
     what = "cpattn.ulysses_attention"
     group, _, world = _group_info(group)
-    return _across_heads(what, q, k, v, group, check_timeout(what, timeout), None,
-                         return_lse, causal=causal, softmax_scale=softmax_scale, window=window,
-                         sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
-                         prefix_len=prefix_len, seqlen=seqlen,
-                         rows=lambda n: (padded_length(n, "contiguous", world), n))
+    result = _across_heads(what, q, k, v, group, check_timeout(what, timeout), None,
+                           return_lse, causal=causal, softmax_scale=softmax_scale, window=window,
+                           sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
+                           prefix_len=prefix_len, seqlen=seqlen,
+                           rows=lambda n: (padded_length(n, "contiguous", world), n),
+                           fields_of=_max_logits_field(what, return_max_logits))
+    max_logits = []
+    if return_max_logits:
+        n = q.shape[1] * world if seqlen is None else seqlen
+        placement = sequence_placement(lambda r: shard_positions(n, "contiguous", world, r))
+        max_logits = [global_max_logits(q, k, group, placement,
+                                        check_scale(what, softmax_scale, q.shape[-1]), causal,
+                                        check_window(window, what), prefix_len)]
+    out, lse = result if return_lse else (result, None)
+    return returned(out, lse, max_logits)
+
+
+def _max_logits_field(what: str, return_max_logits) -> Callable[[], list]:
+    return lambda: [("return_max_logits",
+                     check_bool(what, "return_max_logits", return_max_logits))]
 
 
 def ulysses_attention_varlen(
@@ -223,8 +248,8 @@ def ulysses_attention_varlen(
     causal: bool = False, softmax_scale: Optional[float] = None,
     window: tuple[int, int] = (-1, -1), return_lse: bool = False,
     timeout: Optional[float] = None, sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    alibi_slopes: Optional[torch.Tensor] = None, return_max_logits: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Ulysses attention over packed documents that never attend across each other.
 
     cu_seqlens: global document boundaries (int, D+1, from 0), the same on every rank. q
@@ -233,14 +258,16 @@ def ulysses_attention_varlen(
     all-to-all gives each rank every token of H / W heads; the documents then attend locally
     (cpattn.attention_varlen) and come back by sequence. Padding tokens: output 0, LSE -inf
     (with sinks: the sink). Options as ulysses_attention, on positions within each document.
-    Returns out (T_local, H, Dv) and optionally lse (H, T_local).
+    Returns out (T_local, H, Dv) and optionally lse (H, T_local), and with return_max_logits
+    (as cpattn.ring_attention_varlen) the max logits last.
     """
     what = "cpattn.ulysses_attention_varlen"
     group, _, world = _group_info(group)
 
     def fields_of():
         docs, _, raw = document_lengths(what, cu_seqlens)
-        return [("documents", docs.numel()), ("document_lengths", raw)]
+        return [("documents", docs.numel()), ("document_lengths", raw),
+                *_max_logits_field(what, return_max_logits)()]
 
     def attend(qh, kh, vh, n, *, return_lse, prefix_len, sinks, **options):
         # (1, W T_local, h, D): every rank's shard in rank order -> the packed documents
@@ -260,7 +287,17 @@ def ulysses_attention_varlen(
                            attend, return_lse, causal=causal, softmax_scale=softmax_scale,
                            window=window, sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
                            prefix_len=0, seqlen=None, rows=lambda n: (n, n), fields_of=fields_of)
-    return (result[0][0], result[1][0]) if return_lse else result[0]
+    max_logits = []
+    if return_max_logits:
+        docs, _, _ = document_lengths(what, cu_seqlens)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), docs.cumsum(0)])
+        placement = document_placement(
+            lambda r: document_positions(docs, "contiguous", world, r), cu)
+        max_logits = [global_max_logits(q[None], k[None], group, placement,
+                                        check_scale(what, softmax_scale, q.shape[-1]), causal,
+                                        check_window(window, what), 0)]
+    out, lse = result if return_lse else (result, None)
+    return returned(out[0], None if lse is None else lse[0], max_logits)
 
 
 def hybrid_attention(
@@ -269,7 +306,7 @@ def hybrid_attention(
     window: tuple[int, int] = (-1, -1), return_lse: bool = False, timeout: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
-    seqlen: Optional[int] = None,
+    seqlen: Optional[int] = None, return_max_logits: bool = False,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ulysses inside `ulysses_group` (size U), ring across `ring_group` (size R), W = U * R.
 
@@ -282,7 +319,12 @@ def hybrid_attention(
     seqlen: the global sequence length, for any length (default: W times the shard length):
     hybrid_shard pads as hybrid_positions says; padding rows get out 0 and LSE -inf (with
     sinks: the sink); hybrid_unshard(..., seqlen=S) gives S tokens back.
+    return_max_logits: not supported yet (raises; the sequence spans two groups).
     """
+    if return_max_logits is not False:
+        raise error("cpattn.hybrid_attention", "return_max_logits", return_max_logits,
+                    "is not supported by the hybrid strategy yet: use ring_attention or "
+                    "ulysses_attention")
     if mesh is not None:
         ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
     if ulysses_group is None or ring_group is None:
