@@ -4,6 +4,7 @@ no gloo thread survived it; then, in a new group, catches an integration refusal
 training step of a tiny Llama under context parallelism, and exits through the normal
 interpreter shutdown (exit code 0)."""
 
+import datetime
 import os
 
 import torch
@@ -19,8 +20,16 @@ def threads() -> int:
 def main() -> None:
     torch.set_num_threads(1)
     before = threads()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    # (a short timeout: a peer that died makes this rank fail, not wait 30 minutes)
+    timeout = datetime.timedelta(seconds=60)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rendezvous = os.environ["RENDEZVOUS_DIR"]  # a file store: no port to race other jobs for
+
+    def init(name: str) -> None:
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}/{name}", rank=rank,
+                                world_size=world, timeout=timeout)
+
+    init("first")
     q = torch.randn(1, 8 + 2 * rank, 4, 16)
     for bad in (lambda: cpattn.ring_attention(q[:, :8], q[:, :8], q[:, :8], window=(-5, 0)),
                 lambda: cpattn.ring_attention(q, q, q, causal=True)):
@@ -34,7 +43,7 @@ def main() -> None:
     assert after == before, f"rank {rank}: {after} threads after destroy, {before} before init"
     # A training step through the integration (its registry holds the settings, and through
     # them the group, until exit: the process must still exit cleanly).
-    dist.init_process_group("gloo")
+    init("second")
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from cpattn.integrations.transformers import register

@@ -3,7 +3,7 @@
 strategies compile at the op level in tests/test_fake_kernels.py). The rank-agreement check runs
 while a graph is traced, not in the compiled graph: once per compiled signature; a mismatch
 raises on every rank. The position check runs in the graph (an all-reduced flag): positions
-wrong on one rank raise on every rank.
+wrong on one rank raise on every rank. Packed documents compile too (ring and Ulysses).
 
 The aot_eager backend traces exactly what inductor would receive (dynamo graph, fake kernels,
 AOT autograd's joint graph) without code generation, which would take minutes on CI's 2 cores."""
@@ -95,10 +95,26 @@ def _compiled_positions(rank, world):
         forward(input_ids=local["input_ids"], position_ids=wrong.contiguous(), use_cache=False)
 
 
+def _compiled_packed(rank, world):
+    """Compiled: a packed batch (DataCollatorWithFlattening) with ring and Ulysses, loss and
+    gradients equal to one process running each document on its own."""
+    from test_transformers_models import LENGTHS, cp_step, model_config, packed, reference
+
+    config = model_config("llama")
+    batch = packed(LENGTHS)
+    ref = reference(config, batch, lengths=LENGTHS)
+    for strategy in ("ring", "ulysses"):
+        torch._dynamo.reset()
+        got = cp_step(config, batch, cpattn.ContextParallel(strategy=strategy),
+                      compile_backend="aot_eager")
+        assert_step_matches(ref, got, f"compiled packed {strategy}")
+
+
 def _compiled_w2(rank, world):
     _compiled_steps(rank, world, ["ring"])
     _compiled_mismatch(rank, world)
     _compiled_positions(rank, world)
+    _compiled_packed(rank, world)
 
 
 def test_fullgraph_compile_matches_eager_and_mismatch_raises_w2():

@@ -110,7 +110,7 @@ def _shifted_loss(logits, labels):
                                              labels[:, 1:].flatten())
 
 
-def _reference(config, batch: dict, aux=None, lengths=None) -> tuple[float, dict]:
+def reference(config, batch: dict, aux=None, lengths=None) -> tuple[float, dict]:
     """One process: the loss over the shifted labels (+ the load-balancing loss), gradients.
     lengths: packed documents, each run as a sequence of its own (the definition: transformers'
     own packed mask is not trusted here, its eager gpt-oss lets documents see each other)."""
@@ -143,11 +143,15 @@ def _reference(config, batch: dict, aux=None, lengths=None) -> tuple[float, dict
 _ZERO_GRADIENT = ("attention.self.key.bias",)
 
 
-def _cp_step(config, batch: dict, cp, aux=None) -> tuple[float, dict]:
+def cp_step(config, batch: dict, cp, aux=None, compile_backend=None) -> tuple[float, dict]:
+    """Loss and gradients (averaged over cp's group) of one step under CP; the model compiled
+    (fullgraph) with compile_backend."""
     model = _model(config, register(cp, f"cpattn_{cp.strategy}"))
+    forward = (torch.compile(model, fullgraph=True, backend=compile_backend) if compile_backend
+               else model)
     local = cpattn.shard_batch(batch, cp)
     inputs = {k: v for k, v in local.items() if k != "shift_labels"}
-    out = model(**inputs, **({"output_router_logits": True} if aux else {}))
+    out = forward(**inputs, **({"output_router_logits": True} if aux else {}))
     loss = cpattn.cross_entropy(out.logits, local["shift_labels"], cp)
     if aux:
         loss = loss + aux * cpattn.load_balancing_loss(
@@ -169,7 +173,7 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(5, 96, (n,), generator=g).tolist()
 
 
-def _packed(lengths, flash: bool = False) -> dict:
+def packed(lengths, flash: bool = False) -> dict:
     collator = T.DataCollatorWithFlattening(return_flash_attn_kwargs=flash)
     return collator([{"input_ids": _ids(n, i)} for i, n in enumerate(lengths)])
 
@@ -181,12 +185,12 @@ def _sequences(rows: int = 2, seqlen: int = 24, seed: int = 1) -> dict:
 
 
 def _exact(what, config, batch, cp, ablation=None, aux=None, lengths=None):
-    ref = _reference(config, batch, aux, lengths)
+    ref = reference(config, batch, aux, lengths)
     if ablation is not None:
         off_config, off_batch, *off_aux = ablation
-        off = _reference(off_config, off_batch, off_aux[0] if off_aux else aux)
+        off = reference(off_config, off_batch, off_aux[0] if off_aux else aux)
         assert abs(off[0] - ref[0]) > 1e-3, f"{what}: the ablation does not change the loss"
-    assert_step_matches(ref, _cp_step(config, batch, cp, aux), what)
+    assert_step_matches(ref, cp_step(config, batch, cp, aux), what)
 
 
 LENGTHS = [7, 13, 4, 9, 15]  # documents of the packed batches (48 tokens)
@@ -200,12 +204,12 @@ def _unpacked(batch: dict) -> dict:
 def _packed_cases(cp):
     for kind in ("llama", "gpt_oss"):
         config = model_config(kind)
-        batch = _packed(LENGTHS)
+        batch = packed(LENGTHS)
         _exact(f"packed {kind} {cp.strategy}", config, batch, cp, (config, _unpacked(batch)),
                lengths=LENGTHS)
     config = model_config("llama")
-    flash = _packed(LENGTHS, flash=True)
-    assert_step_matches(_reference(config, flash, lengths=LENGTHS), _cp_step(config, flash, cp),
+    flash = packed(LENGTHS, flash=True)
+    assert_step_matches(reference(config, flash, lengths=LENGTHS), cp_step(config, flash, cp),
                         f"packed (cu_seq_lens) llama {cp.strategy}")
     # A padded batch: each row's real tokens become a document; padding labels -100. Row 0 is
     # right-padded, row 1 left-padded (its first real token is predicted by padding: -100 too;
@@ -239,7 +243,7 @@ def _family_cases(cp):
     config = model_config("qwen3_moe")
     _exact(f"qwen3_moe load balancing {cp.strategy}", config, _sequences(), cp,
            (config, _sequences(), None), aux=0.5)  # (ablation: without the auxiliary loss)
-    _exact(f"qwen3_moe packed load balancing {cp.strategy}", config, _packed(LENGTHS), cp,
+    _exact(f"qwen3_moe packed load balancing {cp.strategy}", config, packed(LENGTHS), cp,
            aux=0.5, lengths=LENGTHS)
 
 
@@ -286,8 +290,8 @@ def _refusals(cp):
         "llama4 chunked": (model_config("llama4", attention_chunk_size=8), "chunked attention"),
         "llama4 temperature": (model_config("llama4", floor_scale=16), "temperature tuning"),
     }
-    tuned = _reference(model_config("llama4", floor_scale=16), _sequences())[0]
-    assert abs(tuned - _reference(model_config("llama4"), _sequences())[0]) > 1e-3
+    tuned = reference(model_config("llama4", floor_scale=16), _sequences())[0]
+    assert abs(tuned - reference(model_config("llama4"), _sequences())[0]) > 1e-3
     whole = {k: v for k, v in local.items() if k != "shift_labels"}
     for kind, (config, match) in refused.items():
         try:
@@ -312,10 +316,10 @@ def _refusals(cp):
     # its shard only, and local positions 0..23 (none given) are right on rank 0 only.
     contiguous = cpattn.ContextParallel(cp.group, layout="contiguous")
     c_model = _model(model_config("llama"), register(contiguous, "cpattn_contiguous"))
-    packed = _packed([30, 18])
-    restart = contiguous.shard(packed["position_ids"])
+    two = packed([30, 18])
+    restart = contiguous.shard(two["position_ids"])
     assert bool((restart == contiguous.positions(48)).all()) == (cp.rank == 0)
-    _raises_everywhere(one_rank, c_model, input_ids=contiguous.shard(packed["input_ids"]),
+    _raises_everywhere(one_rank, c_model, input_ids=contiguous.shard(two["input_ids"]),
                        position_ids=restart, use_cache=False)
     _raises_everywhere(one_rank, c_model, input_ids=contiguous.shard(ids), use_cache=False)
     # After the errors the group still works.

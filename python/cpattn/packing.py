@@ -13,7 +13,7 @@ to the attention as the model keyword `cpattn_documents`.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -30,41 +30,67 @@ class Documents:
 
     lengths: each document's number of tokens, in packed order.
     starts: each document's first position id (RoPE; 0 for the collators' batches).
+    Derived once (plain values, so that torch.compile reads them as constants): cu_seqlens
+    (the boundaries, from 0), tokens (their sum), max_position (the largest position id; -1
+    without tokens).
     """
 
     lengths: tuple[int, ...]
     starts: tuple[int, ...]
+    cu_seqlens: tuple[int, ...] = field(init=False)
+    tokens: int = field(init=False)
+    max_position: int = field(init=False)
 
-    @property
-    def cu_seqlens(self) -> list[int]:
+    def __post_init__(self) -> None:
         cu = [0]
         for n in self.lengths:
             cu.append(cu[-1] + n)
-        return cu
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.lengths)
-
-    @property
-    def max_position(self) -> int:
-        """The largest position id of any token (-1 without tokens)."""
-        return max((s + n - 1 for s, n in zip(self.starts, self.lengths)), default=-1)
+        ends = [s + n - 1 for s, n in zip(self.starts, self.lengths)]
+        object.__setattr__(self, "cu_seqlens", tuple(cu))
+        object.__setattr__(self, "tokens", cu[-1])
+        object.__setattr__(self, "max_position", max(ends) if ends else -1)
 
     def local_positions(self, layout: str, world: int, rank: int) -> tuple[torch.Tensor,
                                                                             torch.Tensor]:
         """For `rank`'s local tokens: (index into the packed sequence, -1 for padding; position
-        id, 0 for padding)."""
-        return _local_positions(self, layout, world, rank)
+        id, 0 for padding). Constants of a compiled graph (computed while tracing)."""
+        index, pos = _local_positions(self.lengths, self.starts, layout, world, rank)
+        return (torch.tensor(index, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64))
+
+
+def gathered_order(lengths: tuple[int, ...], layout: str, world: int) -> torch.Tensor:
+    """Documents of these lengths sharded per document, every rank's shard concatenated in rank
+    order (what an all-gather or Ulysses' all-to-all holds): for each token of the packed
+    sequence, its row there. A constant under torch.compile."""
+    return torch.tensor(_gathered_order(tuple(lengths), layout, world), dtype=torch.int64)
+
+
+@torch._dynamo.assume_constant_result
+def _gathered_order(lengths: tuple, layout: str, world: int) -> tuple[int, ...]:
+    index = torch.cat([torch.tensor(_cached_local_positions(lengths, (0,) * len(lengths),
+                                                            layout, world, r)[0])
+                       for r in range(world)])
+    held = (index >= 0).nonzero().flatten()
+    return tuple(held[index[held].argsort()].tolist())
+
+
+@torch._dynamo.assume_constant_result
+def _local_positions(lengths: tuple, starts: tuple, layout: str, world: int,
+                     rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """local_positions as ints (a compile-time constant: run in Python while dynamo traces)."""
+    return _cached_local_positions(lengths, starts, layout, world, rank)
 
 
 @functools.lru_cache(maxsize=64)
-def _local_positions(docs: Documents, layout: str, world: int, rank: int):
-    index, within = document_positions(torch.tensor(docs.lengths, dtype=torch.int64), layout,
-                                       world, rank)
-    doc = torch.searchsorted(torch.tensor(docs.cu_seqlens), index.clamp(min=0), right=True) - 1
-    starts = torch.tensor(docs.starts, dtype=torch.int64)
-    return index, torch.where(index >= 0, within + starts[doc.clamp(max=len(docs.starts) - 1)], 0)
+def _cached_local_positions(lengths: tuple, starts: tuple, layout: str, world: int,
+                            rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    index, within = document_positions(torch.tensor(lengths, dtype=torch.int64), layout, world,
+                                       rank)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    doc = torch.searchsorted(cu, index.clamp(min=0), right=True) - 1
+    first = torch.tensor(starts, dtype=torch.int64)
+    pos = torch.where(index >= 0, within + first[doc.clamp(max=len(starts) - 1)], 0)
+    return tuple(index.tolist()), tuple(pos.tolist())
 
 
 @dataclass

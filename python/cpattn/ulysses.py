@@ -35,6 +35,7 @@ from cpattn._validation import (
 )
 from cpattn.attention import attention
 from cpattn.max_logits import document_placement, global_max_logits, returned, sequence_placement
+from cpattn.packing import gathered_order
 from cpattn.ring import (
     _attention_args,
     _group_info,
@@ -271,11 +272,9 @@ def ulysses_attention_varlen(
 
     def attend(qh, kh, vh, n, *, return_lse, prefix_len, sinks, **options):
         # (1, W T_local, h, D): every rank's shard in rank order -> the packed documents
-        docs, _, _ = document_lengths(what, cu_seqlens)
-        index = torch.cat([document_positions(docs, "contiguous", world, r)[0]
-                           for r in range(world)]).to(qh.device)
-        held = (index >= 0).nonzero().flatten()
-        order = held[index[held].argsort()]  # packed position p sits at row order[p]
+        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+        lengths = tuple(int(b) - int(a) for a, b in zip(cu[:-1], cu[1:]))
+        order = gathered_order(lengths, "contiguous", world).to(qh.device)  # row of token p
         out_p, lse_p = attention_varlen(qh[0, order], kh[0, order], vh[0, order],
                                         cu_seqlens, return_lse=True, sinks=sinks, **options)
         out = out_p.new_zeros((qh.shape[1], *out_p.shape[1:])).index_copy(0, order, out_p)

@@ -50,10 +50,14 @@ def check_config(config) -> None:
 
 
 @torch._dynamo.assume_constant_result
-@functools.lru_cache(maxsize=64)
 def _config_refusal(model_type: str, layer_types: tuple) -> str:
-    """"" or why the model cannot run under context parallelism (a compile-time constant;
-    cached: the mask hook asks at every forward)."""
+    """"" or why the model cannot run under context parallelism (a compile-time constant)."""
+    return _cached_config_refusal(model_type, layer_types)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_config_refusal(model_type: str, layer_types: tuple) -> str:
+    """_config_refusal, cached (the mask hook asks at every forward)."""
     if layer_types:
         others = sorted(set(layer_types) - _ATTENTION_LAYERS - _PER_TOKEN_LAYERS)
         if "indexed_attention" in others:
