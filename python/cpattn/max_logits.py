@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
+from cpattn._layout import document_positions, shard_positions
 
 Placement = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # rank -> (position, document)
 QUERY_ROWS = 512  # query rows scored at a time: bounds the (rows x sequence) score block
@@ -75,24 +76,24 @@ def _visible(q_pos, q_doc, k_pos, k_doc, causal: bool, window: tuple[int, int],
     return seen & (q_doc[:, None] == k_doc[None, :]) & (i >= 0) & (j >= 0)
 
 
-def sequence_placement(positions: Callable[[int], torch.Tensor]) -> Placement:
-    """A placement for one sequence (every token in document 0), from rank -> positions."""
+def sequence_placement(seqlen: int, layout: str, world: int) -> Placement:
+    """One sequence of seqlen tokens sharded by `layout` (padding slots: position -1)."""
 
     def placement(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = positions(rank)
+        pos = shard_positions(seqlen, layout, world, rank)
         return pos, torch.zeros_like(pos)
 
     return placement
 
 
-def document_placement(index_and_within: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                       cu_seqlens: torch.Tensor) -> Placement:
-    """A placement for packed documents, from rank -> (index into the packed sequence or -1,
-    position within the document or -1) (cpattn.positions_varlen's pair)."""
+def document_placement(docs: torch.Tensor, layout: str, world: int) -> Placement:
+    """Packed documents of lengths `docs` sharded per document (cpattn.shard_varlen's layout):
+    positions within the documents, each token's document (-1: padding)."""
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), docs.cumsum(0)])
 
     def placement(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        index, within = index_and_within(rank)
-        doc = torch.searchsorted(cu_seqlens, index.clamp(min=0), right=True) - 1
+        index, within = document_positions(docs, layout, world, rank)
+        doc = torch.searchsorted(cu, index.clamp(min=0), right=True) - 1
         return within, torch.where(index >= 0, doc, -1)
 
     return placement

@@ -543,14 +543,11 @@ def _max_logits(q, k, group, world, layout, cu_seqlens, docs, seqlen, scale, cau
     """global_max_logits for ring_attention (a sequence, padded to the layout when seqlen is
     given) or ring_attention_varlen (the documents of cu_seqlens)."""
     if cu_seqlens is not None:
-        cu = torch.cat([torch.zeros(1, dtype=torch.int64), docs.cumsum(0)])
-        placement = document_placement(
-            lambda r: document_positions(docs, layout, world, r), cu)
-        return global_max_logits(q[None], k[None], group, placement, scale, causal, window,
-                                 prefix_len)
+        return global_max_logits(q[None], k[None], group, document_placement(docs, layout, world),
+                                 scale, causal, window, prefix_len)
     n = q.shape[1] * world if seqlen is None else seqlen
-    placement = sequence_placement(lambda r: shard_positions(n, layout, world, r))
-    return global_max_logits(q, k, group, placement, scale, causal, window, prefix_len)
+    return global_max_logits(q, k, group, sequence_placement(n, layout, world), scale, causal,
+                             window, prefix_len)
 
 
 def ring_attention(

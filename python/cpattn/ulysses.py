@@ -17,11 +17,9 @@ from cpattn import comm
 from cpattn._agreement import agree_on, score_fields
 from cpattn._autograd import once_differentiable
 from cpattn._layout import (
-    document_positions,
     kv_heads_for_ranks,
     padded_length,
     round_up,
-    shard_positions,
 )
 from cpattn._validation import (
     check_bool,
@@ -231,8 +229,7 @@ def ulysses_attention(
     max_logits = []
     if return_max_logits:
         n = q.shape[1] * world if seqlen is None else seqlen
-        placement = sequence_placement(lambda r: shard_positions(n, "contiguous", world, r))
-        max_logits = [global_max_logits(q, k, group, placement,
+        max_logits = [global_max_logits(q, k, group, sequence_placement(n, "contiguous", world),
                                         check_scale(what, softmax_scale, q.shape[-1]), causal,
                                         check_window(window, what), prefix_len)]
     out, lse = result if return_lse else (result, None)
@@ -289,9 +286,7 @@ def ulysses_attention_varlen(
     max_logits = []
     if return_max_logits:
         docs, _, _ = document_lengths(what, cu_seqlens)
-        cu = torch.cat([torch.zeros(1, dtype=torch.int64), docs.cumsum(0)])
-        placement = document_placement(
-            lambda r: document_positions(docs, "contiguous", world, r), cu)
+        placement = document_placement(docs, "contiguous", world)
         max_logits = [global_max_logits(q[None], k[None], group, placement,
                                         check_scale(what, softmax_scale, q.shape[-1]), causal,
                                         check_window(window, what), 0)]
