@@ -9,10 +9,10 @@ local window), Qwen3-MoE's load-balancing loss over the whole sequence. Each exa
 ablation showing that its feature changes the one-process result (so the test can fail).
 Refused on every rank: token mixers outside attention (LFM2's convolutions, GraniteMoeHybrid's
 Mamba layers, MiniMax's lightning attention), a sparse-attention indexer (DeepSeek-V3.2), Llama
-4's chunks shorter than the sequence, its temperature tuning past floor_scale, and its attention
-without position ids; and the one-rank-only triggers (a padding mask whose zeros lie in one
-shard, a document boundary in one shard, local positions that are global on rank 0 only) raise
-on every rank within a second."""
+4's chunks shorter than the sequence with the ring (Ulysses applies them exactly), its
+temperature tuning past floor_scale, and its attention without position ids; and the
+one-rank-only triggers (a padding mask whose zeros lie in one shard, a document boundary in one
+shard, local positions that are global on rank 0 only) raise on every rank within a second."""
 
 import time
 
@@ -287,7 +287,9 @@ def _refusals(cp):
                                               index_head_dim=16, index_topk=4), "indexer"),
         # Llama 4 given the whole batch: chunks shorter than the sequence; temperature tuning
         # at floor_scale 16 < 48 tokens (it changes the one-process loss: checked below)
-        "llama4 chunked": (model_config("llama4", attention_chunk_size=8), "chunked attention"),
+        # (the ring does not cut chunks: it refuses and names Ulysses)
+        "llama4 chunked": (model_config("llama4", attention_chunk_size=8),
+                           "chunked attention.*strategy='ulysses'"),
         "llama4 temperature": (model_config("llama4", floor_scale=16), "temperature tuning"),
     }
     tuned = reference(model_config("llama4", floor_scale=16), _sequences())[0]
@@ -326,11 +328,26 @@ def _refusals(cp):
     _exact("llama after errors", model_config("llama"), _sequences(), cp)
 
 
+def _llama4_chunks(cp):
+    """Llama 4's chunked attention past one chunk (chunks of 8 in 48 tokens): exact with
+    Ulysses, which cuts the attention at every multiple of 8 of the documents' positions, for
+    sequences and for packed documents (chunks on positions within each document). Ablation:
+    chunks of 64 (the layer then attends causally over all 48)."""
+    config = model_config("llama4", attention_chunk_size=8)
+    _exact(f"llama4 chunks {cp.strategy}", config, _sequences(), cp,
+           (model_config("llama4"), _sequences()))
+    lengths = [20, 11, 17]  # every document longer than a chunk
+    batch = packed(lengths)
+    assert_step_matches(reference(config, batch, lengths=lengths), cp_step(config, batch, cp),
+                        f"llama4 packed chunks {cp.strategy}")
+
+
 def _w2(rank, world):
     for strategy in ("ring", "allgather", "ulysses"):
         cp = cpattn.ContextParallel(strategy=strategy)
         _packed_cases(cp)
     _family_cases(cpattn.ContextParallel())
+    _llama4_chunks(cpattn.ContextParallel(strategy="ulysses"))
     _refusals(cpattn.ContextParallel())
 
 

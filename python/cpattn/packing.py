@@ -58,6 +58,21 @@ class Documents:
         return (torch.tensor(index, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64))
 
 
+def chunk_boundaries(lengths: tuple[int, ...], starts: tuple[int, ...],
+                     chunk: int) -> list[int]:
+    """Boundaries (from 0) of the pieces of packed documents cut where a position id is a
+    multiple of `chunk` (Llama 4's chunked attention, on the documents' own positions)."""
+    cu, at = [0], 0
+    for n, start in zip(lengths, starts):
+        first_cut = -start % chunk  # the first token whose position is a multiple of chunk
+        cuts = range(first_cut if first_cut else chunk, n, chunk)
+        cu.extend(at + c for c in cuts)
+        at += n
+        if n:
+            cu.append(at)
+    return cu
+
+
 def gathered_order(lengths: tuple[int, ...], layout: str, world: int) -> torch.Tensor:
     """Documents of these lengths sharded per document, every rank's shard concatenated in rank
     order (what an all-gather or Ulysses' all-to-all holds): for each token of the packed

@@ -247,6 +247,7 @@ def ulysses_attention_varlen(
     window: tuple[int, int] = (-1, -1), return_lse: bool = False,
     timeout: Optional[float] = None, sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None, return_max_logits: bool = False,
+    attend_cu_seqlens=None,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Ulysses attention over packed documents that never attend across each other.
 
@@ -258,22 +259,37 @@ def ulysses_attention_varlen(
     (with sinks: the sink). Options as ulysses_attention, on positions within each document.
     Returns out (T_local, H, Dv) and optionally lse (H, T_local), and with return_max_logits
     (as cpattn.ring_attention_varlen) the max logits last.
+    attend_cu_seqlens: the pieces that attend apart when finer than the sharding's documents
+    (each a part of one document: Llama 4's chunks); default cu_seqlens. Options and
+    return_max_logits then act on positions within the pieces.
     """
     what = "cpattn.ulysses_attention_varlen"
     group, _, world = _group_info(group)
 
+    pieces = cu_seqlens if attend_cu_seqlens is None else attend_cu_seqlens
+
     def fields_of():
         docs, _, raw = document_lengths(what, cu_seqlens)
-        return [("documents", docs.numel()), ("document_lengths", raw),
-                *_max_logits_field(what, return_max_logits)()]
+        fields = [("documents", docs.numel()), ("document_lengths", raw),
+                  *_max_logits_field(what, return_max_logits)()]
+        if attend_cu_seqlens is not None:
+            _, _, raw_parts = document_lengths(what, attend_cu_seqlens)
+            if not set(_ints(cu_seqlens)) <= set(_ints(attend_cu_seqlens)):
+                raise error(what, "attend_cu_seqlens", "<boundaries>", "must hold every "
+                            "boundary of cu_seqlens (pieces of the documents)")
+            if return_max_logits:
+                raise error(what, "return_max_logits", True, "is not supported with "
+                            "attend_cu_seqlens")
+            fields += [("attend_lengths", raw_parts)]
+        return fields
 
     def attend(qh, kh, vh, n, *, return_lse, prefix_len, sinks, **options):
         # (1, W T_local, h, D): every rank's shard in rank order -> the packed documents
-        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-        lengths = tuple(int(b) - int(a) for a, b in zip(cu[:-1], cu[1:]))
+        cu = _ints(cu_seqlens)
+        lengths = tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
         order = gathered_order(lengths, "contiguous", world).to(qh.device)  # row of token p
         out_p, lse_p = attention_varlen(qh[0, order], kh[0, order], vh[0, order],
-                                        cu_seqlens, return_lse=True, sinks=sinks, **options)
+                                        pieces, return_lse=True, sinks=sinks, **options)
         out = out_p.new_zeros((qh.shape[1], *out_p.shape[1:])).index_copy(0, order, out_p)
         empty = (lse_p.new_full((lse_p.shape[0], qh.shape[1]), float("-inf")) if sinks is None
                  else sinks.to(lse_p.dtype)[:, None].expand(-1, qh.shape[1]))
@@ -292,6 +308,12 @@ def ulysses_attention_varlen(
                                         check_window(window, what), 0)]
     out, lse = result if return_lse else (result, None)
     return returned(out[0], None if lse is None else lse[0], max_logits)
+
+
+def _ints(cu_seqlens) -> list[int]:
+    """Checked boundaries (a tensor in eager mode; a list of ints under compile) as ints."""
+    values = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+    return [int(x) for x in values]
 
 
 def hybrid_attention(

@@ -135,22 +135,32 @@ def _unknown_masks(fn: Callable) -> list[str]:
     return [name]
 
 
-def check_layer(module: torch.nn.Module, tokens: int, max_position: int) -> None:
-    """Per-layer position arithmetic of the model that cpattn cannot make exact beyond a length.
-    tokens: the sequence's (or packed batch's) number of tokens; max_position: its largest
-    position id. The same on every rank."""
+def attention_chunk(module: torch.nn.Module) -> Optional[int]:
+    """The chunk size of a layer with chunked attention (Llama 4: keys in the query's chunk of
+    `attention_chunk_size` positions only), else None."""
     config = getattr(module, "config", None)
     layer_types = getattr(config, "layer_types", None)
     layer = getattr(module, "layer_idx", None)
     if layer_types and layer is not None and layer < len(layer_types) and (
             layer_types[layer] == "chunked_attention"):
-        chunk = getattr(config, "attention_chunk_size", None)
-        if chunk is not None and max_position >= chunk:
-            raise ValueError(
-                f"{WHAT}: layer {layer} uses chunked attention (attention_chunk_size={chunk}) "
-                f"and positions reach {max_position}: cpattn does not apply chunked masks across "
-                "chunks yet, so it runs only while every position is below the chunk size. "
-                "Shorten the sequences (or pack documents below the chunk size)")
+        return getattr(config, "attention_chunk_size", None)
+    return None
+
+
+def check_layer(module: torch.nn.Module, tokens: int, max_position: int,
+                chunks: bool = False) -> None:
+    """Per-layer position arithmetic of the model that cpattn cannot make exact beyond a length.
+    tokens: the sequence's (or packed batch's) number of tokens; max_position: its largest
+    position id; chunks: whether the caller applies chunked attention's chunks. The same on
+    every rank."""
+    layer = getattr(module, "layer_idx", None)
+    chunk = attention_chunk(module)
+    if chunk is not None and max_position >= chunk and not chunks:
+        raise ValueError(
+            f"{WHAT}: layer {layer} uses chunked attention (attention_chunk_size={chunk}) and "
+            f"positions reach {max_position}: past one chunk only strategy 'ulysses' applies "
+            "the chunks exactly (ContextParallel(strategy='ulysses')); the ring and the "
+            "all-gather run only while every position is below the chunk size")
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         floor = getattr(module, "floor_scale", None)
         if floor is not None and tokens >= floor:

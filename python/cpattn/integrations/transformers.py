@@ -47,12 +47,15 @@ import torch
 from cpattn.inference import KVCacheShard, decode_attention, prefill_attention
 from cpattn.integrations._model_checks import (
     agree,
+    attention_chunk,
     check_config,
     check_layer,
     check_mask_function,
 )
-from cpattn.packing import KEYWORD, Documents
+from cpattn.packing import KEYWORD, Documents, chunk_boundaries
 from cpattn.parallel import ContextParallel
+from cpattn.ring import attention_varlen
+from cpattn.ulysses import ulysses_attention_varlen
 
 try:
     import transformers
@@ -268,13 +271,39 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
             "generate"
         )
     tokens = docs.tokens if docs is not None else q.shape[1] * cp.world_size
-    check_layer(module, tokens, docs.max_position if docs is not None else tokens - 1)
+    max_position = docs.max_position if docs is not None else tokens - 1
+    chunk = attention_chunk(module)
+    chunked = chunk is not None and max_position >= chunk and cp.strategy == "ulysses"
+    check_layer(module, tokens, max_position, chunks=chunked)
     _check_positions(cp, module, kwargs.get("position_ids"), q.shape[1], docs,
                      KEYWORD in kwargs)
+    if chunked:
+        return _chunked_ulysses(cp, q, k, v, opts, docs, chunk), None
     out = cp.attention(q, k, v, causal=opts.causal, softmax_scale=opts.scale, window=opts.window,
                        sinks=opts.sinks, softcap=opts.softcap, alibi_slopes=opts.alibi_slopes,
                        documents=docs)
     return out, None
+
+
+def _chunked_ulysses(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     opts: _Options, docs: Optional[Documents], chunk: int) -> torch.Tensor:
+    """Chunked attention (Llama 4) past one chunk, exactly: Ulysses over the documents (each row
+    of a batch of sequences is one, sharded contiguously), attending in pieces cut at every
+    multiple of `chunk` of the documents' positions."""
+    batch, local = q.shape[:2]
+    if docs is None:
+        lengths, starts = (local * cp.world_size,) * batch, (0,) * batch
+    else:
+        lengths, starts = docs.lengths, docs.starts
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    out = ulysses_attention_varlen(
+        q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bounds, group=cp.group,
+        attend_cu_seqlens=chunk_boundaries(lengths, starts, chunk), causal=opts.causal,
+        softmax_scale=opts.scale, window=opts.window, sinks=opts.sinks, softcap=opts.softcap,
+        alibi_slopes=opts.alibi_slopes, timeout=cp.timeout)
+    return out.view(batch, local, *out.shape[1:])
 
 
 def _calls_attention_interface(model_type: str) -> bool:
@@ -402,13 +431,17 @@ class _ShardedLayer(CacheLayerMixin):
         """q (B, n, H, D), k / v (B, n, Hkv, D): the n new tokens, the same on every rank.
         Stores their K/V in the sharded cache; returns their attention output (B, n, H, D)."""
         self.pending = None
-        total = self.get_seq_length() + q.shape[1]  # every token, the prompt replicated
-        check_layer(module, 0, total - 1)  # (temperature tuning sees the global positions here)
+        past = self.get_seq_length()
+        # (temperature tuning sees the global positions here; chunks: _attend_chunked)
+        check_layer(module, 0, past + q.shape[1] - 1, chunks=True)
         if not opts.causal:
             raise ValueError(f"{WHAT}: ContextParallelCache supports causal attention only (a "
                              "decoder's); got causal=False")
         options = dict(softmax_scale=opts.scale, sinks=opts.sinks, softcap=opts.softcap,
                        alibi_slopes=opts.alibi_slopes, window=opts.window, timeout=self.cp.timeout)
+        chunk = attention_chunk(module)
+        if chunk is not None and past + q.shape[1] > chunk:
+            return self._attend_chunked(q, k, v, options, chunk)
         cp, shard = self.cp, self.shard
         n = q.shape[1]
         lead = n - n % cp.granularity
@@ -426,6 +459,30 @@ class _ShardedLayer(CacheLayerMixin):
             outs.append(decode_attention(q[:, lead:].contiguous(), shard, group=cp.group,
                                          **options))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _attend_chunked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        options: dict, chunk: int) -> torch.Tensor:
+        """attend() for chunked attention (Llama 4) past one chunk: each query sees the keys of
+        its chunk only. The prompt (every rank holds all of it) attends locally in chunks, its
+        K/V stored on their owners; each later token is a decode over the sharded cache with
+        the window back to its chunk's start."""
+        past, (batch, n) = self.get_seq_length(), q.shape[:2]
+        shard, window = self.shard, options.pop("window")
+        timeout = options.pop("timeout")
+        if past == 0:
+            shard.append(k.contiguous(), v.contiguous())
+            out = attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
+                                   chunk_boundaries((n,) * batch, (0,) * batch, chunk),
+                                   causal=True, window=window, **options)
+            return out.view(batch, n, *out.shape[1:])
+        outs = []
+        for i in range(n):
+            position = past + i
+            left = position % chunk if window[0] < 0 else min(position % chunk, window[0])
+            shard.append(k[:, i:i + 1].contiguous(), v[:, i:i + 1].contiguous())
+            outs.append(decode_attention(q[:, i:i + 1].contiguous(), shard, group=self.cp.group,
+                                         window=(left, -1), timeout=timeout, **options))
+        return torch.cat(outs, dim=1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
