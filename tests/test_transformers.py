@@ -210,7 +210,8 @@ def _loss_is_global_mean():
 
 def _hybrid_one_rank_refusal():
     """Hybrid 2 x 2: a padding mask with zeros in one rank's shard raises on all four ranks
-    (agreed over the Ulysses groups, then the ring groups), and the group works afterwards."""
+    (agreed over the Ulysses groups, then the ring groups), and the group works afterwards;
+    a packed batch matches one process."""
     from cpattn.integrations.transformers import register
 
     cp = _make_cp("hybrid")
@@ -223,9 +224,12 @@ def _hybrid_one_rank_refusal():
         mask[0, 1] = 0
     _raises("invalid on rank", model, input_ids=local["input_ids"],
             position_ids=local["position_ids"], use_cache=False, attention_mask=mask)
-    packed = {"input_ids": batch["input_ids"][:1], "position_ids": torch.tensor([[0, 1, 2] + list(
-        range(45))])}  # two documents
-    _raises("does not run", cpattn.shard_batch, packed, cp)
+    # Packed documents run under hybrid too: one step equals one process per document.
+    import test_transformers_models as models
+
+    llama, documents = models.model_config("llama"), models.packed(models.LENGTHS)
+    assert_step_matches(models.reference(llama, documents, lengths=models.LENGTHS),
+                        models.cp_step(llama, documents, cp), "hybrid packed")
     assert_step_matches(reference_step(config, batch),
                         cp_step(config, batch, cp, "cpattn_hybrid_refusal"), "hybrid after")
 

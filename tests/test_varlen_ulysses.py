@@ -1,5 +1,6 @@
-"""Packed documents without the ring: cpattn.attention_varlen (one process) and
-cpattn.ulysses_attention_varlen (all-to-all to heads, then the documents attend locally) against
+"""Packed documents beyond the ring: cpattn.attention_varlen (one process),
+cpattn.ulysses_attention_varlen (all-to-all to heads, then the documents attend locally) and
+cpattn.hybrid_attention_varlen (Ulysses inside, the ring across; W = 4 as 2 x 2) against
 the float64 reference run per document: out, LSE and every gradient (the sinks' included), on
 fresh random inputs with poisoned outputs (CPATTN_POISON in the ranks); padding rows give 0 and
 -inf; ranks that disagree on the documents raise on every rank."""
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
+import cpattn.packing
 
 from conftest import assert_matches
 from distributed import run_ranks
@@ -118,3 +120,48 @@ def _ulysses_cases(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ulysses_varlen_matches_reference(world):
     run_ranks(world, _ulysses_cases)
+
+
+def _hybrid_cases(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cp = cpattn.ContextParallel(init_device_mesh("cpu", (2, 2)), strategy="hybrid")
+    for n, (causal, window, softcap, sinks, dv) in enumerate(CASES):
+        dtype = torch.float32
+        lengths = [1, 0, 9, 4, 6]  # per-document zigzag over the 2 ring ranks pads 1, 9 and 6
+        cu = torch.tensor([0, *lengths]).cumsum(0).tolist()
+        q, k, v, dout, s = _problem(300 + n, lengths, 4, 2 if n % 2 else 1, dv, dtype, sinks)
+        docs = cpattn.packing.Documents(tuple(lengths), (0,) * len(lengths))
+        index, _ = cp.document_positions(docs)
+
+        def local(t):
+            padded = torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
+            return padded[torch.where(index < 0, t.shape[0], index)]
+
+        shards = [local(t).requires_grad_() for t in (q, k, v)]
+        s_in = None if s is None else s.clone().requires_grad_()
+        out, lse = cpattn.hybrid_attention_varlen(
+            *shards, cu, ulysses_group=cp.ulysses_group, ring_group=cp.ring_group,
+            causal=causal, window=window, softcap=softcap, sinks=s_in, return_lse=True)
+        pad = index < 0
+        assert (out[pad] == 0).all(), "padding rows"
+        out.backward(local(dout))
+        ref_out, ref_lse, ref_grads, ref_ds = _reference(q, k, v, dout, s, lengths, causal,
+                                                         window, softcap)
+        real = ~pad
+        what = f"hybrid varlen case {n}"
+        for got, want in ((out, ref_out), *zip((t.grad for t in shards), ref_grads)):
+            assert torch.allclose(got[real].double(), want[index[real]], rtol=TOL[dtype],
+                                  atol=TOL[dtype] * want.abs().max()), what
+        assert torch.allclose(lse[:, real].double(), ref_lse[:, index[real]], rtol=TOL[dtype],
+                              atol=TOL[dtype]), what
+        # (each token's dk / dv live on its own rank: the shards' rows are the full gradient's)
+        if s is not None:
+            ds = s_in.grad.clone()
+            dist.all_reduce(ds)
+            assert torch.allclose(ds.double(), ref_ds, rtol=TOL[dtype],
+                                  atol=TOL[dtype] * ref_ds.abs().max()), what
+
+
+def test_hybrid_varlen_matches_reference():
+    run_ranks(4, _hybrid_cases)

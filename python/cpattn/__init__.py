@@ -40,6 +40,7 @@ from cpattn.ring import (  # noqa: E402
 from cpattn.training import cross_entropy, load_balancing_loss, shard_batch  # noqa: E402
 from cpattn.ulysses import (  # noqa: E402
     hybrid_attention,
+    hybrid_attention_varlen,
     hybrid_positions,
     hybrid_shard,
     hybrid_unshard,
@@ -66,6 +67,7 @@ __all__ = [
     "ulysses_attention_varlen",
     "attention_varlen",
     "hybrid_attention",
+    "hybrid_attention_varlen",
     "hybrid_positions",
     "hybrid_shard",
     "hybrid_unshard",

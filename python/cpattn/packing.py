@@ -50,11 +50,14 @@ class Documents:
         object.__setattr__(self, "tokens", cu[-1])
         object.__setattr__(self, "max_position", max(ends) if ends else -1)
 
-    def local_positions(self, layout: str, world: int, rank: int) -> tuple[torch.Tensor,
-                                                                            torch.Tensor]:
-        """For `rank`'s local tokens: (index into the packed sequence, -1 for padding; position
-        id, 0 for padding). Constants of a compiled graph (computed while tracing)."""
-        index, pos = _local_positions(self.lengths, self.starts, layout, world, rank)
+    def local_positions(self, layout: str, world: int, rank: int, split: int = 1,
+                        part: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the local tokens of `rank` of `world` (per-document sharding): (index into the
+        packed sequence, -1 for padding; position id, 0 for padding). split > 1 (hybrid): that
+        shard padded at its end to a multiple of `split` and cut in `split` contiguous parts,
+        of which `part`'s tokens. Constants of a compiled graph (computed while tracing)."""
+        index, pos = _local_positions(self.lengths, self.starts, layout, world, rank, split,
+                                      part)
         return (torch.tensor(index, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64))
 
 
@@ -90,17 +93,22 @@ def _gathered_order(lengths: tuple, layout: str, world: int) -> tuple[int, ...]:
 
 
 @torch._dynamo.assume_constant_result
-def _local_positions(lengths: tuple, starts: tuple, layout: str, world: int,
-                     rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _local_positions(lengths: tuple, starts: tuple, layout: str, world: int, rank: int,
+                     split: int, part: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """local_positions as ints (a compile-time constant: run in Python while dynamo traces)."""
-    return _cached_local_positions(lengths, starts, layout, world, rank)
+    return _cached_local_positions(lengths, starts, layout, world, rank, split, part)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_local_positions(lengths: tuple, starts: tuple, layout: str, world: int,
-                            rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _cached_local_positions(lengths: tuple, starts: tuple, layout: str, world: int, rank: int,
+                            split: int = 1, part: int = 0
+                            ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     index, within = document_positions(torch.tensor(lengths, dtype=torch.int64), layout, world,
                                        rank)
+    if split > 1:  # (hybrid: the ring shard padded to a multiple of U, cut in U parts)
+        pad = -index.numel() % split
+        index, within = (torch.cat([t, t.new_full((pad,), -1)]).chunk(split)[part]
+                         for t in (index, within))
     cu = torch.tensor([0, *lengths]).cumsum(0)
     doc = torch.searchsorted(cu, index.clamp(min=0), right=True) - 1
     first = torch.tensor(starts, dtype=torch.int64)

@@ -18,13 +18,13 @@ from cpattn.packing import Documents
 from cpattn.ring import LAYOUTS, _group_info, positions, ring_attention, ring_attention_varlen
 from cpattn.ulysses import (
     hybrid_attention,
+    hybrid_attention_varlen,
     hybrid_positions,
     ulysses_attention,
     ulysses_attention_varlen,
 )
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
-PACKED_STRATEGIES = ("ring", "allgather", "ulysses")  # the ones that run packed documents
 
 
 def _is_mesh(obj) -> bool:
@@ -137,6 +137,17 @@ class ContextParallel:
         return positions(seqlen, layout=self.layout, rank=self.rank,
                          world_size=self.world_size, device=device)
 
+    def document_positions(self, documents: Documents) -> tuple[torch.Tensor, torch.Tensor]:
+        """For this rank's local tokens of packed documents (shard_batch's sharding: per
+        document over the ranks; for hybrid over the ring, each ring shard then cut in U
+        contiguous parts): (index into the packed sequence, -1 for padding; position id)."""
+        if self.strategy == "hybrid":
+            return documents.local_positions(
+                self.layout, dist.get_world_size(self.ring_group),
+                dist.get_rank(self.ring_group), dist.get_world_size(self.ulysses_group),
+                dist.get_rank(self.ulysses_group))
+        return documents.local_positions(self.layout, self.world_size, self.rank)
+
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of the full tensor x (sequence along `dim`)."""
         index = self.positions(x.shape[dim], device=x.device)
@@ -167,8 +178,8 @@ class ContextParallel:
         sinks (heads,), softcap, alibi_slopes (heads,): as cpattn.ring_attention, the same on
         every rank.
         documents: packed documents (from cpattn.shard_batch): batch 1, the tokens in the
-            per-document layout of cpattn.shard_varlen; strategies "ring", "allgather" and
-            "ulysses".
+            per-document layout of shard_batch (cpattn.shard_varlen's; for hybrid over the ring,
+            cut in U parts: document_positions).
         return_max_logits: also each head's largest logit over the whole sequence (heads,),
             last (as cpattn.ring_attention; not with strategy "hybrid").
         """
@@ -176,14 +187,16 @@ class ContextParallel:
                       return_lse=return_lse, timeout=self.timeout, sinks=sinks, softcap=softcap,
                       alibi_slopes=alibi_slopes, return_max_logits=return_max_logits)
         if documents is not None:
-            if self.strategy not in PACKED_STRATEGIES or q.shape[0] != 1:
-                raise ValueError(
-                    "cpattn.ContextParallel.attention: packed documents need a strategy of "
-                    f"{PACKED_STRATEGIES} and a batch of one row, got {self.strategy!r} and "
-                    f"{q.shape[0]} rows")
+            if q.shape[0] != 1:
+                raise ValueError("cpattn.ContextParallel.attention: packed documents are one "
+                                 f"row, got a batch of {q.shape[0]}")
             if self.strategy == "ulysses":
                 result = ulysses_attention_varlen(q[0], k[0], v[0], documents.cu_seqlens,
                                                   group=self.group, **common)
+            elif self.strategy == "hybrid":
+                result = hybrid_attention_varlen(
+                    q[0], k[0], v[0], documents.cu_seqlens, ulysses_group=self.ulysses_group,
+                    ring_group=self.ring_group, layout=self.layout, **common)
             else:
                 result = ring_attention_varlen(
                     q[0], k[0], v[0], documents.cu_seqlens, group=self.group,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn.packing import FLASH_KEYS, KEYWORD, Documents, Packing, find_packing
-from cpattn.parallel import PACKED_STRATEGIES, ContextParallel
+from cpattn.parallel import ContextParallel
 
 IGNORE_INDEX = -100
 
@@ -48,11 +48,12 @@ def shard_batch(
     Packed documents (cpattn.packing: position_ids that restart inside a row, the collator's
     cu_seq_lens_q, or an attention_mask with padding, whose rows' real tokens become documents)
     are sharded per document (as cpattn.shard_varlen: each document padded to the layout's
-    granularity and split over every rank) into one row: "position_ids" are then the tokens' own
+    granularity and split over the ranks) into one row: "position_ids" are then the tokens' own
     position ids (within their documents), padding slots get token 0, position 0 and label
     `ignore_index`, and "cpattn_documents" (a cpattn.packing.Documents) must be passed to the
     model with the rest (`model(**batch)` does), so that the attention keeps the documents
-    apart. Strategies "ring", "allgather" and "ulysses" run packed documents; "hybrid" raises. A
+    apart (every strategy; for hybrid the documents are sharded over the ring and each ring
+    shard cut in U parts, see ContextParallel.document_positions). A
     batch of rows of one document each (positions 0, 1, ... or none) is sharded as one
     sequence per row, with "cpattn_documents" None: passed to the model, it tells the attention
     that the batch's position_ids were passed too (needed by models whose attention does not
@@ -118,14 +119,8 @@ def _shard_packed(batch: dict[str, Any], cp: ContextParallel, key: str, packing:
                   ) -> dict[str, Any]:
     """shard_batch for packed documents: one row of this rank's per-document shards."""
     docs = packing.docs
-    if cp.strategy not in PACKED_STRATEGIES:
-        raise ValueError(
-            f"{what}: the batch holds packed documents ({len(docs.lengths)} documents: position "
-            "ids that restart, cu_seq_lens_q, or padding), which strategy "
-            f"{cp.strategy!r} does not run: use ContextParallel(strategy='ring'), 'allgather' "
-            "or 'ulysses' for packed batches")
     bsz, seqlen = batch[key].shape[:2]
-    index, positions = docs.local_positions(cp.layout, cp.world_size, cp.rank)
+    index, positions = cp.document_positions(docs)
     real = index >= 0
     source = packing.source[index.clamp(min=0)]
     out: dict[str, Any] = {}
@@ -265,7 +260,7 @@ def load_balancing_loss(router_logits, cp: ContextParallel, num_experts: int, to
     device = layers[0].device
     weight = None
     if documents is not None:
-        index, _ = documents.local_positions(cp.layout, cp.world_size, cp.rank)
+        index, _ = cp.document_positions(documents)
         weight = (index >= 0).to(device, torch.float32)
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
     probs = torch.zeros(num_experts, dtype=torch.float32, device=device)

@@ -40,6 +40,7 @@ from cpattn.ring import (
     attention_varlen,
     positions,
     ring_attention,
+    ring_attention_varlen,
     shard,
     unshard,
 )
@@ -308,6 +309,51 @@ def ulysses_attention_varlen(
                                         check_window(window, what), 0)]
     out, lse = result if return_lse else (result, None)
     return returned(out[0], None if lse is None else lse[0], max_logits)
+
+
+def hybrid_attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, *, ulysses_group,
+    ring_group, layout: str = "zigzag", causal: bool = False,
+    softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
+    return_lse: bool = False, timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, return_max_logits: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Hybrid attention (Ulysses inside, ring across) over packed documents that never attend
+    across each other. Sharding (cpattn.ContextParallel.document_positions): every document
+    sharded per document over the R ring ranks (cpattn.shard_varlen's layout), each ring shard
+    padded at its end to a multiple of U and cut in U contiguous parts. The Ulysses all-to-all
+    gives each rank its ring shard for H / U heads, ring_attention_varlen runs across the ring.
+    q (T_local, H, D), k / v (T_local, Hkv, D); returns out (T_local, H, Dv) and optionally lse
+    (H, T_local); padding: 0 and -inf (with sinks: the sink). return_max_logits raises."""
+    what = "cpattn.hybrid_attention_varlen"
+    if return_max_logits is not False:
+        raise error(what, "return_max_logits", return_max_logits, "is not supported by the "
+                    "hybrid strategy yet")
+    timeout = check_timeout(what, timeout)
+    r_world, u_world = dist.get_world_size(ring_group), dist.get_world_size(ulysses_group)
+
+    def fields_of():
+        docs, _, raw = document_lengths(what, cu_seqlens)
+        return [("documents", docs.numel()), ("document_lengths", raw)]
+
+    cu = _ints(cu_seqlens)
+    ring_shard = sum(padded_length(b - a, layout, r_world) // r_world
+                     for a, b in zip(cu[:-1], cu[1:]) if b > a)
+
+    def attend(qh, kh, vh, n, *, return_lse, **options):  # qh: this rank's ring shard
+        out, lse = ring_attention_varlen(qh[0], kh[0], vh[0], cu_seqlens, group=ring_group,
+                                         layout=layout, timeout=timeout, return_lse=True,
+                                         **options)
+        return out[None], lse[None]
+
+    result = _across_heads(what, q[None], k[None], v[None], ulysses_group, timeout, attend,
+                           return_lse, causal=causal, softmax_scale=softmax_scale, window=window,
+                           sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes, prefix_len=0,
+                           seqlen=max(cu[-1], 1), layout=layout, fields_of=fields_of,
+                           rows=lambda n: (round_up(ring_shard, u_world), ring_shard))
+    out, lse = result if return_lse else (result, None)
+    return out[0] if lse is None else (out[0], lse[0])
 
 
 def _ints(cu_seqlens) -> list[int]:

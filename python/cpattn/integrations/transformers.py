@@ -161,7 +161,7 @@ def _expected_positions(cp: ContextParallel, local_len: int, docs: Optional[Docu
                         device) -> torch.Tensor:
     """The position ids RoPE must have seen for this rank's tokens."""
     if docs is not None:
-        return docs.local_positions(cp.layout, cp.world_size, cp.rank)[1].to(device)
+        return cp.document_positions(docs)[1].to(device)
     return cp.positions(local_len * cp.world_size, device=device)
 
 
