@@ -1,8 +1,8 @@
 """return_max_logits=True: each head's largest logit softmax_scale * q_i . k_j over the visible
 pairs of the whole sequence, the same on every rank, for ring (every layout) and all-gather,
 Ulysses, packed documents (ring and Ulysses) and any length, against the float64 value from the
-full tensors; the outputs are unchanged by the option; ranks that disagree on it raise on every
-rank; hybrid refuses it."""
+full tensors; hybrid (2 x 2) too; the outputs are unchanged by the option; ranks that disagree
+on it raise on every rank."""
 
 import pytest
 import torch
@@ -111,11 +111,46 @@ def _cases(rank, world):
     shards = [cpattn.shard(t) for t in (q, k, v)]
     with pytest.raises(ValueError, match="return_max_logits"):
         cpattn.ring_attention(*shards, causal=True, return_max_logits=rank == 0)
-    with pytest.raises(ValueError, match="hybrid"):
-        cpattn.hybrid_attention(*shards, ulysses_group=dist.group.WORLD,
-                                ring_group=dist.group.WORLD, return_max_logits=True)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_max_logits_match_reference(world):
     run_ranks(world, _cases)
+
+
+def _hybrid_cases(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cp = cpattn.ContextParallel(init_device_mesh("cpu", (2, 2)), strategy="hybrid")
+    groups = dict(ulysses_group=cp.ulysses_group, ring_group=cp.ring_group)
+    g = torch.Generator().manual_seed(9)
+    seqlen, scale = 26, 0.3  # not a multiple of 2R U = 8: padding on both levels
+    q = torch.randn(1, seqlen, 4, 16, generator=g) * 2
+    k = torch.randn(1, seqlen, 2, 16, generator=g) * 2
+    for causal, window, prefix in MASKS:
+        ref = _reference(q, k, causal, window, prefix, scale)
+        shards = [cpattn.hybrid_shard(t, **groups) for t in (q, k, k)]
+        out, best = cpattn.hybrid_attention(*shards, **groups, causal=causal, window=window,
+                                            softmax_scale=scale, prefix_len=prefix,
+                                            seqlen=seqlen, return_max_logits=True)
+        plain = cpattn.hybrid_attention(*shards, **groups, causal=causal, window=window,
+                                        softmax_scale=scale, prefix_len=prefix, seqlen=seqlen)
+        assert torch.equal(out, plain)
+        _check(f"hybrid {causal} {window} {prefix}", best, ref)
+    lengths = [3, 0, 9, 5]
+    cu = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    qp, kp = q[0, :cu[-1]], k[0, :cu[-1]]
+    docs = cpattn.packing.Documents(tuple(lengths), (0,) * len(lengths))
+    index, _ = cp.document_positions(docs)
+    local = lambda t: torch.cat([t, t.new_zeros((1, *t.shape[1:]))])[  # noqa: E731
+        torch.where(index < 0, t.shape[0], index)]
+    for causal, window, _ in MASKS[:3]:
+        ref = _reference(qp[None], kp[None], causal, window, 0, scale, lengths)
+        _, best = cpattn.hybrid_attention_varlen(local(qp), local(kp), local(kp), cu, **groups,
+                                                 causal=causal, window=window,
+                                                 softmax_scale=scale, return_max_logits=True)
+        _check(f"hybrid varlen {causal} {window}", best, ref)
+
+
+def test_max_logits_hybrid():
+    run_ranks(4, _hybrid_cases)

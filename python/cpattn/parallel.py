@@ -181,7 +181,7 @@ class ContextParallel:
             per-document layout of shard_batch (cpattn.shard_varlen's; for hybrid over the ring,
             cut in U parts: document_positions).
         return_max_logits: also each head's largest logit over the whole sequence (heads,),
-            last (as cpattn.ring_attention; not with strategy "hybrid").
+            last (as cpattn.ring_attention).
         """
         common = dict(causal=causal, softmax_scale=softmax_scale, window=window,
                       return_lse=return_lse, timeout=self.timeout, sinks=sinks, softcap=softcap,

@@ -325,26 +325,28 @@ def hybrid_attention_varlen(
     padded at its end to a multiple of U and cut in U contiguous parts. The Ulysses all-to-all
     gives each rank its ring shard for H / U heads, ring_attention_varlen runs across the ring.
     q (T_local, H, D), k / v (T_local, Hkv, D); returns out (T_local, H, Dv) and optionally lse
-    (H, T_local); padding: 0 and -inf (with sinks: the sink). return_max_logits raises."""
+    (H, T_local); padding: 0 and -inf (with sinks: the sink); return_max_logits: as
+    ring_attention_varlen (last)."""
     what = "cpattn.hybrid_attention_varlen"
-    if return_max_logits is not False:
-        raise error(what, "return_max_logits", return_max_logits, "is not supported by the "
-                    "hybrid strategy yet")
     timeout = check_timeout(what, timeout)
     r_world, u_world = dist.get_world_size(ring_group), dist.get_world_size(ulysses_group)
 
     def fields_of():
         docs, _, raw = document_lengths(what, cu_seqlens)
-        return [("documents", docs.numel()), ("document_lengths", raw)]
+        return [("documents", docs.numel()), ("document_lengths", raw),
+                *_max_logits_field(what, return_max_logits)()]
 
     cu = _ints(cu_seqlens)
     ring_shard = sum(padded_length(b - a, layout, r_world) // r_world
                      for a, b in zip(cu[:-1], cu[1:]) if b > a)
 
+    maxima = []
+
     def attend(qh, kh, vh, n, *, return_lse, **options):  # qh: this rank's ring shard
-        out, lse = ring_attention_varlen(qh[0], kh[0], vh[0], cu_seqlens, group=ring_group,
-                                         layout=layout, timeout=timeout, return_lse=True,
-                                         **options)
+        out, lse, *best = ring_attention_varlen(
+            qh[0], kh[0], vh[0], cu_seqlens, group=ring_group, layout=layout, timeout=timeout,
+            return_lse=True, return_max_logits=return_max_logits, **options)
+        maxima.extend(best)
         return out[None], lse[None]
 
     result = _across_heads(what, q[None], k[None], v[None], ulysses_group, timeout, attend,
@@ -353,7 +355,7 @@ def hybrid_attention_varlen(
                            seqlen=max(cu[-1], 1), layout=layout, fields_of=fields_of,
                            rows=lambda n: (round_up(ring_shard, u_world), ring_shard))
     out, lse = result if return_lse else (result, None)
-    return out[0] if lse is None else (out[0], lse[0])
+    return _with_heads_maxima(out[0], None if lse is None else lse[0], maxima, ulysses_group)
 
 
 def _ints(cu_seqlens) -> list[int]:
@@ -381,12 +383,8 @@ def hybrid_attention(
     seqlen: the global sequence length, for any length (default: W times the shard length):
     hybrid_shard pads as hybrid_positions says; padding rows get out 0 and LSE -inf (with
     sinks: the sink); hybrid_unshard(..., seqlen=S) gives S tokens back.
-    return_max_logits: not supported yet (raises; the sequence spans two groups).
+    return_max_logits: as cpattn.ring_attention (last in the returned tuple).
     """
-    if return_max_logits is not False:
-        raise error("cpattn.hybrid_attention", "return_max_logits", return_max_logits,
-                    "is not supported by the hybrid strategy yet: use ring_attention or "
-                    "ulysses_attention")
     if mesh is not None:
         ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
     if ulysses_group is None or ring_group is None:
@@ -396,14 +394,30 @@ def hybrid_attention(
     ring = functools.partial(ring_attention, group=ring_group, layout=layout, timeout=timeout)
     r_world, u_world = dist.get_world_size(ring_group), dist.get_world_size(ulysses_group)
 
-    def attend(qh, kh, vh, n, **options):  # this rank's ring shard, padded for the ring only
-        return ring(qh, kh, vh, seqlen=n, **options)
+    maxima = []  # the ring's max logits of this rank's heads (over the whole sequence)
 
-    return _across_heads(what, q, k, v, ulysses_group, timeout, attend, return_lse,
-                         causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
-                         softcap=softcap, alibi_slopes=alibi_slopes, prefix_len=prefix_len,
-                         layout=layout, seqlen=seqlen,
-                         rows=lambda n: _hybrid_ring_shard(n, layout, r_world, u_world)[::-1])
+    def attend(qh, kh, vh, n, **options):  # this rank's ring shard, padded for the ring only
+        out, lse, *best = ring(qh, kh, vh, seqlen=n, return_max_logits=return_max_logits,
+                               **options)
+        maxima.extend(best)
+        return out, lse
+
+    result = _across_heads(what, q, k, v, ulysses_group, timeout, attend, return_lse,
+                           causal=causal, softmax_scale=softmax_scale, window=window,
+                           sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes,
+                           prefix_len=prefix_len, layout=layout, seqlen=seqlen,
+                           rows=lambda n: _hybrid_ring_shard(n, layout, r_world, u_world)[::-1],
+                           fields_of=_max_logits_field(what, return_max_logits))
+    out, lse = result if return_lse else (result, None)
+    return _with_heads_maxima(out, lse, maxima, ulysses_group)
+
+
+def _with_heads_maxima(out, lse, maxima: list, ulysses_group):
+    """A hybrid call's out (and lse) with, when asked, the max logits of every head: each
+    rank's ring gave its own heads' (over the whole sequence), all-gathered over Ulysses."""
+    if maxima:
+        maxima = [comm.all_gather(maxima[0], dim=0, group=ulysses_group)]
+    return returned(out, lse, maxima)
 
 
 def _hybrid_ring_shard(seqlen: int, layout: str, r_world: int, u_world: int) -> tuple[int, int]:
