@@ -161,6 +161,11 @@ def _hybrid_cases(rank, world):
             dist.all_reduce(ds)
             assert torch.allclose(ds.double(), ref_ds, rtol=TOL[dtype],
                                   atol=TOL[dtype] * ref_ds.abs().max()), what
+    # A shard of the wrong length raises on every rank (before any message).
+    t = torch.randn(3, 4, 16)
+    with pytest.raises(ValueError, match="q tokens"):
+        cpattn.hybrid_attention_varlen(t, t, t, [0, 20], ulysses_group=cp.ulysses_group,
+                                       ring_group=cp.ring_group)
 
 
 def test_hybrid_varlen_matches_reference():

@@ -158,6 +158,7 @@ def _across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Ca
         args, fields = _attention_args(what, q, k, v, causal, softmax_scale, window, layout)
         _check_heads(what, q, world)
         cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
+        more = fields_of() if fields_of is not None else []  # (varlen: validates cu_seqlens)
         held = q.shape[1] * world  # tokens of a head shard
         n = None
         if seqlen is not None:
@@ -165,7 +166,6 @@ def _across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Ca
             if rows(n)[0] != held:
                 raise error(what, "seqlen", n, f"gives head shards of {rows(n)[0]} tokens once "
                             f"padded (see cpattn.positions), but the shards hold {held}")
-        more = fields_of() if fields_of is not None else []
         return (*args, cap, prefix, n), [*fields, *score_fields(cap, alibi_slopes, sinks, prefix),
                                          ("seqlen", n), *more]
 
@@ -333,12 +333,18 @@ def hybrid_attention_varlen(
 
     def fields_of():
         docs, _, raw = document_lengths(what, cu_seqlens)
+        held = rows(None)[0] // u_world
+        if q.shape[0] != held:
+            raise error(what, "q tokens", q.shape[0], f"must be {held}: this rank's part of the "
+                        "documents' sharding (cpattn.ContextParallel.document_positions)")
         return [("documents", docs.numel()), ("document_lengths", raw),
                 *_max_logits_field(what, return_max_logits)()]
 
-    cu = _ints(cu_seqlens)
-    ring_shard = sum(padded_length(b - a, layout, r_world) // r_world
-                     for a, b in zip(cu[:-1], cu[1:]) if b > a)
+    def rows(_):  # (a head shard's rows, the ring shard's: real) (in check(): agreed)
+        cu = _ints(cu_seqlens)
+        ring_shard = sum(padded_length(b - a, layout, r_world) // r_world
+                         for a, b in zip(cu[:-1], cu[1:]) if b > a)
+        return round_up(ring_shard, u_world), ring_shard
 
     maxima = []
 
@@ -352,8 +358,7 @@ def hybrid_attention_varlen(
     result = _across_heads(what, q[None], k[None], v[None], ulysses_group, timeout, attend,
                            return_lse, causal=causal, softmax_scale=softmax_scale, window=window,
                            sinks=sinks, softcap=softcap, alibi_slopes=alibi_slopes, prefix_len=0,
-                           seqlen=max(cu[-1], 1), layout=layout, fields_of=fields_of,
-                           rows=lambda n: (round_up(ring_shard, u_world), ring_shard))
+                           seqlen=1, layout=layout, fields_of=fields_of, rows=rows)
     out, lse = result if return_lse else (result, None)
     return _with_heads_maxima(out[0], None if lse is None else lse[0], maxima, ulysses_group)
 
