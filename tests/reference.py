@@ -53,3 +53,27 @@ def compare_sharded(what: str, run, shard, unshard, positions, full: tuple, caus
         torch.testing.assert_close(g.double(), r.grad, atol=grad_tol * tol * scale,
                                    rtol=grad_tol * tol,
                                    msg=lambda m: f"d{name} {what}: {m}")
+
+
+def varlen_reference(q, k, v, dout, lengths, causal, window, sinks=None, softcap=0.0):
+    """Packed documents (q (T, H, D), k / v (T, Hkv, D), dout (T, H, Dv)), each attending only
+    to itself: float64 attention per document, concatenated. Returns out (T, H, Dv), lse (H, T),
+    [dq, dk, dv] and the sinks' gradient summed over the documents (None without sinks)."""
+    outs, lses, grads = [], [], [[], [], []]
+    s64 = None if sinks is None else sinks.detach().double().requires_grad_()
+    start = 0
+    for n in lengths:
+        if n == 0:
+            continue
+        piece = [t[start:start + n].detach().double()[None].requires_grad_() for t in (q, k, v)]
+        out, lse = reference_attention(*piece, causal=causal, window=window, sinks=s64,
+                                       softcap=softcap)
+        out.backward(dout[start:start + n].double()[None])
+        outs.append(out.detach()[0])
+        lses.append(lse.detach()[0])
+        for g, p in zip(grads, piece):
+            g.append(p.grad[0])
+        start += n
+    return (torch.cat(outs), torch.cat(lses, dim=1), [torch.cat(g) for g in grads],
+            None if s64 is None else s64.grad)
+

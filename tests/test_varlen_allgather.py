@@ -11,7 +11,7 @@ from cpattn._layout import LAYOUTS
 
 from conftest import assert_matches, seeded_problem
 from distributed import run_ranks
-from reference import reference_attention
+from reference import reference_attention, varlen_reference
 
 MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (7, 0)), (False, (4, 6))]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -41,22 +41,6 @@ def test_allgather_matches_reference(world):
     run_ranks(world, _allgather_cases)
 
 
-def _varlen_reference(q, k, v, dout, lengths, causal, window):
-    """Each document attends only to itself: float64 attention per document, concatenated."""
-    outs, lses, grads = [], [], [[], [], []]
-    start = 0
-    for n in lengths:
-        piece = [t[start:start + n].double()[None].requires_grad_() for t in (q, k, v)]
-        out, lse = reference_attention(*piece, causal=causal, window=window)
-        out.backward(dout[start:start + n].double()[None])
-        outs.append(out.detach()[0])
-        lses.append(lse.detach()[0])
-        for g, p in zip(grads, piece):
-            g.append(p.grad[0])
-        start += n
-    return torch.cat(outs), torch.cat(lses, dim=1), [torch.cat(g) for g in grads]
-
-
 def _varlen_cases(rank: int, world: int) -> None:
     for n, (layout, (causal, window), strategy) in enumerate(
         itertools.product(LAYOUTS, MASKS, ["ring", "allgather"])
@@ -69,7 +53,7 @@ def _varlen_cases(rank: int, world: int) -> None:
         total = int(cu[-1])
         q, k, v, dout = (torch.randn(total, 4 if i != 1 and i != 2 else 2, 16, generator=gen)
                          for i in range(4))
-        ref_out, ref_lse, ref_grads = _varlen_reference(q, k, v, dout, lengths, causal, window)
+        ref_out, ref_lse, ref_grads, _ = varlen_reference(q, k, v, dout, lengths, causal, window)
         shards = [cpattn.shard_varlen(t, cu, layout=layout).requires_grad_() for t in (q, k, v)]
         out, lse = cpattn.ring_attention_varlen(*shards, cu, causal=causal, window=window,
                                                 layout=layout, strategy=strategy,

@@ -14,7 +14,7 @@ import cpattn.packing
 
 from conftest import assert_matches
 from distributed import run_ranks
-from reference import reference_attention
+from reference import varlen_reference
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 # (causal, window, softcap, sinks, Dv): the options on positions within each document
@@ -23,24 +23,7 @@ CASES = [(True, (-1, -1), 0.0, False, 16), (True, (3, 0), 0.0, True, 16),
 
 
 def _reference(q, k, v, dout, sinks, lengths, causal, window, softcap):
-    """float64 attention per document, concatenated; the sinks' gradient summed."""
-    outs, lses, grads = [], [], [[], [], []]
-    s64 = None if sinks is None else sinks.detach().double().requires_grad_()
-    start = 0
-    for n in lengths:
-        if n == 0:
-            continue
-        piece = [t[start:start + n].detach().double()[None].requires_grad_() for t in (q, k, v)]
-        out, lse = reference_attention(*piece, causal=causal, window=window, sinks=s64,
-                                       softcap=softcap)
-        out.backward(dout[start:start + n].double()[None])
-        outs.append(out.detach()[0])
-        lses.append(lse.detach()[0])
-        for g, p in zip(grads, piece):
-            g.append(p.grad[0])
-        start += n
-    grads = [torch.cat(g) for g in grads]
-    return torch.cat(outs), torch.cat(lses, dim=1), grads, None if s64 is None else s64.grad
+    return varlen_reference(q, k, v, dout, lengths, causal, window, sinks, softcap)
 
 
 def _problem(seed, lengths, heads, kv_heads, dv, dtype, sinks):
