@@ -1,32 +1,34 @@
 // The op schemas of the public library torch.ops.cpattn, in one place. Each backend registers
 // its implementations for its dispatch key (csrc/ops/attention_cpu.cpp, attention_cuda.cpp); the
 // ops without a tensor argument are CompositeExplicitAutograd where they are defined. Test- and
-// benchmark-only ops: the library cpattn_testing (csrc/ops/testing_ops.cpp).
+// benchmark-only ops: the library cpattn_testing (csrc/ops/testing_ops.cpp, built apart).
 #include <torch/library.h>
 
+#include "ops/options.h"
+
 TORCH_LIBRARY(cpattn, m) {
+  // Every attention op ends with the attention options (ops/options.h kOptionsSchema),
+  // keyword-only; with_options appends them.
+  using cpattn::ops::with_options;
   // Local attention. Query row i / key j sit at global positions q_offset + i / k_offset + j;
   // without offsets (cpattn.attention), bottom-right aligned: q_offset = seqlen_k - seqlen_q.
-  m.def(
-      "attention_fwd(Tensor q, Tensor k, Tensor v, float softmax_scale, bool causal, "
-      "int window_left, int window_right, int? q_offset=None, int? k_offset=None, "
-      "ScalarType? out_dtype=None, float softcap=0., Tensor? alibi_slopes=None, "
-      "Tensor? sinks=None, int prefix_len=0) -> (Tensor out, Tensor lse)");
-  m.def(
+  m.def(with_options(
+      "attention_fwd(Tensor q, Tensor k, Tensor v, int? q_offset=None, int? k_offset=None, "
+      "ScalarType? out_dtype=None, Tensor? sinks=None",
+      "(Tensor out, Tensor lse)"));
+  m.def(with_options(
       "attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? out, Tensor lse, "
-      "float softmax_scale, bool causal, int window_left, int window_right, "
       "int? q_offset=None, int? k_offset=None, ScalarType? grad_dtype=None, Tensor? dlse=None, "
-      "float softcap=0., Tensor? alibi_slopes=None, int prefix_len=0, Tensor? row_dot=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? row_dot=None",
+      "(Tensor dq, Tensor dk, Tensor dv)"));
   // attention_bwd (grad_dtype: q's) with dq written over dout, for a caller that owns dout and
   // needs it no more (Ulysses' dout by heads): one (B, S, H, D) buffer less. dout must have q's
   // shape and dtype and must not overlap q, k or v; dq is dout afterwards.
-  m.def(
+  m.def(with_options(
       "attention_bwd_in_dout(Tensor(a!) dout, Tensor q, Tensor k, Tensor v, Tensor? out, "
-      "Tensor lse, float softmax_scale, bool causal, int window_left, int window_right, "
-      "int? q_offset=None, int? k_offset=None, Tensor? dlse=None, float softcap=0., "
-      "Tensor? alibi_slopes=None, int prefix_len=0, Tensor? row_dot=None) "
-      "-> (Tensor dk, Tensor dv)");
+      "Tensor lse, int? q_offset=None, int? k_offset=None, Tensor? dlse=None, "
+      "Tensor? row_dot=None",
+      "(Tensor dk, Tensor dv)"));
   // Attention sinks (softmax_state.h add_sink): added once to merged results, and their gradient.
   m.def("apply_sinks_(Tensor(a!) out, Tensor(b!) lse, Tensor sinks) -> ()");
   m.def("sink_bwd(Tensor dout, Tensor out, Tensor lse, Tensor sinks, Tensor? dlse=None) -> Tensor");
@@ -37,27 +39,23 @@ TORCH_LIBRARY(cpattn, m) {
   // Ring attention over the process group registered as group_name; layout: 0 contiguous,
   // 1 zigzag, 2 striped. doc_lengths: (D,) packed documents' lengths, or (2, D) with each
   // document's prefix-LM length as the second row.
-  m.def(
-      "ring_fwd(Tensor q, Tensor k, Tensor v, str group_name, float softmax_scale, bool causal, "
-      "int window_left, int window_right, int layout, float timeout_s, Tensor? doc_lengths=None, "
-      "float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None, int prefix_len=0) "
-      "-> (Tensor out, Tensor lse)");
-  m.def(
+  m.def(with_options(
+      "ring_fwd(Tensor q, Tensor k, Tensor v, str group_name, int layout, float timeout_s, "
+      "Tensor? doc_lengths=None, Tensor? sinks=None",
+      "(Tensor out, Tensor lse)"));
+  m.def(with_options(
       "ring_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, str group_name, "
-      "float softmax_scale, bool causal, int window_left, int window_right, int layout, "
-      "float timeout_s, Tensor? dlse=None, Tensor? doc_lengths=None, float softcap=0., "
-      "Tensor? alibi_slopes=None, int prefix_len=0) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int layout, float timeout_s, Tensor? doc_lengths=None, Tensor? dlse=None",
+      "(Tensor dq, Tensor dk, Tensor dv)"));
   // The same steps against K/V already all-gathered: kv_all (W, B, S_local, Hkv, D + Dv).
-  m.def(
-      "gathered_fwd(Tensor q, Tensor kv_all, int rank, float softmax_scale, bool causal, "
-      "int window_left, int window_right, int layout, Tensor? doc_lengths=None, "
-      "float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None, int prefix_len=0) "
-      "-> (Tensor out, Tensor lse)");
-  m.def(
+  m.def(with_options(
+      "gathered_fwd(Tensor q, Tensor kv_all, int rank, int layout, Tensor? doc_lengths=None, "
+      "Tensor? sinks=None",
+      "(Tensor out, Tensor lse)"));
+  m.def(with_options(
       "gathered_bwd(Tensor dout, Tensor q, Tensor kv_all, Tensor out, Tensor lse, int rank, "
-      "float softmax_scale, bool causal, int window_left, int window_right, int layout, "
-      "Tensor? doc_lengths=None, Tensor? dlse=None, float softcap=0., Tensor? alibi_slopes=None, "
-      "int prefix_len=0) -> (Tensor dq, Tensor dkv_all)");
+      "int layout, Tensor? doc_lengths=None, Tensor? dlse=None",
+      "(Tensor dq, Tensor dkv_all)"));
   m.def("layout_positions(int seqlen, int world, int rank, int layout) -> Tensor");
   // The cost model's view of the schedule: (world, world, 3) work per (rank, step).
   m.def(
@@ -76,16 +74,15 @@ TORCH_LIBRARY(cpattn, m) {
   m.def(
       "cache_store_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor start, "
       "int rank, int world, int interleave) -> ()");
-  m.def(
+  m.def(with_options(
       "cache_attention_fwd(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_lens, "
-      "Tensor q_start, int rank, int world, int interleave, float softmax_scale, bool causal, "
-      "ScalarType? out_dtype=None, float softcap=0., Tensor? alibi_slopes=None, "
-      "int prefix_len=0, int window_left=-1, int window_right=-1) -> (Tensor out, Tensor lse)");
-  m.def(
+      "Tensor q_start, int rank, int world, int interleave, ScalarType? out_dtype=None",
+      "(Tensor out, Tensor lse)"));
+  m.def(with_options(
       "prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor cache_lens, str group_name, float softmax_scale, int layout, int interleave, "
-      "float timeout_s, float softcap=0., Tensor? alibi_slopes=None, int prefix_len=0, "
-      "int seqlen=0, int window_left=-1, int window_right=-1) -> (Tensor out, Tensor lse)");
+      "Tensor cache_lens, str group_name, int layout, int interleave, float timeout_s, "
+      "int seqlen=0",
+      "(Tensor out, Tensor lse)"));
   m.def("cache_local_count(int n, int rank, int world, int interleave) -> int");
   m.def("cache_positions(int n, int rank, int world, int interleave) -> Tensor");
 }

@@ -16,6 +16,7 @@
 #include "ops/backend.h"
 #include "ops/checks.h"
 #include "ops/ops.h"
+#include "ops/options.h"
 
 namespace cpattn::ops {
 namespace {
@@ -28,34 +29,30 @@ std::map<c10::DeviceType, Backend>& backends() {
 // The mask and score options of a public attention call on global positions. Without offsets
 // (cpattn.attention passes none) the rows are bottom-right aligned, flash-attn's convention
 // (mask.h bottom_right_mask): the last query lines up with the last key.
-Mask public_mask(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                 int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
-                 std::optional<int64_t> k_offset, int64_t prefix_len) {
-  check_prefix_len("attention", prefix_len);
+std::pair<Mask, ScoreArgs> public_options(const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, const AttentionOptions& o,
+                                          std::optional<int64_t> q_offset,
+                                          std::optional<int64_t> k_offset,
+                                          const std::optional<at::Tensor>& sinks) {
+  check_prefix_len("attention", o.prefix_len);
   TORCH_CHECK(q_offset.has_value() == k_offset.has_value(),
               "cpattn.attention: give q_offset and k_offset, or neither (bottom-right aligned), "
               "got q_offset=",
               q_offset ? std::to_string(*q_offset) : "None",
               ", k_offset=", k_offset ? std::to_string(*k_offset) : "None");
   const AttnShape s = check_qkv(q, k, v);
-  Mask m = bottom_right_mask(causal, normalized_window(window_left),
-                             normalized_window(window_right), s.seqlen_q, s.seqlen_k);
+  Mask m = bottom_right_mask(o.causal, normalized_window(o.window_left),
+                             normalized_window(o.window_right), s.seqlen_q, s.seqlen_k);
   if (q_offset) {
     m.q_offset = *q_offset;
     m.k_offset = *k_offset;
   }
-  if (prefix_len > 0) m.prefix_end = prefix_len;
-  return m;
-}
-ScoreArgs public_score(double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                       const std::optional<at::Tensor>& sinks, const Mask& mask) {
-  ScoreArgs a;
-  a.softcap = softcap;
-  a.alibi_slopes = alibi_slopes;
+  if (o.prefix_len > 0) m.prefix_end = o.prefix_len;
+  ScoreArgs a = score_args(o);
   a.sinks = sinks;
-  a.alibi_q_begin = mask.q_offset;
-  a.alibi_k_begin = mask.k_offset;
-  return a;
+  a.alibi_q_begin = m.q_offset;
+  a.alibi_k_begin = m.k_offset;
+  return {m, a};
 }
 
 // The checks of both passes; the shape of q, k, v.
@@ -66,20 +63,18 @@ AttnShape check_attention_args(const at::Tensor& q, const at::Tensor& k, const a
   check_positions(mask.q_offset, s.seqlen_q, mask.k_offset, s.seqlen_k);
   check_score_args("attention", score.softcap, score.alibi_slopes, score.sinks, s.heads,
                    q.device());
-  backend_for(q.device()).check_options("attention", s, mask, score);
   return s;
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_fwd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double softmax_scale,
-    bool causal, int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
-    std::optional<int64_t> k_offset, std::optional<at::ScalarType> out_dtype, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    int64_t prefix_len) {
-  const Mask m =
-      public_mask(q, k, v, causal, window_left, window_right, q_offset, k_offset, prefix_len);
-  return attention_fwd_scored(q, k, v, softmax_scale, m,
-                              public_score(softcap, alibi_slopes, sinks, m), out_dtype);
+std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v,
+                                                 std::optional<int64_t> q_offset,
+                                                 std::optional<int64_t> k_offset,
+                                                 std::optional<at::ScalarType> out_dtype,
+                                                 const std::optional<at::Tensor>& sinks,
+                                                 CPATTN_OPTION_PARAMS) {
+  const auto [mask, score] = public_options(q, k, v, CPATTN_OPTIONS, q_offset, k_offset, sinks);
+  return attention_fwd_scored(q, k, v, softmax_scale, mask, score, out_dtype);
 }
 
 // The options of a public backward call (attention_bwd, attention_bwd_in_dout) on global
@@ -89,13 +84,11 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd(
 // (no rowsum term) and dlse - row_dot.
 template <typename Run>
 auto public_bwd(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                const std::optional<at::Tensor>& out, const at::Tensor& lse, bool causal,
-                int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
-                std::optional<int64_t> k_offset, const std::optional<at::Tensor>& dlse,
-                double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len,
-                const std::optional<at::Tensor>& row_dot, Run run) {
-  const Mask m =
-      public_mask(q, k, v, causal, window_left, window_right, q_offset, k_offset, prefix_len);
+                const std::optional<at::Tensor>& out, const at::Tensor& lse,
+                std::optional<int64_t> q_offset, std::optional<int64_t> k_offset,
+                const std::optional<at::Tensor>& dlse, const std::optional<at::Tensor>& row_dot,
+                const AttentionOptions& o, Run run) {
+  const auto [mask, score] = public_options(q, k, v, o, q_offset, k_offset, std::nullopt);
   const bool has_out = out && out->defined(), has_dot = row_dot && row_dot->defined();
   TORCH_CHECK(has_out != has_dot, "cpattn: ", fn, " needs exactly one of out and row_dot, got ",
               has_out ? "both" : "neither");
@@ -111,20 +104,17 @@ auto public_bwd(const char* fn, const at::Tensor& q, const at::Tensor& k, const 
                 lse.sizes(), ", got ", has_dlse ? dlse->sizes() : lse.sizes());
     shifted = has_dlse ? dlse->to(at::kFloat) - *row_dot : -*row_dot;
   }
-  return run(has_out ? *out : at::Tensor(), shifted, m,
-             public_score(softcap, alibi_slopes, std::nullopt, m));
+  return run(has_out ? *out : at::Tensor(), shifted, mask, score);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& out, const at::Tensor& lse, double softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
+    const std::optional<at::Tensor>& out, const at::Tensor& lse, std::optional<int64_t> q_offset,
     std::optional<int64_t> k_offset, std::optional<at::ScalarType> grad_dtype,
-    const std::optional<at::Tensor>& dlse, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len,
-    const std::optional<at::Tensor>& row_dot) {
-  return public_bwd("attention_bwd", q, k, v, out, lse, causal, window_left, window_right, q_offset,
-                    k_offset, dlse, softcap, alibi_slopes, prefix_len, row_dot,
+    const std::optional<at::Tensor>& dlse, const std::optional<at::Tensor>& row_dot,
+    CPATTN_OPTION_PARAMS) {
+  return public_bwd("attention_bwd", q, k, v, out, lse, q_offset, k_offset, dlse, row_dot,
+                    CPATTN_OPTIONS,
                     [&](const at::Tensor& o, const std::optional<at::Tensor>& d, const Mask& m,
                         const ScoreArgs& score) {
                       return attention_bwd_scored(dout, q, k, v, o, lse, softmax_scale, m, score,
@@ -134,13 +124,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
 
 std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& out, const at::Tensor& lse, double softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, std::optional<int64_t> q_offset,
-    std::optional<int64_t> k_offset, const std::optional<at::Tensor>& dlse, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len,
-    const std::optional<at::Tensor>& row_dot) {
-  return public_bwd("attention_bwd_in_dout", q, k, v, out, lse, causal, window_left, window_right,
-                    q_offset, k_offset, dlse, softcap, alibi_slopes, prefix_len, row_dot,
+    const std::optional<at::Tensor>& out, const at::Tensor& lse, std::optional<int64_t> q_offset,
+    std::optional<int64_t> k_offset, const std::optional<at::Tensor>& dlse,
+    const std::optional<at::Tensor>& row_dot, CPATTN_OPTION_PARAMS) {
+  return public_bwd("attention_bwd_in_dout", q, k, v, out, lse, q_offset, k_offset, dlse, row_dot,
+                    CPATTN_OPTIONS,
                     [&](const at::Tensor& o, const std::optional<at::Tensor>& d, const Mask& m,
                         const ScoreArgs& score) {
                       return attention_bwd_in_dout_scored(dout, q, k, v, o, lse, softmax_scale, m,

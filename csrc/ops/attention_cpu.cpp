@@ -107,8 +107,6 @@ at::Tensor row_delta(const at::Tensor& dout, const at::Tensor& out, const AttnSh
 }
 
 // Every option of ScoreArgs and the mask runs on the CPU.
-void check_options_cpu(const char*, const AttnShape&, const Mask&, const ScoreArgs&) {}
-
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, const AttnShape& s,
                                                      double softmax_scale, const Mask& mask,
@@ -400,7 +398,7 @@ at::Tensor row_dot_cpu(const at::Tensor& a, const at::Tensor& b) {
 }
 
 [[maybe_unused]] const bool registered = register_backend(
-    c10::DeviceType::CPU, {&check_options_cpu, &attention_fwd_cpu, &attention_bwd_cpu,
+    c10::DeviceType::CPU, {&attention_fwd_cpu, &attention_bwd_cpu,
                            &attention_bwd_add_cpu, &round_split_cpu, &attention_bwd_in_dout_cpu,
                            &merge_into_cpu, &apply_sinks_cpu, &sink_bwd_cpu, &row_dot_cpu});
 
@@ -412,5 +410,3 @@ TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
   cpattn::ops::impl_ring_ops(m);
   cpattn::ops::impl_inference_ops(m);
 }
-
-TORCH_LIBRARY_IMPL(cpattn_testing, CPU, m) { cpattn::ops::impl_testing_ops(m); }

@@ -171,8 +171,6 @@ void fill_inputs(Params& p, const AttnShape& s, int kd, const at::Tensor& q, con
 
 // Every option of ScoreArgs and the mask runs on CUDA (the head dim is checked by
 // kernel_head_dim).
-void check_options_cuda(const char*, const AttnShape&, const Mask&, const ScoreArgs&) {}
-
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
                                                       const at::Tensor& v, const AttnShape& s,
                                                       double softmax_scale, const Mask& mask,
@@ -302,7 +300,7 @@ at::Tensor row_dot_cuda(const at::Tensor& a, const at::Tensor& b) {
 }
 
 [[maybe_unused]] const bool registered = register_backend(
-    c10::DeviceType::CUDA, {&check_options_cuda, &attention_fwd_cuda, &attention_bwd_cuda,
+    c10::DeviceType::CUDA, {&attention_fwd_cuda, &attention_bwd_cuda,
                             /*bwd_add=*/nullptr, /*round_split=*/nullptr, /*bwd_in_dout=*/nullptr,
                             &merge_into_cuda, &apply_sinks_cuda, &sink_bwd_cuda, &row_dot_cuda});
 
@@ -314,5 +312,3 @@ TORCH_LIBRARY_IMPL(cpattn, CUDA, m) {
   cpattn::ops::impl_ring_ops(m);
   cpattn::ops::impl_inference_ops(m);
 }
-
-TORCH_LIBRARY_IMPL(cpattn_testing, CUDA, m) { cpattn::ops::impl_testing_ops(m); }

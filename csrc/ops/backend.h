@@ -20,10 +20,6 @@ class Library;
 namespace cpattn::ops {
 
 struct Backend {
-  // Raises, naming `fn`, for an option the kernels do not have yet (no silent drop). The ring
-  // drivers call it before any message, so every rank raises alike.
-  void (*check_options)(const char* fn, const AttnShape& s, const Mask& mask,
-                        const ScoreArgs& score);
   // attention_fwd_scored / attention_bwd_scored with their arguments checked.
   std::tuple<at::Tensor, at::Tensor> (*fwd)(const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& v, const AttnShape& s,
@@ -107,7 +103,5 @@ const Backend& backend_for(const c10::Device& device);
 void impl_attention_ops(torch::Library& m);
 void impl_ring_ops(torch::Library& m);
 void impl_inference_ops(torch::Library& m);
-// The same for the test- and benchmark-only library cpattn_testing (testing_ops.cpp).
-void impl_testing_ops(torch::Library& m);
 
 }  // namespace cpattn::ops

@@ -1,4 +1,5 @@
 #include "ops/checks.h"
+#include "ops/options.h"
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
@@ -84,7 +85,8 @@ void check_mask_args(double softmax_scale, int64_t window_left, int64_t window_r
   // the kernels use it as a float
   const float scale = static_cast<float>(softmax_scale);
   TORCH_CHECK(std::isfinite(scale) && scale > 0,
-              "cpattn: softmax_scale must be finite and positive in float32, got ", softmax_scale);
+              "cpattn: softmax_scale must be finite and positive in float32, got ", softmax_scale,
+              softmax_scale == 0 ? " (the ops have no default scale: pass it)" : "");
 }
 
 void check_positions(int64_t q_offset, int64_t seqlen_q, int64_t k_offset, int64_t seqlen_k) {
@@ -116,6 +118,12 @@ void check_score_args(const char* fn, double softcap, const std::optional<at::Te
     TORCH_CHECK(x.device() == device, "cpattn.", fn, ": ", name, " must be on q's device ", device,
                 ", got ", x.device());
   }
+}
+
+void check_options(const char* fn, const AttentionOptions& o, int64_t heads, at::Device device) {
+  check_mask_args(o.softmax_scale, o.window_left, o.window_right);
+  check_prefix_len(fn, o.prefix_len);
+  check_score_args(fn, o.softcap, o.alibi_slopes, std::nullopt, heads, device);
 }
 
 void check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,

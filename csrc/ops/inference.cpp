@@ -16,6 +16,7 @@
 #include "ops/backend.h"
 #include "ops/checks.h"
 #include "ops/ops.h"
+#include "ops/options.h"
 #include "ops/ring.h"
 
 namespace cpattn::ops {
@@ -257,9 +258,7 @@ void cache_store_(const at::Tensor& k_cache, const at::Tensor& v_cache, const at
 std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& cache_lens, const at::Tensor& q_start, int64_t rank, int64_t world,
-    int64_t interleave, double softmax_scale, bool causal, std::optional<at::ScalarType> out_dtype,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len,
-    int64_t window_left, int64_t window_right) {
+    int64_t interleave, std::optional<at::ScalarType> out_dtype, CPATTN_OPTION_PARAMS) {
   const CacheSharding s = checked_sharding(rank, world, interleave);
   check_cache(k_cache, v_cache);
   TORCH_CHECK(q.dim() == 4 && q.size(0) == k_cache.size(0) && q.size(3) == k_cache.size(3),
@@ -270,13 +269,12 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
               ") must be a multiple of the cache's key/value heads (", k_cache.size(2), ")");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "cpattn: q must have the cache's dtype ",
               k_cache.scalar_type(), ", got ", q.scalar_type());
-  check_mask_args(softmax_scale, window_left, window_right);
+  const AttentionOptions options = CPATTN_OPTIONS;
   const int64_t B = q.size(0), Sq = q.size(1), H = q.size(2), D = q.size(3);
+  check_options("decode_attention", options, H, q.device());
   const int64_t Hkv = k_cache.size(2), group = H / Hkv;
   const std::vector<int64_t> lens = per_sequence(cache_lens, B, "cache_lens");
   const std::vector<int64_t> first = per_sequence(q_start, B, "q_start");
-  check_score_args("decode_attention", softcap, alibi_slopes, std::nullopt, H, q.device());
-  TORCH_CHECK(prefix_len >= 0, "cpattn: prefix_len must be >= 0 (0: none), got ", prefix_len);
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(s.count(0, lens[b]) <= k_cache.size(1), "cpattn: cache_lens[", b, "] = ", lens[b],
                 " is more than the cache shards hold (", s.max_tokens(k_cache.size(1)), ")");
@@ -284,14 +282,8 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor out = at::zeros({B, Sq, H, D}, f32);
   at::Tensor lse = at::full({B, H, Sq}, -INFINITY, f32);
-  Mask rule;
-  rule.causal = causal;
-  rule.window_left = normalized_window(window_left);
-  rule.window_right = normalized_window(window_right);
-  if (prefix_len > 0) rule.prefix_end = prefix_len;
-  ScoreArgs score;
-  score.softcap = softcap;
-  score.alibi_slopes = alibi_slopes;
+  const Mask rule = global_mask(options);
+  const ScoreArgs score = score_args(options);
   const bool alibi = alibi_slopes.has_value();
   for (int64_t b = 0; b < B; ++b) {
     const at::Tensor qb = q.narrow(0, b, 1), ob = out.narrow(0, b, 1), lb = lse.narrow(0, b, 1);
@@ -338,18 +330,15 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
 std::tuple<at::Tensor, at::Tensor> prefill_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& cache_lens, c10::string_view group_name,
-    double softmax_scale, int64_t layout, int64_t interleave, double timeout_s, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len, int64_t seqlen,
-    int64_t window_left, int64_t window_right) {
+    int64_t layout, int64_t interleave, double timeout_s, int64_t seqlen, CPATTN_OPTION_PARAMS) {
+  TORCH_CHECK(causal, "cpattn.prefill_attention: a prefill is causal (causal=True)");
   auto transport = group_transport(q, group_name, timeout_s);
   const int64_t world = transport->world(), rank = transport->rank();
   const CacheSharding s = checked_sharding(rank, world, interleave);
   check_cache(k_cache, v_cache);
   check_tokens(k, v, k_cache);
   check_mask_args(softmax_scale, window_left, window_right);
-  RingOptions o =
-      make_ring_options(softmax_scale, /*causal=*/true, window_left, window_right, layout,
-                        std::nullopt, softcap, alibi_slopes, std::nullopt, prefix_len);
+  RingOptions o = make_ring_options(CPATTN_OPTIONS, layout, std::nullopt, std::nullopt);
   o.out_dtype = at::kFloat;  // merged with the cached part before the one cast
   const std::vector<int64_t> start = per_sequence(cache_lens, k_cache.size(0), "cache_lens");
   const int64_t chunk = k.size(1) * world;

@@ -34,16 +34,6 @@ at::Tensor lse_rows(const at::Tensor& lse, const Run& run) {  // (B, H, S)
   return lse.narrow(2, run.local_begin, run.length);
 }
 
-// Keys at global positions < prefix_len (per document) seen by every query.
-Mask global_mask(const RingOptions& o) {
-  Mask global;
-  global.causal = o.causal;
-  global.window_left = o.window_left;
-  global.window_right = o.window_right;
-  if (o.prefix_len > 0) global.prefix_end = o.prefix_len;
-  return global;
-}
-
 // Checks before any message: every rank raises here alike, no shift is left pending.
 void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const RingOptions& o) {
@@ -59,15 +49,8 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(k.scalar_type() == v.scalar_type(),
               "cpattn.ring_attention: k and v must have the same dtype, got k ", k.scalar_type(),
               " and v ", v.scalar_type());
-  check_score_args("ring_attention", o.softcap, o.alibi_slopes, o.sinks, q.size(2), q.device());
-  AttnShape s;
-  s.head_dim = q.size(3);
-  s.head_dim_v = v.size(3);
-  ScoreArgs score;
-  score.softcap = o.softcap;
-  score.alibi_slopes = o.alibi_slopes;
-  score.sinks = o.sinks;
-  backend_for(q.device()).check_options("ring_attention", s, global_mask(o), score);
+  check_options("ring_attention", o, q.size(2), q.device());
+  check_score_args("ring_attention", 0.0, std::nullopt, o.sinks, q.size(2), q.device());
   TORCH_CHECK(q.size(1) == k.size(1),
               "cpattn: ring attention needs q and k/v shards of the same "
               "length, got ",
@@ -117,9 +100,7 @@ std::vector<SubProblem> plan(const RingOptions& o, int64_t local_len, int64_t wo
 // mask may use shifted local positions, the striped layout), never the sinks (they join once,
 // after the last merge: finish_forward).
 ScoreArgs sub_problem_score(const RingOptions& o, const SubProblem& sp) {
-  ScoreArgs a;
-  a.softcap = o.softcap;
-  a.alibi_slopes = o.alibi_slopes;
+  ScoreArgs a = score_args(o);
   a.alibi_q_begin = sp.q.global_begin;
   a.alibi_k_begin = sp.k.global_begin;
   a.alibi_stride = sp.q.global_stride;
@@ -338,23 +319,17 @@ std::tuple<at::Tensor, at::Tensor> new_state(const at::Tensor& q, int64_t dv) {
 
 const RingStats* last_ring_stats() { return last_stats; }
 
-RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
-                              int64_t window_right, int64_t layout,
-                              const std::optional<at::Tensor>& doc_lengths, double softcap,
-                              const std::optional<at::Tensor>& alibi_slopes,
-                              const std::optional<at::Tensor>& sinks, int64_t prefix_len) {
+RingOptions make_ring_options(const AttentionOptions& options, int64_t layout,
+                              const std::optional<at::Tensor>& doc_lengths,
+                              const std::optional<at::Tensor>& sinks) {
   RingOptions o;
-  o.softmax_scale = softmax_scale;
-  o.causal = causal;
-  o.window_left = normalized_window(window_left);
-  o.window_right = normalized_window(window_right);
+  static_cast<AttentionOptions&>(o) = options;
+  o.window_left = normalized_window(options.window_left);
+  o.window_right = normalized_window(options.window_right);
   o.layout = checked_layout(layout);
-  TORCH_CHECK(prefix_len >= 0, "cpattn.ring_attention: prefix_len must be >= 0 (0: none), got ",
-              prefix_len);
-  o.softcap = softcap;
-  o.alibi_slopes = alibi_slopes;
+  TORCH_CHECK(o.prefix_len >= 0, "cpattn.ring_attention: prefix_len must be >= 0 (0: none), got ",
+              o.prefix_len);
   o.sinks = sinks;
-  o.prefix_len = prefix_len;
   if (doc_lengths && doc_lengths->defined()) {
     const int64_t dims = doc_lengths->dim();
     TORCH_CHECK((dims == 1 || (dims == 2 && doc_lengths->size(0) == 2)) &&
@@ -367,7 +342,8 @@ RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_
     for (int64_t n : o.doc_lengths)
       TORCH_CHECK(n >= 0, "cpattn: document lengths must be >= 0, got ", n);
     if (dims == 2) {
-      TORCH_CHECK(prefix_len == 0, "cpattn: give prefix_len or a prefix per document, not both");
+      TORCH_CHECK(o.prefix_len == 0,
+                  "cpattn: give prefix_len or a prefix per document, not both");
       o.doc_prefix_lens.assign(l.data_ptr<int64_t>() + docs, l.data_ptr<int64_t>() + 2 * docs);
       for (int64_t p : o.doc_prefix_lens)
         TORCH_CHECK(p >= 0, "cpattn: document prefix lengths must be >= 0, got ", p);

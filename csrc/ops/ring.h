@@ -13,37 +13,29 @@
 
 #include "comm/transport.h"
 #include "cpattn/layout.h"
+#include "ops/options.h"
 
 namespace cpattn::ops {
 
-struct RingOptions {
-  double softmax_scale = 1.0;
-  bool causal = false;
-  int64_t window_left = -1;  // -1: unbounded
-  int64_t window_right = -1;
+// The attention options (normalized windows) and what a ring call adds to them.
+struct RingOptions : AttentionOptions {
   Layout layout = Layout::kContiguous;
   // Empty: one sequence of W * S_local tokens. Otherwise packed documents of these real lengths,
   // each sharded by the layout on its own (plan_step_varlen in cpattn/schedule.h).
   std::vector<int64_t> doc_lengths;
-  // dtype of the returned out (default: q's); float32 keeps a result that is merged further exact.
-  std::optional<at::ScalarType> out_dtype = std::nullopt;
-  // Score options (ops.h ScoreArgs): the ALiBi positions of each sub-problem come from its runs;
-  // the sinks join once, after the last merge.
-  double softcap = 0.0;
-  std::optional<at::Tensor> alibi_slopes;
-  std::optional<at::Tensor> sinks;
-  int64_t prefix_len = 0;  // keys at global positions < prefix_len (per document) seen by all
   // Packed documents only: each document's own prefix length (0: none), in place of prefix_len.
   std::vector<int64_t> doc_prefix_lens;
+  // dtype of the returned out (default: q's); float32 keeps a result that is merged further exact.
+  std::optional<at::ScalarType> out_dtype = std::nullopt;
+  // (H,) float, or none: they join once, after the last merge (the ALiBi positions of each
+  // sub-problem come from its runs).
+  std::optional<at::Tensor> sinks;
 };
 // doc_lengths: (D,) int64 document lengths, or (2, D): the lengths and each document's prefix-LM
 // length (a prefix per document, ring_attention_varlen).
-RingOptions make_ring_options(double softmax_scale, bool causal, int64_t window_left,
-                              int64_t window_right, int64_t layout,
-                              const std::optional<at::Tensor>& doc_lengths, double softcap = 0.0,
-                              const std::optional<at::Tensor>& alibi_slopes = std::nullopt,
-                              const std::optional<at::Tensor>& sinks = std::nullopt,
-                              int64_t prefix_len = 0);
+RingOptions make_ring_options(const AttentionOptions& options, int64_t layout,
+                              const std::optional<at::Tensor>& doc_lengths,
+                              const std::optional<at::Tensor>& sinks);
 
 // Called with each K/V shard the ring brings to this rank: its source rank, k and v
 // (B, S_local, Hkv, D), own shard first. Lets a caller use every shard once (prefill stores the

@@ -32,58 +32,49 @@ std::unique_ptr<comm::Transport> group_transport([[maybe_unused]] const at::Tens
 
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> ring_fwd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::string_view group_name,
-    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, int64_t layout,
-    double timeout_s, const std::optional<at::Tensor>& doc_lengths, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    int64_t prefix_len) {
+std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, c10::string_view group_name,
+                                            int64_t layout, double timeout_s,
+                                            const std::optional<at::Tensor>& doc_lengths,
+                                            const std::optional<at::Tensor>& sinks,
+                                            CPATTN_OPTION_PARAMS) {
   auto transport = group_transport(q, group_name, timeout_s);
-  auto result =
-      ring_forward(q, k, v, *transport,
-                   make_ring_options(softmax_scale, causal, window_left, window_right, layout,
-                                     doc_lengths, softcap, alibi_slopes, sinks, prefix_len));
+  auto result = ring_forward(q, k, v, *transport,
+                             make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, sinks));
   transport->finish();
   return result;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name, double softmax_scale,
-    bool causal, int64_t window_left, int64_t window_right, int64_t layout, double timeout_s,
-    const std::optional<at::Tensor>& dlse, const std::optional<at::Tensor>& doc_lengths,
-    double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
+    const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name, int64_t layout,
+    double timeout_s, const std::optional<at::Tensor>& doc_lengths,
+    const std::optional<at::Tensor>& dlse, CPATTN_OPTION_PARAMS) {
   auto transport = group_transport(q, group_name, timeout_s);
-  auto result = ring_backward(
-      dout, q, k, v, out, lse, dlse, *transport,
-      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths,
-                        softcap, alibi_slopes, std::nullopt, prefix_len));
+  auto result = ring_backward(dout, q, k, v, out, lse, dlse, *transport,
+                              make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, std::nullopt));
   transport->finish();
   return result;
 }
 
-std::tuple<at::Tensor, at::Tensor> gathered_fwd(
-    const at::Tensor& q, const at::Tensor& kv_all, int64_t rank, double softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, int64_t layout,
-    const std::optional<at::Tensor>& doc_lengths, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks,
-    int64_t prefix_len) {
-  return gathered_forward(
-      q, kv_all, rank,
-      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths,
-                        softcap, alibi_slopes, sinks, prefix_len));
+std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::Tensor& kv_all,
+                                                int64_t rank, int64_t layout,
+                                                const std::optional<at::Tensor>& doc_lengths,
+                                                const std::optional<at::Tensor>& sinks,
+                                                CPATTN_OPTION_PARAMS) {
+  return gathered_forward(q, kv_all, rank,
+                          make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, sinks));
 }
 
-std::tuple<at::Tensor, at::Tensor> gathered_bwd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv_all, const at::Tensor& out,
-    const at::Tensor& lse, int64_t rank, double softmax_scale, bool causal, int64_t window_left,
-    int64_t window_right, int64_t layout, const std::optional<at::Tensor>& doc_lengths,
-    const std::optional<at::Tensor>& dlse, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes, int64_t prefix_len) {
-  return gathered_backward(
-      dout, q, kv_all, out, lse, dlse, rank,
-      make_ring_options(softmax_scale, causal, window_left, window_right, layout, doc_lengths,
-                        softcap, alibi_slopes, std::nullopt, prefix_len));
+std::tuple<at::Tensor, at::Tensor> gathered_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                                const at::Tensor& kv_all, const at::Tensor& out,
+                                                const at::Tensor& lse, int64_t rank,
+                                                int64_t layout,
+                                                const std::optional<at::Tensor>& doc_lengths,
+                                                const std::optional<at::Tensor>& dlse,
+                                                CPATTN_OPTION_PARAMS) {
+  return gathered_backward(dout, q, kv_all, out, lse, dlse, rank,
+                           make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, std::nullopt));
 }
 
 // float64 (fwd compute, fwd wait, bwd compute, bwd wait) of the last ring calls on this thread.

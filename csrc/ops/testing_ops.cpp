@@ -1,6 +1,7 @@
-// Test- and benchmark-only ops, in their own library namespace (torch.ops.cpattn_testing) so the
-// public schema torch.ops.cpattn holds only the real ops: the ring driver over W ranks emulated
-// in this process, one transport shift, and the ring's work timed without communication.
+// Test- and benchmark-only ops, in their own library (libcpattn_testing, torch.ops.cpattn_testing,
+// loaded by cpattn.testing only) so the shipped module holds only the real ops: the ring driver
+// over W ranks emulated in this process, one transport shift, the ring's work timed without
+// communication, the backward's accumulation step and the CPU backward's byte budget.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -14,6 +15,7 @@
 #include "comm/transport.h"
 #include "ops/backend.h"
 #include "ops/checks.h"
+#include "ops/options.h"
 #include "ops/ring.h"
 
 namespace cpattn::ops {
@@ -56,14 +58,13 @@ void run_emulated(int64_t world, [[maybe_unused]] const at::Tensor& like, Body b
 
 // The same driver over W ranks emulated in this process (one list entry per rank).
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
-    at::TensorList q, at::TensorList k, at::TensorList v, double softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, int64_t layout) {
+    at::TensorList q, at::TensorList k, at::TensorList v, int64_t layout, CPATTN_OPTION_PARAMS) {
   const int64_t world = static_cast<int64_t>(q.size());
   TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size(),
               "cpattn: emulated ring needs one q, k and v per rank, got ", q.size(), ", ", k.size(),
               ", ", v.size());
   const RingOptions o =
-      make_ring_options(softmax_scale, causal, window_left, window_right, layout, std::nullopt);
+      make_ring_options(CPATTN_OPTIONS, layout, std::nullopt, std::nullopt);
   std::vector<at::Tensor> outs(world), lses(world);
   run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
     std::tie(outs[r], lses[r]) = ring_forward(q[r], k[r], v[r], t, o);
@@ -74,14 +75,13 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
 
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>
 ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::TensorList v,
-                  at::TensorList out, at::TensorList lse, double softmax_scale, bool causal,
-                  int64_t window_left, int64_t window_right, int64_t layout) {
+                  at::TensorList out, at::TensorList lse, int64_t layout, CPATTN_OPTION_PARAMS) {
   const int64_t world = static_cast<int64_t>(q.size());
   TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size() &&
                   dout.size() == q.size() && out.size() == q.size() && lse.size() == q.size(),
               "cpattn: emulated ring backward needs one of each tensor per rank");
   const RingOptions o =
-      make_ring_options(softmax_scale, causal, window_left, window_right, layout, std::nullopt);
+      make_ring_options(CPATTN_OPTIONS, layout, std::nullopt, std::nullopt);
   std::vector<at::Tensor> dq(world), dk(world), dv(world);
   run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
     std::tie(dq[r], dk[r], dv[r]) =
@@ -93,12 +93,11 @@ ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::T
 
 at::Tensor ring_loopback_timing(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& dout, int64_t rank, int64_t world,
-                                double softmax_scale, bool causal, int64_t window_left,
-                                int64_t window_right, int64_t layout) {
+                                int64_t layout, CPATTN_OPTION_PARAMS) {
   check_rank(rank, world);
   auto transport = comm::make_loopback_transport(rank, world);
   const RingOptions o =
-      make_ring_options(softmax_scale, causal, window_left, window_right, layout, std::nullopt);
+      make_ring_options(CPATTN_OPTIONS, layout, std::nullopt, std::nullopt);
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   auto [out, lse] = ring_forward(q, k, v, *transport, o);
@@ -146,21 +145,22 @@ void impl_testing_ops(torch::Library& m) {
 }  // namespace cpattn::ops
 
 TORCH_LIBRARY(cpattn_testing, m) {
-  m.def(
-      "ring_fwd_emulated(Tensor[] q, Tensor[] k, Tensor[] v, float softmax_scale, bool causal, "
-      "int window_left, int window_right, int layout) -> (Tensor[] out, Tensor[] lse)");
-  m.def(
+  using cpattn::ops::with_options;
+  m.def(with_options("ring_fwd_emulated(Tensor[] q, Tensor[] k, Tensor[] v, int layout",
+                     "(Tensor[] out, Tensor[] lse)"));
+  m.def(with_options(
       "ring_bwd_emulated(Tensor[] dout, Tensor[] q, Tensor[] k, Tensor[] v, Tensor[] out, "
-      "Tensor[] lse, float softmax_scale, bool causal, int window_left, int window_right, "
-      "int layout) -> (Tensor[] dq, Tensor[] dk, Tensor[] dv)");
+      "Tensor[] lse, int layout",
+      "(Tensor[] dq, Tensor[] dk, Tensor[] dv)"));
   // One shift of `send` over the group (NCCL for CUDA tensors).
   m.def("ring_shift(Tensor send, str group_name, float timeout_s) -> Tensor");
   // The CPU backward's byte budget per kernel call; returns the previous one.
   m.def("set_cpu_backward_group_bytes(int bytes) -> int");
   // (forward s, backward s) of one rank's ring work without communication.
-  m.def(
+  m.def(with_options(
       "ring_loopback_timing(Tensor q, Tensor k, Tensor v, Tensor dout, int rank, int world, "
-      "float softmax_scale, bool causal, int window_left, int window_right, int layout) -> Tensor");
+      "int layout",
+      "Tensor"));
   // The backward adding into dq (fp32, or bf16 split sums with int16 dq_low), dk, dv (fp32), and
   // the rounding of split sums: the ring's accumulation step.
   m.def(
@@ -174,3 +174,8 @@ TORCH_LIBRARY(cpattn_testing, m) {
 TORCH_LIBRARY_IMPL(cpattn_testing, CompositeExplicitAutograd, m) {
   m.impl("set_cpu_backward_group_bytes", &cpattn::ops::exchange_cpu_backward_group_bytes);
 }
+
+TORCH_LIBRARY_IMPL(cpattn_testing, CPU, m) { cpattn::ops::impl_testing_ops(m); }
+#ifdef CPATTN_WITH_CUDA
+TORCH_LIBRARY_IMPL(cpattn_testing, CUDA, m) { cpattn::ops::impl_testing_ops(m); }
+#endif

@@ -1,7 +1,7 @@
 """cpattn: context-parallel exact attention for PyTorch.
 
 Layout everywhere: q, k, v and out are (batch, seqlen, heads, head_dim); LSE is float32 natural
-log, (batch, heads, seqlen). See DESIGN.md for the conventions.
+log, (batch, heads, seqlen). See docs/design.md for the conventions.
 """
 
 from cpattn._loader import load_extension as _load_extension
@@ -12,7 +12,7 @@ _C = _load_extension()
 # ring's cached buffers; plan: the cost model behind strategy="auto"
 from cpattn import _ops, comm, memory, plan  # noqa: E402,F401
 from cpattn._agreement import get_rank_check, set_rank_check  # noqa: E402
-from cpattn.attention import attention, merge_state_  # noqa: E402
+from cpattn.attention import attention, attention_varlen, merge_state_  # noqa: E402
 from cpattn.inference import (  # noqa: E402
     KVCacheShard,
     chunk_positions,
@@ -21,39 +21,36 @@ from cpattn.inference import (  # noqa: E402
     prefill_attention,
 )
 from cpattn.memory import release_buffers  # noqa: E402
+from cpattn.options import AttentionOptions  # noqa: E402
 from cpattn.parallel import ContextParallel  # noqa: E402
 from cpattn.plan_attention import context_attention  # noqa: E402
-from cpattn.ring import (  # noqa: E402
-    attention_varlen,
-    destroy_communicators,
+from cpattn.sharding import (  # noqa: E402
+    hybrid_positions,
+    hybrid_shard,
+    hybrid_unshard,
     pad_documents,
     positions,
     positions_varlen,
-    ring_attention,
-    ring_attention_emulated,
-    ring_attention_varlen,
     shard,
     shard_varlen,
     unshard,
     unshard_varlen,
 )
-from cpattn.training import cross_entropy, load_balancing_loss, shard_batch  # noqa: E402
-from cpattn.ulysses import (  # noqa: E402
-    hybrid_attention,
-    hybrid_attention_varlen,
-    hybrid_positions,
-    hybrid_shard,
-    hybrid_unshard,
-    ulysses_attention,
-    ulysses_attention_varlen,
+from cpattn.strategies.hybrid import hybrid_attention, hybrid_attention_varlen  # noqa: E402
+from cpattn.strategies.ring import (  # noqa: E402
+    destroy_communicators,
+    ring_attention,
+    ring_attention_varlen,
 )
+from cpattn.strategies.ulysses import ulysses_attention, ulysses_attention_varlen  # noqa: E402
+from cpattn.training import cross_entropy, load_balancing_loss, shard_batch  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
     "attention",
+    "AttentionOptions",
     "merge_state_",
     "ring_attention",
-    "ring_attention_emulated",
     "destroy_communicators",
     "shard",
     "unshard",

@@ -5,11 +5,10 @@ shapes for tracing (torch.compile, meta tensors) and wires the backward. Importe
 cpattn/__init__.py, right after the extension is loaded.
 """
 
-from typing import Optional
-
 import torch
 
 from cpattn._autograd import refuse_double_backward
+from cpattn.options import OP_OPTION_NAMES
 
 ops = torch.ops.cpattn
 
@@ -24,11 +23,13 @@ def _check_same_device(names: str, *tensors: torch.Tensor) -> None:
     )
 
 
+# Every attention op ends with the attention options (csrc/ops/options.h; Python: passed by name,
+# cpattn.options.AttentionOptions.op_kwargs): the fakes take them as **options.
+
+
 @torch.library.register_fake("cpattn::attention_fwd")
-def _attention_fwd_fake(
-    q, k, v, softmax_scale, causal, window_left, window_right, q_offset=None, k_offset=None,
-    out_dtype=None, softcap=0.0, alibi_slopes=None, sinks=None, prefix_len=0,
-):
+def _attention_fwd_fake(q, k, v, q_offset=None, k_offset=None, out_dtype=None, sinks=None,
+                        **options):
     _check_same_device("q, k and v", q, k, v)
     b, sq, h, _ = q.shape
     out = q.new_empty(
@@ -39,11 +40,8 @@ def _attention_fwd_fake(
 
 
 @torch.library.register_fake("cpattn::attention_bwd")
-def _attention_bwd_fake(
-    dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, q_offset=None,
-    k_offset=None, grad_dtype=None, dlse=None, softcap=0.0, alibi_slopes=None, prefix_len=0,
-    row_dot=None,
-):
+def _attention_bwd_fake(dout, q, k, v, out, lse, q_offset=None, k_offset=None, grad_dtype=None,
+                        dlse=None, row_dot=None, **options):
     given = [t for t in (out, row_dot) if t is not None]
     torch._check(len(given) == 1, lambda: "cpattn: attention_bwd needs exactly one of out and "
                  "row_dot")
@@ -56,12 +54,9 @@ def _attention_bwd_fake(
 
 
 @torch.library.register_fake("cpattn::attention_bwd_in_dout")
-def _attention_bwd_in_dout_fake(
-    dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right, q_offset=None,
-    k_offset=None, dlse=None, softcap=0.0, alibi_slopes=None, prefix_len=0, row_dot=None,
-):
-    _, dk, dv = _attention_bwd_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
-                                    window_right, row_dot=row_dot)
+def _attention_bwd_in_dout_fake(dout, q, k, v, out, lse, q_offset=None, k_offset=None, dlse=None,
+                                row_dot=None, **options):
+    _, dk, dv = _attention_bwd_fake(dout, q, k, v, out, lse, row_dot=row_dot)
     return dk, dv
 
 
@@ -91,76 +86,48 @@ def _sink_bwd_fake(dout, out, lse, sinks, dlse=None):
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, softmax_scale, causal, window_left, window_right, q_offset, k_offset, _,
-     softcap, alibi_slopes, sinks, prefix_len) = inputs
+    q, k, v, q_offset, k_offset, _, sinks, *options = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
-    ctx.args = (softmax_scale, causal, window_left, window_right, q_offset, k_offset)
-    ctx.score = (softcap, prefix_len)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
+    ctx.offsets = (q_offset, k_offset)
+    ctx.options = dict(zip(OP_OPTION_NAMES, options))
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
-    softcap, prefix_len = ctx.score
+    q, k, v, out, lse, sinks = ctx.saved_tensors
     dout = dout.contiguous()
-    dq, dk, dv = ops.attention_bwd(
-        dout, q, k, v, out, lse, *ctx.args, None, dlse, softcap, alibi_slopes, prefix_len
-    )
+    dq, dk, dv = ops.attention_bwd(dout, q, k, v, out, lse, *ctx.offsets, dlse=dlse,
+                                   **ctx.options)
     dsinks = None
-    if sinks is not None and ctx.needs_input_grad[12]:
+    if sinks is not None and ctx.needs_input_grad[6]:
         dsinks = ops.sink_bwd(dout, out, lse, sinks, dlse).to(sinks.dtype)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, None
+    return dq, dk, dv, None, None, None, dsinks, *([None] * len(OP_OPTION_NAMES))
 
 
 torch.library.register_autograd("cpattn::attention_fwd", _backward, setup_context=_setup_context)
 refuse_double_backward("cpattn::attention_bwd", "cpattn.attention")
 
 
-def attention_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: float,
-    causal: bool,
-    window: tuple[int, int],
-    q_offset: Optional[int],
-    k_offset: Optional[int],
-    out_dtype: Optional[torch.dtype] = None,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    sinks: Optional[torch.Tensor] = None,
-    prefix_len: int = 0,
-):
-    return ops.attention_fwd(
-        q, k, v, softmax_scale, causal, window[0], window[1], q_offset, k_offset, out_dtype,
-        softcap, alibi_slopes, sinks, prefix_len,
-    )
-
-
 # Context-parallel ops (csrc/ops/ring.cpp): outputs in the inputs' dtypes, LSE float32.
 
 
 @torch.library.register_fake("cpattn::ring_fwd")
-def _ring_fwd_fake(q, k, v, group_name, softmax_scale, causal, window_left, window_right,
-                   layout, timeout_s, doc_lengths=None, softcap=0.0, alibi_slopes=None,
-                   sinks=None, prefix_len=0):
+def _ring_fwd_fake(q, k, v, group_name, layout, timeout_s, doc_lengths=None, sinks=None,
+                   **options):
     _check_same_device("q, k and v", q, k, v)
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.register_fake("cpattn::ring_bwd")
-def _ring_bwd_fake(dout, q, k, v, out, lse, group_name, softmax_scale, causal, window_left,
-                   window_right, layout, timeout_s, dlse=None, doc_lengths=None, softcap=0.0,
-                   alibi_slopes=None, prefix_len=0):
+def _ring_bwd_fake(dout, q, k, v, out, lse, group_name, layout, timeout_s, doc_lengths=None,
+                   dlse=None, **options):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("cpattn::gathered_fwd")
-def _gathered_fwd_fake(q, kv_all, rank, softmax_scale, causal, window_left, window_right, layout,
-                       doc_lengths=None, softcap=0.0, alibi_slopes=None, sinks=None,
-                       prefix_len=0):
+def _gathered_fwd_fake(q, kv_all, rank, layout, doc_lengths=None, sinks=None, **options):
     _check_same_device("q and kv_all", q, kv_all)
     b, s, h, d = q.shape  # kv_all (W, B, S, Hkv, D + Dv)
     return (q.new_empty((b, s, h, kv_all.shape[-1] - d)),
@@ -168,9 +135,8 @@ def _gathered_fwd_fake(q, kv_all, rank, softmax_scale, causal, window_left, wind
 
 
 @torch.library.register_fake("cpattn::gathered_bwd")
-def _gathered_bwd_fake(dout, q, kv_all, out, lse, rank, softmax_scale, causal, window_left,
-                       window_right, layout, doc_lengths=None, dlse=None, softcap=0.0,
-                       alibi_slopes=None, prefix_len=0):
+def _gathered_bwd_fake(dout, q, kv_all, out, lse, rank, layout, doc_lengths=None, dlse=None,
+                       **options):
     _check_same_device("dout, q, kv_all, out and lse", dout, q, kv_all, out, lse)
     return q.new_empty(q.shape), kv_all.new_empty(kv_all.shape, dtype=torch.float32)
 
@@ -178,30 +144,6 @@ def _gathered_bwd_fake(dout, q, kv_all, out, lse, rank, softmax_scale, causal, w
 @torch.library.register_fake("cpattn::layout_positions")
 def _layout_positions_fake(seqlen, world, rank, layout):
     return torch.empty((seqlen // world,), dtype=torch.int64)
-
-
-@torch.library.register_fake("cpattn_testing::ring_fwd_emulated")
-def _ring_fwd_emulated_fake(q, k, v, softmax_scale, causal, window_left, window_right, layout):
-    return ([t.new_empty((*t.shape[:-1], vt.shape[-1])) for t, vt in zip(q, v)],
-            [t.new_empty((t.shape[0], t.shape[2], t.shape[1]), dtype=torch.float32) for t in q])
-
-
-@torch.library.register_fake("cpattn_testing::ring_bwd_emulated")
-def _ring_bwd_emulated_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left,
-                            window_right, layout):
-    return ([t.new_empty(t.shape) for t in q], [t.new_empty(t.shape) for t in k],
-            [t.new_empty(t.shape) for t in v])
-
-
-@torch.library.register_fake("cpattn_testing::ring_shift")
-def _ring_shift_fake(send, group_name, timeout_s):
-    return send.new_empty(send.shape)
-
-
-@torch.library.register_fake("cpattn_testing::ring_loopback_timing")
-def _ring_loopback_timing_fake(q, k, v, dout, rank, world, softmax_scale, causal, window_left,
-                               window_right, layout):
-    return q.new_empty((2,), dtype=torch.float64)
 
 
 # Inference over a KV cache sharded across ranks (csrc/ops/inference.cpp).
@@ -244,20 +186,16 @@ def _cache_store_fake(k_cache, v_cache, k, v, start, rank, world, interleave):
 
 
 @torch.library.register_fake("cpattn::cache_attention_fwd")
-def _cache_attention_fake(
-    q, k_cache, v_cache, cache_lens, q_start, rank, world, interleave, softmax_scale, causal,
-    out_dtype=None, softcap=0.0, alibi_slopes=None, prefix_len=0, window_left=-1, window_right=-1,
-):
+def _cache_attention_fake(q, k_cache, v_cache, cache_lens, q_start, rank, world, interleave,
+                          out_dtype=None, **options):
     b, sq, h, _ = q.shape
     out = q.new_empty(q.shape, dtype=out_dtype if out_dtype is not None else q.dtype)
     return out, q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.register_fake("cpattn::prefill_fwd")
-def _prefill_fake(
-    q, k, v, k_cache, v_cache, cache_lens, group_name, softmax_scale, layout, interleave, timeout_s,
-    softcap=0.0, alibi_slopes=None, prefix_len=0, seqlen=0, window_left=-1, window_right=-1,
-):
+def _prefill_fake(q, k, v, k_cache, v_cache, cache_lens, group_name, layout, interleave,
+                  timeout_s, seqlen=0, **options):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty((b, h, s), dtype=torch.float32)
 

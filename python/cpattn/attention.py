@@ -4,8 +4,10 @@ from typing import Optional, Union
 
 import torch
 
-from cpattn import _ops
-from cpattn._validation import check_scale, check_score_options, check_window
+from cpattn._autograd import once_differentiable
+from cpattn._layout import LAYOUTS
+from cpattn._validation import check_qkv, document_lengths, error
+from cpattn.options import AttentionOptions
 
 
 def attention(
@@ -49,15 +51,11 @@ def attention(
             "cpattn.attention: q and k must be (batch, seqlen, heads, head_dim), got shapes "
             f"{tuple(q.shape)} and {tuple(k.shape)}"
         )
-    softmax_scale = check_scale("cpattn.attention", softmax_scale, max(q.shape[-1], 1))
-    window = check_window(window, "cpattn.attention")
-    softcap, prefix_len = check_score_options("cpattn.attention", softcap, alibi_slopes,
-                                              prefix_len)
+    opts = AttentionOptions.checked("cpattn.attention", q.shape[-1], causal=causal,
+                                    softmax_scale=softmax_scale, window=window, softcap=softcap,
+                                    alibi_slopes=alibi_slopes, prefix_len=prefix_len)
     # no positions given: the op aligns the rows bottom-right
-    out, lse = _ops.attention_fwd(
-        q, k, v, float(softmax_scale), bool(causal), window, None, None, None, softcap,
-        alibi_slopes, sinks, prefix_len,
-    )
+    out, lse = torch.ops.cpattn.attention_fwd(q, k, v, sinks=sinks, **opts.op_kwargs())
     return (out, lse) if return_lse else out
 
 
@@ -71,3 +69,54 @@ def merge_state_(
     the result over the union. Rows empty on both sides stay (0, -inf).
     """
     torch.ops.cpattn.merge_state_(out, lse, part_out, part_lse)
+
+
+class _LocalDocuments(torch.autograd.Function):
+    """Attention over packed documents held whole by this process: the all-gather strategy's
+    kernels on a "group" of one rank (contiguous layout: no padding)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, docs, options):
+        kv_all = torch.cat([k, v], dim=-1)[None]  # (1, B, T, Hkv, D + Dv)
+        out, lse = torch.ops.cpattn.gathered_fwd(q, kv_all, 0, LAYOUTS["contiguous"], docs, sinks,
+                                                 **options.op_kwargs())
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.docs, ctx.options = docs, options
+        return out, lse
+
+    @staticmethod
+    @once_differentiable("cpattn.attention_varlen")
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dkv_all = torch.ops.cpattn.gathered_bwd(
+            dout, q, torch.cat([k, v], dim=-1)[None], out, lse, 0, LAYOUTS["contiguous"],
+            ctx.docs, dlse, **ctx.options.op_kwargs())
+        d = k.shape[-1]
+        dk, dv = dkv_all[0, ..., :d].to(k.dtype), dkv_all[0, ..., d:].to(v.dtype)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            dsinks = torch.ops.cpattn.sink_bwd(dout, out, lse, sinks, dlse).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None
+
+
+def attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, *, causal: bool = False,
+    softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
+    return_lse: bool = False, sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Attention over packed documents in one process (no communication): q (T, H, D), k / v
+    (T, Hkv, D) hold the documents of cu_seqlens (int, D+1, from 0, ending at T) one after the
+    other; a document never attends to another. Options as cpattn.attention, on positions
+    within each document. Returns out (T, H, Dv) and optionally lse (H, T). Differentiable."""
+    what = "cpattn.attention_varlen"
+    check_qkv(what, q, k, v, varlen=True, v_head_dim_free=True)
+    opts = AttentionOptions.checked(what, q.shape[-1], causal=causal, softmax_scale=softmax_scale,
+                                    window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+    docs, tokens, _ = document_lengths(what, cu_seqlens)
+    if tokens != q.shape[0]:
+        raise error(what, "cu_seqlens", f"[..., {tokens}]", f"must end at the {q.shape[0]} "
+                    "tokens of q")
+    out, lse = _LocalDocuments.apply(q[None], k[None], v[None], sinks, docs, opts)
+    return (out[0], lse[0]) if return_lse else out[0]

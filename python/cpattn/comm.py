@@ -48,7 +48,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+def all_to_all_raw(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """all_to_all outside autograd (for a caller whose own backward does the reverse one)."""
     world = _world(group)
     if world == 1:
         return x
@@ -81,7 +82,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scatter_dim, gather_dim, group):
         ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return _all_to_all(x, scatter_dim, gather_dim, group)
+        return all_to_all_raw(x, scatter_dim, gather_dim, group)
 
     @staticmethod
     def backward(ctx, grad):

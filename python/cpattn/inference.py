@@ -19,173 +19,23 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from cpattn._agreement import FieldValue, agree_on, digest_ints, score_fields, tensor_fields
+from cpattn._agreement import agree_on, tensor_fields
 from cpattn._layout import LAYOUTS, check_chunk, padded_length
 from cpattn._validation import (
     check_choice,
     check_int,
     check_qkv,
-    check_scale,
-    check_score_options,
     check_tensor,
     check_timeout,
-    check_window,
     error,
 )
 from cpattn.comm import all_gather_flat
-from cpattn.ring import _group_info, positions, rank_and_world
+from cpattn.kv_cache import KVCacheShard, check_cache_type
+from cpattn.options import AttentionOptions
+from cpattn.sharding import group_info, positions
 
 ops = torch.ops.cpattn
 COMMS = ("all_gather", "reduce_scatter")
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"cpattn.KVCacheShard: {name} must be a positive int, got {value!r}")
-    return value
-
-
-class KVCacheShard:
-    """This rank's part of a KV cache for a batch of sequences (one layer).
-
-    Token t of each sequence lives on rank (t // interleave) % world_size, and only there: blocks
-    of `interleave` consecutive tokens are dealt round-robin over the ranks (1 = single tokens).
-    Storage is preallocated for `capacity` tokens per sequence: k and v are
-    (batch, local_slots, kv_heads, head_dim) with local_slots about capacity / world_size.
-    `lengths` (int64, (batch,)) counts each sequence's tokens over all ranks; it is the same on
-    every rank, since every rank appends the same tokens.
-
-    Args:
-        batch, capacity, kv_heads, head_dim: sizes; capacity is the maximum tokens per sequence.
-        interleave: tokens per round-robin block.
-        group: the process group the cache is sharded over (default: the world); or give
-            rank and world_size explicitly (no process group needed to build or fill the cache).
-        dtype, device: of the K/V storage.
-    """
-
-    def __init__(
-        self,
-        batch: int,
-        capacity: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        interleave: int = 1,
-        group=None,
-        rank: Optional[int] = None,
-        world_size: Optional[int] = None,
-        dtype: torch.dtype = torch.float32,
-        device: Optional[torch.device] = None,
-    ) -> None:
-        for name, value in (("batch", batch), ("capacity", capacity), ("kv_heads", kv_heads),
-                            ("head_dim", head_dim), ("interleave", interleave)):
-            _positive_int(value, name)
-        rank, world_size = rank_and_world(group, rank, world_size)
-        _positive_int(world_size, "world_size")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"cpattn.KVCacheShard: rank {rank} is not in a group of {world_size}")
-        self.capacity, self.interleave = capacity, interleave
-        self.rank, self.world_size = rank, world_size
-        slots = ops.cache_local_count(capacity, 0, world_size, interleave)
-        self.k = torch.zeros(batch, slots, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.lengths = torch.zeros(batch, dtype=torch.int64)
-        self._first = 0  # index of sequence 0 in the full cache (views of sequences)
-
-    @property
-    def batch(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def local_slots(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        return self.k.shape[3]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of K/V storage on this rank."""
-        return self.k.nbytes + self.v.nbytes
-
-    def local_lengths(self) -> torch.Tensor:
-        """Tokens of each sequence stored on this rank (int64, (batch,))."""
-        return torch.tensor(
-            [ops.cache_local_count(int(n), self.rank, self.world_size, self.interleave)
-             for n in self.lengths.tolist()],
-            dtype=torch.int64,
-        )
-
-    def positions(self, index: int) -> torch.Tensor:
-        """Global positions of the tokens of sequence `index` stored here, in slot order."""
-        n = int(self.lengths[index])
-        return ops.cache_positions(n, self.rank, self.world_size, self.interleave)
-
-    def sequences(self, start: int, stop: int) -> "KVCacheShard":
-        """A view of sequences [start, stop): same storage, appends through it update this cache.
-
-        Useful to prefill sequences of different lengths one at a time, then decode them together.
-        """
-        if not 0 <= start < stop <= self.batch:
-            raise ValueError(
-                f"cpattn.KVCacheShard.sequences: need 0 <= start < stop <= {self.batch}, got "
-                f"({start}, {stop})"
-            )
-        view = object.__new__(KVCacheShard)
-        view.__dict__.update(self.__dict__)
-        view.k, view.v = self.k[start:stop], self.v[start:stop]
-        view.lengths = self.lengths[start:stop]
-        view._first = self._first + start
-        return view
-
-    def clear(self) -> None:
-        """Forgets every sequence's tokens (the storage stays allocated)."""
-        self.lengths.zero_()
-
-    def check_room(self, tokens: int, what: str) -> None:
-        """Raises ValueError if some sequence cannot take `tokens` more. The lengths are the same
-        on every rank, so every rank raises."""
-        over = (self.lengths + tokens > self.capacity).nonzero().flatten().tolist()
-        if over:
-            b = over[0]
-            raise ValueError(
-                f"{what}: KV cache capacity exceeded: sequence {self._first + b} holds "
-                f"{int(self.lengths[b])} "
-                f"tokens, {tokens} more would exceed the capacity of {self.capacity}"
-            )
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Appends new tokens to every sequence: k, v (batch, n, kv_heads, head_dim), the same
-        on every rank (e.g. a decode step's K/V); only each token's owner stores it."""
-        if k.dim() != 4 or k.shape != v.shape or k.shape[0] != self.batch or (
-            k.shape[2:] != self.k.shape[2:]
-        ):
-            raise ValueError(
-                "cpattn.KVCacheShard.append: k and v must be (batch, tokens, kv_heads, head_dim) "
-                f"= ({self.batch}, n, {self.kv_heads}, {self.head_dim}), got {tuple(k.shape)} "
-                f"and {tuple(v.shape)}"
-            )
-        self.check_room(k.shape[1], "cpattn.KVCacheShard.append")
-        ops.cache_store_(self.k, self.v, k.to(self.dtype), v.to(self.dtype), self.lengths,
-                         self.rank, self.world_size, self.interleave)
-        self.lengths += k.shape[1]
-
-    def __repr__(self) -> str:
-        return (
-            f"KVCacheShard(rank {self.rank}/{self.world_size}, interleave {self.interleave}, "
-            f"batch {self.batch}, capacity {self.capacity} ({self.local_slots} slots here), "
-            f"kv_heads {self.kv_heads}, head_dim {self.head_dim}, {self.dtype}, "
-            f"lengths {self.lengths.tolist()})"
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,47 +69,6 @@ def merge_attention_states(
 def _wait(work, timeout: float, what: str) -> None:
     if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
         raise RuntimeError(f"{what}: peers did not answer within {timeout} s")
-
-
-def _cache_fields(cache: KVCacheShard, rank: int) -> list[tuple[str, FieldValue]]:
-    return [
-        ("cache.world_size", cache.world_size),
-        ("cache.rank_is_group_rank", int(cache.rank == rank)),
-        ("cache.interleave", cache.interleave),
-        ("cache.capacity", cache.capacity),
-        *tensor_fields("cache.k", cache.k),
-        # the exact lengths: every rank must have appended the same tokens
-        ("cache.lengths", digest_ints(cache.lengths)),
-    ]
-
-
-def _check_cache_type(cache, what: str) -> None:
-    if not isinstance(cache, KVCacheShard):
-        raise error(what, "cache", cache, "must be a cpattn.KVCacheShard")
-
-
-def _check_cache_group(cache: KVCacheShard, rank: int, world: int, what: str) -> None:
-    # After agree() these values are the same on every rank, so every rank raises.
-    if cache.world_size != world or cache.rank != rank:
-        raise ValueError(
-            f"{what}: the cache was made for rank {cache.rank} of {cache.world_size}, but this is "
-            f"rank {rank} of {world} in the group"
-        )
-
-
-def _check_q(q: torch.Tensor, cache: KVCacheShard, what: str) -> None:
-    if q.dim() != 4 or q.shape[0] != cache.batch or q.shape[3] != cache.head_dim:
-        raise ValueError(
-            f"{what}: q must be (batch, seqlen, heads, head_dim) with the cache's batch "
-            f"{cache.batch} and head_dim {cache.head_dim}, got {tuple(q.shape)}"
-        )
-    if q.shape[2] % cache.kv_heads != 0:
-        raise ValueError(
-            f"{what}: the number of query heads ({q.shape[2]}) must be a multiple of the cache's "
-            f"kv_heads ({cache.kv_heads})"
-        )
-    if q.dtype != cache.dtype:
-        raise ValueError(f"{what}: q must have the cache's dtype {cache.dtype}, got {q.dtype}")
 
 
 def _pack(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -355,17 +164,18 @@ def prefill_attention(
     must call it with the same shapes and options; a mismatch or a full cache raises on every rank.
     """
     what = "cpattn.prefill_attention"
-    group, rank, world = _group_info(group)
+    group, rank, world = group_info(group)
     timeout = check_timeout(what, timeout)
 
     def check():
         check_qkv(what, q, k, v)
         check_choice(what, "layout", layout, tuple(LAYOUTS))
-        scale = check_scale(what, softmax_scale, q.shape[-1])
-        _check_cache_type(cache, what)
-        checked_sinks = _check_sinks(sinks, q, what)
-        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
-        sides = check_window(window, what)
+        check_cache_type(cache, what)
+        opts = AttentionOptions.checked(
+            what, q.shape[-1], causal=True, softmax_scale=softmax_scale, window=window,
+            softcap=softcap, alibi_slopes=alibi_slopes, sinks=_check_sinks(sinks, q, what),
+            prefix_len=prefix_len)
+        prefix = opts.prefix_len
         padded = q.shape[1] * world
         n = padded if seqlen is None else check_int(what, "seqlen", seqlen, minimum=1)
         if seqlen is None:  # any length: seqlen=
@@ -380,17 +190,14 @@ def prefill_attention(
             raise error(what, "prefix_len", prefix, "reaches into this chunk at different "
                         "positions of the batch's sequences (their cache lengths differ): "
                         "prefill them one at a time (cache.sequences(i, i + 1))")
-        return (scale, checked_sinks, cap, prefix, ring_prefix[0], n, sides), [
+        return (opts, ring_prefix[0], n), [
             *tensor_fields("q", q), *tensor_fields("k", k), *tensor_fields("v", v),
-            ("layout", layout), ("softmax_scale", scale), *_cache_fields(cache, rank),
-            *score_fields(cap, alibi_slopes, checked_sinks, prefix), ("seqlen", n),
-            ("window_left", sides[0]), ("window_right", sides[1])]
+            ("layout", layout), *cache.agreement_fields(rank), *opts.agreement_fields(),
+            ("seqlen", n)]
 
-    softmax_scale, sinks, softcap, prefix_len, ring_prefix, n, window = agree_on(
-        what, group, timeout, check)
-    layout_code = LAYOUTS[layout]
-    _check_cache_group(cache, rank, world, what)
-    _check_q(q, cache, what)
+    opts, ring_prefix, n = agree_on(what, group, timeout, check)
+    cache.check_group(rank, world, what)
+    cache.check_query(q, what)
     chunk = q.shape[1] * world  # padded to the layout's granularity: n real tokens
     cache.check_room(n, what)
 
@@ -407,20 +214,15 @@ def prefill_attention(
                            for r in range(world)]).to(q.device)
         po, pl = ops.cache_attention_fwd(
             q_all.index_select(1, order.argsort()), cache.k, cache.v, start, start, rank, world,
-            cache.interleave, float(softmax_scale), True, torch.float32, softcap=softcap,
-            alibi_slopes=alibi_slopes, prefix_len=prefix_len, window_left=window[0],
-            window_right=window[1],
-        )
+            cache.interleave, torch.float32, **opts.op_kwargs())
         po, pl = po.index_select(1, order), pl.index_select(2, order)
         msg = _pack(po, pl).view(q.shape[0], world, q.shape[1], q.shape[2], q.shape[3] + 1)
         recv = _all_to_all(msg.transpose(0, 1).contiguous(), group, timeout, what)
         parts_out, parts_lse = _unpack(recv)
     # the ring on positions within the chunk: ALiBi depends on position differences only
     ring_out, ring_lse = ops.prefill_fwd(
-        q, k, v, cache.k, cache.v, start, group.group_name, float(softmax_scale), layout_code,
-        cache.interleave, timeout, softcap=softcap, alibi_slopes=alibi_slopes,
-        prefix_len=ring_prefix, seqlen=n, window_left=window[0], window_right=window[1],
-    )
+        q, k, v, cache.k, cache.v, start, group.group_name, LAYOUTS[layout], cache.interleave,
+        timeout, n, **opts.replace(prefix_len=ring_prefix).op_kwargs())
     cache.lengths += n
     if len(parts_out):
         out, lse = merge_attention_states(
@@ -433,7 +235,7 @@ def prefill_attention(
             lse[:, :, padding] = float("-inf")
     else:
         out, lse = ring_out, ring_lse  # prefill_fwd returns fp32
-    out, lse = _finish(out, lse, sinks, q.dtype)
+    out, lse = _finish(out, lse, opts.sinks, q.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -480,28 +282,24 @@ def decode_attention(
     A rank whose shard holds none of a sequence's tokens contributes an empty partial (lse -inf).
     """
     what = "cpattn.decode_attention"
-    group, rank, world = _group_info(group)
+    group, rank, world = group_info(group)
     timeout = check_timeout(what, timeout)
 
     def check():
         check_tensor(what, "q", q, ("batch", "seqlen_q", "heads", "head_dim"))
         check_choice(what, "comm", comm, COMMS)
-        scale = check_scale(what, softmax_scale, q.shape[-1])
-        _check_cache_type(cache, what)
-        checked_sinks = _check_sinks(sinks, q, what)
-        cap, prefix = check_score_options(what, softcap, alibi_slopes, prefix_len)
-        sides = check_window(window, what)
-        return (scale, checked_sinks, cap, prefix, sides), [
-            *tensor_fields("q", q), ("comm", comm), ("softmax_scale", scale),
-            *_cache_fields(cache, rank), *score_fields(cap, alibi_slopes, checked_sinks, prefix),
-            ("window_left", sides[0]), ("window_right", sides[1])]
+        check_cache_type(cache, what)
+        opts = AttentionOptions.checked(
+            what, q.shape[-1], causal=True, softmax_scale=softmax_scale, window=window,
+            softcap=softcap, alibi_slopes=alibi_slopes, sinks=_check_sinks(sinks, q, what),
+            prefix_len=prefix_len)
+        return opts, [*tensor_fields("q", q), ("comm", comm), *cache.agreement_fields(rank),
+                      *opts.agreement_fields()]
 
-    if validate:
-        softmax_scale, sinks, softcap, prefix_len, window = agree_on(what, group, timeout, check)
-    else:
-        (softmax_scale, sinks, softcap, prefix_len, window), _ = check()
-    _check_cache_group(cache, rank, world, what)
-    _check_q(q, cache, what)
+    opts = agree_on(what, group, timeout, check) if validate else check()[0]
+    sinks = opts.sinks
+    cache.check_group(rank, world, what)
+    cache.check_query(q, what)
     b, sq, h, d = q.shape
     short = (cache.lengths < sq).nonzero().flatten().tolist()
     if short:
@@ -518,9 +316,7 @@ def decode_attention(
 
     po, pl = ops.cache_attention_fwd(
         q, cache.k, cache.v, cache.lengths, cache.lengths - sq, rank, world, cache.interleave,
-        float(softmax_scale), True, torch.float32, softcap=softcap, alibi_slopes=alibi_slopes,
-        prefix_len=prefix_len, window_left=window[0], window_right=window[1],
-    )
+        torch.float32, **opts.op_kwargs())
     if world == 1:
         out, lse = po, pl
     elif comm == "all_gather":

@@ -19,17 +19,18 @@ import torch.distributed as dist
 
 from cpattn import comm
 from cpattn._layout import document_positions, shard_positions
+from cpattn.options import AttentionOptions
 
 Placement = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # rank -> (position, document)
 QUERY_ROWS = 512  # query rows scored at a time: bounds the (rows x sequence) score block
 
 
 def global_max_logits(q: torch.Tensor, k: torch.Tensor, group, placement: Placement,
-                      scale: float, causal: bool, window: tuple[int, int],
-                      prefix_len: int) -> torch.Tensor:
+                      options: AttentionOptions) -> torch.Tensor:
     """q (B, S_local, H, D), k (B, S_local, Hkv, D): this rank's tokens; placement(r): the
-    global position (-1: padding) and document of rank r's local tokens. Returns (H,) float32,
-    the same on every rank of `group`."""
+    global position (-1: padding) and document of rank r's local tokens; the options' scale and
+    mask rule (causal, window, prefix). Returns (H,) float32, the same on every rank of
+    `group`."""
     if torch.compiler.is_compiling():
         raise ValueError("cpattn: return_max_logits is not supported under torch.compile yet "
                          "(its pass runs collectives in Python): call the attention eagerly")
@@ -47,9 +48,9 @@ def global_max_logits(q: torch.Tensor, k: torch.Tensor, group, placement: Placem
             queries = q[:, :, h * group_size:(h + 1) * group_size].float()
             for start in range(0, q.shape[1], QUERY_ROWS):
                 rows = slice(start, start + QUERY_ROWS)
-                seen = _visible(q_pos[rows], q_doc[rows], k_pos, k_doc, causal, window,
-                                prefix_len)
-                scores = torch.einsum("bqgd,bkd->gbqk", queries[:, rows], keys) * scale
+                seen = _visible(q_pos[rows], q_doc[rows], k_pos, k_doc, options)
+                scores = (torch.einsum("bqgd,bkd->gbqk", queries[:, rows], keys)
+                          * options.softmax_scale)
                 scores = scores.masked_fill(~seen, float("-inf"))
                 block = scores.flatten(1).amax(dim=1)
                 sl = slice(h * group_size, (h + 1) * group_size)
@@ -59,20 +60,19 @@ def global_max_logits(q: torch.Tensor, k: torch.Tensor, group, placement: Placem
     return best
 
 
-def _visible(q_pos, q_doc, k_pos, k_doc, causal: bool, window: tuple[int, int],
-             prefix_len: int) -> torch.Tensor:
-    """(rows, keys) bool: DESIGN's mask rule on positions within the documents."""
+def _visible(q_pos, q_doc, k_pos, k_doc, options: AttentionOptions) -> torch.Tensor:
+    """(rows, keys) bool: the mask rule (docs/design.md) on positions within the documents."""
     i, j = q_pos[:, None], k_pos[None, :]
     seen = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool, device=q_pos.device)
-    if causal:
+    if options.causal:
         seen &= j <= i
-    left, right = window
+    left, right = options.window
     if left >= 0:
         seen &= j >= i - left
     if right >= 0:
         seen &= j <= i + right
-    if prefix_len:
-        seen |= j < prefix_len
+    if options.prefix_len:
+        seen |= j < options.prefix_len
     return seen & (q_doc[:, None] == k_doc[None, :]) & (i >= 0) & (j >= 0)
 
 

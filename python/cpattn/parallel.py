@@ -13,16 +13,12 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from cpattn._layout import granularity
+from cpattn._layout import LAYOUTS, granularity
 from cpattn.packing import Documents
-from cpattn.ring import LAYOUTS, _group_info, positions, ring_attention, ring_attention_varlen
-from cpattn.ulysses import (
-    hybrid_attention,
-    hybrid_attention_varlen,
-    hybrid_positions,
-    ulysses_attention,
-    ulysses_attention_varlen,
-)
+from cpattn.sharding import group_info, hybrid_positions, positions, shard, unshard
+from cpattn.strategies.hybrid import hybrid_attention, hybrid_attention_varlen
+from cpattn.strategies.ring import ring_attention, ring_attention_varlen
+from cpattn.strategies.ulysses import ulysses_attention, ulysses_attention_varlen
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 
@@ -92,8 +88,8 @@ class ContextParallel:
                     f"(ring, ulysses) or a pair (ring_group, ulysses_group), got {group!r}"
                 )
             self.group = None  # the sequence spans both groups; see `rank` / `world_size`
-            _, r_rank, r_world = _group_info(self.ring_group)
-            _, u_rank, u_world = _group_info(self.ulysses_group)
+            _, r_rank, r_world = group_info(self.ring_group)
+            _, u_rank, u_world = group_info(self.ulysses_group)
             self.rank, self.world_size = r_rank * u_world + u_rank, r_world * u_world
         else:
             if _is_mesh(group):
@@ -103,7 +99,7 @@ class ContextParallel:
                         f"got {group.ndim} dims (use mesh['cp'] for the context-parallel dim)"
                     )
                 group = group.get_group()
-            self.group, self.rank, self.world_size = _group_info(group)
+            self.group, self.rank, self.world_size = group_info(group)
 
     def __repr__(self) -> str:
         return (f"ContextParallel(strategy={self.strategy!r}, layout={self.layout!r}, "
@@ -150,14 +146,11 @@ class ContextParallel:
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of the full tensor x (sequence along `dim`)."""
-        index = self.positions(x.shape[dim], device=x.device)
-        return x.index_select(dim, index)
+        return shard(x, index=self.positions(x.shape[dim], device=x.device), dim=dim)
 
     def unshard(self, x_local: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """All-gathers the shards of every rank back into sequence order (differentiable).
         For hybrid the whole world must be the mesh's ranks."""
-        from cpattn.ring import unshard
-
         seqlen = x_local.shape[dim] * self.world_size
         return unshard(x_local, group=self.group, dim=dim, seqlen=seqlen,
                        index=self.positions(seqlen))

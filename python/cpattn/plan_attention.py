@@ -12,15 +12,11 @@ from cpattn._agreement import agree_on
 from cpattn._layout import DTYPE_NAMES
 from cpattn._validation import check_timeout, error
 from cpattn.attention import attention
-from cpattn.ring import (
-    _attention_args,
-    _group_info,
-    needs_grad,
-    positions,
-    ring_attention,
-    unshard,
-)
-from cpattn.ulysses import hybrid_attention, hybrid_positions, ulysses_attention
+from cpattn.sharding import group_info, hybrid_positions, positions, unshard
+from cpattn.strategies.common import checked_call, needs_grad
+from cpattn.strategies.hybrid import hybrid_attention
+from cpattn.strategies.ring import ring_attention
+from cpattn.strategies.ulysses import ulysses_attention
 
 
 class _Split(torch.autograd.Function):
@@ -86,19 +82,20 @@ def context_attention(
     distinct problem, the same on every rank, and logged at debug level ("cpattn.plan").
     """
     what = "cpattn.context_attention"
-    group, _, world = _group_info(group)
+    group, _, world = group_info(group)
     timeout = check_timeout(what, timeout)
     train = needs_grad(q, k, v)
 
     def check():
-        (causal_, _, scale_, window_), fields = _attention_args(
-            what, q, k, v, causal, softmax_scale, window)
+        checked, fields = checked_call(what, q, k, v, dict(causal=causal,
+                                                           softmax_scale=softmax_scale,
+                                                           window=window))
         if not isinstance(strategy, str):
             raise error(what, "strategy", strategy, "must be a str")
-        return (causal_, scale_, window_), [*fields, ("requires_grad", train),
-                                            ("strategy", strategy)]
+        return checked, [*fields, ("requires_grad", train), ("strategy", strategy)]
 
-    causal, scale, window = agree_on(what, group, timeout, check)
+    checked = agree_on(what, group, timeout, check)
+    causal, scale, window = checked.causal, checked.softmax_scale, checked.window
     p = _plan.Problem(q.shape[1], q.shape[2], k.shape[2], q.shape[3], batch=q.shape[0],
                       dtype=DTYPE_NAMES[q.dtype], causal=bool(causal), window=window,
                       mode="train" if train else "forward")

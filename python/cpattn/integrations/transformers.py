@@ -44,6 +44,7 @@ from typing import Any, Optional
 
 import torch
 
+from cpattn.attention import attention_varlen
 from cpattn.inference import KVCacheShard, decode_attention, prefill_attention
 from cpattn.integrations._model_checks import (
     agree,
@@ -54,8 +55,7 @@ from cpattn.integrations._model_checks import (
 )
 from cpattn.packing import KEYWORD, Documents, chunk_boundaries
 from cpattn.parallel import ContextParallel
-from cpattn.ring import attention_varlen
-from cpattn.ulysses import ulysses_attention_varlen
+from cpattn.strategies.ulysses import ulysses_attention_varlen
 
 try:
     import transformers

@@ -1,0 +1,91 @@
+"""The attention options, one object: what every public attention function takes besides its
+tensors and its process groups, validated once, agreed on by the ranks, passed to the ops.
+
+The C++ twin is csrc/ops/options.h (AttentionOptions, and the keyword-only schema suffix every
+attention op ends with). Adding an option: docs/design.md, "Adding a score option".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+from cpattn._validation import check_bool, check_int, check_scale, check_window, error
+
+
+# The ops' option arguments, in their schema order (csrc/ops/options.h kOptionsSchema).
+OP_OPTION_NAMES = ("softmax_scale", "causal", "window_left", "window_right", "softcap",
+                   "alibi_slopes", "prefix_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """softmax_scale, causal, window (left, right; -1 unbounded), softcap (0: off), alibi_slopes
+    ((heads,), fixed), sinks ((heads,) logits, differentiable), prefix_len (prefix-LM; 0: off).
+    Build one with AttentionOptions.checked; the strategies pass it down whole."""
+
+    softmax_scale: float
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: Optional[torch.Tensor] = None
+    sinks: Optional[torch.Tensor] = None
+    prefix_len: int = 0
+
+    @classmethod
+    def checked(cls, what: str, head_dim: int, *, causal=False, softmax_scale=None,
+                window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                prefix_len=0) -> AttentionOptions:
+        """The options of a call of `what` on heads of head_dim, each checked (shapes, dtypes and
+        devices of the per-head tensors are checked in C++, against q)."""
+        if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+            raise error(what, "softcap", softcap, "must be a number >= 0 (0: off)")
+        if not (math.isfinite(softcap) and softcap >= 0):
+            raise error(what, "softcap", softcap, "must be finite and >= 0 (0: off)")
+        if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.requires_grad:
+            raise error(what, "alibi_slopes", alibi_slopes, "are fixed and get no gradient: "
+                        "pass a tensor that does not require grad (e.g. alibi_slopes.detach())")
+        return cls(softmax_scale=check_scale(what, softmax_scale, max(head_dim, 1)),
+                   causal=check_bool(what, "causal", causal), window=check_window(window, what),
+                   softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks,
+                   prefix_len=check_int(what, "prefix_len", prefix_len, minimum=0))
+
+    def agreement_fields(self) -> list:
+        """What every rank must agree on: the per-head tensors by their exact values (while
+        torch.compile traces, by presence only)."""
+
+        def values(t):
+            if t is None:
+                return None
+            if torch.compiler.is_compiling():
+                return "<tensor>"
+            return t.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()
+
+        return [("causal", self.causal), ("window_left", self.window[0]),
+                ("window_right", self.window[1]), ("softmax_scale", self.softmax_scale),
+                ("softcap", self.softcap), ("prefix_len", self.prefix_len),
+                ("alibi_slopes", values(self.alibi_slopes)), ("sinks", values(self.sinks))]
+
+    def op_kwargs(self) -> dict:
+        """The options every attention op ends with (options.h kOptionsSchema), by name.
+        The sinks are not among them: a differentiable input, the ops that apply them take them
+        as an argument of their own."""
+        return {"softmax_scale": self.softmax_scale, "causal": self.causal,
+                "window_left": self.window[0], "window_right": self.window[1],
+                "softcap": self.softcap, "alibi_slopes": self.alibi_slopes,
+                "prefix_len": self.prefix_len}
+
+    def for_heads(self, heads: slice) -> AttentionOptions:
+        """The options of a slice of the query heads (the per-head tensors sliced)."""
+        if self.alibi_slopes is None and self.sinks is None:
+            return self
+        return dataclasses.replace(
+            self, alibi_slopes=None if self.alibi_slopes is None else self.alibi_slopes[heads],
+            sinks=None if self.sinks is None else self.sinks[heads])
+
+    def replace(self, **changes) -> AttentionOptions:
+        return dataclasses.replace(self, **changes)

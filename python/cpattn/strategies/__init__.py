@@ -1,0 +1,1 @@
+"""The context-parallel strategies: ring, all-gather, Ulysses, hybrid (docs/strategies.md)."""

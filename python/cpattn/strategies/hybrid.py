@@ -1,0 +1,139 @@
+"""The hybrid: Ulysses inside a group of U ranks, the ring across R such groups (W = U * R).
+
+The Ulysses all-to-all gives each rank its ring shard for H / U heads; the ring (or ring varlen)
+runs across the ring group on those heads; the all-to-all brings the output back. Sharding:
+cpattn.hybrid_positions (sequences), ContextParallel.document_positions (packed documents).
+"""
+
+import functools
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from cpattn import comm
+from cpattn._layout import padded_length, round_up
+from cpattn._validation import check_timeout, document_lengths, error
+from cpattn.max_logits import returned
+from cpattn.options import AttentionOptions
+from cpattn.sharding import hybrid_ring_shard
+from cpattn.strategies.ring import ring_attention, ring_attention_varlen
+from cpattn.strategies.ulysses import across_heads, boundaries, max_logits_field
+
+
+def _ring_options(mine: AttentionOptions) -> dict:
+    """The keyword arguments of ring_attention for the options of this rank's heads."""
+    return dict(causal=mine.causal, softmax_scale=mine.softmax_scale, window=mine.window,
+                sinks=mine.sinks, softcap=mine.softcap, alibi_slopes=mine.alibi_slopes,
+                prefix_len=mine.prefix_len)
+
+
+def _with_heads_maxima(out, lse, maxima: list, ulysses_group):
+    """A hybrid call's out (and lse) with, when asked, the max logits of every head: each
+    rank's ring gave its own heads' (over the whole sequence), all-gathered over Ulysses."""
+    if maxima:
+        maxima = [comm.all_gather(maxima[0], dim=0, group=ulysses_group)]
+    return returned(out, lse, maxima)
+
+
+def hybrid_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_group=None, ring_group=None,
+    mesh=None, causal: bool = False, layout: str = "zigzag", softmax_scale: Optional[float] = None,
+    window: tuple[int, int] = (-1, -1), return_lse: bool = False, timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
+    seqlen: Optional[int] = None, return_max_logits: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Ulysses inside `ulysses_group` (size U), ring across `ring_group` (size R), W = U * R.
+
+    Alternatively `mesh`: a 2D DeviceMesh whose dim 0 is the ring and dim 1 is Ulysses.
+    Sharding (see cpattn.hybrid_positions / hybrid_shard): the sequence is split over the R ring
+    ranks by `layout`; the rank at ring index i and Ulysses index u holds the u-th contiguous
+    sub-chunk of ring shard i. H % U == 0. Either group may have size 1.
+    sinks, softcap, alibi_slopes, prefix_len: as ulysses_attention (per-head ones sliced to the
+    rank's heads, then as ring_attention across the ring). v may have its own head dim.
+    seqlen: the global sequence length, for any length (default: W times the shard length):
+    hybrid_shard pads as hybrid_positions says; padding rows get out 0 and LSE -inf (with
+    sinks: the sink); hybrid_unshard(..., seqlen=S) gives S tokens back.
+    return_max_logits: as cpattn.ring_attention (last in the returned tuple).
+    """
+    if mesh is not None:
+        ring_group, ulysses_group = mesh.get_group(0), mesh.get_group(1)
+    if ulysses_group is None or ring_group is None:
+        raise ValueError("cpattn.hybrid_attention: give ulysses_group and ring_group, or a 2D mesh")
+    what = "cpattn.hybrid_attention"
+    timeout = check_timeout(what, timeout)
+    ring = functools.partial(ring_attention, group=ring_group, layout=layout, timeout=timeout)
+    r_world, u_world = dist.get_world_size(ring_group), dist.get_world_size(ulysses_group)
+
+    maxima = []  # the ring's max logits of this rank's heads (over the whole sequence)
+
+    def attend(qh, kh, vh, n, mine):  # this rank's ring shard, padded for the ring only
+        out, lse, *best = ring(qh, kh, vh, seqlen=n, return_lse=True,
+                               return_max_logits=return_max_logits, **_ring_options(mine))
+        maxima.extend(best)
+        return out, lse
+
+    options = dict(causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
+                   softcap=softcap, alibi_slopes=alibi_slopes, prefix_len=prefix_len)
+    result = across_heads(what, q, k, v, ulysses_group, timeout, attend, return_lse, options,
+                          layout=layout, seqlen=seqlen,
+                          rows=lambda n: hybrid_ring_shard(n, layout, r_world, u_world)[::-1],
+                          fields_of=max_logits_field(what, return_max_logits))
+    out, lse = result if return_lse else (result, None)
+    return _with_heads_maxima(out, lse, maxima, ulysses_group)
+
+
+def hybrid_attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, *, ulysses_group,
+    ring_group, layout: str = "zigzag", causal: bool = False,
+    softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
+    return_lse: bool = False, timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, return_max_logits: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Hybrid attention (Ulysses inside, ring across) over packed documents that never attend
+    across each other. Sharding (cpattn.ContextParallel.document_positions): every document
+    sharded per document over the R ring ranks (cpattn.shard_varlen's layout), each ring shard
+    padded at its end to a multiple of U and cut in U contiguous parts. The Ulysses all-to-all
+    gives each rank its ring shard for H / U heads, ring_attention_varlen runs across the ring.
+    q (T_local, H, D), k / v (T_local, Hkv, D); returns out (T_local, H, Dv) and optionally lse
+    (H, T_local); padding: 0 and -inf (with sinks: the sink); return_max_logits: as
+    ring_attention_varlen (last)."""
+    what = "cpattn.hybrid_attention_varlen"
+    timeout = check_timeout(what, timeout)
+    r_world, u_world = dist.get_world_size(ring_group), dist.get_world_size(ulysses_group)
+
+    def fields_of():
+        docs, _, raw = document_lengths(what, cu_seqlens)
+        held = rows(None)[0] // u_world
+        if q.shape[0] != held:
+            raise error(what, "q tokens", q.shape[0], f"must be {held}: this rank's part of the "
+                        "documents' sharding (cpattn.ContextParallel.document_positions)")
+        return [("documents", docs.numel()), ("document_lengths", raw),
+                *max_logits_field(what, return_max_logits)()]
+
+    def rows(_):  # (a head shard's rows, the ring shard's: real) (in check(): agreed)
+        cu = boundaries(cu_seqlens)
+        ring_shard = sum(padded_length(b - a, layout, r_world) // r_world
+                         for a, b in zip(cu[:-1], cu[1:]) if b > a)
+        return round_up(ring_shard, u_world), ring_shard
+
+    maxima = []
+
+    def attend(qh, kh, vh, n, mine):  # qh: this rank's ring shard
+        options = _ring_options(mine)
+        del options["prefix_len"]
+        out, lse, *best = ring_attention_varlen(
+            qh[0], kh[0], vh[0], cu_seqlens, group=ring_group, layout=layout, timeout=timeout,
+            return_lse=True, return_max_logits=return_max_logits, **options)
+        maxima.extend(best)
+        return out[None], lse[None]
+
+    options = dict(causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
+                   softcap=softcap, alibi_slopes=alibi_slopes)
+    result = across_heads(what, q[None], k[None], v[None], ulysses_group, timeout, attend,
+                          return_lse, options, seqlen=1, layout=layout, fields_of=fields_of,
+                          rows=rows)
+    out, lse = result if return_lse else (result, None)
+    return _with_heads_maxima(out[0], None if lse is None else lse[0], maxima, ulysses_group)

@@ -1,0 +1,295 @@
+"""Ring attention over a torch.distributed process group (and its all-gather variant).
+
+Each rank passes its shard of q, k, v (in `layout` order along the sequence dim) and gets the
+exact attention output of its queries over the whole sequence. K/V shards travel around the ring
+while the current step computes; results are merged in float32 with their log-sum-exp. The ring
+driver, the schedule and the layouts live in C++ (csrc/ops/ring.cpp, csrc/include/cpattn/).
+"""
+
+from typing import Optional, Union
+
+import torch
+
+from cpattn import plan
+from cpattn._agreement import agree_on, digest_ints
+from cpattn._autograd import once_differentiable
+from cpattn._layout import DTYPE_NAMES, LAYOUTS, padded_length
+from cpattn._validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_prefix_per_document,
+    check_timeout,
+    document_lengths,
+    error,
+)
+from cpattn.max_logits import document_placement, global_max_logits, returned, sequence_placement
+from cpattn.options import AttentionOptions
+from cpattn.sharding import group_info
+from cpattn.strategies.allgather import GatheredAttention, default_head_group
+from cpattn.strategies.common import (
+    checked_call,
+    forward_in_passes,
+    head_groups,
+    input_grads,
+    needs_grad,
+    sink_grad,
+)
+
+STRATEGIES = ("ring", "allgather", "auto")
+
+
+class RingAttention(torch.autograd.Function):
+    """The ring (csrc/ops/ring.cpp), in one pass over every head or, with group_size < kv heads,
+    one pass per head group of group_size KV heads (and their query heads): each pass holds the
+    fp32 state and the ring buffers of its heads only, and writes its part of the results.
+    apply(q, k, v, sinks, options, group_name, layout_code, timeout, doc_lengths, group_size)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, options, group_name, layout_code, timeout, docs, group_size):
+        def attend(qh, kh):
+            o = options.for_heads(qh)
+            return torch.ops.cpattn.ring_fwd(q[:, :, qh], k[:, :, kh], v[:, :, kh], group_name,
+                                             layout_code, timeout, docs, o.sinks, **o.op_kwargs())
+
+        out, lse = forward_in_passes(q, k, group_size, attend)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (options, group_name, layout_code, timeout, docs, group_size)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable("cpattn.ring_attention")
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        options, group_name, layout_code, timeout, docs, group_size = ctx.args
+        dout = dout.contiguous()
+        passes = head_groups(q, k, group_size)
+        if len(passes) > 1:  # written pass by pass
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for qh, kh in passes:
+            dq_c, dk_c, dv_c = torch.ops.cpattn.ring_bwd(
+                dout if len(passes) == 1 else dout[:, :, qh].contiguous(), q[:, :, qh],
+                k[:, :, kh], v[:, :, kh], out[:, :, qh], lse[:, qh], group_name, layout_code,
+                timeout, docs, None if dlse is None else dlse[:, qh],
+                **options.for_heads(qh).op_kwargs())
+            if len(passes) == 1:
+                dq, dk, dv = dq_c, dk_c, dv_c
+                break
+            dq[:, :, qh].copy_(dq_c)
+            dk[:, :, kh].copy_(dk_c)
+            dv[:, :, kh].copy_(dv_c)
+            del dq_c, dk_c, dv_c
+        return input_grads(ctx, dq, dk, dv, sink_grad(ctx, 3, sinks, dout, out, lse, dlse))
+
+
+def auto_strategy(q, k, world: int, group, opts: AttentionOptions, layout: str, docs,
+                  allgather_chunk: Optional[int], ring_chunk: Optional[int], what: str
+                  ) -> plan.Candidate:
+    """ring_attention(strategy="auto"): the ring (in passes of ring_chunk KV heads if given; of
+    fewer KV heads when memory is short) or the all-gather for this rank's shards q
+    (B, S/W, H, D), k (B, S/W, Hkv, D) in `layout`. Call it only after the ranks agreed on the
+    shapes, options, documents and on whether gradients are needed."""
+    p = plan.Problem(
+        seqlen=q.shape[1] * world, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
+        batch=q.shape[0], dtype=DTYPE_NAMES[q.dtype], causal=opts.causal, window=opts.window,
+        documents=None if docs is None else tuple(docs.tolist()),
+        mode="train" if needs_grad(q, k) else "forward")
+    chunk = allgather_chunk or default_head_group(k.shape[2], world)
+    cands = [plan.Candidate("ring", layout, chunk=ring_chunk or 0),
+             plan.Candidate("allgather", layout, chunk=chunk)]
+    return plan.choose(p, world, cands, group, what).candidate
+
+
+def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_chunk,
+                     cu_seqlens, options: dict, seqlen=None, ring_chunk=None,
+                     return_max_logits=False):
+    """Shared by ring_attention and ring_attention_varlen (cu_seqlens given: q, k, v are 3-D):
+    validation and the agreement check, then the strategy. `options`: the attention options'
+    keyword arguments (prefix_len may be a tensor: a prefix per sequence or document). Returns
+    4-D out and lse, and with return_max_logits each head's largest logit (cpattn.max_logits).
+    `seqlen` (ring_attention): the real length of a sequence padded to the layout's granularity,
+    handled as one document of that length."""
+    group, rank, world = group_info(group)
+    timeout = check_timeout(what, timeout)
+    prefix = options.get("prefix_len", 0)
+    per_sequence = isinstance(prefix, torch.Tensor)
+
+    def check():
+        opts, fields = checked_call(what, q, k, v, {**options, "prefix_len": 0} if per_sequence
+                                    else options, layout, varlen=cu_seqlens is not None)
+        check_choice(what, "strategy", strategy, STRATEGIES)
+        chunk, r_chunk = (None if c is None else check_int(what, name, c, minimum=1)
+                          for name, c in (("allgather_chunk", allgather_chunk),
+                                          ("ring_chunk", ring_chunk)))
+        docs = prefix_docs = None
+        if cu_seqlens is not None:  # the exact boundaries, not a sum: other splits must not pass
+            docs, tokens, raw = document_lengths(what, cu_seqlens)
+            fields += [("documents", docs.numel()), ("tokens", tokens),
+                       ("document_lengths", raw)]
+            if per_sequence:
+                prefix_docs = check_prefix_per_document(what, prefix, docs)
+                fields += [("prefix_per_document", digest_ints(prefix_docs))]
+        elif per_sequence:
+            # A prefix per sequence of the batch: the batch runs as packed documents, one per
+            # sequence (a sequence's shard is what per-document sharding gives it).
+            n = q.shape[1] * world if seqlen is None else check_int(what, "seqlen", seqlen,
+                                                                    minimum=1)
+            docs = torch.full((q.shape[0],), n, dtype=torch.int64)
+            prefix_docs = check_prefix_per_document(what, prefix, docs,
+                                                    unit="sequence of the batch")
+            fields += [("prefix_per_sequence", digest_ints(prefix_docs))]
+        if r_chunk is not None and strategy == "allgather":  # never ignored: it saves memory
+            raise error(what, "ring_chunk", r_chunk, 'sets the passes of strategy "ring" (or '
+                        '"auto"); the all-gather takes allgather_chunk')
+        fields += [("strategy", strategy), ("allgather_chunk", chunk), ("ring_chunk", r_chunk)]
+        if seqlen is not None:
+            n = check_int(what, "seqlen", seqlen, minimum=1)
+            if padded_length(n, layout, world) != q.shape[1] * world:
+                raise error(what, "seqlen", n, f"gives shards of "
+                            f"{padded_length(n, layout, world) // world} tokens under the "
+                            f"{layout} layout over {world} ranks, not {q.shape[1]}")
+            if n != q.shape[1] * world and docs is None:  # padded: a document of length n
+                docs = torch.tensor([n], dtype=torch.int64)
+            fields += [("seqlen", n)]
+        if strategy == "auto":  # the choice may only depend on what the ranks agree on
+            fields += [("requires_grad", needs_grad(q, k, v))]
+        max_logits = check_bool(what, "return_max_logits", return_max_logits)
+        if max_logits and prefix_docs is not None:
+            raise error(what, "return_max_logits", True, "is not supported with a prefix per "
+                        "sequence or document (prefix_len a tensor)")
+        fields += [("return_max_logits", max_logits)]
+        return (opts, chunk, r_chunk, docs, prefix_docs), fields
+
+    opts, chunk, ring_chunk, docs, prefix_docs = agree_on(what, group, timeout, check)
+    max_logits = None
+    if return_max_logits:  # before q, k, v are reshaped below
+        placement = (document_placement(docs, layout, world) if cu_seqlens is not None else
+                     sequence_placement(q.shape[1] * world if seqlen is None else seqlen,
+                                        layout, world))
+        max_logits = global_max_logits(q[None] if cu_seqlens is not None else q,
+                                       k[None] if cu_seqlens is not None else k, group,
+                                       placement, opts)
+    if cu_seqlens is not None:
+        q, k, v = q[None], k[None], v[None]
+    elif prefix_docs is not None:  # the batch as packed documents: (B, L, ..) -> (1, B L, ..)
+        batch = q.shape[0]
+        q, k, v = (t.flatten(0, 1)[None] for t in (q, k, v))
+    if strategy == "auto":
+        chosen = auto_strategy(q, k, world, group, opts, layout, docs, chunk, ring_chunk, what)
+        strategy = chosen.strategy
+        if strategy == "ring":
+            ring_chunk = chosen.chunk or None
+    if prefix_docs is not None:  # the ops take the prefixes as a second row of the documents
+        docs = torch.stack([docs, prefix_docs])
+    if strategy == "ring":
+        out, lse = RingAttention.apply(q, k, v, opts.sinks, opts, group.group_name,
+                                       LAYOUTS[layout], timeout, docs, ring_chunk or k.shape[2])
+    else:
+        out, lse = GatheredAttention.apply(q, k, v, opts.sinks, opts, group, rank, world,
+                                           LAYOUTS[layout], docs,
+                                           chunk or default_head_group(k.shape[2], world))
+    if cu_seqlens is None and prefix_docs is not None:  # back to (B, L, ..) and (B, H, L)
+        out = out.view(batch, -1, *out.shape[2:])
+        lse = lse.view(lse.shape[1], batch, -1).transpose(0, 1)
+    return (out, lse) if max_logits is None else (out, lse, max_logits)
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
+    causal: bool = False, layout: str = "zigzag", softmax_scale: Optional[float] = None,
+    window: tuple[int, int] = (-1, -1), return_lse: bool = False,
+    strategy: str = "ring", allgather_chunk: Optional[int] = None, timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: Union[int, torch.Tensor] = 0,
+    seqlen: Optional[int] = None, ring_chunk: Optional[int] = None,
+    return_max_logits: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Exact attention over a sequence sharded across the ranks of `group`.
+
+    Args:
+        q: this rank's queries (batch, seqlen / W, heads, head_dim), in `layout` order
+            (see cpattn.shard / cpattn.positions).
+        k, v: this rank's keys / values (batch, seqlen / W, kv_heads, head_dim); v may have its
+            own head dim Dv (MLA-style, e.g. 192 / 128), out then has Dv.
+        group: a torch.distributed process group (default: the world).
+        causal, window, softmax_scale: as cpattn.attention, on global token positions.
+        layout: "contiguous", "zigzag" (balanced for causal) or "striped".
+        return_lse: also return the LSE (batch, heads, seqlen / W), float32.
+        strategy: "ring" (K/V shards travel while each step computes: overlaps communication,
+            memory per rank 1/W) or "allgather" (all-gather K/V, `allgather_chunk` KV heads at a
+            time, default Hkv / (4 W), at least 1 (a gathered head group is at most a quarter of
+            the rank's own K/V); simplest, good for short sequences or few KV heads).
+            "auto": the cost model (cpattn.plan) picks one of the two for this problem and
+            machine, once per distinct problem, the same on every rank (logged at debug level).
+        ring_chunk: KV heads per pass of the ring (default: all of them, one pass). Each pass
+            runs the ring for its KV heads and their query heads only, so the ring's buffers and
+            fp32 state (out, dq, the travelling dK/dV accumulators) shrink by the number of
+            passes, for as many times more (smaller) messages. Strategy "ring" or "auto"; with
+            "allgather" it raises (that strategy takes allgather_chunk).
+        timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
+        sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions
+            (the same values on every rank). A sink joins each row once, after every partial
+            result is merged; the LSE returned includes it. The gradient of `sinks` on a rank is
+            its own rows' share, like any parameter gradient under context parallelism: the
+            usual gradient all-reduce over the group (as for the projection weights) sums it.
+            prefix_len may also be an int64 tensor (batch,): one prefix per sequence of the
+            batch (0 <= P_b <= seqlen); the batch then runs as packed documents, one per
+            sequence (as ring_attention_varlen).
+        seqlen: the global sequence length, for any length (default: W times the shard length).
+            Shards of a length-S sequence from cpattn.shard are padded at the end to the
+            layout's granularity (cpattn.positions); padding rows get out 0 and LSE -inf (with
+            sinks: LSE = the sink) and padding keys are never attended to.
+        return_max_logits: also return each head's largest logit softmax_scale * q_i . k_j
+            over the visible pairs of the whole sequence ((heads,) float32, the same on every
+            rank, no gradient; see cpattn.max_logits), last in the returned tuple.
+
+    Every rank must call it with the same shapes and options; a mismatch raises on every rank
+    (the agreement check, see cpattn.set_rank_check), as does a bad argument.
+    CUDA tensors (bf16 / fp16) shift over cpattn's own NCCL communicator, bootstrapped through
+    `group` and cached: call cpattn.destroy_communicators() before destroying the group.
+    """
+    out, lse, *max_logits = context_parallel(
+        "cpattn.ring_attention", q, k, v, group, layout, timeout, strategy, allgather_chunk, None,
+        dict(causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
+             softcap=softcap, alibi_slopes=alibi_slopes, prefix_len=prefix_len),
+        seqlen, ring_chunk, return_max_logits)
+    return returned(out, lse if return_lse else None, max_logits)
+
+
+def ring_attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, *, group=None,
+    causal: bool = False, layout: str = "zigzag", softmax_scale: Optional[float] = None,
+    window: tuple[int, int] = (-1, -1), return_lse: bool = False,
+    strategy: str = "ring", allgather_chunk: Optional[int] = None, timeout: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: Union[int, torch.Tensor] = 0,
+    ring_chunk: Optional[int] = None, return_max_logits: bool = False,
+) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Ring (or all-gather) attention over packed documents that never attend across each other.
+
+    cu_seqlens: global document boundaries (int, D+1, from 0), the same on every rank. Each
+    document is padded to a multiple of the layout's granularity (2W for zigzag, W otherwise)
+    and sharded on its own (per-document zigzag), so documents straddle ranks.
+    q (T_local, H, D), k/v (T_local, Hkv, D) come from cpattn.shard_varlen; padding tokens give
+    output 0 and LSE -inf. Returns out (T_local, H, D) and optionally lse (H, T_local).
+    sinks, softcap, alibi_slopes, ring_chunk: as ring_attention (ALiBi on positions within the
+    document);
+    prefix_len: an int, the same prefix for every document, or an int64 tensor (D,), one prefix
+    per document (0 <= P_d <= its length, 0: none), on positions within the document.
+    Padding rows with a sink: LSE = the sink. v may have its own head dim Dv (out then has Dv).
+    return_max_logits: as ring_attention (positions within the documents).
+    """
+    out, lse, *max_logits = context_parallel(
+        "cpattn.ring_attention_varlen", q, k, v, group, layout, timeout, strategy,
+        allgather_chunk, cu_seqlens,
+        dict(causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
+             softcap=softcap, alibi_slopes=alibi_slopes, prefix_len=prefix_len),
+        ring_chunk=ring_chunk, return_max_logits=return_max_logits)
+    return returned(out[0], lse[0] if return_lse else None, max_logits)
+
+
+def destroy_communicators() -> int:
+    """Destroys the NCCL communicators that ring attention on CUDA tensors created (one per
+    process group and device, cached across calls); returns how many. Call it before
+    dist.destroy_process_group(); the next CUDA ring call makes a new one."""
+    return int(torch.ops.cpattn.destroy_communicators())
