@@ -133,6 +133,18 @@ def plan_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def _worlds(text: str) -> list[int]:
+    """"1,2,4" -> [1, 2, 4]."""
+    return [_positive(w) for w in text.split(",") if w.strip()]
+
+
 def _shape_arguments(p: argparse.ArgumentParser, seqlen: int) -> None:
     """The problem options `demo` and `local` share."""
     p.add_argument("--seqlen", type=int, default=seqlen, help="global sequence length")
@@ -145,12 +157,14 @@ def _shape_arguments(p: argparse.ArgumentParser, seqlen: int) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cpattn")
     sub = parser.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("demo", help="ring attention on W local ranks vs one device")
-    r.add_argument("--world", type=int, default=2, help="ranks to spawn (W)")
-    _shape_arguments(r, seqlen=16384)
+    r = sub.add_parser("demo", help="ring attention on W local ranks vs one device: time and "
+                       "memory per rank against W")
+    r.add_argument("--world", "--worlds", type=_worlds, nargs="+", default=[[1, 2, 4]],
+                   help="ranks to spawn (W), one run each: e.g. 1,2,4 or 1 2 4 (default 1,2,4)")
+    _shape_arguments(r, seqlen=4096)
     r.add_argument("--kv-heads", type=int, default=2)
     r.add_argument("--layout", choices=list(LAYOUTS), default="zigzag")
-    r.add_argument("--iters", type=int, default=2, help="timed forward+backward steps")
+    r.add_argument("--iters", type=_positive, default=2, help="timed forward+backward steps")
     p = sub.add_parser("local", help="attention on a long sequence vs torch SDPA")
     _shape_arguments(p, seqlen=8192)
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
@@ -170,6 +184,8 @@ def main(argv=None) -> int:
         return generate_demo(args)
     if args.command == "demo":
         from cpattn._demo import ring_demo
+
+        args.world = [w for ws in args.world for w in ws]
 
         return ring_demo(args)
     return local(args)
