@@ -1,6 +1,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cpattn/env.h"
 #include "cpu/kernels.h"
 
 namespace cpattn::cpu {
@@ -23,7 +24,7 @@ Isa detect() {
   if (best == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16")) best = Isa::kAvx512Bf16;
 #endif
   // CPATTN_CPU_ISA can only lower the choice: asking for more than the CPU has would crash.
-  if (const char* want = std::getenv("CPATTN_CPU_ISA")) {
+  if (const char* want = env::cpu_isa()) {
     Isa asked = best;
     if (!std::strcmp(want, "generic")) asked = Isa::kGeneric;
     if (!std::strcmp(want, "avx2")) asked = Isa::kAvx2;

@@ -17,6 +17,7 @@
 
 #include "cpattn/softmax_state.h"
 #include "cpattn/tiling.h"
+#include "cpattn/env.h"
 #include "cuda/merge_state.h"
 #include "cuda/params.h"
 #include "ops/backend.h"
@@ -25,11 +26,6 @@
 
 namespace cpattn::ops {
 namespace {
-
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v && v[0] == '1';
-}
 
 void check_half_inputs(const at::Tensor& q) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -121,7 +117,7 @@ void check_launch(int err, const char* what) {
 // torch.use_deterministic_algorithms(True) or CPATTN_DETERMINISTIC=1: dQ by a separate pass
 // instead of fp32 atomics (bitwise reproducible, some recomputation).
 bool deterministic_backward() {
-  static const bool env = env_flag("CPATTN_DETERMINISTIC");
+  static const bool env = env::deterministic();
   return env || at::globalContext().deterministicAlgorithms();
 }
 
@@ -132,8 +128,8 @@ bool deterministic_backward() {
 int bwd_head_splits(const AttnShape& s, int kd) {
   const int64_t group = s.heads / s.kv_heads;
   int64_t want = 1;
-  if (const char* v = std::getenv("CPATTN_BWD_HEAD_SPLITS")) {
-    want = std::max<int64_t>(1, std::atoll(v));
+  if (const auto forced = env::bwd_head_splits()) {
+    want = std::max<int64_t>(1, *forced);
   } else {
     const int64_t blocks =
         int64_t(cuda::bwd_dkdv_blocks(kd, static_cast<int>(s.seqlen_k))) * s.kv_heads * s.batch;

@@ -1,5 +1,4 @@
 #include "ops/checks.h"
-#include "ops/options.h"
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
@@ -12,7 +11,9 @@
 #include <utility>
 #include <vector>
 
+#include "cpattn/env.h"
 #include "ops/backend.h"
+#include "ops/options.h"
 
 namespace cpattn::ops {
 
@@ -21,10 +22,7 @@ bool is_float_type(at::ScalarType t) {
 }
 
 at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  static const bool poison = [] {
-    const char* v = std::getenv("CPATTN_POISON");
-    return v && v[0] == '1';
-  }();
+  static const bool poison = env::poison_outputs();
   at::Tensor t = at::empty(sizes, options);
   if (poison) t.fill_(std::numeric_limits<float>::quiet_NaN());
   return t;

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "comm/transport.h"
+#include "cpattn/env.h"
 #include "cpattn/layout.h"
 #include "ops/backend.h"
 #include "ops/checks.h"
@@ -23,8 +24,7 @@ std::unique_ptr<comm::Transport> group_transport([[maybe_unused]] const at::Tens
                                                  c10::string_view group_name, double timeout_s) {
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
 #ifdef CPATTN_WITH_CUDA
-  const char* choice = std::getenv("CPATTN_RING_TRANSPORT");
-  if (q.is_cuda() && !(choice && std::string(choice) == "c10d"))
+  if (q.is_cuda() && !env::ring_transport_c10d())
     return comm::make_nccl_transport(std::string(group_name), q.device(), timeout);
 #endif
   return comm::make_process_group_transport(std::string(group_name), timeout);

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import os
 import struct
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+from cpattn import _env
 
 MODES = ("always", "once", "never")
 FieldValue = bool | int | float | str | bytes | torch.dtype | None
@@ -74,7 +75,7 @@ def get_rank_check() -> str:
     """The current mode: set_rank_check's, else $CPATTN_RANK_CHECK, else "always"."""
     if _mode is not None:
         return _mode
-    mode = os.environ.get("CPATTN_RANK_CHECK", "always")
+    mode = _env.rank_check() or "always"
     if mode not in MODES:
         raise ValueError(f"cpattn: $CPATTN_RANK_CHECK must be one of {MODES}, got {mode!r}")
     return mode
@@ -96,22 +97,6 @@ def tensor_fields(
     names = dims if len(dims) == t.dim() else [f"size{i}" for i in range(t.dim())]
     return [(f"{name}.dims", t.dim()), *((f"{name}.{d}", s) for d, s in zip(names, t.shape)),
             (f"{name}.dtype", t.dtype), (f"{name}.device", t.device.type)]
-
-
-def score_fields(softcap: float, alibi_slopes, sinks, prefix_len: int
-                 ) -> list[tuple[str, FieldValue]]:
-    """The score options every rank must agree on; the per-head tensors by their exact values
-    (while torch.compile traces, their values are unknown: by presence only; C++ checks shapes)."""
-
-    def values(t):
-        if t is None:
-            return None
-        if torch.compiler.is_compiling():
-            return "<tensor>"
-        return t.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()
-
-    return [("softcap", float(softcap)), ("prefix_len", int(prefix_len)),
-            ("alibi_slopes", values(alibi_slopes)), ("sinks", values(sinks))]
 
 
 # Kinds of field values: the detail exchange sends (name hash, kind, word) per field.

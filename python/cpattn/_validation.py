@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import os
 from collections.abc import Sequence
 
 import torch
+
+from cpattn import _env
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256  # the CPU kernels' limit (kMaxHeadDim in csrc/ops/checks.h)
@@ -86,7 +87,7 @@ def check_timeout(what: str, timeout) -> float:
     """Seconds to wait for a peer: default $CPATTN_COMM_TIMEOUT or 300; finite and > 0."""
     source = "timeout"
     if timeout is None:
-        timeout, source = os.environ.get("CPATTN_COMM_TIMEOUT", "300"), "$CPATTN_COMM_TIMEOUT"
+        timeout, source = _env.comm_timeout() or "300", "$CPATTN_COMM_TIMEOUT"
         try:
             timeout = float(timeout)
         except ValueError:
@@ -216,20 +217,6 @@ def _lengths_while_tracing(what: str, cu_seqlens: tuple) -> tuple[tuple[int, ...
     except ValueError as e:
         return (), b"", str(e)
     return tuple(docs.tolist()), docs.numpy().tobytes(), ""
-
-
-def check_score_options(what: str, softcap, alibi_slopes, prefix_len) -> tuple[float, int]:
-    """The score options' Python-side rules (shapes, dtypes and devices of the per-head tensors
-    are checked in C++): softcap a finite number >= 0 (0: off), fixed ALiBi slopes (no
-    gradient), prefix_len an int >= 0 (0: off). Returns (softcap, prefix_len)."""
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise error(what, "softcap", softcap, "must be a number >= 0 (0: off)")
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise error(what, "softcap", softcap, "must be finite and >= 0 (0: off)")
-    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.requires_grad:
-        raise error(what, "alibi_slopes", alibi_slopes, "are fixed and get no gradient: pass a "
-                    "tensor that does not require grad (e.g. alibi_slopes.detach())")
-    return float(softcap), check_int(what, "prefix_len", prefix_len, minimum=0)
 
 
 def check_prefix_per_document(what: str, prefix_len, doc_lengths: torch.Tensor,

@@ -16,7 +16,6 @@ import torch
 
 from cpattn._validation import check_bool, check_int, check_scale, check_window, error
 
-
 # The ops' option arguments, in their schema order (csrc/ops/options.h kOptionsSchema).
 OP_OPTION_NAMES = ("softmax_scale", "causal", "window_left", "window_right", "softcap",
                    "alibi_slopes", "prefix_len")
@@ -77,6 +76,12 @@ class AttentionOptions:
         return {"softmax_scale": self.softmax_scale, "causal": self.causal,
                 "window_left": self.window[0], "window_right": self.window[1],
                 "softcap": self.softcap, "alibi_slopes": self.alibi_slopes,
+                "prefix_len": self.prefix_len}
+
+    def as_keywords(self) -> dict:
+        """The options as the keyword arguments of the public attention functions."""
+        return {"causal": self.causal, "softmax_scale": self.softmax_scale, "window": self.window,
+                "softcap": self.softcap, "alibi_slopes": self.alibi_slopes, "sinks": self.sinks,
                 "prefix_len": self.prefix_len}
 
     def for_heads(self, heads: slice) -> AttentionOptions:

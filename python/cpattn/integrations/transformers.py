@@ -12,8 +12,8 @@ transformers calls the attention function with q / k / v as (batch, heads, seqle
 cpattn works on (batch, seqlen, heads, head_dim): the function transposes views, never expands
 the GQA K/V heads, and returns (batch, seqlen, heads, head_dim) as transformers expects.
 
-Every keyword the model passes is either honoured exactly or raises (`_score_options` is the one
-place that maps them): scaling, causal or bidirectional, `sliding_window` (causal or
+Every keyword the model passes is either honoured exactly or raises (`_keywords.score_options`
+is the one place that maps them): scaling, causal or bidirectional, `sliding_window` (causal or
 bidirectional, on global positions), GQA, attention sinks (gpt-oss's `s_aux`, the module's
 learnable `sinks`: cpattn's `sinks=`, with their gradient), logit softcapping (Gemma 2's
 `softcap`: `softcap=`), `alibi_slopes` (`alibi_slopes=`) and packed documents
@@ -39,13 +39,12 @@ from __future__ import annotations
 
 import atexit
 import gc
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
-from cpattn.attention import attention_varlen
-from cpattn.inference import KVCacheShard, decode_attention, prefill_attention
+from cpattn.integrations._generation import PENDING, ContextParallelCache
+from cpattn.integrations._keywords import WHAT, score_options, short
 from cpattn.integrations._model_checks import (
     agree,
     attention_chunk,
@@ -53,6 +52,7 @@ from cpattn.integrations._model_checks import (
     check_layer,
     check_mask_function,
 )
+from cpattn.options import AttentionOptions
 from cpattn.packing import KEYWORD, Documents, chunk_boundaries
 from cpattn.parallel import ContextParallel
 from cpattn.strategies.ulysses import ulysses_attention_varlen
@@ -60,7 +60,6 @@ from cpattn.strategies.ulysses import ulysses_attention_varlen
 try:
     import transformers
     from transformers import AttentionInterface
-    from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 except ImportError as e:  # pragma: no cover - only without transformers
@@ -69,93 +68,7 @@ except ImportError as e:  # pragma: no cover - only without transformers
         "transformers); cpattn itself does not"
     ) from e
 
-WHAT = "cpattn.integrations.transformers"
-
-# Keywords transformers passes that do not change the attention math.
-_INERT = frozenset({"use_cache", "output_hidden_states", "output_router_logits",
-                    "num_items_in_batch", "return_dict", "cache_position", "layer_idx",
-                    "deterministic"})  # (ModernBERT: flash-attn's deterministic backward)
-# Keywords mapped to cpattn's options (in _score_options).
-_MAPPED = frozenset({"position_ids", "is_causal", "sliding_window", "softcap", "s_aux", "sinks",
-                     "alibi_slopes", KEYWORD})
-# Keywords that change the math and that cpattn cannot honour: value -> whether it is in use.
-_UNSUPPORTED = {
-    "position_bias": lambda v: v is not None,  # a general additive score bias (T5-like)
-    "output_attentions": bool,
-    "cu_seq_lens_q": lambda v: v is not None,  # packed sequences (flash varlen)
-    "cu_seq_lens_k": lambda v: v is not None,
-    "max_length_q": lambda v: v is not None,
-    "max_length_k": lambda v: v is not None,
-    "seq_idx": lambda v: v is not None,
-    "encoder_hidden_states": lambda v: v is not None,  # cross-attention (BERT: None in encoders)
-}
-_MISPLACED = {"labels", "shift_labels"}  # reach attention when a batch is passed as **batch
-
-
-@dataclass(frozen=True)
-class _Options:
-    """What one attention call of the model asks for, in cpattn's terms."""
-
-    causal: bool
-    scale: float
-    window: tuple[int, int]  # (left, right) on global positions, -1: unbounded
-    sinks: Optional[torch.Tensor]  # (heads,), learnable (gpt-oss); None: no sink
-    softcap: float  # 0: off (Gemma 2: attn_logit_softcapping)
-    alibi_slopes: Optional[torch.Tensor]  # (heads,), fixed; None: no ALiBi
-
-
-def _score_options(module: torch.nn.Module, head_dim: int, scaling, dropout: float,
-                   kwargs: dict[str, Any]) -> _Options:
-    """Maps what transformers passes to cpattn's options, or raises. transformers 5.24 passes:
-    `sliding_window` (int or None; Mistral, Gemma 2, gpt-oss: key j visible iff i - j <
-    sliding_window), `softcap` (Gemma 2's attn_logit_softcapping, None: off), `s_aux` (gpt-oss:
-    the module's `sinks` parameter, one logit per head; its gradient flows through cpattn).
-    `alibi_slopes` (heads,) is honoured for a model that passes it (FlashAttention's name and
-    convention: -slope * |i - j| added to the scaled score); transformers' own ALiBi models (Bloom,
-    Falcon, MPT) compute attention in their own code and never call an attention interface."""
-    if dropout:
-        raise ValueError(f"{WHAT}: attention dropout {dropout} cannot be honoured (cpattn has no "
-                         "attention dropout): set config.attention_dropout = 0.0")
-    for name, value in kwargs.items():
-        if name in _UNSUPPORTED:
-            if _UNSUPPORTED[name](value):
-                raise ValueError(f"{WHAT}: the model passes {name}={_short(value)}, which cpattn "
-                                 "cannot honour; use another attention implementation")
-        elif name in _MISPLACED:
-            raise ValueError(f"{WHAT}: '{name}' reached the attention layer: pass the batch's "
-                             "labels to cpattn.cross_entropy, not to the model")
-        elif name not in _INERT and name not in _MAPPED:
-            raise ValueError(f"{WHAT}: unknown keyword {name}={_short(value)} passed to the "
-                             "attention; cpattn does not know whether it changes the math")
-    causal = kwargs.get("is_causal")
-    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
-    scale = float(scaling) if scaling is not None else head_dim ** -0.5
-    window = (-1, -1)
-    sliding = kwargs.get("sliding_window")
-    if sliding is not None:
-        if isinstance(sliding, bool) or not isinstance(sliding, int) or sliding < 1:
-            raise ValueError(f"{WHAT}: sliding_window must be a positive int, got {sliding!r}")
-        # transformers' (and flash-attn's) convention: key j visible iff |i - j| < sliding
-        # (causal: i - j < sliding); its masks for ModernBERT's bidirectional window agree
-        window = (sliding - 1, -1) if causal else (sliding - 1, sliding - 1)
-    if kwargs.get("s_aux") is not None and kwargs.get("sinks") is not None:
-        raise ValueError(f"{WHAT}: the model passes both s_aux and sinks; pass one")
-    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    alibi = kwargs.get("alibi_slopes")
-    for name, t in (("sinks", sinks), ("alibi_slopes", alibi)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise ValueError(f"{WHAT}: {name} must be a tensor of one value per head, got "
-                             f"{_short(t)}")
-    softcap = kwargs.get("softcap")
-    softcap = 0.0 if softcap is None else softcap  # None and 0: off; cpattn checks the rest
-    return _Options(causal, scale, window, sinks, softcap, alibi)
-
-
-def _short(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"<tensor {tuple(value.shape)} {value.dtype}>"
-    return repr(value)
-
+__all__ = ["ContextParallelCache", "register"]
 
 def _expected_positions(cp: ContextParallel, local_len: int, docs: Optional[Documents],
                         device) -> torch.Tensor:
@@ -243,15 +156,15 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
             "cannot apply it under context parallelism. Give the padded batch (with its "
             "attention_mask) to cpattn.shard_batch, which unpacks it into documents, and pass "
             "no attention_mask to the model")
-    opts = _score_options(module, query.shape[-1], scaling, dropout, kwargs)
+    opts = score_options(module, query.shape[-1], scaling, dropout, kwargs)
     docs = kwargs.get(KEYWORD)
     if docs is not None and not isinstance(docs, Documents):
         raise ValueError(f"{WHAT}: {KEYWORD} must be the cpattn.packing.Documents that "
-                         f"cpattn.shard_batch made, got {_short(docs)}")
+                         f"cpattn.shard_batch made, got {short(docs)}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    layer = _PENDING.pop(id(key), None)
-    if layer is None and _PENDING:
-        _PENDING.clear()
+    layer = PENDING.pop(id(key), None)
+    if layer is None and PENDING:
+        PENDING.clear()
         raise ValueError(
             f"{WHAT}: ContextParallelCache stored K/V that the attention did not receive: "
             f"{type(module).__name__} changes what it caches before attending (MLA models such "
@@ -279,14 +192,14 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
                      KEYWORD in kwargs)
     if chunked:
         return _chunked_ulysses(cp, q, k, v, opts, docs, chunk), None
-    out = cp.attention(q, k, v, causal=opts.causal, softmax_scale=opts.scale, window=opts.window,
-                       sinks=opts.sinks, softcap=opts.softcap, alibi_slopes=opts.alibi_slopes,
-                       documents=docs)
+    keywords = opts.as_keywords()
+    del keywords["prefix_len"]  # (none: transformers has no prefix-LM keyword)
+    out = cp.attention(q, k, v, documents=docs, **keywords)
     return out, None
 
 
 def _chunked_ulysses(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     opts: _Options, docs: Optional[Documents], chunk: int) -> torch.Tensor:
+                     opts: AttentionOptions, docs: Optional[Documents], chunk: int) -> torch.Tensor:
     """Chunked attention (Llama 4) past one chunk, exactly: Ulysses over the documents (each row
     of a batch of sequences is one, sharded contiguously), attending in pieces cut at every
     multiple of `chunk` of the documents' positions."""
@@ -301,8 +214,8 @@ def _chunked_ulysses(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: t
     out = ulysses_attention_varlen(
         q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bounds, group=cp.group,
         attend_cu_seqlens=chunk_boundaries(lengths, starts, chunk), causal=opts.causal,
-        softmax_scale=opts.scale, window=opts.window, sinks=opts.sinks, softcap=opts.softcap,
-        alibi_slopes=opts.alibi_slopes, timeout=cp.timeout)
+        softmax_scale=opts.softmax_scale, window=opts.window, sinks=opts.sinks,
+        softcap=opts.softcap, alibi_slopes=opts.alibi_slopes, timeout=cp.timeout)
     return out.view(batch, local, *out.shape[1:])
 
 
@@ -362,7 +275,7 @@ def _forget_settings() -> None:
     teardown (where destroying a thread still running aborts: "terminate called without an
     active exception")."""
     _SETTINGS.clear()
-    _PENDING.clear()
+    PENDING.clear()
     _CHECKED.clear()
     gc.collect()
 
@@ -391,152 +304,4 @@ def register(cp: ContextParallel, name: str = "cpattn") -> str:
     AttentionMaskInterface.register(name, mask)
     return name
 
-
-# ---------------------------------------------------------------------------------------------
-# Generation: a transformers Cache over cpattn's sharded KV cache
-
-_PENDING: dict[int, "_ShardedLayer"] = {}  # id(key handed to attention) -> its cache layer
-
-
-class _ShardedLayer(CacheLayerMixin):
-    """One layer's cache: this rank's KVCacheShard. update() does not concatenate: it hands the
-    new K/V to the attention function, which stores them in the owners' shards and attends."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, cp: ContextParallel, capacity: int, interleave: int) -> None:
-        super().__init__()
-        self.cp, self.capacity, self.interleave = cp, capacity, interleave
-        self.shard: Optional[KVCacheShard] = None
-        self.pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        b, hkv, _, d = key_states.shape
-        self.shard = KVCacheShard(b, self.capacity, hkv, d, interleave=self.interleave,
-                                  group=self.cp.group, dtype=key_states.dtype,
-                                  device=key_states.device)
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.shard is None:
-            self.lazy_initialization(key_states, value_states)
-        self.pending = (key_states, value_states)
-        _PENDING[id(key_states)] = self
-        return key_states, value_states
-
-    def attend(self, module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor, opts: _Options) -> torch.Tensor:
-        """q (B, n, H, D), k / v (B, n, Hkv, D): the n new tokens, the same on every rank.
-        Stores their K/V in the sharded cache; returns their attention output (B, n, H, D)."""
-        self.pending = None
-        past = self.get_seq_length()
-        # (temperature tuning sees the global positions here; chunks: _attend_chunked)
-        check_layer(module, 0, past + q.shape[1] - 1, chunks=True)
-        if not opts.causal:
-            raise ValueError(f"{WHAT}: ContextParallelCache supports causal attention only (a "
-                             "decoder's); got causal=False")
-        options = dict(softmax_scale=opts.scale, sinks=opts.sinks, softcap=opts.softcap,
-                       alibi_slopes=opts.alibi_slopes, window=opts.window, timeout=self.cp.timeout)
-        chunk = attention_chunk(module)
-        if chunk is not None and past + q.shape[1] > chunk:
-            return self._attend_chunked(q, k, v, options, chunk)
-        cp, shard = self.cp, self.shard
-        n = q.shape[1]
-        lead = n - n % cp.granularity
-        outs = []
-        if lead:
-            # The prompt's leading part: each rank attends its layout shard through the ring,
-            # which also stores every token's K/V on its owner.
-            index = cp.positions(lead, device=q.device)
-            qs, ks, vs = (t[:, :lead].index_select(1, index).contiguous() for t in (q, k, v))
-            out = prefill_attention(qs, ks, vs, shard, group=cp.group, layout=cp.layout,
-                                    **options)
-            outs.append(cp.unshard(out))
-        if n > lead:
-            shard.append(k[:, lead:].contiguous(), v[:, lead:].contiguous())
-            outs.append(decode_attention(q[:, lead:].contiguous(), shard, group=cp.group,
-                                         **options))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-    def _attend_chunked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        options: dict, chunk: int) -> torch.Tensor:
-        """attend() for chunked attention (Llama 4) past one chunk: each query sees the keys of
-        its chunk only. The prompt (every rank holds all of it) attends locally in chunks, its
-        K/V stored on their owners; each later token is a decode over the sharded cache with
-        the window back to its chunk's start."""
-        past, (batch, n) = self.get_seq_length(), q.shape[:2]
-        shard, window = self.shard, options.pop("window")
-        timeout = options.pop("timeout")
-        if past == 0:
-            shard.append(k.contiguous(), v.contiguous())
-            out = attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
-                                   chunk_boundaries((n,) * batch, (0,) * batch, chunk),
-                                   causal=True, window=window, **options)
-            return out.view(batch, n, *out.shape[1:])
-        outs = []
-        for i in range(n):
-            position = past + i
-            left = position % chunk if window[0] < 0 else min(position % chunk, window[0])
-            shard.append(k[:, i:i + 1].contiguous(), v[:, i:i + 1].contiguous())
-            outs.append(decode_attention(q[:, i:i + 1].contiguous(), shard, group=self.cp.group,
-                                         window=(left, -1), timeout=timeout, **options))
-        return torch.cat(outs, dim=1)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return 0 if self.shard is None else int(self.shard.lengths[0])
-
-    def get_max_length(self) -> int:
-        return self.capacity
-
-    def reset(self) -> None:
-        if self.shard is not None:
-            self.shard.clear()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError(f"{WHAT}: ContextParallelCache does not support beam search")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(f"{WHAT}: ContextParallelCache cannot be cropped")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError(f"{WHAT}: ContextParallelCache cannot repeat sequences "
-                                  "(num_return_sequences > 1)")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError(f"{WHAT}: ContextParallelCache cannot select sequences")
-
-
-class ContextParallelCache(Cache):
-    """A transformers Cache whose K/V are sharded over cp's ranks (cpattn.KVCacheShard per layer:
-    token t lives on rank (t // interleave) % W only).
-
-    Args:
-        cp: the ContextParallel settings (its group; strategy "hybrid" is not supported).
-        config: the model's config (for the number of layers).
-        capacity: the most tokens per sequence (prompt plus generated).
-        interleave: tokens per round-robin block of the cache.
-
-    Pass it as `cache=` to `model.generate` (greedy or sampling, batch of equal-length prompts
-    without padding) on every rank, with the same inputs on every rank.
-    """
-
-    def __init__(self, cp: ContextParallel, config, capacity: int, *, interleave: int = 1):
-        if cp.strategy == "hybrid":
-            raise ValueError(f"{WHAT}: ContextParallelCache needs a single process group; "
-                             "strategy 'hybrid' has two")
-        if getattr(config.get_text_config(), "kv_lora_rank", None):
-            raise ValueError(
-                f"{WHAT}: the {config.model_type!r} model uses multi-head latent attention: it "
-                "caches latents and expands them to K/V after the cache, so ContextParallelCache "
-                "(a cache of K/V sharded by token) cannot serve it; generate without context "
-                "parallelism for this model")
-        layers = [_ShardedLayer(cp, capacity, interleave)
-                  for _ in range(config.get_text_config().num_hidden_layers)]
-        super().__init__(layers=layers)
-        self.cp = cp
 

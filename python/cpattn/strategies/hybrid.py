@@ -15,17 +15,9 @@ from cpattn import comm
 from cpattn._layout import padded_length, round_up
 from cpattn._validation import check_timeout, document_lengths, error
 from cpattn.max_logits import returned
-from cpattn.options import AttentionOptions
 from cpattn.sharding import hybrid_ring_shard
 from cpattn.strategies.ring import ring_attention, ring_attention_varlen
 from cpattn.strategies.ulysses import across_heads, boundaries, max_logits_field
-
-
-def _ring_options(mine: AttentionOptions) -> dict:
-    """The keyword arguments of ring_attention for the options of this rank's heads."""
-    return dict(causal=mine.causal, softmax_scale=mine.softmax_scale, window=mine.window,
-                sinks=mine.sinks, softcap=mine.softcap, alibi_slopes=mine.alibi_slopes,
-                prefix_len=mine.prefix_len)
 
 
 def _with_heads_maxima(out, lse, maxima: list, ulysses_group):
@@ -70,7 +62,7 @@ def hybrid_attention(
 
     def attend(qh, kh, vh, n, mine):  # this rank's ring shard, padded for the ring only
         out, lse, *best = ring(qh, kh, vh, seqlen=n, return_lse=True,
-                               return_max_logits=return_max_logits, **_ring_options(mine))
+                               return_max_logits=return_max_logits, **mine.as_keywords())
         maxima.extend(best)
         return out, lse
 
@@ -122,8 +114,8 @@ def hybrid_attention_varlen(
     maxima = []
 
     def attend(qh, kh, vh, n, mine):  # qh: this rank's ring shard
-        options = _ring_options(mine)
-        del options["prefix_len"]
+        options = mine.as_keywords()
+        del options["prefix_len"]  # (none: packed documents take it per document, not here)
         out, lse, *best = ring_attention_varlen(
             qh[0], kh[0], vh[0], cu_seqlens, group=ring_group, layout=layout, timeout=timeout,
             return_lse=True, return_max_logits=return_max_logits, **options)
