@@ -20,6 +20,13 @@ os.environ["CPATTN_POISON"] = "1"
 import pytest
 import torch
 
+from cpattn.options import AttentionOptions  # noqa: E402
+from cpattn.testing.emulation import load_ops  # noqa: E402
+
+# The test-only ops (torch.ops.cpattn_testing) live in a library of their own: load it for every
+# test module (and every spawned rank that imports one).
+load_ops()
+
 Window = tuple[int, int]
 
 # Unit roundoff of each dtype (half the distance from 1 to the next number).
@@ -47,6 +54,21 @@ def gen(request: pytest.FixtureRequest) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(seed_from(request.node.nodeid))
     return g
+
+
+def op_options(
+    softmax_scale: float,
+    causal: bool = False,
+    window: Window = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    prefix_len: int = 0,
+) -> dict:
+    """The option arguments every attention op ends with, by name (unchecked: error tests pass
+    bad values through to the op)."""
+    return AttentionOptions(softmax_scale=softmax_scale, causal=causal, window=tuple(window),
+                            softcap=softcap, alibi_slopes=alibi_slopes,
+                            prefix_len=prefix_len).op_kwargs()
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ IDS = ["chunks", "batch2", "empty_rows_d40"]
 def _problem(gen, case, dtype):
     b, sq, sk, h, hkv, d, causal = case
     q, k, v = make_qkv(gen, b, sq, sk, h, hkv, d, dtype=dtype)
-    out, lse = ops.attention_fwd(q, k, v, d**-0.5, causal, -1, -1, None, None, None)
+    out, lse = ops.attention_fwd(q, k, v, softmax_scale=d**-0.5, causal=causal)
     return q, k, v, out, lse, d**-0.5, causal
 
 
@@ -61,8 +61,8 @@ def test_adds_the_gradients(case, dtype, gen) -> None:
     rounding, scaled block by block rather than once)."""
     q, k, v, out, lse, scale, causal = _problem(gen, case, dtype)
     dout = randn(q.shape, gen, dtype)
-    fresh = ops.attention_bwd(dout, q, k, v, out, lse, scale, causal, -1, -1, None, None,
-                              torch.float32)
+    fresh = ops.attention_bwd(dout, q, k, v, out, lse, None, None, torch.float32,
+                              softmax_scale=scale, causal=causal)
     held = [randn(t.shape, gen) for t in (q, k, v)]
     grads = [t.clone() for t in held]
     testing.attention_bwd_add(grads[0], None, *grads[1:], dout, q, k, v, out, lse, scale, causal)

@@ -16,6 +16,7 @@ from conftest import (
     assert_close_low_out,
     assert_close_rounded,
     make_qkv,
+    op_options,
     randn,
     reference_attention,
     reference_with_grads,
@@ -226,8 +227,9 @@ def test_raw_ops_with_offsets(case: OffsetCase, gen: torch.Generator) -> None:
     q, k, v = make_qkv(gen, 2, sq, sk, 4, 2, 64)
     dout = randn(q.shape, gen)
     scale = 0.125
-    out, lse = ops.attention_fwd(q, k, v, scale, causal, wl, wr, q_off, k_off, None)
-    dq, dk, dv = ops.attention_bwd(dout, q, k, v, out, lse, scale, causal, wl, wr, q_off, k_off)
+    out, lse = ops.attention_fwd(q, k, v, q_off, k_off, **op_options(scale, causal, (wl, wr)))
+    dq, dk, dv = ops.attention_bwd(dout, q, k, v, out, lse, q_off, k_off,
+                                   **op_options(scale, causal, (wl, wr)))
     ref = reference_with_grads(
         q, k, v, dout, causal=causal, window=(wl, wr), scale=scale, q_offset=q_off, k_offset=k_off
     )
@@ -246,11 +248,11 @@ def test_raw_ops_with_offsets(case: OffsetCase, gen: torch.Generator) -> None:
 def test_raw_op_all_rows_empty(gen: torch.Generator) -> None:
     """Causal with every key after every query: out 0, lse -inf, all gradients 0, no NaN."""
     q, k, v = make_qkv(gen, 1, 40, 50, 2, 2, 32)
-    out, lse = ops.attention_fwd(q, k, v, 0.2, True, -1, -1, 0, 40, None)
+    out, lse = ops.attention_fwd(q, k, v, 0, 40, **op_options(0.2, True))
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.all(torch.isneginf(lse))
     dout = randn(q.shape, gen)
-    for g in ops.attention_bwd(dout, q, k, v, out, lse, 0.2, True, -1, -1, 0, 40):
+    for g in ops.attention_bwd(dout, q, k, v, out, lse, 0, 40, **op_options(0.2, True)):
         assert torch.equal(g, torch.zeros_like(g))
 
 
@@ -288,10 +290,11 @@ def test_out_and_grad_dtype(
     dout = randn(q.shape, gen, in_dtype)
     scale = 1 / 8
     q_off = 110 - 90
-    out, lse = ops.attention_fwd(q, k, v, scale, causal, wl, wr, q_off, 0, out_dtype)
+    out, lse = ops.attention_fwd(q, k, v, q_off, 0, out_dtype,
+                                 **op_options(scale, causal, (wl, wr)))
     assert out.dtype == out_dtype and lse.dtype == torch.float32
     dq, dk, dv = ops.attention_bwd(
-        dout, q, k, v, out, lse, scale, causal, wl, wr, q_off, 0, out_dtype
+        dout, q, k, v, out, lse, q_off, 0, out_dtype, **op_options(scale, causal, (wl, wr))
     )
     assert dq.dtype == dk.dtype == dv.dtype == out_dtype
     r_out, r_lse, r_dq, r_dk, r_dv = reference_with_grads(
@@ -321,9 +324,10 @@ def test_out_and_grad_dtype(
         assert_close_rounded(out, r_out, out_dtype, "out")
 
     # Default: the inputs' dtype.
-    out_d, _ = ops.attention_fwd(q, k, v, scale, causal, wl, wr, q_off, 0, None)
+    out_d, _ = ops.attention_fwd(q, k, v, q_off, 0, **op_options(scale, causal, (wl, wr)))
     assert out_d.dtype == in_dtype
-    grads = ops.attention_bwd(dout, q, k, v, out, lse, scale, causal, wl, wr, q_off, 0)
+    grads = ops.attention_bwd(dout, q, k, v, out, lse, q_off, 0,
+                              **op_options(scale, causal, (wl, wr)))
     assert all(g.dtype == in_dtype for g in grads)
 
 
@@ -333,7 +337,7 @@ def test_nan_input_propagates(dtype: torch.dtype, gen: torch.Generator) -> None:
     (0, lse -inf); the other rows are unaffected."""
     q, k, v = make_qkv(gen, 1, 40, 40, 2, 2, 64, dtype=dtype)
     q[0, 7, 1, 3] = float("nan")
-    out, lse = ops.attention_fwd(q, k, v, 1 / 8, True, -1, -1, 0, 0, None)
+    out, lse = ops.attention_fwd(q, k, v, 0, 0, **op_options(1 / 8, True))
     assert torch.isnan(out[0, 7, 1]).all() and torch.isnan(lse[0, 1, 7])
     mask = torch.ones_like(out, dtype=torch.bool)
     mask[0, 7, 1] = False
@@ -350,13 +354,13 @@ def test_low_output_is_rounded_fp32(
     and in its subnormal range (|v| < 2^-14)."""
     q, k, v = make_qkv(gen, 1, 70, 90, 2, 1, 72)
     v = v * v_scale
-    args = (1 / 8, True, -1, -1, 0, 0)
-    out_low, _ = ops.attention_fwd(q, k, v, *args, out_dtype)
-    out_fp32, lse = ops.attention_fwd(q, k, v, *args, None)
+    opts = op_options(1 / 8, True)
+    out_low, _ = ops.attention_fwd(q, k, v, 0, 0, out_dtype, **opts)
+    out_fp32, lse = ops.attention_fwd(q, k, v, 0, 0, None, **opts)
     assert torch.equal(out_low, out_fp32.to(out_dtype))
     dout = randn(q.shape, gen) * v_scale
-    grads_low = ops.attention_bwd(dout, q, k, v, out_fp32, lse, *args, out_dtype)
-    grads_fp32 = ops.attention_bwd(dout, q, k, v, out_fp32, lse, *args, None)
+    grads_low = ops.attention_bwd(dout, q, k, v, out_fp32, lse, 0, 0, out_dtype, **opts)
+    grads_fp32 = ops.attention_bwd(dout, q, k, v, out_fp32, lse, 0, 0, None, **opts)
     for got, want in zip(grads_low, grads_fp32):
         assert torch.equal(got, want.to(out_dtype))
 
@@ -435,11 +439,10 @@ def test_bf16_gradient_sums_in_split_halves(
     q, k, v = make_qkv(gen, b, sq, sk, h, hkv, d, dtype=torch.bfloat16)
     dout = randn(q.shape, gen, torch.bfloat16)
     scale, q_off = d**-0.5, sk - sq
-    out, lse = ops.attention_fwd(q, k, v, scale, causal, wl, wr, q_off, 0, None)
-    split = ops.attention_bwd(dout, q, k, v, out, lse, scale, causal, wl, wr, q_off, 0)
-    wide = ops.attention_bwd(
-        dout, q, k, v, out, lse, scale, causal, wl, wr, q_off, 0, torch.float32
-    )
+    opts = op_options(scale, causal, (wl, wr))
+    out, lse = ops.attention_fwd(q, k, v, q_off, 0, **opts)
+    split = ops.attention_bwd(dout, q, k, v, out, lse, q_off, 0, **opts)
+    wide = ops.attention_bwd(dout, q, k, v, out, lse, q_off, 0, torch.float32, **opts)
     for name, got, want in zip(("dq", "dk", "dv"), split, wide):
         assert got.dtype == torch.bfloat16 and want.dtype == torch.float32
         assert torch.equal(got, want.to(torch.bfloat16)), name

@@ -96,7 +96,7 @@ def test_attention_fwd_bad_qkv(case: str) -> None:
     build, pattern = QKV_CASES[case]
     q, k, v = build()
     with pytest.raises(Errors, match=pattern):
-        ops.attention_fwd(q, k, v, 0.1, False, -1, -1, 0, 0, None)
+        ops.attention_fwd(q, k, v, 0, 0, None, softmax_scale=0.1)
 
 
 @pytest.mark.parametrize("case", list(QKV_CASES))
@@ -116,7 +116,7 @@ def test_attention_bwd_bad_qkv(case: str) -> None:
     dout, out = torch.ones_like(q), torch.ones_like(q)
     lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device)
     with pytest.raises(Errors, match=pattern):
-        ops.attention_bwd(dout, q, k, v, out, lse, 0.1, False, -1, -1, 0, 0)
+        ops.attention_bwd(dout, q, k, v, out, lse, 0, 0, softmax_scale=0.1)
 
 
 @pytest.mark.parametrize("window", [(-2, 0), (0, -2), (-5, -5)])
@@ -126,9 +126,11 @@ def test_bad_window(window: tuple[int, int]) -> None:
     with pytest.raises(ValueError, match=r"window"):
         cpattn.attention(q, k, v, window=window)
     with pytest.raises(RuntimeError, match=r"window"):
-        ops.attention_fwd(q, k, v, 0.1, False, window[0], window[1], 0, 0, None)
+        ops.attention_fwd(q, k, v, 0, 0, None, softmax_scale=0.1, window_left=window[0],
+                          window_right=window[1])
     with pytest.raises(RuntimeError, match=r"window"):
-        ops.attention_bwd(q, q, k, v, q, t(1, 4, 5), 0.1, False, window[0], window[1], 0, 0)
+        ops.attention_bwd(q, q, k, v, q, t(1, 4, 5), 0, 0, softmax_scale=0.1,
+                          window_left=window[0], window_right=window[1])
 
 
 @pytest.mark.parametrize("window", [(1, 2, 3), (1,), ("a", 1), 5])
@@ -146,16 +148,16 @@ def test_bad_softmax_scale(scale: float) -> None:
     with pytest.raises(ValueError, match=r"cpattn.attention: softmax_scale=.*finite and > 0"):
         cpattn.attention(q, k, v, softmax_scale=scale)
     with pytest.raises(RuntimeError, match=r"softmax_scale"):
-        ops.attention_bwd(q, q, k, v, q, t(1, 4, 5), scale, False, -1, -1, 0, 0)
+        ops.attention_bwd(q, q, k, v, q, t(1, 4, 5), 0, 0, softmax_scale=scale)
 
 
 def test_bad_out_and_grad_dtype() -> None:
     """out_dtype / grad_dtype must be floating types the kernel writes."""
     q, k, v = good()
     with pytest.raises(RuntimeError, match=r"out_dtype"):
-        ops.attention_fwd(q, k, v, 0.1, False, -1, -1, 0, 0, torch.int32)
+        ops.attention_fwd(q, k, v, 0, 0, torch.int32, softmax_scale=0.1)
     with pytest.raises(RuntimeError, match=r"grad_dtype"):
-        ops.attention_bwd(q, q, k, v, q, t(1, 4, 5), 0.1, False, -1, -1, 0, 0, torch.int64)
+        ops.attention_bwd(q, q, k, v, q, t(1, 4, 5), 0, 0, torch.int64, softmax_scale=0.1)
 
 
 # name -> (dout, out, lse for the valid q (1, 5, 4, 32), message pattern)
@@ -198,7 +200,7 @@ def test_attention_bwd_bad_args(case: str) -> None:
     dout, out, lse = build()
     q, k, v = good()
     with pytest.raises(Errors, match=pattern):
-        ops.attention_bwd(dout, q, k, v, out, lse, 0.1, False, -1, -1, 0, 0)
+        ops.attention_bwd(dout, q, k, v, out, lse, 0, 0, softmax_scale=0.1)
 
 
 def merge_args() -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn import _agreement
+from cpattn.testing.emulation import ring_attention_emulated
 
 from distributed import run_ranks
 
@@ -30,8 +31,8 @@ def _qkv(seed: int, b=1, s=8, h=2, hkv=2, d=16, dtype=torch.float32):
 def _emulated(world: int) -> tuple[list, list]:
     """Every rank's shards of a valid call and the emulated ring's outputs for them."""
     shards = [_qkv(100 + r) for r in range(world)]
-    outs, _ = cpattn.ring_attention_emulated([s[0] for s in shards], [s[1] for s in shards],
-                                             [s[2] for s in shards], causal=True)
+    outs, _ = ring_attention_emulated([s[0] for s in shards], [s[1] for s in shards],
+                                      [s[2] for s in shards], causal=True)
     return shards, outs
 
 
@@ -279,12 +280,14 @@ def _check_error_inside_the_ring(rank: int, world: int) -> None:
     }
     for bq, bk, bv, scale in bad.values():
         with pytest.raises(RuntimeError, match="cpattn"):
-            torch.ops.cpattn.ring_fwd(bq, bk, bv, name, scale, True, -1, -1, 1, float(TIMEOUT))
+            torch.ops.cpattn.ring_fwd(bq, bk, bv, name, 1, float(TIMEOUT), softmax_scale=scale,
+                                      causal=True)
         _valid_call_matches(rank, world)
-    out, lse = torch.ops.cpattn.ring_fwd(q, k, v, name, 0.25, True, -1, -1, 1, float(TIMEOUT))
+    out, lse = torch.ops.cpattn.ring_fwd(q, k, v, name, 1, float(TIMEOUT), softmax_scale=0.25,
+                                         causal=True)
     with pytest.raises(RuntimeError, match="cpattn: dout must have q's shape"):  # in backward
-        torch.ops.cpattn.ring_bwd(out[..., :8].contiguous(), q, k, v, out, lse, name, 0.25, True,
-                                  -1, -1, 1, float(TIMEOUT))
+        torch.ops.cpattn.ring_bwd(out[..., :8].contiguous(), q, k, v, out, lse, name, 1,
+                                  float(TIMEOUT), softmax_scale=0.25, causal=True)
     _valid_call_matches(rank, world)
 
 
@@ -363,13 +366,14 @@ def test_window_beyond_the_sequence_is_unbounded():
     for window in [(-1, 2**63 - 1), (2**63 - 1, -1), (2**62, 2**61), (2**61 - 1, 2**40)]:
         # (a finite window beyond the sequence may sum in another order: fp32 tolerance)
         torch.testing.assert_close(cpattn.attention(q, k, v, window=window), expected)
-        out, _ = torch.ops.cpattn.attention_fwd(q, k, v, 0.25, False, *window, 0, 0, None)
+        out, _ = torch.ops.cpattn.attention_fwd(q, k, v, 0, 0, softmax_scale=0.25,
+                                                window_left=window[0], window_right=window[1])
         torch.testing.assert_close(out, expected)
     causal = cpattn.attention(q, k, v, causal=True)
     torch.testing.assert_close(cpattn.attention(q, k, v, causal=True, window=(2**63 - 1, 0)),
                                causal, atol=0, rtol=0)
     qs, ks, vs = ([t] for t in (q, k, v))  # the ring's rule too (one emulated rank)
-    outs, _ = cpattn.ring_attention_emulated(qs, ks, vs, window=(-1, 2**63 - 1))
+    outs, _ = ring_attention_emulated(qs, ks, vs, window=(-1, 2**63 - 1))
     torch.testing.assert_close(outs[0], expected)  # (merged in the ring's fp32 state)
 
 
@@ -377,14 +381,14 @@ def test_positions_near_the_int64_limit_raise():
     q, k, v = _qkv(4, h=4)
     causal = cpattn.attention(q, k, v, causal=True)
     far = 2**61 - 2 - 8  # the last offset that keeps 8 positions in range: exact
-    out, _ = torch.ops.cpattn.attention_fwd(q, k, v, 0.25, True, -1, -1, far, far, None)
+    out, _ = torch.ops.cpattn.attention_fwd(q, k, v, far, far, softmax_scale=0.25, causal=True)
     torch.testing.assert_close(out, causal, atol=0, rtol=0)
     for offset in [far + 1, 2**62, 2**63 - 10, -(2**62)]:
         with pytest.raises(RuntimeError, match=r"q_offset = .* puts positions outside"):
-            torch.ops.cpattn.attention_fwd(q, k, v, 0.25, True, -1, -1, offset, 0, None)
+            torch.ops.cpattn.attention_fwd(q, k, v, offset, 0, softmax_scale=0.25, causal=True)
         with pytest.raises(RuntimeError, match=r"k_offset = .* puts positions outside"):
-            torch.ops.cpattn.attention_bwd(q, q, k, v, q, torch.zeros(1, 4, 8), 0.25, True, -1,
-                                           -1, 0, offset)
+            torch.ops.cpattn.attention_bwd(q, q, k, v, q, torch.zeros(1, 4, 8), 0, offset,
+                                           softmax_scale=0.25, causal=True)
 
 
 def test_emulated_ulysses_needs_the_contiguous_layout():
@@ -393,10 +397,10 @@ def test_emulated_ulysses_needs_the_contiguous_layout():
     for layout in ("zigzag", "striped"):
         with pytest.raises(ValueError, match=r"cpattn.ring_attention_emulated: layout='"
                                              + layout + "': strategy='ulysses'"):
-            cpattn.ring_attention_emulated(q, k, v, strategy="ulysses", layout=layout)
-    outs, _ = cpattn.ring_attention_emulated(q, k, v, strategy="ulysses", layout="contiguous",
-                                             causal=True)
-    expected, _ = cpattn.ring_attention_emulated(q, k, v, layout="contiguous", causal=True)
+            ring_attention_emulated(q, k, v, strategy="ulysses", layout=layout)
+    outs, _ = ring_attention_emulated(q, k, v, strategy="ulysses", layout="contiguous",
+                                      causal=True)
+    expected, _ = ring_attention_emulated(q, k, v, layout="contiguous", causal=True)
     for a, b in zip(outs, expected):
         torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
 

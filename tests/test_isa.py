@@ -55,9 +55,10 @@ for b, sq, sk, h, hkv, d, causal, window, dtype in cases:
         for name, got, want, low in zip(("dq", "dk", "dv"), grads, ref[2:], base[2:]):
             c.assert_close_baseline(got, want, low, name)
     # dq written over dout (Ulysses' backward): the same bits as the backward above
-    args = (q, k, v, out, lse, d ** -0.5, causal, *window)
     mine = dout.clone()
-    dk, dv = torch.ops.cpattn.attention_bwd_in_dout(mine, *args)
+    dk, dv = torch.ops.cpattn.attention_bwd_in_dout(
+        mine, q, k, v, out, lse, softmax_scale=d ** -0.5, causal=causal,
+        window_left=window[0], window_right=window[1])
     for name, got, want in zip(("dq", "dk", "dv"), (mine, dk, dv), grads):
         assert torch.equal(got, want), name + " over dout"
 print(json.dumps({"cpu_isa": cpattn.build_info()["cpu_isa"], "cases": len(cases)}))

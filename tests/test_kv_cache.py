@@ -145,7 +145,7 @@ def sharded_attention(
     scale = q.shape[-1] ** -0.5
     parts = [
         ops.cache_attention_fwd(q, c.k, c.v, c.lengths, q_start, c.rank, c.world_size,
-                                c.interleave, scale, causal, torch.float32)
+                                c.interleave, torch.float32, softmax_scale=scale, causal=causal)
         for c in caches
     ]
     out, lse = cpattn.merge_attention_states([p[0] for p in parts], [p[1] for p in parts],
@@ -228,8 +228,9 @@ def test_opcheck_cache_ops(gen: torch.Generator) -> None:
     caches = sharded_caches(*make_qkv(gen, 2, 1, 20, 4, 2, 8)[1:], [20, 9], 2, 3, capacity=24)
     c = caches[1]
     q = randn((2, 3, 4, 8), gen)
-    args = (q, c.k, c.v, c.lengths, c.lengths - 3, 1, 2, 3, 0.3, True, None)
-    torch.library.opcheck(ops.cache_attention_fwd.default, args)
+    args = (q, c.k, c.v, c.lengths, c.lengths - 3, 1, 2, 3, None)
+    torch.library.opcheck(ops.cache_attention_fwd.default, args,
+                          dict(softmax_scale=0.3, causal=True))
     new = randn((2, 2, 2, 8), gen)
     torch.library.opcheck(ops.cache_store_.default,
                           (c.k.clone(), c.v.clone(), new, new, c.lengths, 1, 2, 3))
@@ -254,4 +255,5 @@ def test_cache_attention_bad_args(case: str, gen: torch.Generator) -> None:
     c.append(randn((2, 5, 2, 8), gen), randn((2, 5, 2, 8), gen))
     build, pattern = BAD_OP_ARGS[case]
     with pytest.raises(RuntimeError, match=pattern):
-        ops.cache_attention_fwd(*build(c, randn((2, 1, 4, 8), gen)), 0, 2, 1, 0.3, True, None)
+        ops.cache_attention_fwd(*build(c, randn((2, 1, 4, 8), gen)), 0, 2, 1, None,
+                                softmax_scale=0.3, causal=True)

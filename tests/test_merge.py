@@ -13,6 +13,7 @@ from conftest import (
     Window,
     assert_close_fp32,
     make_qkv,
+    op_options,
     randn,
     reference_attention,
     reference_with_grads,
@@ -180,7 +181,7 @@ def test_split_keys_merge_forward_and_backward(
     for i in torch.randperm(len(chunks), generator=gen).tolist():
         c0, c1 = chunks[i]
         part = ops.attention_fwd(
-            q, k[:, c0:c1], v[:, c0:c1], scale, causal, wl, wr, q_off, c0, None
+            q, k[:, c0:c1], v[:, c0:c1], q_off, c0, **op_options(scale, causal, (wl, wr))
         )
         cpattn.merge_state_(out, lse, *part)
 
@@ -194,7 +195,8 @@ def test_split_keys_merge_forward_and_backward(
     dks, dvs = [], []
     for c0, c1 in chunks:
         dq_c, dk_c, dv_c = ops.attention_bwd(
-            dout, q, k[:, c0:c1], v[:, c0:c1], out, lse, scale, causal, wl, wr, q_off, c0
+            dout, q, k[:, c0:c1], v[:, c0:c1], out, lse, q_off, c0,
+            **op_options(scale, causal, (wl, wr)),
         )
         dq += dq_c
         dks.append(dk_c)
@@ -209,8 +211,8 @@ def test_random_key_subsets_merge_without_mask(gen: torch.Generator) -> None:
     q, k, v = make_qkv(gen, 1, 40, 90, 2, 1, 64)
     perm = torch.randperm(90, generator=gen)
     set_a, set_b = perm[:33], perm[33:]
-    out, lse = ops.attention_fwd(q, k[:, set_a], v[:, set_a], 0.125, False, -1, -1, 0, 0, None)
-    part = ops.attention_fwd(q, k[:, set_b], v[:, set_b], 0.125, False, -1, -1, 0, 0, None)
+    out, lse = ops.attention_fwd(q, k[:, set_a], v[:, set_a], 0, 0, softmax_scale=0.125)
+    part = ops.attention_fwd(q, k[:, set_b], v[:, set_b], 0, 0, softmax_scale=0.125)
     cpattn.merge_state_(out, lse, *part)
     r_out, r_lse = reference_attention(q, k, v, scale=0.125)
     assert_close_fp32(out, r_out, "out")
@@ -229,11 +231,11 @@ def test_merge_low_precision_parts_with_fp32_state(gen: torch.Generator) -> None
     out_lp, lse_lp = empty_state(1, 50, 2, 64)
     part_max = 0.0
     for c0, c1 in itertools.pairwise(cuts):
-        args = (q, k[:, c0:c1], v[:, c0:c1], 0.125, True, -1, -1, 70, c0)
-        part = ops.attention_fwd(*args, torch.float32)
+        args = (q, k[:, c0:c1], v[:, c0:c1], 70, c0)
+        part = ops.attention_fwd(*args, torch.float32, softmax_scale=0.125, causal=True)
         part_max = max(part_max, part[0].abs().max().item())
         cpattn.merge_state_(out, lse, *part)
-        part_lp = ops.attention_fwd(*args, None)
+        part_lp = ops.attention_fwd(*args, None, softmax_scale=0.125, causal=True)
         assert part_lp[0].dtype == torch.float16
         cpattn.merge_state_(out_lp, lse_lp, *part_lp)
     assert out.dtype == torch.float32

@@ -7,7 +7,7 @@ import torch
 
 import cpattn
 
-from conftest import assert_close_fp32, make_qkv, randn
+from conftest import assert_close_fp32, make_qkv, op_options, randn
 
 ops = torch.ops.cpattn
 
@@ -26,7 +26,8 @@ def test_opcheck_attention_fwd(args: tuple, gen: torch.Generator) -> None:
     sq, sk, h, hkv, d, causal, (wl, wr), q_off, k_off = args
     q, k, v = make_qkv(gen, 2, sq, sk, h, hkv, d, requires_grad=True)
     torch.library.opcheck(
-        ops.attention_fwd.default, (q, k, v, 0.3, causal, wl, wr, q_off, k_off, None)
+        ops.attention_fwd.default, (q, k, v, q_off, k_off, None),
+        op_options(0.3, causal, (wl, wr)),
     )
 
 
@@ -34,7 +35,7 @@ def test_opcheck_attention_fwd_out_dtype(gen: torch.Generator) -> None:
     """The out_dtype argument goes through the fake kernel too."""
     q, k, v = make_qkv(gen, 1, 7, 9, 2, 1, 16, dtype=torch.bfloat16)
     torch.library.opcheck(
-        ops.attention_fwd.default, (q, k, v, 0.3, True, -1, -1, 2, 0, torch.float32)
+        ops.attention_fwd.default, (q, k, v, 2, 0, torch.float32), op_options(0.3, True)
     )
 
 
@@ -46,11 +47,11 @@ def test_opcheck_attention_bwd(
     """attention_bwd (no autograd of its own: inputs do not require grad)."""
     sq, sk, h, hkv, d, causal, (wl, wr), q_off, k_off = args
     q, k, v = make_qkv(gen, 2, sq, sk, h, hkv, d)
-    out, lse = ops.attention_fwd(q, k, v, 0.3, causal, wl, wr, q_off, k_off, None)
+    opts = op_options(0.3, causal, (wl, wr))
+    out, lse = ops.attention_fwd(q, k, v, q_off, k_off, None, **opts)
     dout = randn(q.shape, gen)
     torch.library.opcheck(
-        ops.attention_bwd.default,
-        (dout, q, k, v, out, lse, 0.3, causal, wl, wr, q_off, k_off, grad_dtype),
+        ops.attention_bwd.default, (dout, q, k, v, out, lse, q_off, k_off, grad_dtype), opts
     )
 
 
@@ -60,20 +61,20 @@ def test_no_offsets_is_bottom_right(sq: int, sk: int, gen: torch.Generator) -> N
     0), mask and ALiBi alike: the same out, LSE and gradients as those offsets given."""
     q, k, v = make_qkv(gen, 2, sq, sk, 2, 1, 16)
     dout = randn(q.shape, gen)
-    score = dict(softcap=3.0, alibi_slopes=torch.tensor([0.3, 0.1]), prefix_len=2)
+    opts = op_options(0.3, True, (4, -1), softcap=3.0, alibi_slopes=torch.tensor([0.3, 0.1]),
+                      prefix_len=2)
     results = []
     for offsets in ((None, None), (sk - sq, 0)):
-        out, lse = ops.attention_fwd(q, k, v, 0.3, True, 4, -1, *offsets, None, **score)
-        grads = ops.attention_bwd(dout, q, k, v, out, lse, 0.3, True, 4, -1, *offsets, None,
-                                  None, **score)
+        out, lse = ops.attention_fwd(q, k, v, *offsets, None, **opts)
+        grads = ops.attention_bwd(dout, q, k, v, out, lse, *offsets, None, None, **opts)
         results.append((out, lse, *grads))
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), *results):
         assert torch.equal(got, want), name
     with pytest.raises(RuntimeError, match=r"cpattn.attention: give q_offset and k_offset, or "
                        r"neither \(bottom-right aligned\), got q_offset=None, k_offset=0"):
-        ops.attention_fwd(q, k, v, 0.3, True, -1, -1, None, 0)
+        ops.attention_fwd(q, k, v, None, 0, **op_options(0.3, True))
     with pytest.raises(RuntimeError, match=r"got q_offset=2, k_offset=None"):
-        ops.attention_bwd(dout, q, k, v, out, lse, 0.3, True, -1, -1, 2, None)
+        ops.attention_bwd(dout, q, k, v, out, lse, 2, None, **op_options(0.3, True))
 
 
 @pytest.mark.parametrize("part_dtype", [torch.float32, torch.bfloat16])
@@ -118,8 +119,10 @@ def test_compile_split_and_merge(gen: torch.Generator) -> None:
 
     def two_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         half = k.shape[1] // 2
-        out, lse = ops.attention_fwd(q, k[:, :half], v[:, :half], 0.25, True, -1, -1, 16, 0)
-        part = ops.attention_fwd(q, k[:, half:], v[:, half:], 0.25, True, -1, -1, 16, half)
+        out, lse = ops.attention_fwd(q, k[:, :half], v[:, :half], 16, 0,
+                                     softmax_scale=0.25, causal=True)
+        part = ops.attention_fwd(q, k[:, half:], v[:, half:], 16, half,
+                                 softmax_scale=0.25, causal=True)
         cpattn.merge_state_(out, lse, part[0], part[1])
         return out
 
@@ -147,9 +150,9 @@ def test_meta_device_shapes() -> None:
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
     assert q.grad.dtype == torch.bfloat16
 
-    out32, _ = ops.attention_fwd(q, k, v, 0.1, False, -1, -1, 0, 0, torch.float32)
+    out32, _ = ops.attention_fwd(q, k, v, 0, 0, torch.float32, softmax_scale=0.1)
     assert out32.dtype == torch.float32 and out32.shape == q.shape
-    grads = ops.attention_bwd(out, q, k, v, out, lse, 0.1, False, -1, -1, 0, 0, torch.float32)
+    grads = ops.attention_bwd(out, q, k, v, out, lse, 0, 0, torch.float32, softmax_scale=0.1)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
     assert all(g.dtype == torch.float32 and g.device.type == "meta" for g in grads)
 
@@ -164,12 +167,13 @@ def test_fake_matches_real(dtype: torch.dtype, gen: torch.Generator) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     q, k, v = make_qkv(gen, 2, 13, 21, 6, 3, 24, dtype=dtype)
-    real_fwd = ops.attention_fwd(q, k, v, 0.2, True, -1, -1, 8, 0, None)
-    real_bwd = ops.attention_bwd(real_fwd[0], q, k, v, *real_fwd, 0.2, True, -1, -1, 8, 0)
+    opts = op_options(0.2, True)
+    real_fwd = ops.attention_fwd(q, k, v, 8, 0, None, **opts)
+    real_bwd = ops.attention_bwd(real_fwd[0], q, k, v, *real_fwd, 8, 0, **opts)
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
-        fake_fwd = ops.attention_fwd(fq, fk, fv, 0.2, True, -1, -1, 8, 0, None)
-        fake_bwd = ops.attention_bwd(fake_fwd[0], fq, fk, fv, *fake_fwd, 0.2, True, -1, -1, 8, 0)
+        fake_fwd = ops.attention_fwd(fq, fk, fv, 8, 0, None, **opts)
+        fake_bwd = ops.attention_bwd(fake_fwd[0], fq, fk, fv, *fake_fwd, 8, 0, **opts)
     for real, fake in zip((*real_fwd, *real_bwd), (*fake_fwd, *fake_bwd)):
         assert fake.shape == real.shape and fake.dtype == real.dtype
         assert fake.stride() == real.stride()

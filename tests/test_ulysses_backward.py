@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import cpattn
 
-from conftest import make_qkv, randn
+from conftest import make_qkv, op_options, randn
 from distributed import run_ranks
 from reference import reference_attention
 
@@ -33,38 +33,38 @@ def test_backward_from_row_dot_is_the_backward_from_out(dtype, with_dlse, gen) -
     """delta = row_dot - dlse either way: the same bits (every option that reaches the kernel)."""
     q, k, v = make_qkv(gen, 2, 45, 45, 4, 2, 32, dtype)
     slopes = torch.rand(4, generator=gen) * 0.3
-    args = (0.2, True, 7, -1, None, None, None)
-    score = (3.0, slopes, 4)
-    out, lse = ops.attention_fwd(q, k, v, 0.2, True, 7, -1, None, None, None, 3.0, slopes, None, 4)
+    opts = op_options(0.2, True, (7, -1), softcap=3.0, alibi_slopes=slopes, prefix_len=4)
+    out, lse = ops.attention_fwd(q, k, v, **opts)
     dout = randn(out.shape, gen, dtype)
     dlse = randn(lse.shape, gen) if with_dlse else None
-    from_out = ops.attention_bwd(dout, q, k, v, out, lse, *args, dlse, *score)
-    from_dot = ops.attention_bwd(dout, q, k, v, None, lse, *args, dlse, *score,
-                                 row_dot=ops.row_dot(dout, out))
+    from_out = ops.attention_bwd(dout, q, k, v, out, lse, dlse=dlse, **opts)
+    from_dot = ops.attention_bwd(dout, q, k, v, None, lse, dlse=dlse,
+                                 row_dot=ops.row_dot(dout, out), **opts)
     for name, x, y in zip("qkv", from_out, from_dot):
         assert torch.equal(x, y), f"d{name}"
 
 
 def _small_problem(gen):
-    """q, k, v, out, lse and a random dout of a small causal problem, and its mask arguments."""
+    """q, k, v, out, lse and a random dout of a small causal problem, and its options (by name)."""
     q, k, v = make_qkv(gen, 1, 8, 8, 2, 2, 16)
-    out, lse = ops.attention_fwd(q, k, v, 0.25, True, -1, -1)
-    return q, k, v, out, lse, randn(out.shape, gen), (0.25, True, -1, -1)
+    opts = op_options(0.25, True)
+    out, lse = ops.attention_fwd(q, k, v, **opts)
+    return q, k, v, out, lse, randn(out.shape, gen), opts
 
 
 def test_bad_row_dot_raises(gen) -> None:
-    q, k, v, out, lse, dout, args = _small_problem(gen)
+    q, k, v, out, lse, dout, opts = _small_problem(gen)
     with pytest.raises(RuntimeError, match="exactly one of out and row_dot, got neither"):
-        ops.attention_bwd(dout, q, k, v, None, lse, *args)
+        ops.attention_bwd(dout, q, k, v, None, lse, **opts)
     with pytest.raises(RuntimeError, match="exactly one of out and row_dot, got both"):
-        ops.attention_bwd(dout, q, k, v, out, lse, *args, row_dot=ops.row_dot(dout, out))
+        ops.attention_bwd(dout, q, k, v, out, lse, row_dot=ops.row_dot(dout, out), **opts)
     with pytest.raises(RuntimeError, match="row_dot must be float32 with lse's shape"):
-        ops.attention_bwd(dout, q, k, v, None, lse, *args, row_dot=lse[:, :, :4])
+        ops.attention_bwd(dout, q, k, v, None, lse, row_dot=lse[:, :, :4], **opts)
     with pytest.raises(RuntimeError, match="row_dot must be float32 with lse's shape"):
-        ops.attention_bwd(dout, q, k, v, None, lse, *args, row_dot=lse.double())
+        ops.attention_bwd(dout, q, k, v, None, lse, row_dot=lse.double(), **opts)
     with pytest.raises(RuntimeError, match="dlse must have lse's shape"):  # not broadcast
-        ops.attention_bwd(dout, q, k, v, None, lse, *args, None, None, None, lse[:, :, :1],
-                          row_dot=ops.row_dot(dout, out))
+        ops.attention_bwd(dout, q, k, v, None, lse, dlse=lse[:, :, :1],
+                          row_dot=ops.row_dot(dout, out), **opts)
     with pytest.raises(RuntimeError, match="row_dot needs a and b of one shape"):
         ops.row_dot(dout, dout[:, :4])
 
@@ -88,36 +88,35 @@ def test_dq_written_over_dout_is_attention_bwd(case, dtype, grouped, gen, reques
     b, sq, sk, h, hkv, d, causal = case
     q, k, v = make_qkv(gen, b, sq, sk, h, hkv, d, dtype)
     slopes = torch.rand(h, generator=gen) * 0.3
-    args = (d**-0.5, causal, 300, -1, None, None)
-    score = (2.5, slopes, 5)
-    out, lse = ops.attention_fwd(q, k, v, *args, None, *score[:2], None, score[2])
+    opts = op_options(d**-0.5, causal, (300, -1), softcap=2.5, alibi_slopes=slopes, prefix_len=5)
+    out, lse = ops.attention_fwd(q, k, v, **opts)
     dout, dlse = randn(out.shape, gen, dtype), randn(lse.shape, gen)
-    want = ops.attention_bwd(dout, q, k, v, out, lse, *args, None, dlse, *score)
+    want = ops.attention_bwd(dout, q, k, v, out, lse, dlse=dlse, **opts)
     assert want[0].abs().sum() > 0
     for given in ("out", "row_dot"):
         mine = dout.clone()
         extra = dict(row_dot=ops.row_dot(dout, out)) if given == "row_dot" else {}
         dk, dv = ops.attention_bwd_in_dout(mine, q, k, v, out if given == "out" else None, lse,
-                                           *args, dlse, *score, **extra)
+                                           dlse=dlse, **extra, **opts)
         for name, x, y in zip("qkv", (mine, dk, dv), want):
             assert torch.equal(x, y), f"d{name} from {given}"
 
 
 def test_dq_over_dout_bad_arguments_raise(gen) -> None:
-    q, k, v, out, lse, dout, args = _small_problem(gen)
+    q, k, v, out, lse, dout, opts = _small_problem(gen)
     with pytest.raises(RuntimeError, match="dout must have q's shape .* and dtype"):
-        ops.attention_bwd_in_dout(dout.to(torch.bfloat16), q, k, v, out, lse, *args)
+        ops.attention_bwd_in_dout(dout.to(torch.bfloat16), q, k, v, out, lse, **opts)
     v_wide = randn((1, 8, 2, 32), gen)
-    out_w, lse_w = ops.attention_fwd(q, k, v_wide, 0.25, True, -1, -1)
+    out_w, lse_w = ops.attention_fwd(q, k, v_wide, **opts)
     with pytest.raises(RuntimeError, match="dout must have q's shape"):  # Dv != D
-        ops.attention_bwd_in_dout(randn(out_w.shape, gen), q, k, v_wide, out_w, lse_w, *args)
+        ops.attention_bwd_in_dout(randn(out_w.shape, gen), q, k, v_wide, out_w, lse_w, **opts)
     # dq written over q would corrupt the backward that still reads q
     with pytest.raises(RuntimeError, match="dout must not overlap q"):
-        ops.attention_bwd_in_dout(q, q, k, v, out, lse, *args)
+        ops.attention_bwd_in_dout(q, q, k, v, out, lse, **opts)
     with pytest.raises(RuntimeError, match="attention_bwd_in_dout needs exactly one of out"):
-        ops.attention_bwd_in_dout(dout, q, k, v, None, lse, *args)
+        ops.attention_bwd_in_dout(dout, q, k, v, None, lse, **opts)
     meta = [t.to("meta") for t in (dout, q, k, v, out, lse)]
-    dk, dv = ops.attention_bwd_in_dout(*meta, *args)
+    dk, dv = ops.attention_bwd_in_dout(*meta, **opts)
     assert dk.shape == k.shape and dv.shape == v.shape and dk.device.type == "meta"
 
 
