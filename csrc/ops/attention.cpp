@@ -61,8 +61,7 @@ AttnShape check_attention_args(const at::Tensor& q, const at::Tensor& k, const a
   const AttnShape s = check_qkv(q, k, v);
   check_mask_args(softmax_scale, mask.window_left, mask.window_right);
   check_positions(mask.q_offset, s.seqlen_q, mask.k_offset, s.seqlen_k);
-  check_score_args("attention", score.softcap, score.alibi_slopes, score.sinks, s.heads,
-                   q.device());
+  check_score_args("attention", score, s.heads, q.device());
   return s;
 }
 
@@ -270,7 +269,7 @@ void apply_sinks_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor
               out.sizes(), " ", out.scalar_type(), " and ", lse.sizes(), " ", lse.scalar_type());
   TORCH_CHECK(lse.device() == out.device(), "cpattn: apply_sinks_ needs lse on out's device (",
               out.device(), "), got ", lse.device());
-  check_score_args("apply_sinks_", 0.0, std::nullopt, sinks, out.size(2), out.device());
+  check_per_head("apply_sinks_", "sinks", sinks, out.size(2), out.device());
   backend_for(out.device()).apply_sinks(out, lse, sinks.to(at::kFloat).contiguous());
 }
 
@@ -290,7 +289,7 @@ at::Tensor sink_bwd(const at::Tensor& dout, const at::Tensor& out, const at::Ten
               "cpattn: lse must be float32 of shape (batch, heads, seqlen) = (", batch, ", ", heads,
               ", ", seqlen, ") on ", out.device(), ", got ", lse.sizes(), " ", lse.scalar_type(),
               " on ", lse.device());
-  check_score_args("sink_bwd", 0.0, std::nullopt, sinks, heads, out.device());
+  check_per_head("sink_bwd", "sinks", sinks, heads, out.device());
   if (dlse && dlse->defined())
     TORCH_CHECK(dlse->sizes() == lse.sizes() && dlse->device() == out.device(),
                 "cpattn: dlse must have lse's shape ", lse.sizes(), " and device ", out.device(),

@@ -69,25 +69,6 @@ inline BshdStrides strides_of(const at::Tensor& t) {
   return {t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// The kernels' ScoreOptions from ScoreArgs, on the tensors' device; slopes and sinks receive the
-// fp32 copies the pointers point into (the caller keeps them alive while the kernels run).
-inline ScoreOptions score_options(const ScoreArgs& a, at::Tensor& slopes, at::Tensor& sinks) {
-  ScoreOptions o;
-  o.softcap = static_cast<float>(a.softcap);
-  if (a.alibi_slopes) {
-    slopes = a.alibi_slopes->to(at::kFloat).contiguous();
-    o.alibi_slopes = slopes.data_ptr<float>();
-  }
-  if (a.sinks) {
-    sinks = a.sinks->to(at::kFloat).contiguous();
-    o.sinks = sinks.data_ptr<float>();
-  }
-  o.alibi_q_begin = a.alibi_q_begin;
-  o.alibi_k_begin = a.alibi_k_begin;
-  o.alibi_stride = a.alibi_stride;
-  return o;
-}
-
 // The CPU backward's byte budget per kernel call (attention_cpu.cpp, kBackwardGroupBytes): sets
 // it, returns the previous one. For tests, which lower it to run every head group's path.
 int64_t exchange_cpu_backward_group_bytes(int64_t bytes);

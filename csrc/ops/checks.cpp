@@ -13,7 +13,6 @@
 
 #include "cpattn/env.h"
 #include "ops/backend.h"
-#include "ops/options.h"
 
 namespace cpattn::ops {
 
@@ -100,28 +99,16 @@ void check_prefix_len(const char* fn, int64_t prefix_len) {
               prefix_len);
 }
 
-void check_score_args(const char* fn, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                      const std::optional<at::Tensor>& sinks, int64_t heads, at::Device device) {
-  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0, "cpattn.", fn,
-              ": softcap must be a finite number >= 0 (0: no softcap), got ", softcap);
-  const std::pair<const char*, const std::optional<at::Tensor>*> per_head[] = {
-      {"alibi_slopes", &alibi_slopes}, {"sinks", &sinks}};
-  for (const auto& [name, t] : per_head) {
-    if (!t->has_value()) continue;
-    const at::Tensor& x = **t;
-    TORCH_CHECK(x.dim() == 1 && x.size(0) == heads, "cpattn.", fn, ": ", name,
-                " must have shape (heads,) = (", heads, ",), got ", x.sizes());
-    TORCH_CHECK(is_float_type(x.scalar_type()), "cpattn.", fn, ": ", name,
-                " must be float32, bfloat16 or float16, got ", x.scalar_type());
-    TORCH_CHECK(x.device() == device, "cpattn.", fn, ": ", name, " must be on q's device ", device,
-                ", got ", x.device());
-  }
-}
-
-void check_options(const char* fn, const AttentionOptions& o, int64_t heads, at::Device device) {
-  check_mask_args(o.softmax_scale, o.window_left, o.window_right);
-  check_prefix_len(fn, o.prefix_len);
-  check_score_args(fn, o.softcap, o.alibi_slopes, std::nullopt, heads, device);
+void check_per_head(const char* fn, const char* name, const std::optional<at::Tensor>& t,
+                    int64_t heads, at::Device device) {
+  if (!t.has_value()) return;
+  const at::Tensor& x = *t;
+  TORCH_CHECK(x.dim() == 1 && x.size(0) == heads, "cpattn.", fn, ": ", name,
+              " must have shape (heads,) = (", heads, ",), got ", x.sizes());
+  TORCH_CHECK(is_float_type(x.scalar_type()), "cpattn.", fn, ": ", name,
+              " must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(x.device() == device, "cpattn.", fn, ": ", name, " must be on q's device ", device,
+              ", got ", x.device());
 }
 
 void check_bwd_args(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out,

@@ -35,9 +35,10 @@ void check_positions(int64_t q_offset, int64_t seqlen_q, int64_t k_offset, int64
 // prefix_len >= 0 (0: no prefix-LM rule); `fn` names the calling function.
 void check_prefix_len(const char* fn, int64_t prefix_len);
 
-// Checks softcap, alibi_slopes and sinks for `heads` query heads on `device`.
-void check_score_args(const char* fn, double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                      const std::optional<at::Tensor>& sinks, int64_t heads, at::Device device);
+// A per-head tensor argument `name` (alibi_slopes, sinks), when given: (heads,), a float dtype,
+// on `device`.
+void check_per_head(const char* fn, const char* name, const std::optional<at::Tensor>& t,
+                    int64_t heads, at::Device device);
 
 // dout, out, lse, dlse and grad_dtype of a backward call on q, k, v of shape s; out may be
 // undefined (its rowsum term folded into dlse, attention_bwd's row_dot).

@@ -9,21 +9,9 @@
 #include <tuple>
 
 #include "cpattn/params.h"
+#include "ops/options.h"
 
 namespace cpattn::ops {
-
-// The score options of a call (ScoreOptions, params.h) with tensors: softcap (0: none),
-// alibi_slopes and sinks ((H,) float, or none), the ALiBi positions of local query 0 / key 0 and
-// their stride. sinks are applied by a forward given them; a driver that merges partial results
-// passes none per step and applies them once at the end (apply_sinks_).
-struct ScoreArgs {
-  double softcap = 0.0;
-  std::optional<at::Tensor> alibi_slopes;
-  std::optional<at::Tensor> sinks;
-  int64_t alibi_q_begin = 0;
-  int64_t alibi_k_begin = 0;
-  int64_t alibi_stride = 1;
-};
 
 // Local attention on global positions, the ring drivers' sub-problems: query row r at
 // mask.q_offset + r, key column c at mask.k_offset + c. Returns out (B, Sq, H, Dv) in out_dtype

@@ -50,7 +50,7 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
               "cpattn.ring_attention: k and v must have the same dtype, got k ", k.scalar_type(),
               " and v ", v.scalar_type());
   check_options("ring_attention", o, q.size(2), q.device());
-  check_score_args("ring_attention", 0.0, std::nullopt, o.sinks, q.size(2), q.device());
+  check_per_head("ring_attention", "sinks", o.sinks, q.size(2), q.device());
   TORCH_CHECK(q.size(1) == k.size(1),
               "cpattn: ring attention needs q and k/v shards of the same "
               "length, got ",

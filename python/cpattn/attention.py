@@ -1,6 +1,6 @@
 """Local (single-device) attention: the primitive every context-parallel strategy builds on."""
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
@@ -11,12 +11,7 @@ from cpattn.options import AttentionOptions
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-    softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
-    return_lse: bool = False,
-    # score options (DESIGN.md order)
-    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, return_lse: bool = False, **options,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact softmax attention, differentiable with respect to q, k, v (and sinks).
 
@@ -24,10 +19,13 @@ def attention(
         q: (batch, seqlen_q, heads, head_dim), float32 / bfloat16 / float16.
         k: (batch, seqlen_k, kv_heads, head_dim); heads % kv_heads == 0 (GQA / MQA).
         v: (batch, seqlen_k, kv_heads, head_dim_v); head_dim_v may differ from head_dim (MLA).
-        causal: key j is visible to query i only if j <= i.
+        return_lse: also return the log-sum-exp of the scores.
+
+    The attention options (keyword arguments; cpattn.AttentionOptions, the same for every
+    attention function of cpattn, on global positions there):
+        causal: key j is visible to query i only if j <= i (default False).
         softmax_scale: defaults to 1 / sqrt(head_dim).
         window: (left, right) sliding window, -1 = unbounded: i - left <= j <= i + right.
-        return_lse: also return the log-sum-exp of the scores.
         sinks: (heads,) attention-sink logits (gpt-oss): exp(sinks[h]) joins every row's softmax
             denominator, with no value. Differentiable.
         softcap: > 0 caps the scaled score s to softcap * tanh(s / softcap) (Gemma 2); 0: off.
@@ -51,11 +49,9 @@ def attention(
             "cpattn.attention: q and k must be (batch, seqlen, heads, head_dim), got shapes "
             f"{tuple(q.shape)} and {tuple(k.shape)}"
         )
-    opts = AttentionOptions.checked("cpattn.attention", q.shape[-1], causal=causal,
-                                    softmax_scale=softmax_scale, window=window, softcap=softcap,
-                                    alibi_slopes=alibi_slopes, prefix_len=prefix_len)
+    opts = AttentionOptions.checked("cpattn.attention", q.shape[-1], **options)
     # no positions given: the op aligns the rows bottom-right
-    out, lse = torch.ops.cpattn.attention_fwd(q, k, v, sinks=sinks, **opts.op_kwargs())
+    out, lse = torch.ops.cpattn.attention_fwd(q, k, v, sinks=opts.sinks, **opts.op_kwargs())
     return (out, lse) if return_lse else out
 
 
@@ -101,22 +97,20 @@ class _LocalDocuments(torch.autograd.Function):
 
 
 def attention_varlen(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, *, causal: bool = False,
-    softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
-    return_lse: bool = False, sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, *, return_lse: bool = False,
+    **options,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Attention over packed documents in one process (no communication): q (T, H, D), k / v
     (T, Hkv, D) hold the documents of cu_seqlens (int, D+1, from 0, ending at T) one after the
-    other; a document never attends to another. Options as cpattn.attention, on positions
-    within each document. Returns out (T, H, Dv) and optionally lse (H, T). Differentiable."""
+    other; a document never attends to another. Options as cpattn.attention but prefix_len, on
+    positions within each document. Returns out (T, H, Dv) and optionally lse (H, T).
+    Differentiable."""
     what = "cpattn.attention_varlen"
     check_qkv(what, q, k, v, varlen=True, v_head_dim_free=True)
-    opts = AttentionOptions.checked(what, q.shape[-1], causal=causal, softmax_scale=softmax_scale,
-                                    window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+    opts = AttentionOptions.checked(what, q.shape[-1], ("prefix_len",), **options)
     docs, tokens, _ = document_lengths(what, cu_seqlens)
     if tokens != q.shape[0]:
         raise error(what, "cu_seqlens", f"[..., {tokens}]", f"must end at the {q.shape[0]} "
                     "tokens of q")
-    out, lse = _LocalDocuments.apply(q[None], k[None], v[None], sinks, docs, opts)
+    out, lse = _LocalDocuments.apply(q[None], k[None], v[None], opts.sinks, docs, opts)
     return (out[0], lse[0]) if return_lse else out[0]

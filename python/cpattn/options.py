@@ -16,6 +16,9 @@ import torch
 
 from cpattn._validation import check_bool, check_int, check_scale, check_window, error
 
+# The options, as the public attention functions take them (by keyword).
+NAMES = ("causal", "softmax_scale", "window", "softcap", "alibi_slopes", "sinks", "prefix_len")
+
 # The ops' option arguments, in their schema order (csrc/ops/options.h kOptionsSchema).
 OP_OPTION_NAMES = ("softmax_scale", "causal", "window_left", "window_right", "softcap",
                    "alibi_slopes", "prefix_len")
@@ -36,11 +39,22 @@ class AttentionOptions:
     prefix_len: int = 0
 
     @classmethod
-    def checked(cls, what: str, head_dim: int, *, causal=False, softmax_scale=None,
-                window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
-                prefix_len=0) -> AttentionOptions:
-        """The options of a call of `what` on heads of head_dim, each checked (shapes, dtypes and
-        devices of the per-head tensors are checked in C++, against q)."""
+    def checked(cls, what: str, head_dim: int, without: tuple = (), **options
+                ) -> AttentionOptions:
+        """The options (keyword arguments of NAMES) of a call of `what` on heads of head_dim,
+        each checked (the shapes, dtypes and devices of the per-head tensors are checked in
+        C++, against q). `without`: the options `what` does not take (given: TypeError)."""
+        unknown = sorted(set(options) - set(NAMES).difference(without))
+        if unknown:
+            allowed = ", ".join(n for n in NAMES if n not in without)
+            raise TypeError(f"{what}: unexpected keyword argument(s) {', '.join(unknown)}; its "
+                            f"attention options are {allowed}")
+        return cls._checked(what, head_dim, **options)
+
+    @classmethod
+    def _checked(cls, what: str, head_dim: int, *, causal=False, softmax_scale=None,
+                 window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                 prefix_len=0) -> AttentionOptions:
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
             raise error(what, "softcap", softcap, "must be a number >= 0 (0: off)")
         if not (math.isfinite(softcap) and softcap >= 0):

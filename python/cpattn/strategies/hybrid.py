@@ -30,11 +30,9 @@ def _with_heads_maxima(out, lse, maxima: list, ulysses_group):
 
 def hybrid_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ulysses_group=None, ring_group=None,
-    mesh=None, causal: bool = False, layout: str = "zigzag", softmax_scale: Optional[float] = None,
-    window: tuple[int, int] = (-1, -1), return_lse: bool = False, timeout: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
-    seqlen: Optional[int] = None, return_max_logits: bool = False,
+    mesh=None, layout: str = "zigzag", seqlen: Optional[int] = None,
+    timeout: Optional[float] = None, return_lse: bool = False, return_max_logits: bool = False,
+    **options,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Ulysses inside `ulysses_group` (size U), ring across `ring_group` (size R), W = U * R.
 
@@ -42,8 +40,8 @@ def hybrid_attention(
     Sharding (see cpattn.hybrid_positions / hybrid_shard): the sequence is split over the R ring
     ranks by `layout`; the rank at ring index i and Ulysses index u holds the u-th contiguous
     sub-chunk of ring shard i. H % U == 0. Either group may have size 1.
-    sinks, softcap, alibi_slopes, prefix_len: as ulysses_attention (per-head ones sliced to the
-    rank's heads, then as ring_attention across the ring). v may have its own head dim.
+    **options: the attention options, as ulysses_attention (per-head ones sliced to the rank's
+    heads, then as ring_attention across the ring). v may have its own head dim.
     seqlen: the global sequence length, for any length (default: W times the shard length):
     hybrid_shard pads as hybrid_positions says; padding rows get out 0 and LSE -inf (with
     sinks: the sink); hybrid_unshard(..., seqlen=S) gives S tokens back.
@@ -66,8 +64,6 @@ def hybrid_attention(
         maxima.extend(best)
         return out, lse
 
-    options = dict(causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
-                   softcap=softcap, alibi_slopes=alibi_slopes, prefix_len=prefix_len)
     result = across_heads(what, q, k, v, ulysses_group, timeout, attend, return_lse, options,
                           layout=layout, seqlen=seqlen,
                           rows=lambda n: hybrid_ring_shard(n, layout, r_world, u_world)[::-1],
@@ -78,11 +74,8 @@ def hybrid_attention(
 
 def hybrid_attention_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, *, ulysses_group,
-    ring_group, layout: str = "zigzag", causal: bool = False,
-    softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
-    return_lse: bool = False, timeout: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None, return_max_logits: bool = False,
+    ring_group, layout: str = "zigzag", timeout: Optional[float] = None,
+    return_lse: bool = False, return_max_logits: bool = False, **options,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Hybrid attention (Ulysses inside, ring across) over packed documents that never attend
     across each other. Sharding (cpattn.ContextParallel.document_positions): every document
@@ -90,8 +83,8 @@ def hybrid_attention_varlen(
     padded at its end to a multiple of U and cut in U contiguous parts. The Ulysses all-to-all
     gives each rank its ring shard for H / U heads, ring_attention_varlen runs across the ring.
     q (T_local, H, D), k / v (T_local, Hkv, D); returns out (T_local, H, Dv) and optionally lse
-    (H, T_local); padding: 0 and -inf (with sinks: the sink); return_max_logits: as
-    ring_attention_varlen (last)."""
+    (H, T_local); padding: 0 and -inf (with sinks: the sink); **options: the attention options
+    but prefix_len; return_max_logits: as ring_attention_varlen (last)."""
     what = "cpattn.hybrid_attention_varlen"
     timeout = check_timeout(what, timeout)
     r_world, u_world = dist.get_world_size(ring_group), dist.get_world_size(ulysses_group)
@@ -114,18 +107,16 @@ def hybrid_attention_varlen(
     maxima = []
 
     def attend(qh, kh, vh, n, mine):  # qh: this rank's ring shard
-        options = mine.as_keywords()
-        del options["prefix_len"]  # (none: packed documents take it per document, not here)
+        keywords = mine.as_keywords()
+        del keywords["prefix_len"]  # (refused above: checked without it)
         out, lse, *best = ring_attention_varlen(
             qh[0], kh[0], vh[0], cu_seqlens, group=ring_group, layout=layout, timeout=timeout,
-            return_lse=True, return_max_logits=return_max_logits, **options)
+            return_lse=True, return_max_logits=return_max_logits, **keywords)
         maxima.extend(best)
         return out[None], lse[None]
 
-    options = dict(causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
-                   softcap=softcap, alibi_slopes=alibi_slopes)
     result = across_heads(what, q[None], k[None], v[None], ulysses_group, timeout, attend,
                           return_lse, options, seqlen=1, layout=layout, fields_of=fields_of,
-                          rows=rows)
+                          rows=rows, without=("prefix_len",))
     out, lse = result if return_lse else (result, None)
     return _with_heads_maxima(out[0], None if lse is None else lse[0], maxima, ulysses_group)

@@ -195,14 +195,10 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
-    causal: bool = False, layout: str = "zigzag", softmax_scale: Optional[float] = None,
-    window: tuple[int, int] = (-1, -1), return_lse: bool = False,
-    strategy: str = "ring", allgather_chunk: Optional[int] = None, timeout: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: Union[int, torch.Tensor] = 0,
-    seqlen: Optional[int] = None, ring_chunk: Optional[int] = None,
-    return_max_logits: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, layout: str = "zigzag",
+    strategy: str = "ring", allgather_chunk: Optional[int] = None,
+    ring_chunk: Optional[int] = None, seqlen: Optional[int] = None, timeout: Optional[float] = None,
+    return_lse: bool = False, return_max_logits: bool = False, **options,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Exact attention over a sequence sharded across the ranks of `group`.
 
@@ -212,7 +208,6 @@ def ring_attention(
         k, v: this rank's keys / values (batch, seqlen / W, kv_heads, head_dim); v may have its
             own head dim Dv (MLA-style, e.g. 192 / 128), out then has Dv.
         group: a torch.distributed process group (default: the world).
-        causal, window, softmax_scale: as cpattn.attention, on global token positions.
         layout: "contiguous", "zigzag" (balanced for causal) or "striped".
         return_lse: also return the LSE (batch, heads, seqlen / W), float32.
         strategy: "ring" (K/V shards travel while each step computes: overlaps communication,
@@ -227,11 +222,12 @@ def ring_attention(
             passes, for as many times more (smaller) messages. Strategy "ring" or "auto"; with
             "allgather" it raises (that strategy takes allgather_chunk).
         timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
-        sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions
-            (the same values on every rank). A sink joins each row once, after every partial
-            result is merged; the LSE returned includes it. The gradient of `sinks` on a rank is
-            its own rows' share, like any parameter gradient under context parallelism: the
-            usual gradient all-reduce over the group (as for the projection weights) sums it.
+        **options: the attention options (cpattn.attention: causal, softmax_scale, window,
+            sinks, softcap, alibi_slopes, prefix_len), on global positions (the same values on
+            every rank). A sink joins each row once, after every partial result is merged; the
+            LSE returned includes it. The gradient of `sinks` on a rank is its own rows' share,
+            like any parameter gradient under context parallelism: the usual gradient
+            all-reduce over the group (as for the projection weights) sums it.
             prefix_len may also be an int64 tensor (batch,): one prefix per sequence of the
             batch (0 <= P_b <= seqlen); the batch then runs as packed documents, one per
             sequence (as ring_attention_varlen).
@@ -250,20 +246,15 @@ def ring_attention(
     """
     out, lse, *max_logits = context_parallel(
         "cpattn.ring_attention", q, k, v, group, layout, timeout, strategy, allgather_chunk, None,
-        dict(causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
-             softcap=softcap, alibi_slopes=alibi_slopes, prefix_len=prefix_len),
-        seqlen, ring_chunk, return_max_logits)
+        options, seqlen, ring_chunk, return_max_logits)
     return returned(out, lse if return_lse else None, max_logits)
 
 
 def ring_attention_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, *, group=None,
-    causal: bool = False, layout: str = "zigzag", softmax_scale: Optional[float] = None,
-    window: tuple[int, int] = (-1, -1), return_lse: bool = False,
-    strategy: str = "ring", allgather_chunk: Optional[int] = None, timeout: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: Union[int, torch.Tensor] = 0,
-    ring_chunk: Optional[int] = None, return_max_logits: bool = False,
+    layout: str = "zigzag", strategy: str = "ring", allgather_chunk: Optional[int] = None,
+    ring_chunk: Optional[int] = None, timeout: Optional[float] = None, return_lse: bool = False,
+    return_max_logits: bool = False, **options,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Ring (or all-gather) attention over packed documents that never attend across each other.
 
@@ -272,19 +263,16 @@ def ring_attention_varlen(
     and sharded on its own (per-document zigzag), so documents straddle ranks.
     q (T_local, H, D), k/v (T_local, Hkv, D) come from cpattn.shard_varlen; padding tokens give
     output 0 and LSE -inf. Returns out (T_local, H, D) and optionally lse (H, T_local).
-    sinks, softcap, alibi_slopes, ring_chunk: as ring_attention (ALiBi on positions within the
-    document);
-    prefix_len: an int, the same prefix for every document, or an int64 tensor (D,), one prefix
-    per document (0 <= P_d <= its length, 0: none), on positions within the document.
+    strategy, allgather_chunk, ring_chunk, **options: as ring_attention (on positions within
+    the document); prefix_len: an int, the same prefix for every document, or an int64 tensor
+    (D,), one prefix per document (0 <= P_d <= its length, 0: none).
     Padding rows with a sink: LSE = the sink. v may have its own head dim Dv (out then has Dv).
     return_max_logits: as ring_attention (positions within the documents).
     """
     out, lse, *max_logits = context_parallel(
         "cpattn.ring_attention_varlen", q, k, v, group, layout, timeout, strategy,
-        allgather_chunk, cu_seqlens,
-        dict(causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
-             softcap=softcap, alibi_slopes=alibi_slopes, prefix_len=prefix_len),
-        ring_chunk=ring_chunk, return_max_logits=return_max_logits)
+        allgather_chunk, cu_seqlens, options, ring_chunk=ring_chunk,
+        return_max_logits=return_max_logits)
     return returned(out[0], lse[0] if return_lse else None, max_logits)
 
 

@@ -118,7 +118,7 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int], Atte
 def across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Attend],
                  return_lse: bool, options: dict, *, seqlen,
                  rows: Callable[[int], tuple[int, int]], layout: str = "contiguous",
-                 fields_of: Optional[Callable[[], list]] = None):
+                 fields_of: Optional[Callable[[], list]] = None, without: tuple = ()):
     """The Ulysses steps of ulysses_attention and the hybrid: validation and the agreement check
     over `group`, the all-to-all to head shards, attend(qh, kh, vh, n, options) -> (out_h, lse_h)
     on this rank's heads (the options' per-head tensors sliced to them) for a sequence of n real
@@ -126,11 +126,12 @@ def across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Att
     the same autograd node (_LocalAcrossHeads).
     Any length: rows(n) gives (the length of a head shard once a length-n sequence is padded,
     the rows of it that attend gets); the rows after those come back as padding (0 / -inf).
-    fields_of(): more fields of the signature, validated with the rest (varlen's documents)."""
+    fields_of(): more fields of the signature, validated with the rest (varlen's documents).
+    without: the attention options the caller does not take."""
     world = dist.get_world_size(group)
 
     def check():
-        opts, fields = checked_call(what, q, k, v, options, layout)
+        opts, fields = checked_call(what, q, k, v, options, layout, without=without)
         if q.shape[2] % world != 0:
             raise error(what, "heads", q.shape[2],
                         f"must be divisible by the Ulysses group size ({world})")
@@ -171,12 +172,9 @@ def boundaries(cu_seqlens) -> list[int]:
 
 
 def ulysses_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, causal: bool = False,
-    softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
-    return_lse: bool = False, timeout: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
-    seqlen: Optional[int] = None, return_max_logits: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
+    seqlen: Optional[int] = None, timeout: Optional[float] = None, return_lse: bool = False,
+    return_max_logits: bool = False, **options,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Exact attention over a sequence sharded contiguously (rank r holds tokens
     [r*S/W, (r+1)*S/W)) by all-to-all between sequence and head shards.
@@ -186,8 +184,8 @@ def ulysses_attention(
     one per rank when a rank's H/W query heads share one KV head (K/V traffic x W / Hkv), else one
     per query head (K/V traffic x H / Hkv). Returns out (B, S/W, H, Dv) and optionally the LSE
     (B, H, S/W). Differentiable. v may have its own head dim Dv.
-    sinks, softcap, alibi_slopes, prefix_len: as cpattn.attention on global positions; each rank
-    uses the sinks / slopes of the heads it computes; the gradient of `sinks` on a rank is its
+    **options: the attention options (cpattn.attention), on global positions; each rank uses
+    the sinks / slopes of the heads it computes; the gradient of `sinks` on a rank is its
     tokens' share, every head (summed over the group by the usual parameter-gradient
     all-reduce). The backward keeps the output by sequence only (not also by heads).
     seqlen: the global sequence length, for any length (default: W times the shard length):
@@ -198,8 +196,6 @@ def ulysses_attention(
     """
     what = "cpattn.ulysses_attention"
     group, _, world = group_info(group)
-    options = dict(causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
-                   softcap=softcap, alibi_slopes=alibi_slopes, prefix_len=prefix_len)
     result = across_heads(what, q, k, v, group, check_timeout(what, timeout), None, return_lse,
                           options, seqlen=seqlen,
                           rows=lambda n: (padded_length(n, "contiguous", world), n),
@@ -216,11 +212,8 @@ def ulysses_attention(
 
 def ulysses_attention_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, *, group=None,
-    causal: bool = False, softmax_scale: Optional[float] = None,
-    window: tuple[int, int] = (-1, -1), return_lse: bool = False,
-    timeout: Optional[float] = None, sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None, return_max_logits: bool = False,
-    attend_cu_seqlens=None,
+    attend_cu_seqlens=None, timeout: Optional[float] = None, return_lse: bool = False,
+    return_max_logits: bool = False, **options,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Ulysses attention over packed documents that never attend across each other.
 
@@ -229,7 +222,8 @@ def ulysses_attention_varlen(
     "contiguous"): each document padded to a multiple of W and split contiguously. The
     all-to-all gives each rank every token of H / W heads; the documents then attend locally
     (cpattn.attention_varlen) and come back by sequence. Padding tokens: output 0, LSE -inf
-    (with sinks: the sink). Options as ulysses_attention, on positions within each document.
+    (with sinks: the sink). Options as ulysses_attention but prefix_len, on positions within
+    each document.
     Returns out (T_local, H, Dv) and optionally lse (H, T_local), and with return_max_logits
     (as cpattn.ring_attention_varlen) the max logits last.
     attend_cu_seqlens: the pieces that attend apart when finer than the sharding's documents
@@ -239,8 +233,6 @@ def ulysses_attention_varlen(
     what = "cpattn.ulysses_attention_varlen"
     group, _, world = group_info(group)
     pieces = cu_seqlens if attend_cu_seqlens is None else attend_cu_seqlens
-    options = dict(causal=causal, softmax_scale=softmax_scale, window=window, sinks=sinks,
-                   softcap=softcap, alibi_slopes=alibi_slopes)
 
     def fields_of():
         docs, _, raw = document_lengths(what, cu_seqlens)
@@ -262,10 +254,10 @@ def ulysses_attention_varlen(
         cu = boundaries(cu_seqlens)
         lengths = tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
         order = gathered_order(lengths, "contiguous", world).to(qh.device)  # row of token p
-        out_p, lse_p = attention_varlen(
-            qh[0, order], kh[0, order], vh[0, order], pieces, return_lse=True,
-            causal=mine.causal, softmax_scale=mine.softmax_scale, window=mine.window,
-            sinks=mine.sinks, softcap=mine.softcap, alibi_slopes=mine.alibi_slopes)
+        keywords = mine.as_keywords()
+        del keywords["prefix_len"]  # (refused above: checked without it)
+        out_p, lse_p = attention_varlen(qh[0, order], kh[0, order], vh[0, order], pieces,
+                                        return_lse=True, **keywords)
         out = out_p.new_zeros((qh.shape[1], *out_p.shape[1:])).index_copy(0, order, out_p)
         empty = (lse_p.new_full((lse_p.shape[0], qh.shape[1]), float("-inf"))
                  if mine.sinks is None else
@@ -274,12 +266,12 @@ def ulysses_attention_varlen(
 
     result = across_heads(what, q[None], k[None], v[None], group, check_timeout(what, timeout),
                           attend, return_lse, options, seqlen=None, rows=lambda n: (n, n),
-                          fields_of=fields_of)
+                          fields_of=fields_of, without=("prefix_len",))
     max_logits = []
     if return_max_logits:
         docs, _, _ = document_lengths(what, cu_seqlens)
         placement = document_placement(docs, "contiguous", world)
-        opts = AttentionOptions.checked(what, q.shape[-1], **options)
+        opts = AttentionOptions.checked(what, q.shape[-1], ("prefix_len",), **options)
         max_logits = [global_max_logits(q[None], k[None], group, placement, opts)]
     out, lse = result if return_lse else (result, None)
     return returned(out[0], None if lse is None else lse[0], max_logits)
