@@ -13,6 +13,7 @@ _C = _load_extension()
 from cpattn import _ops, comm, memory, plan  # noqa: E402,F401
 from cpattn._agreement import get_rank_check, set_rank_check  # noqa: E402
 from cpattn.attention import attention, merge_state_  # noqa: E402
+from cpattn.context_attention import context_attention  # noqa: E402
 from cpattn.inference import (  # noqa: E402
     KVCacheShard,
     chunk_positions,
@@ -22,7 +23,6 @@ from cpattn.inference import (  # noqa: E402
 )
 from cpattn.memory import release_buffers  # noqa: E402
 from cpattn.parallel import ContextParallel  # noqa: E402
-from cpattn.plan_attention import context_attention  # noqa: E402
 from cpattn.ring import (  # noqa: E402
     attention_varlen,
     destroy_communicators,
