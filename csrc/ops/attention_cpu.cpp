@@ -154,8 +154,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
 // operands not read in place) and the kernel's dK / dV sums beyond the gradients (KeyGradSums:
 // none for fp32 gradients, the low halves for bf16 ones, fp32 sums otherwise). A group holds
 // as many KV heads as fit kBackwardGroupBytes (at least one); a function of the shape only, so
-// the bits do not depend on the thread count (cpattn.plan's memory model asks for it:
-// cpu_backward_sizes).
+// the bits do not depend on the thread count. cpattn.plan's memory model reads it back through
+// the op cpu_backward_sizes (plan_ops.cpp).
 constexpr int64_t kBackwardGroupBytes = int64_t{8} << 20;
 std::atomic<int64_t> backward_group_bytes{kBackwardGroupBytes};  // tests lower it
 

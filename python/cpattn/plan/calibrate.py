@@ -56,6 +56,8 @@ def _ring_shift(send: torch.Tensor, recv: torch.Tensor, group) -> None:
     ops = [dist.P2POp(dist.irecv, recv, prev, group), dist.P2POp(dist.isend, send, nxt, group)]
     for work in dist.batch_isend_irecv(ops):
         work.wait()
+    if recv.is_cuda:  # NCCL's wait only orders the stream: time the transfer, not its launch
+        torch.cuda.synchronize(recv.device)
 
 
 def _probe_kernel(device, dtype: torch.dtype, block: tuple, sync) -> tuple:

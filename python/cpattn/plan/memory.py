@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from cpattn import _C
+from cpattn._C import cpu_isa
 from cpattn.plan.model import DTYPE_BYTES, Problem
 from cpattn.plan.work import allgather_chunk, kv_heads_sent, tokens_per_rank
 
@@ -103,7 +103,7 @@ def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, dtype: str, gr
 @functools.lru_cache(maxsize=1)
 def _bf16_dot() -> bool:
     """Whether this CPU's kernel takes bf16 through bf16 dot products (its packing differs)."""
-    return _C.cpu_isa() == "avx512bf16"
+    return cpu_isa() == "avx512bf16"
 
 
 def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
