@@ -131,7 +131,7 @@ def main() -> None:
 def _plot(rows: list, png: str) -> None:
     """Against W at the longest S, and against S at the largest W (one line per strategy and
     KV-head count)."""
-    from cpattn.plan_plot import plot_rows
+    from cpattn.plan.plot import plot_rows
 
     for r in rows:
         r["line"] = f"{r['strategy']}, kv {r['kv heads']}"

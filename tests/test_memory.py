@@ -23,8 +23,9 @@ CASES = [  # (strategy, layout, kv heads, dtype, chunk: ring_chunk / allgather_c
     ("ulysses", "contiguous", 4, torch.float32, None),
     ("ulysses", "contiguous", 2, torch.bfloat16, None),
 ]
-# The same with the CPU backward in one kernel call per KV head (its byte budget lowered; the
-# model's too): each call packs and sums only its group's heads.
+# The same with the CPU backward in one kernel call per KV head (its byte budget lowered, which
+# the model reads back through torch.ops.cpattn.cpu_backward_sizes): each call packs and sums
+# only its group's heads.
 GROUPED = [
     ("ulysses", "contiguous", 4, torch.bfloat16, None),
     ("ring", "contiguous", 4, torch.bfloat16, None),
@@ -44,10 +45,8 @@ def _measured_vs_model(rank: int, world: int) -> list[tuple[str, list[int], tupl
     rows = []  # returned, not raised: a rank that raised would leave its peer in a collective
     for strategy, layout, hkv, dtype, chunk, group_bytes in (
             [c + (None,) for c in CASES] + [c + (1,) for c in GROUPED]):
-        default = P._BACKWARD_GROUP_BYTES
         if group_bytes:
-            P._BACKWARD_GROUP_BYTES = group_bytes
-            torch.ops.cpattn_testing.set_cpu_backward_group_bytes(group_bytes)
+            default = torch.ops.cpattn_testing.set_cpu_backward_group_bytes(group_bytes)
         L = S // world
         torch.manual_seed(rank)
         q, k, v = (torch.randn(1, L, h, D, dtype=dtype, requires_grad=True) for h in (H, hkv, hkv))
@@ -66,8 +65,8 @@ def _measured_vs_model(rank: int, world: int) -> list[tuple[str, list[int], tupl
         p = P.Problem(S, H, hkv, D, dtype=str(dtype).split(".")[1], causal=True)
         m = P.memory(p, strategy, world, layout, chunk, gloo=True)
         model = (m["peak"], m["gloo_late"])
-        P._BACKWARD_GROUP_BYTES = default
-        torch.ops.cpattn_testing.set_cpu_backward_group_bytes(default)
+        if group_bytes:
+            torch.ops.cpattn_testing.set_cpu_backward_group_bytes(default)
         rows.append((f"{strategy}/{layout} kv heads {hkv} {dtype} chunk {chunk} group bytes "
                      f"{group_bytes}", peaks, model))
     return rows

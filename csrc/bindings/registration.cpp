@@ -61,6 +61,11 @@ TORCH_LIBRARY(cpattn, m) {
   m.def(
       "schedule_work(int seqlen, int world, int layout, bool causal, int window_left, "
       "int window_right, int block_m, int block_n, Tensor? doc_lengths=None) -> Tensor");
+  // The cost model's view of the CPU backward: [KV heads per kernel call, key splits, query rows
+  // per chunk] for a shape, dtype and gradient dtype.
+  m.def(
+      "cpu_backward_sizes(int batch, int seqlen_q, int seqlen_k, int heads, int kv_heads, "
+      "int head_dim, ScalarType input_dtype, ScalarType grad_dtype) -> int[]");
   m.def("ring_stats() -> Tensor");
   m.def("destroy_communicators() -> int");
   m.def("release_buffers() -> int");

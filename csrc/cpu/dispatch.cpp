@@ -95,4 +95,17 @@ void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n) {
   }
 }
 
+BackwardChunking backward_chunking(const AttnShape& shape) {
+  switch (isa()) {
+    case Isa::kAvx512Bf16:
+      return avx512bf16::backward_chunking(shape);
+    case Isa::kAvx512:
+      return avx512::backward_chunking(shape);
+    case Isa::kAvx2:
+      return avx2::backward_chunking(shape);
+    default:
+      return generic::backward_chunking(shape);
+  }
+}
+
 }  // namespace cpattn::cpu

@@ -17,11 +17,21 @@ const char* active_isa();
 // Whether the kernels take bf16 operands (FwdParams::q16...): AVX-512 with bf16 dot products.
 bool has_bf16_dot();
 
+// How the backward of a call of shape `shape` cuts its work (attention_kernel.h): the splits of
+// the key blocks per (batch, kv head) pair, each with its own dQ buffer, and the query rows per
+// chunk. For the cost model's memory figures (cpattn.plan).
+struct BackwardChunking {
+  int64_t key_splits = 0;
+  int64_t chunk_rows = 0;
+};
+BackwardChunking backward_chunking(const AttnShape& shape);
+
 #define CPATTN_DECLARE_ISA(isa)                                          \
   namespace isa {                                                        \
   void attention_fwd(const FwdParams& params);                           \
   void attention_bwd(const BwdParams& params);                           \
   void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n); \
+  BackwardChunking backward_chunking(const AttnShape& shape);            \
   }
 CPATTN_DECLARE_ISA(avx512bf16)
 CPATTN_DECLARE_ISA(avx512)

@@ -12,4 +12,7 @@ void attention_bwd(const BwdParams& params) { attention_bwd_impl(params); }
 void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n) {
   round_split_sums_impl(high, low, n);
 }
+BackwardChunking backward_chunking(const AttnShape& shape) {
+  return {key_splits(shape), chunk_rows(shape)};
+}
 }  // namespace cpattn::cpu::avx512

@@ -152,7 +152,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
 // operands not read in place) and the kernel's dK / dV sums beyond the gradients (KeyGradSums:
 // none for fp32 gradients, the low halves for bf16 ones, fp32 sums otherwise). A group holds
 // as many KV heads as fit kBackwardGroupBytes (at least one); a function of the shape only, so
-// the bits do not depend on the thread count. cpattn.plan._backward_group is the same rule.
+// the bits do not depend on the thread count. cpattn.plan's memory model reads it back through
+// the op cpu_backward_sizes (plan_ops.cpp).
 constexpr int64_t kBackwardGroupBytes = int64_t{8} << 20;
 std::atomic<int64_t> backward_group_bytes{kBackwardGroupBytes};  // tests lower it
 
@@ -177,6 +178,30 @@ int64_t backward_bytes_per_kv_head(const AttnShape& s, bool bf16, bool operands_
   return bytes;
 }
 
+// Whether the backward takes bf16 operands through bf16 dot products.
+bool backward_takes_bf16(const at::Tensor& q, const at::Tensor& dout) {
+  return q.scalar_type() == at::kBFloat16 && dout.scalar_type() == at::kBFloat16 &&
+         cpu::has_bf16_dot();
+}
+
+}  // namespace
+
+int64_t cpu_backward_kv_heads_per_call(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& dout,
+                                       const AttnShape& s, at::ScalarType grad) {
+  const int64_t dp = s.head_dim_padded, dvp = s.head_dim_v_padded;
+  const bool bf16 = backward_takes_bf16(q, dout);
+  const bool in_place =
+      bf16 ? read_in_place(k, dp, at::kBFloat16) && read_in_place(v, dvp, at::kBFloat16)
+           : read_in_place(q, dp) && read_in_place(k, dp) && read_in_place(v, dvp) &&
+                 read_in_place(dout, dvp);
+  const int64_t per_head = backward_bytes_per_kv_head(s, bf16, in_place, grad);
+  return per_head == 0 ? s.kv_heads
+                       : std::clamp<int64_t>(backward_group_bytes.load() / per_head, 1, s.kv_heads);
+}
+
+namespace {
+
 // The backward into dq, dk, dv (B, S, H, D by strides): written, or with `accumulate` (fp32, or
 // for dq split sums with dq_low: BwdParams) added to what they hold.
 void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tensor& dk,
@@ -189,17 +214,9 @@ void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tens
   // delta = rowsum(dout * out) per query row, over the global output.
   at::Tensor delta = row_delta(dout, out, s);
   if (dlse && dlse->defined()) delta.sub_(dlse->to(at::kFloat));
-  const at::ScalarType grad = dk.scalar_type();  // dk and dv: fp32 where dq is split sums
-  const bool bf16 = q.scalar_type() == at::kBFloat16 && dout.scalar_type() == at::kBFloat16 &&
-                    cpu::has_bf16_dot();
-  const bool in_place =
-      bf16 ? read_in_place(k, dp, at::kBFloat16) && read_in_place(v, dvp, at::kBFloat16)
-           : read_in_place(q, dp) && read_in_place(k, dp) && read_in_place(v, dvp) &&
-                 read_in_place(dout, dvp);
-  const int64_t per_head = backward_bytes_per_kv_head(s, bf16, in_place, grad);
-  const int64_t kv_per_call =
-      per_head == 0 ? s.kv_heads
-                    : std::clamp<int64_t>(backward_group_bytes.load() / per_head, 1, s.kv_heads);
+  const bool bf16 = backward_takes_bf16(q, dout);
+  // dk and dv: fp32 where dq is split sums
+  const int64_t kv_per_call = cpu_backward_kv_heads_per_call(q, k, v, dout, s, dk.scalar_type());
   at::Tensor slopes, sinks;
   const ScoreOptions all_heads = score_options(score, slopes, sinks);
 

@@ -73,6 +73,13 @@ inline BshdStrides strides_of(const at::Tensor& t) {
 // it, returns the previous one. For tests, which lower it to run every head group's path.
 int64_t exchange_cpu_backward_group_bytes(int64_t bytes);
 
+// KV heads per kernel call of the CPU backward (attention_cpu.cpp backward_cpu) on these operands
+// (their dtypes and strides decide its packing; meta tensors will do) with gradients dk, dv in
+// `grad`: as many as fit the byte budget above, at least one.
+int64_t cpu_backward_kv_heads_per_call(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const at::Tensor& dout,
+                                       const AttnShape& s, at::ScalarType grad);
+
 // Called once per device type at load time (a static initialiser in the backend's file).
 bool register_backend(c10::DeviceType type, const Backend& backend);
 

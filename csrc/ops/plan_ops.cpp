@@ -1,4 +1,5 @@
-// The ring schedule's work per (rank, step), for the cost model in python/cpattn/plan.py.
+// What the cost model (python/cpattn/plan) asks the library: the ring schedule's work per (rank,
+// step), and the sizes the CPU backward chooses for a shape.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -7,6 +8,9 @@
 
 #include "cpattn/layout.h"
 #include "cpattn/work.h"
+#include "cpu/kernels.h"
+#include "ops/backend.h"
+#include "ops/checks.h"
 
 namespace cpattn::ops {
 namespace {
@@ -61,10 +65,48 @@ at::Tensor schedule_work(int64_t seqlen, int64_t world, int64_t layout, bool cau
   return out;
 }
 
+// [KV heads per kernel call, key splits, query rows per chunk] of the CPU backward over
+// contiguous q, k, v and dout in `input_dtype` with gradients in `grad_dtype`, as the backward
+// decides them (attention_cpu.cpp, under the byte budget the process runs with; the kernels of
+// the instruction set it runs with, for one call's heads).
+std::vector<int64_t> cpu_backward_sizes(int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
+                                        int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                        at::ScalarType input_dtype, at::ScalarType grad_dtype) {
+  TORCH_CHECK(batch > 0 && seqlen_q > 0 && seqlen_k > 0 && head_dim > 0,
+              "cpattn.cpu_backward_sizes: batch, seqlen_q, seqlen_k and head_dim must be > 0, got ",
+              batch, ", ", seqlen_q, ", ", seqlen_k, " and ", head_dim);
+  TORCH_CHECK(kv_heads > 0 && heads > 0 && heads % kv_heads == 0,
+              "cpattn.cpu_backward_sizes: heads must be a positive multiple of kv_heads, got ",
+              heads, " and ", kv_heads);
+  TORCH_CHECK(is_float_type(input_dtype) && is_float_type(grad_dtype),
+              "cpattn.cpu_backward_sizes: input_dtype and grad_dtype must be float32, bfloat16 "
+              "or float16, got ",
+              input_dtype, " and ", grad_dtype);
+  AttnShape s;  // as check_qkv makes it
+  s.batch = batch;
+  s.seqlen_q = seqlen_q;
+  s.seqlen_k = seqlen_k;
+  s.heads = heads;
+  s.kv_heads = kv_heads;
+  s.head_dim = s.head_dim_v = head_dim;
+  s.head_dim_padded = s.head_dim_v_padded = (head_dim + 15) / 16 * 16;
+  // operands without data: their dtypes and strides are all the grouping reads
+  const auto meta = at::TensorOptions().device(at::kMeta).dtype(input_dtype);
+  const at::Tensor q = at::empty({batch, seqlen_q, heads, head_dim}, meta);
+  const at::Tensor kv = at::empty({batch, seqlen_k, kv_heads, head_dim}, meta);
+  const int64_t kv_per_call = cpu_backward_kv_heads_per_call(q, kv, kv, q, s, grad_dtype);
+  AttnShape call = s;
+  call.kv_heads = kv_per_call;
+  call.heads = kv_per_call * s.group_size();
+  const cpu::BackwardChunking chunking = cpu::backward_chunking(call);
+  return {kv_per_call, chunking.key_splits, chunking.chunk_rows};
+}
+
 }  // namespace
 }  // namespace cpattn::ops
 
 // No tensor argument to dispatch on.
 TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("schedule_work", &cpattn::ops::schedule_work);
+  m.impl("cpu_backward_sizes", &cpattn::ops::cpu_backward_sizes);
 }

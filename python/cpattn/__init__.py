@@ -13,6 +13,7 @@ _C = _load_extension()
 from cpattn import _ops, comm, memory, plan  # noqa: E402,F401
 from cpattn._agreement import get_rank_check, set_rank_check  # noqa: E402
 from cpattn.attention import attention, attention_varlen, merge_state_  # noqa: E402
+from cpattn.context_attention import context_attention  # noqa: E402
 from cpattn.inference import (  # noqa: E402
     KVCacheShard,
     chunk_positions,
@@ -23,7 +24,6 @@ from cpattn.inference import (  # noqa: E402
 from cpattn.memory import release_buffers  # noqa: E402
 from cpattn.options import AttentionOptions  # noqa: E402
 from cpattn.parallel import ContextParallel  # noqa: E402
-from cpattn.plan_attention import context_attention  # noqa: E402
 from cpattn.sharding import (  # noqa: E402
     hybrid_positions,
     hybrid_shard,

@@ -122,7 +122,7 @@ def plan_command(args: argparse.Namespace) -> int:
     print(P.table(ranked))
     print(f"\nchoice: {why}")
     if args.plot:
-        from cpattn.plan_plot import plot_plan
+        from cpattn.plan.plot import plot_plan
 
         worlds = [w for w in (1, 2, 4, 8, 16, 32, 64, 128, 256) if w <= max(8, 4 * args.world)]
         seqlens = [problem.seqlen * f for f in (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2, 4)]

@@ -1,5 +1,5 @@
 // How much attention work the ring schedule gives a rank at a step, for the cost model
-// (python/cpattn/plan.py): the visible (query, key) pairs, and the pairs in the tiles a kernel
+// (python/cpattn/plan/work.py): the visible (query, key) pairs, and the pairs in the tiles a kernel
 // with block_m x block_n tiles visits (a visited tile costs its full area, masked or not).
 #pragma once
 

@@ -1,9 +1,14 @@
 """Plots of the cost model (python -m cpattn plan --plot) and of measured tables (bench/).
-Needs matplotlib; nothing else in cpattn does."""
+Needs matplotlib; nothing else in cpattn does (cpattn.plan does not import this module)."""
 
+import dataclasses
 from typing import Sequence
 
-from cpattn import plan as P
+# a Figure of its own, not pyplot's: no backend or global state touched, written to a file
+from matplotlib.figure import Figure
+
+from cpattn.plan.model import Machine, Problem
+from cpattn.plan.predict import predict
 
 _FAMILIES = ("none", "ring/zigzag", "allgather/zigzag", "ulysses", "hybrid")
 
@@ -21,33 +26,22 @@ def _best_by_family(preds) -> dict:
     return best
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_plan(problem: P.Problem, machine: P.Machine, worlds: Sequence[int],
+def plot_plan(problem: Problem, machine: Machine, worlds: Sequence[int],
               seqlens: Sequence[int], world: int, path: str) -> None:
     """Time and peak memory per rank against W, and time against sequence length at `world`
     ranks, for each strategy (hybrid: its best U x R at each point)."""
-    import dataclasses
-
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig = Figure(figsize=(16, 4.8))
+    axes = fig.subplots(1, 3)
     series_w = {f: ([], [], []) for f in _FAMILIES}
     for w in worlds:
-        for f, r in _best_by_family(P.predict(problem, machine, w)).items():
+        for f, r in _best_by_family(predict(problem, machine, w)).items():
             series_w[f][0].append(w)
             series_w[f][1].append(r.time * 1e3)
             series_w[f][2].append(r.peak_memory / 2**30)
     series_s = {f: ([], []) for f in _FAMILIES}
     for s in seqlens:
         p = dataclasses.replace(problem, seqlen=s, documents=None)
-        for f, r in _best_by_family(P.predict(p, machine, world)).items():
+        for f, r in _best_by_family(predict(p, machine, world)).items():
             series_s[f][0].append(s)
             series_s[f][1].append(r.time * 1e3)
     for f in _FAMILIES:
@@ -71,15 +65,14 @@ def plot_plan(problem: P.Problem, machine: P.Machine, worlds: Sequence[int],
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def plot_rows(rows: Sequence[dict], x: str, ys: Sequence[str], group: str, path: str,
               title: str = "", logx: bool = True) -> None:
     """A measured table as lines: one panel per column in `ys`, one line per value of `group`,
     against column `x`. rows: dicts of column -> value."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(ys), figsize=(5.5 * len(ys), 4.2), squeeze=False)
+    fig = Figure(figsize=(5.5 * len(ys), 4.2))
+    axes = fig.subplots(1, len(ys), squeeze=False)
     keys = list(dict.fromkeys(r[group] for r in rows))
     for ax, y in zip(axes[0], ys):
         for key in keys:
@@ -93,4 +86,3 @@ def plot_rows(rows: Sequence[dict], x: str, ys: Sequence[str], group: str, path:
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
