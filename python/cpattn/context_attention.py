@@ -67,14 +67,17 @@ def _hybrid_groups(group, u: int):
     return _HYBRID_GROUPS[key]
 
 
+_UNMODELLED = ("softcap", "alibi_slopes", "sinks", "prefix_len")  # (refused: TypeError)
+
+
 def context_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, causal: bool = False,
-    softmax_scale: Optional[float] = None, window: tuple = (-1, -1), return_lse: bool = False,
-    strategy: str = "auto", timeout: Optional[float] = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, strategy: str = "auto",
+    timeout: Optional[float] = None, return_lse: bool = False, **options,
 ) -> Union[torch.Tensor, tuple]:
     """cpattn.attention over the ranks of `group`, each holding the whole q (B, S, H, D) and k, v
     (B, S, Hkv, D) (the same tensors), returning the whole output (and LSE (B, H, S)) on every
     rank; gradients are whole on every rank too (the loss must be the same on every rank).
+    **options: the attention options the cost model knows: causal, softmax_scale, window.
 
     strategy: "auto" (the cost model picks, no context parallelism included: short sequences
     are not split), "none", "ring/<layout>", "allgather/<layout>", "ulysses" or
@@ -87,9 +90,7 @@ def context_attention(
     train = needs_grad(q, k, v)
 
     def check():
-        checked, fields = checked_call(what, q, k, v, dict(causal=causal,
-                                                           softmax_scale=softmax_scale,
-                                                           window=window))
+        checked, fields = checked_call(what, q, k, v, options, without=_UNMODELLED)
         if not isinstance(strategy, str):
             raise error(what, "strategy", strategy, "must be a str")
         return checked, [*fields, ("requires_grad", train), ("strategy", strategy)]

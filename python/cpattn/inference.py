@@ -112,6 +112,12 @@ def _check_sinks(
     return sinks.detach()
 
 
+def _causal_options(what: str, q: torch.Tensor, options: dict) -> AttentionOptions:
+    """The options of a prefill or decode call (causal, no choice), the sinks detached."""
+    opts = AttentionOptions.checked(what, q.shape[-1], ("causal",), **options)
+    return opts.replace(causal=True, sinks=_check_sinks(opts.sinks, q, what))
+
+
 def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """After the last merge (fp32 out): the sinks join each row once; out cast to dtype."""
@@ -123,12 +129,8 @@ def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
 
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheShard, *, group=None,
-    layout: str = "zigzag", softmax_scale: Optional[float] = None, return_lse: bool = False,
-    timeout: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
-    seqlen: Optional[int] = None,
-    window: tuple[int, int] = (-1, -1),
+    layout: str = "zigzag", seqlen: Optional[int] = None, timeout: Optional[float] = None,
+    return_lse: bool = False, **options,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Causal attention for a chunk of C prompt tokens per sequence, sharded over the ranks, that
     also stores the chunk's K/V in the owners' cache shards.
@@ -146,19 +148,18 @@ def prefill_attention(
             W (2 W for zigzag). Shorter tails go through decode_attention (append, then Sq > 1).
         return_lse: also return the LSE (batch, heads, C / W) float32.
         timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT or 300).
-        sinks: (heads,) attention-sink logits (as cpattn.attention): they join each row once,
-            after the ring's and the cached tokens' partials are merged.
-        softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions (the
-            sequence's, counted from its first cached token). A prefix that reaches into the
-            chunk needs every sequence of the batch at the same cache length.
+        **options: the attention options of cpattn.attention but causal (a prefill is causal),
+            on global positions (the sequence's, counted from its first cached token). sinks
+            join each row once, after the ring's and the cached tokens' partials are merged. A
+            prefix that reaches into the chunk needs every sequence of the batch at the same
+            cache length. window: (left, right) with the causal rule: query i sees the chunk's
+            and the cached keys j with i - left <= j <= i (left = n - 1 for a model's sliding
+            window of n tokens).
         seqlen: the chunk's length C, for any length (default: W times the shard length): the
             shards of cpattn.shard on a length-C chunk are padded at its end to the layout's
             granularity (cpattn.positions(C) marks the padding -1); padding rows get out 0 and
             LSE -inf (with sinks: the sink), padding tokens are never attended to nor stored,
             and the cache grows by C.
-        window: (left, right) sliding window as cpattn.attention, with the causal rule, on
-            global positions: query i sees the chunk's and the cached keys j with
-            i - left <= j <= i (left = n - 1 for a model's sliding window of n tokens).
 
     Returns this rank's out (batch, C / W, heads, head_dim) in q's dtype. Forward only. Every rank
     must call it with the same shapes and options; a mismatch or a full cache raises on every rank.
@@ -171,10 +172,7 @@ def prefill_attention(
         check_qkv(what, q, k, v)
         check_choice(what, "layout", layout, tuple(LAYOUTS))
         check_cache_type(cache, what)
-        opts = AttentionOptions.checked(
-            what, q.shape[-1], causal=True, softmax_scale=softmax_scale, window=window,
-            softcap=softcap, alibi_slopes=alibi_slopes, sinks=_check_sinks(sinks, q, what),
-            prefix_len=prefix_len)
+        opts = _causal_options(what, q, options)
         prefix = opts.prefix_len
         padded = q.shape[1] * world
         n = padded if seqlen is None else check_int(what, "seqlen", seqlen, minimum=1)
@@ -240,12 +238,9 @@ def prefill_attention(
 
 
 def decode_attention(
-    q: torch.Tensor, cache: KVCacheShard, *, group=None, softmax_scale: Optional[float] = None,
-    return_lse: bool = False, comm: str = "all_gather", timeout: Optional[float] = None,
-    validate: bool = True,
-    sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None, prefix_len: int = 0,
-    window: tuple[int, int] = (-1, -1),
+    q: torch.Tensor, cache: KVCacheShard, *, group=None, comm: str = "all_gather",
+    timeout: Optional[float] = None, validate: bool = True, return_lse: bool = False,
+    **options,
 ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Exact causal attention of the newest Sq tokens of each sequence over the sharded cache.
 
@@ -269,14 +264,14 @@ def decode_attention(
             all-gather, a mismatch then raises on every rank). It is a second collective per
             call; without it a mismatch is a timeout or a wrong result. The arguments are
             validated locally either way.
-        sinks: (heads,) attention-sink logits (as cpattn.attention): they join each row once,
-            after the W partials are merged, whatever W (with "reduce_scatter", the rank's heads').
-        softcap, alibi_slopes, prefix_len: as cpattn.attention, on global positions (query row
-            i at cache.lengths[b] - Sq + i); each rank's partial over its keys applies them.
-            With ALiBi or a prefix the cache shard is visited in runs of `interleave` tokens.
-        window: (left, right) sliding window as cpattn.attention, with the causal rule: query
-            row i sees the keys at positions i - left .. i (left = n - 1 for a model's sliding
-            window of n tokens); the cache keeps every token, the window only masks.
+        **options: the attention options of cpattn.attention but causal (decode is causal), on
+            global positions (query row i at cache.lengths[b] - Sq + i); each rank's partial
+            over its keys applies them. sinks join each row once, after the W partials are
+            merged, whatever W (with "reduce_scatter", the rank's heads'). With ALiBi or a
+            prefix the cache shard is visited in runs of `interleave` tokens. window: (left,
+            right) with the causal rule: query row i sees the keys at positions i - left .. i
+            (left = n - 1 for a model's sliding window of n tokens); the cache keeps every
+            token, the window only masks.
 
     The partials travel and merge in float32; out is cast to q's dtype once. Forward only.
     A rank whose shard holds none of a sequence's tokens contributes an empty partial (lse -inf).
@@ -289,10 +284,7 @@ def decode_attention(
         check_tensor(what, "q", q, ("batch", "seqlen_q", "heads", "head_dim"))
         check_choice(what, "comm", comm, COMMS)
         check_cache_type(cache, what)
-        opts = AttentionOptions.checked(
-            what, q.shape[-1], causal=True, softmax_scale=softmax_scale, window=window,
-            softcap=softcap, alibi_slopes=alibi_slopes, sinks=_check_sinks(sinks, q, what),
-            prefix_len=prefix_len)
+        opts = _causal_options(what, q, options)
         return opts, [*tensor_fields("q", q), ("comm", comm), *cache.agreement_fields(rank),
                       *opts.agreement_fields()]
 

@@ -156,29 +156,27 @@ class ContextParallel:
                        index=self.positions(seqlen))
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-        softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
-        return_lse: bool = False,
-        sinks: Optional[torch.Tensor] = None, softcap: float = 0.0,
-        alibi_slopes: Optional[torch.Tensor] = None, documents: Optional[Documents] = None,
-        return_max_logits: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+        documents: Optional[Documents] = None, return_lse: bool = False,
+        return_max_logits: bool = False, **options,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Exact attention over the sharded sequence with this object's strategy.
 
         q (batch, seqlen / W, heads, head_dim), k / v (batch, seqlen / W, kv_heads, head_dim),
         this rank's tokens in `positions` order. Returns out like q (and the LSE
         (batch, heads, seqlen / W) with return_lse). Differentiable (also in `sinks`).
-        sinks (heads,), softcap, alibi_slopes (heads,): as cpattn.ring_attention, the same on
-        every rank.
+        **options: the attention options (cpattn.attention), `causal` among them always (no
+            default here: a model's attention is one or the other); the same on every rank.
         documents: packed documents (from cpattn.shard_batch): batch 1, the tokens in the
             per-document layout of shard_batch (cpattn.shard_varlen's; for hybrid over the ring,
             cut in U parts: document_positions).
         return_max_logits: also each head's largest logit over the whole sequence (heads,),
             last (as cpattn.ring_attention).
         """
-        common = dict(causal=causal, softmax_scale=softmax_scale, window=window,
-                      return_lse=return_lse, timeout=self.timeout, sinks=sinks, softcap=softcap,
-                      alibi_slopes=alibi_slopes, return_max_logits=return_max_logits)
+        if "causal" not in options:
+            raise TypeError("cpattn.ContextParallel.attention: give causal=True or False")
+        common = dict(return_lse=return_lse, timeout=self.timeout,
+                      return_max_logits=return_max_logits, **options)
         if documents is not None:
             if q.shape[0] != 1:
                 raise ValueError("cpattn.ContextParallel.attention: packed documents are one "

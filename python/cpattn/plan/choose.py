@@ -4,11 +4,11 @@ decisions made for it, once per distinct (group, problem, candidate set)."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional, Sequence
 
 import torch.distributed as dist
 
+from cpattn import _env
 from cpattn.plan.calibrate import calibrate
 from cpattn.plan.model import Candidate, Machine, Prediction, Problem, machine
 from cpattn.plan.predict import plan
@@ -40,7 +40,7 @@ def machine_for(group=None) -> Machine:
     calibration file), else calibrate(group) (collective, cached). The same on every rank."""
     key = _group_key(group)
     if key not in _MACHINES:
-        env = os.environ.get("CPATTN_PLAN_MACHINE")
+        env = _env.plan_machine()
         _MACHINES[key] = machine(env) if env else calibrate(group)
     return _MACHINES[key]
 

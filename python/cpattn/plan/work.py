@@ -12,6 +12,7 @@ import torch
 
 from cpattn._layout import LAYOUTS, granularity, kv_heads_for_ranks, round_up
 from cpattn.plan.model import Machine, Problem
+from cpattn.strategies.allgather import default_head_group
 
 
 @functools.lru_cache(maxsize=4096)
@@ -47,11 +48,8 @@ def divisible(p: Problem, world: int, layout: str) -> bool:
     return p.documents is not None or p.seqlen % granularity(layout, world) == 0
 
 
-def allgather_chunk(kv_heads: int, world: int) -> int:
-    """ring_attention(strategy="allgather")'s default KV heads per gather: kv_heads / (4 W), at
-    least one, so a gathered chunk (its K and V over the whole sequence) is at most a quarter of
-    this rank's own K and V shards and the memory per rank falls as 1/W."""
-    return max(1, kv_heads // (4 * world))
+# ring_attention(strategy="allgather")'s default KV heads per gather, as the strategy decides it
+allgather_chunk = default_head_group
 
 
 def kv_heads_sent(heads: int, kv_heads: int, u: int) -> int:

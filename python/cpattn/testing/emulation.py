@@ -47,8 +47,7 @@ def load_ops() -> None:
 
 
 def ring_attention_emulated(
-    q: list, k: list, v: list, *, causal: bool = False, layout: str = "zigzag",
-    softmax_scale=None, window: tuple[int, int] = (-1, -1), strategy: str = "ring",
+    q: list, k: list, v: list, *, layout: str = "zigzag", strategy: str = "ring", **options,
 ) -> tuple[list, list]:
     """W ranks emulated in this process; lists hold one shard per rank. Returns (outs, lses).
 
@@ -57,7 +56,7 @@ def ring_attention_emulated(
     on its own stream and receives on its own comm stream, ordered by events as with NCCL).
     "allgather": every rank's steps against the stacked shards. "ulysses": the all-to-alls done
     by concatenation; Ulysses shards contiguously, so it needs layout="contiguous".
-    Forward only.
+    Forward only. **options: causal, softmax_scale, window (as cpattn.attention).
     """
     what = "cpattn.ring_attention_emulated"
     check_choice(what, "strategy", strategy, ("ring", "allgather", "ulysses"))
@@ -65,8 +64,8 @@ def ring_attention_emulated(
     if strategy == "ulysses" and layout != "contiguous":
         raise ValueError(f"{what}: layout={layout!r}: strategy='ulysses' shards the sequence "
                          "contiguously, so it needs layout='contiguous'")
-    opts = AttentionOptions.checked(what, q[0].shape[-1], causal=causal,
-                                    softmax_scale=softmax_scale, window=window)
+    opts = AttentionOptions.checked(what, q[0].shape[-1],
+                                    ("softcap", "alibi_slopes", "sinks", "prefix_len"), **options)
     if strategy == "ring":
         load_ops()
         outs, lses = torch.ops.cpattn_testing.ring_fwd_emulated(q, k, v, LAYOUTS[layout],
