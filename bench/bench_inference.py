@@ -61,7 +61,6 @@ def _median_time(fn, iters: int) -> float:
 def _worker(rank: int, world: int, cfg: dict) -> dict:
     import cpattn
     from cpattn._agreement import agree
-    from cpattn.inference import _cache_fields
 
     h, hkv, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     ops = torch.ops.cpattn
@@ -100,10 +99,10 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
             row[key] = _times(decode_step, cfg["iters"])
         lens = cache.lengths
         row["local"] = _times(lambda: ops.cache_attention_fwd(
-            q, cache.k, cache.v, lens, lens - 1, rank, world, 1, d ** -0.5, True, torch.float32),
-            cfg["iters"])
+            q, cache.k, cache.v, lens, lens - 1, rank, world, 1, torch.float32,
+            softmax_scale=d ** -0.5, causal=True), cfg["iters"])
         group = dist.group.WORLD
-        fields = _cache_fields(cache, rank)
+        fields = cache.agreement_fields(rank)
         row["check"] = _times(lambda: agree("bench", group, fields, 60), cfg["iters"])
         res["decode"][ctx] = row
         cache = None  # freed before the next one is made

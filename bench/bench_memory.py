@@ -56,12 +56,13 @@ def _yunchang_kernels():
     yunchang passes)."""
     def fwd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
             return_softmax):
-        return torch.ops.cpattn.attention_fwd(q, k, v, softmax_scale, causal, -1, -1, 0, 0)
+        return torch.ops.cpattn.attention_fwd(q, k, v, 0, 0, softmax_scale=softmax_scale,
+                                              causal=causal)
 
     def bwd(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, softmax_scale, causal, window_size,
             softcap, alibi_slopes, deterministic, rng_state=None):
-        a, b, c = torch.ops.cpattn.attention_bwd(dout, q, k, v, out, lse, softmax_scale, causal,
-                                                 -1, -1, 0, 0)
+        a, b, c = torch.ops.cpattn.attention_bwd(dout, q, k, v, out, lse, 0, 0,
+                                                 softmax_scale=softmax_scale, causal=causal)
         dq.copy_(a)
         dk.copy_(b)
         dv.copy_(c)

@@ -124,11 +124,29 @@ def compare_plain(args) -> None:
 
 
 def loopback_op():
-    """The ring's loopback timing op: in cpattn_testing, or in cpattn in older builds (so that
-    --baseline can run on them)."""
+    """The ring's loopback timing op as f(q, k, v, dout, rank, world, layout, **options): in
+    cpattn_testing (loaded by cpattn.testing.emulation.load_ops), or in cpattn in older builds,
+    whose schema took the options positionally before the layout (so that --baseline can run on
+    them)."""
+    try:
+        from cpattn.testing.emulation import load_ops
+    except ImportError:  # an older build: the op is in cpattn itself
+        pass
+    else:
+        load_ops()
     for namespace in (torch.ops.cpattn_testing, torch.ops.cpattn):
-        if hasattr(namespace, "ring_loopback_timing"):
-            return namespace.ring_loopback_timing
+        if not hasattr(namespace, "ring_loopback_timing"):
+            continue
+        op = namespace.ring_loopback_timing
+        if [a.name for a in op.default._schema.arguments][6] == "layout":
+            return op
+
+        def positional(q, k, v, dout, rank, world, layout, softmax_scale, causal=False,
+                       window_left=-1, window_right=-1, op=op):
+            return op(q, k, v, dout, rank, world, softmax_scale, causal, window_left,
+                      window_right, layout)
+
+        return positional
     raise RuntimeError("bench_options: this cpattn build has no ring_loopback_timing op")
 
 
@@ -167,8 +185,8 @@ def measure(args, variants: dict) -> dict:
             shard = [t.detach()[:, : args.seqlen // 2] for t in (q, k, v, dout)]
             ring = {"fwd": [], "bwd": []}
             for _ in range(args.rounds + 1):
-                f, b = loopback_op()(
-                    *shard, 0, 2, args.head_dim ** -0.5, True, -1, -1, 1).tolist()
+                f, b = loopback_op()(*shard, 0, 2, 1, softmax_scale=args.head_dim ** -0.5,
+                                     causal=True).tolist()
                 ring["fwd"].append(f)
                 ring["bwd"].append(f + b)
             times[str(dtype).replace("torch.", "")]["ring W=2 zigzag (loopback)"] = {

@@ -50,7 +50,8 @@ def _worker(rank: int, world: int, args) -> dict:
                 t0 = time.perf_counter()
                 call(q, k, v)
                 t1 = time.perf_counter()
-                torch.ops.cpattn.ring_fwd(q, k, v, group_name, 0.25, True, -1, -1, code, 300.0)
+                torch.ops.cpattn.ring_fwd(q, k, v, group_name, code, 300.0, softmax_scale=0.25,
+                                          causal=True)
                 t2 = time.perf_counter()
                 public.append(t1 - t0)
                 bare.append(t2 - t1)

@@ -85,10 +85,11 @@ def _bad_inputs(cpattn, rank: int, world: int) -> dict:
             q, k, v, cpattn.KVCacheShard(1, 4, 2, 16), layout="contiguous"),
         # The raw op skips the Python checks: its kernel fails after the first shift is posted.
         "raw ring_fwd, mixed dtypes (in-ring)": lambda: torch.ops.cpattn.ring_fwd(
-            q.bfloat16(), k, v, dist.group.WORLD.group_name, 0.25, True, -1, -1, 1, TIMEOUT),
+            q.bfloat16(), k, v, dist.group.WORLD.group_name, 1, TIMEOUT, softmax_scale=0.25,
+            causal=True),
         "raw ring_fwd, head_dim 300 (in-ring)": lambda: torch.ops.cpattn.ring_fwd(
-            r(1, 8, 4, 300), r(1, 8, 2, 300), r(1, 8, 2, 300), dist.group.WORLD.group_name, 0.25,
-            True, -1, -1, 1, TIMEOUT),
+            r(1, 8, 4, 300), r(1, 8, 2, 300), r(1, 8, 2, 300), dist.group.WORLD.group_name, 1,
+            TIMEOUT, softmax_scale=0.25, causal=True),
     })
     return cases
 
@@ -128,8 +129,9 @@ def _mismatches(cpattn, rank: int, world: int) -> dict:
 
 def _valid(cpattn, rank: int, world: int) -> bool:
     shards = [_qkv(100 + r) for r in range(world)]
-    outs, _ = cpattn.ring_attention_emulated(*([s[i] for s in shards] for i in range(3)),
-                                             causal=True)
+    from cpattn.testing.emulation import ring_attention_emulated
+
+    outs, _ = ring_attention_emulated(*([s[i] for s in shards] for i in range(3)), causal=True)
     return torch.equal(cpattn.ring_attention(*shards[rank], causal=True), outs[rank])
 
 

@@ -42,7 +42,9 @@ def rank_inputs(rank: int, cfg: dict) -> tuple[torch.Tensor, ...]:
 
 def _worker(rank: int, world: int, cfg: dict) -> dict:
     import cpattn
+    from cpattn.testing.emulation import load_ops
 
+    load_ops()  # torch.ops.cpattn_testing.ring_loopback_timing
     q, k, v, dout = rank_inputs(rank, cfg)
     d = cfg["head_dim"]
     layout, causal = cfg["layout"], cfg["causal"]
@@ -60,7 +62,8 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         t2 = time.perf_counter()
         dist.barrier()
         fwd_s, bwd_s = torch.ops.cpattn_testing.ring_loopback_timing(
-            q, k, v, dout, rank, world, scale, causal, -1, -1, LAYOUTS[layout]).tolist()
+            q, k, v, dout, rank, world, LAYOUTS[layout], softmax_scale=scale,
+            causal=causal).tolist()
         if it > 0:
             ring_f.append(t1 - t0)
             ring_b.append(t2 - t1)

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn  # noqa: F401  (registers the fake kernels)
+from cpattn.testing.emulation import load_ops
 
 from distributed import run_ranks
 
@@ -22,18 +23,19 @@ def _inputs(seed: int, world: int = 2):
 
 def test_gathered_ops_fakes_match():
     q, kv_all = _inputs(0)
-    args = (0.25, True, 3, -1, 1)
-    torch.library.opcheck(ops.gathered_fwd, (q, kv_all, 1, *args), test_utils=TESTS)
-    out, lse = ops.gathered_fwd(q, kv_all, 1, *args)
+    layout = 1
+    opts = dict(softmax_scale=0.25, causal=True, window_left=3, window_right=-1)
+    torch.library.opcheck(ops.gathered_fwd, (q, kv_all, 1, layout), opts, test_utils=TESTS)
+    out, lse = ops.gathered_fwd(q, kv_all, 1, layout, **opts)
     dout = torch.randn_like(out)
-    torch.library.opcheck(ops.gathered_bwd, (dout, q, kv_all, out, lse, 1, *args),
+    torch.library.opcheck(ops.gathered_bwd, (dout, q, kv_all, out, lse, 1, layout), opts,
                           test_utils=TESTS)
-    torch.library.opcheck(ops.gathered_fwd, (q.bfloat16(), kv_all.bfloat16(), 0, *args),
+    torch.library.opcheck(ops.gathered_fwd, (q.bfloat16(), kv_all.bfloat16(), 0, layout), opts,
                           test_utils=TESTS)
-    score = dict(softcap=2.0, alibi_slopes=torch.rand(4), prefix_len=3)
-    torch.library.opcheck(ops.gathered_fwd, (q, kv_all, 1, *args),
+    score = dict(opts, softcap=2.0, alibi_slopes=torch.rand(4), prefix_len=3)
+    torch.library.opcheck(ops.gathered_fwd, (q, kv_all, 1, layout),
                           {**score, "sinks": torch.randn(4)}, test_utils=TESTS)
-    torch.library.opcheck(ops.gathered_bwd, (dout, q, kv_all, out, lse, 1, *args), score,
+    torch.library.opcheck(ops.gathered_bwd, (dout, q, kv_all, out, lse, 1, layout), score,
                           test_utils=TESTS)
 
 
@@ -46,19 +48,21 @@ def _ring_ops(rank, world):
     q, kv_all = _inputs(1, world=1)
     k, v = kv_all[0, ..., :16].contiguous(), kv_all[0, ..., 16:].contiguous()  # Dv != D
     name = dist.group.WORLD.group_name
-    args = (name, 0.25, True, -1, -1, 1, 60.0)
-    torch.library.opcheck(ops.ring_fwd, (q, k, v, *args), test_utils=TESTS)
-    out, lse = ops.ring_fwd(q, k, v, *args)
-    torch.library.opcheck(ops.ring_bwd, (torch.randn_like(out), q, k, v, out, lse, *args),
+    args = (name, 1, 60.0)  # group_name, layout, timeout_s
+    opts = dict(softmax_scale=0.25, causal=True)
+    torch.library.opcheck(ops.ring_fwd, (q, k, v, *args), opts, test_utils=TESTS)
+    out, lse = ops.ring_fwd(q, k, v, *args, **opts)
+    torch.library.opcheck(ops.ring_bwd, (torch.randn_like(out), q, k, v, out, lse, *args), opts,
                           test_utils=TESTS)
-    score = dict(softcap=2.0, alibi_slopes=torch.rand(4), prefix_len=3)
+    score = dict(opts, softcap=2.0, alibi_slopes=torch.rand(4), prefix_len=3)
     torch.library.opcheck(ops.ring_fwd, (q, k, v, *args), {**score, "sinks": torch.randn(4)},
                           test_utils=TESTS)
     out, lse = ops.ring_fwd(q, k, v, *args, **score)
     torch.library.opcheck(ops.ring_bwd, (torch.randn_like(out), q, k, v, out, lse, *args),
                           score, test_utils=TESTS)
+    load_ops()
     torch.library.opcheck(torch.ops.cpattn_testing.ring_fwd_emulated,
-                          ([q, q], [k, k], [v, v], 0.25, True, -1, -1, 1), test_utils=TESTS)
+                          ([q, q], [k, k], [v, v], 1), opts, test_utils=TESTS)
 
 
 def _separate_gradients(rank, world):

@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn import plan as P
+from cpattn.testing.emulation import load_ops
 
 from distributed import run_ranks
 
@@ -42,6 +43,7 @@ def _call(strategy, layout, chunk, q, k, v):
 
 def _measured_vs_model(rank: int, world: int) -> list[tuple[str, list[int], tuple[int, int]]]:
     """(case, peaks measured on this rank, (model, gloo_late)) per case."""
+    load_ops()  # torch.ops.cpattn_testing (set_cpu_backward_group_bytes), in this spawned rank
     rows = []  # returned, not raised: a rank that raised would leave its peer in a collective
     for strategy, layout, hkv, dtype, chunk, group_bytes in (
             [c + (None,) for c in CASES] + [c + (1,) for c in GROUPED]):

@@ -94,7 +94,8 @@ def _machine(bandwidth: float, latency: float) -> P.Machine:
 
 
 def _auto_ring_cases(rank: int, world: int) -> None:
-    from cpattn.ring import auto_strategy
+    from cpattn.options import AttentionOptions
+    from cpattn.strategies.ring import auto_strategy
 
     chosen = set()
     for n, (machine, layout, causal, window) in enumerate([
@@ -117,8 +118,10 @@ def _auto_ring_cases(rank: int, world: int) -> None:
             assert_matches(f"ring_attention {strategy} {layout} W={world}",
                            *results[strategy][:2], results[strategy][2:], ref_out, ref_lse,
                            [r.grad for r in ref_in], TOL)
-        named = auto_strategy(shards[0], shards[1], world, None, causal, layout, window, None,
-                              None, None, "ring_attention").strategy
+        opts = AttentionOptions.checked("ring_attention", q.shape[-1], causal=causal,
+                                        window=window)
+        named = auto_strategy(shards[0], shards[1], world, None, opts, layout, None, None, None,
+                              "ring_attention").strategy
         chosen.add(named)
         for a, b in zip(results["auto"], results[named]):
             assert torch.equal(a, b), f"auto ({named}) differs from {named}"

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn._layout import LAYOUTS
+from cpattn.testing.emulation import load_ops, ring_attention_emulated
 
 from distributed import run_ranks
 from reference import reference_attention
@@ -82,6 +83,7 @@ def test_ring_eight_ranks_small():
 
 
 def _check_emulator_bitwise(rank: int, world: int) -> None:
+    load_ops()  # torch.ops.cpattn_testing, in this spawned rank
     seqlen = 16 * world
     for layout, (causal, window) in itertools.product(LAYOUTS, MASKS[:3]):
         torch.manual_seed(3)
@@ -90,11 +92,11 @@ def _check_emulator_bitwise(rank: int, world: int) -> None:
         pos = [cpattn.positions(seqlen, layout=layout, rank=r, world_size=world)
                for r in range(world)]
         qs, ks, vs, dos = ([t[:, p] for p in pos] for t in (q, k, v, dout))
-        outs, lses = cpattn.ring_attention_emulated(qs, ks, vs, causal=causal, layout=layout,
-                                                    window=window)
+        outs, lses = ring_attention_emulated(qs, ks, vs, causal=causal, layout=layout,
+                                             window=window)
         dqs, dks, dvs = torch.ops.cpattn_testing.ring_bwd_emulated(
-            dos, qs, ks, vs, outs, lses, 1 / math.sqrt(32), causal, *window,
-            LAYOUTS[layout])
+            dos, qs, ks, vs, outs, lses, LAYOUTS[layout], softmax_scale=1 / math.sqrt(32),
+            causal=causal, window_left=window[0], window_right=window[1])
         mine = [t.clone().requires_grad_() for t in (qs[rank], ks[rank], vs[rank])]
         out, lse = cpattn.ring_attention(*mine, causal=causal, window=window, layout=layout,
                                          return_lse=True)

@@ -103,13 +103,15 @@ def test_bad_ring_chunk_raises_on_every_rank() -> None:
 def _auto_takes_the_passes(rank: int, world: int) -> None:
     """strategy="auto" runs the ring in the passes the planner chose (short of memory), and
     ContextParallel (the transformers integration's settings) passes ring_chunk on."""
-    from cpattn import plan, ring
+    from cpattn import plan
+    from cpattn.strategies import ring
 
     chosen = plan.Prediction(plan.Candidate("ring", "zigzag", chunk=1), 0.0, 0.0, 0.0, 0.0, 0.0)
     seen = []
-    apply = ring._RingAttention.apply
+    apply = ring.RingAttention.apply
     plan.choose = lambda *args, **kwargs: chosen
-    ring._RingAttention.apply = lambda *args: seen.append(args[-2]) or apply(*args)
+    # apply(q, k, v, sinks, options, group_name, layout_code, timeout, docs, group_size)
+    ring.RingAttention.apply = lambda *args: seen.append(args[-1]) or apply(*args)
     torch.manual_seed(3)
     q, k, v = (cpattn.shard(torch.randn(1, 8 * world, h, 16)) for h in (4, 2, 2))
     out = cpattn.ring_attention(q, k, v, causal=True, strategy="auto")

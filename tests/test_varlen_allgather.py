@@ -8,6 +8,7 @@ import torch
 
 import cpattn
 from cpattn._layout import LAYOUTS
+from cpattn.testing.emulation import ring_attention_emulated
 
 from conftest import assert_matches, seeded_problem
 from distributed import run_ranks
@@ -110,7 +111,7 @@ def test_emulated_strategies_match_reference(strategy, layout, world):
     k, v = (torch.randn(1, seqlen, 2, 16) for _ in range(2))
     ref_out, ref_lse = reference_attention(q, k, v, causal=True, window=(9, 0))
     pos = [cpattn.positions(seqlen, layout=layout, rank=r, world_size=world) for r in range(world)]
-    outs, lses = cpattn.ring_attention_emulated(
+    outs, lses = ring_attention_emulated(
         [q[:, p] for p in pos], [k[:, p] for p in pos], [v[:, p] for p in pos], causal=True,
         window=(9, 0), layout=layout, strategy=strategy)
     for o, lse, p in zip(outs, lses, pos):

@@ -31,9 +31,11 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cpattn  # noqa: E402
 from cpattn._layout import LAYOUTS  # noqa: E402
+from cpattn.testing.emulation import load_ops  # noqa: E402
 
 from reference import reference_attention  # noqa: E402
 
+load_ops()  # torch.ops.cpattn_testing: the emulated ring, ring_shift
 ops = torch.ops.cpattn
 # CPATTN_CHECKS_DEVICE=cpu runs the device-independent checks on the CPU kernels: a test of the
 # checks themselves (references, tolerances, sharding) on a machine without a GPU.
@@ -362,8 +364,9 @@ def _raw_offsets():
         g = gen_for(f"offsets {sq} {sk} {qo} {ko}")
         q, k, v = randn((2, sq, 4, 64), g), randn((2, sk, 2, 64), g), randn((2, sk, 2, 64), g)
         for out_dtype in (torch.float32, torch.bfloat16):
-            out, lse = ops.attention_fwd(q, k, v, 0.125, causal, window[0], window[1], qo, ko,
-                                         out_dtype)
+            out, lse = ops.attention_fwd(q, k, v, qo, ko, out_dtype, softmax_scale=0.125,
+                                         causal=causal, window_left=window[0],
+                                         window_right=window[1])
             assert out.dtype == out_dtype
             r_out, r_lse = reference(q, k, v, causal=causal, window=window, scale=0.125,
                                      q_offset=qo, k_offset=ko)
@@ -374,8 +377,9 @@ def _raw_offsets():
             rows = empty.permute(0, 2, 1)  # (B, Sq, H)
             assert (out[rows.to(DEV)] == 0).all(), "rows that see no key must be exactly 0"
         dout = randn(q.shape, g)
-        dq, dk, dv = ops.attention_bwd(dout, q, k, v, out.float(), lse, 0.125, causal,
-                                       window[0], window[1], qo, ko, torch.float32, None)
+        dq, dk, dv = ops.attention_bwd(dout, q, k, v, out.float(), lse, qo, ko, torch.float32,
+                                       None, softmax_scale=0.125, causal=causal,
+                                       window_left=window[0], window_right=window[1])
         r = reference(q, k, v, dout, causal=causal, window=window, scale=0.125, q_offset=qo,
                       k_offset=ko)
         for n, x, rr in zip(("dq", "dk", "dv"), (dq, dk, dv), r[2:]):
@@ -387,16 +391,17 @@ def _deterministic():
     g = gen_for("deterministic")
     q, k, v = randn((2, 333, 8, 128), g), randn((2, 333, 2, 128), g), randn((2, 333, 2, 128), g)
     dout = randn(q.shape, g)
-    out, lse = ops.attention_fwd(q, k, v, 0.09, True, -1, -1, 0, 0, None)
+    opts = dict(softmax_scale=0.09, causal=True)
+    out, lse = ops.attention_fwd(q, k, v, 0, 0, None, **opts)
     torch.use_deterministic_algorithms(True)
     try:
-        a = ops.attention_bwd(dout, q, k, v, out, lse, 0.09, True, -1, -1, 0, 0, None, None)
-        b = ops.attention_bwd(dout, q, k, v, out, lse, 0.09, True, -1, -1, 0, 0, None, None)
+        a = ops.attention_bwd(dout, q, k, v, out, lse, 0, 0, None, None, **opts)
+        b = ops.attention_bwd(dout, q, k, v, out, lse, 0, 0, None, None, **opts)
     finally:
         torch.use_deterministic_algorithms(False)
     for x, y in zip(a, b):
         assert torch.equal(x, y), "deterministic backward differs between two runs"
-    c = ops.attention_bwd(dout, q, k, v, out, lse, 0.09, True, -1, -1, 0, 0, None, None)
+    c = ops.attention_bwd(dout, q, k, v, out, lse, 0, 0, None, None, **opts)
     ref = reference(q, k, v, dout, causal=True, scale=0.09)
     for n, x, y, r in zip(("dq", "dk", "dv"), a, c, ref[2:]):
         check_close(f"deterministic {n}", x, r.to(DEV), GRAD_TOL[torch.bfloat16])
@@ -504,11 +509,12 @@ def _emulated_ring_case(world):
             dout = randn(q.shape, g)
             what = f"W={world} {layout} causal={causal} window={window} heads={h}/{hkv}"
             sh = [[_shard(t, layout, world, r) for r in range(world)] for t in (q, k, v, dout)]
+            opts = dict(softmax_scale=0.125, causal=causal, window_left=window[0],
+                        window_right=window[1])
             outs, lses = torch.ops.cpattn_testing.ring_fwd_emulated(
-                sh[0], sh[1], sh[2], 0.125, causal, window[0], window[1], LAYOUTS[layout])
+                sh[0], sh[1], sh[2], LAYOUTS[layout], **opts)
             dqs, dks, dvs = torch.ops.cpattn_testing.ring_bwd_emulated(
-                sh[3], sh[0], sh[1], sh[2], list(outs), list(lses), 0.125, causal, window[0],
-                window[1], LAYOUTS[layout])
+                sh[3], sh[0], sh[1], sh[2], list(outs), list(lses), LAYOUTS[layout], **opts)
             sync()
             ref = reference(q, k, v, dout, causal=causal, window=window, scale=0.125)
             check_close(f"{what} out", _unshard(list(outs), layout, world), ref[0].to(DEV),
@@ -671,12 +677,12 @@ def _inference():
 def _opcheck():
     g = gen_for("opcheck")
     q, k, v = randn((1, 70, 4, 64), g), randn((1, 90, 2, 64), g), randn((1, 90, 2, 64), g)
-    torch.library.opcheck(ops.attention_fwd.default, (q, k, v, 0.125, True, -1, -1, 20, 0, None))
-    out, lse = ops.attention_fwd(q, k, v, 0.125, True, -1, -1, 20, 0, None)
+    opts = dict(softmax_scale=0.125, causal=True)
+    torch.library.opcheck(ops.attention_fwd.default, (q, k, v, 20, 0, None), opts)
+    out, lse = ops.attention_fwd(q, k, v, 20, 0, None, **opts)
     dout = randn(q.shape, g)
-    torch.library.opcheck(ops.attention_bwd.default,
-                          (dout, q, k, v, out, lse, 0.125, True, -1, -1, 20, 0, None, None),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.attention_bwd.default, (dout, q, k, v, out, lse, 20, 0, None, None),
+                          opts, test_utils=("test_schema", "test_faketensor"))
 
 
 @check("compile/attention_fullgraph")
@@ -714,7 +720,8 @@ def sanitizer_case() -> None:
     q, k, v = randn((1, 40, 2, 128), g), randn((1, 40, 2, 128), g), randn((1, 40, 2, 128), g)
     run_attention(q, k, v, randn(q.shape, g), True, (-1, -1))
     torch.ops.cpattn_testing.ring_fwd_emulated([q[:, :20], q[:, 20:]], [k[:, :20], k[:, 20:]],
-                                       [v[:, :20], v[:, 20:]], 0.1, True, -1, -1, 0)
+                                               [v[:, :20], v[:, 20:]], 0, softmax_scale=0.1,
+                                               causal=True)
     # GQA / MQA backward with the query heads split over blocks, and the reduction of the splits.
     os.environ["CPATTN_BWD_HEAD_SPLITS"] = "2"
     try:
