@@ -107,7 +107,7 @@ def attention_varlen(
     Differentiable."""
     what = "cpattn.attention_varlen"
     check_qkv(what, q, k, v, varlen=True, v_head_dim_free=True)
-    opts = AttentionOptions.checked(what, q.shape[-1], ("prefix_len",), **options)
+    opts = AttentionOptions.checked(what, q.shape[-1], {"prefix_len": 0}, **options)
     docs, tokens, _ = document_lengths(what, cu_seqlens)
     if tokens != q.shape[0]:
         raise error(what, "cu_seqlens", f"[..., {tokens}]", f"must end at the {q.shape[0]} "

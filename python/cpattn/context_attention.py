@@ -67,7 +67,7 @@ def _hybrid_groups(group, u: int):
     return _HYBRID_GROUPS[key]
 
 
-_UNMODELLED = ("softcap", "alibi_slopes", "sinks", "prefix_len")  # (refused: TypeError)
+_MODELLED = ("causal", "softmax_scale", "window")  # the options taken (others: TypeError)
 
 
 def context_attention(
@@ -90,7 +90,7 @@ def context_attention(
     train = needs_grad(q, k, v)
 
     def check():
-        checked, fields = checked_call(what, q, k, v, options, without=_UNMODELLED)
+        checked, fields = checked_call(what, q, k, v, options, only=_MODELLED)
         if not isinstance(strategy, str):
             raise error(what, "strategy", strategy, "must be a str")
         return checked, [*fields, ("requires_grad", train), ("strategy", strategy)]

@@ -114,8 +114,8 @@ def _check_sinks(
 
 def _causal_options(what: str, q: torch.Tensor, options: dict) -> AttentionOptions:
     """The options of a prefill or decode call (causal, no choice), the sinks detached."""
-    opts = AttentionOptions.checked(what, q.shape[-1], ("causal",), **options)
-    return opts.replace(causal=True, sinks=_check_sinks(opts.sinks, q, what))
+    opts = AttentionOptions.checked(what, q.shape[-1], {"causal": True}, **options)
+    return opts.replace(sinks=_check_sinks(opts.sinks, q, what))
 
 
 def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],

@@ -39,17 +39,25 @@ class AttentionOptions:
     prefix_len: int = 0
 
     @classmethod
-    def checked(cls, what: str, head_dim: int, without: tuple = (), **options
-                ) -> AttentionOptions:
+    def checked(cls, what: str, head_dim: int, fixed: Optional[dict] = None, *,
+                only: Optional[tuple] = None, **options) -> AttentionOptions:
         """The options (keyword arguments of NAMES) of a call of `what` on heads of head_dim,
         each checked (the shapes, dtypes and devices of the per-head tensors are checked in
-        C++, against q). `without`: the options `what` does not take (given: TypeError)."""
-        unknown = sorted(set(options) - set(NAMES).difference(without))
-        if unknown:
-            allowed = ", ".join(n for n in NAMES if n not in without)
-            raise TypeError(f"{what}: unexpected keyword argument(s) {', '.join(unknown)}; its "
-                            f"attention options are {allowed}")
-        return cls._checked(what, head_dim, **options)
+        C++, against q). `fixed`: options `what` does not let the caller choose, with their one
+        value (e.g. {"causal": True}: given otherwise, TypeError). `only`: the options `what`
+        takes; any other given a value but its default raises TypeError (so that an option added
+        later is refused there, not dropped)."""
+        fixed = fixed or {}
+        for name, value in options.items():
+            if name not in NAMES:
+                raise TypeError(f"{what}: unexpected keyword argument {name!r}; the attention "
+                                f"options are {', '.join(NAMES)}")
+            if name in fixed and not _same(value, fixed[name]):
+                raise TypeError(f"{what}: takes no {name} but {fixed[name]!r}, got {value!r}")
+            if only is not None and name not in only and not _same(value, _DEFAULTS[name]):
+                raise TypeError(f"{what}: takes no {name} (its attention options are "
+                                f"{', '.join(only)}), got {value!r}")
+        return cls._checked(what, head_dim, **{**options, **fixed})
 
     @classmethod
     def _checked(cls, what: str, head_dim: int, *, causal=False, softmax_scale=None,
@@ -108,3 +116,22 @@ class AttentionOptions:
 
     def replace(self, **changes) -> AttentionOptions:
         return dataclasses.replace(self, **changes)
+
+
+# The value of each option when not given (softmax_scale: 1 / sqrt(head_dim)).
+_DEFAULTS = {"causal": False, "softmax_scale": None, "window": (-1, -1), "softcap": 0.0,
+             "alibi_slopes": None, "sinks": None, "prefix_len": 0}
+
+
+def _same(value, expected) -> bool:
+    """Whether an option's value is `expected` (the fixed value or the default)."""
+    if expected is None or isinstance(value, torch.Tensor):
+        return value is expected
+    if isinstance(value, bool) != isinstance(expected, bool):
+        return False
+    if isinstance(expected, tuple):
+        try:
+            return tuple(value) == expected
+        except TypeError:
+            return False
+    return value == expected

@@ -59,8 +59,8 @@ class ShardedLayer(CacheLayerMixin):
         if not opts.causal:
             raise ValueError(f"{WHAT}: ContextParallelCache supports causal attention only (a "
                              "decoder's); got causal=False")
-        options = dict(softmax_scale=opts.softmax_scale, sinks=opts.sinks, softcap=opts.softcap,
-                       alibi_slopes=opts.alibi_slopes, window=opts.window, timeout=self.cp.timeout)
+        options = {**opts.as_keywords(), "timeout": self.cp.timeout}
+        del options["causal"]  # (prefill and decode are causal: checked above)
         chunk = attention_chunk(module)
         if chunk is not None and past + q.shape[1] > chunk:
             return self._attend_chunked(q, k, v, options, chunk)

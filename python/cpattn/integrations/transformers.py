@@ -211,11 +211,12 @@ def _chunked_ulysses(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: t
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
+    keywords = opts.as_keywords()
+    del keywords["prefix_len"]  # (none: transformers has no prefix-LM keyword)
     out = ulysses_attention_varlen(
         q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bounds, group=cp.group,
-        attend_cu_seqlens=chunk_boundaries(lengths, starts, chunk), causal=opts.causal,
-        softmax_scale=opts.softmax_scale, window=opts.window, sinks=opts.sinks,
-        softcap=opts.softcap, alibi_slopes=opts.alibi_slopes, timeout=cp.timeout)
+        attend_cu_seqlens=chunk_boundaries(lengths, starts, chunk), timeout=cp.timeout,
+        **keywords)
     return out.view(batch, local, *out.shape[1:])
 
 

@@ -13,13 +13,15 @@ from cpattn.options import AttentionOptions
 
 
 def checked_call(what: str, q, k, v, options: dict, layout: str = "contiguous",
-                 varlen: bool = False, without: tuple = ()) -> tuple[AttentionOptions, Fields]:
+                 varlen: bool = False, fixed: Optional[dict] = None,
+                 only: Optional[tuple] = None
+                 ) -> tuple[AttentionOptions, Fields]:
     """The tensors and options of a call of `what` checked: its AttentionOptions (from the
-    keyword arguments `options`; `without`: those `what` does not take), and the fields every
-    rank must agree on (shapes, dtypes, layout, options)."""
+    keyword arguments `options`; `fixed` / `only`: as AttentionOptions.checked), and the
+    fields every rank must agree on (shapes, dtypes, layout, options)."""
     check_qkv(what, q, k, v, varlen=varlen, v_head_dim_free=True)  # v: its own head dim Dv
     check_choice(what, "layout", layout, tuple(LAYOUTS))
-    opts = AttentionOptions.checked(what, q.shape[-1], without, **options)
+    opts = AttentionOptions.checked(what, q.shape[-1], fixed, only=only, **options)
     dims = ("tokens", "heads", "head_dim") if varlen else ("batch", "seqlen", "heads", "head_dim")
     fields = [*tensor_fields("q", q, dims), *tensor_fields("k", k, dims),
               *tensor_fields("v", v, dims), ("layout", layout), *opts.agreement_fields()]

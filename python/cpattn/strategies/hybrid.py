@@ -108,7 +108,7 @@ def hybrid_attention_varlen(
 
     def attend(qh, kh, vh, n, mine):  # qh: this rank's ring shard
         keywords = mine.as_keywords()
-        del keywords["prefix_len"]  # (refused above: checked without it)
+        del keywords["prefix_len"]  # (0: fixed above)
         out, lse, *best = ring_attention_varlen(
             qh[0], kh[0], vh[0], cu_seqlens, group=ring_group, layout=layout, timeout=timeout,
             return_lse=True, return_max_logits=return_max_logits, **keywords)
@@ -117,6 +117,6 @@ def hybrid_attention_varlen(
 
     result = across_heads(what, q[None], k[None], v[None], ulysses_group, timeout, attend,
                           return_lse, options, seqlen=1, layout=layout, fields_of=fields_of,
-                          rows=rows, without=("prefix_len",))
+                          rows=rows, fixed={"prefix_len": 0})
     out, lse = result if return_lse else (result, None)
     return _with_heads_maxima(out[0], None if lse is None else lse[0], maxima, ulysses_group)

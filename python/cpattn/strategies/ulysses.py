@@ -118,7 +118,8 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[int], Atte
 def across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Attend],
                  return_lse: bool, options: dict, *, seqlen,
                  rows: Callable[[int], tuple[int, int]], layout: str = "contiguous",
-                 fields_of: Optional[Callable[[], list]] = None, without: tuple = ()):
+                 fields_of: Optional[Callable[[], list]] = None,
+                 fixed: Optional[dict] = None):
     """The Ulysses steps of ulysses_attention and the hybrid: validation and the agreement check
     over `group`, the all-to-all to head shards, attend(qh, kh, vh, n, options) -> (out_h, lse_h)
     on this rank's heads (the options' per-head tensors sliced to them) for a sequence of n real
@@ -127,11 +128,12 @@ def across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Att
     Any length: rows(n) gives (the length of a head shard once a length-n sequence is padded,
     the rows of it that attend gets); the rows after those come back as padding (0 / -inf).
     fields_of(): more fields of the signature, validated with the rest (varlen's documents).
-    without: the attention options the caller does not take."""
+    fixed: the attention options the caller does not let its caller choose (as
+    AttentionOptions.checked)."""
     world = dist.get_world_size(group)
 
     def check():
-        opts, fields = checked_call(what, q, k, v, options, layout, without=without)
+        opts, fields = checked_call(what, q, k, v, options, layout, fixed=fixed)
         if q.shape[2] % world != 0:
             raise error(what, "heads", q.shape[2],
                         f"must be divisible by the Ulysses group size ({world})")
@@ -255,7 +257,7 @@ def ulysses_attention_varlen(
         lengths = tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
         order = gathered_order(lengths, "contiguous", world).to(qh.device)  # row of token p
         keywords = mine.as_keywords()
-        del keywords["prefix_len"]  # (refused above: checked without it)
+        del keywords["prefix_len"]  # (0: fixed above)
         out_p, lse_p = attention_varlen(qh[0, order], kh[0, order], vh[0, order], pieces,
                                         return_lse=True, **keywords)
         out = out_p.new_zeros((qh.shape[1], *out_p.shape[1:])).index_copy(0, order, out_p)
@@ -266,12 +268,12 @@ def ulysses_attention_varlen(
 
     result = across_heads(what, q[None], k[None], v[None], group, check_timeout(what, timeout),
                           attend, return_lse, options, seqlen=None, rows=lambda n: (n, n),
-                          fields_of=fields_of, without=("prefix_len",))
+                          fields_of=fields_of, fixed={"prefix_len": 0})
     max_logits = []
     if return_max_logits:
         docs, _, _ = document_lengths(what, cu_seqlens)
         placement = document_placement(docs, "contiguous", world)
-        opts = AttentionOptions.checked(what, q.shape[-1], ("prefix_len",), **options)
+        opts = AttentionOptions.checked(what, q.shape[-1], {"prefix_len": 0}, **options)
         max_logits = [global_max_logits(q[None], k[None], group, placement, opts)]
     out, lse = result if return_lse else (result, None)
     return returned(out[0], None if lse is None else lse[0], max_logits)

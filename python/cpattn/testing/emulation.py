@@ -65,7 +65,7 @@ def ring_attention_emulated(
         raise ValueError(f"{what}: layout={layout!r}: strategy='ulysses' shards the sequence "
                          "contiguously, so it needs layout='contiguous'")
     opts = AttentionOptions.checked(what, q[0].shape[-1],
-                                    ("softcap", "alibi_slopes", "sinks", "prefix_len"), **options)
+                                    only=("causal", "softmax_scale", "window"), **options)
     if strategy == "ring":
         load_ops()
         outs, lses = torch.ops.cpattn_testing.ring_fwd_emulated(q, k, v, LAYOUTS[layout],
