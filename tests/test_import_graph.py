@@ -86,3 +86,135 @@ def test_demos_are_not_imported_by_the_library():
     graph = import_graph()
     library = reachable(graph, "cpattn") - DEMOS
     assert not any(graph[m] & DEMOS for m in library), {m: graph[m] & DEMOS for m in library}
+
+
+# ---------------------------------------------------------------------------------------------
+# No private names across modules: a module uses another cpattn module's public names only
+# (modules whose own name starts with "_", such as cpattn._layout, are fine to import from).
+
+# Compiled or generated at build time: modules without a .py file in the source tree.
+BUILT_MODULES = {"cpattn._C", "cpattn._build_info"}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_uses(path: pathlib.Path, modules: set[str], name: str) -> list[str]:
+    """`from cpattn.x import _y` (relative imports too) and `cpattn.x._y` attribute uses (through
+    any name a cpattn module is bound to) in the file at path, module `name`: one line each."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    bound: dict[str, str] = {}  # local name -> the cpattn module it refers to
+    found = []
+
+    def where(node) -> str:
+        shown = path.relative_to(PACKAGE.parent) if path.is_relative_to(PACKAGE.parent) else path
+        return f"{shown}:{node.lineno}"
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "cpattn" or a.name.startswith("cpattn."):
+                    if a.asname:
+                        bound[a.asname] = a.name
+                    else:
+                        bound["cpattn"] = "cpattn"
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if base != "cpattn" and not base.startswith("cpattn."):
+                continue
+            for a in node.names:
+                target = f"{base}.{a.name}"
+                if target in modules:  # a module (private modules are fine)
+                    bound[a.asname or a.name] = target
+                elif _is_private(a.name) and base != name:
+                    found.append(f"{where(node)}: from {base} import {a.name}")
+
+    def resolve(expr) -> str | None:
+        """The cpattn module an expression names (cpattn, cpattn.x, an alias of one), if any."""
+        if isinstance(expr, ast.Name):
+            return bound.get(expr.id)
+        if isinstance(expr, ast.Attribute):
+            outer = resolve(expr.value)
+            if outer is not None and f"{outer}.{expr.attr}" in modules:
+                return f"{outer}.{expr.attr}"
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            owner = resolve(node.value)
+            if (owner is not None and owner != name
+                    and f"{owner}.{node.attr}" not in modules):
+                found.append(f"{where(node)}: {owner}.{node.attr}")
+    return found
+
+
+def test_no_private_names_across_modules():
+    """No module under python/cpattn reaches into another cpattn module's underscore names."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(files) | BUILT_MODULES
+    found = [use for name, path in sorted(files.items())
+             for use in private_uses(path, modules, name)]
+    assert not found, "private names used across cpattn modules:\n" + "\n".join(found)
+
+
+def test_tests_benchmarks_and_examples_use_public_names_only():
+    """The same rule for the test suite, the benchmarks and the examples."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(files) | BUILT_MODULES
+    root = PACKAGE.parent.parent
+    found = []
+    for folder in ("tests", "bench", "examples"):
+        for path in sorted((root / folder).rglob("*.py")):
+            source = path.read_text()
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cpattn"):
+                    found += [f"{path.relative_to(root)}:{node.lineno}: from {node.module} "
+                              f"import {a.name}" for a in node.names
+                              if _is_private(a.name) and f"{node.module}.{a.name}" not in modules]
+    assert not found, "private cpattn names imported:\n" + "\n".join(found)
+
+
+def test_all_holds_no_testing_helpers():
+    """cpattn.__all__ is the attention API: every name exists, none is private, none is a test
+    helper (the emulated ring lives in cpattn.testing.emulation)."""
+    assert len(set(cpattn.__all__)) == len(cpattn.__all__)
+    missing = [n for n in cpattn.__all__ if not hasattr(cpattn, n)]
+    assert not missing, missing
+    assert not [n for n in cpattn.__all__ if n.startswith("_")]
+    assert not [n for n in cpattn.__all__ if "emulated" in n]
+    testing = [n for n in cpattn.__all__
+               if (getattr(getattr(cpattn, n), "__module__", None) or "").startswith(
+                   "cpattn.testing")
+               or (getattr(getattr(cpattn, n), "__name__", None) or "").startswith(
+                   "cpattn.testing")]
+    assert not testing, testing
+    assert not hasattr(cpattn, "ring_attention_emulated")
+
+
+def test_private_use_detector_finds_each_form(tmp_path: pathlib.Path):
+    """The detector above can fail: each form of a private use is reported, public ones not."""
+    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(files) | BUILT_MODULES
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "import cpattn\n"
+        "import cpattn.sharding as sh\n"
+        "from cpattn import plan, _layout\n"
+        "from cpattn.kv_cache import _hidden\n"  # reported
+        "from cpattn._layout import LAYOUTS\n"  # a private module's public name: fine
+        "from .options import _secret\n"  # reported (relative)
+        "cpattn.sharding._unshard_by\n"  # reported
+        "sh._group_info\n"  # reported
+        "plan._internal\n"  # reported
+        "_layout.LAYOUTS, cpattn._C, cpattn.__version__, sh.positions\n")  # fine
+    # as if it were the module cpattn.strategies.probe (the relative import resolves from there)
+    uses = private_uses(source, modules, "cpattn.strategies.probe")
+    assert [u.split(": ", 1)[1] for u in uses] == [
+        "from cpattn.kv_cache import _hidden", "from cpattn.strategies.options import _secret",
+        "cpattn.sharding._unshard_by", "cpattn.sharding._group_info", "cpattn.plan._internal"
+    ], uses
