@@ -55,6 +55,8 @@ cd "$work"  # import the installed package, not the source tree
 step "import"
 "$py" - <<'EOF' || fail "import / registration check"
 import torch, cpattn
+from cpattn.testing.emulation import load_ops
+load_ops()  # the test-only library, built beside the shipped one
 info = cpattn.build_info()
 print("build_info:", info)
 assert info["with_cuda"] is True, "built without CUDA"
@@ -74,7 +76,8 @@ assert cpattn.attention(q, q, q).shape == q.shape
 assert cpattn.destroy_communicators() == 0
 EOF
 
-so=$("$py" -c "import cpattn._C as m; print(m.__file__)")
+# The ops and kernels live in libcpattn_ops.so, beside the module _C that loads it.
+so=$("$py" -c "import os, cpattn._C as m; print(os.path.join(os.path.dirname(m.__file__), 'libcpattn_ops.so'))")
 step "linkage of $so"
 readelf -d "$so" | grep -E "RUNPATH|RPATH"
 ldd "$so" | grep -E "not found" && fail "unresolved libraries"

@@ -238,20 +238,16 @@ inline void pack_row_pairs(const uint16_t* x, int64_t row_stride, int64_t rows, 
   }
 }
 
-struct BwdScratchBf16 {
+// The fp32 backward's blocks, and the bf16 copies the bf16 dot products read.
+struct BwdScratchBf16 : BwdScratch {
   AlignedArray<uint16_t> p16, ds16, ds_pairs, k_rows, v_rows;
-  AlignedArray<float> st, dpt, softcap_grad, dk, dv;
   explicit BwdScratchBf16(const AttnShape& sh)
-      : p16(aligned_array<uint16_t>(kBlockK * kBlockQ)),
+      : BwdScratch(sh),
+        p16(aligned_array<uint16_t>(kBlockK * kBlockQ)),
         ds16(aligned_array<uint16_t>(kBlockK * kBlockQ)),
         ds_pairs(aligned_array<uint16_t>(kBlockK * kBlockQ)),
         k_rows(aligned_array<uint16_t>(kBlockK * sh.head_dim_padded)),
-        v_rows(aligned_array<uint16_t>(kBlockK * sh.head_dim_v_padded)),
-        st(aligned_array<float>(kBlockK * kBlockQ)),
-        dpt(aligned_array<float>(kBlockK * kBlockQ)),
-        softcap_grad(aligned_array<float>(kBlockK * kBlockQ)),
-        dk(aligned_array<float>(kBlockK * sh.head_dim_padded)),
-        dv(aligned_array<float>(kBlockK * sh.head_dim_v_padded)) {}
+        v_rows(aligned_array<uint16_t>(kBlockK * sh.head_dim_v_padded)) {}
 };
 
 // The rows of a key block, `stride` apart, as contiguous rows of `dim` values in `out`; the rows

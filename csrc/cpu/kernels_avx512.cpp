@@ -3,16 +3,4 @@
 #define CPATTN_CPU_ISA avx512
 #define CPATTN_MR 8
 #define CPATTN_NV 2
-#include "cpu/attention_kernel.h"
-#include "cpu/kernels.h"
-
-namespace cpattn::cpu::avx512 {
-void attention_fwd(const FwdParams& params) { attention_fwd_impl(params); }
-void attention_bwd(const BwdParams& params) { attention_bwd_impl(params); }
-void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n) {
-  round_split_sums_impl(high, low, n);
-}
-BackwardChunking backward_chunking(const AttnShape& shape) {
-  return {key_splits(shape), chunk_rows(shape)};
-}
-}  // namespace cpattn::cpu::avx512
+#include "cpu/isa_entry_points.h"

@@ -20,8 +20,8 @@ struct FwdParams : AttnScoring {  // score.sinks: applied to out and lse when ro
   // bf16 operands instead of q/k/v, for CPUs with bf16 dot products (cpu::has_bf16_dot()):
   // q16 (B, Sq, H, D) as given, strides q16_strides; k16 (B, Hkv, Sk, Dp); v16
   // (B, Hkv, Sk2, Dp, 2) with Sk2 = ceil(Sk / 2): V with key pairs interleaved (keys 2j and
-  // 2j+1 side by side, a zero key past the end), Dvp in place of Dp. (K is packed: read in
-  // place, its rows H D apart, the forward ran 3 % slower.)
+  // 2j+1 side by side, a zero key past the end), Dvp in place of Dp. (K is packed so that a
+  // block's keys are contiguous: in place, its rows lie H D apart.)
   const uint16_t* q16 = nullptr;
   BshdStrides q16_strides;
   const uint16_t* k16 = nullptr;
