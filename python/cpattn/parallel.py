@@ -20,6 +20,7 @@ from cpattn.strategies.hybrid import hybrid_attention, hybrid_attention_varlen
 from cpattn.strategies.ring import ring_attention, ring_attention_varlen
 from cpattn.strategies.ulysses import ulysses_attention, ulysses_attention_varlen
 
+# The strategies a ContextParallel runs.
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 
 

@@ -36,7 +36,8 @@ from cpattn.strategies.common import (
     sink_grad,
 )
 
-STRATEGIES = ("ring", "allgather", "auto")
+# The strategies ring_attention runs (ContextParallel has its own list: parallel.STRATEGIES).
+RING_ATTENTION_STRATEGIES = ("ring", "allgather", "auto")
 
 
 class RingAttention(torch.autograd.Function):
@@ -117,7 +118,7 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
     def check():
         opts, fields = checked_call(what, q, k, v, {**options, "prefix_len": 0} if per_sequence
                                     else options, layout, varlen=cu_seqlens is not None)
-        check_choice(what, "strategy", strategy, STRATEGIES)
+        check_choice(what, "strategy", strategy, RING_ATTENTION_STRATEGIES)
         chunk, r_chunk = (None if c is None else check_int(what, name, c, minimum=1)
                           for name, c in (("allgather_chunk", allgather_chunk),
                                           ("ring_chunk", ring_chunk)))
