@@ -296,8 +296,8 @@ def decode_attention(
     short = (cache.lengths < sq).nonzero().flatten().tolist()
     if short:
         raise ValueError(
-            f"{what}: sequence {cache._first + short[0]} holds {int(cache.lengths[short[0]])} "
-            f"tokens, fewer than "
+            f"{what}: sequence {cache.first_sequence + short[0]} holds "
+            f"{int(cache.lengths[short[0]])} tokens, fewer than "
             f"the {sq} queries: append the new tokens' K/V (cache.append) before attending"
         )
     if comm == "reduce_scatter" and h % world != 0:

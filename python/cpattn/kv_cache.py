@@ -68,7 +68,7 @@ class KVCacheShard:
         self.k = torch.zeros(batch, slots, kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.lengths = torch.zeros(batch, dtype=torch.int64)
-        self._first = 0  # index of sequence 0 in the full cache (views of sequences)
+        self.first_sequence = 0  # index of sequence 0 in the full cache (views of sequences)
 
     @property
     def batch(self) -> int:
@@ -122,7 +122,7 @@ class KVCacheShard:
         view.__dict__.update(self.__dict__)
         view.k, view.v = self.k[start:stop], self.v[start:stop]
         view.lengths = self.lengths[start:stop]
-        view._first = self._first + start
+        view.first_sequence = self.first_sequence + start
         return view
 
     def clear(self) -> None:
@@ -136,7 +136,7 @@ class KVCacheShard:
         if over:
             b = over[0]
             raise ValueError(
-                f"{what}: KV cache capacity exceeded: sequence {self._first + b} holds "
+                f"{what}: KV cache capacity exceeded: sequence {self.first_sequence + b} holds "
                 f"{int(self.lengths[b])} "
                 f"tokens, {tokens} more would exceed the capacity of {self.capacity}"
             )
