@@ -65,13 +65,10 @@ AttnShape check_attention_args(const at::Tensor& q, const at::Tensor& k, const a
   return s;
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
-                                                 const at::Tensor& v,
-                                                 std::optional<int64_t> q_offset,
-                                                 std::optional<int64_t> k_offset,
-                                                 std::optional<at::ScalarType> out_dtype,
-                                                 const std::optional<at::Tensor>& sinks,
-                                                 CPATTN_OPTION_PARAMS) {
+std::tuple<at::Tensor, at::Tensor> attention_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<int64_t> q_offset,
+    std::optional<int64_t> k_offset, std::optional<at::ScalarType> out_dtype,
+    const std::optional<at::Tensor>& sinks, CPATTN_OPTION_PARAMS) {
   const auto [mask, score] = public_options(q, k, v, CPATTN_OPTIONS, q_offset, k_offset, sinks);
   return attention_fwd_scored(q, k, v, softmax_scale, mask, score, out_dtype);
 }
@@ -112,13 +109,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd(
     std::optional<int64_t> k_offset, std::optional<at::ScalarType> grad_dtype,
     const std::optional<at::Tensor>& dlse, const std::optional<at::Tensor>& row_dot,
     CPATTN_OPTION_PARAMS) {
-  return public_bwd("attention_bwd", q, k, v, out, lse, q_offset, k_offset, dlse, row_dot,
-                    CPATTN_OPTIONS,
-                    [&](const at::Tensor& o, const std::optional<at::Tensor>& d, const Mask& m,
-                        const ScoreArgs& score) {
-                      return attention_bwd_scored(dout, q, k, v, o, lse, softmax_scale, m, score,
-                                                  grad_dtype, d);
-                    });
+  return public_bwd(
+      "attention_bwd", q, k, v, out, lse, q_offset, k_offset, dlse, row_dot, CPATTN_OPTIONS,
+      [&](const at::Tensor& o, const std::optional<at::Tensor>& d, const Mask& m,
+          const ScoreArgs& score) {
+        return attention_bwd_scored(dout, q, k, v, o, lse, softmax_scale, m, score, grad_dtype, d);
+      });
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout(
@@ -126,13 +122,12 @@ std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout(
     const std::optional<at::Tensor>& out, const at::Tensor& lse, std::optional<int64_t> q_offset,
     std::optional<int64_t> k_offset, const std::optional<at::Tensor>& dlse,
     const std::optional<at::Tensor>& row_dot, CPATTN_OPTION_PARAMS) {
-  return public_bwd("attention_bwd_in_dout", q, k, v, out, lse, q_offset, k_offset, dlse, row_dot,
-                    CPATTN_OPTIONS,
-                    [&](const at::Tensor& o, const std::optional<at::Tensor>& d, const Mask& m,
-                        const ScoreArgs& score) {
-                      return attention_bwd_in_dout_scored(dout, q, k, v, o, lse, softmax_scale, m,
-                                                          score, d);
-                    });
+  return public_bwd(
+      "attention_bwd_in_dout", q, k, v, out, lse, q_offset, k_offset, dlse, row_dot, CPATTN_OPTIONS,
+      [&](const at::Tensor& o, const std::optional<at::Tensor>& d, const Mask& m,
+          const ScoreArgs& score) {
+        return attention_bwd_in_dout_scored(dout, q, k, v, o, lse, softmax_scale, m, score, d);
+      });
 }
 
 void merge_state_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,

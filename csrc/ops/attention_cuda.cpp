@@ -15,9 +15,9 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "cpattn/env.h"
 #include "cpattn/softmax_state.h"
 #include "cpattn/tiling.h"
-#include "cpattn/env.h"
 #include "cuda/merge_state.h"
 #include "cuda/params.h"
 #include "ops/backend.h"

@@ -15,7 +15,7 @@ namespace cpattn::ops {
 
 // Local attention on global positions, the ring drivers' sub-problems: query row r at
 // mask.q_offset + r, key column c at mask.k_offset + c. Returns out (B, Sq, H, Dv) in out_dtype
-// (default q's dtype) and lse (B, H, Sq) fp32. Score options in DESIGN.md's order; the sinks,
+// (default q's dtype) and lse (B, H, Sq) fp32. Score options in docs/design.md's order; the sinks,
 // when given, join each row's denominator (the LSE returned includes them).
 std::tuple<at::Tensor, at::Tensor> attention_fwd_scored(const at::Tensor& q, const at::Tensor& k,
                                                         const at::Tensor& v, double softmax_scale,

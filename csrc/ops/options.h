@@ -44,18 +44,18 @@ inline c10::FunctionSchema with_options(const char* head, const char* returns) {
 }
 
 // The C++ parameters of kOptionsSchema, in its order (the dispatcher passes them positionally).
-#define CPATTN_OPTION_PARAMS                                                    \
-  double softmax_scale, bool causal, int64_t window_left, int64_t window_right, \
-      double softcap, const std::optional<at::Tensor>&alibi_slopes, int64_t prefix_len
+#define CPATTN_OPTION_PARAMS                                                                    \
+  double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap, \
+      const std::optional<at::Tensor>&alibi_slopes, int64_t prefix_len
 
 // The AttentionOptions of an op's CPATTN_OPTION_PARAMS.
-#define CPATTN_OPTIONS                                                   \
-  (::cpattn::ops::AttentionOptions{.softmax_scale = softmax_scale,       \
-                                   .causal = causal,                     \
-                                   .window_left = window_left,           \
-                                   .window_right = window_right,         \
-                                   .softcap = softcap,                   \
-                                   .alibi_slopes = alibi_slopes,         \
+#define CPATTN_OPTIONS                                             \
+  (::cpattn::ops::AttentionOptions{.softmax_scale = softmax_scale, \
+                                   .causal = causal,               \
+                                   .window_left = window_left,     \
+                                   .window_right = window_right,   \
+                                   .softcap = softcap,             \
+                                   .alibi_slopes = alibi_slopes,   \
                                    .prefix_len = prefix_len})
 
 // The score options of a call with tensors: softcap (0: none), alibi_slopes and sinks ((H,)
@@ -110,8 +110,7 @@ inline ScoreOptions score_options(const ScoreArgs& a, at::Tensor& slopes, at::Te
 }
 
 // Checks the score arguments for `heads` query heads on `device`, naming `fn`.
-inline void check_score_args(const char* fn, const ScoreArgs& a, int64_t heads,
-                             at::Device device) {
+inline void check_score_args(const char* fn, const ScoreArgs& a, int64_t heads, at::Device device) {
   TORCH_CHECK(std::isfinite(a.softcap) && a.softcap >= 0.0, "cpattn.", fn,
               ": softcap must be a finite number >= 0 (0: no softcap), got ", a.softcap);
   check_per_head(fn, "alibi_slopes", a.alibi_slopes, heads, device);

@@ -80,15 +80,15 @@ thread_local RingStats last_stats[2];
 
 // The sub-problems that `rank` computes at `step`, i.e. against the K/V shard of
 // ring_source(rank, step, world).
-std::vector<SubProblem> plan(const RingOptions& o, int64_t local_len, int64_t world, int64_t rank,
-                             int64_t step) {
+std::vector<SubProblem> sub_problems(const RingOptions& o, int64_t local_len, int64_t world,
+                                     int64_t rank, int64_t step) {
   const Mask global = global_mask(o);
   std::vector<SubProblem> items;
   if (o.doc_lengths.empty()) {
-    const StepPlan p = plan_step(o.layout, local_len * world, world, rank, step, global);
+    const StepSchedule p = schedule_step(o.layout, local_len * world, world, rank, step, global);
     items.assign(p.items, p.items + p.count);
   } else {
-    plan_step_varlen(
+    schedule_step_varlen(
         o.layout, o.doc_lengths.data(), static_cast<int64_t>(o.doc_lengths.size()), world, rank,
         step, global, [&](const SubProblem& sp) { items.push_back(sp); },
         o.doc_prefix_lens.empty() ? nullptr : o.doc_prefix_lens.data());
@@ -342,8 +342,7 @@ RingOptions make_ring_options(const AttentionOptions& options, int64_t layout,
     for (int64_t n : o.doc_lengths)
       TORCH_CHECK(n >= 0, "cpattn: document lengths must be >= 0, got ", n);
     if (dims == 2) {
-      TORCH_CHECK(o.prefix_len == 0,
-                  "cpattn: give prefix_len or a prefix per document, not both");
+      TORCH_CHECK(o.prefix_len == 0, "cpattn: give prefix_len or a prefix per document, not both");
       o.doc_prefix_lens.assign(l.data_ptr<int64_t>() + docs, l.data_ptr<int64_t>() + 2 * docs);
       for (int64_t p : o.doc_prefix_lens)
         TORCH_CHECK(p >= 0, "cpattn: document prefix lengths must be >= 0, got ", p);
@@ -383,7 +382,7 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
     const auto compute_start = Clock::now();
     computing_while_shifting({&shifts}, [&] {
       if (visit) visit(ring_source(rank, step, world), cur.k, cur.v);
-      forward_step(q, cur, plan(o, q.size(1), world, rank, step), o, out, lse);
+      forward_step(q, cur, sub_problems(o, q.size(1), world, rank, step), o, out, lse);
     });
     stats.compute_s += seconds_since(compute_start);
     const auto wait_start = Clock::now();
@@ -431,7 +430,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
         acc_wait += seconds_since(wait_start);
       };
       backward_step(dout, q, kv.at_step(step), out, lse, dlse,
-                    plan(o, q.size(1), world, rank, step), o, dq, target,
+                    sub_problems(o, q.size(1), world, rank, step), o, dq, target,
                     step > 0 ? std::function<void()>(wait_for_acc) : std::function<void()>());
     });
     stats.compute_s += seconds_since(compute_start) - acc_wait;
@@ -497,7 +496,7 @@ std::tuple<at::Tensor, at::Tensor> gathered_forward(const at::Tensor& q, const a
   auto [out, lse] = new_state(q, kv_all.size(4) - d);
   for (int64_t step = 0; step < world; ++step) {
     forward_step(q, split_kv(kv_all[ring_source(rank, step, world)], d),
-                 plan(o, q.size(1), world, rank, step), o, out, lse);
+                 sub_problems(o, q.size(1), world, rank, step), o, out, lse);
   }
   return finish_forward(q, out, lse, o);
 }
@@ -514,7 +513,7 @@ std::tuple<at::Tensor, at::Tensor> gathered_backward(const at::Tensor& dout, con
   for (int64_t step = 0; step < world; ++step) {
     const int64_t source = ring_source(rank, step, world);
     backward_step(dout, q, split_kv(kv_all[source], q.size(3)), out, lse, dlse,
-                  plan(o, q.size(1), world, rank, step), o, dq,
+                  sub_problems(o, q.size(1), world, rank, step), o, dq,
                   split_kv(dkv_all[source], q.size(3)));
   }
   // dkv_all[s] holds this rank's contribution to shard s; a reduce-scatter sums them.

@@ -21,7 +21,7 @@ namespace cpattn::ops {
 struct RingOptions : AttentionOptions {
   Layout layout = Layout::kContiguous;
   // Empty: one sequence of W * S_local tokens. Otherwise packed documents of these real lengths,
-  // each sharded by the layout on its own (plan_step_varlen in cpattn/schedule.h).
+  // each sharded by the layout on its own (schedule_step_varlen in cpattn/schedule.h).
   std::vector<int64_t> doc_lengths;
   // Packed documents only: each document's own prefix length (0: none), in place of prefix_len.
   std::vector<int64_t> doc_prefix_lens;

@@ -68,8 +68,7 @@ std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::T
 
 std::tuple<at::Tensor, at::Tensor> gathered_bwd(const at::Tensor& dout, const at::Tensor& q,
                                                 const at::Tensor& kv_all, const at::Tensor& out,
-                                                const at::Tensor& lse, int64_t rank,
-                                                int64_t layout,
+                                                const at::Tensor& lse, int64_t rank, int64_t layout,
                                                 const std::optional<at::Tensor>& doc_lengths,
                                                 const std::optional<at::Tensor>& dlse,
                                                 CPATTN_OPTION_PARAMS) {

@@ -11,7 +11,7 @@
 namespace cpattn {
 namespace {
 
-// The rule as DESIGN.md states it, on global positions (query i, key j).
+// The rule as docs/design.md states it, on global positions (query i, key j).
 bool brute_visible(const Mask& m, int64_t i, int64_t j) {
   if (j < m.prefix_end) return true;  // prefix-LM: seen by every query
   return (!m.causal || j <= i) && (m.window_left < 0 || j >= i - m.window_left) &&

@@ -31,16 +31,16 @@ void check_coverage(Layout layout, int64_t world, int64_t seqlen, const MaskCase
   std::vector<int> seen(seqlen * seqlen, 0);
   for (int64_t rank = 0; rank < world; ++rank) {
     for (int64_t step = 0; step < world; ++step) {
-      const StepPlan plan = plan_step(layout, seqlen, world, rank, step, global);
-      ASSERT_EQ(plan.source, ((rank - step) % world + world) % world);
-      for (int n = 0; n < plan.count; ++n) {
-        const SubProblem& sp = plan.items[n];
+      const StepSchedule sched = schedule_step(layout, seqlen, world, rank, step, global);
+      ASSERT_EQ(sched.source, ((rank - step) % world + world) % world);
+      for (int n = 0; n < sched.count; ++n) {
+        const SubProblem& sp = sched.items[n];
         for (int64_t a = 0; a < sp.q.length; ++a)
           for (int64_t b = 0; b < sp.k.length; ++b) {
             if (!sp.mask.visible(a, b)) continue;
             const int64_t i = global_position(layout, seqlen, world, rank, sp.q.local_begin + a);
             const int64_t j =
-                global_position(layout, seqlen, world, plan.source, sp.k.local_begin + b);
+                global_position(layout, seqlen, world, sched.source, sp.k.local_begin + b);
             ASSERT_TRUE(global.visible_pos(i, j)) << "hidden pair computed: i=" << i << " j=" << j
                                                   << " rank " << rank << " step " << step;
             ++seen[i * seqlen + j];
@@ -101,7 +101,7 @@ void check_varlen_coverage(Layout layout, int64_t world, const std::vector<int64
   for (int64_t rank = 0; rank < world; ++rank)
     for (int64_t step = 0; step < world; ++step) {
       const int64_t src = ring_source(rank, step, world);
-      plan_step_varlen(
+      schedule_step_varlen(
           layout, lengths.data(), static_cast<int64_t>(lengths.size()), world, rank, step, global,
           [&](const SubProblem& sp) {
             for (int64_t a = 0; a < sp.q.length; ++a)

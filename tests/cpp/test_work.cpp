@@ -34,10 +34,10 @@ TEST(Work, StepWorkCountsEveryVisiblePairAndTile) {
         int64_t total = 0;
         for (int64_t rank = 0; rank < world; ++rank)
           for (int64_t step = 0; step < world; ++step) {
-            const StepPlan plan = plan_step(layout, seqlen, world, rank, step, global);
+            const StepSchedule sched = schedule_step(layout, seqlen, world, rank, step, global);
             int64_t pairs = 0, tiles = 0;
-            for (int n = 0; n < plan.count; ++n) {
-              const SubProblem& sp = plan.items[n];
+            for (int n = 0; n < sched.count; ++n) {
+              const SubProblem& sp = sched.items[n];
               for (int64_t a = 0; a < sp.q.length; ++a)
                 for (int64_t b = 0; b < sp.k.length; ++b) pairs += sp.mask.visible(a, b);
               for (int64_t r0 = 0; r0 < sp.q.length; r0 += 4)
@@ -49,7 +49,7 @@ TEST(Work, StepWorkCountsEveryVisiblePairAndTile) {
             const Work w = step_work(layout, seqlen, nullptr, 0, world, rank, step, global, 4, 3);
             ASSERT_EQ(w.pairs, pairs) << "rank " << rank << " step " << step;
             ASSERT_EQ(w.tile_pairs, tiles) << "rank " << rank << " step " << step;
-            ASSERT_EQ(w.calls, plan.count);
+            ASSERT_EQ(w.calls, sched.count);
             total += w.pairs;
           }
         int64_t visible = 0;

@@ -97,7 +97,7 @@ double rel_err(const std::vector<double>& x, const std::vector<double>& ref) {
 }
 
 // Reference in float64 from the rounded inputs: out, lse and the gradients. The score options in
-// DESIGN.md's order, written out here independently of HeadScoring: s = scale q.k, softcap,
+// docs/design.md's order, written out here independently of HeadScoring: s = scale q.k, softcap,
 // minus slope * |pos_q - pos_k|, the mask (prefix included), softmax with exp(sink) in the
 // denominator (the returned lse includes it).
 struct Reference {

@@ -52,7 +52,7 @@ struct BshdOutput {
 };
 
 // What turns q.k into the logit of the softmax, beyond the mask (mask.h), in this order
-// (DESIGN.md):  s = softmax_scale * q.k  ->  s = softcap * tanh(s / softcap)  ->
+// (docs/design.md):  s = softmax_scale * q.k  ->  s = softcap * tanh(s / softcap)  ->
 // s -= slope_h * |pos_q - pos_k|  ->  mask  ->  softmax whose denominator holds exp(sink_h).
 // Defaults change nothing. The sink is not a key of any block: a kernel's partial result over
 // some keys never contains it, and it enters a row once, at the final normalisation after every

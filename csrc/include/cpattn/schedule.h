@@ -77,27 +77,27 @@ CPATTN_HOST_DEVICE bool sub_problem_mask(const Mask& global, const Run& q, const
   return out->classify(0, q.length, 0, k.length) != BlockKind::kEmpty;
 }
 
-struct StepPlan {
+struct StepSchedule {
   int64_t source;  // rank whose K/V shard is used at this step
   int count;
   SubProblem items[4];
 };
 
-CPATTN_HOST_DEVICE StepPlan plan_step(Layout layout, int64_t seqlen, int64_t world, int64_t rank,
-                                      int64_t step, const Mask& global) {
-  StepPlan plan;
-  plan.source = ring_source(rank, step, world);
-  plan.count = 0;
+CPATTN_HOST_DEVICE StepSchedule schedule_step(Layout layout, int64_t seqlen, int64_t world,
+                                              int64_t rank, int64_t step, const Mask& global) {
+  StepSchedule sched;
+  sched.source = ring_source(rank, step, world);
+  sched.count = 0;
   const ShardRuns qs = shard_runs(layout, seqlen, world, rank);
-  const ShardRuns ks = shard_runs(layout, seqlen, world, plan.source);
+  const ShardRuns ks = shard_runs(layout, seqlen, world, sched.source);
   for (int i = 0; i < qs.count; ++i)
     for (int j = 0; j < ks.count; ++j) {
       SubProblem sp;
       sp.q = qs.runs[i];
       sp.k = ks.runs[j];
-      if (sub_problem_mask(global, sp.q, sp.k, &sp.mask)) plan.items[plan.count++] = sp;
+      if (sub_problem_mask(global, sp.q, sp.k, &sp.mask)) sched.items[sched.count++] = sp;
     }
-  return plan;
+  return sched;
 }
 
 // The first `length` tokens of a run, or fewer: those at global positions below `limit`.
@@ -116,9 +116,9 @@ CPATTN_HOST_DEVICE int64_t run_length_below(const Run& run, int64_t limit) {
 // prefix_lens (optional, num_docs entries): document d's own prefix-LM length (0: none) in place
 // of global.prefix_end.
 template <typename Emit>
-void plan_step_varlen(Layout layout, const int64_t* lengths, int64_t num_docs, int64_t world,
-                      int64_t rank, int64_t step, const Mask& global, Emit&& emit,
-                      const int64_t* prefix_lens = nullptr) {
+void schedule_step_varlen(Layout layout, const int64_t* lengths, int64_t num_docs, int64_t world,
+                          int64_t rank, int64_t step, const Mask& global, Emit&& emit,
+                          const int64_t* prefix_lens = nullptr) {
   const int64_t granularity = layout_granularity(layout, world);
   int64_t offset = 0;  // where the document starts in every rank's shard
   for (int64_t d = 0; d < num_docs; ++d) {
@@ -127,9 +127,9 @@ void plan_step_varlen(Layout layout, const int64_t* lengths, int64_t num_docs, i
     Mask doc_mask = global;
     if (prefix_lens != nullptr)
       doc_mask.prefix_end = prefix_lens[d] > 0 ? prefix_lens[d] : -kUnbounded;
-    const StepPlan plan = plan_step(layout, padded, world, rank, step, doc_mask);
-    for (int i = 0; i < plan.count; ++i) {
-      SubProblem sp = plan.items[i];
+    const StepSchedule sched = schedule_step(layout, padded, world, rank, step, doc_mask);
+    for (int i = 0; i < sched.count; ++i) {
+      SubProblem sp = sched.items[i];
       sp.q.length = run_length_below(sp.q, lengths[d]);
       sp.k.length = run_length_below(sp.k, lengths[d]);
       if (sp.mask.classify(0, sp.q.length, 0, sp.k.length) == BlockKind::kEmpty) continue;

@@ -56,8 +56,8 @@ inline Work sub_problem_work(const Mask& m, int64_t nq, int64_t nk, int block_m,
   return w;
 }
 
-// Work of `rank` at ring step `step` (the sub-problems plan_step gives); lengths/num_docs != 0:
-// the packed documents of plan_step_varlen instead of one sequence of `seqlen` tokens.
+// Work of `rank` at ring step `step` (the sub-problems schedule_step gives); lengths/num_docs != 0:
+// the packed documents of schedule_step_varlen instead of one sequence of `seqlen` tokens.
 inline Work step_work(Layout layout, int64_t seqlen, const int64_t* lengths, int64_t num_docs,
                       int64_t world, int64_t rank, int64_t step, const Mask& global, int block_m,
                       int block_n) {
@@ -69,10 +69,10 @@ inline Work step_work(Layout layout, int64_t seqlen, const int64_t* lengths, int
     total.calls += w.calls;
   };
   if (num_docs > 0) {
-    plan_step_varlen(layout, lengths, num_docs, world, rank, step, global, add);
+    schedule_step_varlen(layout, lengths, num_docs, world, rank, step, global, add);
   } else {
-    const StepPlan plan = plan_step(layout, seqlen, world, rank, step, global);
-    for (int i = 0; i < plan.count; ++i) add(plan.items[i]);
+    const StepSchedule sched = schedule_step(layout, seqlen, world, rank, step, global);
+    for (int i = 0; i < sched.count; ++i) add(sched.items[i]);
   }
   return total;
 }

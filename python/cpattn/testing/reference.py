@@ -1,8 +1,8 @@
-"""float64 reference attention in plain torch, on the global-position mask rule of DESIGN.md.
+"""float64 reference attention in plain torch, on the global-position mask rule of docs/design.md.
 
 Query row r sits at position q_offset + r, key column c at k_offset + c; key j is visible to
 query i iff (not causal or j <= i) and (left < 0 or j >= i - left) and
-(right < 0 or j <= i + right), or j < prefix_len (prefix-LM). Score options in DESIGN.md's
+(right < 0 or j <= i + right), or j < prefix_len (prefix-LM). Score options in docs/design.md's
 order: scaled score, softcap cap * tanh(s / cap), ALiBi -slope_h * |i - j|, mask, softmax whose
 denominator holds exp(sink_h).
 A row that sees no key has out 0 and lse -inf (with a sink: lse = sink). Importable from spawned
