@@ -64,7 +64,8 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 // The all-gather path's shards hold K and V side by side along the head dim, (B, L, Hkv, D + Dv)
-// (python/cpattn/ring.py _gather_kv): the keys and values of one whose keys have head dim d.
+// (python/cpattn/strategies/allgather.py gather_kv): the keys and values of one whose keys have
+// head dim d.
 KvPair split_kv(const at::Tensor& kv, int64_t d) {
   return {kv.narrow(-1, 0, d), kv.narrow(-1, d, kv.size(-1) - d)};
 }

@@ -20,8 +20,8 @@ def group_info(group) -> tuple:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "cpattn: context parallelism needs torch.distributed to be initialised "
-            "(dist.init_process_group), or use cpattn.testing.ring_attention_emulated for one "
-            "process"
+            "(dist.init_process_group), or use "
+            "cpattn.testing.emulation.ring_attention_emulated for one process"
         )
     group = group if group is not None else dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
