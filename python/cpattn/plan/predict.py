@@ -7,7 +7,7 @@ bytes sent per rank and peak memory per rank, fastest first, the first explained
                             final exposed hop (csrc/ops/ring.cpp)
     allgather/<layout>      K/V all-gathered a chunk of KV heads at a time, not overlapped;
                             backward gathers again and reduce-scatters fp32 dK/dV
-    ulysses                 all-to-alls of q, k, v (GQA-replicated as strategies/ulysses.py does), out and
+    ulysses                 all-to-alls of q, k, v (GQA-replicated as Ulysses does), out and
                             their gradients around one local kernel on the whole sequence
     hybrid UxR              Ulysses within U consecutive ranks, ring across R, for every U*R = W
 
