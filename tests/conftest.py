@@ -1,6 +1,6 @@
 """Shared fixtures and the float64 reference for the cpattn test suite.
 
-The reference is plain torch math in float64 on the global-position mask rule of DESIGN.md:
+The reference is plain torch math in float64 on the global-position mask rule of docs/design.md:
 query row r sits at position q_offset + r, key column c at k_offset + c; key j is visible to
 query i iff (not causal or j <= i) and (left < 0 or j >= i - left)
 and (right < 0 or j <= i + right).
