@@ -23,13 +23,14 @@ def _check_same_device(names: str, *tensors: torch.Tensor) -> None:
     )
 
 
-# Every attention op ends with the attention options (csrc/ops/options.h; Python: passed by name,
-# cpattn.options.AttentionOptions.op_kwargs): the fakes take them as **options.
+# Every attention op ends with the attention options (csrc/ops/options.h; Python passes them by
+# name, cpattn.options.AttentionOptions.op_kwargs). The fakes ignore them: the dispatcher may hand
+# them over positionally (those left at their defaults dropped) or by name.
 
 
 @torch.library.register_fake("cpattn::attention_fwd")
 def _attention_fwd_fake(q, k, v, q_offset=None, k_offset=None, out_dtype=None, sinks=None,
-                        **options):
+                        *options, **named_options):
     _check_same_device("q, k and v", q, k, v)
     b, sq, h, _ = q.shape
     out = q.new_empty(
@@ -41,7 +42,7 @@ def _attention_fwd_fake(q, k, v, q_offset=None, k_offset=None, out_dtype=None, s
 
 @torch.library.register_fake("cpattn::attention_bwd")
 def _attention_bwd_fake(dout, q, k, v, out, lse, q_offset=None, k_offset=None, grad_dtype=None,
-                        dlse=None, row_dot=None, **options):
+                        dlse=None, row_dot=None, *options, **named_options):
     given = [t for t in (out, row_dot) if t is not None]
     torch._check(len(given) == 1, lambda: "cpattn: attention_bwd needs exactly one of out and "
                  "row_dot")
@@ -55,7 +56,7 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, q_offset=None, k_offset=None, g
 
 @torch.library.register_fake("cpattn::attention_bwd_in_dout")
 def _attention_bwd_in_dout_fake(dout, q, k, v, out, lse, q_offset=None, k_offset=None, dlse=None,
-                                row_dot=None, **options):
+                                row_dot=None, *options, **named_options):
     _, dk, dv = _attention_bwd_fake(dout, q, k, v, out, lse, row_dot=row_dot)
     return dk, dv
 
@@ -113,7 +114,7 @@ refuse_double_backward("cpattn::attention_bwd", "cpattn.attention")
 
 @torch.library.register_fake("cpattn::ring_fwd")
 def _ring_fwd_fake(q, k, v, group_name, layout, timeout_s, doc_lengths=None, sinks=None,
-                   **options):
+                   *options, **named_options):
     _check_same_device("q, k and v", q, k, v)
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
@@ -121,13 +122,14 @@ def _ring_fwd_fake(q, k, v, group_name, layout, timeout_s, doc_lengths=None, sin
 
 @torch.library.register_fake("cpattn::ring_bwd")
 def _ring_bwd_fake(dout, q, k, v, out, lse, group_name, layout, timeout_s, doc_lengths=None,
-                   dlse=None, **options):
+                   dlse=None, *options, **named_options):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("cpattn::gathered_fwd")
-def _gathered_fwd_fake(q, kv_all, rank, layout, doc_lengths=None, sinks=None, **options):
+def _gathered_fwd_fake(q, kv_all, rank, layout, doc_lengths=None, sinks=None, *options,
+                       **named_options):
     _check_same_device("q and kv_all", q, kv_all)
     b, s, h, d = q.shape  # kv_all (W, B, S, Hkv, D + Dv)
     return (q.new_empty((b, s, h, kv_all.shape[-1] - d)),
@@ -136,7 +138,7 @@ def _gathered_fwd_fake(q, kv_all, rank, layout, doc_lengths=None, sinks=None, **
 
 @torch.library.register_fake("cpattn::gathered_bwd")
 def _gathered_bwd_fake(dout, q, kv_all, out, lse, rank, layout, doc_lengths=None, dlse=None,
-                       **options):
+                       *options, **named_options):
     _check_same_device("dout, q, kv_all, out and lse", dout, q, kv_all, out, lse)
     return q.new_empty(q.shape), kv_all.new_empty(kv_all.shape, dtype=torch.float32)
 
@@ -187,7 +189,7 @@ def _cache_store_fake(k_cache, v_cache, k, v, start, rank, world, interleave):
 
 @torch.library.register_fake("cpattn::cache_attention_fwd")
 def _cache_attention_fake(q, k_cache, v_cache, cache_lens, q_start, rank, world, interleave,
-                          out_dtype=None, **options):
+                          out_dtype=None, *options, **named_options):
     b, sq, h, _ = q.shape
     out = q.new_empty(q.shape, dtype=out_dtype if out_dtype is not None else q.dtype)
     return out, q.new_empty((b, h, sq), dtype=torch.float32)
@@ -195,7 +197,7 @@ def _cache_attention_fake(q, k_cache, v_cache, cache_lens, q_start, rank, world,
 
 @torch.library.register_fake("cpattn::prefill_fwd")
 def _prefill_fake(q, k, v, k_cache, v_cache, cache_lens, group_name, layout, interleave,
-                  timeout_s, seqlen=0, **options):
+                  timeout_s, seqlen=0, *options, **named_options):
     b, s, h, _ = q.shape
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty((b, h, s), dtype=torch.float32)
 

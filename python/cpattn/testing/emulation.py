@@ -27,13 +27,13 @@ def load_ops() -> None:
     torch.ops.load_library(found[0])
 
     @torch.library.register_fake("cpattn_testing::ring_fwd_emulated")
-    def _ring_fwd_emulated_fake(q, k, v, layout, **options):
+    def _ring_fwd_emulated_fake(q, k, v, layout, *options, **named_options):
         return ([t.new_empty((*t.shape[:-1], vt.shape[-1])) for t, vt in zip(q, v)],
                 [t.new_empty((t.shape[0], t.shape[2], t.shape[1]), dtype=torch.float32)
                  for t in q])
 
     @torch.library.register_fake("cpattn_testing::ring_bwd_emulated")
-    def _ring_bwd_emulated_fake(dout, q, k, v, out, lse, layout, **options):
+    def _ring_bwd_emulated_fake(dout, q, k, v, out, lse, layout, *options, **named_options):
         return ([t.new_empty(t.shape) for t in q], [t.new_empty(t.shape) for t in k],
                 [t.new_empty(t.shape) for t in v])
 
@@ -42,7 +42,7 @@ def load_ops() -> None:
         return send.new_empty(send.shape)
 
     @torch.library.register_fake("cpattn_testing::ring_loopback_timing")
-    def _ring_loopback_timing_fake(q, k, v, dout, rank, world, layout, **options):
+    def _ring_loopback_timing_fake(q, k, v, dout, rank, world, layout, *options, **named_options):
         return q.new_empty((2,), dtype=torch.float64)
 
 
