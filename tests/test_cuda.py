@@ -61,5 +61,5 @@ def test_generated_instantiations_up_to_date() -> None:
 def test_checks_harness_on_cpu(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA checks' references, tolerances and sharding, exercised on the CPU kernels (which
     take bf16 inputs too), so a broken check shows up without a GPU."""
-    monkeypatch.setattr(checks, "DEV", "cpu")
+    monkeypatch.setattr(checks.harness, "DEV", "cpu")  # the device the checks run on
     dict(checks.CHECKS)[name]()

@@ -3,7 +3,6 @@ on every rank, quickly, and an error never leaves the group unusable for the nex
 
 from __future__ import annotations
 
-import functools
 import re
 import time
 
@@ -13,39 +12,14 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn import _agreement
-from cpattn.testing.emulation import ring_attention_emulated
 
 from distributed import run_ranks
-
-TIMEOUT = 20  # a test that hangs fails on this instead of the CI limit
-
-
-def _qkv(seed: int, b=1, s=8, h=2, hkv=2, d=16, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, s, h, d, generator=gen, dtype=dtype),
-            torch.randn(b, s, hkv, d, generator=gen, dtype=dtype),
-            torch.randn(b, s, hkv, d, generator=gen, dtype=dtype))
-
-
-@functools.cache
-def _emulated(world: int) -> tuple[list, list]:
-    """Every rank's shards of a valid call and the emulated ring's outputs for them."""
-    shards = [_qkv(100 + r) for r in range(world)]
-    outs, _ = ring_attention_emulated([s[0] for s in shards], [s[1] for s in shards],
-                                      [s[2] for s in shards], causal=True)
-    return shards, outs
-
-
-def _valid_call_matches(rank: int, world: int) -> None:
-    """A valid ring call on the group returns the emulated ring's result (the group works)."""
-    shards, outs = _emulated(world)
-    out = cpattn.ring_attention(*shards[rank], causal=True, timeout=TIMEOUT)
-    assert torch.equal(out, outs[rank])
+from failure_cases import TIMEOUT, qkv, valid_call_matches
 
 
 def _one_of_each(rank: int, world: int) -> None:
     """Rank r makes a different cpattn call than its neighbours."""
-    q, k, v = _qkv(rank, s=4 * world, h=world * 2)
+    q, k, v = qkv(rank, s=4 * world, h=world * 2)
     cache = cpattn.KVCacheShard(1, 16, 2, 16)
     cache.append(k[:, :2, :2], v[:, :2, :2])
     calls = [
@@ -68,7 +42,7 @@ def _check_mismatched_functions(rank: int, world: int, first: int) -> None:
     assert elapsed < 1.0, f"rank {rank}: the mismatch took {elapsed:.2f} s to raise"
     for r in range(world):  # the message names every rank's function
         assert f"rank {r} called cpattn.{names[(first + r) % len(calls)]}" in str(err.value)
-    _valid_call_matches(rank, world)
+    valid_call_matches(rank, world)
 
 
 def _check_varlen_disagreements(rank: int, world: int) -> None:
@@ -89,11 +63,11 @@ def _check_varlen_disagreements(rank: int, world: int) -> None:
         with pytest.raises(ValueError, match="ranks disagree on .*cu_seqlens"):
             cpattn.unshard_varlen(torch.randn(4, 2), [[0, 2, 6, 8], [0, 3, 5, 8], [0, 1, 7, 8]]
                                   [rank])
-    _valid_call_matches(rank, world)
+    valid_call_matches(rank, world)
 
 
 def _check_field_report(rank: int, world: int) -> None:
-    q, k, v = _qkv(rank)
+    q, k, v = qkv(rank)
     with pytest.raises(ValueError, match=r"ranks disagree on window_left \(window_left: rank 0=-1, "
                                          r"rank 1=3\)"):
         cpattn.ring_attention(q, k, v, window=(-1 if rank == 0 else 3, -1), timeout=TIMEOUT)
@@ -106,7 +80,7 @@ def _check_field_report(rank: int, world: int) -> None:
                                          r"rank\(s\) 0; every rank must pass the same shapes and "
                                          r"options" + here):
         cpattn.ring_attention(q, k.to(dtype), v, timeout=TIMEOUT)
-    _valid_call_matches(rank, world)
+    valid_call_matches(rank, world)
 
 
 def _check_modes(rank: int, world: int) -> None:
@@ -118,7 +92,7 @@ def _check_modes(rank: int, world: int) -> None:
         return exchange(mine, *args)
 
     _agreement._exchange = counting
-    q, k, v = _qkv(rank)
+    q, k, v = qkv(rank)
     try:
         assert cpattn.get_rank_check() == "always"
         cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
@@ -137,7 +111,7 @@ def _check_modes(rank: int, world: int) -> None:
     finally:
         _agreement._exchange = exchange
         cpattn.set_rank_check("always")
-    _valid_call_matches(rank, world)
+    valid_call_matches(rank, world)
 
 
 def test_rank_check_mode_is_validated(monkeypatch):
@@ -210,7 +184,7 @@ def _bad_ring_inputs(q, k, v):
 
 
 def _check_bad_inputs(rank: int, world: int) -> None:
-    q, k, v = _qkv(rank, h=4)
+    q, k, v = qkv(rank, h=4)
     cases = _bad_ring_inputs(q, k, v)
     for name, (bq, bk, bv, options) in ((n, c[:4]) for n, c in cases.items()):
         pattern = cases[name][4]
@@ -218,7 +192,7 @@ def _check_bad_inputs(rank: int, world: int) -> None:
             kw = {"strategy": strategy, "timeout": TIMEOUT, **options}
             with pytest.raises(ValueError, match="cpattn.ring_attention: " + pattern):
                 cpattn.ring_attention(bq, bk, bv, **kw)
-            _valid_call_matches(rank, world)  # the group is usable after each error
+            valid_call_matches(rank, world)  # the group is usable after each error
     # The ring's local-length rule is checked in C++ before its first message.
     odd = torch.randn(1, 7, 2, 16)
     with pytest.raises(RuntimeError, match="zigzag layout holds two equal chunks"):
@@ -237,7 +211,7 @@ def _check_bad_inputs(rank: int, world: int) -> None:
         for cu, pattern in varlen.values():
             with pytest.raises(ValueError, match="cpattn.ring_attention_varlen: " + pattern):
                 cpattn.ring_attention_varlen(x, x, x, cu, strategy=strategy, timeout=TIMEOUT)
-            _valid_call_matches(rank, world)
+            valid_call_matches(rank, world)
         with pytest.raises(RuntimeError, match="every rank holds"):  # wrong local length
             cpattn.ring_attention_varlen(x[:3], x[:3], x[:3], [0, 8], strategy=strategy,
                                          timeout=TIMEOUT)
@@ -262,14 +236,14 @@ def _check_bad_inputs(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match=r"cpattn.decode_attention: q.dtype=torch.int64"):
         cpattn.decode_attention(q[:, :1].long(), cpattn.KVCacheShard(1, 8, 2, 16),
                                 timeout=TIMEOUT)
-    _valid_call_matches(rank, world)
+    valid_call_matches(rank, world)
 
 
 def _check_error_inside_the_ring(rank: int, world: int) -> None:
     """The raw ops skip the Python checks: a kernel error after the first shift was posted must
     drain the shifts, so that the next call on the group works (issue 17: it used to time out
     and abort)."""
-    q, k, v = _qkv(rank, h=4)
+    q, k, v = qkv(rank, h=4)
     name = dist.group.WORLD.group_name
     bad = {
         "mixed_dtypes": (q.bfloat16(), k, v, 0.25),
@@ -282,13 +256,13 @@ def _check_error_inside_the_ring(rank: int, world: int) -> None:
         with pytest.raises(RuntimeError, match="cpattn"):
             torch.ops.cpattn.ring_fwd(bq, bk, bv, name, 1, float(TIMEOUT), softmax_scale=scale,
                                       causal=True)
-        _valid_call_matches(rank, world)
+        valid_call_matches(rank, world)
     out, lse = torch.ops.cpattn.ring_fwd(q, k, v, name, 1, float(TIMEOUT), softmax_scale=0.25,
                                          causal=True)
     with pytest.raises(RuntimeError, match="cpattn: dout must have q's shape"):  # in backward
         torch.ops.cpattn.ring_bwd(out[..., :8].contiguous(), q, k, v, out, lse, name, 1,
                                   float(TIMEOUT), softmax_scale=0.25, causal=True)
-    _valid_call_matches(rank, world)
+    valid_call_matches(rank, world)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,7 +270,7 @@ def _check_error_inside_the_ring(rank: int, world: int) -> None:
 
 
 def _double_backward_cases(rank: int, world: int) -> None:
-    q, k, v = (t.requires_grad_() for t in _qkv(rank, h=4))
+    q, k, v = (t.requires_grad_() for t in qkv(rank, h=4))
     u_groups = [dist.new_group([r]) for r in range(world)]  # hybrid: Ulysses over all, ring of 1
     calls = [  # (the call, the op whose backward refuses a second order)
         (lambda: cpattn.ring_attention(q, k, v, causal=True), "cpattn.ring_attention"),
@@ -332,20 +306,6 @@ def _double_backward_cases(rank: int, world: int) -> None:
     assert torch.equal(dq.detach(), dq_plain)
 
 
-def test_double_backward_raises_locally():
-    q, k, v = (t.double().float().requires_grad_() for t in _qkv(0, h=4))
-    out, lse = cpattn.attention(q, k, v, causal=True, return_lse=True)
-    (dq,) = torch.autograd.grad(out.square().sum() + lse.sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"cpattn.attention: double backward"):
-        dq.sum().backward()
-    outs = torch.randn(2, 1, 3, 2, 4, requires_grad=True)
-    lses = torch.randn(2, 1, 2, 3, requires_grad=True)
-    merged, _ = cpattn.merge_attention_states(outs, lses)
-    (douts,) = torch.autograd.grad(merged.square().sum(), outs, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"cpattn.merge_attention_states: double backward"):
-        douts.sum().backward()
-
-
 def _unshard_keeps_the_gradient(rank: int, world: int) -> None:
     x = torch.randn(1, 4, 2, 3, requires_grad=True)
     full = cpattn.unshard(x, layout="zigzag")
@@ -358,61 +318,6 @@ def _unshard_keeps_the_gradient(rank: int, world: int) -> None:
     dist.all_gather(grads, grad)
     expected = cpattn.shard(torch.stack(grads).sum(0), layout="zigzag")
     torch.testing.assert_close(x.grad, expected)
-
-
-def test_window_beyond_the_sequence_is_unbounded():
-    q, k, v = _qkv(3, h=4)
-    expected = cpattn.attention(q, k, v)
-    for window in [(-1, 2**63 - 1), (2**63 - 1, -1), (2**62, 2**61), (2**61 - 1, 2**40)]:
-        # (a finite window beyond the sequence may sum in another order: fp32 tolerance)
-        torch.testing.assert_close(cpattn.attention(q, k, v, window=window), expected)
-        out, _ = torch.ops.cpattn.attention_fwd(q, k, v, 0, 0, softmax_scale=0.25,
-                                                window_left=window[0], window_right=window[1])
-        torch.testing.assert_close(out, expected)
-    causal = cpattn.attention(q, k, v, causal=True)
-    torch.testing.assert_close(cpattn.attention(q, k, v, causal=True, window=(2**63 - 1, 0)),
-                               causal, atol=0, rtol=0)
-    qs, ks, vs = ([t] for t in (q, k, v))  # the ring's rule too (one emulated rank)
-    outs, _ = ring_attention_emulated(qs, ks, vs, window=(-1, 2**63 - 1))
-    torch.testing.assert_close(outs[0], expected)  # (merged in the ring's fp32 state)
-
-
-def test_positions_near_the_int64_limit_raise():
-    q, k, v = _qkv(4, h=4)
-    causal = cpattn.attention(q, k, v, causal=True)
-    far = 2**61 - 2 - 8  # the last offset that keeps 8 positions in range: exact
-    out, _ = torch.ops.cpattn.attention_fwd(q, k, v, far, far, softmax_scale=0.25, causal=True)
-    torch.testing.assert_close(out, causal, atol=0, rtol=0)
-    for offset in [far + 1, 2**62, 2**63 - 10, -(2**62)]:
-        with pytest.raises(RuntimeError, match=r"q_offset = .* puts positions outside"):
-            torch.ops.cpattn.attention_fwd(q, k, v, offset, 0, softmax_scale=0.25, causal=True)
-        with pytest.raises(RuntimeError, match=r"k_offset = .* puts positions outside"):
-            torch.ops.cpattn.attention_bwd(q, q, k, v, q, torch.zeros(1, 4, 8), 0, offset,
-                                           softmax_scale=0.25, causal=True)
-
-
-def test_emulated_ulysses_needs_the_contiguous_layout():
-    shards = [_qkv(r, h=4) for r in range(2)]
-    q, k, v = ([s[i] for s in shards] for i in range(3))
-    for layout in ("zigzag", "striped"):
-        with pytest.raises(ValueError, match=r"cpattn.ring_attention_emulated: layout='"
-                                             + layout + "': strategy='ulysses'"):
-            ring_attention_emulated(q, k, v, strategy="ulysses", layout=layout)
-    outs, _ = ring_attention_emulated(q, k, v, strategy="ulysses", layout="contiguous",
-                                      causal=True)
-    expected, _ = ring_attention_emulated(q, k, v, layout="contiguous", causal=True)
-    for a, b in zip(outs, expected):
-        torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
-
-
-def test_merge_state_refuses_an_aliased_out():
-    part_out, part_lse = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4)
-    out = torch.zeros(1, 1, 2, 8).expand(1, 4, 2, 8)
-    with pytest.raises(RuntimeError, match=r"merge_state_ out .* share memory"):
-        cpattn.merge_state_(out, torch.full((1, 2, 4), -float("inf")), part_out, part_lse)
-    lse = torch.full((1, 2, 1), -float("inf")).expand(1, 2, 4)
-    with pytest.raises(RuntimeError, match=r"merge_state_ lse .* share memory"):
-        cpattn.merge_state_(torch.zeros(1, 4, 2, 8), lse, part_out, part_lse)
 
 
 # ---------------------------------------------------------------------------------------------
