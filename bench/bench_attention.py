@@ -11,7 +11,7 @@ drift in machine load hits both alike. GFLOP/s use the flash-attn convention: fo
 4 * B * H * S * S * D, halved when causal; backward 2.5x forward.
 
 Examples:
-  python bench/bench_attention.py --out bench/RESULTS.md
+  python bench/bench_attention.py --out /tmp/bench_attention.md   # a whole report
   python bench/bench_attention.py --quick
 """
 
