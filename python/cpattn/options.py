@@ -1,8 +1,8 @@
 """The attention options, one object: what every public attention function takes besides its
 tensors and its process groups, validated once, agreed on by the ranks, passed to the ops.
 
-The C++ twin is csrc/ops/options.h (AttentionOptions, and the keyword-only schema suffix every
-attention op ends with). Adding an option: docs/design.md, "Adding a score option".
+The C++ twin is csrc/ops/options.h (AttentionOptions, and the schema suffix every attention op
+ends with). Adding an option: docs/design.md, "Adding a score option".
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from typing import Optional
 import torch
 
 from cpattn._validation import check_bool, check_int, check_scale, check_window, error
-
-# The options, as the public attention functions take them (by keyword).
-NAMES = ("causal", "softmax_scale", "window", "softcap", "alibi_slopes", "sinks", "prefix_len")
 
 # The ops' option arguments, in their schema order (csrc/ops/options.h kOptionsSchema).
 OP_OPTION_NAMES = ("softmax_scale", "causal", "window_left", "window_right", "softcap",
@@ -102,9 +99,7 @@ class AttentionOptions:
 
     def as_keywords(self) -> dict:
         """The options as the keyword arguments of the public attention functions."""
-        return {"causal": self.causal, "softmax_scale": self.softmax_scale, "window": self.window,
-                "softcap": self.softcap, "alibi_slopes": self.alibi_slopes, "sinks": self.sinks,
-                "prefix_len": self.prefix_len}
+        return {name: getattr(self, name) for name in NAMES}
 
     def for_heads(self, heads: slice) -> AttentionOptions:
         """The options of a slice of the query heads (the per-head tensors sliced)."""
@@ -118,9 +113,11 @@ class AttentionOptions:
         return dataclasses.replace(self, **changes)
 
 
-# The value of each option when not given (softmax_scale: 1 / sqrt(head_dim)).
-_DEFAULTS = {"causal": False, "softmax_scale": None, "window": (-1, -1), "softcap": 0.0,
-             "alibi_slopes": None, "sinks": None, "prefix_len": 0}
+# The options, as the public attention functions take them (by keyword): the fields.
+NAMES = tuple(f.name for f in dataclasses.fields(AttentionOptions))
+# The value of each when not given (softmax_scale None: 1 / sqrt(head_dim)).
+_DEFAULTS = {f.name: None if f.default is dataclasses.MISSING else f.default
+             for f in dataclasses.fields(AttentionOptions)}
 
 
 def _same(value, expected) -> bool:
