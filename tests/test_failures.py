@@ -94,23 +94,28 @@ def _check_modes(rank: int, world: int) -> None:
     _agreement._exchange = counting
     q, k, v = qkv(rank)
     try:
-        assert cpattn.get_rank_check() == "always"
+        assert cpattn.get_rank_check() == "auto"  # on gloo (a host exchange): every call
         cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
         cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
         assert sent == [12, 12], sent  # one fixed-size header per call
+        cpattn.set_rank_check("always")
+        sent.clear()
+        cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
+        assert sent == [12], sent
         cpattn.set_rank_check("once")
         sent.clear()
-        for _ in range(3):
+        for _ in range(3):  # checked already (above): trusted
             cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
-        cpattn.ring_attention(q, k, v, causal=True, timeout=TIMEOUT)  # a new signature
-        assert sent == [12, 12], sent
+        for _ in range(2):  # a new signature (a scale no other check uses): checked once
+            cpattn.ring_attention(q, k, v, softmax_scale=0.0625, timeout=TIMEOUT)
+        assert sent == [12], sent
         cpattn.set_rank_check("never")
         sent.clear()
         cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
         assert sent == []
     finally:
         _agreement._exchange = exchange
-        cpattn.set_rank_check("always")
+        cpattn.set_rank_check("auto")
     valid_call_matches(rank, world)
 
 

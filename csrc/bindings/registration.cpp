@@ -10,6 +10,10 @@ TORCH_LIBRARY(cpattn, m) {
   // Every attention op ends with the attention options (ops/options.h kOptionsSchema),
   // keyword-only; with_options appends them.
   using cpattn::ops::with_options;
+  // The ops that talk to peers over cpattn's NCCL ring cannot be captured in a CUDA graph (its
+  // watchdog queries events, and a captured send/recv would replay without it): tagged, so that
+  // torch.compile's cudagraphs (mode="reduce-overhead") leave them out; a capture raises.
+  const std::vector<at::Tag> talks_to_peers{at::Tag::cudagraph_unsafe};
   // Local attention. Query row i / key j sit at global positions q_offset + i / k_offset + j;
   // without offsets (cpattn.attention), bottom-right aligned: q_offset = seqlen_k - seqlen_q.
   m.def(with_options(
@@ -40,13 +44,15 @@ TORCH_LIBRARY(cpattn, m) {
   // 1 zigzag, 2 striped. doc_lengths: (D,) packed documents' lengths, or (2, D) with each
   // document's prefix-LM length as the second row.
   m.def(with_options(
-      "ring_fwd(Tensor q, Tensor k, Tensor v, str group_name, int layout, float timeout_s, "
-      "Tensor? doc_lengths=None, Tensor? sinks=None",
-      "(Tensor out, Tensor lse)"));
-  m.def(with_options(
-      "ring_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, str group_name, "
-      "int layout, float timeout_s, Tensor? doc_lengths=None, Tensor? dlse=None",
-      "(Tensor dq, Tensor dk, Tensor dv)"));
+            "ring_fwd(Tensor q, Tensor k, Tensor v, str group_name, int layout, float timeout_s, "
+            "Tensor? doc_lengths=None, Tensor? sinks=None",
+            "(Tensor out, Tensor lse)"),
+        talks_to_peers);
+  m.def(with_options("ring_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                     "str group_name, "
+                     "int layout, float timeout_s, Tensor? doc_lengths=None, Tensor? dlse=None",
+                     "(Tensor dq, Tensor dk, Tensor dv)"),
+        talks_to_peers);
   // The same steps against K/V already all-gathered: kv_all (W, B, S_local, Hkv, D + Dv).
   m.def(with_options(
       "gathered_fwd(Tensor q, Tensor kv_all, int rank, int layout, Tensor? doc_lengths=None, "
@@ -84,10 +90,11 @@ TORCH_LIBRARY(cpattn, m) {
       "Tensor q_start, int rank, int world, int interleave, ScalarType? out_dtype=None",
       "(Tensor out, Tensor lse)"));
   m.def(with_options(
-      "prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor cache_lens, str group_name, int layout, int interleave, float timeout_s, "
-      "int seqlen=0",
-      "(Tensor out, Tensor lse)"));
+            "prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+            "Tensor cache_lens, str group_name, int layout, int interleave, float timeout_s, "
+            "int seqlen=0",
+            "(Tensor out, Tensor lse)"),
+        talks_to_peers);
   m.def("cache_local_count(int n, int rank, int world, int interleave) -> int");
   m.def("cache_positions(int n, int rank, int world, int interleave) -> Tensor");
 }

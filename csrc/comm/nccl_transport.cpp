@@ -21,8 +21,9 @@
 // Nothing blocks the host inside the ring loop and nothing is allocated on the device. A watchdog
 // thread polls ncclCommGetAsyncError and the last shift's completion; a peer that fails, or a
 // shift not done within the timeout, aborts the communicator and the next call raises. finish(),
-// called by an op after its last wait, blocks until the op's last shift is done and raises if it
-// failed, so an op never returns a result computed from a failed shift.
+// called by an op after its last wait, raises if a shift has failed so far but does not wait for
+// the last one: a failure found later raises at the next ring call (torch's NCCL watchdog
+// reports asynchronous errors the same way), so the host can run ahead of the device.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -62,11 +63,19 @@ std::string nccl_error(ncclResult_t r) {
 }
 
 // Polls a non-blocking communicator until the call that answered `r` settles: returns its final
-// result, or ncclInProgress if it is still running at `deadline`.
+// result, or ncclInProgress if it is still running at `deadline`. A posted send/recv group
+// settles within microseconds, so the first 200 us spin (yielding the core) instead of sleeping:
+// a 50 us sleep per poll would make every post cost that much host time. Only a slow settle
+// (connecting to the peers at the first shift, init) sleeps between polls.
 ncclResult_t settle(ncclComm_t comm, ncclResult_t r, Clock::time_point deadline) {
+  const Clock::time_point spin_until = Clock::now() + std::chrono::microseconds(200);
   while (r == ncclInProgress) {
-    if (Clock::now() >= deadline) return ncclInProgress;
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) return ncclInProgress;
+    if (now < spin_until)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
     if (ncclCommGetAsyncError(comm, &r) != ncclSuccess) return ncclInternalError;
   }
   return r;
@@ -106,24 +115,29 @@ class NcclCommunicator : public std::enable_shared_from_this<NcclCommunicator> {
     return group_.lock().get() == group.get();
   }
 
-  // Posts the shift on the comm stream behind the compute stream's work; returns its event slot.
-  int post(const at::Tensor& send, const at::Tensor& recv, cudaStream_t compute) {
+  // Posts the shift of every (sends[i] -> rank + 1, rank - 1 -> recvs[i]) pair as one NCCL group
+  // on the comm stream behind the compute stream's work; returns its event slot.
+  int post(const std::vector<at::Tensor>& sends, const std::vector<at::Tensor>& recvs,
+           cudaStream_t compute) {
     std::lock_guard<std::mutex> lock(mutex_);
     raise_if_failed();
     const int slot = static_cast<int>(next_slot_++ % kSlots);
-    const size_t bytes = send.nbytes();
     const int next = (rank_ + 1) % world_, prev = (rank_ + world_ - 1) % world_;
     CPATTN_CUDA_CHECK(cudaEventRecord(ready_[slot], compute), "cudaEventRecord");
     CPATTN_CUDA_CHECK(cudaStreamWaitEvent(stream_.stream(), ready_[slot], 0),
                       "cudaStreamWaitEvent");
     const Clock::time_point deadline = Clock::now() + timeout();
     ncclResult_t r = settle(comm_, ncclGroupStart(), deadline);
-    if (r == ncclSuccess)
-      r = settle(comm_, ncclSend(send.data_ptr(), bytes, ncclUint8, next, comm_, stream_.stream()),
+    for (size_t i = 0; i < sends.size() && r == ncclSuccess; ++i) {
+      const size_t bytes = sends[i].nbytes();
+      r = settle(comm_,
+                 ncclSend(sends[i].data_ptr(), bytes, ncclUint8, next, comm_, stream_.stream()),
                  deadline);
-    if (r == ncclSuccess)
-      r = settle(comm_, ncclRecv(recv.data_ptr(), bytes, ncclUint8, prev, comm_, stream_.stream()),
-                 deadline);
+      if (r == ncclSuccess)
+        r = settle(comm_,
+                   ncclRecv(recvs[i].data_ptr(), bytes, ncclUint8, prev, comm_, stream_.stream()),
+                   deadline);
+    }
     // The group is closed whatever happened inside it. A non-blocking communicator answers
     // ncclInProgress while it connects to the peers (the first shift): polled up to the timeout.
     const ncclResult_t end = settle(comm_, ncclGroupEnd(), deadline);
@@ -148,11 +162,11 @@ class NcclCommunicator : public std::enable_shared_from_this<NcclCommunicator> {
     CPATTN_CUDA_CHECK(cudaStreamWaitEvent(compute, done_[slot], 0), "cudaStreamWaitEvent");
   }
 
-  // Blocks the host until the last posted shift is done (or failed, or timed out: the watchdog
-  // decides) and raises if any shift failed.
-  void finish() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_wake_.wait(lock, [&] { return !watching_ || !error_.empty(); });
+  // Raises if a shift has failed so far. Does not wait for the last one: the host runs ahead of
+  // the device, and a failure the watchdog finds later raises at the next post (the next cpattn
+  // ring call), as torch's NCCL watchdog reports an asynchronous error at the next collective.
+  void check() {
+    std::lock_guard<std::mutex> lock(mutex_);
     raise_if_failed();
   }
 
@@ -212,7 +226,6 @@ class NcclCommunicator : public std::enable_shared_from_this<NcclCommunicator> {
                "cpattn.destroy_communicators() on every rank, then retry)";
     abort();
     watching_ = false;
-    done_wake_.notify_all();
   }
   [[noreturn]] void fail(const std::string& what) {
     record_error(what);
@@ -238,7 +251,6 @@ class NcclCommunicator : public std::enable_shared_from_this<NcclCommunicator> {
         record_error("a ring shift failed: " + nccl_error(async));
       } else if (q == cudaSuccess) {
         watching_ = false;
-        done_wake_.notify_all();
       } else if (q != cudaErrorNotReady) {
         record_error(std::string("CUDA error while waiting for a ring shift: ") +
                      cudaGetErrorString(q));
@@ -263,8 +275,7 @@ class NcclCommunicator : public std::enable_shared_from_this<NcclCommunicator> {
 
   // Guards every NCCL call on comm_ and the fields below (the watch_ event included).
   mutable std::mutex mutex_;
-  std::condition_variable wake_;       // the watchdog: a shift was posted, or stop
-  std::condition_variable done_wake_;  // finish(): the last shift is done or failed
+  std::condition_variable wake_;  // the watchdog: a shift was posted, or stop
   int64_t next_slot_ = 0;
   cudaEvent_t watch_ = nullptr;
   Clock::time_point watch_since_;
@@ -391,28 +402,38 @@ class NcclTransport final : public Transport {
   explicit NcclTransport(std::shared_ptr<NcclCommunicator> comm) : comm_(std::move(comm)) {}
   int64_t rank() const override { return comm_->rank(); }
   int64_t world() const override { return comm_->world(); }
-  // NCCL orders the messages of one communicator: no tag needed to tell them apart.
   std::unique_ptr<PendingShift> shift(const at::Tensor& send, const at::Tensor& recv,
-                                      int64_t /*tag*/) override {
-    TORCH_CHECK(send.is_cuda() && recv.is_cuda() && send.device() == comm_->device() &&
-                    recv.device() == comm_->device(),
-                "cpattn: NCCL ring buffers must be on ", comm_->device(), ", got ", send.device(),
-                " and ", recv.device());
-    TORCH_CHECK(send.is_contiguous() && recv.is_contiguous() && send.nbytes() == recv.nbytes(),
-                "cpattn: NCCL ring buffers must be contiguous and of one size, got ", send.sizes(),
-                " and ", recv.sizes());
+                                      int64_t tag) override {
+    return shift_all({send}, {recv}, tag);
+  }
+  // One NCCL group for every pair: one post, one event (NCCL orders the messages of one
+  // communicator: no tag needed to tell them apart).
+  std::unique_ptr<PendingShift> shift_all(const std::vector<at::Tensor>& sends,
+                                          const std::vector<at::Tensor>& recvs,
+                                          int64_t /*tag*/) override {
+    for (size_t i = 0; i < sends.size(); ++i) {
+      const at::Tensor &send = sends[i], &recv = recvs[i];
+      TORCH_CHECK(send.is_cuda() && recv.is_cuda() && send.device() == comm_->device() &&
+                      recv.device() == comm_->device(),
+                  "cpattn: NCCL ring buffers must be on ", comm_->device(), ", got ", send.device(),
+                  " and ", recv.device());
+      TORCH_CHECK(send.is_contiguous() && recv.is_contiguous() && send.nbytes() == recv.nbytes(),
+                  "cpattn: NCCL ring buffers must be contiguous and of one size, got ",
+                  send.sizes(), " and ", recv.sizes());
+    }
     const cudaStream_t compute = c10::cuda::getCurrentCUDAStream(comm_->device().index()).stream();
-    const int slot = comm_->post(send, recv, compute);
+    // A captured post would record the watchdog's event in the graph (where it can never be
+    // queried) and abort the communicator: refused, on every rank alike (they capture alike).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    TORCH_CHECK(cudaStreamIsCapturing(compute, &capture) == cudaSuccess &&
+                    capture == cudaStreamCaptureStatusNone,
+                "cpattn: the NCCL ring cannot be captured in a CUDA graph: run this layer "
+                "eagerly (torch.compile's mode=\"reduce-overhead\" leaves cpattn's ring ops out "
+                "of its graphs: they are tagged cudagraph_unsafe)");
+    const int slot = comm_->post(sends, recvs, compute);
     return std::make_unique<NcclShift>(comm_, slot, compute);
   }
-  void finish() override {
-    // Inside a CUDA graph capture the host cannot wait: an error then surfaces on the next call.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    const cudaStream_t s = c10::cuda::getCurrentCUDAStream(comm_->device().index()).stream();
-    if (cudaStreamIsCapturing(s, &capture) == cudaSuccess && capture != cudaStreamCaptureStatusNone)
-      return;
-    comm_->finish();
-  }
+  void finish() override { comm_->check(); }
 
  private:
   std::shared_ptr<NcclCommunicator> comm_;

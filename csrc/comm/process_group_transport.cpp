@@ -1,5 +1,8 @@
-// Ring shifts over a torch.distributed process group (gloo on CPU), through c10d's point-to-point
-// send / recv. Work::wait with a timeout turns a stuck peer into an error.
+// Ring shifts over a torch.distributed process group (gloo on CPU; NCCL with
+// CPATTN_RING_TRANSPORT=c10d), through c10d's point-to-point send / recv. On a backend that
+// coalesces (NCCL) every send and receive of a shift is one group, as batch_isend_irecv does: two
+// separate NCCL ops, a recv then a send to the same peer (W = 2), would deadlock, each rank's
+// stream waiting in its recv. Work::wait with a timeout turns a stuck peer into an error.
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -23,6 +26,18 @@ class ProcessGroupShift final : public PendingShift {
   std::chrono::milliseconds timeout_;
 };
 
+// The one Work of a coalesced group of sends and receives.
+class CoalescedShift final : public PendingShift {
+ public:
+  CoalescedShift(c10::intrusive_ptr<c10d::Work> work, std::chrono::milliseconds timeout)
+      : work_(std::move(work)), timeout_(timeout) {}
+  void wait() override { work_->wait(timeout_); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::chrono::milliseconds timeout_;
+};
+
 class ProcessGroupTransport final : public Transport {
  public:
   ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group,
@@ -32,16 +47,38 @@ class ProcessGroupTransport final : public Transport {
   int64_t world() const override { return group_->getSize(); }
   std::unique_ptr<PendingShift> shift(const at::Tensor& send, const at::Tensor& recv,
                                       int64_t tag) override {
-    const int next = static_cast<int>((rank() + 1) % world());
-    const int prev = static_cast<int>((rank() + world() - 1) % world());
+    if (coalesces(send)) return coalesced({send}, {recv});
     std::vector<at::Tensor> send_list{send}, recv_list{recv};
     // Post the receive first so that a rendezvous-style backend never waits on itself.
-    auto r = group_->recv(recv_list, prev, static_cast<int>(tag));
-    auto s = group_->send(send_list, next, static_cast<int>(tag));
+    auto r = group_->recv(recv_list, prev(), static_cast<int>(tag));
+    auto s = group_->send(send_list, next(), static_cast<int>(tag));
     return std::make_unique<ProcessGroupShift>(std::move(s), std::move(r), timeout_);
+  }
+  std::unique_ptr<PendingShift> shift_all(const std::vector<at::Tensor>& sends,
+                                          const std::vector<at::Tensor>& recvs,
+                                          int64_t tag) override {
+    if (!sends.empty() && coalesces(sends[0])) return coalesced(sends, recvs);
+    return Transport::shift_all(sends, recvs, tag);
   }
 
  private:
+  int next() const { return static_cast<int>((rank() + 1) % world()); }
+  int prev() const { return static_cast<int>((rank() + world() - 1) % world()); }
+  bool coalesces(const at::Tensor& t) const {
+    return group_->getBackend(t.device().type())->supportsCoalescing();
+  }
+  std::unique_ptr<PendingShift> coalesced(const std::vector<at::Tensor>& sends,
+                                          const std::vector<at::Tensor>& recvs) {
+    const c10::DeviceType type = sends[0].device().type();
+    group_->startCoalescing(type);
+    for (size_t i = 0; i < sends.size(); ++i) {
+      std::vector<at::Tensor> send_list{sends[i]}, recv_list{recvs[i]};
+      group_->recv(recv_list, prev(), 0);
+      group_->send(send_list, next(), 0);
+    }
+    return std::make_unique<CoalescedShift>(group_->endCoalescing(type), timeout_);
+  }
+
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::chrono::milliseconds timeout_;
 };

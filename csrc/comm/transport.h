@@ -6,8 +6,10 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/util/Exception.h>
 
 #include <chrono>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +23,28 @@ class PendingShift {
   virtual void wait() = 0;
 };
 
+// Several pending shifts waited for together: every one is waited for, and the first error is
+// rethrown after (so that no posted exchange is left behind).
+class PendingShifts final : public PendingShift {
+ public:
+  explicit PendingShifts(std::vector<std::unique_ptr<PendingShift>> parts)
+      : parts_(std::move(parts)) {}
+  void wait() override {
+    std::exception_ptr first;
+    for (auto& p : parts_) {
+      try {
+        p->wait();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
+ private:
+  std::vector<std::unique_ptr<PendingShift>> parts_;
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -30,11 +54,27 @@ class Transport {
   // shifts apart. `send` must stay untouched and `recv` unread until wait() returns.
   virtual std::unique_ptr<PendingShift> shift(const at::Tensor& send, const at::Tensor& recv,
                                               int64_t tag) = 0;
-  // Called by an op after its last wait(), before it returns: raises if a shift of the op
-  // failed after its wait() returned (NCCL: wait() only orders the device, so an error can
-  // surface later; this blocks until the last shift is done). A no-op where wait() already knows.
+  // The shifts of several buffer pairs at once (one step's K and V, say): sends[i] -> rank + 1,
+  // rank - 1 -> recvs[i], with tags tag, tag + 1, ...; waited for together. NCCL posts them as
+  // one group; the default posts them one by one.
+  virtual std::unique_ptr<PendingShift> shift_all(const std::vector<at::Tensor>& sends,
+                                                  const std::vector<at::Tensor>& recvs,
+                                                  int64_t tag);
+  // Called by an op after its last wait(), before it returns: raises if a shift has failed so far
+  // (NCCL: wait() only orders the device, so an error can surface later; this does not wait for
+  // the last shift, whose failure then raises at the next call). A no-op where wait() knows.
   virtual void finish() {}
 };
+
+inline std::unique_ptr<PendingShift> Transport::shift_all(const std::vector<at::Tensor>& sends,
+                                                          const std::vector<at::Tensor>& recvs,
+                                                          int64_t tag) {
+  TORCH_CHECK(sends.size() == recvs.size(), "cpattn: shift_all needs one receive per send");
+  std::vector<std::unique_ptr<PendingShift>> parts;
+  for (size_t i = 0; i < sends.size(); ++i)
+    parts.push_back(shift(sends[i], recvs[i], tag + static_cast<int64_t>(i)));
+  return std::make_unique<PendingShifts>(std::move(parts));
+}
 
 // The process group registered under `group_name` (ProcessGroup.group_name in Python).
 std::unique_ptr<Transport> make_process_group_transport(const std::string& group_name,

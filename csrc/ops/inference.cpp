@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <chrono>
 #include <vector>
 
@@ -85,27 +86,35 @@ void check_room(const CacheSharding& s, int64_t slots, const std::vector<int64_t
 }
 
 // Writes token l of sequence b of (k, v) to its slot when `rank` owns position(b, l) (-1: a
-// padding token, stored nowhere).
+// padding token, stored nowhere). One gather and one scatter for the whole batch; the indices
+// are computed on the host and reach a GPU by one asynchronous copy from pinned memory, so
+// storing never blocks the host on the device.
 template <typename Position>
 void store_owned(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
                  const at::Tensor& v, const CacheSharding& s, int64_t rank, Position position) {
-  std::vector<int64_t> src, dst;
-  for (int64_t b = 0; b < k.size(0); ++b) {
-    src.clear();
-    dst.clear();
+  std::vector<int64_t> seq, src, dst;
+  for (int64_t b = 0; b < k.size(0); ++b)
     for (int64_t l = 0; l < k.size(1); ++l) {
       const int64_t t = position(b, l);
       if (t < 0 || s.owner(t) != rank) continue;
+      seq.push_back(b);
       src.push_back(l);
       dst.push_back(s.slot(t));
     }
-    if (src.empty()) continue;
-    const auto on_device = at::TensorOptions().dtype(at::kLong).device(k_cache.device());
-    const at::Tensor src_idx = at::tensor(src, at::kLong).to(on_device),
-                     dst_idx = at::tensor(dst, at::kLong).to(on_device);
-    k_cache.select(0, b).index_copy_(0, dst_idx, k.select(0, b).index_select(0, src_idx));
-    v_cache.select(0, b).index_copy_(0, dst_idx, v.select(0, b).index_select(0, src_idx));
+  if (seq.empty()) return;
+  const int64_t n = static_cast<int64_t>(seq.size());
+  at::Tensor index = at::empty({3, n}, at::kLong);
+  int64_t* p = index.data_ptr<int64_t>();
+  std::copy(seq.begin(), seq.end(), p);
+  std::copy(src.begin(), src.end(), p + n);
+  std::copy(dst.begin(), dst.end(), p + 2 * n);
+  if (!k_cache.device().is_cpu()) {
+    if (k_cache.is_cuda()) index = index.pin_memory();
+    index = index.to(k_cache.device(), /*non_blocking=*/true);
   }
+  const at::Tensor b_idx = index[0], src_idx = index[1], dst_idx = index[2];
+  k_cache.index_put_({b_idx, dst_idx}, k.index({b_idx, src_idx}));
+  v_cache.index_put_({b_idx, dst_idx}, v.index({b_idx, src_idx}));
 }
 
 // ---- N-way merge ------------------------------------------------------------------------------

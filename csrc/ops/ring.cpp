@@ -190,6 +190,11 @@ struct Shifts {
   void post(comm::Transport& t, const at::Tensor& send, const at::Tensor& recv, int64_t tag) {
     pending.push_back(t.shift(send, recv, tag));
   }
+  // Several buffers in one shift (tags tag, tag + 1, ...): on NCCL one group, one post.
+  void post(comm::Transport& t, const std::vector<at::Tensor>& sends,
+            const std::vector<at::Tensor>& recvs, int64_t tag) {
+    pending.push_back(t.shift_all(sends, recvs, tag));
+  }
   void wait() {
     for (auto& p : pending) {
       if (p) p->wait();
@@ -279,8 +284,8 @@ KvBuffer kv_buffer(BufferCache::Slot slot, const at::Tensor& k, const at::Tensor
 
 // The K/V shards a rank holds in turn: its own k, v at step 0 (never copied), then the receive
 // buffers, one at W = 2 and two alternating from W = 3 (one is received into while the other is
-// computed on). The own shard travels as two messages (K and V; no stacked copy), every relay
-// after it as one.
+// computed on). The own shard travels as one shift of two buffers (K and V; no stacked copy),
+// every relay after it as one buffer.
 class KvRing {
  public:
   KvRing(const at::Tensor& k, const at::Tensor& v, int64_t world)
@@ -294,8 +299,7 @@ class KvRing {
   void post_shift(comm::Transport& t, Shifts& shifts, int64_t step, int64_t tag) const {
     const KvBuffer& next = held(step + 1);
     if (step == 0) {
-      shifts.post(t, own_.k, next.kv.k, tag);
-      shifts.post(t, own_.v, next.kv.v, tag + 1);
+      shifts.post(t, {own_.k, own_.v}, {next.kv.k, next.kv.v}, tag);
     } else {
       shifts.post(t, held(step).both, next.both, tag);
     }
@@ -419,8 +423,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   stats = {};
   for (int64_t step = 0; step < world; ++step) {
     Shifts kv_shifts, acc_shifts;
-    if (step + 1 < world) kv.post_shift(transport, kv_shifts, step, 4 * step);
+    // The accumulator first: the step waits for it, and on a FIFO comm stream (NCCL) a K/V shift
+    // posted before it would be in the way.
     if (step > 0) acc_shifts.post(transport, acc.both, incoming.both, 4 * step + 2);
+    if (step + 1 < world) kv.post_shift(transport, kv_shifts, step, 4 * step);
     double acc_wait = 0;
     const auto compute_start = Clock::now();
     computing_while_shifting({&kv_shifts, &acc_shifts}, [&] {
@@ -444,8 +450,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   kv.release();
   // acc now belongs to the shard of rank + 1: one last hop brings every rank its own. In fp32
   // it lands in the returned dk and dv themselves (new tensors: autograd takes a gradient over
-  // without a copy only if nothing else refers to it, and the cache would), as two messages;
-  // otherwise in `incoming`, as one, and is cast from there.
+  // without a copy only if nothing else refers to it, and the cache would), as one shift of
+  // two buffers; otherwise in `incoming`, as one, and is cast from there.
   const bool cast = k.scalar_type() != at::kFloat;
   KvPair grads = acc.kv;
   if (world > 1) {
@@ -456,8 +462,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
       grads = incoming.kv;
     } else {
       grads = {at::empty_like(acc.kv.k), at::empty_like(acc.kv.v)};
-      shifts.post(transport, acc.kv.k, grads.k, 4 * world);
-      shifts.post(transport, acc.kv.v, grads.v, 4 * world + 1);
+      shifts.post(transport, {acc.kv.k, acc.kv.v}, {grads.k, grads.v}, 4 * world);
     }
     shifts.wait();
     stats.wait_s += seconds_since(wait_start);

@@ -115,6 +115,32 @@ at::Tensor ring_shift(const at::Tensor& send, c10::string_view group_name, doubl
   return recv;
 }
 
+// Host microseconds per post and per wait of `shifts` ring shifts of `send` through the transport
+// the ring ops use (GPU: the cost of posting to NCCL; at W = 1 a send / recv to self). A CPU
+// tensor of two doubles.
+at::Tensor ring_post_timing(const at::Tensor& send, c10::string_view group_name, int64_t shifts,
+                            double timeout_s) {
+  TORCH_CHECK(shifts >= 1, "cpattn: ring_post_timing needs shifts >= 1, got ", shifts);
+  using Clock = std::chrono::steady_clock;
+  auto transport = group_transport(send, group_name, timeout_s);
+  const at::Tensor src = send.contiguous();
+  at::Tensor recv = at::empty_like(src);
+  double post_s = 0, wait_s = 0;
+  for (int64_t i = 0; i < shifts; ++i) {
+    const auto t0 = Clock::now();
+    auto pending = transport->shift(src, recv, i);
+    const auto t1 = Clock::now();
+    pending->wait();
+    post_s += std::chrono::duration<double>(t1 - t0).count();
+    wait_s += std::chrono::duration<double>(Clock::now() - t1).count();
+  }
+  transport->finish();
+  at::Tensor result = at::empty({2}, at::kDouble);
+  result[0] = post_s * 1e6 / static_cast<double>(shifts);
+  result[1] = wait_s * 1e6 / static_cast<double>(shifts);
+  return result;
+}
+
 // The ring's sub-problem backward, adding into given gradients (ops.h attention_bwd_add_scored),
 // bottom-right aligned like cpattn.attention, no score options.
 void attention_bwd_add(const at::Tensor& dq, const std::optional<at::Tensor>& dq_low,
@@ -134,6 +160,7 @@ void impl_testing_ops(torch::Library& m) {
   m.impl("ring_fwd_emulated", &ring_fwd_emulated);
   m.impl("ring_bwd_emulated", &ring_bwd_emulated);
   m.impl("ring_shift", &ring_shift);
+  m.impl("ring_post_timing", &ring_post_timing);
   m.impl("ring_loopback_timing", &ring_loopback_timing);
   m.impl("attention_bwd_add", &attention_bwd_add);
   m.impl("round_split_", &round_split_);
@@ -151,6 +178,8 @@ TORCH_LIBRARY(cpattn_testing, m) {
       "(Tensor[] dq, Tensor[] dk, Tensor[] dv)"));
   // One shift of `send` over the group (NCCL for CUDA tensors).
   m.def("ring_shift(Tensor send, str group_name, float timeout_s) -> Tensor");
+  // Host microseconds per post and per wait over `shifts` shifts: (post_us, wait_us), CPU.
+  m.def("ring_post_timing(Tensor send, str group_name, int shifts, float timeout_s) -> Tensor");
   // The CPU backward's byte budget per kernel call; returns the previous one.
   m.def("set_cpu_backward_group_bytes(int bytes) -> int");
   // (forward s, backward s) of one rank's ring work without communication.

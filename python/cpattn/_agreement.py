@@ -13,10 +13,18 @@ Protocol (identical on every rank, so it never deadlocks on its own):
    from which every rank builds the same ValueError naming the function on each rank and the
    fields that differ.
 
-Modes (cpattn.set_rank_check, or $CPATTN_RANK_CHECK when never set): "always" (default) checks
-every call; "once" checks each distinct (function, group, signature) once and then trusts it
-(later identical calls send nothing; a rank that starts a new signature while the others repeat
-a checked one is then not caught); "never" skips the check.
+Modes (cpattn.set_rank_check, or $CPATTN_RANK_CHECK when never set): "always" checks every call;
+"once" checks each distinct (function, group, signature) once and then trusts it (later identical
+calls send nothing; a rank that starts a new signature while the others repeat a checked one is
+then not caught); "never" skips the check. "auto" (default): "always" where the header travels on
+the host (a group with a CPU backend: gloo, or "cpu:gloo,cuda:nccl"), "once" where it would have
+to go through a device (an NCCL-only group): there an exchange costs a host sync (copy to the
+GPU, wait, copy back), which the hot path must not pay at every call.
+
+Tensors whose values are options (sinks, ALiBi slopes) are compared by value when they are on
+the CPU, or in mode "always"; on a device in the other modes by shape and dtype only (their
+values would need a copy to the host, a sync, at every call; they are model parameters, which
+the training framework keeps identical on every rank).
 
 Under torch.compile (modes "always" and "once"), the check runs while dynamo traces the call, not
 in the compiled graph: every rank traces the same calls in the same order, so every rank checks
@@ -44,7 +52,7 @@ import torch.distributed as dist
 
 from cpattn import _env
 
-MODES = ("always", "once", "never")
+MODES = ("auto", "always", "once", "never")
 FieldValue = bool | int | float | str | bytes | torch.dtype | None
 Fields = list[tuple[str, FieldValue]]
 T = TypeVar("T")
@@ -59,12 +67,12 @@ _ONCE_CACHE_LIMIT = 4096  # signatures remembered in "once" mode (bounded: cu_se
 _INVALID = "invalid_arguments"  # agree_on's one field when a rank's arguments fail validation
 _mode: str | None = None
 exchanges = 0  # header exchanges made by this process (tests count the check's collectives)
-_checked: set = set()
+_checked: set = set()  # signatures checked (mode "once" trusts them; so does a CUDA graph capture)
 
 
 def set_rank_check(mode: str) -> None:
     """Sets how distributed cpattn calls check that the ranks agree (see the module docstring):
-    "always" (default), "once" or "never". Overrides $CPATTN_RANK_CHECK."""
+    "auto" (default), "always", "once" or "never". Overrides $CPATTN_RANK_CHECK."""
     global _mode
     if mode not in MODES:
         raise ValueError(f"cpattn.set_rank_check: mode must be one of {MODES}, got {mode!r}")
@@ -72,10 +80,10 @@ def set_rank_check(mode: str) -> None:
 
 
 def get_rank_check() -> str:
-    """The current mode: set_rank_check's, else $CPATTN_RANK_CHECK, else "always"."""
+    """The current mode: set_rank_check's, else $CPATTN_RANK_CHECK, else "auto"."""
     if _mode is not None:
         return _mode
-    mode = _env.rank_check() or "always"
+    mode = _env.rank_check() or "auto"
     if mode not in MODES:
         raise ValueError(f"cpattn: $CPATTN_RANK_CHECK must be one of {MODES}, got {mode!r}")
     return mode
@@ -84,6 +92,26 @@ def get_rank_check() -> str:
 def digest_ints(values) -> bytes:
     """The exact bytes of an integer sequence (e.g. cu_seqlens), as an agree() field value."""
     return torch.as_tensor(values).to(torch.int64).cpu().contiguous().numpy().tobytes()
+
+
+def reads_on_host(t: torch.Tensor) -> bool:
+    """Whether the checks read the values of `t` on the host: on the CPU, or in mode "always".
+    Otherwise (a device tensor) reading them would sync the host, and the checks that need its
+    values run on the device (the transformers integration's) or compare its shape only."""
+    return t.device.type == "cpu" or get_rank_check() == "always"
+
+
+def tensor_values(t: torch.Tensor | None) -> FieldValue:
+    """The agree() field of a tensor whose values are an option (sinks, ALiBi slopes): its exact
+    values on the CPU or in mode "always"; on a device otherwise its shape and dtype only (see
+    the module docstring); while torch.compile traces, its presence only."""
+    if t is None:
+        return None
+    if torch.compiler.is_compiling():
+        return "<tensor>"
+    if not reads_on_host(t):
+        return f"<{t.device.type} tensor {tuple(t.shape)} {t.dtype}>"
+    return t.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()
 
 
 def tensor_fields(
@@ -172,10 +200,16 @@ def _signature_digest(function_name: str, fields: Sequence[tuple[str, FieldValue
     return h.digest()
 
 
+def _exchange_device(group) -> torch.device:
+    """Where the group's all-gather runs: on the CPU unless its only backend is NCCL."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _exchange(mine: torch.Tensor, group, world: int, timeout: float, what: str) -> torch.Tensor:
     """All-gathers a fixed-size int64 vector: (world, n), waiting at most `timeout` seconds."""
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    device = _exchange_device(group)
     gathered = [torch.empty_like(mine, device=device) for _ in range(world)]
     try:
         work = dist.all_gather(gathered, mine.to(device), group=group, async_op=True)
@@ -279,14 +313,23 @@ def agree(
 
 
 def _agree_now(function_name: str, group, fields: Fields, timeout: float, mode: str) -> None:
-    """agree() in Python, now, in mode "always" or "once"."""
+    """agree() in Python, now, in mode "auto", "always" or "once"."""
     global exchanges
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if world == 1:
         return
+    if mode == "auto":
+        mode = "always" if _exchange_device(group).type == "cpu" else "once"
     digest = _signature_digest(function_name, fields)
     key = (function_name, group.group_name, digest)
+    if capturing():
+        if key in _checked:
+            return  # checked when this call ran before the capture (the usual warm-up)
+        raise RuntimeError(
+            f"{function_name}: first called with these shapes and options while a CUDA graph is "
+            "being captured: its cross-rank agreement check cannot run inside a capture. Run "
+            "the call once before capturing (the usual warm-up), or set_rank_check('never')")
     if mode == "once" and key in _checked:
         return
     exchanges += 1
@@ -301,10 +344,14 @@ def _agree_now(function_name: str, group, fields: Fields, timeout: float, mode: 
                 [_hash63(name.encode()), _kind(value), _word(value)])
         details = _exchange(detail, group, world, timeout, function_name)
         raise ValueError(_mismatch_message(function_name, fields, headers, details))
-    if mode == "once":
-        if len(_checked) >= _ONCE_CACHE_LIMIT:
-            _checked.clear()  # every rank clears at the same call: the caches stay identical
-        _checked.add(key)
+    if len(_checked) >= _ONCE_CACHE_LIMIT:
+        _checked.clear()  # every rank clears at the same call: the caches stay identical
+    _checked.add(key)
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _traced_fields(fields: Fields) -> tuple:

@@ -82,15 +82,17 @@ def document_positions(docs: torch.Tensor, layout: str, world: int, rank: int
     return torch.cat(index), torch.cat(within)
 
 
-def kv_heads_for_ranks(heads: int, kv_heads: int, world: int) -> Optional[list]:
-    """KV heads to send so that after the all-to-all rank r holds the KV heads of its query heads
-    [r * H/W, (r+1) * H/W), with a uniform group size. None: send K/V as they are."""
+def kv_heads_for_ranks(heads: int, kv_heads: int, world: int) -> Optional[int]:
+    """How many times each KV head is repeated (in place, `repeat_interleave` on the heads dim)
+    before the all-to-all so that rank r then holds the KV heads of its query heads
+    [r * H/W, (r+1) * H/W), with a uniform group size. None: send K/V as they are. A count,
+    not an index list: repeating needs no index tensor on the device (no host-to-device copy)."""
     per_rank = heads // world
     group = heads // kv_heads
     if kv_heads % world == 0:
         return None  # each rank gets kv_heads / W heads, group size unchanged
     if group % per_rank == 0:
-        # all query heads of a rank share one KV head: replicate it W / kv_heads times
-        return [(r * per_rank) // group for r in range(world)]
+        # all query heads of a rank share one KV head: each KV head goes to group / per_rank ranks
+        return group // per_rank
     # otherwise one KV head per query head (group size 1)
-    return [h // group for h in range(heads)]
+    return group

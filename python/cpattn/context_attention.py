@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from cpattn import plan as _plan
 from cpattn._agreement import agree_on
+from cpattn._device import to_device
 from cpattn._layout import DTYPE_NAMES
 from cpattn._validation import check_timeout, error
 from cpattn.attention import attention
@@ -26,7 +27,7 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, index, group, dim):
         ctx.args = (index, x.shape[dim], group, dim)
-        return x.index_select(dim, index.to(x.device))
+        return x.index_select(dim, to_device(index, x.device))
 
     @staticmethod
     def backward(ctx, grad):
@@ -86,7 +87,7 @@ def context_attention(
     """
     what = "cpattn.context_attention"
     group, _, world = group_info(group)
-    timeout = check_timeout(what, timeout)
+    timeout = check_timeout(what, timeout, group)
     train = needs_grad(q, k, v)
 
     def check():

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn._agreement import agree_on, tensor_fields
+from cpattn._device import to_device
 from cpattn._layout import LAYOUTS, check_chunk, padded_length
 from cpattn._validation import (
     check_choice,
@@ -66,8 +67,13 @@ def merge_attention_states(
     return ops.merge_attention_states(outs, lses, out_dtype)
 
 
-def _wait(work, timeout: float, what: str) -> None:
-    if not work.wait(timeout=datetime.timedelta(seconds=timeout)):
+def _wait(work, on_host: bool, timeout: float, what: str) -> None:
+    """Waits for a collective of CPU tensors up to `timeout`. One of GPU tensors is only ordered
+    before the current stream's later work (a timed wait would block the host until the device
+    is done, every layer); the process group's own watchdog times it out."""
+    if not on_host:
+        work.wait()
+    elif not work.wait(timeout=datetime.timedelta(seconds=timeout)):
         raise RuntimeError(f"{what}: peers did not answer within {timeout} s")
 
 
@@ -84,14 +90,16 @@ def _unpack(msg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _all_gather(msg: torch.Tensor, group, world: int, timeout: float, what: str) -> torch.Tensor:
     """(B, ...) on every rank -> (W, B, ...)."""
     recv = msg.new_empty((world * msg.shape[0], *msg.shape[1:]))
-    _wait(all_gather_flat(recv, msg.contiguous(), group=group, async_op=True), timeout, what)
+    _wait(all_gather_flat(recv, msg.contiguous(), group=group, async_op=True), msg.is_cpu,
+          timeout, what)
     return recv.view(world, *msg.shape)
 
 
 def _all_to_all(send: torch.Tensor, group, timeout: float, what: str) -> torch.Tensor:
     """send[s] goes to rank s; returns recv with recv[s] from rank s."""
     recv = torch.empty_like(send)
-    _wait(dist.all_to_all_single(recv, send, group=group, async_op=True), timeout, what)
+    _wait(dist.all_to_all_single(recv, send, group=group, async_op=True), send.is_cpu, timeout,
+          what)
     return recv
 
 
@@ -147,7 +155,8 @@ def prefill_attention(
         layout: "contiguous", "zigzag" (balanced for causal) or "striped"; C must be a multiple of
             W (2 W for zigzag). Shorter tails go through decode_attention (append, then Sq > 1).
         return_lse: also return the LSE (batch, heads, C / W) float32.
-        timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT or 300).
+        timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT, else the
+            process group's own timeout).
         **options: the attention options of cpattn.attention but causal (a prefill is causal),
             on global positions (the sequence's, counted from its first cached token). sinks
             join each row once, after the ring's and the cached tokens' partials are merged. A
@@ -166,7 +175,7 @@ def prefill_attention(
     """
     what = "cpattn.prefill_attention"
     group, rank, world = group_info(group)
-    timeout = check_timeout(what, timeout)
+    timeout = check_timeout(what, timeout, group)
 
     def check():
         check_qkv(what, q, k, v)
@@ -208,8 +217,8 @@ def prefill_attention(
         q_all = q_all.transpose(0, 1).reshape(q.shape[0], chunk, *q.shape[2:])
         # in chunk order (row c at position start + c, for ALiBi's distances), then back to the
         # ranks' order for the all-to-all
-        order = torch.cat([positions(chunk, layout=layout, rank=r, world_size=world)
-                           for r in range(world)]).to(q.device)
+        order = to_device(torch.cat([positions(chunk, layout=layout, rank=r, world_size=world)
+                                     for r in range(world)]), q.device)
         po, pl = ops.cache_attention_fwd(
             q_all.index_select(1, order.argsort()), cache.k, cache.v, start, start, rank, world,
             cache.interleave, torch.float32, **opts.op_kwargs())
@@ -228,9 +237,10 @@ def prefill_attention(
             out_dtype=torch.float32,
         )
         if n != chunk:  # the cached tokens' partials of padding rows: dropped
-            padding = (positions(n, layout=layout, rank=rank, world_size=world) < 0).to(q.device)
-            out[:, padding] = 0.0
-            lse[:, :, padding] = float("-inf")
+            padding = to_device(positions(n, layout=layout, rank=rank, world_size=world) < 0,
+                                q.device)  # (masked_fill: a boolean index would sync the host)
+            out.masked_fill_(padding[None, :, None, None], 0.0)
+            lse.masked_fill_(padding[None, None, :], float("-inf"))
     else:
         out, lse = ring_out, ring_lse  # prefill_fwd returns fp32
     out, lse = _finish(out, lse, opts.sinks, q.dtype)
@@ -259,7 +269,8 @@ def decode_attention(
                 [rank * heads / W, (rank + 1) * heads / W), ready for a tensor-parallel output
                 projection. Needs heads % W == 0.
         return_lse: also return the LSE (batch, heads or heads / W, Sq) float32.
-        timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT or 300).
+        timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT, else the
+            process group's own timeout).
         validate: run the cross-rank agreement check (cpattn.set_rank_check: one small
             all-gather, a mismatch then raises on every rank). It is a second collective per
             call; without it a mismatch is a timeout or a wrong result. The arguments are
@@ -278,7 +289,7 @@ def decode_attention(
     """
     what = "cpattn.decode_attention"
     group, rank, world = group_info(group)
-    timeout = check_timeout(what, timeout)
+    timeout = check_timeout(what, timeout, group)
 
     def check():
         check_tensor(what, "q", q, ("batch", "seqlen_q", "heads", "head_dim"))

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
+from cpattn._device import to_device
 from cpattn._layout import document_positions, shard_positions
 from cpattn.options import AttentionOptions
 
@@ -35,10 +36,10 @@ def global_max_logits(q: torch.Tensor, k: torch.Tensor, group, placement: Placem
         raise ValueError("cpattn: return_max_logits is not supported under torch.compile yet "
                          "(its pass runs collectives in Python): call the attention eagerly")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    q_pos, q_doc = (t.to(q.device) for t in placement(rank))
+    q_pos, q_doc = (to_device(t, q.device) for t in placement(rank))
     parts = [placement(r) for r in range(world)]
-    k_pos = torch.cat([p for p, _ in parts]).to(q.device)
-    k_doc = torch.cat([d for _, d in parts]).to(q.device)
+    k_pos = to_device(torch.cat([p for p, _ in parts]), q.device)
+    k_doc = to_device(torch.cat([d for _, d in parts]), q.device)
     heads, kv_heads = q.shape[2], k.shape[2]
     group_size = heads // kv_heads
     best = torch.full((heads,), float("-inf"), dtype=torch.float32, device=q.device)

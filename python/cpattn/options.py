@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from cpattn import _agreement
 from cpattn._validation import check_bool, check_int, check_scale, check_window, error
 
 # The ops' option arguments, in their schema order (csrc/ops/options.h kOptionsSchema).
@@ -73,15 +74,9 @@ class AttentionOptions:
                    prefix_len=check_int(what, "prefix_len", prefix_len, minimum=0))
 
     def agreement_fields(self) -> list:
-        """What every rank must agree on: the per-head tensors by their exact values (while
-        torch.compile traces, by presence only)."""
-
-        def values(t):
-            if t is None:
-                return None
-            if torch.compiler.is_compiling():
-                return "<tensor>"
-            return t.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()
+        """What every rank must agree on: the per-head tensors as _agreement.tensor_values
+        gives them (by exact value on the CPU)."""
+        values = _agreement.tensor_values
 
         return [("causal", self.causal), ("window_left", self.window[0]),
                 ("window_right", self.window[1]), ("softmax_scale", self.softmax_scale),

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from cpattn._agreement import Fields, agree_on, digest_ints, tensor_fields
 from cpattn._autograd import once_differentiable
+from cpattn._device import to_device
 from cpattn._layout import LAYOUTS, document_positions, padded_length, round_up, shard_positions
 from cpattn._validation import check_choice, check_cu_seqlens, check_int, check_timeout, error
 
@@ -55,7 +56,7 @@ def positions(
     """
     rank, world_size = rank_and_world(group, rank, world_size)
     pos = shard_positions(seqlen, layout, world_size, rank)
-    return pos.to(device) if device is not None else pos
+    return to_device(pos, device) if device is not None else pos
 
 
 def shard(
@@ -162,7 +163,7 @@ def unshard_by(what: str, x_local, group, dim, locate: Callable) -> torch.Tensor
         return (d, index, seqlen), [*tensor_fields("x_local", x_local, ()), ("dim", d),
                                     ("seqlen", seqlen), ("index.numel", index.numel()), *fields]
 
-    d, index, seqlen = agree_on(what, group, check_timeout(what, None), check)
+    d, index, seqlen = agree_on(what, group, check_timeout(what, None, group), check)
     return _Unshard.apply(x_local, index, seqlen, group, d)
 
 

@@ -177,7 +177,7 @@ def agree(cp, what: str, check: Callable[[], None]) -> None:
     sequence raises when any rank's check fails: over cp's group, or for hybrid over its Ulysses
     groups and then its ring groups (every rank takes part in both exchanges). In rank-check
     mode "once" too (a valid check's fields are the same at every call)."""
-    timeout = cp.timeout if cp.timeout is not None else _default_timeout()
+    timeout = _timeout(cp)
 
     def validated():
         check()
@@ -203,7 +203,7 @@ def agree(cp, what: str, check: Callable[[], None]) -> None:
         failures.clear()  # no cycle from the raised error's frames back to it
 
 
-def _default_timeout() -> float:
+def _timeout(cp) -> float:
     from cpattn._validation import check_timeout
 
-    return check_timeout(WHAT, None)
+    return check_timeout(WHAT, cp.timeout, cp.ring_group)

@@ -43,6 +43,8 @@ from typing import Optional
 
 import torch
 
+from cpattn._agreement import reads_on_host
+from cpattn._device import to_device
 from cpattn.integrations._generation import PENDING, ContextParallelCache
 from cpattn.integrations._keywords import WHAT, score_options, short
 from cpattn.integrations._model_checks import (
@@ -74,7 +76,7 @@ def _expected_positions(cp: ContextParallel, local_len: int, docs: Optional[Docu
                         device) -> torch.Tensor:
     """The position ids RoPE must have seen for this rank's tokens."""
     if docs is not None:
-        return cp.document_positions(docs)[1].to(device)
+        return to_device(cp.document_positions(docs)[1], device)
     return cp.positions(local_len * cp.world_size, device=device)
 
 
@@ -85,8 +87,9 @@ def _check_positions(cp: ContextParallel, module: torch.nn.Module,
     cpattn.shard_batch (global positions; with packed documents, positions within the
     documents), else RoPE was wrong. Checked once per position tensor (every layer gets the same
     one) and agreed over the ranks, so a mismatch on one rank raises on every rank. Under
-    torch.compile: in the graph, at the model's first layer (layer_idx 0), by one all-reduce of
-    a flag (RuntimeError on every rank)."""
+    torch.compile, and for position ids on a GPU (reading them would sync the host; rank-check
+    mode "always" reads them anyway): on the device, at the model's first layer (layer_idx 0),
+    by one all-reduce of a flag (a device-side assert on every rank)."""
     if position_ids is None:
         if getattr(module, "use_rope", True) is False or passed_whole_batch:
             return  # (Llama 4's NoPE layers; the batch of shard_batch, its positions with it)
@@ -96,9 +99,9 @@ def _check_positions(cp: ContextParallel, module: torch.nn.Module,
             "a model uses each rank's local positions: silently wrong). Pass the whole batch of "
             "cpattn.shard_batch to the model (model(**batch) without 'shift_labels'): its "
             f"position_ids with its {KEYWORD!r}, which tells cpattn they were passed")
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not reads_on_host(position_ids):
         if getattr(module, "layer_idx", 0) == 0:
-            _check_positions_in_graph(cp, position_ids, local_len, docs)
+            _check_positions_on_device(cp, position_ids, local_len, docs)
         return
     last = _CHECKED.get(id(cp))
     if last is not None and last[0] is position_ids and last[1] == (position_ids._version,
@@ -120,23 +123,31 @@ def _check_positions(cp: ContextParallel, module: torch.nn.Module,
     _CHECKED[id(cp)] = (position_ids, (position_ids._version, local_len, docs))
 
 
-def _check_positions_in_graph(cp: ContextParallel, position_ids: torch.Tensor, local_len: int,
-                              docs: Optional[Documents]) -> None:
-    """_check_positions inside a compiled graph (the values are not known while tracing): each
-    rank's mismatch flag, all-reduced (max) over cp's sequence, asserted on every rank."""
-    import torch.distributed._functional_collectives as funcol
-
+def _check_positions_on_device(cp: ContextParallel, position_ids: torch.Tensor, local_len: int,
+                               docs: Optional[Documents]) -> None:
+    """_check_positions without reading the values on the host (inside a compiled graph, or on a
+    GPU): asserted on the device on every rank."""
     if position_ids.shape[-1] != local_len:
         raise ValueError(f"{WHAT}: position_ids hold {position_ids.shape[-1]} positions for "
                          f"{local_len} local tokens")
     expected = _expected_positions(cp, local_len, docs, position_ids.device)
-    flag = (position_ids != expected).any().to(torch.int32).reshape(1)
+    _assert_on_every_rank(cp, (position_ids != expected).any(),
+                          f"{WHAT}: position_ids are not the position ids of the tokens on some "
+                          "rank: pass position_ids=cpattn.shard_batch(...)['position_ids'] to "
+                          "the model, else RoPE sees other positions")
+
+
+def _assert_on_every_rank(cp: ContextParallel, failed: torch.Tensor, message: str) -> None:
+    """Asserts that the bool scalar `failed` is False on every rank of cp's sequence, without a
+    host sync: the ranks' flags are all-reduced (max) on the device and asserted there
+    (torch._assert_async), so a failure on any rank fails every rank."""
+    import torch.distributed._functional_collectives as funcol
+
+    flag = failed.to(torch.int32).reshape(1)
     groups = (cp.ulysses_group, cp.ring_group) if cp.strategy == "hybrid" else (cp.group,)
     for group in groups:
         flag = funcol.all_reduce(flag, "max", group)
-    torch._assert_async(flag[0] == 0, f"{WHAT}: position_ids are not the position ids of the "
-                        "tokens on some rank: pass position_ids=cpattn.shard_batch(...)"
-                        "['position_ids'] to the model, else RoPE sees other positions")
+    torch._assert_async(flag[0] == 0, message)
 
 
 # id(settings) -> (the position tensor last checked, (its version, length, documents)): the
@@ -251,13 +262,17 @@ def _mask(cp: ContextParallel, *args, attention_mask: Optional[torch.Tensor] = N
     if torch.compiler.is_compiling():
         return attention_mask  # the attention refuses it (values unknown while tracing)
 
+    padding = (f"{WHAT}: the model was given an attention_mask with padding (zeros): cpattn "
+               "cannot apply a padding mask under context parallelism. Give the padded batch "
+               "to cpattn.shard_batch (it unpacks the rows into documents) and pass no "
+               "attention_mask to the model")
+    if not reads_on_host(attention_mask):  # (a GPU mask: reading it would sync the host)
+        _assert_on_every_rank(cp, ~attention_mask.all(), padding)
+        return None
+
     def all_ones():
         if not bool(attention_mask.all()):
-            raise ValueError(
-                f"{WHAT}: the model was given an attention_mask with padding (zeros): cpattn "
-                "cannot apply a padding mask under context parallelism. Give the padded batch "
-                "to cpattn.shard_batch (it unpacks the rows into documents) and pass no "
-                "attention_mask to the model")
+            raise ValueError(padding)
 
     agree(cp, WHAT, all_ones)
     return None

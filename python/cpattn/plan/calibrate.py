@@ -27,22 +27,32 @@ def _cache_path(key: str) -> str:
     return os.path.join(root, f"machine-{key}.json")
 
 
-def _timed(fn, repeats: int, sync=None, slowest: bool = False) -> float:
+def _timed(fn, repeats: int, sync=None, slowest: bool = False, device=None) -> float:
     """Best of `repeats` after a warm-up (the least disturbed run); sync() before each run lines
     the ranks up, so that they compute (and share cores) at the same time. slowest: each run
     ends at a second sync(), when the slowest rank is done: for compute probes, where timing
     each rank's own call ran up to a third fast with 4 ranks on 2 cores (the scheduler lets some
     ranks finish first, and the others then run faster too; a strategy waits for the slowest).
-    Collectives need no second sync (they end together), and it would add a barrier's latency."""
+    Collectives need no second sync (they end together), and it would add a barrier's latency.
+    device: a CUDA device is synchronised before the clock starts and before it stops (a kernel
+    or an NCCL collective returns when queued, not when done)."""
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+
+    def drain():
+        if on_gpu:
+            torch.cuda.synchronize(device)
+
     fn()  # warm-up
     best = math.inf
     for _ in range(repeats):
         if sync is not None:
             sync()
+        drain()
         start = time.perf_counter()
         fn()
         if slowest:
             sync()
+        drain()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -69,15 +79,16 @@ def _probe_kernel(device, dtype: torch.dtype, block: tuple, sync) -> tuple:
         q, k, v = (torch.randn(1, seqlen, heads, dim, device=device, dtype=dtype)
                    .requires_grad_() for _ in range(3))
         dout = torch.randn_like(q)
-        t_fwd = _timed(lambda: attention(q, k, v), 3, sync, slowest=True)
+        t_fwd = _timed(lambda: attention(q, k, v), 3, sync, slowest=True, device=device)
         t_all = _timed(lambda: torch.autograd.grad(attention(q, k, v), (q, k, v), dout), 3, sync,
-                       slowest=True)
+                       slowest=True, device=device)
         tiles = -(-seqlen // block[0]) * block[0] * (-(-seqlen // block[1]) * block[1])
         results.append((tiles * heads * dim, t_fwd, max(t_all - t_fwd, 1e-9)))
     (w0, f0, b0), (w1, f1, b1) = results
     fwd_rate = 4 * (w1 - w0) / max(f1 - f0, 1e-9)
     bwd_rate = 10 * (w1 - w0) / max(b1 - b0, 1e-9)
-    barrier = _timed(sync, 5)  # inside each timing above (slowest=True), not a call's cost
+    # inside each timing above (slowest=True), not a call's cost
+    barrier = _timed(sync, 5, device=device)
     overhead = max(f0 - barrier - 4 * w0 / fwd_rate, 0.0)
     return fwd_rate, bwd_rate, overhead
 
@@ -101,7 +112,8 @@ def _probe_collectives(group, device, sync) -> dict:
             x = torch.randn(world * per_rank, device=device)
             if name == "all_gather":
                 x = x[:per_rank].clone()
-            points.append(((world - 1) * per_rank * 4, _timed(lambda: call(x), 3, sync)))
+            points.append(((world - 1) * per_rank * 4,
+                           _timed(lambda: call(x), 3, sync, device=device)))
         (n0, t0), (n1, t1) = points
         per_byte = max(t1 - t0, 1e-9) / (n1 - n0)
         result[name] = (per_byte, max(t0 - n0 * per_byte, 1e-7))
@@ -119,7 +131,8 @@ def calibrate(group=None, *, dtypes: Sequence[str] = (), refresh: bool = False,
     group = group if group is not None else dist.group.WORLD
     world, me = dist.get_world_size(group), dist.get_rank(group)
     backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else \
+    # GPU ranks whenever the group has NCCL, alone or beside gloo ("cpu:gloo,cuda:nccl")
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else \
         torch.device("cpu")
     if not dtypes:
         dtypes = ("float32",) if device.type == "cpu" else ("bfloat16", "float16")
@@ -148,14 +161,16 @@ def calibrate(group=None, *, dtypes: Sequence[str] = (), refresh: bool = False,
     # elementwise bandwidth: a 32 MiB copy
     src_t = torch.randn(8 << 20, device=device)
     dst_t = torch.empty_like(src_t)
-    mem_bw = 2 * src_t.numel() * 4 / _timed(lambda: dst_t.copy_(src_t), 3, sync, slowest=True)
+    mem_bw = 2 * src_t.numel() * 4 / _timed(lambda: dst_t.copy_(src_t), 3, sync, slowest=True,
+                                           device=device)
     # the ring link: one shift of two sizes
     if world > 1:
         small = torch.zeros(1024, device=device)
         big = torch.zeros(2 << 20, device=device)
         received = torch.empty_like(big)
         shift = lambda t: _ring_shift(t, received[:t.numel()], group)  # noqa: E731
-        t_small, t_big = _timed(lambda: shift(small), 5), _timed(lambda: shift(big), 3)
+        t_small = _timed(lambda: shift(small), 5, device=device)
+        t_big = _timed(lambda: shift(big), 3, device=device)
         bw = (big.numel() - small.numel()) * 4 / max(t_big - t_small, 1e-9)
         lat = max(t_small - small.numel() * 4 / bw, 1e-7)
         collectives = _probe_collectives(group, device, sync)

@@ -54,5 +54,5 @@ allgather_chunk = default_head_group
 
 def kv_heads_sent(heads: int, kv_heads: int, u: int) -> int:
     """KV heads each rank puts into Ulysses' all-to-all: those kv_heads_for_ranks picks."""
-    sent = kv_heads_for_ranks(heads, kv_heads, u)
-    return kv_heads if sent is None else len(sent)
+    repeats = kv_heads_for_ranks(heads, kv_heads, u)
+    return kv_heads * (repeats or 1)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from cpattn import comm
 from cpattn._agreement import agree_on
 from cpattn._autograd import once_differentiable
+from cpattn._device import to_device
 from cpattn._layout import kv_heads_for_ranks, padded_length
 from cpattn._validation import check_bool, check_int, check_timeout, document_lengths, error
 from cpattn.attention import attention_varlen
@@ -31,11 +32,17 @@ def scatter_heads(q, k, v, group):
     needs replicated first when Hkv is not a multiple of the group size)."""
     world = dist.get_world_size(group)
     heads, kv_heads = q.shape[2], k.shape[2]
-    idx = kv_heads_for_ranks(heads, kv_heads, world)
-    if idx is not None:
-        index = torch.tensor(idx, device=k.device)
-        k, v = k.index_select(2, index), v.index_select(2, index)
+    repeats = kv_heads_for_ranks(heads, kv_heads, world)
+    if repeats is not None:
+        k, v = repeat_heads(k, repeats), repeat_heads(v, repeats)
     return tuple(comm.all_to_all(t, scatter_dim=2, gather_dim=1, group=group) for t in (q, k, v))
+
+
+def repeat_heads(t: torch.Tensor, repeats: int) -> torch.Tensor:
+    """t (B, S, H, D) with each head repeated `repeats` times in place (h0 h0 h1 h1 ...): a view
+    expanded and copied, so no index or repeat count goes to the device."""
+    b, s, h, d = t.shape
+    return t.unsqueeze(3).expand(b, s, h, repeats, d).reshape(b, s, h * repeats, d)
 
 
 def my_heads(heads: int, group) -> slice:
@@ -198,7 +205,8 @@ def ulysses_attention(
     """
     what = "cpattn.ulysses_attention"
     group, _, world = group_info(group)
-    result = across_heads(what, q, k, v, group, check_timeout(what, timeout), None, return_lse,
+    timeout = check_timeout(what, timeout, group)
+    result = across_heads(what, q, k, v, group, timeout, None, return_lse,
                           options, seqlen=seqlen,
                           rows=lambda n: (padded_length(n, "contiguous", world), n),
                           fields_of=max_logits_field(what, return_max_logits))
@@ -255,7 +263,7 @@ def ulysses_attention_varlen(
         # (1, W T_local, h, D): every rank's shard in rank order -> the packed documents
         cu = boundaries(cu_seqlens)
         lengths = tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
-        order = gathered_order(lengths, "contiguous", world).to(qh.device)  # row of token p
+        order = to_device(gathered_order(lengths, "contiguous", world), qh.device)  # row of p
         keywords = mine.as_keywords()
         del keywords["prefix_len"]  # (0: fixed above)
         out_p, lse_p = attention_varlen(qh[0, order], kh[0, order], vh[0, order], pieces,
@@ -266,7 +274,8 @@ def ulysses_attention_varlen(
                  mine.sinks.to(lse_p.dtype)[:, None].expand(-1, qh.shape[1]))
         return out[None], empty.index_copy(1, order, lse_p)[None]
 
-    result = across_heads(what, q[None], k[None], v[None], group, check_timeout(what, timeout),
+    timeout = check_timeout(what, timeout, group)
+    result = across_heads(what, q[None], k[None], v[None], group, timeout,
                           attend, return_lse, options, seqlen=None, rows=lambda n: (n, n),
                           fields_of=fields_of, fixed={"prefix_len": 0})
     max_logits = []

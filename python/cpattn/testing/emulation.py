@@ -41,6 +41,10 @@ def load_ops() -> None:
     def _ring_shift_fake(send, group_name, timeout_s):
         return send.new_empty(send.shape)
 
+    @torch.library.register_fake("cpattn_testing::ring_post_timing")
+    def _ring_post_timing_fake(send, group_name, shifts, timeout_s):
+        return torch.empty((2,), dtype=torch.float64)
+
     @torch.library.register_fake("cpattn_testing::ring_loopback_timing")
     def _ring_loopback_timing_fake(q, k, v, dout, rank, world, layout, *options, **named_options):
         return q.new_empty((2,), dtype=torch.float64)
@@ -83,9 +87,9 @@ def ring_attention_emulated(
                          f"divisible by the number of ranks ({world})")
     full_q, full_k, full_v = (torch.cat(t, dim=1) for t in (q, k, v))
     heads = full_q.shape[2]
-    idx = kv_heads_for_ranks(heads, full_k.shape[2], world)
-    if idx is not None:
-        full_k, full_v = full_k[:, :, idx], full_v[:, :, idx]
+    repeats = kv_heads_for_ranks(heads, full_k.shape[2], world)
+    if repeats is not None:
+        full_k, full_v = (t.repeat_interleave(repeats, dim=2) for t in (full_k, full_v))
     per_rank, kv_per_rank = heads // world, full_k.shape[2] // world
     outs, lses = [], []
     for r in range(world):  # rank r: all tokens, its heads
