@@ -154,3 +154,43 @@ def test_tensor_options_on_a_device_are_compared_without_their_values(monkeypatc
     monkeypatch.setattr(_agreement, "_mode", "always")
     with pytest.raises(NotImplementedError):  # "always" reads them (meta has none)
         _agreement.tensor_values(on_device)
+
+
+def _capture_guard(rank: int, world: int) -> None:
+    q = torch.randn(1, 16, 2, 8)
+    cpattn.ring_attention(q, q, q, causal=True)  # warm-up: this signature is checked
+    real = _agreement.capturing
+    _agreement.capturing = lambda: True  # as if the stream were capturing a CUDA graph
+    sent = _agreement.exchanges
+    try:
+        cpattn.ring_attention(q, q, q, causal=True)  # checked before: trusted, nothing sent
+        assert _agreement.exchanges == sent
+        with pytest.raises(RuntimeError, match="while a CUDA graph is being captured"):
+            cpattn.ring_attention(q, q, q, causal=False)  # a new signature: refused
+    finally:
+        _agreement.capturing = real
+    cpattn.ring_attention(q, q, q, causal=False)  # the group still works
+
+
+def test_capture_trusts_only_signatures_checked_before_it():
+    run_ranks(2, _capture_guard)
+
+
+def _shifts(rank: int, world: int) -> None:
+    from cpattn.testing.emulation import load_ops
+
+    load_ops()
+    name = dist.group.WORLD.group_name
+    for dtype in (torch.float32, torch.bfloat16):
+        mine = torch.full((3, 5), float(rank), dtype=dtype)
+        got = torch.ops.cpattn_testing.ring_shift(mine, name, 30.0)
+        assert torch.equal(got, torch.full_like(mine, float((rank - 1) % world)))
+    post_us, wait_us = torch.ops.cpattn_testing.ring_post_timing(mine, name, 20, 30.0).tolist()
+    assert post_us > 0 and wait_us >= 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_process_group_transport_shifts_over_gloo(world):
+    """The c10d transport (gloo here; NCCL with CPATTN_RING_TRANSPORT=c10d, coalesced) moves each
+    rank's buffer to the next rank, W = 2 (one peer both ways) and 3."""
+    run_ranks(world, _shifts)
