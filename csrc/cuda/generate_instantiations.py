@@ -3,7 +3,8 @@
 
 Each file holds one explicit instantiation of a launcher template (launch_fwd / launch_bwd /
 launch_decode in fwd_kernel.cuh / bwd_kernel.cuh / decode_kernel.cuh), so that nvcc compiles the
-kernels of one (dtype, head dim) per translation unit, in parallel. CMake compiles the files of the head dims in CPATTN_CUDA_HEAD_DIMS.
+kernels of one (dtype, head dim) per translation unit, in parallel. CMake compiles the files of
+the head dims in CPATTN_CUDA_HEAD_DIMS.
 
     python csrc/cuda/generate_instantiations.py          # rewrite the files
     python csrc/cuda/generate_instantiations.py --check  # exit 1 if a file is missing or stale
