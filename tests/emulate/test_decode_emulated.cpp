@@ -298,10 +298,10 @@ void run_grid(int dtype_index) {
       }
 }
 
-TEST(DecodeEmulated, GridBf16) { run_grid<__nv_bfloat16>(0); }
-TEST(DecodeEmulated, GridFp16) { run_grid<__half>(1); }
+TEST(EmulatedDecode, GridBf16) { run_grid<__nv_bfloat16>(0); }
+TEST(EmulatedDecode, GridFp16) { run_grid<__half>(1); }
 
-TEST(DecodeEmulated, HeadDim128) {
+TEST(EmulatedDecode, HeadDim128) {
   DecodeCase c = base_case(2, 4, 3, 2);
   with_options(&c, 3);  // causal, window and prefix
   run_case<128, __nv_bfloat16>(c, 77);
@@ -311,13 +311,13 @@ TEST(DecodeEmulated, HeadDim128) {
 }
 
 // More query rows per kv head than one block holds: several row groups over the same keys.
-TEST(DecodeEmulated, RowGroups) {
+TEST(EmulatedDecode, RowGroups) {
   DecodeCase c = base_case(2, 1, 5, 1);  // G * Sq = 20 rows > kRows = 16 at head dim 64
   with_options(&c, 2);
   run_case<64, __half>(c, 91);
 }
 
-TEST(DecodeEmulated, PlanFromShapes) {
+TEST(EmulatedDecode, PlanFromShapes) {
   using Cfg = DecodeConfig<128>;
   // One sequence, one kv head, a long shard: splits fill the target, each a whole number of tiles.
   DecodePlan p = plan_decode<Cfg>(1, 8, 8, 131072, 132 * 4);
