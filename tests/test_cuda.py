@@ -57,7 +57,7 @@ def test_generated_instantiations_up_to_date() -> None:
     "name", ["fwd/out_dtype_fp32_raw_op_offsets", "bwd/dlse", "fwd_bwd/strided_views",
              "ring_emulated/W=2", "fwd_bwd/2x129x200x4x2x64/causal_left/bfloat16",
              "score_options/all_dv/bfloat16", "score_options/sinks_empty_rows/float16",
-             "score_options/ring_decode_sinks_W=1"])
+             "score_options/ring_decode_sinks_W=1", "decode/batched_split_kv"])
 def test_checks_harness_on_cpu(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA checks' references, tolerances and sharding, exercised on the CPU kernels (which
     take bf16 inputs too), so a broken check shows up without a GPU."""

@@ -35,6 +35,22 @@ struct Dispatch {
      ...);
     return result;
   }
+  static int decode(const DecodeParamsCuda& p, void* stream) {
+    int result = kErrNoKernel;
+    ((p.head_dim == kDims ? (result = launch_decode<kDtype, kDims>(p, stream), true) : false) ||
+     ...);
+    return result;
+  }
+  static DecodePlan decode_plan(int head_dim, int batch, int kv_heads, int rows, int64_t slots,
+                                int64_t target_blocks) {
+    DecodePlan plan;
+    ((head_dim == kDims
+          ? (plan = plan_decode<DecodeConfig<kDims>>(batch, kv_heads, rows, slots, target_blocks),
+             true)
+          : false) ||
+     ...);
+    return plan;
+  }
   static int bwd(const BwdParamsCuda& p, void* stream) {
     int result = kErrNoKernel;
     ((p.shape.head_dim == kDims ? (result = launch_bwd<kDtype, kDims>(p, stream), true) : false) ||
@@ -60,6 +76,24 @@ int run_fwd(const FwdParamsCuda& p, void* stream) {
       return Dispatch<DType::kBFloat16, CPATTN_HEAD_DIMS>::fwd(p, stream);
     case DType::kFloat16:
       return Dispatch<DType::kFloat16, CPATTN_HEAD_DIMS>::fwd(p, stream);
+    default:
+      return kErrNoKernel;
+  }
+}
+
+DecodePlan decode_plan(int head_dim, int batch, int kv_heads, int rows_per_kv_head, int64_t slots,
+                       int64_t target_blocks) {
+  return Dispatch<DType::kBFloat16, CPATTN_HEAD_DIMS>::decode_plan(
+      head_dim, batch, kv_heads, rows_per_kv_head, slots, target_blocks);
+}
+
+int run_decode(const DecodeParamsCuda& p, void* stream) {
+  if (p.batch == 0 || p.seqlen_q == 0 || p.heads == 0) return 0;  // an empty grid: nothing to do
+  switch (p.dtype) {
+    case DType::kBFloat16:
+      return Dispatch<DType::kBFloat16, CPATTN_HEAD_DIMS>::decode(p, stream);
+    case DType::kFloat16:
+      return Dispatch<DType::kFloat16, CPATTN_HEAD_DIMS>::decode(p, stream);
     default:
       return kErrNoKernel;
   }

@@ -120,6 +120,52 @@ struct BwdConfigFor<256> : BwdConfig<256, 32, 4, 2> {};
 template <int kHeadDim>
 struct DqConfigFor : FwdConfig<kHeadDim, 64, FwdConfigFor<kHeadDim>::kBlockN, 4, false> {};
 
+// Decode (decode_kernel.cuh): one thread block per (key split, kv head and query row group,
+// batch). Each of the kWarps warps takes 32 keys of a kBlockN-key tile, one key per lane, and
+// keeps its own online-softmax state for the block's kRows query rows (the G query heads of the
+// kv head times Sq rows, which share every K/V load); each lane also holds kCols output columns.
+// K and V tiles go through shared memory (coalesced cp.async); Q sits there in fp32.
+template <int kHeadDim_>
+struct DecodeConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kBlockN = 32 * kWarps;
+  static constexpr int kRows = kHeadDim <= 128 ? 16 : 8;  // accumulators: kRows * kCols per lane
+  static constexpr int kCols = kHeadDim / 32;
+  static constexpr int kStride = kHeadDim + 8;  // conflict-free 16-byte reads of a lane's key row
+  static constexpr int kMaxRowGroups = 4;       // more query rows: the generic kernels serve them
+  static constexpr int kMaxSplits = 1024;
+  static constexpr int kKVElems = kBlockN * kStride;
+  // K and V tiles (16-bit), Q (kRows x kHeadDim fp32), P (kWarps x kRows x 32 fp32); after the
+  // key loop the tiles' space holds the warps' partial rows (kWarps x kRows x (kHeadDim + 1)).
+  static constexpr int kTileBytes = 2 * kKVElems * 2;
+  static constexpr int kQBytes = kRows * kHeadDim * 4;
+  static constexpr int kPBytes = kWarps * kRows * 32 * 4;
+  static constexpr int kSmemBytes = kTileBytes + kQBytes + kPBytes;
+  static_assert(kHeadDim % 32 == 0, "decode head dims: multiples of 32");
+  static_assert(kWarps * kRows * (kHeadDim + 1) * 4 <= kTileBytes, "warp partials fit the tiles");
+};
+
+// The split / row-group plan of a decode launch (cuda/params.h DecodePlan), from shapes only:
+// `rows` query rows per kv head, `slots` cache slots per sequence on this rank.
+template <typename Cfg>
+DecodePlan plan_decode(int batch, int kv_heads, int rows, int64_t slots, int64_t target_blocks) {
+  DecodePlan plan;
+  plan.row_groups = (rows + Cfg::kRows - 1) / Cfg::kRows;
+  if (plan.row_groups > Cfg::kMaxRowGroups) return {};
+  if (plan.row_groups < 1) plan.row_groups = 1;
+  const int64_t tiles = slots > 0 ? (slots + Cfg::kBlockN - 1) / Cfg::kBlockN : 1;
+  const int64_t per_split = int64_t(batch) * kv_heads * plan.row_groups;
+  int64_t splits = (target_blocks + per_split - 1) / (per_split > 0 ? per_split : 1);
+  splits = splits < 1 ? 1 : splits > tiles ? tiles : splits;
+  splits = splits > Cfg::kMaxSplits ? Cfg::kMaxSplits : splits;
+  const int64_t tiles_per_split = (tiles + splits - 1) / splits;
+  plan.split_slots = tiles_per_split * Cfg::kBlockN;
+  plan.splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
+  return plan;
+}
+
 // How a kernel is launched: grid, threads per block and dynamic shared memory, derived once from
 // the configs above for the launchers (fwd_kernel.cuh, bwd_kernel.cuh, bwd_preprocess.cu) and the
 // host emulation of the kernels (tests/emulate) alike.
@@ -163,6 +209,23 @@ inline LaunchShape preprocess_launch(const ShapeCuda& s, int seqlen_q_rounded) {
   return {{static_cast<unsigned>((rows + kPreprocessWarps - 1) / kPreprocessWarps), 1, 1},
           32 * kPreprocessWarps,
           0};
+}
+
+// Decode: the split kernel's grid (decode_plan), then the merge's, one warp per (batch, query
+// row, head) row with the splits' weights in shared memory.
+template <typename Cfg>
+LaunchShape decode_launch(const DecodeParamsCuda& p) {
+  return {{static_cast<unsigned>(p.splits), static_cast<unsigned>(p.kv_heads * p.row_groups),
+           static_cast<unsigned>(p.batch)},
+          Cfg::kThreads,
+          Cfg::kSmemBytes};
+}
+constexpr int kDecodeMergeWarps = 4;
+inline LaunchShape decode_merge_launch(const DecodeParamsCuda& p) {
+  const int64_t rows = int64_t(p.batch) * p.seqlen_q * p.heads;
+  return {{static_cast<unsigned>((rows + kDecodeMergeWarps - 1) / kDecodeMergeWarps), 1, 1},
+          32 * kDecodeMergeWarps,
+          kDecodeMergeWarps * p.splits * 4};
 }
 
 // Element-wise passes over pairs of fp32 values: one thread per pair.

@@ -417,7 +417,8 @@ at::Tensor row_dot_cpu(const at::Tensor& a, const at::Tensor& b) {
 [[maybe_unused]] const bool registered = register_backend(
     c10::DeviceType::CPU,
     {&attention_fwd_cpu, &attention_bwd_cpu, &attention_bwd_add_cpu, &round_split_cpu,
-     &attention_bwd_in_dout_cpu, &merge_into_cpu, &apply_sinks_cpu, &sink_bwd_cpu, &row_dot_cpu});
+     &attention_bwd_in_dout_cpu, &merge_into_cpu, &apply_sinks_cpu, &sink_bwd_cpu, &row_dot_cpu,
+     /*cache_decode=*/nullptr});
 
 }  // namespace
 }  // namespace cpattn::ops

@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "cpattn/env.h"
+#include "cpattn/kv_cache.h"
 #include "cpattn/softmax_state.h"
 #include "cpattn/tiling.h"
 #include "cuda/merge_state.h"
@@ -295,10 +296,83 @@ at::Tensor row_dot_cuda(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kFloat) * b.to(at::kFloat)).sum(3).permute({0, 2, 1}).contiguous();
 }
 
+// The batched split-KV decode (cuda/decode_kernel.cuh) for the cases it serves: a compiled head
+// dim (the cache is never padded or copied), a kernel_readable cache, few query rows per kv head
+// (decode_plan). lens and q_start go to the device in one pinned, non-blocking copy (no sync);
+// the number of splits comes from the shapes and the SM count only.
+std::optional<std::tuple<at::Tensor, at::Tensor>> cache_decode_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const std::vector<int64_t>& lens, const std::vector<int64_t>& q_start,
+    const CacheSharding& sharding, int64_t rank, double softmax_scale, const Mask& rule,
+    const ScoreArgs& score) {
+  check_half_inputs(q_in);
+  const int64_t B = q_in.size(0), Sq = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
+  const int64_t Hkv = k_cache.size(2), slots = k_cache.size(1);
+  int n = 0;
+  const int* dims = cuda::compiled_head_dims(&n);
+  const bool compiled = std::find(dims, dims + n, D) != dims + n;
+  const bool global_scores = !score.sinks && score.alibi_q_begin == 0 && score.alibi_k_begin == 0 &&
+                             score.alibi_stride == 1;
+  if (!compiled || !global_scores || k_cache.stride(3) != 1 || v_cache.stride(3) != 1 ||
+      !kernel_readable(k_cache) || !kernel_readable(v_cache) || B > 65535 || Sq > 65535 ||
+      H > 65535)
+    return std::nullopt;
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const cuda::DecodePlan plan =
+      cuda::decode_plan(static_cast<int>(D), static_cast<int>(B), static_cast<int>(Hkv),
+                        static_cast<int>((H / Hkv) * Sq), slots, 4 * sms);
+  if (plan.splits == 0 || Hkv * plan.row_groups > 65535) return std::nullopt;
+
+  const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor host = at::empty({2, B}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::copy(lens.begin(), lens.end(), host.data_ptr<int64_t>());
+  std::copy(q_start.begin(), q_start.end(), host.data_ptr<int64_t>() + B);
+  // The caching host allocator keeps `host` until the copy has run (it records the stream).
+  const at::Tensor positions = at::empty({2, B}, q.options().dtype(at::kLong));
+  positions.copy_(host, /*non_blocking=*/true);
+  const at::Tensor part_out = at::empty({plan.splits, B, Sq, H, D}, f32);
+  const at::Tensor part_lse = at::empty({plan.splits, B, H, Sq}, f32);
+  const at::Tensor out = at::empty({B, Sq, H, D}, f32);
+  const at::Tensor lse = at::empty({B, H, Sq}, f32);
+
+  cuda::DecodeParamsCuda p;
+  at::Tensor slopes, sinks;  // kept alive until the kernels have run (stream-ordered frees)
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.scale_log2 = static_cast<float>(softmax_scale * 1.4426950408889634);
+  p.mask = rule;
+  p.score = score_options(score, slopes, sinks);
+  p.batch = static_cast<int>(B);
+  p.heads = static_cast<int>(H);
+  p.kv_heads = static_cast<int>(Hkv);
+  p.seqlen_q = static_cast<int>(Sq);
+  p.head_dim = static_cast<int>(D);
+  p.dtype = to_dtype(q.scalar_type());
+  bind(p.q, p.q_strides, q);
+  bind(p.k_cache, p.k_strides, k_cache);
+  bind(p.v_cache, p.v_strides, v_cache);
+  p.cache_lens = positions.data_ptr<int64_t>();
+  p.q_start = p.cache_lens + B;
+  p.sharding = sharding;
+  p.rank = rank;
+  p.splits = plan.splits;
+  p.split_slots = plan.split_slots;
+  p.row_groups = plan.row_groups;
+  p.part_out = part_out.data_ptr<float>();
+  p.part_lse = part_lse.data_ptr<float>();
+  p.out = out.data_ptr<float>();
+  p.out_strides = strides_of(out);
+  p.lse = lse.data_ptr<float>();
+  check_launch(cuda::run_decode(p, at::cuda::getCurrentCUDAStream().stream()), "decode");
+  return std::make_tuple(out, lse);
+}
+
 [[maybe_unused]] const bool registered = register_backend(
-    c10::DeviceType::CUDA, {&attention_fwd_cuda, &attention_bwd_cuda,
-                            /*bwd_add=*/nullptr, /*round_split=*/nullptr, /*bwd_in_dout=*/nullptr,
-                            &merge_into_cuda, &apply_sinks_cuda, &sink_bwd_cuda, &row_dot_cuda});
+    c10::DeviceType::CUDA,
+    {&attention_fwd_cuda, &attention_bwd_cuda,
+     /*bwd_add=*/nullptr, /*round_split=*/nullptr, /*bwd_in_dout=*/nullptr, &merge_into_cuda,
+     &apply_sinks_cuda, &sink_bwd_cuda, &row_dot_cuda, &cache_decode_cuda});
 
 }  // namespace
 }  // namespace cpattn::ops

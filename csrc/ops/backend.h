@@ -9,7 +9,9 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
+#include "cpattn/kv_cache.h"
 #include "cpattn/params.h"
 #include "ops/ops.h"
 
@@ -57,6 +59,17 @@ struct Backend {
                          const at::Tensor& sinks, const std::optional<at::Tensor>& dlse);
   // The op row_dot (attention.cpp) with its arguments checked.
   at::Tensor (*row_dot)(const at::Tensor& a, const at::Tensor& b);
+  // cache_attention_fwd (inference.cpp) with its arguments checked, for every sequence at once:
+  // q (B, Sq, H, D) over the slots `rank` stores of each sequence's first lens[b] positions,
+  // query row i at position q_start[b] + i; `rule` the global mask (offsets 0), `score` on
+  // global positions (no sinks). Returns out (B, Sq, H, D) and lse (B, H, Sq) in fp32, or
+  // nothing when it has no kernel for the case (then the op runs the forward span by span).
+  // nullptr on a backend without such a kernel.
+  std::optional<std::tuple<at::Tensor, at::Tensor>> (*cache_decode)(
+      const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+      const std::vector<int64_t>& lens, const std::vector<int64_t>& q_start,
+      const CacheSharding& sharding, int64_t rank, double softmax_scale, const Mask& rule,
+      const ScoreArgs& score);
 };
 
 // The kernels' name of a float dtype (float32, bfloat16, float16).

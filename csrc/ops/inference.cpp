@@ -288,11 +288,17 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_fwd(
     TORCH_CHECK(s.count(0, lens[b]) <= k_cache.size(1), "cpattn: cache_lens[", b, "] = ", lens[b],
                 " is more than the cache shards hold (", s.max_tokens(k_cache.size(1)), ")");
 
+  const Mask rule = global_mask(options);
+  const ScoreArgs score = score_args(options);
+  // A backend with a batched decode kernel serves every sequence in one launch; the spans below
+  // are its fallback (and the CPU's path).
+  if (const auto decode = backend_for(q.device()).cache_decode) {
+    if (auto result = decode(q, k_cache, v_cache, lens, first, s, rank, softmax_scale, rule, score))
+      return {std::get<0>(*result).to(out_dtype.value_or(q.scalar_type())), std::get<1>(*result)};
+  }
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor out = at::zeros({B, Sq, H, D}, f32);
   at::Tensor lse = at::full({B, H, Sq}, -INFINITY, f32);
-  const Mask rule = global_mask(options);
-  const ScoreArgs score = score_args(options);
   const bool alibi = alibi_slopes.has_value();
   for (int64_t b = 0; b < B; ++b) {
     const at::Tensor qb = q.narrow(0, b, 1), ob = out.narrow(0, b, 1), lb = lse.narrow(0, b, 1);

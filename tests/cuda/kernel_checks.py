@@ -219,3 +219,36 @@ def _score_options_strategies():
         finally:
             cpattn.destroy_communicators()
             dist.destroy_process_group()
+
+
+@check("decode/batched_split_kv")
+def _decode_batched():
+    """cache_attention_fwd on this device (CUDA: the batched split-KV decode kernel) against the
+    CPU op over the same shards, rank by rank: sequences of 0, 1, 37 and 2000 tokens, W ranks x
+    interleave, GQA, Sq 1 and 3, masks, a prefix, softcap and ALiBi on global positions."""
+    g = gen_for("decode batched split-kv")
+    ops = torch.ops.cpattn
+    lens = torch.tensor([0, 1, 37, 2000])
+    b, h, hkv, d = 4, 8, 2, 64
+    slopes = 0.5 ** torch.arange(1, h + 1, dtype=torch.float32)
+    options = [{}, {"causal": True}, {"causal": True, "window_left": 100},
+               {"causal": True, "window_left": 30, "prefix_len": 50},
+               {"causal": True, "softcap": 3.0, "alibi_slopes": slopes}]
+    for world, interleave in ((1, 1), (2, 4), (3, 1)):
+        slots = ops.cache_local_count(int(lens.max()), 0, world, interleave) + 3
+        kc, vc = randn((b, slots, hkv, d), g), randn((b, slots, hkv, d), g)
+        for sq in (1, 3):
+            q = randn((b, sq, h, d), g)
+            q_start = (lens - sq).clamp(min=0)
+            for kw in options:
+                for rank in range(world):
+                    def run(dev):
+                        a = {k: (x.to(dev) if torch.is_tensor(x) else x) for k, x in kw.items()}
+                        return ops.cache_attention_fwd(
+                            q.to(dev), kc.to(dev), vc.to(dev), lens, q_start, rank, world,
+                            interleave, torch.float32, softmax_scale=d ** -0.5, **a)
+                    out, lse = run(harness.DEV)
+                    ref_out, ref_lse = run("cpu")
+                    name = f"decode W={world} I={interleave} Sq={sq} rank {rank} {sorted(kw)}"
+                    check_close(name, out, ref_out.to(out.device), OUT_TOL[torch.bfloat16])
+                    check_lse(lse, ref_lse)
