@@ -3,7 +3,8 @@
 // kernels read the user's (B, S, H, D) bf16 / fp16 tensors in place; an operand is copied only
 // when its head dim has no compiled kernel (zero-padded up to the next one), when v's head dim
 // differs from q's (q, k, v zero-padded to one kernel head dim >= both; out and the gradients
-// sliced back), or its strides / alignment do not suit cp.async.
+// sliced back, or added into the accumulators' real columns by bwd_add), or its strides /
+// alignment do not suit cp.async.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/MemoryOverlap.h>

@@ -796,7 +796,8 @@ struct AddCase {
   int real_dim = 0, real_dim_v = 0;  // > 0: the real head dims of q, k (and dq, dk) and v, dout
 };
 
-constexpr int kAccPad = 3;  // elements after each (token) row of an accumulator
+constexpr int kAccPad = 3;      // elements after each (token) row of an accumulator
+constexpr int kAccGuard = 256;  // and after its last row: a write past the end fails cleanly
 constexpr float kAccPadValue = 777.f;
 
 // A (B, S, heads, cols) fp32 accumulator with rows of heads * cols + kAccPad elements.
@@ -807,7 +808,7 @@ struct Accumulator {
   Accumulator(int B_, int S_, int heads_, int cols_, std::mt19937& rng)
       : B(B_), S(S_), heads(heads_), cols(cols_) {
     std::normal_distribution<float> nd;
-    data.assign(size_t(B) * S * row(), kAccPadValue);
+    data.assign(size_t(B) * S * row() + kAccGuard, kAccPadValue);
     for (int b = 0; b < B; ++b)
       for (int s = 0; s < S; ++s)
         for (int h = 0; h < heads; ++h)
@@ -837,6 +838,8 @@ struct Accumulator {
           ASSERT_EQ(data[at(b, s, 0, 0) + heads * cols + e], kAccPadValue)
               << what << ": pad written, row " << s;
       }
+    for (size_t i = data.size() - kAccGuard; i < data.size(); ++i)
+      ASSERT_EQ(data[i], kAccPadValue) << what << ": written past the end, element " << i;
     EXPECT_LE(rel_err(added, want), tol) << what << ": relative error of the added part";
   }
 };
