@@ -28,12 +28,15 @@ def short(mangled: str) -> str:
     # The output / gradient type is the last template argument: float ("f") or the input type.
     out = "f32out" if re.search(r"(bfloat16|__half)fE|EfEEv|IfS?\d*_?E|If13|If6|fLb[01]E",
                                 mangled) else ""
-    # The forward's scored instantiation (kScored = true, fwd_kernel.cuh).
-    scored = "scored" if re.search(r"Lb1EEEv", mangled) else ""
+    # The scored instantiations (kScored = true, fwd_kernel.cuh, bwd_kernel.cuh) and the dK/dV
+    # kernel's accumulate one (kAccumulate, the bool after kScored).
+    flags = re.search(r"Lb([01])E(?:Lb([01])E)?EEv", mangled)
+    scored = "scored" if flags and flags.group(1) == "1" else ""
+    acc = "acc" if flags and flags.group(2) == "1" else ""
     parts = [kernel.group(0) if kernel else name[:40]]
     if cfg:
         parts.append(f"hd{cfg.group(1)}")
-    parts += [p for p in (dtype, out, scored) if p]
+    parts += [p for p in (dtype, out, scored, acc) if p]
     return " ".join(parts)
 
 
@@ -64,10 +67,10 @@ def main() -> int:
     if not rows:
         print("ptxas_report: no ptxas -v output in", args.log)
         return 1
-    lines = [f"{'kernel':48s} {'arch':6s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s}"]
+    lines = [f"{'kernel':56s} {'arch':6s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s}"]
     bad = []
     for kernel, arch, regs, stack, st, ld in sorted(rows, key=lambda r: (short(r[0]), r[1])):
-        lines.append(f"{short(kernel)[:48]:48s} {arch:6s} {regs:4d} {f'{st}/{ld}':>11s} {stack:5d}")
+        lines.append(f"{short(kernel)[:56]:56s} {arch:6s} {regs:4d} {f'{st}/{ld}':>11s} {stack:5d}")
         if st and any(p in kernel for p in args.fail_on_spill):
             bad.append(lines[-1])
     text = "\n".join(lines)

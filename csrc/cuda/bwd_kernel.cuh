@@ -22,6 +22,14 @@
 // receives already holds them (log(exp(sink) + sum)), so P is the probability actually applied;
 // the sinks' own gradient is computed outside the kernels (sink_grad). The plain instantiation
 // (kScored = false) runs the code it had before.
+//
+// Accumulate mode (BwdParamsCuda::accumulate, the ring's bwd_add) adds the gradients into fp32
+// dq, dk, dv instead of writing them, so that no fp32 gradient of a sub-problem is allocated: the
+// dK/dV epilogue reads, adds and writes its rows (each (key, column) belongs to one thread of one
+// block), the head-split reduction and the deterministic dQ pass add instead of storing, and the
+// dQ atomics go straight into dq (scaled there; dq_accum's conversion pass is skipped). Only the
+// dK/dV kernel has an instantiation of its own for it (kAccumulate: the atomics sit in its main
+// loop); the other kernels branch once in their epilogue.
 #pragma once
 
 #ifndef CPATTN_CUDA_EMULATE
@@ -59,9 +67,10 @@ __device__ __forceinline__ void mma_c_b(float (&acc)[kNTiles][4], const float (&
   }
 }
 
-template <typename Cfg, typename Elem, typename GradT, bool kScored>
+template <typename Cfg, typename Elem, typename GradT, bool kScored, bool kAccumulate = false>
 __global__ void __launch_bounds__(Cfg::kThreads)
     attention_bwd_dkdv_kernel(const __grid_constant__ BwdParamsCuda p) {
+  static_assert(!kAccumulate || std::is_same_v<GradT, float>, "accumulators are fp32");
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
   constexpr int kThreads = Cfg::kThreads, kStride = Cfg::kStride, kDSStride = Cfg::kDSStride;
   constexpr int kKSteps = Cfg::kKSteps, kQTiles = Cfg::kQTiles, kMSteps = Cfg::kMSteps;
@@ -221,6 +230,12 @@ __global__ void __launch_bounds__(Cfg::kThreads)
       float* const dq_tile =
           p.dq_accum +
           ((static_cast<int64_t>(b) * p.shape.heads + h_cur) * rounded + m0_cur) * kHeadDim;
+      // Accumulate mode: dq's rows of this tile (strided, no rows past seqlen_q).
+      [[maybe_unused]] float* const dq_rows =
+          kAccumulate
+              ? static_cast<float*>(p.dq) + b * p.dq_strides.batch + h_cur * p.dq_strides.head +
+                    static_cast<int64_t>(m0_cur) * p.dq_strides.seq
+              : nullptr;
       constexpr int kColUnits = Cfg::kSliceDim / Cfg::kDqCols;
       for (int u = warp; u < Cfg::kDqUnits; u += Cfg::kWarps) {
         const int r0 = (u / kColUnits) * 16, c0 = d0 + (u % kColUnits) * Cfg::kDqCols;
@@ -238,21 +253,39 @@ __global__ void __launch_bounds__(Cfg::kThreads)
                               elem_addr(sK, b_trans_offset<kStride>(ns * 16, c0 + j * 16, lane)));
           });
         }
-        // One base address per unit; the rest are compile-time offsets (RED [R + imm]).
-        float* const dst = dq_tile + (r0 + g) * kHeadDim + c0 + 2 * t;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
+        if constexpr (kAccumulate) {
+          // Into dq itself: scaled here, only its real rows and columns.
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            atomicAdd(dst + half * 8 * kHeadDim + j * 8, acc[j][2 * half]);
-            atomicAdd(dst + half * 8 * kHeadDim + j * 8 + 1, acc[j][2 * half + 1]);
+            const int r = r0 + g + 8 * half;
+            if (m0_cur + r >= seqlen_q) continue;
+            float* const dst = dq_rows + static_cast<int64_t>(r) * p.dq_strides.seq;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int c = c0 + j * 8 + 2 * t + e;
+                if (c < p.dq_cols) atomicAdd(dst + c, acc[j][2 * half + e] * p.softmax_scale);
+              }
           }
+        } else {
+          // One base address per unit; the rest are compile-time offsets (RED [R + imm]).
+          float* const dst = dq_tile + (r0 + g) * kHeadDim + c0 + 2 * t;
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              atomicAdd(dst + half * 8 * kHeadDim + j * 8, acc[j][2 * half]);
+              atomicAdd(dst + half * 8 * kHeadDim + j * 8 + 1, acc[j][2 * half + 1]);
+            }
+        }
       }
     }
   }
 
-  // Epilogue: dK (scaled) and dV of this warp's keys, (B, Sk, Hkv, D) in GradT, or this split's
-  // fp32 part of them. A key block that no query sees writes zeros.
+  // Epilogue: dK (scaled) and dV of this warp's keys, (B, Sk, Hkv, D) in GradT (added into them
+  // in accumulate mode), or this split's fp32 part of them. A key block that no query sees writes
+  // zeros (adds nothing).
   const float scale = p.softmax_scale;
   if (p.head_splits > 1) {
     const int64_t part = static_cast<int64_t>(p.shape.batch) * seqlen_k * p.shape.kv_heads *
@@ -275,9 +308,15 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = n0 + warp_key0 + g + 8 * half;
-    if (key < seqlen_k) {
-      store_acc_row(dk_out + static_cast<int64_t>(key) * p.dk_strides.seq + d0, dk, half, scale, t);
-      store_acc_row(dv_out + static_cast<int64_t>(key) * p.dv_strides.seq + d0, dv, half, 1.f, t);
+    if (key >= seqlen_k) continue;
+    GradT* const dk_row = dk_out + static_cast<int64_t>(key) * p.dk_strides.seq + d0;
+    GradT* const dv_row = dv_out + static_cast<int64_t>(key) * p.dv_strides.seq + d0;
+    if constexpr (kAccumulate) {
+      add_acc_row(dk_row, dk, half, scale, t, p.dk_cols - d0);
+      add_acc_row(dv_row, dv, half, 1.f, t, p.dv_cols - d0);
+    } else {
+      store_acc_row(dk_row, dk, half, scale, t);
+      store_acc_row(dv_row, dv, half, 1.f, t);
     }
   }
 }
@@ -402,8 +441,14 @@ __global__ void __launch_bounds__(Cfg::kThreads)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = m0 + warp_row0 + g + 8 * half;
-    if (r < seqlen_q)
-      store_acc_row(dq_out + static_cast<int64_t>(r) * p.dq_strides.seq, dq, half, scale, t);
+    if (r >= seqlen_q) continue;
+    GradT* const dq_row = dq_out + static_cast<int64_t>(r) * p.dq_strides.seq;
+    if constexpr (std::is_same_v<GradT, float>)
+      if (p.accumulate) {  // a uniform branch, after the main loop
+        add_acc_row(dq_row, dq, half, scale, t, p.dq_cols);
+        continue;
+      }
+    store_acc_row(dq_row, dq, half, scale, t);
   }
 }
 
@@ -436,7 +481,8 @@ __global__ void dq_convert_kernel(const __grid_constant__ BwdParamsCuda p) {
   store2(dst, x.x * p.softmax_scale, x.y * p.softmax_scale);
 }
 
-// dk, dv (B, Sk, Hkv, D) in GradT = the sum over the head splits of dkv_partial, in split order.
+// dk, dv (B, Sk, Hkv, D) in GradT = the sum over the head splits of dkv_partial, in split order
+// (added into them, in their real columns, in accumulate mode).
 template <int kHeadDim, typename GradT>
 __global__ void dkv_reduce_kernel(const __grid_constant__ BwdParamsCuda p) {
   const int64_t pairs = dkv_pairs(p.shape);  // p.shape.head_dim == kHeadDim
@@ -455,6 +501,13 @@ __global__ void dkv_reduce_kernel(const __grid_constant__ BwdParamsCuda p) {
     const BshdStrides& st = kind == 0 ? p.dk_strides : p.dv_strides;
     GradT* const dst = static_cast<GradT*>(kind == 0 ? p.dk : p.dv) + b * st.batch +
                        static_cast<int64_t>(s) * st.seq + hk * st.head + c;
+    if constexpr (std::is_same_v<GradT, float>)
+      if (p.accumulate) {  // element-wise: the row may be unaligned for a pair
+        const int cols = kind == 0 ? p.dk_cols : p.dv_cols;
+        if (c < cols) dst[0] += x;
+        if (c + 1 < cols) dst[1] += y;
+        continue;
+      }
     store2(dst, x, y);
   }
 }
@@ -470,17 +523,28 @@ template <int kHeadDim, typename Elem, typename GradT, bool kScored>
 int launch_bwd_kernels(const BwdParamsCuda& p, cudaStream_t stream) {
   using Cfg = BwdConfigFor<kHeadDim>;
   using DqCfg = DqConfigFor<kHeadDim>;
-  if (const int e = launch_kernel(attention_bwd_dkdv_kernel<Cfg, Elem, GradT, kScored>,
-                                  dkdv_launch<Cfg>(p.shape, p.head_splits), p, stream))
-    return e;
+  const LaunchShape dkdv = dkdv_launch<Cfg>(p.shape, p.head_splits);
+  int e = 0;
+  if constexpr (std::is_same_v<GradT, float>) {
+    e = p.accumulate
+            ? launch_kernel(attention_bwd_dkdv_kernel<Cfg, Elem, float, kScored, true>, dkdv, p,
+                            stream)
+            : launch_kernel(attention_bwd_dkdv_kernel<Cfg, Elem, float, kScored>, dkdv, p, stream);
+  } else {
+    if (p.accumulate) return static_cast<int>(cudaErrorInvalidValue);  // fp32 accumulators only
+    e = launch_kernel(attention_bwd_dkdv_kernel<Cfg, Elem, GradT, kScored>, dkdv, p, stream);
+  }
+  if (e != 0) return e;
   if (p.head_splits > 1) {
-    const int e = launch_kernel(dkv_reduce_kernel<kHeadDim, GradT>,
-                                pairs_launch(dkv_pairs(p.shape)), p, stream);
+    e = launch_kernel(dkv_reduce_kernel<kHeadDim, GradT>, pairs_launch(dkv_pairs(p.shape)), p,
+                      stream);
     if (e != 0) return e;
   }
-  if (p.dq_accum != nullptr)
+  if (p.dq_accum != nullptr) {
+    if (p.accumulate) return 0;  // the atomics went into dq itself
     return launch_kernel(dq_convert_kernel<kHeadDim, GradT>, pairs_launch(dq_pairs(p.shape)), p,
                          stream);
+  }
   return launch_kernel(attention_bwd_dq_kernel<DqCfg, Elem, GradT, kScored>,
                        dq_launch<DqCfg>(p.shape), p, stream);
 }

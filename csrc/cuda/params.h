@@ -74,6 +74,7 @@ struct BwdParamsCuda : AttnScoring {
   float* delta = nullptr;
   // (B, H, seqlen_q_rounded, head_dim) fp32, zero on entry: dQ accumulated with atomics by the
   // dK/dV kernel. nullptr selects the deterministic path (a separate dQ kernel, no atomics).
+  // In accumulate mode (below) it is dq itself: the atomics add into it directly.
   float* dq_accum = nullptr;
 
   // GQA / MQA: the query heads of a kv head are split over head_splits thread blocks
@@ -88,6 +89,12 @@ struct BwdParamsCuda : AttnScoring {
   void* dk = nullptr;
   void* dv = nullptr;
   BshdStrides dq_strides, dk_strides, dv_strides;
+  // Accumulate mode (the ring's bwd_add): dq, dk, dv are fp32 accumulators (grad_dtype fp32) that
+  // the kernels add their gradients into instead of overwriting them, only in their first
+  // dq_cols / dk_cols / dv_cols columns: the accumulators keep the real head dims when the op
+  // layer zero-pads the operands (the padded columns' gradients are 0), so nothing is sliced.
+  bool accumulate = false;
+  int dq_cols = 0, dk_cols = 0, dv_cols = 0;
   float scale_log2 = 1.f;  // softmax_scale * log2(e)
 };
 

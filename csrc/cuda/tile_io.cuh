@@ -105,6 +105,21 @@ __device__ __forceinline__ void store_acc_row(T* dst, const float (&acc)[kTiles]
     store2(dst + dt * 8 + 2 * t, acc[dt][2 * half] * scale, acc[dt][2 * half + 1] * scale);
 }
 
+// store_acc_row's accumulate form: adds the same values into the fp32 row at dst, only into its
+// columns below `cols` (the accumulator's real head dim, minus the slice start; may be <= 0).
+// Element-wise: an accumulator row need not be 8-byte aligned (an odd head dim or stride).
+template <int kTiles>
+__device__ __forceinline__ void add_acc_row(float* dst, const float (&acc)[kTiles][4], int half,
+                                            float scale, int t, int cols) {
+#pragma unroll
+  for (int dt = 0; dt < kTiles; ++dt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = dt * 8 + 2 * t + e;
+      if (c < cols) dst[c] += acc[dt][2 * half + e] * scale;
+    }
+}
+
 // The shared address of element `offset` (fragments.h's lane offsets) of the 16-bit tile at
 // shared address `tile` (smem_u32): the row address an ldmatrix lane passes.
 __device__ __forceinline__ uint32_t elem_addr(uint32_t tile, int offset) {

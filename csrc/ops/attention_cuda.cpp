@@ -3,9 +3,11 @@
 // kernels read the user's (B, S, H, D) bf16 / fp16 tensors in place; an operand is copied only
 // when its head dim has no compiled kernel (zero-padded up to the next one), when v's head dim
 // differs from q's (q, k, v zero-padded to one kernel head dim >= both; out and the gradients
-// sliced back), or its strides / alignment do not suit cp.async.
+// sliced back, or added into the accumulators' real columns by bwd_add), or its strides /
+// alignment do not suit cp.async.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
@@ -193,42 +195,42 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const
   return {unpadded(out, s.head_dim_v), lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-    const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
-    std::optional<at::ScalarType> grad_dtype) {
+void check_bwd_inputs(const at::Tensor& dout, const at::Tensor& q) {
   check_half_inputs(q);
   TORCH_CHECK(dout.scalar_type() == q.scalar_type(), "cpattn: CUDA dout must have q's dtype (",
               q.scalar_type(), "), got ", dout.scalar_type());
-  const at::ScalarType gd = grad_dtype.value_or(q.scalar_type());
-  check_result_dtype("grad_dtype", gd, q);
-  const c10::cuda::CUDAGuard guard(q.device());
-  const int kd = kernel_head_dim(s);
-  const at::Tensor qk = kernel_operand(q, kd), kk = kernel_operand(k, kd),
-                   vk = kernel_operand(v, kd), dok = kernel_operand(dout, kd);
-  at::Tensor dlse_f;
-  if (dlse && dlse->defined()) dlse_f = dlse->to(at::kFloat);
+}
+
+// The backward's kernel parameters and the tensors they point into (kept alive until the kernels
+// have run: stream-ordered frees): the operands as the kernels read them, the preprocess's
+// workspace and the head-split parts. The caller adds dq_accum and the gradients.
+struct BwdCall {
+  cuda::BwdParamsCuda p;
+  at::Tensor qk, kk, vk, dok, dlse_f, lse_log2, delta, dkv_partial, slopes, sinks;
+};
+
+void prepare_bwd(BwdCall& c, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                 const std::optional<at::Tensor>& dlse, const AttnShape& s, int kd,
+                 double softmax_scale, const Mask& mask, const ScoreArgs& score) {
+  c.qk = kernel_operand(q, kd);
+  c.kk = kernel_operand(k, kd);
+  c.vk = kernel_operand(v, kd);
+  c.dok = kernel_operand(dout, kd);
+  if (dlse && dlse->defined()) c.dlse_f = dlse->to(at::kFloat);
   const auto f32 = q.options().dtype(at::kFloat);
   const int64_t rounded =
       (s.seqlen_q + cuda::kBwdSeqRound - 1) / cuda::kBwdSeqRound * cuda::kBwdSeqRound;
-  const at::Tensor lse_log2 = at::empty({s.batch, s.heads, rounded}, f32);
-  const at::Tensor delta = at::empty({s.batch, s.heads, rounded}, f32);
-  at::Tensor dq_accum;
-  if (!deterministic_backward()) dq_accum = at::zeros({s.batch, s.heads, rounded, kd}, f32);
+  c.lse_log2 = at::empty({s.batch, s.heads, rounded}, f32);
+  c.delta = at::empty({s.batch, s.heads, rounded}, f32);
   const int head_splits = bwd_head_splits(s, kd);
-  at::Tensor dkv_partial;  // every element written by the dK/dV pass
-  if (head_splits > 1)
-    dkv_partial = at::empty({2, head_splits, s.batch, s.seqlen_k, s.kv_heads, kd}, f32);
-  const at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, kd}, q.options().dtype(gd));
-  const at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
-  const at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
+  if (head_splits > 1)  // every element written by the dK/dV pass
+    c.dkv_partial = at::empty({2, head_splits, s.batch, s.seqlen_k, s.kv_heads, kd}, f32);
 
-  cuda::BwdParamsCuda p;
-  at::Tensor slopes, sinks;
-  fill_inputs(p, s, kd, qk, kk, vk, softmax_scale, mask, score, slopes, sinks);
+  cuda::BwdParamsCuda& p = c.p;
+  fill_inputs(p, s, kd, c.qk, c.kk, c.vk, softmax_scale, mask, score, c.slopes, c.sinks);
   p.score.sinks = nullptr;  // already in lse (the forward's, or apply_sinks_ after a merge)
-  bind(p.dout, p.dout_strides, dok);
+  bind(p.dout, p.dout_strides, c.dok);
   if (out.defined()) {  // else no rowsum(dout * out) term: delta = -dlse
     p.out_dtype = to_dtype(out.scalar_type());
     bind(p.out, p.out_strides, out);
@@ -238,22 +240,86 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   p.out_head_dim = static_cast<int>(s.head_dim_v);
   p.lse = lse.data_ptr<float>();
   p.lse_strides = lse_strides_of(lse);
-  if (dlse_f.defined()) {
-    p.dlse = dlse_f.data_ptr<float>();
-    p.dlse_strides = lse_strides_of(dlse_f);
+  if (c.dlse_f.defined()) {
+    p.dlse = c.dlse_f.data_ptr<float>();
+    p.dlse_strides = lse_strides_of(c.dlse_f);
   }
   p.seqlen_q_rounded = static_cast<int>(rounded);
-  p.lse_log2 = lse_log2.data_ptr<float>();
-  p.delta = delta.data_ptr<float>();
-  p.dq_accum = dq_accum.defined() ? dq_accum.data_ptr<float>() : nullptr;
+  p.lse_log2 = c.lse_log2.data_ptr<float>();
+  p.delta = c.delta.data_ptr<float>();
   p.head_splits = head_splits;
-  p.dkv_partial = dkv_partial.defined() ? dkv_partial.data_ptr<float>() : nullptr;
+  p.dkv_partial = c.dkv_partial.defined() ? c.dkv_partial.data_ptr<float>() : nullptr;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
+    std::optional<at::ScalarType> grad_dtype) {
+  check_bwd_inputs(dout, q);
+  const at::ScalarType gd = grad_dtype.value_or(q.scalar_type());
+  check_result_dtype("grad_dtype", gd, q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int kd = kernel_head_dim(s);
+  BwdCall c;
+  prepare_bwd(c, dout, q, k, v, out, lse, dlse, s, kd, softmax_scale, mask, score);
+  at::Tensor dq_accum;
+  if (!deterministic_backward())
+    dq_accum =
+        at::zeros({s.batch, s.heads, c.p.seqlen_q_rounded, kd}, q.options().dtype(at::kFloat));
+  const at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, kd}, q.options().dtype(gd));
+  const at::Tensor dk = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
+  const at::Tensor dv = new_output({s.batch, s.seqlen_k, s.kv_heads, kd}, q.options().dtype(gd));
+  cuda::BwdParamsCuda& p = c.p;
+  p.dq_accum = dq_accum.defined() ? dq_accum.data_ptr<float>() : nullptr;
   p.grad_dtype = to_dtype(gd);
   bind(p.dq, p.dq_strides, dq);
   bind(p.dk, p.dk_strides, dk);
   bind(p.dv, p.dv_strides, dv);
   check_launch(cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream()), "backward");
   return {unpadded(dq, s.head_dim), unpadded(dk, s.head_dim), unpadded(dv, s.head_dim_v)};
+}
+
+// The backward adding into the fp32 accumulators dq, dk, dv (attention.cpp has checked their
+// dtype, shapes and unit head-dim stride), in place: no fp32 gradient of the sub-problem is
+// allocated, and dQ's atomics (unless deterministic) go straight into dq, so no dq_accum either.
+// A zero-padded head dim needs no fallback: the kernels add only into the accumulators' real
+// columns (dq_cols, ...), and any strides do. dq_low is always undefined: the CUDA backend has no
+// round_split, so split dQ sums stay CPU-only.
+void attention_bwd_add_cuda(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tensor& dk,
+                            const at::Tensor& dv, const at::Tensor& dout, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                            const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+                            const AttnShape& s, double softmax_scale, const Mask& mask,
+                            const ScoreArgs& score) {
+  TORCH_CHECK(!dq_low.defined(), "cpattn: the CUDA backward has no split dQ sums");
+  check_bwd_inputs(dout, q);
+  for (const at::Tensor* t : {&dq, &dk, &dv})
+    if (at::has_internal_overlap(*t) == at::MemOverlap::Yes) {
+      // An accumulator whose elements alias (a zero stride): in-place adds from several threads
+      // would race, so compute, then let add_ decide (it raises, as torch does for such targets).
+      const auto [dq_part, dk_part, dv_part] = attention_bwd_cuda(
+          dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, at::kFloat);
+      dq.add_(dq_part);
+      dk.add_(dk_part);
+      dv.add_(dv_part);
+      return;
+    }
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int kd = kernel_head_dim(s);
+  BwdCall c;
+  prepare_bwd(c, dout, q, k, v, out, lse, dlse, s, kd, softmax_scale, mask, score);
+  cuda::BwdParamsCuda& p = c.p;
+  p.accumulate = true;
+  p.grad_dtype = DType::kFloat32;
+  bind(p.dq, p.dq_strides, dq);
+  bind(p.dk, p.dk_strides, dk);
+  bind(p.dv, p.dv_strides, dv);
+  p.dq_cols = static_cast<int>(s.head_dim);
+  p.dk_cols = static_cast<int>(s.head_dim);
+  p.dv_cols = static_cast<int>(s.head_dim_v);
+  p.dq_accum = deterministic_backward() ? nullptr : dq.data_ptr<float>();
+  check_launch(cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream()), "backward (add)");
 }
 
 void merge_into_cuda(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& part_out,
@@ -369,10 +435,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> cache_decode_cuda(
 }
 
 [[maybe_unused]] const bool registered = register_backend(
-    c10::DeviceType::CUDA,
-    {&attention_fwd_cuda, &attention_bwd_cuda,
-     /*bwd_add=*/nullptr, /*round_split=*/nullptr, /*bwd_in_dout=*/nullptr, &merge_into_cuda,
-     &apply_sinks_cuda, &sink_bwd_cuda, &row_dot_cuda, &cache_decode_cuda});
+    c10::DeviceType::CUDA, {&attention_fwd_cuda, &attention_bwd_cuda, &attention_bwd_add_cuda,
+                            /*round_split=*/nullptr, /*bwd_in_dout=*/nullptr, &merge_into_cuda,
+                            &apply_sinks_cuda, &sink_bwd_cuda, &row_dot_cuda, &cache_decode_cuda});
 
 }  // namespace
 }  // namespace cpattn::ops

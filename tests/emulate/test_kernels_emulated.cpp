@@ -222,6 +222,46 @@ struct Grads {
   std::vector<OutT> dq, dk, dv;
 };
 
+// The kernels of launch_bwd_kernels (bwd_kernel.cuh) on bp, in its order: preprocess (out in
+// OutT), dK/dV with the atomic dQ (bp.dq_accum set) or not, the head-split reduction, then the dQ
+// conversion or the deterministic dQ pass; the scored instantiations when bwd_needs_scoring says
+// so. In accumulate mode (bp.accumulate, GradT fp32) the dK/dV kernel's accumulate instantiation
+// and no conversion (its atomics add into dq itself).
+template <int kHeadDim, typename Elem, typename OutT, typename GradT>
+void emulate_bwd_launch(const BwdParamsCuda& bp) {
+  using BCfg = BwdConfigFor<kHeadDim>;
+  using QCfg = DqConfigFor<kHeadDim>;
+  const bool scored = bwd_needs_scoring(bp), deterministic = bp.dq_accum == nullptr;
+  launch(preprocess_launch(bp.shape, bp.seqlen_q_rounded),
+         [&] { bwd_preprocess_kernel<OutT, Elem>(bp); });
+  launch(dkdv_launch<BCfg>(bp.shape, bp.head_splits), [&] {
+    if constexpr (std::is_same_v<GradT, float>) {
+      if (bp.accumulate) {
+        if (scored)
+          attention_bwd_dkdv_kernel<BCfg, Elem, float, true, true>(bp);
+        else
+          attention_bwd_dkdv_kernel<BCfg, Elem, float, false, true>(bp);
+        return;
+      }
+    }
+    if (scored)
+      attention_bwd_dkdv_kernel<BCfg, Elem, GradT, true>(bp);
+    else
+      attention_bwd_dkdv_kernel<BCfg, Elem, GradT, false>(bp);
+  });
+  if (bp.head_splits > 1)
+    launch(pairs_launch(dkv_pairs(bp.shape)), [&] { dkv_reduce_kernel<kHeadDim, GradT>(bp); });
+  if (deterministic)
+    launch(dq_launch<QCfg>(bp.shape), [&] {
+      if (scored)
+        attention_bwd_dq_kernel<QCfg, Elem, GradT, true>(bp);
+      else
+        attention_bwd_dq_kernel<QCfg, Elem, GradT, false>(bp);
+    });
+  else if (!bp.accumulate)
+    launch(pairs_launch(dq_pairs(bp.shape)), [&] { dq_convert_kernel<kHeadDim, GradT>(bp); });
+}
+
 // The backward kernels as the launcher runs them (launch_bwd_typed), from out and the natural-log
 // lse of the forward: preprocess, dK/dV with atomic dQ plus the conversion or the deterministic
 // dQ pass, the head-split reduction; the scored instantiations when bwd_needs_scoring says so.
@@ -230,8 +270,6 @@ struct Grads {
 template <int kHeadDim, typename Elem, typename OutT>
 Grads<OutT> run_backward(const BwdParamsCuda& in, const std::vector<OutT>& out,
                          const std::vector<float>& lse, bool deterministic, int head_splits) {
-  using BCfg = BwdConfigFor<kHeadDim>;
-  using QCfg = DqConfigFor<kHeadDim>;
   constexpr int d = kHeadDim;
   const ShapeCuda& sh = in.shape;
   const int B = sh.batch, H = sh.heads, Sq = sh.seqlen_q;
@@ -268,25 +306,7 @@ Grads<OutT> run_backward(const BwdParamsCuda& in, const std::vector<OutT>& out,
     bp.head_splits = head_splits;
     bp.dkv_partial = dkv_partial.data();
   }
-  const bool scored = bwd_needs_scoring(bp);
-  launch(preprocess_launch(bp.shape, rounded), [&] { bwd_preprocess_kernel<OutT, Elem>(bp); });
-  launch(dkdv_launch<BCfg>(bp.shape, bp.head_splits), [&] {
-    if (scored)
-      attention_bwd_dkdv_kernel<BCfg, Elem, OutT, true>(bp);
-    else
-      attention_bwd_dkdv_kernel<BCfg, Elem, OutT, false>(bp);
-  });
-  if (head_splits > 1)
-    launch(pairs_launch(dkv_pairs(bp.shape)), [&] { dkv_reduce_kernel<d, OutT>(bp); });
-  if (deterministic)
-    launch(dq_launch<QCfg>(bp.shape), [&] {
-      if (scored)
-        attention_bwd_dq_kernel<QCfg, Elem, OutT, true>(bp);
-      else
-        attention_bwd_dq_kernel<QCfg, Elem, OutT, false>(bp);
-    });
-  else
-    launch(pairs_launch(dq_pairs(bp.shape)), [&] { dq_convert_kernel<d, OutT>(bp); });
+  emulate_bwd_launch<kHeadDim, Elem, OutT, OutT>(bp);
   return g;
 }
 
@@ -760,6 +780,175 @@ TEST(EmulatedKernels, ScoredBackwardHeadDimsAndSplits) {
   run_scored_backward<128, __half, __half>(combo.c, combo.sc, 1308, true, 2);
   run_scored_backward<64, __nv_bfloat16, float>(striped.c, striped.sc, 1309, true, 2);
   run_scored_backward<256, __nv_bfloat16, float>(alibi.c, alibi.sc, 1310, false, 2);
+}
+
+// ---- Accumulate mode (BwdParamsCuda::accumulate, the ring's bwd_add): the kernels add into fp32
+// accumulators that start from random non-zero values, laid out as the op layer may hand them:
+// the real head dims (dq_cols, dk_cols, dv_cols) when the operands are zero-padded up to the
+// kernel's, and rows strided by an odd pad (no pair is 8-byte aligned). The added part (got -
+// start) is compared with the float64 reference gradient; each pad element must keep its value.
+
+struct AddCase {
+  Case c;
+  Scores sc;
+  bool deterministic = false;
+  int head_splits = 1;
+  int real_dim = 0, real_dim_v = 0;  // > 0: the real head dims of q, k (and dq, dk) and v, dout
+};
+
+constexpr int kAccPad = 3;      // elements after each (token) row of an accumulator
+constexpr int kAccGuard = 256;  // and after its last row: a write past the end fails cleanly
+constexpr float kAccPadValue = 777.f;
+
+// A (B, S, heads, cols) fp32 accumulator with rows of heads * cols + kAccPad elements.
+struct Accumulator {
+  int B, S, heads, cols;
+  std::vector<float> data, start;
+
+  Accumulator(int B_, int S_, int heads_, int cols_, std::mt19937& rng)
+      : B(B_), S(S_), heads(heads_), cols(cols_) {
+    std::normal_distribution<float> nd;
+    data.assign(size_t(B) * S * row() + kAccGuard, kAccPadValue);
+    for (int b = 0; b < B; ++b)
+      for (int s = 0; s < S; ++s)
+        for (int h = 0; h < heads; ++h)
+          for (int e = 0; e < cols; ++e) data[at(b, s, h, e)] = nd(rng) + 0.5f;
+    start = data;
+  }
+  int64_t row() const { return int64_t(heads) * cols + kAccPad; }
+  BshdStrides strides() const { return {int64_t(S) * row(), row(), cols}; }
+  size_t at(int b, int s, int h, int e) const {
+    return size_t((int64_t(b) * S + s) * row() + int64_t(h) * cols + e);
+  }
+
+  // got - start against ref (B, S, heads, d) in the real columns; the pads unchanged.
+  void expect_added(const std::string& what, const std::vector<double>& ref, int d,
+                    double tol) const {
+    std::vector<double> added, want;
+    for (int b = 0; b < B; ++b)
+      for (int s = 0; s < S; ++s) {
+        for (int h = 0; h < heads; ++h)
+          for (int e = 0; e < cols; ++e) {
+            const size_t i = at(b, s, h, e);
+            ASSERT_TRUE(std::isfinite(data[i])) << what << ": non-finite element " << i;
+            added.push_back(double(data[i]) - double(start[i]));
+            want.push_back(ref[((size_t(b) * S + s) * heads + h) * d + e]);
+          }
+        for (int e = 0; e < kAccPad; ++e)
+          ASSERT_EQ(data[at(b, s, 0, 0) + heads * cols + e], kAccPadValue)
+              << what << ": pad written, row " << s;
+      }
+    for (size_t i = data.size() - kAccGuard; i < data.size(); ++i)
+      ASSERT_EQ(data[i], kAccPadValue) << what << ": written past the end, element " << i;
+    EXPECT_LE(rel_err(added, want), tol) << what << ": relative error of the added part";
+  }
+};
+
+template <int kHeadDim, typename Elem>
+void run_backward_add(const AddCase& a, uint64_t seed) {
+  constexpr int d = kHeadDim;
+  const Case& c = a.c;
+  const int dim = a.real_dim > 0 ? a.real_dim : d;
+  const int dim_v = a.real_dim_v > 0 ? a.real_dim_v : dim;
+  SCOPED_TRACE(name_of(c, d) + " accumulate" + (a.deterministic ? " deterministic" : " atomic") +
+               " splits " + std::to_string(a.head_splits) + " dims " + std::to_string(dim) + "/" +
+               std::to_string(dim_v) + " softcap " + std::to_string(a.sc.softcap) +
+               (a.sc.slopes.empty() ? "" : " alibi") + " prefix " +
+               std::to_string(a.sc.prefix_end));
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  const int B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, H = c.heads, Hk = c.kv_heads;
+  std::vector<double> qd, kd, vd, dod;
+  auto q = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &qd);
+  auto k = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &kd);
+  auto v = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &vd);
+  auto dout = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &dod);
+  // The op layer zero-pads every operand up to the kernel's head dim. Here the padded columns of
+  // dout and of q or k (by seed; the scores stay those of the real columns) keep random values,
+  // so that the padded columns of dv and of dk or dq hold non-zero gradients: they must not land
+  // anywhere (the accumulators have no such columns).
+  zero_pad_columns(seed % 2 ? &k : &q, seed % 2 ? &kd : &qd, d, dim);
+  zero_pad_columns(&v, &vd, d, dim_v);
+  const Reference ref = reference(c, d, qd, kd, vd, dod, a.sc);
+  const std::vector<float> out(ref.out.begin(), ref.out.end());
+  const std::vector<float> lse(ref.lse.begin(), ref.lse.end());
+  Accumulator dq(B, Sq, H, dim, rng), dk(B, Sk, Hk, dim, rng), dv(B, Sk, Hk, dim_v, rng);
+
+  const int rounded = (Sq + kBwdSeqRound - 1) / kBwdSeqRound * kBwdSeqRound;
+  std::vector<float> lse_log2(size_t(B) * H * rounded, NAN), delta(lse_log2.size(), NAN);
+  std::vector<float> dkv_partial(a.head_splits > 1 ? size_t(2) * a.head_splits * k.size() : 0, NAN);
+  BwdParamsCuda bp;
+  bp.softmax_scale = c.scale;
+  bp.scale_log2 = c.scale * 1.4426950408889634f;
+  bp.mask = mask_of(c, a.sc);
+  bp.score = a.sc.options();
+  bp.shape = ShapeCuda{B, H, Hk, Sq, Sk, d};
+  bp.q = q.data();
+  bp.k = k.data();
+  bp.v = v.data();
+  bp.dout = dout.data();
+  bp.q_strides = bp.dout_strides = {int64_t(Sq) * H * d, int64_t(H) * d, d};
+  bp.k_strides = bp.v_strides = {int64_t(Sk) * Hk * d, int64_t(Hk) * d, d};
+  bp.out_dtype = DType::kFloat32;
+  bp.out = out.data();
+  bp.out_strides = bp.q_strides;
+  bp.out_head_dim = d;
+  bp.lse = lse.data();
+  bp.lse_strides = {int64_t(H) * Sq, Sq, 1};
+  bp.seqlen_q_rounded = rounded;
+  bp.lse_log2 = lse_log2.data();
+  bp.delta = delta.data();
+  bp.head_splits = a.head_splits;
+  bp.dkv_partial = a.head_splits > 1 ? dkv_partial.data() : nullptr;
+  bp.grad_dtype = DType::kFloat32;
+  bp.accumulate = true;
+  bp.dq = dq.data.data();
+  bp.dk = dk.data.data();
+  bp.dv = dv.data.data();
+  bp.dq_strides = dq.strides();
+  bp.dk_strides = dk.strides();
+  bp.dv_strides = dv.strides();
+  bp.dq_cols = dim;
+  bp.dk_cols = dim;
+  bp.dv_cols = dim_v;
+  bp.dq_accum = a.deterministic ? nullptr : dq.data.data();  // the atomics' target: dq itself
+  emulate_bwd_launch<d, Elem, float, float>(bp);
+  const double gt = Host<Elem>::kGradTol;
+  dq.expect_added("dq", ref.dq, d, gt);
+  dk.expect_added("dk", ref.dk, d, gt);
+  dv.expect_added("dv", ref.dv, d, gt);
+}
+
+// Atomic dQ into dq and the deterministic pass, causal or not, odd lengths, a ring step's
+// offsets, a window, and rows that see no key (nothing added).
+TEST(EmulatedKernels, AccumulateBf16HeadDim64Atomic) {
+  uint64_t seed = 1400;
+  for (const Case& c : cases(all_cases())) run_backward_add<64, __nv_bfloat16>({c, {}}, seed++);
+}
+TEST(EmulatedKernels, AccumulateFp16HeadDim128Deterministic) {
+  uint64_t seed = 1450;
+  for (const Case& c : cases(all_cases()))
+    run_backward_add<128, __half>({c, {}, /*deterministic=*/true}, seed++);
+}
+
+// GQA / MQA head splits (the reduction adds), the head dim's own split (256: slices of dK / dV
+// / dQ columns), zero-padded head dims (odd ones too: no aligned pairs) with D != Dv, and the
+// scored instantiations.
+TEST(EmulatedKernels, AccumulateSplitsPaddingScored) {
+  const Case mqa{1, 90, 130, 4, 1, true, -1, -1, 40, 0, 0.1f};
+  const Case gqa{2, 70, 70, 8, 2, false, 30, 5, 0, 0, 0.09f};
+  const Case odd{1, 77, 53, 4, 2, true, -1, -1, 0, 0, 0.125f};
+  run_backward_add<64, __nv_bfloat16>({gqa, {}, false, 2}, 1501);
+  run_backward_add<128, __half>({gqa, {}, true, 4}, 1502);
+  run_backward_add<64, __nv_bfloat16>({mqa, {}, false, 4}, 1503);
+  run_backward_add<64, __nv_bfloat16>({odd, {}, false, 1, 40, 64}, 1504);
+  run_backward_add<64, __half>({odd, {}, true, 2, 33, 33}, 1505);
+  run_backward_add<96, __nv_bfloat16>({mqa, {}, false, 2, 80, 80}, 1506);
+  run_backward_add<256, __nv_bfloat16>({mqa, {}, false, 2, 200, 136}, 1507);
+  run_backward_add<256, __half>({odd, {}, true, 1, 256, 130}, 1508);
+  const auto sc = scored_cases();
+  const ScoredCase &combo = sc[9], &all = sc.back();
+  run_backward_add<64, __nv_bfloat16>({combo.c, combo.sc, false, 2}, 1509);
+  run_backward_add<128, __half>({all.c, all.sc, true, 1, 96, 128}, 1510);
 }
 
 }  // namespace
