@@ -153,6 +153,7 @@ stage strategies_inference 60 25 160 "strategies/,inference/"
 stage opcheck_compile 60 25 135 "opcheck/,compile/"
 
 # ---- the GPU hot path (issue 29): bench/gpu_hot_path.py, one process per stage -----------------
+# Their floors (60 s in all) are in the reserves above; each prints its own summary line.
 hot=()
 ((dry)) && hot=(--dry-run)
 hot_path() {  # hot_path NAME CAP FLOOR RESERVE
