@@ -11,12 +11,17 @@
 #
 # Stages: preflight (versions), build (all head dims, arch 9.0), checks against float64 (kernels
 # for every head dim, ragged lengths, deterministic dQ, emulated ring, NCCL W = 1, every strategy
-# and the inference API, opcheck + torch.compile), compute-sanitizer (memcheck, racecheck,
-# synccheck on cpattn's kernels only), TFLOP/s vs torch SDPA flash. Meant to finish in 8 minutes.
+# and the inference API, opcheck + torch.compile), the GPU hot path (bench/gpu_hot_path.py, one
+# process each: sync_free (host syncs per call under torch.cuda.set_sync_debug_mode("error")),
+# run_ahead (host time per call behind queued GPU work, host cost per ring post), capture (CUDA
+# graph of a ring layer, shifts refused in a capture), streams (side stream, NaN-filled memory
+# reuse), profile (idle fraction and copy/compute overlap of an emulated W = 4 ring, decode KV read
+# rate)), compute-sanitizer (memcheck, racecheck, synccheck on cpattn's kernels only), TFLOP/s vs
+# torch SDPA flash. Meant to finish in 8 minutes.
 #
 # Results (at most 8 files): summary.txt (one line per stage), gpu_bench.md, checks.log (every
-# check stage's output) and gpu_check.tar.gz (everything else: preflight, build log, ptxas
-# report, sanitizer logs, bench json).
+# check and hot path stage's output) and gpu_check.tar.gz (everything else: preflight, build log,
+# ptxas report, sanitizer logs, bench json, the hot path's json and gzipped profiler traces).
 #
 # Environment: PYTHON (default python3), CPATTN_CUDA_ARCH_LIST (default 9.0),
 # CPATTN_CUDA_HEAD_DIMS (default ALL), GPU_CHECK_SKIP_BUILD=1 (use the installed cpattn).
@@ -95,7 +100,7 @@ line "preflight: PASS ($torch_line; $(grep -E '^Python.h' "$work/preflight.txt" 
 if [[ ${GPU_CHECK_SKIP_BUILD:-0} != 1 ]]; then
   t=$(date +%s)
   if CPATTN_CUDA=ON CPATTN_CUDA_ARCH_LIST="$archs" CPATTN_CUDA_HEAD_DIMS="$heads" \
-     CPATTN_CUDA_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(budget 270 120 220)" \
+     CPATTN_CUDA_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(budget 270 120 280)" \
      "$py" -m pip install --no-build-isolation --no-deps --no-index --force-reinstall \
        --config-settings=build-dir=/tmp/cpattn-gpu-build -v "$repo" >"$work/build.log" 2>&1; then
     line "build: PASS (archs $archs, head dims $heads, $(($(date +%s) - t)) s)"
@@ -140,12 +145,38 @@ stage() {  # stage NAME CAP FLOOR RESERVE FILTERS
     line "$name: FAIL (rc $rc; ${summary:-no summary}; checks.log)"
   fi
 }
-stage kernels 150 45 175 "fwd_bwd/,head_dim/,fwd/,errors/,merge_state/,score_options/"
-stage deterministic_dq 30 10 165 "bwd/deterministic,bwd/dlse"
-stage ring_emulated 60 20 145 "ring_emulated/"
-stage nccl_w1 40 20 125 "ring_nccl/"
-stage strategies_inference 60 25 100 "strategies/,inference/"
-stage opcheck_compile 60 25 75 "opcheck/,compile/"
+stage kernels 150 45 235 "fwd_bwd/,head_dim/,fwd/,errors/,merge_state/,score_options/"
+stage deterministic_dq 30 10 225 "bwd/deterministic,bwd/dlse"
+stage ring_emulated 60 20 205 "ring_emulated/"
+stage nccl_w1 40 20 185 "ring_nccl/"
+stage strategies_inference 60 25 160 "strategies/,inference/"
+stage opcheck_compile 60 25 135 "opcheck/,compile/"
+
+# ---- the GPU hot path (issue 29): bench/gpu_hot_path.py, one process per stage -----------------
+# Their floors (60 s in all) are in the reserves above; each prints its own summary line.
+hot=()
+((dry)) && hot=(--dry-run)
+hot_path() {  # hot_path NAME CAP FLOOR RESERVE
+  local name=$1 t rc summary log=$work/hot_path_$1.log
+  t=$(date +%s)
+  timeout "$(budget "$2" "$3" "$4")" "$py" "$repo/bench/gpu_hot_path.py" "$name" --out "$work" \
+    "${hot[@]}" >"$log" 2>&1
+  rc=$?
+  { echo "===== hot path $name (rc $rc)"; cat "$log"; } >>"$res/checks.log"
+  summary=$(grep -E "^$name: (PASS|FAIL|SKIP)" "$log" | tail -1)
+  if ((rc == 124 || rc == 137)); then
+    line "$name: FAIL (timed out after $(($(date +%s) - t)) s; checks.log)"
+  elif [[ -n $summary ]]; then
+    line "$summary"
+  else
+    line "$name: FAIL (rc $rc, no summary line; checks.log)"
+  fi
+}
+hot_path sync_free 40 15 120
+hot_path run_ahead 25 10 110
+hot_path capture 25 10 100
+hot_path streams 25 10 90
+hot_path profile 45 15 75
 
 # ---- compute-sanitizer: cpattn's kernels only, a small case -------------------------------------
 if ((dry)); then
