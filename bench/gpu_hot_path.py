@@ -390,7 +390,8 @@ def ring_figures(activity: dict) -> dict:
 
 def decode_figures(activity: dict, kv_bytes: int) -> dict:
     kernels = activity["kernel"]
-    attention = [e for e in kernels if "attention_fwd" in e[3]] or kernels
+    # the batched split-KV kernels (csrc/cuda/decode_kernel.cuh), else the per-span forward
+    attention = [e for e in kernels if "decode_" in e[3] or "attention_fwd" in e[3]] or kernels
     kernel_us = sum(b - a for a, b, _, _ in attention)
     span = max(e[1] for e in kernels) - min(e[0] for e in kernels)
     return {"kv_bytes": kv_bytes, "attention_kernels": len(attention), "kernels": len(kernels),
