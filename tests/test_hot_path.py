@@ -9,7 +9,8 @@ non_blocking). Their ops run the fake (meta) kernels; the agreement check goes o
 host, as it does on a "cpu:gloo,cuda:nccl" group. Each public function runs forward and backward
 on 2 real ranks, after one warm-up call (the first call of a signature may do more: on an
 NCCL-only group the agreement check is exchanged once per signature, through the device).
-bench/gpu_check.sh's sync_free and run_ahead stages measure the same on a GPU (torch.cuda.set_sync_debug_mode).
+bench/gpu_check.sh's sync_free and run_ahead stages measure the same on a GPU
+(torch.cuda.set_sync_debug_mode).
 """
 
 import traceback
