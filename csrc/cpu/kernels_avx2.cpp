@@ -1,6 +1,7 @@
 // The CPU kernels compiled for avx2 (flags set per file in CMakeLists.txt).
-// Micro-tile: 4 rows x 2 vectors of 16 floats, sized to the register file of this ISA.
+// Micro-tile: 6 rows x 1 vector of 16 floats (12 ymm accumulators, 2 for B, 1 broadcast: 15 of
+// the 16 registers), the classic AVX2 shape.
 #define CPATTN_CPU_ISA avx2
-#define CPATTN_MR 4
-#define CPATTN_NV 2
+#define CPATTN_MR 6
+#define CPATTN_NV 1
 #include "cpu/isa_entry_points.h"

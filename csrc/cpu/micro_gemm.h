@@ -18,33 +18,35 @@
 namespace cpattn::cpu {
 namespace CPATTN_CPU_ISA {
 
+// MR rows x NV 16-lane vectors of C, held as MR x NW registers of this ISA's native width.
 template <int MR, int NV>
 inline void micro_kernel(int64_t K, const float* A, int64_t a_row, int64_t a_col, const float* B,
                          int64_t ldb, float* C, int64_t ldc, bool accumulate,
                          const float* c_row_scale) {
-  vfloat acc[MR][NV];
+  constexpr int NW = NV * (kLanes / kNativeLanes);
+  vnative acc[MR][NW];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) {
-    const vfloat f = broadcast(c_row_scale ? c_row_scale[m] : 1.f);
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v)
-      acc[m][v] = accumulate ? load(C + m * ldc + v * kLanes) * f : vfloat{};
+    const vnative f = broadcast_native(c_row_scale ? c_row_scale[m] : 1.f);
+#pragma GCC unroll 8
+    for (int w = 0; w < NW; ++w)
+      acc[m][w] = accumulate ? load_native(C + m * ldc + w * kNativeLanes) * f : vnative{};
   }
   for (int64_t k = 0; k < K; ++k) {
-    vfloat b[NV];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = load(B + k * ldb + v * kLanes);
+    vnative b[NW];
+#pragma GCC unroll 8
+    for (int w = 0; w < NW; ++w) b[w] = load_native(B + k * ldb + w * kNativeLanes);
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
-      const vfloat a = broadcast(A[m * a_row + k * a_col]);
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[m][v] += a * b[v];
+      const vnative a = broadcast_native(A[m * a_row + k * a_col]);
+#pragma GCC unroll 8
+      for (int w = 0; w < NW; ++w) acc[m][w] += a * b[w];
     }
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) store(C + m * ldc + v * kLanes, acc[m][v]);
+#pragma GCC unroll 8
+    for (int w = 0; w < NW; ++w) store_native(C + m * ldc + w * kNativeLanes, acc[m][w]);
 }
 
 using MicroKernelFn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, int64_t,

@@ -34,6 +34,18 @@ AlignedArray<T> aligned_array(int64_t n) {
   return AlignedArray<T>(static_cast<T*>(p));
 }
 typedef float vfloat __attribute__((vector_size(64)));
+// The widest vector this ISA holds in one register: 16 lanes with AVX-512, 8 with AVX, 4 with
+// SSE2. The micro-kernel (micro_gemm.h) keeps its accumulators at this width: GCC lowers a
+// 64-byte vfloat on AVX2 / SSE2 through the stack (lane-by-lane broadcasts, spilled halves),
+// several times slower than the scalar code.
+#if defined(__AVX512F__)
+constexpr int kNativeLanes = 16;
+#elif defined(__AVX__)
+constexpr int kNativeLanes = 8;
+#else
+constexpr int kNativeLanes = 4;
+#endif
+typedef float vnative __attribute__((vector_size(4 * kNativeLanes)));
 typedef int32_t vint __attribute__((vector_size(64)));
 typedef uint32_t vuint __attribute__((vector_size(64)));
 typedef uint16_t vbits16 __attribute__((vector_size(32)));  // 16 bf16 or fp16 bit patterns
@@ -45,6 +57,13 @@ inline vfloat load(const float* p) {
 }
 inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 inline vfloat broadcast(float x) { return vfloat{} + x; }
+inline vnative load_native(const float* p) {
+  vnative v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store_native(float* p, vnative v) { std::memcpy(p, &v, sizeof(v)); }
+inline vnative broadcast_native(float x) { return vnative{} + x; }
 
 // The bf16 bits of x, rounded to nearest even; a NaN stays a (quiet) NaN.
 inline uint16_t bf16_bits(float x) {
