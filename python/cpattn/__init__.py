@@ -14,6 +14,7 @@ from cpattn import _ops, comm, memory, plan  # noqa: E402,F401
 from cpattn._agreement import get_rank_check, set_rank_check  # noqa: E402
 from cpattn.attention import attention, attention_varlen, merge_state_  # noqa: E402
 from cpattn.context_attention import context_attention  # noqa: E402
+from cpattn.documents import DocumentPlan, shard_documents  # noqa: E402
 from cpattn.inference import (  # noqa: E402
     KVCacheShard,
     chunk_positions,
@@ -56,6 +57,8 @@ __all__ = [
     "unshard",
     "positions",
     "ring_attention_varlen",
+    "DocumentPlan",
+    "shard_documents",
     "shard_varlen",
     "unshard_varlen",
     "positions_varlen",

@@ -67,7 +67,7 @@ def merge_state_(
     torch.ops.cpattn.merge_state_(out, lse, part_out, part_lse)
 
 
-class _LocalDocuments(torch.autograd.Function):
+class LocalDocuments(torch.autograd.Function):
     """Attention over packed documents held whole by this process: the all-gather strategy's
     kernels on a "group" of one rank (contiguous layout: no padding)."""
 
@@ -112,5 +112,5 @@ def attention_varlen(
     if tokens != q.shape[0]:
         raise error(what, "cu_seqlens", f"[..., {tokens}]", f"must end at the {q.shape[0]} "
                     "tokens of q")
-    out, lse = _LocalDocuments.apply(q[None], k[None], v[None], opts.sinks, docs, opts)
+    out, lse = LocalDocuments.apply(q[None], k[None], v[None], opts.sinks, docs, opts)
     return (out[0], lse[0]) if return_lse else out[0]

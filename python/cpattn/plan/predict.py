@@ -28,6 +28,7 @@ from cpattn.plan.work import (
     compute_steps,
     divisible,
     kv_heads_sent,
+    schedule_work,
     tokens_per_rank,
 )
 
@@ -310,3 +311,60 @@ def table(ranked: Sequence[Prediction]) -> str:
                      f"{r.exposed_comm * 1e3:.3g} | {r.bytes_sent / 2**20:.4g} | "
                      f"{r.peak_memory / 2**20:.5g} | {'yes' if r.fits else 'no'} |")
     return "\n".join(lines)
+
+
+def _whole_documents_time(lengths, p: Problem, m: Machine) -> float:
+    """Kernel seconds of documents held whole by one rank: one varlen call over all of them."""
+    if not lengths:
+        return 0.0
+    seconds = m.call_overhead
+    for backward in (False, True) if p.mode == "train" else (False,):
+        per_pair = (10 if backward else 4) * p.head_dim * p.batch * p.heads
+        for n in lengths:
+            tiles = schedule_work(n, 1, "contiguous", p.causal, tuple(p.window), tuple(m.block),
+                                  None)[0, 0, 1].item()
+            seconds += tiles * per_pair / m.flops(p.dtype, backward)
+    return seconds
+
+
+def predict_documents(plan_, p: Problem, m: Machine) -> Prediction:
+    """The time of attention over a cpattn.DocumentPlan: the split documents by the faster of
+    the ring and the all-gather (as strategy="auto" picks), then each rank's whole documents
+    (no communication); p gives the shapes (its documents are ignored)."""
+    world, layout = plan_.world, plan_.layout
+    whole = max(_whole_documents_time(plan_.whole_lengths(r), p, m) for r in range(world))
+    if not plan_.split:
+        return Prediction(Candidate("none"), whole, whole, 0.0, 0.0, 0.0,
+                          detail={"plan": plan_})
+    split = dataclasses.replace(p, documents=plan_.split_lengths)
+    cands = [Candidate("ring", layout), Candidate("allgather", layout,
+                                                  chunk=allgather_chunk(p.kv_heads, world))]
+    best = min(predict(split, m, world, cands), key=lambda r: r.time)
+    return Prediction(best.candidate, best.time + whole, best.compute + whole,
+                      best.exposed_comm, best.bytes_sent, best.peak_memory,
+                      detail={"plan": plan_})
+
+
+def plan_documents(plans, *, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                   dtype: str = "bfloat16", training: bool = True,
+                   machine: Optional[Machine] = None, group=None) -> list:
+    """Ranks document plans (cpattn.shard_documents' candidates, {split: DocumentPlan}) by
+    predicted time per call on `machine` (default: the group's, as strategy="auto" uses, or the
+    cpu-gloo preset without torch.distributed): [(plan, Prediction)], fastest first (ties: fewer
+    bytes sent, then the order given)."""
+    import torch.distributed as dist
+
+    if machine is None:
+        if dist.is_available() and dist.is_initialized():
+            from cpattn.plan.choose import machine_for
+            machine = machine_for(group)
+        else:
+            from cpattn.plan.model import PRESETS
+            machine = PRESETS["cpu-gloo"]
+    any_plan = next(iter(plans.values()))
+    p = Problem(seqlen=sum(any_plan.lengths), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                dtype=dtype, causal=any_plan.causal, window=any_plan.window,
+                mode="train" if training else "forward")
+    unique = list(dict.fromkeys(plans.values()))  # equal plans (e.g. nothing to split) once
+    scored = [(d, predict_documents(d, p, machine)) for d in unique]
+    return sorted(scored, key=lambda dp: (dp[1].time, dp[1].bytes_sent))

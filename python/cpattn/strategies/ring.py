@@ -23,6 +23,7 @@ from cpattn._validation import (
     document_lengths,
     error,
 )
+from cpattn.documents import DocumentPlan
 from cpattn.max_logits import document_placement, global_max_logits, returned, sequence_placement
 from cpattn.options import AttentionOptions
 from cpattn.sharding import group_info
@@ -35,6 +36,7 @@ from cpattn.strategies.common import (
     needs_grad,
     sink_grad,
 )
+from cpattn.strategies.documents import plan_attention
 
 # The strategies ring_attention runs (ContextParallel has its own list: parallel.STRATEGIES).
 RING_ATTENTION_STRATEGIES = ("ring", "allgather", "auto")
@@ -262,6 +264,9 @@ def ring_attention_varlen(
     cu_seqlens: global document boundaries (int, D+1, from 0), the same on every rank. Each
     document is padded to a multiple of the layout's granularity (2W for zigzag, W otherwise)
     and sharded on its own (per-document zigzag), so documents straddle ranks.
+    Or a cpattn.DocumentPlan (cpattn.shard_documents; `layout` must be the plan's):
+    q, k, v are then this rank's tokens of the plan (DocumentPlan.shard), only the split
+    documents communicate, and causal / window must be the plan's.
     q (T_local, H, D), k/v (T_local, Hkv, D) come from cpattn.shard_varlen; padding tokens give
     output 0 and LSE -inf. Returns out (T_local, H, D) and optionally lse (H, T_local).
     strategy, allgather_chunk, ring_chunk, **options: as ring_attention (on positions within
@@ -270,6 +275,11 @@ def ring_attention_varlen(
     Padding rows with a sink: LSE = the sink. v may have its own head dim Dv (out then has Dv).
     return_max_logits: as ring_attention (positions within the documents).
     """
+    if isinstance(cu_seqlens, DocumentPlan):
+        out, lse = plan_attention("cpattn.ring_attention_varlen", q, k, v, cu_seqlens, group,
+                                  layout, strategy, allgather_chunk, ring_chunk, timeout, options,
+                                  return_max_logits)
+        return (out, lse) if return_lse else out
     out, lse, *max_logits = context_parallel(
         "cpattn.ring_attention_varlen", q, k, v, group, layout, timeout, strategy,
         allgather_chunk, cu_seqlens, options, ring_chunk=ring_chunk,

@@ -1,0 +1,287 @@
+"""Document-aware sharding of packed documents: short documents stay whole on one rank (no
+communication, no padding), long ones are split over every rank (per-document zigzag), and the
+whole documents are assigned so that the attention work per rank is balanced.
+
+    plan = cpattn.shard_documents(cu_seqlens, world_size=W, causal=True)
+    q_local = plan.shard(q_packed, rank)          # this rank's tokens, in the plan's order
+    out = cpattn.ring_attention_varlen(q, k, v, plan, causal=True)
+    full = plan.unshard(out)                      # back to the packed order (all-gather)
+
+A rank's tokens are, in this order: its shard of every split document (each padded to the
+layout's granularity and sharded as ring_attention_varlen does), then its whole documents one
+after the other. The plan is a pure function of its arguments, so every rank computes the same
+one from the agreed cu_seqlens (docs/packed-documents.md explains when a document is split).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from cpattn._agreement import digest_ints
+from cpattn._layout import LAYOUTS, round_up, shard_positions
+from cpattn._validation import check_choice, check_cu_seqlens, check_int, check_window, error
+
+# split=: "balanced" splits only the documents it must for the work to balance within
+# `tolerance`; "all" splits every document (per-document zigzag, ring_attention_varlen's
+# sharding of a cu_seqlens); "none" splits none (no communication at all); "auto" lets the cost
+# model pick among them (cpattn.plan.plan_documents).
+SPLITS = ("auto", "balanced", "all", "none")
+
+
+def visible_pairs(positions: torch.Tensor, length: int, causal: bool, window: tuple,
+                  prefix: int) -> torch.Tensor:
+    """The keys each query at `positions` (within a document of `length` tokens) sees: the
+    mask rule of csrc/include/cpattn/mask.h (j < prefix, or j in [i - left, i] / [i - left,
+    i + right]), counted per query (int64)."""
+    i = positions.to(torch.int64)
+    left, right = window
+    lo = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+    hi = torch.full_like(i, length - 1)
+    if causal:
+        hi = torch.minimum(hi, i)
+    if right >= 0:
+        hi = torch.minimum(hi, i + right)
+    count = (hi - lo + 1).clamp(min=0)
+    p = min(prefix, length)
+    if p > 0:  # prefix keys outside the interval join it
+        count = count + p - (torch.minimum(hi, torch.full_like(i, p - 1)) - lo + 1).clamp(min=0)
+    return count
+
+
+@dataclass(frozen=True)
+class DocumentPlan:
+    """Which rank holds which tokens of a batch of packed documents (cpattn.shard_documents).
+
+    lengths: every document's length, in packed order; split: the indices of the documents
+    sharded over every rank; whole[r]: the indices of the documents rank r holds whole, in
+    packed order; work[r]: rank r's attention work (visible query-key pairs);
+    split_tokens: tokens per rank of the split documents (their padded shards, the same on
+    every rank); tokens[r]: all of rank r's tokens. Frozen and hashable: pass it to the
+    attention as it is (under torch.compile too)."""
+
+    lengths: tuple
+    world: int
+    layout: str
+    causal: bool
+    window: tuple
+    prefix: tuple
+    split: tuple
+    whole: tuple
+    work: tuple
+    split_tokens: int
+    tokens: tuple
+    signature: bytes  # the plan in 32 bytes, for the agreement check
+
+    @property
+    def balance(self) -> float:
+        """max / min attention work per rank (1.0: perfect; inf: a rank without work)."""
+        lo, hi = min(self.work), max(self.work)
+        return 1.0 if hi == 0 else (float("inf") if lo == 0 else hi / lo)
+
+    @property
+    def split_lengths(self) -> tuple:
+        return tuple(self.lengths[d] for d in self.split)
+
+    def whole_lengths(self, rank: int) -> tuple:
+        return tuple(self.lengths[d] for d in self.whole[rank])
+
+    def local_cu_seqlens(self, rank: int) -> torch.Tensor:
+        """Boundaries of rank's whole documents within its tokens (they start after the
+        split_tokens of the split documents' shards)."""
+        return torch.tensor((0, *self.whole_lengths(rank)), dtype=torch.int64).cumsum(0) \
+            + self.split_tokens
+
+    def sent_tokens(self) -> int:
+        """Tokens of K/V each rank sends per ring pass or all-gather: its split shard to each
+        of the W - 1 others (0 when nothing is split)."""
+        return (self.world - 1) * self.split_tokens if self.world > 1 else 0
+
+    def positions(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each of rank's tokens: (its index into the packed sequence, -1 for padding;
+        its position within its document, e.g. for RoPE, -1 for padding)."""
+        return _positions(self, rank)
+
+    def shard(self, x: torch.Tensor, rank: int, dim: int = 0) -> torch.Tensor:
+        """rank's tokens of the packed tensor x along `dim` (padding slots zero)."""
+        index, _ = self.positions(rank)
+        padded = torch.cat([x, x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1:]))], dim)
+        slots = torch.where(index < 0, x.shape[dim], index).to(x.device)
+        return padded.index_select(dim, slots)
+
+    def unshard(self, x_local: torch.Tensor, *, group=None, dim: int = 0) -> torch.Tensor:
+        """All-gathers every rank's tokens back into the packed sequence (padding dropped).
+        Differentiable (a token's gradient is the sum of the ranks' gradients of it)."""
+        from cpattn.sharding import group_info, unshard_by
+
+        what = "cpattn.DocumentPlan.unshard"
+        _, rank, world = group_info(group)
+        most = max(self.tokens)
+
+        def locate(local: int, world_: int):
+            if world_ != self.world:
+                raise error(what, "group", world_, f"has {world_} ranks; the plan is for "
+                            f"{self.world}")
+            if given != self.tokens[rank]:
+                raise error(what, "x_local", given, f"must hold rank {rank}'s "
+                            f"{self.tokens[rank]} tokens of the plan")
+            index, _ = self.positions(rank)
+            index = torch.cat([index, index.new_full((most - index.numel(),), -1)])
+            return index, sum(self.lengths), [("plan", self.signature)]
+
+        if not -x_local.dim() <= dim < x_local.dim():
+            raise error(what, "dim", dim, f"must index one of x_local's {x_local.dim()} dims")
+        d = dim % x_local.dim()
+        given = x_local.shape[d]
+        if rank < self.world and given == self.tokens[rank]:  # pad to the longest rank's
+            x_local = torch.cat([x_local, x_local.new_zeros(
+                (*x_local.shape[:d], most - given, *x_local.shape[d + 1:]))], d)
+        return unshard_by(what, x_local, group, d, locate)
+
+    def describe(self) -> str:
+        """One line: what is split, bytes and balance."""
+        return (f"{len(self.split)} of {len(self.lengths)} documents split over {self.world} "
+                f"ranks ({sum(self.split_lengths)} of {sum(self.lengths)} tokens), "
+                f"{self.sent_tokens()} K/V tokens sent per rank, work max/min "
+                f"{self.balance:.3f}")
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(plan: DocumentPlan, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = [0]
+    for n in plan.lengths:
+        starts.append(starts[-1] + n)
+    index, within = [], []
+    for d in plan.split:
+        pos = shard_positions(plan.lengths[d], plan.layout, plan.world, rank)
+        index.append(torch.where(pos >= 0, starts[d] + pos, -1))
+        within.append(pos)
+    for d in plan.whole[rank]:
+        pos = torch.arange(plan.lengths[d], dtype=torch.int64)
+        index.append(starts[d] + pos)
+        within.append(pos)
+    if not index:
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, empty
+    return torch.cat(index), torch.cat(within)
+
+
+def _split_work(lengths, split, world, layout, causal, window, prefix) -> list:
+    """Each rank's work from its shards of the split documents."""
+    work = [0] * world
+    for d in split:
+        for r in range(world):
+            pos = shard_positions(lengths[d], layout, world, r)
+            pos = pos[pos >= 0]
+            work[r] += int(visible_pairs(pos, lengths[d], causal, window, prefix[d]).sum())
+    return work
+
+
+def _whole_work(n: int, causal: bool, window: tuple, prefix: int) -> int:
+    return int(visible_pairs(torch.arange(n), n, causal, window, prefix).sum())
+
+
+def _assign(order, doc_work, base):
+    """Longest processing time first: each document (in `order`) to the least-loaded rank
+    (ties: the lowest rank). Returns (each rank's documents in packed order, loads)."""
+    loads = list(base)
+    held = [[] for _ in loads]
+    for d in order:
+        r = min(range(len(loads)), key=lambda i: (loads[i], i))
+        held[r].append(d)
+        loads[r] += doc_work[d]
+    return tuple(tuple(sorted(h)) for h in held), tuple(loads)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(lengths: tuple, world: int, layout: str, causal: bool, window: tuple, prefix: tuple,
+          split: str, tolerance: float, split_above: Optional[int]) -> DocumentPlan:
+    doc_work = [_whole_work(n, causal, window, p) for n, p in zip(lengths, prefix)]
+    # Heaviest first; equal work: the earlier document first (deterministic).
+    order = sorted((d for d, n in enumerate(lengths) if n > 0), key=lambda d: (-doc_work[d], d))
+    must = [d for d in order if split_above is not None and lengths[d] > split_above]
+    free = [d for d in order if d not in set(must)]
+    if world == 1 or split == "none":
+        must, n_split = [], 0
+    elif split == "all":
+        n_split = len(free)
+    else:  # "balanced": split the heaviest documents until the whole ones balance the rest
+        n_split = 0
+        while n_split < len(free):
+            base = _split_work(lengths, must + free[:n_split], world, layout, causal, window,
+                               prefix)
+            _, loads = _assign(free[n_split:], doc_work, base)
+            if max(loads) == 0 or (min(loads) > 0 and max(loads) / min(loads) <= tolerance):
+                break
+            n_split += 1
+    chosen = tuple(sorted(must + free[:n_split]))
+    whole_docs = [d for d in order if d not in set(chosen)]
+    base = _split_work(lengths, chosen, world, layout, causal, window, prefix)
+    whole, loads = _assign(whole_docs, doc_work, base)
+    g = 2 * world if layout == "zigzag" else world
+    split_tokens = sum(round_up(lengths[d], g) for d in chosen) // world
+    tokens = tuple(split_tokens + sum(lengths[d] for d in docs) for docs in whole)
+    flat = [world, LAYOUTS[layout], int(causal), *window, len(lengths), *lengths, *prefix, -1,
+            *chosen]
+    for docs in whole:
+        flat += [-2, *docs]
+    signature = hashlib.sha256(digest_ints(flat)).digest()
+    return DocumentPlan(lengths, world, layout, causal, window, prefix, chosen, whole, loads,
+                        split_tokens, tokens, signature)
+
+
+def shard_documents(cu_seqlens, *, world_size: Optional[int] = None, group=None,
+                    layout: str = "zigzag", causal: bool = True, window=(-1, -1),
+                    prefix_len=0, split: str = "auto", tolerance: float = 1.05,
+                    split_above: Optional[int] = None, **model) -> DocumentPlan:
+    """The document-aware sharding of packed documents over `world_size` ranks (default: the
+    group's size): the same plan on every rank for the same arguments.
+
+    Documents stay whole on one rank unless splitting is needed: with split="balanced" the
+    heaviest documents (by attention work: visible query-key pairs under causal / window /
+    prefix_len) are split over every rank (per-document zigzag, as ring_attention_varlen) one
+    by one until the whole documents, assigned heaviest first to the least-loaded rank, leave
+    the work per rank within `tolerance` (max / min). split="all" splits every document
+    (ring_attention_varlen's sharding of a cu_seqlens), "none" none (no communication at all).
+    split="auto" (default) predicts the time of all three with the cost model (cpattn.plan) and
+    takes the fastest; `model` may give the problem's heads, kv_heads, head_dim, dtype,
+    training and machine (cpattn.plan.plan_documents). Documents longer than `split_above`
+    tokens are always split. window / prefix_len: as the attention will use them (prefix_len
+    an int or one per document)."""
+    what = "cpattn.shard_documents"
+    lengths = tuple(int(n) for n in check_cu_seqlens(what, cu_seqlens).diff().tolist())
+    if world_size is None:
+        from cpattn.sharding import group_info
+        _, _, world_size = group_info(group)
+    world = check_int(what, "world_size", world_size, minimum=1)
+    check_choice(what, "layout", layout, tuple(LAYOUTS))
+    check_choice(what, "split", split, SPLITS)
+    if isinstance(causal, bool) is False:
+        raise error(what, "causal", causal, "must be a bool")
+    window = check_window(window, what)
+    if isinstance(prefix_len, torch.Tensor):
+        prefix = tuple(int(p) for p in prefix_len.tolist())
+    elif isinstance(prefix_len, (list, tuple)):
+        prefix = tuple(int(p) for p in prefix_len)
+    else:
+        prefix = (check_int(what, "prefix_len", prefix_len, minimum=0),) * len(lengths)
+    if len(prefix) != len(lengths):
+        raise error(what, "prefix_len", len(prefix), f"must hold one prefix per document "
+                    f"({len(lengths)})")
+    prefix = tuple(min(p, n) for p, n in zip(prefix, lengths))
+    if not (isinstance(tolerance, (int, float)) and tolerance >= 1.0):
+        raise error(what, "tolerance", tolerance, "must be a number >= 1 (max / min work)")
+    if split_above is not None:
+        split_above = check_int(what, "split_above", split_above, minimum=0)
+    args = (lengths, world, layout, bool(causal), tuple(window), prefix)
+    if split != "auto":
+        if model:
+            raise error(what, next(iter(model)), "...", 'is only taken with split="auto"')
+        return _plan(*args, split, float(tolerance), split_above)
+    from cpattn.plan.predict import plan_documents
+    plans = {s: _plan(*args, s, float(tolerance), split_above) for s in SPLITS[1:]}
+    return plan_documents(plans, **model)[0][0]
