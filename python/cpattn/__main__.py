@@ -121,6 +121,8 @@ def plan_command(args: argparse.Namespace) -> int:
     print(f"W = {args.world}\n")
     print(P.table(ranked))
     print(f"\nchoice: {why}")
+    if docs is not None and problem.mode in ("train", "forward"):
+        _document_plans(docs, problem, machine, args.world)
     if args.plot:
         from cpattn.plan.plot import plot_plan
 
@@ -131,6 +133,30 @@ def plan_command(args: argparse.Namespace) -> int:
         plot_plan(problem, machine, worlds, seqlens, args.world, args.plot)
         print(f"plot: {args.plot}")
     return 0
+
+
+def _document_plans(docs, problem, machine, world: int) -> None:
+    """The shardings of packed documents (cpattn.shard_documents) ranked by the model."""
+    import cpattn
+    from cpattn import plan as P
+
+    cu = [0]
+    for n in docs:
+        cu.append(cu[-1] + n)
+    plans = {s: cpattn.shard_documents(cu, world_size=world, causal=problem.causal,
+                                       window=problem.window, split=s)
+             for s in ("balanced", "all", "none")}
+    ranked = P.plan_documents(plans, heads=problem.heads, kv_heads=problem.kv_heads,
+                              head_dim=problem.head_dim, dtype=problem.dtype,
+                              training=problem.mode == "train", machine=machine)
+    names = {id(d): s for s, d in reversed(plans.items())}
+    print("\nsharding of the documents (cpattn.shard_documents, split=):")
+    print("| split | documents split | time (ms) | sent per rank (MiB) | work max/min |")
+    print("|---|---|---|---|---|")
+    for d, pred in ranked:
+        print(f"| {names[id(d)]} | {len(d.split)} of {len(d.lengths)} | {pred.time * 1e3:.4g} | "
+              f"{pred.bytes_sent / 2**20:.4g} | {d.balance:.3f} |")
+    print(f'split="auto" picks {names[id(ranked[0][0])]}: {ranked[0][0].describe()}')
 
 
 def _positive(text: str) -> int:

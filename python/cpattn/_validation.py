@@ -102,9 +102,10 @@ def check_timeout(what: str, timeout) -> float:
     return float(timeout)
 
 
-def check_tensor(what: str, arg: str, t, dims: Sequence[str]) -> None:
-    """A float32 / bfloat16 / float16 tensor of len(dims) dims, each >= 1, on CPU or CUDA,
-    contiguous in its last dim (what the kernels read)."""
+def check_tensor(what: str, arg: str, t, dims: Sequence[str], may_be_empty: Sequence[str] = ()
+                 ) -> None:
+    """A float32 / bfloat16 / float16 tensor of len(dims) dims, each >= 1 (those named in
+    `may_be_empty` >= 0), on CPU or CUDA, contiguous in its last dim (what the kernels read)."""
     if not isinstance(t, torch.Tensor):
         raise error(what, arg, t, "must be a torch.Tensor")
     if t.dim() != len(dims):
@@ -114,7 +115,7 @@ def check_tensor(what: str, arg: str, t, dims: Sequence[str]) -> None:
     if t.device.type not in DEVICE_TYPES:
         raise error(what, f"{arg}.device", t.device, "must be a CPU or CUDA device")
     for name, size in zip(dims, t.shape):
-        if size < 1:
+        if size < (0 if name in may_be_empty else 1):
             raise error(what, f"{arg}.shape", tuple(t.shape), f"{name} must be >= 1")
     if t.stride(-1) != 1:
         raise error(what, f"{arg}.stride()", t.stride(), "the last dim (head_dim) must be "
@@ -122,15 +123,16 @@ def check_tensor(what: str, arg: str, t, dims: Sequence[str]) -> None:
 
 
 def check_qkv(what: str, q, k, v, *, varlen: bool = False, same_length: bool = True,
-              v_head_dim_free: bool = False) -> None:
+              v_head_dim_free: bool = False, empty_tokens: bool = False) -> None:
     """q (batch, seqlen, heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim), or
     without the batch dim for varlen (tokens, heads, head_dim): one float dtype for all three
     (no promotion, as cpattn.attention), one device, heads % kv_heads == 0, head_dim <= 256;
     `same_length`: the shards of q and k/v have the same length (ring / Ulysses);
-    `v_head_dim_free`: v may have its own head dim (where the strategy supports it)."""
+    `v_head_dim_free`: v may have its own head dim (where the strategy supports it);
+    `empty_tokens`: varlen shards may hold no token (a rank of a cpattn.DocumentPlan)."""
     dims = ("tokens", "heads", "head_dim") if varlen else ("batch", "seqlen", "heads", "head_dim")
     for arg, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(what, arg, t, dims)
+        check_tensor(what, arg, t, dims, ("tokens",) if empty_tokens else ())
     if not q.dtype == k.dtype == v.dtype:
         raise error(what, "(q.dtype, k.dtype, v.dtype)", (q.dtype, k.dtype, v.dtype),
                     "must be the same dtype (no promotion)")

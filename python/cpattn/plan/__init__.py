@@ -7,7 +7,8 @@ per rank and peak memory per rank, and `plan` ranks them and explains the first 
     model       Machine, Link, Problem, Candidate, Prediction; PRESETS and machine()
     work        each rank's tokens and heads, the kernel work per ring step (from the schedule)
     memory      the bytes a call allocates per rank (memory())
-    predict     the time model: candidates, predict, rank, explain, plan, table
+    predict     the time model: candidates, predict, rank, explain, plan, table; packed
+                documents' shardings (cpattn.shard_documents): predict_documents, plan_documents
     calibrate   calibrate(group): this group measured, cached to a file
     choose      strategy="auto": set_machine, machine_for, choose
     plot        plots of the model (needs matplotlib; not imported here)
@@ -33,7 +34,16 @@ from cpattn.plan.model import (
     Problem,
     machine,
 )
-from cpattn.plan.predict import candidates, explain, plan, predict, rank, table
+from cpattn.plan.predict import (
+    candidates,
+    explain,
+    plan,
+    plan_documents,
+    predict,
+    predict_documents,
+    rank,
+    table,
+)
 from cpattn.plan.work import allgather_chunk
 
 __all__ = [
@@ -53,7 +63,9 @@ __all__ = [
     "machine_for",
     "memory",
     "plan",
+    "plan_documents",
     "predict",
+    "predict_documents",
     "rank",
     "set_machine",
     "table",

@@ -14,12 +14,14 @@ from cpattn.options import AttentionOptions
 
 def checked_call(what: str, q, k, v, options: dict, layout: str = "contiguous",
                  varlen: bool = False, fixed: Optional[dict] = None,
-                 only: Optional[tuple] = None
+                 only: Optional[tuple] = None, empty_tokens: bool = False
                  ) -> tuple[AttentionOptions, Fields]:
     """The tensors and options of a call of `what` checked: its AttentionOptions (from the
     keyword arguments `options`; `fixed` / `only`: as AttentionOptions.checked), and the
-    fields every rank must agree on (shapes, dtypes, layout, options)."""
-    check_qkv(what, q, k, v, varlen=varlen, v_head_dim_free=True)  # v: its own head dim Dv
+    fields every rank must agree on (shapes, dtypes, layout, options). empty_tokens: as
+    check_qkv's."""
+    check_qkv(what, q, k, v, varlen=varlen, v_head_dim_free=True,  # v: its own head dim Dv
+              empty_tokens=empty_tokens)
     check_choice(what, "layout", layout, tuple(LAYOUTS))
     opts = AttentionOptions.checked(what, q.shape[-1], fixed, only=only, **options)
     dims = ("tokens", "heads", "head_dim") if varlen else ("batch", "seqlen", "heads", "head_dim")

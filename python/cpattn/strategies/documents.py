@@ -61,7 +61,7 @@ def plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, a
             raise error(what, "layout", layout, f"differs from the plan's {plan.layout!r}")
         opts, fields = checked_call(what, q, k, v, {**options, "prefix_len": 0}
                                     if isinstance(prefix, torch.Tensor) else options,
-                                    plan.layout, varlen=True)
+                                    plan.layout, varlen=True, empty_tokens=True)
         # Ranks hold different numbers of tokens: each checks its own against the plan.
         fields = [f for f in fields if not f[0].endswith(".tokens")]
         for name, t in (("q", q), ("k", k), ("v", v)):
