@@ -146,9 +146,9 @@ def _document_plans(docs, problem, machine, world: int) -> None:
     plans = {s: cpattn.shard_documents(cu, world_size=world, causal=problem.causal,
                                        window=problem.window, split=s)
              for s in ("balanced", "all", "none")}
-    ranked = P.plan_documents(plans, heads=problem.heads, kv_heads=problem.kv_heads,
+    ranked = P.plan_documents(plans, machine, heads=problem.heads, kv_heads=problem.kv_heads,
                               head_dim=problem.head_dim, dtype=problem.dtype,
-                              training=problem.mode == "train", machine=machine)
+                              training=problem.mode == "train")
     names = {id(d): s for s, d in reversed(plans.items())}
     print("\nsharding of the documents (cpattn.shard_documents, split=):")
     print("| split | documents split | time (ms) | sent per rank (MiB) | work max/min |")

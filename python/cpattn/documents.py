@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from cpattn._agreement import digest_ints
 from cpattn._layout import LAYOUTS, round_up, shard_positions
@@ -249,7 +250,9 @@ def shard_documents(cu_seqlens, *, world_size: Optional[int] = None, group=None,
     (ring_attention_varlen's sharding of a cu_seqlens), "none" none (no communication at all).
     split="auto" (default) predicts the time of all three with the cost model (cpattn.plan) and
     takes the fastest; `model` may give the problem's heads, kv_heads, head_dim, dtype,
-    training and machine (cpattn.plan.plan_documents). Documents longer than `split_above`
+    training (cpattn.plan.plan_documents) and machine (default: the group's, as
+    strategy="auto" uses, so every rank of an initialised group must call it the first time;
+    the cpu-gloo preset without torch.distributed). Documents longer than `split_above`
     tokens are always split. window / prefix_len: as the attention will use them (prefix_len
     an int or one per document)."""
     what = "cpattn.shard_documents"
@@ -282,6 +285,11 @@ def shard_documents(cu_seqlens, *, world_size: Optional[int] = None, group=None,
         if model:
             raise error(what, next(iter(model)), "...", 'is only taken with split="auto"')
         return _plan(*args, split, float(tolerance), split_above)
-    from cpattn.plan.predict import plan_documents
+    from cpattn import plan as cost_model
+
+    machine = model.pop("machine", None)
+    if machine is None:  # the group's, as strategy="auto" plans with (a collective the 1st time)
+        machine = cost_model.machine_for(group) if dist.is_available() and \
+            dist.is_initialized() else cost_model.PRESETS["cpu-gloo"]
     plans = {s: _plan(*args, s, float(tolerance), split_above) for s in SPLITS[1:]}
-    return plan_documents(plans, **model)[0][0]
+    return cost_model.plan_documents(plans, machine, **model)[0][0]

@@ -345,22 +345,11 @@ def predict_documents(plan_, p: Problem, m: Machine) -> Prediction:
                       detail={"plan": plan_})
 
 
-def plan_documents(plans, *, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                   dtype: str = "bfloat16", training: bool = True,
-                   machine: Optional[Machine] = None, group=None) -> list:
+def plan_documents(plans, machine: Machine, *, heads: int = 32, kv_heads: int = 8,
+                   head_dim: int = 128, dtype: str = "bfloat16", training: bool = True) -> list:
     """Ranks document plans (cpattn.shard_documents' candidates, {split: DocumentPlan}) by
-    predicted time per call on `machine` (default: the group's, as strategy="auto" uses, or the
-    cpu-gloo preset without torch.distributed): [(plan, Prediction)], fastest first (ties: fewer
+    predicted time per call on `machine`: [(plan, Prediction)], fastest first (ties: fewer
     bytes sent, then the order given)."""
-    import torch.distributed as dist
-
-    if machine is None:
-        if dist.is_available() and dist.is_initialized():
-            from cpattn.plan.choose import machine_for
-            machine = machine_for(group)
-        else:
-            from cpattn.plan.model import PRESETS
-            machine = PRESETS["cpu-gloo"]
     any_plan = next(iter(plans.values()))
     p = Problem(seqlen=sum(any_plan.lengths), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 dtype=dtype, causal=any_plan.causal, window=any_plan.window,
