@@ -58,11 +58,14 @@ def visible_pairs(positions: torch.Tensor, length: int, causal: bool, window: tu
 class DocumentPlan:
     """Which rank holds which tokens of a batch of packed documents (cpattn.shard_documents).
 
-    lengths: every document's length, in packed order; split: the indices of the documents
-    sharded over every rank; whole[r]: the indices of the documents rank r holds whole, in
-    packed order; work[r]: rank r's attention work (visible query-key pairs);
-    split_tokens: tokens per rank of the split documents (their padded shards, the same on
-    every rank); tokens[r]: all of rank r's tokens. Frozen and hashable: pass it to the
+    lengths: every document's length, in packed order; split: the indices of the split
+    documents, in packed order, and spans: the ranks each is split over (all of them, or a
+    subset: per-document zigzag over those ranks); whole[r]: the indices of the documents rank
+    r holds whole, in packed order; work[r]: rank r's attention work (visible query-key pairs);
+    split_tokens: tokens per rank of the documents split over every rank (their padded shards,
+    the same on every rank); subset_tokens[r]: rank r's tokens of the documents split over a
+    subset of the ranks; tokens[r]: all of rank r's tokens, in that order: split over all,
+    split over a subset, whole. Frozen and hashable: pass it to the
     attention as it is (under torch.compile too)."""
 
     lengths: tuple
@@ -72,9 +75,11 @@ class DocumentPlan:
     window: tuple
     prefix: tuple
     split: tuple
+    spans: tuple
     whole: tuple
     work: tuple
     split_tokens: int
+    subset_tokens: tuple
     tokens: tuple
     signature: bytes  # the plan in 32 bytes, for the agreement check
 
@@ -91,16 +96,43 @@ class DocumentPlan:
     def whole_lengths(self, rank: int) -> tuple:
         return tuple(self.lengths[d] for d in self.whole[rank])
 
-    def local_cu_seqlens(self, rank: int) -> torch.Tensor:
-        """Boundaries of rank's whole documents within its tokens (they start after the
-        split_tokens of the split documents' shards)."""
-        return torch.tensor((0, *self.whole_lengths(rank)), dtype=torch.int64).cumsum(0) \
-            + self.split_tokens
+    def rank_splits(self, rank: int) -> tuple:
+        """(document, its ranks) of the split documents rank holds a shard of, in the order
+        of its tokens: those split over every rank, then those over a subset."""
+        full = tuple(range(self.world))
+        held = [(d, m) for d, m in zip(self.split, self.spans) if rank in m]
+        return tuple(sorted(held, key=lambda dm: dm[1] != full))
 
-    def sent_tokens(self) -> int:
-        """Tokens of K/V each rank sends per ring pass or all-gather: its split shard to each
-        of the W - 1 others (0 when nothing is split)."""
-        return (self.world - 1) * self.split_tokens if self.world > 1 else 0
+    def subset_pieces(self, rank: int) -> tuple:
+        """rank's shards of the documents split over a subset of the ranks, in the order of
+        its tokens: (document, its ranks, rank's index among them, offset from the first such
+        token, shard length)."""
+        full, at, pieces = tuple(range(self.world)), 0, []
+        for d, members in self.rank_splits(rank):
+            if members != full:
+                n = _shard_length(self.lengths[d], self.layout, len(members))
+                pieces.append((d, members, members.index(rank), at, n))
+                at += n
+        return tuple(pieces)
+
+    @property
+    def full_split(self) -> tuple:
+        """The documents split over every rank."""
+        return tuple(d for d, m in zip(self.split, self.spans) if len(m) == self.world)
+
+    def local_cu_seqlens(self, rank: int) -> torch.Tensor:
+        """Boundaries of rank's whole documents within its tokens (they start after its
+        shards of the split documents)."""
+        return torch.tensor((0, *self.whole_lengths(rank)), dtype=torch.int64).cumsum(0) \
+            + self.split_tokens + self.subset_tokens[rank]
+
+    def sent_tokens(self, rank: Optional[int] = None) -> int:
+        """Tokens of K/V rank sends per ring pass or gather (default: the most any rank
+        sends): its shard of each split document to each other rank of that document."""
+        if rank is None:
+            return max((self.sent_tokens(r) for r in range(self.world)), default=0)
+        return sum((len(m) - 1) * _shard_length(self.lengths[d], self.layout, len(m))
+                   for d, m in self.rank_splits(rank))
 
     def positions(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For each of rank's tokens: (its index into the packed sequence, -1 for padding;
@@ -145,10 +177,17 @@ class DocumentPlan:
 
     def describe(self) -> str:
         """One line: what is split, bytes and balance."""
-        return (f"{len(self.split)} of {len(self.lengths)} documents split over {self.world} "
-                f"ranks ({sum(self.split_lengths)} of {sum(self.lengths)} tokens), "
+        over_all = sum(len(m) == self.world for m in self.spans)
+        return (f"{len(self.split)} of {len(self.lengths)} documents split ({over_all} over "
+                f"all {self.world} ranks; {sum(self.split_lengths)} of {sum(self.lengths)} "
+                "tokens), "
                 f"{self.sent_tokens()} K/V tokens sent per rank, work max/min "
                 f"{self.balance:.3f}")
+
+
+def _shard_length(n: int, layout: str, members: int) -> int:
+    """Tokens per member of a document of n tokens split over `members` ranks (padded)."""
+    return round_up(n, 2 * members if layout == "zigzag" else members) // members
 
 
 @functools.lru_cache(maxsize=256)
@@ -157,8 +196,8 @@ def _positions(plan: DocumentPlan, rank: int) -> tuple[torch.Tensor, torch.Tenso
     for n in plan.lengths:
         starts.append(starts[-1] + n)
     index, within = [], []
-    for d in plan.split:
-        pos = shard_positions(plan.lengths[d], plan.layout, plan.world, rank)
+    for d, members in plan.rank_splits(rank):
+        pos = shard_positions(plan.lengths[d], plan.layout, len(members), members.index(rank))
         index.append(torch.where(pos >= 0, starts[d] + pos, -1))
         within.append(pos)
     for d in plan.whole[rank]:
@@ -171,68 +210,101 @@ def _positions(plan: DocumentPlan, rank: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.cat(index), torch.cat(within)
 
 
-def _split_work(lengths, split, world, layout, causal, window, prefix) -> list:
-    """Each rank's work from its shards of the split documents."""
-    work = [0] * world
-    for d in split:
-        for r in range(world):
-            pos = shard_positions(lengths[d], layout, world, r)
-            pos = pos[pos >= 0]
-            work[r] += int(visible_pairs(pos, lengths[d], causal, window, prefix[d]).sum())
-    return work
-
-
 def _whole_work(n: int, causal: bool, window: tuple, prefix: int) -> int:
     return int(visible_pairs(torch.arange(n), n, causal, window, prefix).sum())
 
 
-def _assign(order, doc_work, base):
-    """Longest processing time first: each document (in `order`) to the least-loaded rank
-    (ties: the lowest rank). Returns (each rank's documents in packed order, loads)."""
-    loads = list(base)
-    held = [[] for _ in loads]
+def _split_work(n: int, members: int, layout: str, causal: bool, window: tuple,
+                prefix: int) -> list:
+    """Each member's work from its shard of a document of n tokens split over `members`."""
+    work = []
+    for i in range(members):
+        pos = shard_positions(n, layout, members, i)
+        work.append(int(visible_pairs(pos[pos >= 0], n, causal, window, prefix).sum()))
+    return work
+
+
+def _spread(order, doc_work, world: int, cap: float, at_least: dict) -> tuple[dict, list]:
+    """Heaviest first, each document whole on the least-loaded rank if that stays within
+    `cap`, else split over the fewest least-loaded ranks that keep within it (over all of
+    them if none do). at_least[d]: the fewest ranks document d may have. Returns ({document:
+    its ranks}, approximate loads)."""
+    loads = [0.0] * world
+    placed = {}
     for d in order:
-        r = min(range(len(loads)), key=lambda i: (loads[i], i))
-        held[r].append(d)
-        loads[r] += doc_work[d]
-    return tuple(tuple(sorted(h)) for h in held), tuple(loads)
+        ranked = sorted(range(world), key=lambda r: (loads[r], r))
+        for m in range(at_least.get(d, 1), world + 1):
+            if m == world or max(loads[r] for r in ranked[:m]) + doc_work[d] / m <= cap:
+                break
+        members = tuple(sorted(ranked[:m]))
+        placed[d] = members
+        for r in members:
+            loads[r] += doc_work[d] / m
+    return placed, loads
+
+
+def _make_plan(lengths, world, layout, causal, window, prefix, placed: dict) -> DocumentPlan:
+    """The plan of documents placed on ranks ({document: its ranks}; one rank: whole)."""
+    full = tuple(range(world))
+    split = tuple(d for d in range(len(lengths)) if d in placed and len(placed[d]) > 1)
+    spans = tuple(placed[d] for d in split)
+    whole = tuple(tuple(d for d in range(len(lengths)) if placed.get(d) == (r,))
+                  for r in range(world))
+    work = [0] * world
+    for d, members in zip(split, spans):
+        for r, w in zip(members, _split_work(lengths[d], len(members), layout, causal, window,
+                                             prefix[d])):
+            work[r] += w
+    for r, docs in enumerate(whole):
+        work[r] += sum(_whole_work(lengths[d], causal, window, prefix[d]) for d in docs)
+    split_tokens = sum(_shard_length(lengths[d], layout, world)
+                       for d, members in zip(split, spans) if members == full)
+    subset_tokens = tuple(sum(_shard_length(lengths[d], layout, len(members))
+                              for d, members in zip(split, spans)
+                              if members != full and r in members) for r in range(world))
+    tokens = tuple(split_tokens + subset_tokens[r] + sum(lengths[d] for d in whole[r])
+                   for r in range(world))
+    flat = [world, LAYOUTS[layout], int(causal), *window, len(lengths), *lengths, *prefix]
+    for d, members in zip(split, spans):
+        flat += [-1, d, *members]
+    for docs in whole:
+        flat += [-2, *docs]
+    signature = hashlib.sha256(digest_ints(flat)).digest()
+    return DocumentPlan(lengths, world, layout, causal, window, prefix, split, spans, whole,
+                        tuple(work), split_tokens, subset_tokens, tokens, signature)
+
+
+# Caps on a rank's work (times the mean) that "balanced" tries, most packed first.
+_CAPS = (1.0, 1.005, 1.01, 1.02, 1.03, 1.05, 1.08, 1.12, 1.2)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan(lengths: tuple, world: int, layout: str, causal: bool, window: tuple, prefix: tuple,
           split: str, tolerance: float, split_above: Optional[int]) -> DocumentPlan:
-    doc_work = [_whole_work(n, causal, window, p) for n, p in zip(lengths, prefix)]
-    # Heaviest first; equal work: the earlier document first (deterministic).
-    order = sorted((d for d, n in enumerate(lengths) if n > 0), key=lambda d: (-doc_work[d], d))
-    must = [d for d in order if split_above is not None and lengths[d] > split_above]
-    free = [d for d in order if d not in set(must)]
+    args = (lengths, world, layout, causal, window, prefix)
+    nonempty = [d for d, n in enumerate(lengths) if n > 0]
     if world == 1 or split == "none":
-        must, n_split = [], 0
-    elif split == "all":
-        n_split = len(free)
-    else:  # "balanced": split the heaviest documents until the whole ones balance the rest
-        n_split = 0
-        while n_split < len(free):
-            base = _split_work(lengths, must + free[:n_split], world, layout, causal, window,
-                               prefix)
-            _, loads = _assign(free[n_split:], doc_work, base)
-            if max(loads) == 0 or (min(loads) > 0 and max(loads) / min(loads) <= tolerance):
-                break
-            n_split += 1
-    chosen = tuple(sorted(must + free[:n_split]))
-    whole_docs = [d for d in order if d not in set(chosen)]
-    base = _split_work(lengths, chosen, world, layout, causal, window, prefix)
-    whole, loads = _assign(whole_docs, doc_work, base)
-    g = 2 * world if layout == "zigzag" else world
-    split_tokens = sum(round_up(lengths[d], g) for d in chosen) // world
-    tokens = tuple(split_tokens + sum(lengths[d] for d in docs) for docs in whole)
-    flat = [world, LAYOUTS[layout], int(causal), *window, len(lengths), *lengths, *prefix, -1,
-            *chosen]
-    for docs in whole:
-        flat += [-2, *docs]
-    signature = hashlib.sha256(digest_ints(flat)).digest()
-    return DocumentPlan(lengths, world, layout, causal, window, prefix, chosen, whole, loads,
-                        split_tokens, tokens, signature)
+        doc_work = [_whole_work(n, causal, window, p) for n, p in zip(lengths, prefix)]
+        order = sorted(nonempty, key=lambda d: (-doc_work[d], d))
+        placed, _ = _spread(order, doc_work, world, float("inf"), {})
+        return _make_plan(*args, placed)
+    full = tuple(range(world))
+    if split == "all":
+        return _make_plan(*args, {d: full for d in nonempty})
+    # "balanced": of the spreads under each cap, the one within tolerance that sends the
+    # fewest bytes (its busiest sender's); none within: every document split (balanced).
+    doc_work = [_whole_work(n, causal, window, p) for n, p in zip(lengths, prefix)]
+    order = sorted(nonempty, key=lambda d: (-doc_work[d], d))  # ties: the earlier document
+    mean = sum(doc_work) / world
+    at_least = {d: 2 for d in nonempty if split_above is not None and lengths[d] > split_above}
+    best = None
+    for cap in _CAPS:
+        placed, _ = _spread(order, doc_work, world, cap * mean, at_least)
+        plan = _make_plan(*args, placed)
+        if plan.balance <= tolerance and (best is None or plan.sent_tokens() <
+                                          best.sent_tokens()):
+            best = plan
+    return best if best is not None else _make_plan(*args, {d: full for d in nonempty})
 
 
 def shard_documents(cu_seqlens, *, world_size: Optional[int] = None, group=None,

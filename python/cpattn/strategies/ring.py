@@ -28,7 +28,7 @@ from cpattn.documents import DocumentPlan
 from cpattn.max_logits import document_placement, global_max_logits, returned, sequence_placement
 from cpattn.options import AttentionOptions
 from cpattn.sharding import group_info
-from cpattn.strategies.allgather import GatheredAttention, default_head_group
+from cpattn.strategies.allgather import GatheredAttention, SubsetGathered, default_head_group
 from cpattn.strategies.common import (
     checked_call,
     forward_in_passes,
@@ -275,15 +275,15 @@ def _plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, 
         return (opts, chunk, r_chunk, prefixes), fields
 
     opts, chunk, ring_chunk, prefixes = agree_on(what, group, timeout, check)
-    n = plan.split_tokens
+    n, m = plan.split_tokens, plan.split_tokens + plan.subset_tokens[rank]
     parts = []
-    if plan.split:  # the only part that communicates
-        docs = _documents(plan, plan.split, prefixes)
+    if plan.full_split:  # split over every rank: the ring or the all-gather
+        docs = _documents(plan, plan.full_split, prefixes)
         qs, ks, vs = q[None, :n], k[None, :n], v[None, :n]
         chosen = strategy
-        if strategy == "auto":  # the faster for the split documents alone
+        if strategy == "auto":  # the faster for these documents alone
             c = auto_strategy(qs, ks, world, group, opts, plan.layout, docs.view(-1, len(
-                plan.split))[0], chunk, ring_chunk, what)
+                plan.full_split))[0], chunk, ring_chunk, what)
             chosen = c.strategy
             if chosen == "ring":
                 ring_chunk = c.chunk or None
@@ -295,9 +295,14 @@ def _plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, 
             parts.append(GatheredAttention.apply(qs, ks, vs, opts.sinks, opts, group, rank,
                                                  world, LAYOUTS[plan.layout], docs,
                                                  chunk or default_head_group(k.shape[1], world)))
+    if len(plan.full_split) < len(plan.split):  # split over subsets: every rank takes part
+        pieces = plan.subset_pieces(rank)
+        docs = [_documents(plan, (d,), prefixes) for d, *_ in pieces]
+        parts.append(SubsetGathered.apply(q[None, n:m], k[None, n:m], v[None, n:m], opts.sinks,
+                                          opts, group, LAYOUTS[plan.layout], pieces, docs))
     if plan.whole[rank]:
         docs = _documents(plan, plan.whole[rank], prefixes)
-        parts.append(LocalDocuments.apply(q[None, n:], k[None, n:], v[None, n:], opts.sinks,
+        parts.append(LocalDocuments.apply(q[None, m:], k[None, m:], v[None, m:], opts.sinks,
                                           docs, opts))
     if not parts:  # a rank without tokens: empty results, still in the autograd graph
         out = q.narrow(-1, 0, 1).mul(0).expand(0, q.shape[1], v.shape[-1])
