@@ -102,13 +102,19 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
 
 
 def model_bytes(plan, cfg: dict, world: int) -> float:
-    """K/V bytes each rank sends per fwd + bwd by the ring: its split shard each of W - 1
-    steps forward, again backward, plus the fp32 dK/dV accumulators W - 1 hops and home."""
-    if world == 1 or plan.split_tokens == 0:
-        return 0.0
+    """K/V and gradient bytes the busiest rank sends per fwd + bwd: for the documents split over
+    every rank, the ring's (its shard each of W - 1 steps forward, again backward, and the fp32
+    dK/dV accumulators W - 1 hops and home); for those split over a subset, its shard to each
+    other member forward and their fp32 dK/dV back."""
     elem = torch.empty((), dtype=getattr(torch, cfg["dtype"])).element_size()
-    kv = 2 * plan.split_tokens * cfg["kv_heads"] * cfg["head_dim"]
-    return 2 * (world - 1) * kv * elem + world * kv * 4
+    kv_token = 2 * cfg["kv_heads"] * cfg["head_dim"]
+    ring = 0.0
+    if world > 1 and plan.split_tokens:
+        kv = plan.split_tokens * kv_token
+        ring = 2 * (world - 1) * kv * elem + world * kv * 4
+    subset = max(sum((len(m) - 1) * n * kv_token * (elem + 4)
+                     for _, m, _, _, n in plan.subset_pieces(r)) for r in range(world))
+    return ring + subset
 
 
 def main() -> None:

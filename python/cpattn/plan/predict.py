@@ -328,20 +328,38 @@ def _whole_documents_time(lengths, p: Problem, m: Machine) -> float:
 
 
 def predict_documents(plan_, p: Problem, m: Machine) -> Prediction:
-    """The time of attention over a cpattn.DocumentPlan: the split documents by the faster of
-    the ring and the all-gather (as strategy="auto" picks), then each rank's whole documents
-    (no communication); p gives the shapes (its documents are ignored)."""
+    """The time of attention over a cpattn.DocumentPlan: the documents split over every rank by
+    the faster of the ring and the all-gather (as strategy="auto" picks), then on each rank its
+    shards of the documents split over a subset (an all-to-all among their ranks, not
+    overlapped, and the gathered kernels) and its whole documents (no communication); p gives
+    the shapes (its documents are ignored). bytes_sent: the busiest sender's."""
     world, layout = plan_.world, plan_.layout
-    whole = max(_whole_documents_time(plan_.whole_lengths(r), p, m) for r in range(world))
-    if not plan_.split:
-        return Prediction(Candidate("none"), whole, whole, 0.0, 0.0, 0.0,
-                          detail={"plan": plan_})
-    split = dataclasses.replace(p, documents=plan_.split_lengths)
+    link = m.link(world)
+    kv_token = 2 * p.batch * p.kv_heads * p.head_dim  # K and V elements of one token
+    rest, rest_sent = [], []
+    for r in range(world):
+        t = _whole_documents_time(plan_.whole_lengths(r), p, m)
+        pieces = plan_.subset_pieces(r)
+        sent = 0.0
+        for d, members, _, _, n in pieces:
+            t += _whole_documents_time((plan_.lengths[d],), p, m) / len(members)
+            sent += (len(members) - 1) * n * kv_token * p.elem
+            if p.mode == "train":  # the fp32 dK/dV of the others' shards go back
+                sent += (len(members) - 1) * n * kv_token * 4
+        if pieces or plan_.subset_tokens != (0,) * world:  # every rank joins the all-to-all
+            t += link.time(sent, 2 if p.mode == "train" else 1)
+        rest.append(t)
+        rest_sent.append(sent)
+    extra, extra_sent = max(rest), max(rest_sent)
+    if not plan_.full_split:
+        return Prediction(Candidate("none") if not plan_.split else Candidate("allgather"),
+                          extra, extra, 0.0, extra_sent, 0.0, detail={"plan": plan_})
+    split = dataclasses.replace(p, documents=tuple(plan_.lengths[d] for d in plan_.full_split))
     cands = [Candidate("ring", layout), Candidate("allgather", layout,
                                                   chunk=allgather_chunk(p.kv_heads, world))]
     best = min(predict(split, m, world, cands), key=lambda r: r.time)
-    return Prediction(best.candidate, best.time + whole, best.compute + whole,
-                      best.exposed_comm, best.bytes_sent, best.peak_memory,
+    return Prediction(best.candidate, best.time + extra, best.compute + extra,
+                      best.exposed_comm, best.bytes_sent + extra_sent, best.peak_memory,
                       detail={"plan": plan_})
 
 
