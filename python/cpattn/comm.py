@@ -107,3 +107,40 @@ def all_to_all(
     received chunks along gather_dim (rank order). E.g. (B, S/W, H, D) -> (B, S, H/W, D) with
     scatter_dim=2, gather_dim=1 (Ulysses)."""
     return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+
+
+@torch.library.custom_op("cpattn::rows_all_to_all", mutates_args=())
+def rows_all_to_all(send: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    group_name: str) -> torch.Tensor:
+    """all_to_all_single of rows with uneven splits (in_splits[r] rows of send go to rank r,
+    out_splits[r] come from it): one opaque op with an ordered side effect under
+    torch.compile, so that a rank which exchanges nothing still calls it (traced as a
+    functional collective, such a call was dropped and the ranks went out of step)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    recv = send.new_empty((sum(out_splits), *send.shape[1:]))
+    dist.all_to_all_single(recv, send.contiguous(), out_splits, in_splits,
+                           group=_resolve_process_group(group_name))
+    return recv
+
+
+@rows_all_to_all.register_fake
+def _rows_all_to_all_fake(send, out_splits, in_splits, group_name):
+    return send.new_empty((sum(out_splits), *send.shape[1:]))
+
+
+# Ordered side effect: torch.compile must neither drop the call (a rank whose received rows go
+# unused still takes part in the collective) nor move it past another collective.
+def _register_ordered(name: str) -> None:
+    register = getattr(torch.library, "_register_effectful_op", None)
+    if register is not None:
+        register(name, torch.library.EffectType.ORDERED)
+    else:  # older torch
+        from torch._higher_order_ops import effects
+
+        namespace, op = name.split("::")
+        effects._register_effectful_op(getattr(getattr(torch.ops, namespace), op).default,
+                                       effects._EffectType.ORDERED)
+
+
+_register_ordered("cpattn::rows_all_to_all")

@@ -82,9 +82,7 @@ def _exchange(like: torch.Tensor, sends: list, out_splits: list, group) -> torch
     in_splits = [sum(b.shape[0] for b in blocks) for blocks in sends]
     send = torch.cat([b for blocks in sends for b in blocks]) if any(in_splits) else \
         like.new_empty((0, *like.shape[1:]))
-    recv = like.new_empty((sum(out_splits), *like.shape[1:]))
-    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
-    return recv
+    return comm.rows_all_to_all(send, out_splits, in_splits, group.group_name)
 
 
 class SubsetGathered(torch.autograd.Function):
