@@ -6,7 +6,7 @@ against the document-aware plan (cpattn.shard_documents), forward + backward, ca
 
 Mixes (a fixed seed, so every run packs the same documents): lognormal (median ~1K tokens,
 tail to 16K), short (every document <= 512 tokens), one-long (one 16K document and short ones),
-single (one document of the whole batch).
+single (one document of the whole batch). (One-long's long document is at most half the batch.)
 
 W spawned gloo ranks, one thread each, run each sharding in turn, then, in the same processes at
 the same time (so the ranks share the cores as the sharded runs did), the local varlen
@@ -38,7 +38,7 @@ def document_lengths(mix: str, seqlen: int, seed: int = 0) -> list:
     gen = torch.Generator().manual_seed(seed)
     if mix == "single":
         return [seqlen]
-    lengths = [16384] if mix == "one-long" else []
+    lengths = [min(16384, seqlen // 2)] if mix == "one-long" else []
     while sum(lengths) < seqlen:
         if mix == "lognormal":
             n = math.exp(math.log(1024) + 1.2 * float(torch.randn((), generator=gen)))
