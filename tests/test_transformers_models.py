@@ -283,6 +283,15 @@ def _plan_w3(rank, world):
     with pytest.raises(ValueError, match="documents='plan' needs strategy"):
         cpattn.shard_batch(packed(PLAN_LENGTHS), ulysses, documents="plan")
     assert cpattn.shard_batch(packed(PLAN_LENGTHS), ulysses)["cpattn_documents"].plan is None
+    # The plan balances the mask it is given (the model's; default causal full attention).
+    plan = cpattn.shard_batch(packed(PLAN_LENGTHS), cpattn.ContextParallel(), window=(4, -1),
+                              split="all")["cpattn_documents"].plan
+    assert (plan.causal, plan.window, len(plan.split)) == (True, (4, -1), len(PLAN_LENGTHS))
+    # A plan's batch given to a model whose cpattn runs Ulysses: raised on every rank.
+    local = cpattn.shard_batch(packed(PLAN_LENGTHS), cpattn.ContextParallel())
+    model = _model(model_config("llama"), register(ulysses, "cpattn_plan_ulysses"))
+    _raises_everywhere("sharded by a DocumentPlan run with strategies", model,
+                       **{k: v for k, v in local.items() if k not in ("shift_labels", "labels")})
 
 
 def test_packed_plan_w2_w3():
