@@ -108,6 +108,16 @@ def _compiled_packed(rank, world):
         got = cp_step(config, batch, cpattn.ContextParallel(strategy=strategy),
                       compile_backend="aot_eager")
         assert_step_matches(ref, got, f"compiled packed {strategy}")
+    # shard_batch's DocumentPlan with a split document and whole ones (ranks hold different
+    # numbers of tokens), compiled.
+    from test_transformers_models import PLAN_LENGTHS
+
+    batch = packed(PLAN_LENGTHS)
+    torch._dynamo.reset()
+    got = cp_step(config, batch, cpattn.ContextParallel(), compile_backend="aot_eager",
+                  check=lambda local: local["cpattn_documents"].plan.split or pytest.fail())
+    assert_step_matches(reference(config, batch, lengths=PLAN_LENGTHS), got,
+                        "compiled packed plan")
 
 
 def _compiled_w2(rank, world):

@@ -143,13 +143,17 @@ def reference(config, batch: dict, aux=None, lengths=None) -> tuple[float, dict]
 _ZERO_GRADIENT = ("attention.self.key.bias",)
 
 
-def cp_step(config, batch: dict, cp, aux=None, compile_backend=None) -> tuple[float, dict]:
+def cp_step(config, batch: dict, cp, aux=None, compile_backend=None,
+            check=None, **shard) -> tuple[float, dict]:
     """Loss and gradients (averaged over cp's group) of one step under CP; the model compiled
-    (fullgraph) with compile_backend."""
+    (fullgraph) with compile_backend. shard: shard_batch's keywords; check(local) sees the
+    sharded batch."""
     model = _model(config, register(cp, f"cpattn_{cp.strategy}"))
     forward = (torch.compile(model, fullgraph=True, backend=compile_backend) if compile_backend
                else model)
-    local = cpattn.shard_batch(batch, cp)
+    local = cpattn.shard_batch(batch, cp, **shard)
+    if check is not None:
+        check(local)
     inputs = {k: v for k, v in local.items() if k != "shift_labels"}
     out = forward(**inputs, **({"output_router_logits": True} if aux else {}))
     loss = cpattn.cross_entropy(out.logits, local["shift_labels"], cp)
@@ -223,6 +227,76 @@ def _packed_cases(cp):
     padded["attention_mask"] = mask
     _exact(f"padded llama {cp.strategy}", config, padded, cp,
            (config, {k: v for k, v in padded.items() if k != "attention_mask"}))
+
+
+# Packed documents under a DocumentPlan (shard_batch's default for ring / allgather): at W = 2
+# and 3 the 30-token document is split over every rank, short ones stay whole.
+PLAN_LENGTHS = [30, 5, 4, 9]
+
+
+def _plan_cases(cp):
+    """shard_batch's plan path: the Documents carry a plan with split and whole documents, and
+    one step equals one process running each document alone (Llama; gpt-oss, whose sliding
+    and full layers alternate: the plan balances full causal attention, the sliding layers run
+    on the same tokens; the collator's cu_seq_lens form); documents="per-document" (the
+    opt-out) too; cp.unshard(documents=) gives back the packed tokens."""
+    batch = packed(PLAN_LENGTHS)
+    ref = {kind: reference(model_config(kind), batch, lengths=PLAN_LENGTHS)
+           for kind in ("llama", "gpt_oss")}
+
+    def planned(local):
+        docs = local["cpattn_documents"]
+        plan = docs.plan
+        assert plan is not None, "shard_batch made no plan"
+        whole = sum(len(w) for w in plan.whole)
+        assert 0 in plan.split and whole > 0, plan.describe()  # split and whole documents
+        assert len(set(plan.tokens)) > 1, plan.tokens  # (ranks hold different numbers)
+        assert local["input_ids"].shape[1] == plan.tokens[cp.rank]
+        ids = cp.unshard(local["input_ids"], documents=docs)
+        assert torch.equal(ids, batch["input_ids"]), "unshard(documents=) lost tokens"
+
+    for kind in ("llama", "gpt_oss"):
+        assert_step_matches(ref[kind], cp_step(model_config(kind), batch, cp, check=planned),
+                            f"plan {kind} {cp.strategy} W={cp.world_size}")
+    flash = packed(PLAN_LENGTHS, flash=True)
+    assert_step_matches(ref["llama"], cp_step(model_config("llama"), flash, cp, check=planned),
+                        f"plan (cu_seq_lens) llama {cp.strategy} W={cp.world_size}")
+
+    def per_document(local):
+        assert local["cpattn_documents"].plan is None
+        ids = cp.unshard(local["input_ids"], documents=local["cpattn_documents"])
+        assert torch.equal(ids, batch["input_ids"])
+
+    assert_step_matches(ref["llama"], cp_step(model_config("llama"), batch, cp,
+                                              check=per_document, documents="per-document"),
+                        f"per-document llama {cp.strategy} W={cp.world_size}")
+
+
+def _plan_w3(rank, world):
+    pair = dist.new_group([0, 1])  # every rank makes every group
+    if rank < 2:
+        for strategy in ("ring", "allgather"):
+            _plan_cases(cpattn.ContextParallel(pair, strategy=strategy))
+    _plan_cases(cpattn.ContextParallel(strategy="ring"))
+    # documents="plan" needs the ring or the all-gather; "auto" shards per document for Ulysses.
+    ulysses = cpattn.ContextParallel(strategy="ulysses", layout="contiguous")
+    with pytest.raises(ValueError, match="documents='plan' needs strategy"):
+        cpattn.shard_batch(packed(PLAN_LENGTHS), ulysses, documents="plan")
+    assert cpattn.shard_batch(packed(PLAN_LENGTHS), ulysses)["cpattn_documents"].plan is None
+    # The plan balances the mask it is given (the model's; default causal full attention).
+    plan = cpattn.shard_batch(packed(PLAN_LENGTHS), cpattn.ContextParallel(), window=(4, -1),
+                              split="all")["cpattn_documents"].plan
+    assert (plan.causal, plan.window, len(plan.split)) == (True, (4, -1), len(PLAN_LENGTHS))
+    # A plan's batch given to a model whose cpattn runs Ulysses: raised on every rank.
+    local = cpattn.shard_batch(packed(PLAN_LENGTHS), cpattn.ContextParallel())
+    model = _model(model_config("llama"), register(ulysses, "cpattn_plan_ulysses"))
+    _raises_everywhere("sharded by a DocumentPlan run with strategies", model,
+                       **{k: v for k, v in local.items() if k not in ("shift_labels", "labels")})
+
+
+def test_packed_plan_w2_w3():
+    """One spawn of 3 ranks: the plan path at W = 2 (ring, all-gather) and W = 3 (ring)."""
+    run_ranks(3, _plan_w3)
 
 
 def _family_cases(cp):

@@ -5,8 +5,10 @@ A batch holds packed documents when its `position_ids` restart inside a row
 collator's document boundaries (`cu_seq_lens_q` / `cu_seq_lens_k`, with
 `return_flash_attn_kwargs=True`), or when its `attention_mask` has padding (each row's real
 tokens are then one document: unpadding is exact, padding never is under context parallelism).
-`cpattn.shard_batch` shards such a batch per document (`cpattn.shard_varlen`'s layout: each
-document padded to the layout's granularity and split over every rank) and hands the documents
+`cpattn.shard_batch` shards such a batch with a document plan (`cpattn.shard_documents`: short
+documents whole on one rank, long ones split over every rank; strategies ring and allgather) or
+per document (`cpattn.shard_varlen`'s layout: each document padded to the layout's granularity
+and split over every rank; Ulysses, hybrid, or documents="per-document") and hands the documents
 to the attention as the model keyword `cpattn_documents`.
 """
 
@@ -19,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from cpattn._layout import document_positions
+from cpattn.documents import DocumentPlan
 
 KEYWORD = "cpattn_documents"  # the model keyword that carries the documents to the attention
 FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -30,6 +33,9 @@ class Documents:
 
     lengths: each document's number of tokens, in packed order.
     starts: each document's first position id (RoPE; 0 for the collators' batches).
+    plan: how the documents are sharded: a cpattn.DocumentPlan of these lengths (documents
+    whole on one rank or split over every rank; ranks then hold different numbers of tokens),
+    or None: per document (every document split over every rank, cpattn.shard_varlen's layout).
     Derived once (plain values, so that torch.compile reads them as constants): cu_seqlens
     (the boundaries, from 0), tokens (their sum), max_position (the largest position id; -1
     without tokens).
@@ -40,8 +46,13 @@ class Documents:
     cu_seqlens: tuple[int, ...] = field(init=False)
     tokens: int = field(init=False)
     max_position: int = field(init=False)
+    plan: Optional[DocumentPlan] = None
 
     def __post_init__(self) -> None:
+        if self.plan is not None and (not isinstance(self.plan, DocumentPlan)
+                                      or tuple(self.plan.lengths) != tuple(self.lengths)):
+            raise ValueError("cpattn.packing.Documents: plan must be a cpattn.DocumentPlan of "
+                             f"the documents' lengths {self.lengths}")
         cu = [0]
         for n in self.lengths:
             cu.append(cu[-1] + n)
@@ -58,6 +69,12 @@ class Documents:
         of which `part`'s tokens. Constants of a compiled graph (computed while tracing)."""
         index, pos = _local_positions(self.lengths, self.starts, layout, world, rank, split,
                                       part)
+        return (torch.tensor(index, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64))
+
+    def plan_positions(self, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For rank's tokens of the plan (self.plan): (index into the packed sequence, -1 for
+        padding; position id, 0 for padding). Constants of a compiled graph."""
+        index, pos = _plan_positions(self.plan, self.starts, rank)
         return (torch.tensor(index, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64))
 
 
@@ -113,6 +130,23 @@ def _cached_local_positions(lengths: tuple, starts: tuple, layout: str, world: i
     doc = torch.searchsorted(cu, index.clamp(min=0), right=True) - 1
     first = torch.tensor(starts, dtype=torch.int64)
     pos = torch.where(index >= 0, within + first[doc.clamp(max=len(starts) - 1)], 0)
+    return tuple(index.tolist()), tuple(pos.tolist())
+
+
+@torch._dynamo.assume_constant_result
+def _plan_positions(plan: DocumentPlan, starts: tuple, rank: int
+                    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return _cached_plan_positions(plan, starts, rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_plan_positions(plan: DocumentPlan, starts: tuple, rank: int
+                           ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    index, within = plan.positions(rank)
+    cu = torch.tensor([0, *plan.lengths]).cumsum(0)
+    doc = torch.searchsorted(cu, index.clamp(min=0), right=True) - 1
+    first = torch.tensor(starts, dtype=torch.int64)
+    pos = torch.where(index >= 0, within + first[doc.clamp(max=max(len(starts) - 1, 0))], 0)
     return tuple(index.tolist()), tuple(pos.tolist())
 
 

@@ -8,20 +8,52 @@ call itself (`attention`). The transformers integration, `cpattn.shard_batch` an
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from cpattn._layout import LAYOUTS, granularity
+from cpattn._validation import check_window
+from cpattn.documents import DocumentPlan
 from cpattn.packing import Documents
-from cpattn.sharding import group_info, hybrid_positions, positions, shard, unshard
+from cpattn.sharding import (
+    group_info,
+    hybrid_positions,
+    positions,
+    shard,
+    unshard,
+    unshard_varlen,
+)
 from cpattn.strategies.hybrid import hybrid_attention, hybrid_attention_varlen
 from cpattn.strategies.ring import ring_attention, ring_attention_varlen
 from cpattn.strategies.ulysses import ulysses_attention, ulysses_attention_varlen
 
 # The strategies a ContextParallel runs.
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
+# Those that run packed documents sharded by a DocumentPlan (shard_batch's default for them).
+PLAN_STRATEGIES = ("ring", "allgather")
+
+
+def _plan_for_mask(plan: DocumentPlan, options: dict) -> DocumentPlan:
+    """The plan with the mask of this call (causal, window). The plan says which rank holds
+    which tokens, and that is exact under any mask; its mask only chose the balance. A model
+    whose layers differ (sliding and full layers alternating) runs every layer on the plan
+    made for the mask shard_batch was given, so the plan is relabelled, not rejected (the
+    same on every rank: the signature, which every rank checks, stays the plan's)."""
+    causal = options.get("causal")
+    window = options.get("window")
+    window = (-1, -1) if window is None else check_window(window, "cpattn.ContextParallel")
+    if not isinstance(causal, bool) or (causal, window) == (plan.causal, plan.window):
+        return plan  # (a non-bool causal: ring_attention_varlen names it)
+    return _relabelled(plan, causal, window)
+
+
+@functools.lru_cache(maxsize=64)
+def _relabelled(plan: DocumentPlan, causal: bool, window: tuple) -> DocumentPlan:
+    return dataclasses.replace(plan, causal=causal, window=window)
 
 
 def _is_mesh(obj) -> bool:
@@ -135,9 +167,13 @@ class ContextParallel:
                          world_size=self.world_size, device=device)
 
     def document_positions(self, documents: Documents) -> tuple[torch.Tensor, torch.Tensor]:
-        """For this rank's local tokens of packed documents (shard_batch's sharding: per
-        document over the ranks; for hybrid over the ring, each ring shard then cut in U
-        contiguous parts): (index into the packed sequence, -1 for padding; position id)."""
+        """For this rank's local tokens of packed documents (shard_batch's sharding: with a
+        plan, the plan's tokens of this rank; else per document over the ranks; for hybrid
+        over the ring, each ring shard then cut in U contiguous parts): (index into the packed
+        sequence, -1 for padding; position id, 0 for padding)."""
+        if documents.plan is not None:
+            self._check_plan(documents.plan, "cpattn.ContextParallel.document_positions")
+            return documents.plan_positions(self.rank)
         if self.strategy == "hybrid":
             return documents.local_positions(
                 self.layout, dist.get_world_size(self.ring_group),
@@ -145,13 +181,38 @@ class ContextParallel:
                 dist.get_rank(self.ulysses_group))
         return documents.local_positions(self.layout, self.world_size, self.rank)
 
+    def _check_plan(self, plan, what: str) -> None:
+        """A DocumentPlan (from shard_batch) must fit these settings (the same on every rank)."""
+        if self.strategy not in PLAN_STRATEGIES:
+            raise ValueError(f"{what}: packed documents sharded by a DocumentPlan run with "
+                             f"strategies {PLAN_STRATEGIES}, not {self.strategy!r} (shard the "
+                             "batch with these settings: cpattn.shard_batch(batch, cp))")
+        if (plan.world, plan.layout) != (self.world_size, self.layout):
+            raise ValueError(f"{what}: the documents' plan is for {plan.world} ranks with layout "
+                             f"{plan.layout!r}; these settings have {self.world_size} ranks "
+                             f"with layout {self.layout!r} (shard the batch with them)")
+
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of the full tensor x (sequence along `dim`)."""
         return shard(x, index=self.positions(x.shape[dim], device=x.device), dim=dim)
 
-    def unshard(self, x_local: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    def unshard(self, x_local: torch.Tensor, dim: int = 1,
+                documents: Optional[Documents] = None) -> torch.Tensor:
         """All-gathers the shards of every rank back into sequence order (differentiable).
-        For hybrid the whole world must be the mesh's ranks."""
+        For hybrid the whole world must be the mesh's ranks. documents: a packed batch's
+        "cpattn_documents" (from shard_batch; ranks may hold different numbers of tokens):
+        x_local's tokens are then shard_batch's, and the result is the packed sequence
+        (padding dropped), batch 1 along dim - 1 kept (not with hybrid)."""
+        if documents is not None:
+            what = "cpattn.ContextParallel.unshard"
+            if documents.plan is not None:
+                self._check_plan(documents.plan, what)
+                return documents.plan.unshard(x_local, group=self.group, dim=dim)
+            if self.strategy == "hybrid":
+                raise ValueError(f"{what}: packed documents under hybrid: gather "
+                                 "document_positions' tokens yourself")
+            return unshard_varlen(x_local, list(documents.cu_seqlens), group=self.group,
+                                  layout=self.layout, dim=dim)
         seqlen = x_local.shape[dim] * self.world_size
         return unshard(x_local, group=self.group, dim=dim, seqlen=seqlen,
                        index=self.positions(seqlen))
@@ -168,9 +229,11 @@ class ContextParallel:
         (batch, heads, seqlen / W) with return_lse). Differentiable (also in `sinks`).
         **options: the attention options (cpattn.attention), `causal` among them always (no
             default here: a model's attention is one or the other); the same on every rank.
-        documents: packed documents (from cpattn.shard_batch): batch 1, the tokens in the
-            per-document layout of shard_batch (cpattn.shard_varlen's; for hybrid over the ring,
-            cut in U parts: document_positions).
+        documents: packed documents (from cpattn.shard_batch): batch 1, this rank's tokens
+            of shard_batch's sharding (document_positions): with documents.plan, the plan's
+            (cpattn.shard_documents; the plan balances the work of the mask shard_batch was
+            given, and any other causal / window runs exactly on the same tokens); else per
+            document (cpattn.shard_varlen's layout; for hybrid over the ring, cut in U parts).
         return_max_logits: also each head's largest logit over the whole sequence (heads,),
             last (as cpattn.ring_attention).
         """
@@ -182,7 +245,14 @@ class ContextParallel:
             if q.shape[0] != 1:
                 raise ValueError("cpattn.ContextParallel.attention: packed documents are one "
                                  f"row, got a batch of {q.shape[0]}")
-            if self.strategy == "ulysses":
+            if documents.plan is not None:
+                plan = _plan_for_mask(documents.plan, options)
+                self._check_plan(plan, "cpattn.ContextParallel.attention")
+                result = ring_attention_varlen(
+                    q[0], k[0], v[0], plan, group=self.group, layout=self.layout,
+                    strategy=self.strategy, allgather_chunk=self.allgather_chunk,
+                    ring_chunk=self.ring_chunk, **common)
+            elif self.strategy == "ulysses":
                 result = ulysses_attention_varlen(q[0], k[0], v[0], documents.cu_seqlens,
                                                   group=self.group, **common)
             elif self.strategy == "hybrid":

@@ -14,10 +14,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from cpattn.documents import shard_documents
 from cpattn.packing import FLASH_KEYS, KEYWORD, Documents, Packing, find_packing
-from cpattn.parallel import ContextParallel
+from cpattn.parallel import PLAN_STRATEGIES, ContextParallel
 
 IGNORE_INDEX = -100
+DOCUMENTS = ("auto", "plan", "per-document")  # shard_batch's documents=
 
 
 def shard_batch(
@@ -26,6 +28,10 @@ def shard_batch(
     *,
     seq_dim: int = 1,
     ignore_index: int = IGNORE_INDEX,
+    documents: str = "auto",
+    causal: bool = True,
+    window=(-1, -1),
+    split: str = "balanced",
 ) -> dict[str, Any]:
     """This rank's part of a causal-LM batch, with global positions and globally shifted labels.
 
@@ -38,6 +44,18 @@ def shard_batch(
             "_k") and any other tensor with `seqlen` entries along `seq_dim`.
         cp: the ContextParallel settings.
         ignore_index: label of positions without a target.
+        documents: how packed documents are sharded: "plan" (cpattn.shard_documents: short
+            documents whole on one rank, without communication, long ones split over every
+            rank; strategies "ring" and "allgather"), "per-document" (every document split
+            over every rank, cpattn.shard_varlen's layout) or "auto" (default): "plan" for
+            ring and allgather, "per-document" for ulysses and hybrid.
+        causal, window, split: the plan's (cpattn.shard_documents): the mask whose attention
+            work it balances (the model's: causal=True, full attention by default; window
+            (left, right) as cpattn.attention's) and how it chooses the documents to split
+            ("balanced", default: deterministic and independent of the machine; "all",
+            "none", "auto": the cost model with its defaults). Layers with another mask
+            (sliding and full layers alternating, an encoder's bidirectional attention) run
+            exactly on the same tokens, only balanced for this mask.
 
     Returns a new dict: every token-aligned tensor sharded along seq_dim; "position_ids"
     (int64, (batch, local)): the position ids of the local tokens (pass them to the model, e.g.
@@ -47,13 +65,16 @@ def shard_batch(
 
     Packed documents (cpattn.packing: position_ids that restart inside a row, the collator's
     cu_seq_lens_q, or an attention_mask with padding, whose rows' real tokens become documents)
-    are sharded per document (as cpattn.shard_varlen: each document padded to the layout's
-    granularity and split over the ranks) into one row: "position_ids" are then the tokens' own
-    position ids (within their documents), padding slots get token 0, position 0 and label
-    `ignore_index`, and "cpattn_documents" (a cpattn.packing.Documents) must be passed to the
+    are sharded into one row, by a plan (`documents`; then ranks hold different numbers of
+    tokens: "cpattn_documents".plan.tokens[rank]) or per document (as cpattn.shard_varlen:
+    each document padded to the layout's granularity and split over the ranks):
+    "position_ids" are then the tokens' own position ids (within their documents), padding
+    slots get token 0, position 0 and label `ignore_index`, and "cpattn_documents" (a
+    cpattn.packing.Documents, its `plan` the DocumentPlan or None) must be passed to the
     model with the rest (`model(**batch)` does), so that the attention keeps the documents
     apart (every strategy; for hybrid the documents are sharded over the ring and each ring
-    shard cut in U parts, see ContextParallel.document_positions). A
+    shard cut in U parts, see ContextParallel.document_positions). cp.unshard(x, documents=
+    batch["cpattn_documents"]) gathers per-token outputs back into the packed sequence. A
     batch of rows of one document each (positions 0, 1, ... or none) is sharded as one
     sequence per row, with "cpattn_documents" None: passed to the model, it tells the attention
     that the batch's position_ids were passed too (needed by models whose attention does not
@@ -80,7 +101,19 @@ def shard_batch(
             k in batch for k in ("position_ids", "attention_mask", *FLASH_KEYS)):
         raise ValueError(f"{what}: position_ids, attention_mask and packed-sequence keys need "
                          f"seq_dim=1, got seq_dim={seq_dim}")
+    if documents not in DOCUMENTS:
+        raise ValueError(f"{what}: documents must be one of {DOCUMENTS}, got {documents!r}")
+    if documents == "plan" and cp.strategy not in PLAN_STRATEGIES:
+        raise ValueError(f"{what}: documents='plan' needs strategy 'ring' or 'allgather' (a "
+                         f"DocumentPlan is run by ring_attention_varlen), got {cp.strategy!r}; "
+                         "use documents='per-document' (the default 'auto' does)")
     if packing is not None:
+        if documents == "plan" or (documents == "auto" and cp.strategy in PLAN_STRATEGIES):
+            docs = packing.docs
+            plan = shard_documents(list(docs.cu_seqlens), world_size=cp.world_size,
+                                   layout=cp.layout, causal=causal, window=window,
+                                   split=split)
+            packing = Packing(Documents(docs.lengths, docs.starts, plan=plan), packing.source)
         return _shard_packed(batch, cp, key, packing, shifted, ignore_index, what)
     cp.check_seqlen(seqlen, what)
     index = cp.positions(seqlen, device=batch[key].device)
@@ -117,7 +150,8 @@ def _shift(labels: torch.Tensor, seq_dim: int, ignore_index: int) -> torch.Tenso
 def _shard_packed(batch: dict[str, Any], cp: ContextParallel, key: str, packing: Packing,
                   shifted: Optional[torch.Tensor], ignore_index: int, what: str
                   ) -> dict[str, Any]:
-    """shard_batch for packed documents: one row of this rank's per-document shards."""
+    """shard_batch for packed documents: one row of this rank's tokens of the documents (the
+    plan's, or its per-document shards)."""
     docs = packing.docs
     bsz, seqlen = batch[key].shape[:2]
     index, positions = cp.document_positions(docs)
