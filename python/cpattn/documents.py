@@ -1,15 +1,15 @@
 """Document-aware sharding of packed documents: short documents stay whole on one rank (no
-communication, no padding), long ones are split over every rank (per-document zigzag), and the
-whole documents are assigned so that the attention work per rank is balanced.
+communication, no padding), heavy ones are split (per-document zigzag) over as few ranks as
+the balance of the attention work per rank needs.
 
     plan = cpattn.shard_documents(cu_seqlens, world_size=W, causal=True)
     q_local = plan.shard(q_packed, rank)          # this rank's tokens, in the plan's order
     out = cpattn.ring_attention_varlen(q, k, v, plan, causal=True)
     full = plan.unshard(out)                      # back to the packed order (all-gather)
 
-A rank's tokens are, in this order: its shard of every split document (each padded to the
-layout's granularity and sharded as ring_attention_varlen does), then its whole documents one
-after the other. The plan is a pure function of its arguments, so every rank computes the same
+A rank's tokens are, in this order: its shards of the documents split over every rank, of those
+split over a subset of the ranks (each padded to the granularity of its ranks and sharded as
+ring_attention_varlen does), then its whole documents one after the other. The plan is a pure function of its arguments, so every rank computes the same
 one from the agreed cu_seqlens (docs/packed-documents.md explains when a document is split).
 """
 
@@ -314,18 +314,19 @@ def shard_documents(cu_seqlens, *, world_size: Optional[int] = None, group=None,
     """The document-aware sharding of packed documents over `world_size` ranks (default: the
     group's size): the same plan on every rank for the same arguments.
 
-    Documents stay whole on one rank unless splitting is needed: with split="balanced" the
-    heaviest documents (by attention work: visible query-key pairs under causal / window /
-    prefix_len) are split over every rank (per-document zigzag, as ring_attention_varlen) one
-    by one until the whole documents, assigned heaviest first to the least-loaded rank, leave
-    the work per rank within `tolerance` (max / min). split="all" splits every document
-    (ring_attention_varlen's sharding of a cu_seqlens), "none" none (no communication at all).
-    split="auto" (default) predicts the time of all three with the cost model (cpattn.plan) and
+    Documents stay whole on one rank unless splitting is needed: with split="balanced" they
+    are placed heaviest first (by attention work: visible query-key pairs under causal /
+    window / prefix_len), whole on the least-loaded rank if its work stays within a cap, else
+    split over the fewest least-loaded ranks that keep within it; of the caps tried, the plan
+    within `tolerance` (max / min work per rank) whose busiest sender sends the fewest K/V
+    tokens. split="all" splits every document over every rank (ring_attention_varlen's
+    sharding of a cu_seqlens), "none" none (no communication at all). split="auto" (default)
+    predicts the time of all three with the cost model (cpattn.plan) and
     takes the fastest; `model` may give the problem's heads, kv_heads, head_dim, dtype,
     training (cpattn.plan.plan_documents) and machine (default: the group's, as
     strategy="auto" uses, so every rank of an initialised group must call it the first time;
     the cpu-gloo preset without torch.distributed). Documents longer than `split_above`
-    tokens are always split. window / prefix_len: as the attention will use them (prefix_len
+    tokens are never kept whole. window / prefix_len: as the attention will use them (prefix_len
     an int or one per document)."""
     what = "cpattn.shard_documents"
     lengths = tuple(int(n) for n in check_cu_seqlens(what, cu_seqlens).diff().tolist())

@@ -8,16 +8,12 @@ call itself (`attention`). The transformers integration, `cpattn.shard_batch` an
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from cpattn._layout import LAYOUTS, granularity
-from cpattn._validation import check_window
-from cpattn.documents import DocumentPlan
 from cpattn.packing import Documents
 from cpattn.sharding import (
     group_info,
@@ -35,25 +31,6 @@ from cpattn.strategies.ulysses import ulysses_attention, ulysses_attention_varle
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 # Those that run packed documents sharded by a DocumentPlan (shard_batch's default for them).
 PLAN_STRATEGIES = ("ring", "allgather")
-
-
-def _plan_for_mask(plan: DocumentPlan, options: dict) -> DocumentPlan:
-    """The plan with the mask of this call (causal, window). The plan says which rank holds
-    which tokens, and that is exact under any mask; its mask only chose the balance. A model
-    whose layers differ (sliding and full layers alternating) runs every layer on the plan
-    made for the mask shard_batch was given, so the plan is relabelled, not rejected (the
-    same on every rank: the signature, which every rank checks, stays the plan's)."""
-    causal = options.get("causal")
-    window = options.get("window")
-    window = (-1, -1) if window is None else check_window(window, "cpattn.ContextParallel")
-    if not isinstance(causal, bool) or (causal, window) == (plan.causal, plan.window):
-        return plan  # (a non-bool causal: ring_attention_varlen names it)
-    return _relabelled(plan, causal, window)
-
-
-@functools.lru_cache(maxsize=64)
-def _relabelled(plan: DocumentPlan, causal: bool, window: tuple) -> DocumentPlan:
-    return dataclasses.replace(plan, causal=causal, window=window)
 
 
 def _is_mesh(obj) -> bool:
@@ -246,7 +223,7 @@ class ContextParallel:
                 raise ValueError("cpattn.ContextParallel.attention: packed documents are one "
                                  f"row, got a batch of {q.shape[0]}")
             if documents.plan is not None:
-                plan = _plan_for_mask(documents.plan, options)
+                plan = documents.plan
                 self._check_plan(plan, "cpattn.ContextParallel.attention")
                 result = ring_attention_varlen(
                     q[0], k[0], v[0], plan, group=self.group, layout=self.layout,

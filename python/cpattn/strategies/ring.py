@@ -253,11 +253,6 @@ def _plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, 
         if return_max_logits:
             raise error(what, "return_max_logits", True, "is not supported over a "
                         "DocumentPlan (pass cu_seqlens for per-document sharding)")
-        mask = (opts.causal, opts.window)
-        if mask != (plan.causal, plan.window):
-            raise error(what, "causal/window", mask, f"differ from the plan's "
-                        f"{(plan.causal, plan.window)}: shard_documents balances the work "
-                        "of the mask it is given")
         chunk, r_chunk = (None if c is None else check_int(what, name, c, minimum=1)
                           for name, c in (("allgather_chunk", allgather_chunk),
                                           ("ring_chunk", ring_chunk)))
@@ -383,7 +378,7 @@ def ring_attention_varlen(
     and sharded on its own (per-document zigzag), so documents straddle ranks.
     Or a cpattn.DocumentPlan (cpattn.shard_documents; `layout` must be the plan's):
     q, k, v are then this rank's tokens of the plan (DocumentPlan.shard), only the split
-    documents communicate, and causal / window must be the plan's.
+    documents communicate. Any mask is exact; the work is balanced for the plan's.
     q (T_local, H, D), k/v (T_local, Hkv, D) come from cpattn.shard_varlen; padding tokens give
     output 0 and LSE -inf. Returns out (T_local, H, D) and optionally lse (H, T_local).
     strategy, allgather_chunk, ring_chunk, **options: as ring_attention (on positions within
