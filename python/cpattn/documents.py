@@ -9,8 +9,9 @@ the balance of the attention work per rank needs.
 
 A rank's tokens are, in this order: its shards of the documents split over every rank, of those
 split over a subset of the ranks (each padded to the granularity of its ranks and sharded as
-ring_attention_varlen does), then its whole documents one after the other. The plan is a pure function of its arguments, so every rank computes the same
-one from the agreed cu_seqlens (docs/packed-documents.md explains when a document is split).
+ring_attention_varlen does), then its whole documents one after the other. The plan is a pure
+function of its arguments, so every rank computes the same one from the agreed cu_seqlens
+(docs/packed-documents.md explains when a document is split).
 """
 
 from __future__ import annotations
