@@ -211,18 +211,20 @@ def _positions(plan: DocumentPlan, rank: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.cat(index), torch.cat(within)
 
 
+@functools.lru_cache(maxsize=65536)
 def _whole_work(n: int, causal: bool, window: tuple, prefix: int) -> int:
     return int(visible_pairs(torch.arange(n), n, causal, window, prefix).sum())
 
 
+@functools.lru_cache(maxsize=65536)
 def _split_work(n: int, members: int, layout: str, causal: bool, window: tuple,
-                prefix: int) -> list:
+                prefix: int) -> tuple:
     """Each member's work from its shard of a document of n tokens split over `members`."""
     work = []
     for i in range(members):
         pos = shard_positions(n, layout, members, i)
         work.append(int(visible_pairs(pos[pos >= 0], n, causal, window, prefix).sum()))
-    return work
+    return tuple(work)
 
 
 def _spread(order, doc_work, world: int, cap: float, at_least: dict) -> tuple[dict, list]:
@@ -298,14 +300,41 @@ def _plan(lengths: tuple, world: int, layout: str, causal: bool, window: tuple, 
     order = sorted(nonempty, key=lambda d: (-doc_work[d], d))  # ties: the earlier document
     mean = sum(doc_work) / world
     at_least = {d: 2 for d in nonempty if split_above is not None and lengths[d] > split_above}
-    best = None
-    for cap in _CAPS:
-        placed, _ = _spread(order, doc_work, world, cap * mean, at_least)
-        plan = _make_plan(*args, placed)
-        if plan.balance <= tolerance and (best is None or plan.sent_tokens() <
-                                          best.sent_tokens()):
-            best = plan
-    return best if best is not None else _make_plan(*args, {d: full for d in nonempty})
+    candidates = [_make_plan(*args, _spread(order, doc_work, world, cap * mean, at_least)[0])
+                  for cap in _CAPS]
+    candidates.append(_make_plan(*args, _heaviest_over_all(order, doc_work, args, tolerance,
+                                                           at_least)))
+    within = [p for p in candidates if p.balance <= tolerance]
+    if within:
+        return min(within, key=lambda p: p.sent_tokens())  # ties: the first (tightest cap)
+    every = _make_plan(*args, {d: full for d in nonempty})
+    return min([*candidates, every], key=lambda p: p.balance)
+
+
+def _heaviest_over_all(order, doc_work, args, tolerance: float, at_least: dict) -> dict:
+    """The heaviest documents split over every rank one by one until the others, each whole
+    on the least-loaded rank (heaviest first), balance within tolerance."""
+    lengths, world, layout, causal, window, prefix = args
+    full = tuple(range(world))
+    base = [0] * world
+    for n_split in range(len(order) + 1):
+        split, rest = order[:n_split], order[n_split:]
+        if n_split:
+            d = split[-1]
+            for r, w in zip(full, _split_work(lengths[d], world, layout, causal, window,
+                                              prefix[d])):
+                base[r] += w
+        if any(at_least.get(d, 1) > 1 for d in rest):
+            continue
+        loads = list(base)
+        placed = {d: full for d in split}
+        for d in rest:
+            r = min(full, key=lambda i: (loads[i], i))
+            placed[d] = (r,)
+            loads[r] += doc_work[d]
+        if max(loads) == 0 or (min(loads) > 0 and max(loads) / min(loads) <= tolerance):
+            return placed
+    return {d: full for d in order}
 
 
 def shard_documents(cu_seqlens, *, world_size: Optional[int] = None, group=None,
