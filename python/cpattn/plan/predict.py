@@ -364,10 +364,14 @@ def predict_documents(plan_, p: Problem, m: Machine) -> Prediction:
 
 
 def plan_documents(plans, machine: Machine, *, heads: int = 32, kv_heads: int = 8,
-                   head_dim: int = 128, dtype: str = "bfloat16", training: bool = True) -> list:
+                   head_dim: int = 128, dtype: Optional[str] = None, training: bool = True
+                   ) -> list:
     """Ranks document plans (cpattn.shard_documents' candidates, {split: DocumentPlan}) by
     predicted time per call on `machine`: [(plan, Prediction)], fastest first (ties: fewer
-    bytes sent, then the order given)."""
+    bytes sent, then the order given). dtype: default bfloat16, or the first the machine was
+    measured in (a calibration has only the dtypes it ran)."""
+    if dtype is None:
+        dtype = "bfloat16" if "bfloat16" in machine.fwd_flops else next(iter(machine.fwd_flops))
     any_plan = next(iter(plans.values()))
     p = Problem(seqlen=sum(any_plan.lengths), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 dtype=dtype, causal=any_plan.causal, window=any_plan.window,

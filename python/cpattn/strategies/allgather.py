@@ -173,4 +173,8 @@ class SubsetGathered(torch.autograd.Function):
                 at += n
         d = k.shape[-1]
         dk, dv = dkv[..., :d].to(k.dtype)[None], dkv[..., d:].to(v.dtype)[None]
-        return input_grads(ctx, dq, dk, dv, sink_grad(ctx, 3, sinks, dout, out, lse, dlse))
+        if pieces:
+            dsinks = sink_grad(ctx, 3, sinks, dout, out, lse, dlse)
+        else:  # no rows here
+            dsinks = None if sinks is None else torch.zeros_like(sinks)
+        return input_grads(ctx, dq, dk, dv, dsinks)
