@@ -167,14 +167,15 @@ class DocumentPlan:
             index = torch.cat([index, index.new_full((most - index.numel(),), -1)])
             return index, sum(self.lengths), [("plan", self.signature)]
 
-        if not -x_local.dim() <= dim < x_local.dim():
-            raise error(what, "dim", dim, f"must index one of x_local's {x_local.dim()} dims")
-        d = dim % x_local.dim()
-        given = x_local.shape[d]
-        if rank < self.world and given == self.tokens[rank]:  # pad to the longest rank's
-            x_local = torch.cat([x_local, x_local.new_zeros(
-                (*x_local.shape[:d], most - given, *x_local.shape[d + 1:]))], d)
-        return unshard_by(what, x_local, group, d, locate)
+        given = None  # a bad x_local or dim: unshard_by raises it on every rank
+        if isinstance(x_local, torch.Tensor) and isinstance(dim, int) and \
+                -x_local.dim() <= dim < x_local.dim():
+            d = dim % x_local.dim()
+            given = x_local.shape[d]
+            if rank < self.world and given == self.tokens[rank]:  # pad to the longest rank's
+                x_local = torch.cat([x_local, x_local.new_zeros(
+                    (*x_local.shape[:d], most - given, *x_local.shape[d + 1:]))], d)
+        return unshard_by(what, x_local, group, dim, locate)
 
     def describe(self) -> str:
         """One line: what is split, bytes and balance."""
@@ -304,11 +305,16 @@ def _plan(lengths: tuple, world: int, layout: str, causal: bool, window: tuple, 
                   for cap in _CAPS]
     candidates.append(_make_plan(*args, _heaviest_over_all(order, doc_work, args, tolerance,
                                                            at_least)))
+    if not at_least:  # nothing split at all (the first with 0 bytes when it balances)
+        candidates.insert(0, _make_plan(*args, _spread(order, doc_work, world, float("inf"),
+                                                       {})[0]))
     within = [p for p in candidates if p.balance <= tolerance]
     if within:
         return min(within, key=lambda p: p.sent_tokens())  # ties: the first (tightest cap)
-    every = _make_plan(*args, {d: full for d in nonempty})
-    return min([*candidates, every], key=lambda p: p.balance)
+    # None within: the best balanced of those and of every document split; the fewest bytes
+    # among equals.
+    fallbacks = [*candidates, _make_plan(*args, {d: full for d in nonempty})]
+    return min(fallbacks, key=lambda p: (p.balance, p.sent_tokens()))
 
 
 def _heaviest_over_all(order, doc_work, args, tolerance: float, at_least: dict) -> dict:
@@ -383,6 +389,8 @@ def shard_documents(cu_seqlens, *, world_size: Optional[int] = None, group=None,
         raise error(what, "tolerance", tolerance, "must be a number >= 1 (max / min work)")
     if split_above is not None:
         split_above = check_int(what, "split_above", split_above, minimum=0)
+        if split == "none":
+            raise error(what, "split_above", split_above, 'contradicts split="none"')
     args = (lengths, world, layout, bool(causal), tuple(window), prefix)
     if split != "auto":
         if model:
@@ -394,5 +402,9 @@ def shard_documents(cu_seqlens, *, world_size: Optional[int] = None, group=None,
     if machine is None:  # the group's, as strategy="auto" plans with (a collective the 1st time)
         machine = cost_model.machine_for(group) if dist.is_available() and \
             dist.is_initialized() else cost_model.PRESETS["cpu-gloo"]
-    plans = {s: _plan(*args, s, float(tolerance), split_above) for s in SPLITS[1:]}
+    candidates = SPLITS[1:]
+    if world > 1 and split_above is not None and max(lengths, default=0) > split_above:
+        # documents longer than split_above are never kept whole: "none" would
+        candidates = tuple(s for s in candidates if s != "none")
+    plans = {s: _plan(*args, s, float(tolerance), split_above) for s in candidates}
     return cost_model.plan_documents(plans, machine, **model)[0][0]

@@ -300,7 +300,11 @@ def _plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, 
         parts.append(LocalDocuments.apply(q[None, m:], k[None, m:], v[None, m:], opts.sinks,
                                           docs, opts))
     if not parts:  # a rank without tokens: empty results, still in the autograd graph
-        out = q.narrow(-1, 0, 1).mul(0).expand(0, q.shape[1], v.shape[-1])
+        # of every input (q, k, v and the sinks get their zero gradients, as on other ranks)
+        zero = q.sum() * 0 + k.sum() * 0 + v.sum() * 0
+        if opts.sinks is not None:
+            zero = zero + opts.sinks.sum() * 0
+        out = zero.to(q.dtype).expand(0, q.shape[1], v.shape[-1])
         return out, q.new_empty((q.shape[1], 0), dtype=torch.float32)
     if len(parts) == 1:
         out, lse = parts[0]
