@@ -197,26 +197,9 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
     return (out, lse) if max_logits is None else (out, lse, max_logits)
 
 
-# ring_attention_varlen over a cpattn.DocumentPlan: the split documents by the ring (or the
-# all-gather), each rank's whole documents by the local varlen kernel without communication.
-
-
-def _prefixes(what: str, prefix, plan: DocumentPlan) -> Optional[torch.Tensor]:
-    """One prefix per document (int64 (D,)) when prefix_len is a tensor, else None (an int
-    is checked with the other options). The plan was made for these prefixes or none."""
-    if not isinstance(prefix, torch.Tensor):
-        return None
-    if prefix.dtype != torch.int64 or tuple(prefix.shape) != (len(plan.lengths),):
-        raise error(what, "prefix_len", tuple(prefix.shape), f"a prefix per document must be "
-                    f"an int64 tensor ({len(plan.lengths)},)")
-    values = prefix.detach().cpu()
-    lengths = torch.tensor(plan.lengths, dtype=torch.int64)
-    bad = (values < 0) | (values > lengths)
-    if bool(bad.any()):
-        d = int(bad.nonzero()[0])
-        raise error(what, f"prefix_len[{d}]", int(values[d]), f"must be between 0 and the "
-                    f"document's length {plan.lengths[d]}")
-    return values
+# ring_attention_varlen over a cpattn.DocumentPlan: the documents split over every rank by the
+# ring (or the all-gather), those split over a subset by SubsetGathered, each rank's whole
+# documents by the local varlen kernel without communication.
 
 
 def _documents(plan: DocumentPlan, docs: tuple, prefix: Optional[torch.Tensor]):
@@ -227,7 +210,7 @@ def _documents(plan: DocumentPlan, docs: tuple, prefix: Optional[torch.Tensor]):
 
 
 def _plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, allgather_chunk,
-                   ring_chunk, timeout, options: dict, return_max_logits: bool):
+                    ring_chunk, timeout, options: dict, return_max_logits: bool):
     """ring_attention_varlen(q, k, v, plan): out (T_r, H, Dv) and lse (H, T_r) of this rank's
     T_r tokens of the plan."""
     group, rank, world = group_info(group)
@@ -259,7 +242,8 @@ def _plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, 
         if r_chunk is not None and strategy == "allgather":
             raise error(what, "ring_chunk", r_chunk, 'sets the passes of strategy "ring" (or '
                         '"auto"); the all-gather takes allgather_chunk')
-        prefixes = _prefixes(what, prefix, plan)
+        prefixes = None if not isinstance(prefix, torch.Tensor) else \
+            check_prefix_per_document(what, prefix, torch.tensor(plan.lengths, dtype=torch.int64))
         fields += [("plan", plan.signature), ("strategy", strategy), ("allgather_chunk", chunk),
                    ("ring_chunk", r_chunk),
                    ("prefix_per_document", None if prefixes is None
