@@ -75,6 +75,8 @@ TORCH_LIBRARY(cpattn, m) {
   m.def("ring_stats() -> Tensor");
   m.def("destroy_communicators() -> int");
   m.def("release_buffers() -> int");
+  // The shortest timeout (seconds) of a process group's backends; 0 where none can be read.
+  m.def("group_timeout(str group_name) -> float");
   // Inference over a KV cache sharded across ranks (ops/inference.h).
   m.def(
       "merge_attention_states(Tensor outs, Tensor lses, ScalarType? out_dtype=None) -> "

@@ -90,4 +90,24 @@ std::unique_ptr<Transport> make_process_group_transport(const std::string& group
   return std::make_unique<ProcessGroupTransport>(c10d::resolve_process_group(group_name), timeout);
 }
 
+// Read here rather than through Python's backend objects: a Python reference to a gloo backend or
+// its options, kept alive by a traceback or a cache, would keep gloo's threads running past
+// destroy_process_group and abort the interpreter's exit.
+double group_timeout_seconds(const std::string& group_name) {
+  const auto group = c10d::resolve_process_group(group_name);
+  double shortest = 0;
+  for (const c10::Device& device : group->getDeviceTypes()) {
+    double seconds = 0;
+    try {
+      seconds = std::chrono::duration<double>(
+                    group->getBackend(device.type())->getBackendOptions()->timeout)
+                    .count();
+    } catch (const c10::Error&) {  // a backend without options (a fake or custom one)
+      continue;
+    }
+    if (seconds > 0 && (shortest == 0 || seconds < shortest)) shortest = seconds;
+  }
+  return shortest;
+}
+
 }  // namespace cpattn::comm

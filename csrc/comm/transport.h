@@ -80,6 +80,10 @@ inline std::unique_ptr<PendingShift> Transport::shift_all(const std::vector<at::
 std::unique_ptr<Transport> make_process_group_transport(const std::string& group_name,
                                                         std::chrono::milliseconds timeout);
 
+// The shortest timeout (seconds) of the backends of process group `group_name`; 0 where none
+// reports its options.
+double group_timeout_seconds(const std::string& group_name);
+
 // W virtual ranks in one process, each driven from its own thread; shifts go through a shared
 // mailbox (a copy per message).
 class Mailbox;

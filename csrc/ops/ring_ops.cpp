@@ -108,6 +108,10 @@ at::Tensor layout_positions(int64_t seqlen, int64_t world, int64_t rank, int64_t
   return pos;
 }
 
+double group_timeout(c10::string_view group_name) {
+  return comm::group_timeout_seconds(std::string(group_name));
+}
+
 }  // namespace
 
 void impl_ring_ops(torch::Library& m) {
@@ -125,4 +129,5 @@ TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("ring_stats", &cpattn::ops::ring_stats);
   m.impl("destroy_communicators", &cpattn::ops::destroy_communicators);
   m.impl("release_buffers", &cpattn::ops::release_buffers);
+  m.impl("group_timeout", &cpattn::ops::group_timeout);
 }

@@ -86,20 +86,49 @@ def check_scale(what: str, softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-def check_timeout(what: str, timeout) -> float:
-    """Seconds to wait for a peer: default $CPATTN_COMM_TIMEOUT or 300; finite and > 0."""
+# Torch's own default process group timeout (seconds): for a group whose timeout cannot be read.
+FALLBACK_TIMEOUT = 600.0
+
+
+def check_timeout(what: str, timeout, *groups) -> float:
+    """Seconds to wait for a peer: `timeout`, else $CPATTN_COMM_TIMEOUT, else the shortest
+    timeout of `groups` (each process group's own, as set by init_process_group / new_group; None
+    is the world); finite and > 0. Waiting as long as the group does means a slow peer (compile
+    skew, a checkpoint written by rank 0 only) fails cpattn no sooner than the group itself."""
     source = "timeout"
-    if timeout is None:
-        timeout, source = _env.comm_timeout() or "300", "$CPATTN_COMM_TIMEOUT"
+    if timeout is None and _env.comm_timeout() is not None:
+        timeout, source = _env.comm_timeout(), "$CPATTN_COMM_TIMEOUT"
         try:
             timeout = float(timeout)
         except ValueError:
             raise error(what, source, timeout, "must be a number of seconds") from None
+    if timeout is None:
+        seconds = [group_timeout(g) for g in groups or (None,)]
+        return min(seconds)
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise error(what, source, timeout, "must be a number of seconds")
     if not (math.isfinite(timeout) and timeout > 0):
         raise error(what, source, timeout, "must be finite and > 0 (seconds)")
     return float(timeout)
+
+
+def group_timeout(group) -> float:
+    """The timeout (seconds) of process group `group` (None: the world): the shortest of its
+    backends' (gloo, NCCL), FALLBACK_TIMEOUT where none can be read."""
+    import torch.distributed as dist
+
+    if group is None:
+        group = dist.group.WORLD
+    return _group_timeout(group.group_name)
+
+
+@torch._dynamo.assume_constant_result
+def _group_timeout(group_name: str) -> float:
+    """group_timeout by group name, read in C++ (cpattn::group_timeout): no Python object of a
+    backend or its options is ever made, so none can outlive destroy_process_group and keep
+    gloo's threads alive. torch.compile runs it while tracing and keeps the constant."""
+    seconds = torch.ops.cpattn.group_timeout(group_name)
+    return seconds if seconds > 0 else FALLBACK_TIMEOUT
 
 
 def check_tensor(what: str, arg: str, t, dims: Sequence[str], may_be_empty: Sequence[str] = ()

@@ -87,7 +87,7 @@ def context_attention(
     """
     what = "cpattn.context_attention"
     group, _, world = group_info(group)
-    timeout = check_timeout(what, timeout)
+    timeout = check_timeout(what, timeout, group)
     train = needs_grad(q, k, v)
 
     def check():

@@ -155,7 +155,8 @@ def prefill_attention(
         layout: "contiguous", "zigzag" (balanced for causal) or "striped"; C must be a multiple of
             W (2 W for zigzag). Shorter tails go through decode_attention (append, then Sq > 1).
         return_lse: also return the LSE (batch, heads, C / W) float32.
-        timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT or 300).
+        timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT, else the
+            process group's own timeout).
         **options: the attention options of cpattn.attention but causal (a prefill is causal),
             on global positions (the sequence's, counted from its first cached token). sinks
             join each row once, after the ring's and the cached tokens' partials are merged. A
@@ -174,7 +175,7 @@ def prefill_attention(
     """
     what = "cpattn.prefill_attention"
     group, rank, world = group_info(group)
-    timeout = check_timeout(what, timeout)
+    timeout = check_timeout(what, timeout, group)
 
     def check():
         check_qkv(what, q, k, v)
@@ -268,7 +269,8 @@ def decode_attention(
                 [rank * heads / W, (rank + 1) * heads / W), ready for a tensor-parallel output
                 projection. Needs heads % W == 0.
         return_lse: also return the LSE (batch, heads or heads / W, Sq) float32.
-        timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT or 300).
+        timeout: seconds to wait for a peer (default $CPATTN_COMM_TIMEOUT, else the
+            process group's own timeout).
         validate: run the cross-rank agreement check (cpattn.set_rank_check: one small
             all-gather, a mismatch then raises on every rank). It is a second collective per
             call; without it a mismatch is a timeout or a wrong result. The arguments are
@@ -287,7 +289,7 @@ def decode_attention(
     """
     what = "cpattn.decode_attention"
     group, rank, world = group_info(group)
-    timeout = check_timeout(what, timeout)
+    timeout = check_timeout(what, timeout, group)
 
     def check():
         check_tensor(what, "q", q, ("batch", "seqlen_q", "heads", "head_dim"))

@@ -54,7 +54,8 @@ class ContextParallel:
             least 1).
         ring_chunk: KV heads per pass of "ring" (default: all, one pass; fewer divide the ring's
             memory, see cpattn.ring_attention).
-        timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
+        timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT, else the
+            process group's own timeout).
 
     Every rank of the group must make the same object (same strategy and layout).
     """

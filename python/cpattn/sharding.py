@@ -163,7 +163,7 @@ def unshard_by(what: str, x_local, group, dim, locate: Callable) -> torch.Tensor
         return (d, index, seqlen), [*tensor_fields("x_local", x_local, ()), ("dim", d),
                                     ("seqlen", seqlen), ("index.numel", index.numel()), *fields]
 
-    d, index, seqlen = agree_on(what, group, check_timeout(what, None), check)
+    d, index, seqlen = agree_on(what, group, check_timeout(what, None, group), check)
     return _Unshard.apply(x_local, index, seqlen, group, d)
 
 

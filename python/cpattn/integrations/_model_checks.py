@@ -206,4 +206,4 @@ def agree(cp, what: str, check: Callable[[], None]) -> None:
 def _timeout(cp) -> float:
     from cpattn._validation import check_timeout
 
-    return check_timeout(WHAT, cp.timeout)
+    return check_timeout(WHAT, cp.timeout, cp.ring_group)

@@ -52,7 +52,7 @@ def hybrid_attention(
     if ulysses_group is None or ring_group is None:
         raise ValueError("cpattn.hybrid_attention: give ulysses_group and ring_group, or a 2D mesh")
     what = "cpattn.hybrid_attention"
-    timeout = check_timeout(what, timeout)
+    timeout = check_timeout(what, timeout, ring_group, ulysses_group)
     ring = functools.partial(ring_attention, group=ring_group, layout=layout, timeout=timeout)
     r_world, u_world = dist.get_world_size(ring_group), dist.get_world_size(ulysses_group)
 
@@ -86,7 +86,7 @@ def hybrid_attention_varlen(
     (H, T_local); padding: 0 and -inf (with sinks: the sink); **options: the attention options
     but prefix_len; return_max_logits: as ring_attention_varlen (last)."""
     what = "cpattn.hybrid_attention_varlen"
-    timeout = check_timeout(what, timeout)
+    timeout = check_timeout(what, timeout, ring_group, ulysses_group)
     r_world, u_world = dist.get_world_size(ring_group), dist.get_world_size(ulysses_group)
 
     def fields_of():

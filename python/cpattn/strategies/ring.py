@@ -113,7 +113,7 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
     `seqlen` (ring_attention): the real length of a sequence padded to the layout's granularity,
     handled as one document of that length."""
     group, rank, world = group_info(group)
-    timeout = check_timeout(what, timeout)
+    timeout = check_timeout(what, timeout, group)
     prefix = options.get("prefix_len", 0)
     per_sequence = isinstance(prefix, torch.Tensor)
 
@@ -324,7 +324,8 @@ def ring_attention(
             fp32 state (out, dq, the travelling dK/dV accumulators) shrink by the number of
             passes, for as many times more (smaller) messages. Strategy "ring" or "auto"; with
             "allgather" it raises (that strategy takes allgather_chunk).
-        timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT or 300).
+        timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT, else the
+            process group's own timeout).
         **options: the attention options (cpattn.attention: causal, softmax_scale, window,
             sinks, softcap, alibi_slopes, prefix_len), on global positions (the same values on
             every rank). A sink joins each row once, after every partial result is merged; the

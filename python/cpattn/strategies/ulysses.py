@@ -205,7 +205,7 @@ def ulysses_attention(
     """
     what = "cpattn.ulysses_attention"
     group, _, world = group_info(group)
-    timeout = check_timeout(what, timeout)
+    timeout = check_timeout(what, timeout, group)
     result = across_heads(what, q, k, v, group, timeout, None, return_lse,
                           options, seqlen=seqlen,
                           rows=lambda n: (padded_length(n, "contiguous", world), n),
@@ -274,7 +274,7 @@ def ulysses_attention_varlen(
                  mine.sinks.to(lse_p.dtype)[:, None].expand(-1, qh.shape[1]))
         return out[None], empty.index_copy(1, order, lse_p)[None]
 
-    timeout = check_timeout(what, timeout)
+    timeout = check_timeout(what, timeout, group)
     result = across_heads(what, q[None], k[None], v[None], group, timeout,
                           attend, return_lse, options, seqlen=None, rows=lambda n: (n, n),
                           fields_of=fields_of, fixed={"prefix_len": 0})
