@@ -355,6 +355,7 @@ inline void apply_softcap_grad(int64_t cols, const float* softcap_grad, float* d
 // few pairs (small batch, MQA) the ranges keep the threads busy. The choice depends on the shape
 // only, never on the thread count, so results are the same bits with any number of threads.
 inline int64_t key_splits(const AttnShape& sh) {
+  if (sh.fixed_order) return 1;  // dQ: one sum over the key blocks in order
   constexpr int64_t kTargetTasks = 8;
   const int64_t pairs = sh.batch * sh.kv_heads;
   return (kTargetTasks + pairs - 1) / pairs;
@@ -370,13 +371,19 @@ inline int64_t key_splits(const AttnShape& sh) {
 constexpr int64_t kMaxChunkRows = 512;
 constexpr int64_t kChunkElemBudget = 2048 * 128;
 
+// Under fixed_order, chunks of kFixedChunkRows from query row 0: dK and dV sum the chunks' parts
+// in an order that depends on the query rows' positions only.
+constexpr int64_t kFixedChunkRows = 256;
+
 inline int64_t chunk_rows(const AttnShape& sh) {
+  const int64_t rows_needed = (sh.seqlen_q + kBlockQ - 1) / kBlockQ * kBlockQ;
+  if (sh.fixed_order) return std::min(kFixedChunkRows, rows_needed);
   const int64_t split_share = std::max<int64_t>(1, key_splits(sh) / 2);
   const int64_t by_budget = kChunkElemBudget /
                             (sh.batch * sh.heads * sh.head_dim_padded * split_share) / kBlockQ *
                             kBlockQ;
   const int64_t rows = std::clamp(by_budget, kBlockQ, kMaxChunkRows);
-  return std::min(rows, (sh.seqlen_q + kBlockQ - 1) / kBlockQ * kBlockQ);
+  return std::min(rows, rows_needed);
 }
 
 // The query blocks of a query-shaped operand for one chunk of query rows of every (batch, head),

@@ -58,10 +58,11 @@ std::pair<Mask, ScoreArgs> public_options(const at::Tensor& q, const at::Tensor&
 // The checks of both passes; the shape of q, k, v.
 AttnShape check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                double softmax_scale, const Mask& mask, const ScoreArgs& score) {
-  const AttnShape s = check_qkv(q, k, v);
+  AttnShape s = check_qkv(q, k, v);
   check_mask_args(softmax_scale, mask.window_left, mask.window_right);
   check_positions(mask.q_offset, s.seqlen_q, mask.k_offset, s.seqlen_k);
   check_score_args("attention", score, s.heads, q.device());
+  s.fixed_order = score.fixed_order;
   return s;
 }
 

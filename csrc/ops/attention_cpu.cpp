@@ -426,5 +426,6 @@ at::Tensor row_dot_cpu(const at::Tensor& a, const at::Tensor& b) {
 TORCH_LIBRARY_IMPL(cpattn, CPU, m) {
   cpattn::ops::impl_attention_ops(m);
   cpattn::ops::impl_ring_ops(m);
+  cpattn::ops::impl_invariant_ops(m);
   cpattn::ops::impl_inference_ops(m);
 }

@@ -103,6 +103,7 @@ const Backend& backend_for(const c10::Device& device);
 // each backend's TORCH_LIBRARY_IMPL block calls these for its dispatch key.
 void impl_attention_ops(torch::Library& m);
 void impl_ring_ops(torch::Library& m);
+void impl_invariant_ops(torch::Library& m);  // CPU only
 void impl_inference_ops(torch::Library& m);
 
 }  // namespace cpattn::ops

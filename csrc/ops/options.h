@@ -69,6 +69,7 @@ struct ScoreArgs {
   int64_t alibi_q_begin = 0;
   int64_t alibi_k_begin = 0;
   int64_t alibi_stride = 1;
+  bool fixed_order = false;  // AttnShape::fixed_order: set by the invariant ops only
 };
 
 // The mask rule of the options on global positions (q_offset = k_offset = 0).

@@ -23,3 +23,8 @@ def plan_cache() -> Optional[str]:
 def plan_machine() -> Optional[str]:
     """$CPATTN_PLAN_MACHINE: the planner's machine (a preset name or a JSON file)."""
     return os.environ.get("CPATTN_PLAN_MACHINE")
+
+
+def invariant() -> Optional[str]:
+    """$CPATTN_INVARIANT: "1" makes invariant=True the default of the attention functions."""
+    return os.environ.get("CPATTN_INVARIANT")

@@ -8,6 +8,7 @@ from cpattn._autograd import once_differentiable
 from cpattn._layout import LAYOUTS
 from cpattn._validation import check_qkv, document_lengths, error
 from cpattn.options import AttentionOptions
+from cpattn.strategies.invariant import InvariantAttention, check_invariant_call
 
 
 def attention(
@@ -50,6 +51,11 @@ def attention(
             f"{tuple(q.shape)} and {tuple(k.shape)}"
         )
     opts = AttentionOptions.checked("cpattn.attention", q.shape[-1], **options)
+    if opts.invariant:  # the one-rank case of ring_attention(invariant=True)
+        check_invariant_call("cpattn.attention", q, "contiguous", 1)
+        out, lse = InvariantAttention.apply(q, k, v, opts.sinks, opts, None, 0, 1,
+                                            LAYOUTS["contiguous"], k.shape[1], k.shape[2])
+        return (out, lse) if return_lse else out
     # no positions given: the op aligns the rows bottom-right
     out, lse = torch.ops.cpattn.attention_fwd(q, k, v, sinks=opts.sinks, **opts.op_kwargs())
     return (out, lse) if return_lse else out

@@ -14,8 +14,12 @@ from typing import Optional
 
 import torch
 
-from cpattn import _agreement
+from cpattn import _agreement, _env
 from cpattn._validation import check_bool, check_int, check_scale, check_window, error
+
+# The functions that honour invariant=True (results bitwise independent of the number of ranks,
+# the layout and the strategy: docs/invariance.md); any other raises rather than drop it.
+INVARIANT_FUNCTIONS = ("cpattn.attention", "cpattn.ring_attention")
 
 # The ops' option arguments, in their schema order (csrc/ops/options.h kOptionsSchema).
 OP_OPTION_NAMES = ("softmax_scale", "causal", "window_left", "window_right", "softcap",
@@ -25,7 +29,8 @@ OP_OPTION_NAMES = ("softmax_scale", "causal", "window_left", "window_right", "so
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
     """softmax_scale, causal, window (left, right; -1 unbounded), softcap (0: off), alibi_slopes
-    ((heads,), fixed), sinks ((heads,) logits, differentiable), prefix_len (prefix-LM; 0: off).
+    ((heads,), fixed), sinks ((heads,) logits, differentiable), prefix_len (prefix-LM; 0: off),
+    invariant (results bitwise independent of the number of ranks; default $CPATTN_INVARIANT).
     Build one with AttentionOptions.checked; the strategies pass it down whole."""
 
     softmax_scale: float
@@ -35,6 +40,7 @@ class AttentionOptions:
     alibi_slopes: Optional[torch.Tensor] = None
     sinks: Optional[torch.Tensor] = None
     prefix_len: int = 0
+    invariant: bool = False
 
     @classmethod
     def checked(cls, what: str, head_dim: int, fixed: Optional[dict] = None, *,
@@ -60,7 +66,7 @@ class AttentionOptions:
     @classmethod
     def _checked(cls, what: str, head_dim: int, *, causal=False, softmax_scale=None,
                  window=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
-                 prefix_len=0) -> AttentionOptions:
+                 prefix_len=0, invariant=None) -> AttentionOptions:
         if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
             raise error(what, "softcap", softcap, "must be a number >= 0 (0: off)")
         if not (math.isfinite(softcap) and softcap >= 0):
@@ -71,7 +77,8 @@ class AttentionOptions:
         return cls(softmax_scale=check_scale(what, softmax_scale, max(head_dim, 1)),
                    causal=check_bool(what, "causal", causal), window=check_window(window, what),
                    softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks,
-                   prefix_len=check_int(what, "prefix_len", prefix_len, minimum=0))
+                   prefix_len=check_int(what, "prefix_len", prefix_len, minimum=0),
+                   invariant=_checked_invariant(what, invariant))
 
     def agreement_fields(self) -> list:
         """What every rank must agree on: the per-head tensors as _agreement.tensor_values
@@ -81,12 +88,14 @@ class AttentionOptions:
         return [("causal", self.causal), ("window_left", self.window[0]),
                 ("window_right", self.window[1]), ("softmax_scale", self.softmax_scale),
                 ("softcap", self.softcap), ("prefix_len", self.prefix_len),
-                ("alibi_slopes", values(self.alibi_slopes)), ("sinks", values(self.sinks))]
+                ("alibi_slopes", values(self.alibi_slopes)), ("sinks", values(self.sinks)),
+                ("invariant", self.invariant)]
 
     def op_kwargs(self) -> dict:
         """The options every attention op ends with (options.h kOptionsSchema), by name.
         The sinks are not among them: a differentiable input, the ops that apply them take them
-        as an argument of their own."""
+        as an argument of their own. Nor is invariant: it selects the ops (invariant_fwd /
+        invariant_bwd), which always run in invariant mode."""
         return {"softmax_scale": self.softmax_scale, "causal": self.causal,
                 "window_left": self.window[0], "window_right": self.window[1],
                 "softcap": self.softcap, "alibi_slopes": self.alibi_slopes,
@@ -113,6 +122,23 @@ NAMES = tuple(f.name for f in dataclasses.fields(AttentionOptions))
 # The value of each when not given (softmax_scale None: 1 / sqrt(head_dim)).
 _DEFAULTS = {f.name: None if f.default is dataclasses.MISSING else f.default
              for f in dataclasses.fields(AttentionOptions)}
+
+
+def _checked_invariant(what: str, invariant) -> bool:
+    """invariant=, else $CPATTN_INVARIANT ("1" / "0"), else False; True only where `what`
+    honours it (INVARIANT_FUNCTIONS), else ValueError."""
+    source = "invariant"
+    if invariant is None:
+        value = _env.invariant()
+        if value not in (None, "", "0", "1"):
+            raise error(what, "$CPATTN_INVARIANT", value, 'must be "1" (on) or "0" (off)')
+        invariant, source = value == "1", "$CPATTN_INVARIANT"
+    invariant = check_bool(what, source, invariant)
+    if invariant and what not in INVARIANT_FUNCTIONS:
+        raise error(what, source, True, "is not supported here yet: results bitwise independent "
+                    f"of the number of ranks are given by {' and '.join(INVARIANT_FUNCTIONS)} "
+                    "(docs/invariance.md)")
+    return invariant
 
 
 def _same(value, expected) -> bool:

@@ -37,6 +37,7 @@ from cpattn.strategies.common import (
     needs_grad,
     sink_grad,
 )
+from cpattn.strategies.invariant import InvariantAttention, check_invariant_call
 
 # The strategies ring_attention runs (ContextParallel has its own list: parallel.STRATEGIES).
 RING_ATTENTION_STRATEGIES = ("ring", "allgather", "auto")
@@ -156,6 +157,11 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
             fields += [("seqlen", n)]
         if strategy == "auto":  # the choice may only depend on what the ranks agree on
             fields += [("requires_grad", needs_grad(q, k, v))]
+        if opts.invariant:
+            check_invariant_call(what, q, layout, world)
+            if per_sequence or cu_seqlens is not None:
+                raise error(what, "prefix_len" if per_sequence else "cu_seqlens", "<tensor>",
+                            "(packed documents) is not supported with invariant=True yet")
         max_logits = check_bool(what, "return_max_logits", return_max_logits)
         if max_logits and prefix_docs is not None:
             raise error(what, "return_max_logits", True, "is not supported with a prefix per "
@@ -172,6 +178,12 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
         max_logits = global_max_logits(q[None] if cu_seqlens is not None else q,
                                        k[None] if cu_seqlens is not None else k, group,
                                        placement, opts)
+    if opts.invariant:  # the strategy changes no bit: one computation for all of them
+        out, lse = InvariantAttention.apply(
+            q, k, v, opts.sinks, opts, group, rank, world, LAYOUTS[layout],
+            q.shape[1] * world if seqlen is None else seqlen,
+            chunk or ring_chunk or default_head_group(k.shape[2], world))
+        return (out, lse) if max_logits is None else (out, lse, max_logits)
     if cu_seqlens is not None:
         q, k, v = q[None], k[None], v[None]
     elif prefix_docs is not None:  # the batch as packed documents: (B, L, ..) -> (1, B L, ..)

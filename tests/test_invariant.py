@@ -1,0 +1,228 @@
+"""invariant=True: out, lse and every gradient (the sinks' summed over the ranks) are bitwise equal
+(torch.equal, not a tolerance) to cpattn.attention(invariant=True) on the whole sequence, for
+W = 1-4, the contiguous and zigzag layouts, the ring / all-gather / auto strategies, every score
+option, GQA, fp32 and bf16, any length; the same results are checked against the float64
+reference; a negative control shows the default mode differs with W (so the test can fail);
+what invariant=True does not cover raises on every rank."""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpattn
+
+from distributed import run_ranks
+from reference import compare_sharded
+
+# name -> (causal, window, options); sinks / alibi_slopes: True = per-head values drawn below.
+CASES = {
+    "causal": (True, (-1, -1), {}),
+    "full": (False, (-1, -1), {}),
+    "window": (True, (40, 0), {}),
+    "sinks_window_both": (False, (30, 20), {"sinks": True}),
+    "softcap": (True, (-1, -1), {"softcap": 4.0}),
+    "alibi": (False, (-1, -1), {"alibi_slopes": True}),
+    "prefix": (True, (-1, -1), {"prefix_len": 70}),
+    "all": (True, (90, -1), {"sinks": True, "softcap": 3.0, "alibi_slopes": True,
+                             "prefix_len": 11}),
+}
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def _draw(options: dict, heads: int) -> dict:
+    kwargs = dict(options)
+    if options.get("sinks"):
+        kwargs["sinks"] = torch.randn(heads) * 2
+    if options.get("alibi_slopes"):
+        kwargs["alibi_slopes"] = torch.rand(heads) * 0.2 + 0.01
+    return kwargs
+
+
+def _inputs(seed: int, seqlen: int, dtype, heads=(4, 2), dim=32, batch=2):
+    """The full (q, k, v, dout), the same on every rank: fresh random values, never zeros."""
+    torch.manual_seed(seed)
+    h, hkv = heads
+    return tuple(torch.randn(batch, seqlen, n, dim).to(dtype) for n in (h, hkv, hkv, h))
+
+
+def _one_process(full, causal, window, kwargs):
+    """cpattn.attention(invariant=True) on the whole sequence: out, lse, dq, dk, dv, dsinks."""
+    q, k, v = (t.clone().requires_grad_() for t in full[:3])
+    dout = full[3]
+    kw = dict(kwargs)
+    if "sinks" in kw:
+        kw["sinks"] = kw["sinks"].clone().requires_grad_()
+    out, lse = cpattn.attention(q, k, v, causal=causal, window=window, return_lse=True,
+                                invariant=True, **kw)
+    (out * dout).sum().backward()
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad, \
+        kw["sinks"].grad if "sinks" in kw else None
+
+
+def _sharded(full, causal, window, kwargs, layout, strategy, seqlen=None, **extra):
+    """ring_attention(invariant=True) on this rank's shards; the results unsharded (the sinks'
+    gradient summed over the ranks, as a trainer's gradient all-reduce does)."""
+    shard = functools.partial(cpattn.shard, layout=layout)
+    unshard = functools.partial(cpattn.unshard, layout=layout, seqlen=seqlen)
+    q, k, v = (shard(t).requires_grad_() for t in full[:3])
+    kw = dict(kwargs)
+    if "sinks" in kw:
+        kw["sinks"] = kw["sinks"].clone().requires_grad_()
+    out, lse = cpattn.ring_attention(q, k, v, layout=layout, strategy=strategy, causal=causal,
+                                     window=window, return_lse=True, seqlen=seqlen, **kw, **extra)
+    (out * shard(full[3])).sum().backward()
+    dsinks = None
+    if "sinks" in kw:
+        dsinks = kw["sinks"].grad.clone()
+        dist.all_reduce(dsinks)
+    return (unshard(out.detach()), unshard(lse.detach(), dim=2), unshard(q.grad),
+            unshard(k.grad), unshard(v.grad), dsinks)
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv", "dsinks")
+
+
+def _assert_bitwise(what, got, want):
+    for name, g, w in zip(NAMES, got, want):
+        if w is None:
+            assert g is None, f"{name} {what}"
+            continue
+        assert g.dtype == w.dtype and g.shape == w.shape, f"{name} {what}"
+        if not torch.equal(g, w):
+            diff = (g.double() - w.double()).abs().nan_to_num(posinf=1e30).max().item()
+            raise AssertionError(f"{name} {what}: not bitwise equal to one process "
+                                 f"(largest difference {diff:.3g})")
+
+
+def _check(rank: int, world: int, layouts, strategies, names, dtypes, seqlen=600,
+           extra=None) -> None:
+    for n, name in enumerate(names):
+        causal, window, options = CASES[name]
+        for dtype in dtypes:
+            full = _inputs(n, seqlen, dtype)
+            kwargs = _draw(options, full[0].shape[2])
+            want = _one_process(full, causal, window, kwargs)
+            for layout in layouts:
+                for strategy in strategies:
+                    got = _sharded(full, causal, window, kwargs, layout, strategy,
+                                   seqlen=seqlen, invariant=True, **(extra or {}))
+                    _assert_bitwise(f"W={world} {layout} {strategy} {name} {dtype}", got, want)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_bitwise_equal_to_one_process(world: int) -> None:
+    """Every option case, both layouts, the ring and all-gather strategies, fp32; S = 600 spans
+    several key blocks and backward chunks; B = 2, GQA 4 / 2."""
+    run_ranks(world, _check, ("contiguous", "zigzag"), ("ring", "allgather"), tuple(CASES),
+              (torch.float32,))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bitwise_bf16_auto_and_head_groups(world: int) -> None:
+    """bf16; strategy auto; head groups of one KV head (allgather_chunk=1)."""
+    run_ranks(world, _check, ("zigzag",), ("auto",), ("causal", "all"), (torch.bfloat16,))
+    run_ranks(world, _check, ("contiguous",), ("allgather",), ("all",), (torch.float32,), 600,
+              {"allgather_chunk": 1})
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_bitwise_any_length(world: int) -> None:
+    """A length no layout granularity divides: the shards are padded, the results are not."""
+    run_ranks(world, _check, ("contiguous", "zigzag"), ("ring",), ("causal", "sinks_window_both"),
+              (torch.float32,), 301)
+
+
+def _check_reference(rank: int, world: int) -> None:
+    """The invariant results are also exact: against float64 (forward, LSE, every gradient)."""
+    for n, name in enumerate(("all", "sinks_window_both")):
+        causal, window, options = CASES[name]
+        for dtype in (torch.float32, torch.bfloat16):
+            full = _inputs(50 + n, 96, dtype)
+            kwargs = _draw(options, full[0].shape[2])
+            layout = "zigzag"
+            run = functools.partial(cpattn.ring_attention, layout=layout, invariant=True)
+            compare_sharded(f"W={world} {name} {dtype}", run,
+                            functools.partial(cpattn.shard, layout=layout),
+                            lambda t, dim=1: cpattn.unshard(t, layout=layout, dim=dim),
+                            cpattn.positions(96, layout=layout), full, causal, window, kwargs,
+                            TOL[dtype], grad_tol=1.0)
+
+
+def test_matches_float64_reference() -> None:
+    run_ranks(3, _check_reference)
+
+
+def _default_mode_differs(rank: int, world: int) -> None:
+    """Negative control: the same comparison without invariant=True finds a difference."""
+    full = _inputs(7, 600, torch.float32)
+    want = _one_process(full, True, (-1, -1), {})
+    got = _sharded(full, True, (-1, -1), {}, "zigzag", "ring")
+    assert any(not torch.equal(g, w) for g, w in zip(got[:5], want[:5])), \
+        "the default mode gave W-invariant bits: this test's comparison could not fail"
+    try:
+        _assert_bitwise("default mode", got, want)
+    except AssertionError:
+        return
+    raise AssertionError("_assert_bitwise passed on different results")
+
+
+def test_negative_control_default_mode_differs() -> None:
+    run_ranks(2, _default_mode_differs)
+
+
+def _environment(rank: int, world: int) -> None:
+    """$CPATTN_INVARIANT=1 is invariant=True; functions without the mode raise, on every rank."""
+    import os
+
+    full = _inputs(3, 64, torch.float32)
+    want = _sharded(full, True, (-1, -1), {}, "zigzag", "ring", invariant=True)
+    os.environ["CPATTN_INVARIANT"] = "1"
+    try:
+        got = _sharded(full, True, (-1, -1), {}, "zigzag", "ring")
+        _assert_bitwise("$CPATTN_INVARIANT=1", got, want)
+        q = cpattn.shard(full[0], layout="zigzag")
+        with pytest.raises(ValueError, match=r"ulysses_attention: \$CPATTN_INVARIANT=True: is "
+                                             r"not supported here yet"):
+            cpattn.ulysses_attention(q, q, q, causal=True)
+        os.environ["CPATTN_INVARIANT"] = "yes"
+        with pytest.raises(ValueError, match=r"\$CPATTN_INVARIANT='yes': must be \"1\""):
+            cpattn.ring_attention(q, q, q)
+    finally:
+        del os.environ["CPATTN_INVARIANT"]
+
+
+def test_environment_variable() -> None:
+    run_ranks(2, _environment)
+
+
+def _refusals(rank: int, world: int) -> None:
+    q = torch.randn(1, 8, 2, 16)
+    singles = [dist.new_group([r]) for r in range(world)]  # hybrid: Ulysses over all, no ring
+    for call, match in [
+        (lambda: cpattn.ring_attention(q, q, q, layout="striped", invariant=True),
+         "layout='striped': is not supported with invariant=True"),
+        (lambda: cpattn.ulysses_attention(q, q, q, invariant=True),
+         r"ulysses_attention: invariant=True: is not supported here yet"),
+        (lambda: cpattn.hybrid_attention(q, q, q, ulysses_group=dist.group.WORLD,
+                                         ring_group=singles[rank], invariant=True),
+         "not supported here yet"),
+        (lambda: cpattn.ring_attention_varlen(q[0], q[0], q[0], [0, 16], invariant=True),
+         "not supported here yet"),
+        (lambda: cpattn.ring_attention(q, q, q, invariant=True,
+                                       prefix_len=torch.tensor([3])),
+         "not supported with invariant=True yet"),
+        (lambda: cpattn.ring_attention(q, q, q, invariant="yes"), "must be True or False"),
+        # ranks that disagree: the agreement check names the field, on every rank
+        (lambda: cpattn.ring_attention(q, q, q, invariant=rank == 0), "invariant"),
+    ]:
+        with pytest.raises((ValueError, RuntimeError, TypeError), match=match):
+            call()
+    # the group is still usable
+    out = cpattn.ring_attention(q, q, q, invariant=True)
+    assert out.shape == q.shape
+
+
+def test_refusals_on_every_rank() -> None:
+    run_ranks(2, _refusals)
