@@ -469,7 +469,7 @@ inline bool for_each_query_block(const BwdParams& p, int64_t b, int64_t hk, int6
 //   bits, in half the bytes of an fp32 buffer; rounded to nearest into the output at the end;
 // - otherwise a (B, Sk, Hkv, dim_padded) fp32 buffer of their own.
 struct KeyGradSums {
-  enum class Storage { kOutput, kSplit, kOwn };
+  enum class Storage { kOutput, kSplit, kOwn, kNone };  // kNone: no output (not wanted)
   Storage storage;
   AlignedArray<float> own;
   AlignedArray<uint16_t> low;  // kSplit: the low halves, rows contiguous like `own`
@@ -486,7 +486,8 @@ struct KeyGradSums {
         factor(factor_),
         accumulate(accumulate_) {
     const int64_t rows = sh.batch * sh.seqlen_k * sh.kv_heads;
-    storage = dim != padded                  ? Storage::kOwn
+    storage = out.data == nullptr            ? Storage::kNone
+              : dim != padded                ? Storage::kOwn
               : out.type == DType::kFloat32  ? Storage::kOutput
               : out.type == DType::kBFloat16 ? Storage::kSplit
                                              : Storage::kOwn;
@@ -499,6 +500,7 @@ struct KeyGradSums {
       strides = out.strides;
     }
     if (storage == Storage::kSplit) low = aligned_array<uint16_t>(rows * padded);
+    if (storage == Storage::kNone) return;
     if (storage == Storage::kOutput && accumulate) return;  // added to what the output holds
     at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {  // r = (b * Sk + c) * Hkv + hk
@@ -527,6 +529,7 @@ struct KeyGradSums {
   }
   // Adds `cols` rows of a key block's gradient (rows of dim_padded values) from key c0 on.
   void add(int64_t b, int64_t hk, int64_t c0, int64_t cols, const float* block) const {
+    if (storage == Storage::kNone) return;
     for (int64_t c = 0; c < cols; ++c) {
       const float* y = block + c * dim_padded;
       if (storage == Storage::kSplit) {
@@ -552,7 +555,8 @@ struct KeyGradSums {
   // Writes (or with accumulate adds) the sums to `out` (D values of a row), times factor; nothing
   // to do in the output with factor 1 or accumulate.
   void write(const AttnShape& sh, const BshdOutput& out, int64_t dim) const {
-    if (storage == Storage::kOutput && (factor == 1.f || accumulate)) return;
+    if (storage == Storage::kNone || (storage == Storage::kOutput && (factor == 1.f || accumulate)))
+      return;
     at::parallel_for(0, sh.batch * sh.seqlen_k * sh.kv_heads, 256, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int64_t b = r / (sh.seqlen_k * sh.kv_heads), c = r / sh.kv_heads % sh.seqlen_k,
@@ -628,7 +632,9 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
           for (int64_t i = 0; i < kBlockQ; i += kLanes)
             store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
         // dV += P^T dO
-        gemm(seen, dvp, rows, st, kBlockQ, 1, packed.do_rows.at(slot), dvp, s.dv.get(), dvp, true);
+        if (p.dv.data)
+          gemm(seen, dvp, rows, st, kBlockQ, 1, packed.do_rows.at(slot), dvp, s.dv.get(), dvp,
+               true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
         gemm(seen, kBlockQ, dvp, v, vs.seq, 1, packed.dot.at(slot), kBlockQ, dpt, kBlockQ, false);
         for (int64_t c = 0; c < seen; ++c)
@@ -637,8 +643,9 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
                   load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
         if (softcap_grad) apply_softcap_grad(seen, softcap_grad, dpt);
         // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-        gemm(seen, dp, rows, dpt, kBlockQ, 1, packed.q_rows.at(slot), dp, s.dk.get(), dp, true);
-        gemm(rows, dp, seen, dpt, 1, kBlockQ, k, ks.seq, dq, dp, true);
+        if (p.dk.data)
+          gemm(seen, dp, rows, dpt, kBlockQ, 1, packed.q_rows.at(slot), dp, s.dk.get(), dp, true);
+        if (p.dq.data) gemm(rows, dp, seen, dpt, 1, kBlockQ, k, ks.seq, dq, dp, true);
       });
 }
 
@@ -699,6 +706,7 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
         }
       }
     });
+    if (!p.dq.data) continue;  // no dQ wanted (invariant mode's key-side pass)
     at::parallel_for(0, heads * (q1 - q0), 64, [&](int64_t begin, int64_t end) {
       const BshdStrides& o = p.dq.strides;
       for (int64_t r = begin; r < end; ++r) {

@@ -326,8 +326,9 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
             store_bf16(p16 + e, pr);
           }
         // dV += P^T dO
-        gemm_bf16(seen, dvp, row_pairs, p16, kBlockQ, 2, packed.do_rows.at(slot), 2 * dvp,
-                  s.dv.get(), dvp, true);
+        if (p.dv.data)
+          gemm_bf16(seen, dvp, row_pairs, p16, kBlockQ, 2, packed.do_rows.at(slot), 2 * dvp,
+                    s.dv.get(), dvp, true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta), in bf16 both as is (for dK) and as key pairs
         // (for dQ)
         gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.at(slot), 2 * kBlockQ, dpt, kBlockQ,
@@ -349,10 +350,12 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
             store_key_pair(s.ds_pairs.get(), c, i, ds0, ds1);
           }
         // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
-        gemm_bf16(seen, dp, row_pairs, ds16, kBlockQ, 2, packed.q_rows.at(slot), 2 * dp, s.dk.get(),
-                  dp, true);
-        gemm_bf16(rows, dp, (seen + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp, dq,
-                  dp, true);
+        if (p.dk.data)
+          gemm_bf16(seen, dp, row_pairs, ds16, kBlockQ, 2, packed.q_rows.at(slot), 2 * dp,
+                    s.dk.get(), dp, true);
+        if (p.dq.data)
+          gemm_bf16(rows, dp, (seen + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp,
+                    dq, dp, true);
       });
 }
 

@@ -177,6 +177,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
       .bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, grad_dtype);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_some_scored(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Mask& mask,
+    const ScoreArgs& score, const std::optional<at::Tensor>& dlse, bool want_dq, bool want_dkv) {
+  const AttnShape s = check_attention_args(q, k, v, softmax_scale, mask, score);
+  check_bwd_args(dout, q, out, lse, dlse, std::nullopt, s);
+  const Backend& backend = backend_for(q.device());
+  if (backend.bwd_some)
+    return backend.bwd_some(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, want_dq,
+                            want_dkv);
+  auto [dq, dk, dv] =
+      backend.bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, std::nullopt);
+  return {want_dq ? dq : at::Tensor(), want_dkv ? dk : at::Tensor(),
+          want_dkv ? dv : at::Tensor()};
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout_scored(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Mask& mask,

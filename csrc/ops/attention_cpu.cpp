@@ -216,7 +216,9 @@ void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tens
   if (dlse && dlse->defined()) delta.sub_(dlse->to(at::kFloat));
   const bool bf16 = backward_takes_bf16(q, dout);
   // dk and dv: fp32 where dq is split sums
-  const int64_t kv_per_call = cpu_backward_kv_heads_per_call(q, k, v, dout, s, dk.scalar_type());
+  // undefined dq, or dk and dv: not wanted (the kernels skip their products)
+  const at::ScalarType grad_type = (dk.defined() ? dk : dq).scalar_type();
+  const int64_t kv_per_call = cpu_backward_kv_heads_per_call(q, k, v, dout, s, grad_type);
   at::Tensor slopes, sinks;
   const ScoreOptions all_heads = score_options(score, slopes, sinks);
 
@@ -264,9 +266,9 @@ void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tens
     const at::Tensor lse_g = rows(lse), delta_g = rows(delta);  // (B, heads, Sq) contiguous
     p.lse = lse_g.data_ptr<float>();
     p.delta = delta_g.data_ptr<float>();
-    p.dq = output_of(q_heads(dq));
-    p.dk = output_of(kv_heads(dk));
-    p.dv = output_of(kv_heads(dv));
+    if (dq.defined()) p.dq = output_of(q_heads(dq));
+    if (dk.defined()) p.dk = output_of(kv_heads(dk));
+    if (dv.defined()) p.dv = output_of(kv_heads(dv));
     p.accumulate = accumulate;
     if (dq_low.defined())  // the group's heads, at dq's offsets
       p.dq_low = reinterpret_cast<uint16_t*>(q_heads(dq_low).data_ptr<int16_t>());
@@ -295,6 +297,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   const at::ScalarType grad = grad_dtype.value_or(q.scalar_type());
   at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, q.options().dtype(grad));
   auto [dk, dv] = new_key_grads(q, s, grad);
+  backward_cpu(dq, at::Tensor(), dk, dv, false, dout, q, k, v, out, lse, dlse, s, softmax_scale,
+               mask, score);
+  return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_some_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
+    bool want_dq, bool want_dkv) {
+  at::Tensor dq, dk, dv;
+  if (want_dq) dq = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, q.options());
+  if (want_dkv) std::tie(dk, dv) = new_key_grads(q, s, q.scalar_type());
   backward_cpu(dq, at::Tensor(), dk, dv, false, dout, q, k, v, out, lse, dlse, s, softmax_scale,
                mask, score);
   return {dq, dk, dv};
@@ -418,7 +433,7 @@ at::Tensor row_dot_cpu(const at::Tensor& a, const at::Tensor& b) {
     c10::DeviceType::CPU,
     {&attention_fwd_cpu, &attention_bwd_cpu, &attention_bwd_add_cpu, &round_split_cpu,
      &attention_bwd_in_dout_cpu, &merge_into_cpu, &apply_sinks_cpu, &sink_bwd_cpu, &row_dot_cpu,
-     /*cache_decode=*/nullptr});
+     /*cache_decode=*/nullptr, &attention_bwd_some_cpu});
 
 }  // namespace
 }  // namespace cpattn::ops

@@ -151,11 +151,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
   const auto grads = [&](const at::Tensor& dout_rows, const at::Tensor& q_rows,
                          const at::Tensor& kv_rows, const at::Tensor& out_rows,
                          const at::Tensor& lse_rows, const std::optional<at::Tensor>& dlse_rows,
-                         int64_t q_begin, int64_t k_begin) {
+                         int64_t q_begin, int64_t k_begin, bool want_dq, bool want_dkv) {
     const auto [mask, score] = run_options(c.options, q_begin, k_begin, std::nullopt);
-    return attention_bwd_scored(dout_rows, q_rows, kv_rows.narrow(3, 0, d),
-                                kv_rows.narrow(3, d, dv), out_rows, lse_rows, softmax_scale,
-                                mask, score, std::nullopt, dlse_rows);
+    return attention_bwd_some_scored(dout_rows, q_rows, kv_rows.narrow(3, 0, d),
+                                     kv_rows.narrow(3, d, dv), out_rows, lse_rows, softmax_scale,
+                                     mask, score, dlse_rows, want_dq, want_dkv);
   };
   check_per_head("invariant_bwd", "sinks", sinks, q.size(2), q.device());
   const auto sink_grads = [&](const at::Tensor& dout_g, const at::Tensor& out_g,
@@ -170,7 +170,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
   };
   if (world == 1) {  // every row against every key: dQ, dK and dV of one call
     const Run run = real_runs(c.layout, 1, 0, q.size(1), kv_all.size(2), seqlen)[0];
-    const auto [dq, dk, dv] = grads(dout, q, kv_all[0], out, lse, dlse, run.global_begin, 0);
+    const auto [dq, dk, dv] =
+        grads(dout, q, kv_all[0], out, lse, dlse, run.global_begin, 0, true, true);
     return {dq, dk, dv, sink_grads(dout, out, lse, dlse)};
   }
   TORCH_CHECK(rows_all && lse_all && rows_all->dim() == 5 && rows_all->size(0) == world &&
@@ -196,12 +197,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
                                           mine(out, 1), mine(lse, 2).contiguous(),
                                           dlse ? std::optional(mine(*dlse, 2).contiguous())
                                                : std::nullopt,
-                                          run.global_begin, 0));
+                                          run.global_begin, 0, true, false));
     mine(dq, 1).copy_(dq_run);
     // dK and dV of this run's keys against every query (its dQ is the other ranks').
     const auto [unused, dk_run, dv_run] =
         grads(rows.narrow(3, d, dv), rows.narrow(3, 0, d), mine(kv_all[rank], 1),
-              rows.narrow(3, d + dv, dv), lse_g, dlse_g, 0, run.global_begin);
+              rows.narrow(3, d + dv, dv), lse_g, dlse_g, 0, run.global_begin, false, true);
     mine(dk, 1).copy_(dk_run);
     mine(dvv, 1).copy_(dv_run);
   }

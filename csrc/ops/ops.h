@@ -32,6 +32,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
     const ScoreArgs& score, std::optional<at::ScalarType> grad_dtype,
     const std::optional<at::Tensor>& dlse);
 
+// attention_bwd_scored in the inputs' dtypes computing only dq (want_dq) and / or dk and dv
+// (want_dkv), the others undefined: the invariant backward's two passes (ops/invariant.cpp)
+// skip the products they do not need. A backend without such kernels computes all three.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_some_scored(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Mask& mask,
+    const ScoreArgs& score, const std::optional<at::Tensor>& dlse, bool want_dq, bool want_dkv);
 // attention_bwd_scored with dq (of q's dtype) written over dout, which must have q's shape and
 // dtype and must not overlap q, k or v: returns dk, dv; dq is dout afterwards. For a caller that
 // owns dout and needs it no more (Ulysses: dout by heads, received from the all-to-all).
