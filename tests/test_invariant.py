@@ -134,6 +134,78 @@ def test_bitwise_any_length(world: int) -> None:
               (torch.float32,), 301)
 
 
+def _check_ulysses(rank: int, world: int, names, dtype, seqlen) -> None:
+    """ulysses_attention(invariant=True): every rank computes its heads over the whole sequence;
+    KV heads 2 W / 2, so that every rank holds whole GQA groups."""
+    for n, name in enumerate(names):
+        causal, window, options = CASES[name]
+        full = _inputs(20 + n, seqlen, dtype, heads=(4 * max(world, 1), 2 * max(world, 1)))
+        kwargs = _draw(options, full[0].shape[2])
+        want = _one_process(full, causal, window, kwargs)
+        shard = functools.partial(cpattn.shard, layout="contiguous")
+        q, k, v = (shard(t).requires_grad_() for t in full[:3])
+        kw = dict(kwargs)
+        if "sinks" in kw:
+            kw["sinks"] = kw["sinks"].clone().requires_grad_()
+        out, lse = cpattn.ulysses_attention(q, k, v, causal=causal, window=window,
+                                            return_lse=True, seqlen=seqlen, invariant=True, **kw)
+        (out * shard(full[3])).sum().backward()
+        dsinks = None
+        if "sinks" in kw:
+            dsinks = kw["sinks"].grad.clone()
+            dist.all_reduce(dsinks)
+        unshard = functools.partial(cpattn.unshard, layout="contiguous", seqlen=seqlen)
+        got = (unshard(out.detach()), unshard(lse.detach(), dim=2), unshard(q.grad),
+               unshard(k.grad), unshard(v.grad), dsinks)
+        _assert_bitwise(f"ulysses W={world} {name} {dtype}", got, want)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ulysses_bitwise_equal_to_one_process(world: int) -> None:
+    run_ranks(world, _check_ulysses, ("causal", "sinks_window_both", "all"), torch.float32, 600)
+
+
+def test_ulysses_bitwise_bf16_any_length() -> None:
+    run_ranks(3, _check_ulysses, ("causal", "all"), torch.bfloat16, 301)
+
+
+def _check_hybrid(rank: int, world: int, u: int, layout: str, seqlen: int) -> None:
+    """hybrid_attention(invariant=True): Ulysses over U ranks, the invariant ring across R."""
+    r = world // u
+    ulysses = [dist.new_group(list(range(i * u, (i + 1) * u))) for i in range(r)]
+    rings = [dist.new_group(list(range(j, world, u))) for j in range(u)]
+    groups = {"ulysses_group": ulysses[rank // u], "ring_group": rings[rank % u],
+              "layout": layout}
+    for n, name in enumerate(("causal", "all")):
+        causal, window, options = CASES[name]
+        full = _inputs(40 + n, seqlen, torch.float32, heads=(8, 4))
+        kwargs = _draw(options, full[0].shape[2])
+        want = _one_process(full, causal, window, kwargs)
+        q, k, v = (cpattn.hybrid_shard(t, **groups).requires_grad_() for t in full[:3])
+        kw = dict(kwargs)
+        if "sinks" in kw:
+            kw["sinks"] = kw["sinks"].clone().requires_grad_()
+        out, lse = cpattn.hybrid_attention(q, k, v, causal=causal, window=window,
+                                           return_lse=True, seqlen=seqlen, invariant=True,
+                                           **groups, **kw)
+        (out * cpattn.hybrid_shard(full[3], **groups)).sum().backward()
+        dsinks = None
+        if "sinks" in kw:
+            dsinks = kw["sinks"].grad.clone()
+            dist.all_reduce(dsinks)
+        unshard = functools.partial(cpattn.hybrid_unshard, seqlen=seqlen, **groups)
+        got = (unshard(out.detach()), unshard(lse.detach(), dim=2), unshard(q.grad),
+               unshard(k.grad), unshard(v.grad), dsinks)
+        _assert_bitwise(f"hybrid W={world} U={u} {layout} {name}", got, want)
+
+
+@pytest.mark.parametrize("world,u", [(2, 2), (2, 1), (4, 2)])
+def test_hybrid_bitwise_equal_to_one_process(world: int, u: int) -> None:
+    run_ranks(world, _check_hybrid, u, "zigzag", 600)
+    if world == 4:
+        run_ranks(world, _check_hybrid, u, "contiguous", 301)
+
+
 def _check_reference(rank: int, world: int) -> None:
     """The invariant results are also exact: against float64 (forward, LSE, every gradient)."""
     for n, name in enumerate(("all", "sinks_window_both")):
@@ -183,9 +255,9 @@ def _environment(rank: int, world: int) -> None:
         got = _sharded(full, True, (-1, -1), {}, "zigzag", "ring")
         _assert_bitwise("$CPATTN_INVARIANT=1", got, want)
         q = cpattn.shard(full[0], layout="zigzag")
-        with pytest.raises(ValueError, match=r"ulysses_attention: \$CPATTN_INVARIANT=True: is "
-                                             r"not supported here yet"):
-            cpattn.ulysses_attention(q, q, q, causal=True)
+        with pytest.raises(ValueError, match=r"ring_attention_varlen: \$CPATTN_INVARIANT=True: "
+                                             r"is not supported here yet"):
+            cpattn.ring_attention_varlen(q[0], q[0], q[0], [0, 32])
         os.environ["CPATTN_INVARIANT"] = "yes"
         with pytest.raises(ValueError, match=r"\$CPATTN_INVARIANT='yes': must be \"1\""):
             cpattn.ring_attention(q, q, q)
@@ -203,10 +275,15 @@ def _refusals(rank: int, world: int) -> None:
     for call, match in [
         (lambda: cpattn.ring_attention(q, q, q, layout="striped", invariant=True),
          "layout='striped': is not supported with invariant=True"),
-        (lambda: cpattn.ulysses_attention(q, q, q, invariant=True),
-         r"ulysses_attention: invariant=True: is not supported here yet"),
-        (lambda: cpattn.hybrid_attention(q, q, q, ulysses_group=dist.group.WORLD,
+        (lambda: cpattn.ulysses_attention(q[:, :, :1], q[:, :, :1], q[:, :, :1], invariant=True),
+         "heads=1: must be divisible"),
+        (lambda: cpattn.ulysses_attention(q, q[:, :, :1], q[:, :, :1], invariant=True),
+         r"kv_heads=1: must be divisible by the Ulysses group size \(2\) with invariant=True"),
+        (lambda: cpattn.hybrid_attention(q, q[:, :, :1], q[:, :, :1],
+                                         ulysses_group=dist.group.WORLD,
                                          ring_group=singles[rank], invariant=True),
+         "kv_heads=1: must be divisible"),
+        (lambda: cpattn.ulysses_attention_varlen(q[0], q[0], q[0], [0, 16], invariant=True),
          "not supported here yet"),
         (lambda: cpattn.ring_attention_varlen(q[0], q[0], q[0], [0, 16], invariant=True),
          "not supported here yet"),

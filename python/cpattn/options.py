@@ -19,7 +19,8 @@ from cpattn._validation import check_bool, check_int, check_scale, check_window,
 
 # The functions that honour invariant=True (results bitwise independent of the number of ranks,
 # the layout and the strategy: docs/invariance.md); any other raises rather than drop it.
-INVARIANT_FUNCTIONS = ("cpattn.attention", "cpattn.ring_attention")
+INVARIANT_FUNCTIONS = ("cpattn.attention", "cpattn.ring_attention", "cpattn.ulysses_attention",
+                       "cpattn.hybrid_attention")
 
 # The ops' option arguments, in their schema order (csrc/ops/options.h kOptionsSchema).
 OP_OPTION_NAMES = ("softmax_scale", "causal", "window_left", "window_right", "softcap",
@@ -136,7 +137,7 @@ def _checked_invariant(what: str, invariant) -> bool:
     invariant = check_bool(what, source, invariant)
     if invariant and what not in INVARIANT_FUNCTIONS:
         raise error(what, source, True, "is not supported here yet: results bitwise independent "
-                    f"of the number of ranks are given by {' and '.join(INVARIANT_FUNCTIONS)} "
+                    f"of the number of ranks are given by {', '.join(INVARIANT_FUNCTIONS)} "
                     "(docs/invariance.md)")
     return invariant
 

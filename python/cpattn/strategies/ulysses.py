@@ -17,7 +17,7 @@ from cpattn import comm
 from cpattn._agreement import agree_on
 from cpattn._autograd import once_differentiable
 from cpattn._device import to_device
-from cpattn._layout import kv_heads_for_ranks, padded_length
+from cpattn._layout import LAYOUTS, kv_heads_for_ranks, padded_length
 from cpattn._validation import check_bool, check_int, check_timeout, document_lengths, error
 from cpattn.attention import attention_varlen
 from cpattn.max_logits import document_placement, global_max_logits, returned, sequence_placement
@@ -25,6 +25,7 @@ from cpattn.options import AttentionOptions
 from cpattn.packing import gathered_order
 from cpattn.sharding import group_info
 from cpattn.strategies.common import checked_call, input_grads
+from cpattn.strategies.invariant import InvariantAttention, check_invariant_call
 
 
 def scatter_heads(q, k, v, group):
@@ -144,6 +145,11 @@ def across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Att
         if q.shape[2] % world != 0:
             raise error(what, "heads", q.shape[2],
                         f"must be divisible by the Ulysses group size ({world})")
+        if opts.invariant:  # (the hybrid's ring checks its layout)
+            check_invariant_call(what, q, "contiguous", world)
+            if k.shape[2] % world != 0:  # a replicated KV head's gradient is a sum over ranks
+                raise error(what, "kv_heads", k.shape[2], f"must be divisible by the Ulysses "
+                            f"group size ({world}) with invariant=True")
         more = fields_of() if fields_of is not None else []  # (varlen: validates cu_seqlens)
         held = q.shape[1] * world  # tokens of a head shard
         n = None
@@ -158,6 +164,11 @@ def across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Att
     qh, kh, vh = scatter_heads(q, k, v, group)
     real = qh.shape[1] if n is None else rows(n)[1]
     mine = opts.for_heads(my_heads(q.shape[2], group))
+    if opts.invariant and attend is None:  # each rank's heads over the whole sequence, as one
+        # process computes them (the hybrid's attend is the ring, invariant itself)
+        def attend(qh, kh, vh, n, o):
+            return InvariantAttention.apply(qh, kh, vh, o.sinks, o, None, 0, 1,
+                                            LAYOUTS["contiguous"], qh.shape[1], kh.shape[2])
     if attend is None:
         out, lse = _LocalAcrossHeads.apply(qh, kh, vh, opts.sinks, real, group, mine)
         return (out, lse) if return_lse else out
