@@ -269,6 +269,31 @@ def test_environment_variable() -> None:
     run_ranks(2, _environment)
 
 
+def _context_parallel(rank: int, world: int) -> None:
+    """ContextParallel(invariant=True): every call of its attention is; options an integration
+    builds (AttentionOptions.as_keywords) never turn $CPATTN_INVARIANT off."""
+    import os
+
+    from cpattn.options import AttentionOptions
+
+    full = _inputs(4, 64, torch.float32)
+    want = _sharded(full, True, (-1, -1), {}, "zigzag", "ring", invariant=True)[0]
+    cp = cpattn.ContextParallel(strategy="allgather", layout="zigzag", invariant=True)
+    q, k, v = (cpattn.shard(t, layout="zigzag") for t in full[:3])
+    assert torch.equal(cpattn.unshard(cp.attention(q, k, v, causal=True), layout="zigzag"), want)
+    keywords = AttentionOptions.checked("cpattn.attention", 32, causal=True).as_keywords()
+    os.environ["CPATTN_INVARIANT"] = "1"
+    try:
+        out = cpattn.ContextParallel(strategy="ring").attention(q, k, v, **keywords)
+    finally:
+        del os.environ["CPATTN_INVARIANT"]
+    assert torch.equal(cpattn.unshard(out, layout="zigzag"), want)
+
+
+def test_context_parallel_and_integrations() -> None:
+    run_ranks(2, _context_parallel)
+
+
 def _refusals(rank: int, world: int) -> None:
     q = torch.randn(1, 8, 2, 16)
     singles = [dist.new_group([r]) for r in range(world)]  # hybrid: Ulysses over all, no ring

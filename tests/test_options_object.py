@@ -38,7 +38,9 @@ def test_op_kwargs_are_the_schema_suffix():
     assert kwargs["softmax_scale"] == pytest.approx(8 ** -0.5)
     assert (kwargs["causal"], kwargs["window_left"], kwargs["window_right"], kwargs["softcap"],
             kwargs["prefix_len"]) == (True, 4, 0, 1.0, 3)
-    assert tuple(opts.as_keywords()) == NAMES
+    # invariant only when on: the callee's default ($CPATTN_INVARIANT) holds otherwise
+    assert tuple(opts.as_keywords()) == tuple(n for n in NAMES if n != "invariant")
+    assert tuple(opts.replace(invariant=True).as_keywords()) == NAMES
 
 
 def test_an_op_without_a_scale_raises():

@@ -103,8 +103,11 @@ class AttentionOptions:
                 "prefix_len": self.prefix_len}
 
     def as_keywords(self) -> dict:
-        """The options as the keyword arguments of the public attention functions."""
-        return {name: getattr(self, name) for name in NAMES}
+        """The options as the keyword arguments of the public attention functions; invariant
+        only when True (else the callee's own default, $CPATTN_INVARIANT, holds: options built
+        by an integration never turn the environment's invariant mode off)."""
+        return {name: getattr(self, name) for name in NAMES
+                if name != "invariant" or self.invariant}
 
     def for_heads(self, heads: slice) -> AttentionOptions:
         """The options of a slice of the query heads (the per-head tensors sliced)."""

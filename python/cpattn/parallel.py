@@ -56,6 +56,8 @@ class ContextParallel:
             memory, see cpattn.ring_attention).
         timeout: seconds to wait for a peer before raising (default $CPATTN_COMM_TIMEOUT, else the
             process group's own timeout).
+        invariant: every attention call with invariant=True (results bitwise independent of the
+            number of ranks: docs/invariance.md); default $CPATTN_INVARIANT.
 
     Every rank of the group must make the same object (same strategy and layout).
     """
@@ -69,7 +71,12 @@ class ContextParallel:
         allgather_chunk: Optional[int] = None,
         ring_chunk: Optional[int] = None,
         timeout: Optional[float] = None,
+        invariant: bool = False,
     ) -> None:
+        if not isinstance(invariant, bool):
+            raise ValueError(f"cpattn.ContextParallel: invariant must be True or False, got "
+                             f"{invariant!r}")
+        self.invariant = invariant
         if strategy not in STRATEGIES:
             raise ValueError(
                 f"cpattn.ContextParallel: strategy must be one of {STRATEGIES}, got {strategy!r}"
@@ -217,6 +224,8 @@ class ContextParallel:
         """
         if "causal" not in options:
             raise TypeError("cpattn.ContextParallel.attention: give causal=True or False")
+        if self.invariant:
+            options = {**options, "invariant": True}
         common = dict(return_lse=return_lse, timeout=self.timeout,
                       return_max_logits=return_max_logits, **options)
         if documents is not None:
