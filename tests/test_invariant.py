@@ -328,3 +328,27 @@ def _refusals(rank: int, world: int) -> None:
 
 def test_refusals_on_every_rank() -> None:
     run_ranks(2, _refusals)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["causal", "window", "all"])
+def test_one_process_prefill_and_decode_equal_the_training_rows(dtype, name) -> None:
+    """The rollout side of a trainer / rollout pair: a prompt prefilled in 1, 2 or 3 chunks, then
+    5 decode steps, each by cpattn.attention(invariant=True) over the keys so far (bottom-right
+    aligned), give every token's row of the training forward over the whole sequence, bitwise."""
+    causal, window, options = CASES[name]
+    full = _inputs(60, 333, dtype)
+    kwargs = _draw(options, full[0].shape[2])
+    q, k, v, _ = full
+    want, want_lse = cpattn.attention(q, k, v, causal=causal, window=window, return_lse=True,
+                                      invariant=True, **kwargs)
+    prompt = 328
+    # (a prefill holds the whole prefix of prefix-LM: its tokens see each other)
+    for cuts in ([prompt], [200, prompt], [20, 129, prompt]):
+        start = 0
+        for end in [*cuts, *range(prompt + 1, 334)]:  # prefill chunks, then one token at a time
+            out, lse = cpattn.attention(q[:, start:end], k[:, :end], v[:, :end], causal=causal,
+                                        window=window, return_lse=True, invariant=True, **kwargs)
+            assert torch.equal(out, want[:, start:end]), (cuts, start, end)
+            assert torch.equal(lse, want_lse[:, :, start:end]), (cuts, start, end)
+            start = end

@@ -1,8 +1,8 @@
 // Invariant mode (cpattn.ring_attention(invariant=True)): results that do not depend on the number
 // of ranks, the layout or the strategy, bit for bit. Each rank computes exactly what one process
 // computes for its own query rows (out, lse, dQ) and its own keys (dK, dV): the operands it needs
-// are gathered (python/cpattn/strategies/invariant.py), put in global order here, and each
-// product is one kernel call over the whole sequence on global positions. The kernels' sums then
+// are gathered in global order (python/cpattn/strategies/invariant.py), and each product is one
+// kernel call over the whole sequence on global positions. The kernels' sums then
 // go in an order fixed by global positions alone: the forward folds key blocks from key 0 and
 // treats every query row alike; the backward runs with AttnShape::fixed_order (one key split,
 // query chunks of a fixed size from row 0). The contiguous and zigzag layouts hold runs of
@@ -41,54 +41,38 @@ std::vector<Run> real_runs(Layout layout, int64_t world, int64_t rank, int64_t l
   return runs;
 }
 
-// The first `seqlen` positions of a sequence in global order, from the shards of every rank
-// gathered as `all` (world, then a shard whose sequence dim is `dim`).
-at::Tensor global_order(const at::Tensor& all, Layout layout, int64_t seqlen, int64_t dim) {
-  const int64_t world = all.size(0), local = all.size(dim + 1);
-  if (world == 1) return all[0].narrow(dim, 0, seqlen);
-  std::vector<int64_t> sizes = all[0].sizes().vec();
-  sizes[dim] = local * world;
-  at::Tensor global = at::empty(sizes, all.options());
-  for (int64_t r = 0; r < world; ++r) {
-    const ShardRuns s = shard_runs(layout, local * world, world, r);
-    for (int i = 0; i < s.count; ++i) {
-      const Run& run = s.runs[i];
-      global.narrow(dim, run.global_begin, run.length).copy_(all[r].narrow(dim, run.local_begin,
-                                                                              run.length));
-    }
-  }
-  return global.narrow(dim, 0, seqlen);
-}
-
 struct InvariantCall {
   Layout layout;
   int64_t world, rank, seqlen;
   AttentionOptions options;
 };
 
-// Checks before any kernel runs; every rank passes the same values (agreed on in Python).
-InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at::Tensor& kv_all,
-                                   int64_t rank, int64_t layout, int64_t seqlen,
-                                   const AttentionOptions& o) {
-  TORCH_CHECK(kv_all.dim() == 5 && q.dim() == 4 && kv_all.size(4) > q.size(3),
-              "cpattn.", fn, ": kv_all must be (world, batch, seqlen_local, kv_heads, head_dim + "
-              "v_head_dim) for q (batch, seqlen_local, heads, head_dim), got ", kv_all.sizes(),
-              " and ", q.sizes());
+// Checks before any kernel runs; every rank passes the same values (agreed on in Python). q this
+// rank's shard (B, L, H, D); k (B, W L, Hkv, D) every rank's keys in global order (with one rank:
+// the keys, which q's rows may be fewer than).
+InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, int64_t rank, int64_t world,
+                                   int64_t layout, int64_t seqlen, const AttentionOptions& o) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes().slice(0, 3) ==
+                  v.sizes().slice(0, 3) && k.size(0) == q.size(0) && k.size(3) == q.size(3),
+              "cpattn.", fn, ": q must be (batch, seqlen_local, heads, head_dim) and k, v (batch, "
+              "seqlen, kv_heads, head_dim / v_head_dim) in global order, got ", q.sizes(), ", ",
+              k.sizes(), " and ", v.sizes());
   TORCH_CHECK(q.device().is_cpu(), "cpattn.", fn, ": invariant=True runs on CPU tensors only "
               "(the CUDA kernels have no fixed-order mode yet), got q on ", q.device());
-  const int64_t world = kv_all.size(0), local = kv_all.size(2);
   check_rank(rank, world);
   const Layout l = checked_layout(layout);
   TORCH_CHECK(world == 1 || l != Layout::kStriped, "cpattn.", fn,
               ": invariant=True needs the contiguous or zigzag layout (a striped shard's "
               "positions are not runs of consecutive positions)");
-  TORCH_CHECK(world == 1 || q.size(1) == local, "cpattn.", fn,
-              ": q and k/v shards must have the same length, got ", q.size(1), " and ", local);
-  TORCH_CHECK(world == 1 || l != Layout::kZigzag || local % 2 == 0, "cpattn.", fn,
+  TORCH_CHECK(world == 1 ? k.size(1) >= q.size(1) : k.size(1) == q.size(1) * world, "cpattn.",
+              fn, ": k and v must hold the ", world, " ranks' shards of ", q.size(1),
+              " tokens, got ", k.size(1));
+  TORCH_CHECK(world == 1 || l != Layout::kZigzag || q.size(1) % 2 == 0, "cpattn.", fn,
               ": the zigzag layout holds two equal chunks per rank, so the local sequence length "
-              "must be even, got ", local);
-  TORCH_CHECK(seqlen >= (world == 1 ? q.size(1) : 1) && seqlen <= local * world, "cpattn.", fn,
-              ": seqlen must be in [1, ", local * world, "] (the shards' tokens), got ", seqlen);
+              "must be even, got ", q.size(1));
+  TORCH_CHECK(seqlen >= (world == 1 ? k.size(1) : 1) && seqlen <= k.size(1), "cpattn.", fn,
+              ": seqlen must be in [1, ", k.size(1), "] (with one rank: every key), got ", seqlen);
   check_options(fn, o, q.size(2), q.device());
   return {l, world, rank, seqlen, o};
 }
@@ -108,56 +92,56 @@ std::pair<Mask, ScoreArgs> run_options(const AttentionOptions& o, int64_t q_begi
   return {m, a};
 }
 
-std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::Tensor& kv_all,
-                                                 int64_t rank, int64_t layout, int64_t seqlen,
+std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                 const at::Tensor& v, int64_t rank, int64_t world,
+                                                 int64_t layout, int64_t seqlen,
                                                  const std::optional<at::Tensor>& sinks,
                                                  CPATTN_OPTION_PARAMS) {
-  const InvariantCall c =
-      check_invariant_args("invariant_fwd", q, kv_all, rank, layout, seqlen, CPATTN_OPTIONS);
+  const InvariantCall c = check_invariant_args("invariant_fwd", q, k, v, rank, world, layout,
+                                               seqlen, CPATTN_OPTIONS);
   check_per_head("invariant_fwd", "sinks", sinks, q.size(2), q.device());
-  const int64_t d = q.size(3), dv = kv_all.size(4) - d;
-  const at::Tensor kv = global_order(kv_all, c.layout, seqlen, 1);
-  const at::Tensor k = kv.narrow(3, 0, d), v = kv.narrow(3, d, dv);
+  const at::Tensor keys = k.narrow(1, 0, seqlen), values = v.narrow(1, 0, seqlen);
   // Padding rows: out 0, lse -inf (with a sink: the sink), as the ring gives them.
-  at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2), dv}, q.options());
+  at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   at::Tensor lse = at::full({q.size(0), q.size(2), q.size(1)}, -INFINITY,
                             q.options().dtype(at::kFloat));
   if (sinks) lse.copy_(sinks->to(at::kFloat).view({1, -1, 1}).expand_as(lse));
-  for (const Run& run : real_runs(c.layout, c.world, rank, q.size(1), kv_all.size(2), seqlen)) {
+  for (const Run& run : real_runs(c.layout, world, rank, q.size(1), k.size(1) / world, seqlen)) {
     const auto [mask, score] = run_options(c.options, run.global_begin, 0, sinks);
-    const auto [o, l] = attention_fwd_scored(q.narrow(1, run.local_begin, run.length), k, v,
-                                             softmax_scale, mask, score, std::nullopt);
+    const auto [o, l] = attention_fwd_scored(q.narrow(1, run.local_begin, run.length), keys,
+                                             values, softmax_scale, mask, score, std::nullopt);
     out.narrow(1, run.local_begin, run.length).copy_(o);
     lse.narrow(2, run.local_begin, run.length).copy_(l);
   }
   return {out, lse};
 }
 
-// rows_all (world, B, L, H, D + 2 Dv): every rank's q, dout and out side by side along the head
-// dim; lse_all and dlse_all (world, B, H, L); with one rank, none of them (q, dout, out, lse and
-// dlse are everything). Returns dq (q's rows) and dk, dv (this rank's keys), in the inputs'
-// dtypes, padding rows and keys 0; and with sinks their gradient (H,) fp32 over the whole
-// sequence on rank 0, 0 elsewhere: summed over the ranks (the usual gradient all-reduce) it is
-// exactly the one-process gradient, whatever the number of ranks (no sinks: an empty tensor).
+// k, v as invariant_fwd's; q_all, dout_all, out_all (B, W L, H, D / Dv) and lse_all, dlse_all
+// (B, H, W L): every rank's, in global order; with one rank, none of them (q, dout, out, lse and
+// dlse are everything). Returns dq (q's rows) and dk, dv (this rank's keys, (B, L, Hkv, D / Dv))
+// in the inputs' dtypes, padding rows and keys 0; and with sinks their gradient (H,) fp32 over
+// the whole sequence on rank 0, 0 elsewhere: summed over the ranks (the usual gradient
+// all-reduce) it is exactly the one-process gradient, whatever the number of ranks (no sinks:
+// an empty tensor).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kv_all, const at::Tensor& out,
-    const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-    const std::optional<at::Tensor>& rows_all, const std::optional<at::Tensor>& lse_all,
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const std::optional<at::Tensor>& q_all, const std::optional<at::Tensor>& dout_all,
+    const std::optional<at::Tensor>& out_all, const std::optional<at::Tensor>& lse_all,
     const std::optional<at::Tensor>& dlse_all, const std::optional<at::Tensor>& sinks,
-    int64_t rank, int64_t layout, int64_t seqlen, CPATTN_OPTION_PARAMS) {
-  const InvariantCall c =
-      check_invariant_args("invariant_bwd", q, kv_all, rank, layout, seqlen, CPATTN_OPTIONS);
-  const int64_t d = q.size(3), dv = kv_all.size(4) - d, world = c.world;
-  const auto grads = [&](const at::Tensor& dout_rows, const at::Tensor& q_rows,
-                         const at::Tensor& kv_rows, const at::Tensor& out_rows,
-                         const at::Tensor& lse_rows, const std::optional<at::Tensor>& dlse_rows,
-                         int64_t q_begin, int64_t k_begin, bool want_dq, bool want_dkv) {
-    const auto [mask, score] = run_options(c.options, q_begin, k_begin, std::nullopt);
-    return attention_bwd_some_scored(dout_rows, q_rows, kv_rows.narrow(3, 0, d),
-                                     kv_rows.narrow(3, d, dv), out_rows, lse_rows, softmax_scale,
-                                     mask, score, dlse_rows, want_dq, want_dkv);
-  };
+    int64_t rank, int64_t world, int64_t layout, int64_t seqlen, CPATTN_OPTION_PARAMS) {
+  const InvariantCall c = check_invariant_args("invariant_bwd", q, k, v, rank, world, layout,
+                                               seqlen, CPATTN_OPTIONS);
   check_per_head("invariant_bwd", "sinks", sinks, q.size(2), q.device());
+  const auto grads = [&](const at::Tensor& dout_rows, const at::Tensor& q_rows,
+                         const at::Tensor& k_rows, const at::Tensor& v_rows,
+                         const at::Tensor& out_rows, const at::Tensor& lse_rows,
+                         const std::optional<at::Tensor>& dlse_rows, int64_t q_begin,
+                         int64_t k_begin, bool want_dq, bool want_dkv) {
+    const auto [mask, score] = run_options(c.options, q_begin, k_begin, std::nullopt);
+    return attention_bwd_some_scored(dout_rows, q_rows, k_rows, v_rows, out_rows, lse_rows,
+                                     softmax_scale, mask, score, dlse_rows, want_dq, want_dkv);
+  };
   const auto sink_grads = [&](const at::Tensor& dout_g, const at::Tensor& out_g,
                               const at::Tensor& lse_g, const std::optional<at::Tensor>& dlse_g) {
     const auto f32 = q.options().dtype(at::kFloat);
@@ -169,45 +153,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
                   dlse_g ? std::optional(dlse_g->contiguous()) : std::nullopt);
   };
   if (world == 1) {  // every row against every key: dQ, dK and dV of one call
-    const Run run = real_runs(c.layout, 1, 0, q.size(1), kv_all.size(2), seqlen)[0];
-    const auto [dq, dk, dv] =
-        grads(dout, q, kv_all[0], out, lse, dlse, run.global_begin, 0, true, true);
+    const Run run = real_runs(c.layout, 1, 0, q.size(1), k.size(1), seqlen)[0];
+    const auto [dq, dk, dv] = grads(dout, q, k, v, out, lse, dlse, run.global_begin, 0, true, true);
     return {dq, dk, dv, sink_grads(dout, out, lse, dlse)};
   }
-  TORCH_CHECK(rows_all && lse_all && rows_all->dim() == 5 && rows_all->size(0) == world &&
-                  rows_all->size(4) == d + 2 * dv && lse_all->dim() == 4 &&
-                  lse_all->size(0) == world && dlse.has_value() == dlse_all.has_value(),
-              "cpattn.invariant_bwd: over ", world, " ranks, rows_all must be (world, batch, "
-              "seqlen_local, heads, head_dim + 2 v_head_dim) and lse_all (world, batch, heads, "
-              "seqlen_local), with dlse_all given with dlse");
-  const at::Tensor kv = global_order(kv_all, c.layout, seqlen, 1);
-  const at::Tensor rows = global_order(*rows_all, c.layout, seqlen, 1);
-  const at::Tensor lse_g = global_order(*lse_all, c.layout, seqlen, 2);
+  TORCH_CHECK(q_all && dout_all && out_all && lse_all && dlse.has_value() == dlse_all.has_value(),
+              "cpattn.invariant_bwd: over ", world, " ranks, q_all, dout_all, out_all and "
+              "lse_all (and dlse_all with dlse) are needed");
+  const auto first = [&](const at::Tensor& t, int64_t dim) { return t.narrow(dim, 0, seqlen); };
+  const at::Tensor keys = first(k, 1), values = first(v, 1);
+  const at::Tensor q_g = first(*q_all, 1), dout_g = first(*dout_all, 1),
+                   out_g = first(*out_all, 1), lse_g = first(*lse_all, 2);
   const std::optional<at::Tensor> dlse_g =
-      dlse_all ? std::optional(global_order(*dlse_all, c.layout, seqlen, 2)) : std::nullopt;
+      dlse_all ? std::optional(first(*dlse_all, 2)) : std::nullopt;
+  const int64_t local = q.size(1);
   at::Tensor dq = at::zeros_like(q);
-  at::Tensor dk = at::zeros({q.size(0), q.size(1), kv_all.size(3), d}, q.options());
-  at::Tensor dvv = at::zeros({q.size(0), q.size(1), kv_all.size(3), dv}, q.options());
-  for (const Run& run : real_runs(c.layout, world, rank, q.size(1), kv_all.size(2), seqlen)) {
+  at::Tensor dk = at::zeros({q.size(0), local, k.size(2), k.size(3)}, q.options());
+  at::Tensor dv = at::zeros({q.size(0), local, v.size(2), v.size(3)}, q.options());
+  for (const Run& run : real_runs(c.layout, world, rank, local, local, seqlen)) {
     const auto mine = [&](const at::Tensor& t, int64_t dim) {
       return t.narrow(dim, run.local_begin, run.length);
     };
+    const auto at_run = [&](const at::Tensor& t) {
+      return t.narrow(1, run.global_begin, run.length);
+    };
     // dQ of this run's rows against every key (its dK and dV are other ranks' business).
-    const auto dq_run = std::get<0>(grads(mine(dout, 1).contiguous(), mine(q, 1), kv,
-                                          mine(out, 1), mine(lse, 2).contiguous(),
-                                          dlse ? std::optional(mine(*dlse, 2).contiguous())
-                                               : std::nullopt,
-                                          run.global_begin, 0, true, false));
+    const auto dq_run = std::get<0>(grads(
+        mine(dout, 1), mine(q, 1), keys, values, mine(out, 1), mine(lse, 2).contiguous(),
+        dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt, run.global_begin, 0,
+        true, false));
     mine(dq, 1).copy_(dq_run);
     // dK and dV of this run's keys against every query (its dQ is the other ranks').
-    const auto [unused, dk_run, dv_run] =
-        grads(rows.narrow(3, d, dv), rows.narrow(3, 0, d), mine(kv_all[rank], 1),
-              rows.narrow(3, d + dv, dv), lse_g, dlse_g, 0, run.global_begin, false, true);
+    const auto [unused, dk_run, dv_run] = grads(dout_g, q_g, at_run(keys), at_run(values), out_g,
+                                                lse_g, dlse_g, 0, run.global_begin, false, true);
     mine(dk, 1).copy_(dk_run);
-    mine(dvv, 1).copy_(dv_run);
+    mine(dv, 1).copy_(dv_run);
   }
-  return {dq, dk, dvv,
-          sink_grads(rows.narrow(3, d, dv), rows.narrow(3, d + dv, dv), lse_g, dlse_g)};
+  return {dq, dk, dv, sink_grads(dout_g, out_g, lse_g, dlse_g)};
 }
 
 }  // namespace

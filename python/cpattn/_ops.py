@@ -144,22 +144,22 @@ def _gathered_bwd_fake(dout, q, kv_all, out, lse, rank, layout, doc_lengths=None
 
 
 @torch.library.register_fake("cpattn::invariant_fwd")
-def _invariant_fwd_fake(q, kv_all, rank, layout, seqlen, sinks=None, *options, **named_options):
-    _check_same_device("q and kv_all", q, kv_all)
-    b, s, h, d = q.shape  # kv_all (W, B, S, Hkv, D + Dv)
-    return (q.new_empty((b, s, h, kv_all.shape[-1] - d)),
-            q.new_empty((b, h, s), dtype=torch.float32))
+def _invariant_fwd_fake(q, k, v, rank, world, layout, seqlen, sinks=None, *options,
+                        **named_options):
+    _check_same_device("q, k and v", q, k, v)
+    b, s, h, _ = q.shape
+    return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.register_fake("cpattn::invariant_bwd")
-def _invariant_bwd_fake(dout, q, kv_all, out, lse, dlse, rows_all, lse_all, dlse_all, sinks,
-                        rank, layout, seqlen, *options, **named_options):
-    _check_same_device("dout, q, kv_all, out and lse", dout, q, kv_all, out, lse)
-    b, s, h, d = q.shape
-    hkv, dv = kv_all.shape[3], kv_all.shape[-1] - d
+def _invariant_bwd_fake(dout, q, k, v, out, lse, dlse, q_all, dout_all, out_all, lse_all,
+                        dlse_all, sinks, rank, world, layout, seqlen, *options, **named_options):
+    _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
+    b, s, h, _ = q.shape
+    keys = k.shape[1] if world == 1 else s  # this rank's keys
     dsinks = q.new_empty((h if sinks is not None else 0,), dtype=torch.float32)
-    return (q.new_empty(q.shape), q.new_empty((b, s, hkv, d)), q.new_empty((b, s, hkv, dv)),
-            dsinks)
+    return (q.new_empty(q.shape), q.new_empty((b, keys, *k.shape[2:])),
+            q.new_empty((b, keys, *v.shape[2:])), dsinks)
 
 
 @torch.library.register_fake("cpattn::layout_positions")

@@ -6,7 +6,10 @@ gathers every rank's K and V, the backward also every rank's q, dout, out and ls
 at a time (as the all-gather strategy), so the memory per rank stays bounded.
 cpattn.attention(invariant=True) is the same computation over one rank: the reference."""
 
+import functools
+
 import torch
+import torch.distributed as dist
 
 from cpattn import comm
 from cpattn._autograd import once_differentiable
@@ -24,14 +27,42 @@ def check_invariant_call(what: str, q: torch.Tensor, layout: str, world: int) ->
                     "'contiguous' or 'zigzag' (their shards are runs of consecutive positions)")
 
 
-def gather(t: torch.Tensor, group, world: int) -> torch.Tensor:
-    """(W, *t.shape): every rank's `t`, in rank order; with one rank, t itself as (1, *t.shape)."""
-    t = t.contiguous()
+@functools.lru_cache(maxsize=64)
+def _runs(layout_code: int, world: int, local: int) -> tuple:
+    """Per rank, (local begin, length, global begin) of each run of consecutive positions of its
+    shard of `local` tokens (the layout's rule: torch.ops.cpattn.layout_positions), cut at the
+    same local indices on every rank (zigzag's last rank holds two chunks that follow each
+    other, cut like the others'), so that the ranks' j-th runs have one length."""
+    pos = [torch.ops.cpattn.layout_positions(local * world, world, r, layout_code).tolist()
+           for r in range(world)]
+    cuts = sorted({i for p in pos for i in range(1, local) if p[i] != p[i - 1] + 1} | {local})
+    return tuple(tuple((b, e - b, p[b]) for b, e in zip([0, *cuts], cuts)) for p in pos)
+
+
+def gather_global(t: torch.Tensor, dim: int, group, world: int, layout_code: int
+                  ) -> torch.Tensor:
+    """Every rank's shard of `t` (its tokens along `dim`, in the layout's order) in global
+    order: t's shape with W times the tokens along `dim`. Stored sequence-major, so that the
+    ranks' runs of positions that follow each other in rank order (contiguous; zigzag's first
+    chunks) are gathered in place; other runs (zigzag's second chunks, in reverse rank order)
+    through a buffer. With one rank, t itself."""
     if world == 1:
-        return t[None]
-    out = t.new_empty((world * t.shape[0], *t.shape[1:]))
-    comm.all_gather_flat(out, t, group=group)
-    return out.view(world, *t.shape)
+        return t
+    rank, local = dist.get_rank(group), t.shape[dim]
+    src = t.movedim(dim, 0)
+    out = src.new_empty((world * local, *src.shape[1:]))
+    runs = _runs(layout_code, world, local)
+    for j, (begin, length, _) in enumerate(runs[rank]):  # the ranks' j-th runs: equal lengths
+        starts = [runs[r][j][2] for r in range(world)]
+        mine = src.narrow(0, begin, length).contiguous()
+        if starts == [starts[0] + r * length for r in range(world)]:
+            comm.all_gather_flat(out.narrow(0, starts[0], world * length), mine, group=group)
+            continue
+        gathered = mine.new_empty((world * length, *mine.shape[1:]))
+        comm.all_gather_flat(gathered, mine, group=group)
+        for r, start in enumerate(starts):
+            out.narrow(0, start, length).copy_(gathered.narrow(0, r * length, length))
+    return out.movedim(0, dim)
 
 
 class InvariantAttention(torch.autograd.Function):
@@ -44,10 +75,11 @@ class InvariantAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, options, group, rank, world, layout_code, seqlen,
                 group_size):
         def attend(qh, kh):  # the gathered head group is freed on return, before the next one
-            kv_all = gather(torch.cat([k[:, :, kh], v[:, :, kh]], dim=-1), group, world)
+            k_all, v_all = (gather_global(t[:, :, kh], 1, group, world, layout_code)
+                            for t in (k, v))
             o = options.for_heads(qh)
-            return torch.ops.cpattn.invariant_fwd(q[:, :, qh], kv_all, rank, layout_code, seqlen,
-                                                  o.sinks, **o.op_kwargs())
+            return torch.ops.cpattn.invariant_fwd(q[:, :, qh], k_all, v_all, rank, world,
+                                                  layout_code, seqlen, o.sinks, **o.op_kwargs())
 
         out, lse = forward_in_passes(q, k, group_size, attend)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -63,26 +95,28 @@ class InvariantAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32,
                                                         device=sinks.device)
+
+        def everyone(t, dim=1):  # every rank's rows of a head group, in global order
+            return None if t is None or world == 1 else \
+                gather_global(t, dim, group, world, layout_code)
+
         for qh, kh in head_groups(q, k, group_size):
             o = options.for_heads(qh)
-            kv_all = gather(torch.cat([k[:, :, kh], v[:, :, kh]], dim=-1), group, world)
-            rows_all = lse_all = dlse_all = None
-            if world > 1:
-                rows_all = gather(torch.cat([q[:, :, qh], dout[:, :, qh], out[:, :, qh]], dim=-1),
-                                  group, world)
-                lse_all = gather(lse[:, qh], group, world)
-                dlse_all = None if dlse is None else gather(dlse[:, qh], group, world)
+            heads = (dout[:, :, qh], q[:, :, qh], out[:, :, qh], lse[:, qh],
+                     None if dlse is None else dlse[:, qh])
             dq_c, dk_c, dv_c, dsinks_c = torch.ops.cpattn.invariant_bwd(
-                dout[:, :, qh].contiguous(), q[:, :, qh], kv_all, out[:, :, qh],
-                lse[:, qh].contiguous(), None if dlse is None else dlse[:, qh].contiguous(),
-                rows_all, lse_all, dlse_all, o.sinks, rank, layout_code, seqlen,
-                **o.op_kwargs())
-            del kv_all, rows_all
+                *(t if t is None else t.contiguous() for t in heads[:2]),
+                *(gather_global(t[:, :, kh], 1, group, world, layout_code) for t in (k, v)),
+                *(t if t is None else t.contiguous() for t in heads[2:]),
+                everyone(heads[1]), everyone(heads[0]), everyone(heads[2]),
+                everyone(heads[3], 2), everyone(heads[4], 2),
+                o.sinks, rank, world, layout_code, seqlen, **o.op_kwargs())
             dq[:, :, qh].copy_(dq_c)
             dk[:, :, kh].copy_(dk_c)
             dv[:, :, kh].copy_(dv_c)
             if dsinks is not None:
                 dsinks[qh].copy_(dsinks_c)
+            del dq_c, dk_c, dv_c
         if dsinks is not None:
             dsinks = dsinks.to(sinks.dtype) if ctx.needs_input_grad[3] else None
         return input_grads(ctx, dq, dk, dv, dsinks)
