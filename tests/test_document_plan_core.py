@@ -185,7 +185,7 @@ def test_compiled_fullgraph_with_subset_splits():
     run_ranks(3, _compiled)
 
 
-@pytest.mark.parametrize("world,seed", itertools.product([2, 3, 4], range(4)))
+@pytest.mark.parametrize("world,seed", list(itertools.product([2, 3, 4], range(4))))
 def test_plan_properties(world, seed):
     gen = torch.Generator().manual_seed(seed)
     lengths = [int(x) for x in torch.exp(torch.randn(40, generator=gen) * 1.2 + 5).clamp(1,

@@ -354,8 +354,8 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
           gemm_bf16(seen, dp, row_pairs, ds16, kBlockQ, 2, packed.q_rows.at(slot), 2 * dp,
                     s.dk.get(), dp, true);
         if (p.dq.data)
-          gemm_bf16(rows, dp, (seen + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp,
-                    dq, dp, true);
+          gemm_bf16(rows, dp, (seen + 1) / 2, s.ds_pairs.get(), 2, 2 * kBlockQ, k_pairs, 2 * dp, dq,
+                    dp, true);
       });
 }
 

@@ -189,8 +189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_some_scored(
                             want_dkv);
   auto [dq, dk, dv] =
       backend.bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, std::nullopt);
-  return {want_dq ? dq : at::Tensor(), want_dkv ? dk : at::Tensor(),
-          want_dkv ? dv : at::Tensor()};
+  return {want_dq ? dq : at::Tensor(), want_dkv ? dk : at::Tensor(), want_dkv ? dv : at::Tensor()};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout_scored(

@@ -2,15 +2,16 @@
 // of ranks, the layout or the strategy, bit for bit. Each rank computes exactly what one process
 // computes for its own query rows (out, lse, dQ) and its own keys (dK, dV): the operands it needs
 // are gathered in global order (python/cpattn/strategies/invariant.py), and each product is one
-// kernel call over the whole sequence on global positions. The kernels' sums then
-// go in an order fixed by global positions alone: the forward folds key blocks from key 0 and
-// treats every query row alike; the backward runs with AttnShape::fixed_order (one key split,
-// query chunks of a fixed size from row 0). The contiguous and zigzag layouts hold runs of
-// consecutive positions, which the kernels' offsets express; striped shards do not.
+// kernel call over the whole sequence on global positions. The kernels' sums then go in an order
+// fixed by global positions alone: the forward folds key blocks from key 0 and treats every query
+// row alike; the backward runs with AttnShape::fixed_order (one key split, query chunks of a fixed
+// size from row 0). The contiguous and zigzag layouts hold runs of consecutive positions, which
+// the kernels' offsets express; striped shards do not. docs/invariance.md.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -51,26 +52,31 @@ struct InvariantCall {
 // rank's shard (B, L, H, D); k (B, W L, Hkv, D) every rank's keys in global order (with one rank:
 // the keys, which q's rows may be fewer than).
 InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at::Tensor& k,
-                                   const at::Tensor& v, int64_t rank, int64_t world,
-                                   int64_t layout, int64_t seqlen, const AttentionOptions& o) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes().slice(0, 3) ==
-                  v.sizes().slice(0, 3) && k.size(0) == q.size(0) && k.size(3) == q.size(3),
-              "cpattn.", fn, ": q must be (batch, seqlen_local, heads, head_dim) and k, v (batch, "
-              "seqlen, kv_heads, head_dim / v_head_dim) in global order, got ", q.sizes(), ", ",
-              k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(q.device().is_cpu(), "cpattn.", fn, ": invariant=True runs on CPU tensors only "
-              "(the CUDA kernels have no fixed-order mode yet), got q on ", q.device());
+                                   const at::Tensor& v, int64_t rank, int64_t world, int64_t layout,
+                                   int64_t seqlen, const AttentionOptions& o) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
+                  k.sizes().slice(0, 3) == v.sizes().slice(0, 3) && k.size(0) == q.size(0) &&
+                  k.size(3) == q.size(3),
+              "cpattn.", fn,
+              ": q must be (batch, seqlen_local, heads, head_dim) and k, v (batch, "
+              "seqlen, kv_heads, head_dim / v_head_dim) in global order, got ",
+              q.sizes(), ", ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(q.device().is_cpu(), "cpattn.", fn,
+              ": invariant=True runs on CPU tensors only "
+              "(the CUDA kernels have no fixed-order mode yet), got q on ",
+              q.device());
   check_rank(rank, world);
   const Layout l = checked_layout(layout);
   TORCH_CHECK(world == 1 || l != Layout::kStriped, "cpattn.", fn,
               ": invariant=True needs the contiguous or zigzag layout (a striped shard's "
               "positions are not runs of consecutive positions)");
-  TORCH_CHECK(world == 1 ? k.size(1) >= q.size(1) : k.size(1) == q.size(1) * world, "cpattn.",
-              fn, ": k and v must hold the ", world, " ranks' shards of ", q.size(1),
-              " tokens, got ", k.size(1));
+  TORCH_CHECK(world == 1 ? k.size(1) >= q.size(1) : k.size(1) == q.size(1) * world, "cpattn.", fn,
+              ": k and v must hold the ", world, " ranks' shards of ", q.size(1), " tokens, got ",
+              k.size(1));
   TORCH_CHECK(world == 1 || l != Layout::kZigzag || q.size(1) % 2 == 0, "cpattn.", fn,
               ": the zigzag layout holds two equal chunks per rank, so the local sequence length "
-              "must be even, got ", q.size(1));
+              "must be even, got ",
+              q.size(1));
   TORCH_CHECK(seqlen >= (world == 1 ? k.size(1) : 1) && seqlen <= k.size(1), "cpattn.", fn,
               ": seqlen must be in [1, ", k.size(1), "] (with one rank: every key), got ", seqlen);
   check_options(fn, o, q.size(2), q.device());
@@ -79,8 +85,8 @@ InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at
 
 // The mask and score arguments of queries at positions [q_begin, ..) against keys at
 // [k_begin, ..), with the sinks when given.
-std::pair<Mask, ScoreArgs> run_options(const AttentionOptions& o, int64_t q_begin,
-                                       int64_t k_begin, const std::optional<at::Tensor>& sinks) {
+std::pair<Mask, ScoreArgs> run_options(const AttentionOptions& o, int64_t q_begin, int64_t k_begin,
+                                       const std::optional<at::Tensor>& sinks) {
   Mask m = global_mask(o);
   m.q_offset = q_begin;
   m.k_offset = k_begin;
@@ -97,19 +103,19 @@ std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::
                                                  int64_t layout, int64_t seqlen,
                                                  const std::optional<at::Tensor>& sinks,
                                                  CPATTN_OPTION_PARAMS) {
-  const InvariantCall c = check_invariant_args("invariant_fwd", q, k, v, rank, world, layout,
-                                               seqlen, CPATTN_OPTIONS);
+  const InvariantCall c =
+      check_invariant_args("invariant_fwd", q, k, v, rank, world, layout, seqlen, CPATTN_OPTIONS);
   check_per_head("invariant_fwd", "sinks", sinks, q.size(2), q.device());
   const at::Tensor keys = k.narrow(1, 0, seqlen), values = v.narrow(1, 0, seqlen);
   // Padding rows: out 0, lse -inf (with a sink: the sink), as the ring gives them.
   at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
-  at::Tensor lse = at::full({q.size(0), q.size(2), q.size(1)}, -INFINITY,
-                            q.options().dtype(at::kFloat));
+  at::Tensor lse =
+      at::full({q.size(0), q.size(2), q.size(1)}, -INFINITY, q.options().dtype(at::kFloat));
   if (sinks) lse.copy_(sinks->to(at::kFloat).view({1, -1, 1}).expand_as(lse));
   for (const Run& run : real_runs(c.layout, world, rank, q.size(1), k.size(1) / world, seqlen)) {
     const auto [mask, score] = run_options(c.options, run.global_begin, 0, sinks);
-    const auto [o, l] = attention_fwd_scored(q.narrow(1, run.local_begin, run.length), keys,
-                                             values, softmax_scale, mask, score, std::nullopt);
+    const auto [o, l] = attention_fwd_scored(q.narrow(1, run.local_begin, run.length), keys, values,
+                                             softmax_scale, mask, score, std::nullopt);
     out.narrow(1, run.local_begin, run.length).copy_(o);
     lse.narrow(2, run.local_begin, run.length).copy_(l);
   }
@@ -128,10 +134,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     const std::optional<at::Tensor>& q_all, const std::optional<at::Tensor>& dout_all,
     const std::optional<at::Tensor>& out_all, const std::optional<at::Tensor>& lse_all,
-    const std::optional<at::Tensor>& dlse_all, const std::optional<at::Tensor>& sinks,
-    int64_t rank, int64_t world, int64_t layout, int64_t seqlen, CPATTN_OPTION_PARAMS) {
-  const InvariantCall c = check_invariant_args("invariant_bwd", q, k, v, rank, world, layout,
-                                               seqlen, CPATTN_OPTIONS);
+    const std::optional<at::Tensor>& dlse_all, const std::optional<at::Tensor>& sinks, int64_t rank,
+    int64_t world, int64_t layout, int64_t seqlen, CPATTN_OPTION_PARAMS) {
+  const InvariantCall c =
+      check_invariant_args("invariant_bwd", q, k, v, rank, world, layout, seqlen, CPATTN_OPTIONS);
   check_per_head("invariant_bwd", "sinks", sinks, q.size(2), q.device());
   const auto grads = [&](const at::Tensor& dout_rows, const at::Tensor& q_rows,
                          const at::Tensor& k_rows, const at::Tensor& v_rows,
@@ -158,12 +164,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     return {dq, dk, dv, sink_grads(dout, out, lse, dlse)};
   }
   TORCH_CHECK(q_all && dout_all && out_all && lse_all && dlse.has_value() == dlse_all.has_value(),
-              "cpattn.invariant_bwd: over ", world, " ranks, q_all, dout_all, out_all and "
+              "cpattn.invariant_bwd: over ", world,
+              " ranks, q_all, dout_all, out_all and "
               "lse_all (and dlse_all with dlse) are needed");
   const auto first = [&](const at::Tensor& t, int64_t dim) { return t.narrow(dim, 0, seqlen); };
   const at::Tensor keys = first(k, 1), values = first(v, 1);
-  const at::Tensor q_g = first(*q_all, 1), dout_g = first(*dout_all, 1),
-                   out_g = first(*out_all, 1), lse_g = first(*lse_all, 2);
+  const at::Tensor q_g = first(*q_all, 1), dout_g = first(*dout_all, 1), out_g = first(*out_all, 1),
+                   lse_g = first(*lse_all, 2);
   const std::optional<at::Tensor> dlse_g =
       dlse_all ? std::optional(first(*dlse_all, 2)) : std::nullopt;
   const int64_t local = q.size(1);
@@ -178,10 +185,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
       return t.narrow(1, run.global_begin, run.length);
     };
     // dQ of this run's rows against every key (its dK and dV are other ranks' business).
-    const auto dq_run = std::get<0>(grads(
-        mine(dout, 1), mine(q, 1), keys, values, mine(out, 1), mine(lse, 2).contiguous(),
-        dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt, run.global_begin, 0,
-        true, false));
+    const auto dq_run = std::get<0>(
+        grads(mine(dout, 1), mine(q, 1), keys, values, mine(out, 1), mine(lse, 2).contiguous(),
+              dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt, run.global_begin, 0,
+              true, false));
     mine(dq, 1).copy_(dq_run);
     // dK and dV of this run's keys against every query (its dQ is the other ranks').
     const auto [unused, dk_run, dv_run] = grads(dout_g, q_g, at_run(keys), at_run(values), out_g,
