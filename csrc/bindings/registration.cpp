@@ -63,7 +63,7 @@ TORCH_LIBRARY(cpattn, m) {
       "int layout, Tensor? doc_lengths=None, Tensor? dlse=None",
       "(Tensor dq, Tensor dkv_all)"));
   // Invariant mode (ops/invariant.cpp): what one process computes for this rank's rows and keys,
-  // from k, v (and in the backward q_all, dout_all, out_all, lse_all) of every rank in global
+  // from k, v (and in the backward q_all, dout_all, lse_all, shifted_all) of every rank in global
   // order.
   m.def(with_options(
       "invariant_fwd(Tensor q, Tensor k, Tensor v, int rank, int world, int layout, int seqlen, "
@@ -71,8 +71,8 @@ TORCH_LIBRARY(cpattn, m) {
       "(Tensor out, Tensor lse)"));
   m.def(with_options(
       "invariant_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor? dlse, Tensor? q_all, Tensor? dout_all, Tensor? out_all, Tensor? lse_all, "
-      "Tensor? dlse_all, Tensor? sinks, int rank, int world, int layout, int seqlen",
+      "Tensor? dlse, Tensor? q_all, Tensor? dout_all, Tensor? lse_all, Tensor? shifted_all, "
+      "Tensor? sinks, int rank, int world, int layout, int seqlen",
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)"));
   m.def("layout_positions(int seqlen, int world, int rank, int layout) -> Tensor");
   // The cost model's view of the schedule: (world, world, 3) work per (rank, step).

@@ -122,9 +122,11 @@ std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::
   return {out, lse};
 }
 
-// k, v as invariant_fwd's; q_all, dout_all, out_all (B, W L, H, D / Dv) and lse_all, dlse_all
-// (B, H, W L): every rank's, in global order; with one rank, none of them (q, dout, out, lse and
-// dlse are everything). Returns dq (q's rows) and dk, dv (this rank's keys, (B, L, Hkv, D / Dv))
+// k, v as invariant_fwd's; q_all, dout_all (B, W L, H, D / Dv), lse_all and shifted_all
+// (B, H, W L): every rank's, in global order, shifted = dlse - rowsum(dout * out) (op row_dot;
+// the backward's delta - dlse is -shifted, the same bits a call given out and dlse computes:
+// IEEE subtraction is antisymmetric); with one rank, none of them (q, dout, out, lse and dlse
+// are everything). Returns dq (q's rows) and dk, dv (this rank's keys, (B, L, Hkv, D / Dv))
 // in the inputs' dtypes, padding rows and keys 0; and with sinks their gradient (H,) fp32 over
 // the whole sequence on rank 0, 0 elsewhere: summed over the ranks (the usual gradient
 // all-reduce) it is exactly the one-process gradient, whatever the number of ranks (no sinks:
@@ -133,9 +135,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     const std::optional<at::Tensor>& q_all, const std::optional<at::Tensor>& dout_all,
-    const std::optional<at::Tensor>& out_all, const std::optional<at::Tensor>& lse_all,
-    const std::optional<at::Tensor>& dlse_all, const std::optional<at::Tensor>& sinks, int64_t rank,
-    int64_t world, int64_t layout, int64_t seqlen, CPATTN_OPTION_PARAMS) {
+    const std::optional<at::Tensor>& lse_all, const std::optional<at::Tensor>& shifted_all,
+    const std::optional<at::Tensor>& sinks, int64_t rank, int64_t world, int64_t layout,
+    int64_t seqlen, CPATTN_OPTION_PARAMS) {
   const InvariantCall c =
       check_invariant_args("invariant_bwd", q, k, v, rank, world, layout, seqlen, CPATTN_OPTIONS);
   check_per_head("invariant_bwd", "sinks", sinks, q.size(2), q.device());
@@ -148,6 +150,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     return attention_bwd_some_scored(dout_rows, q_rows, k_rows, v_rows, out_rows, lse_rows,
                                      softmax_scale, mask, score, dlse_rows, want_dq, want_dkv);
   };
+  // With sinks: their gradient over the whole sequence on rank 0 (sink_bwd's fixed order), from
+  // every row's lse and delta - dlse (given as -shifted: dout and out of one zero column).
   const auto sink_grads = [&](const at::Tensor& dout_g, const at::Tensor& out_g,
                               const at::Tensor& lse_g, const std::optional<at::Tensor>& dlse_g) {
     const auto f32 = q.options().dtype(at::kFloat);
@@ -163,16 +167,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const auto [dq, dk, dv] = grads(dout, q, k, v, out, lse, dlse, run.global_begin, 0, true, true);
     return {dq, dk, dv, sink_grads(dout, out, lse, dlse)};
   }
-  TORCH_CHECK(q_all && dout_all && out_all && lse_all && dlse.has_value() == dlse_all.has_value(),
-              "cpattn.invariant_bwd: over ", world,
-              " ranks, q_all, dout_all, out_all and "
-              "lse_all (and dlse_all with dlse) are needed");
+  TORCH_CHECK(q_all && dout_all && lse_all && shifted_all, "cpattn.invariant_bwd: over ", world,
+              " ranks, q_all, dout_all, lse_all and shifted_all are needed");
   const auto first = [&](const at::Tensor& t, int64_t dim) { return t.narrow(dim, 0, seqlen); };
   const at::Tensor keys = first(k, 1), values = first(v, 1);
-  const at::Tensor q_g = first(*q_all, 1), dout_g = first(*dout_all, 1), out_g = first(*out_all, 1),
-                   lse_g = first(*lse_all, 2);
-  const std::optional<at::Tensor> dlse_g =
-      dlse_all ? std::optional(first(*dlse_all, 2)) : std::nullopt;
+  const at::Tensor q_g = first(*q_all, 1), dout_g = first(*dout_all, 1), lse_g = first(*lse_all, 2),
+                   shifted_g = first(*shifted_all, 2);
   const int64_t local = q.size(1);
   at::Tensor dq = at::zeros_like(q);
   at::Tensor dk = at::zeros({q.size(0), local, k.size(2), k.size(3)}, q.options());
@@ -191,12 +191,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
               true, false));
     mine(dq, 1).copy_(dq_run);
     // dK and dV of this run's keys against every query (its dQ is the other ranks').
-    const auto [unused, dk_run, dv_run] = grads(dout_g, q_g, at_run(keys), at_run(values), out_g,
-                                                lse_g, dlse_g, 0, run.global_begin, false, true);
+    const auto [unused, dk_run, dv_run] =
+        grads(dout_g, q_g, at_run(keys), at_run(values), at::Tensor(), lse_g, shifted_g, 0,
+              run.global_begin, false, true);
     mine(dk, 1).copy_(dk_run);
     mine(dv, 1).copy_(dv_run);
   }
-  return {dq, dk, dv, sink_grads(dout_g, out_g, lse_g, dlse_g)};
+  const at::Tensor zero_column = at::zeros({q.size(0), seqlen, q.size(2), 1}, q.options());
+  return {dq, dk, dv, sink_grads(zero_column, zero_column, lse_g, shifted_g)};
 }
 
 }  // namespace

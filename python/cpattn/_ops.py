@@ -152,8 +152,8 @@ def _invariant_fwd_fake(q, k, v, rank, world, layout, seqlen, sinks=None, *optio
 
 
 @torch.library.register_fake("cpattn::invariant_bwd")
-def _invariant_bwd_fake(dout, q, k, v, out, lse, dlse, q_all, dout_all, out_all, lse_all,
-                        dlse_all, sinks, rank, world, layout, seqlen, *options, **named_options):
+def _invariant_bwd_fake(dout, q, k, v, out, lse, dlse, q_all, dout_all, lse_all, shifted_all,
+                        sinks, rank, world, layout, seqlen, *options, **named_options):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
     b, s, h, _ = q.shape
     keys = k.shape[1] if world == 1 else s  # this rank's keys

@@ -6,10 +6,7 @@ gathers every rank's K and V, the backward also every rank's q, dout, out and ls
 at a time (as the all-gather strategy), so the memory per rank stays bounded.
 cpattn.attention(invariant=True) is the same computation over one rank: the reference."""
 
-import functools
-
 import torch
-import torch.distributed as dist
 
 from cpattn import comm
 from cpattn._autograd import once_differentiable
@@ -27,19 +24,26 @@ def check_invariant_call(what: str, q: torch.Tensor, layout: str, world: int) ->
                     "'contiguous' or 'zigzag' (their shards are runs of consecutive positions)")
 
 
-@functools.lru_cache(maxsize=64)
+_RUNS: dict = {}  # _runs' results by arguments
+
+
+@torch._dynamo.assume_constant_result  # compiled: run while tracing, its result a constant
 def _runs(layout_code: int, world: int, local: int) -> tuple:
     """Per rank, (local begin, length, global begin) of each run of consecutive positions of its
     shard of `local` tokens (the layout's rule: torch.ops.cpattn.layout_positions), cut at the
     same local indices on every rank (zigzag's last rank holds two chunks that follow each
     other, cut like the others'), so that the ranks' j-th runs have one length."""
-    pos = [torch.ops.cpattn.layout_positions(local * world, world, r, layout_code).tolist()
-           for r in range(world)]
-    cuts = sorted({i for p in pos for i in range(1, local) if p[i] != p[i - 1] + 1} | {local})
-    return tuple(tuple((b, e - b, p[b]) for b, e in zip([0, *cuts], cuts)) for p in pos)
+    key = (layout_code, world, local)
+    if key not in _RUNS:
+        pos = [torch.ops.cpattn.layout_positions(local * world, world, r, layout_code).tolist()
+               for r in range(world)]
+        cuts = sorted({i for p in pos for i in range(1, local) if p[i] != p[i - 1] + 1} | {local})
+        _RUNS[key] = tuple(tuple((b, e - b, p[b]) for b, e in zip([0, *cuts], cuts))
+                           for p in pos)
+    return _RUNS[key]
 
 
-def gather_global(t: torch.Tensor, dim: int, group, world: int, layout_code: int
+def gather_global(t: torch.Tensor, dim: int, group, rank: int, world: int, layout_code: int
                   ) -> torch.Tensor:
     """Every rank's shard of `t` (its tokens along `dim`, in the layout's order) in global
     order: t's shape with W times the tokens along `dim`. Stored sequence-major, so that the
@@ -48,7 +52,7 @@ def gather_global(t: torch.Tensor, dim: int, group, world: int, layout_code: int
     through a buffer. With one rank, t itself."""
     if world == 1:
         return t
-    rank, local = dist.get_rank(group), t.shape[dim]
+    local = t.shape[dim]
     src = t.movedim(dim, 0)
     out = src.new_empty((world * local, *src.shape[1:]))
     runs = _runs(layout_code, world, local)
@@ -75,7 +79,7 @@ class InvariantAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, options, group, rank, world, layout_code, seqlen,
                 group_size):
         def attend(qh, kh):  # the gathered head group is freed on return, before the next one
-            k_all, v_all = (gather_global(t[:, :, kh], 1, group, world, layout_code)
+            k_all, v_all = (gather_global(t[:, :, kh], 1, group, rank, world, layout_code)
                             for t in (k, v))
             o = options.for_heads(qh)
             return torch.ops.cpattn.invariant_fwd(q[:, :, qh], k_all, v_all, rank, world,
@@ -98,19 +102,23 @@ class InvariantAttention(torch.autograd.Function):
 
         def everyone(t, dim=1):  # every rank's rows of a head group, in global order
             return None if t is None or world == 1 else \
-                gather_global(t, dim, group, world, layout_code)
+                gather_global(t, dim, group, rank, world, layout_code)
 
         for qh, kh in head_groups(q, k, group_size):
             o = options.for_heads(qh)
-            heads = (dout[:, :, qh], q[:, :, qh], out[:, :, qh], lse[:, qh],
-                     None if dlse is None else dlse[:, qh])
+            dout_h, q_h, out_h, lse_h = (t.contiguous() for t in (dout[:, :, qh], q[:, :, qh],
+                                                                   out[:, :, qh], lse[:, qh]))
+            dlse_h = None if dlse is None else dlse[:, qh].contiguous()
+            shifted = None  # the other ranks need dlse - rowsum(dout * out) of these rows, not out
+            if world > 1:
+                dot = torch.ops.cpattn.row_dot(dout_h, out_h)
+                shifted = -dot if dlse_h is None else dlse_h.float() - dot
             dq_c, dk_c, dv_c, dsinks_c = torch.ops.cpattn.invariant_bwd(
-                *(t if t is None else t.contiguous() for t in heads[:2]),
-                *(gather_global(t[:, :, kh], 1, group, world, layout_code) for t in (k, v)),
-                *(t if t is None else t.contiguous() for t in heads[2:]),
-                everyone(heads[1]), everyone(heads[0]), everyone(heads[2]),
-                everyone(heads[3], 2), everyone(heads[4], 2),
-                o.sinks, rank, world, layout_code, seqlen, **o.op_kwargs())
+                dout_h, q_h, *(gather_global(t[:, :, kh], 1, group, rank, world, layout_code)
+                               for t in (k, v)),
+                out_h, lse_h, dlse_h, everyone(q_h), everyone(dout_h), everyone(lse_h, 2),
+                everyone(shifted, 2), o.sinks, rank, world, layout_code, seqlen,
+                **o.op_kwargs())
             dq[:, :, qh].copy_(dq_c)
             dk[:, :, kh].copy_(dk_c)
             dv[:, :, kh].copy_(dv_c)
