@@ -130,3 +130,22 @@ def _mla(rank, world):
 
 def test_generate_mla_refused():
     run_ranks(2, _mla)
+
+
+def _invariant_generation_refused(rank, world):
+    """ContextParallel(invariant=True) reaches the sharded cache's prefill / decode, which have
+    no invariant mode yet: generation raises on every rank, never runs the default mode."""
+    from cpattn.integrations.transformers import ContextParallelCache, register
+
+    config = tiny_config("llama")
+    cp = cpattn.ContextParallel(invariant=True)
+    model = tiny_model(config, register(cp))
+    cache = ContextParallelCache(cp, model.config, capacity=PROMPT_LEN + NEW_TOKENS)
+    prompts = torch.randint(0, config.vocab_size, (2, PROMPT_LEN),
+                            generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="invariant=True: is not supported here yet"):
+        model.generate(prompts, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+
+def test_invariant_generation_raises_on_every_rank():
+    run_ranks(2, _invariant_generation_refused)

@@ -119,6 +119,12 @@ class ContextParallel:
                 group = group.get_group()
             self.group, self.rank, self.world_size = group_info(group)
 
+    def with_mode(self, options: dict) -> dict:
+        """The attention options of a call made for this object (also by the integrations'
+        generation and chunked paths): with invariant=True added when the object has it, so the
+        call honours it or raises."""
+        return {**options, "invariant": True} if self.invariant else options
+
     def __repr__(self) -> str:
         return (f"ContextParallel(strategy={self.strategy!r}, layout={self.layout!r}, "
                 f"rank={self.rank}, world_size={self.world_size})")
@@ -224,8 +230,7 @@ class ContextParallel:
         """
         if "causal" not in options:
             raise TypeError("cpattn.ContextParallel.attention: give causal=True or False")
-        if self.invariant:
-            options = {**options, "invariant": True}
+        options = self.with_mode(options)
         common = dict(return_lse=return_lse, timeout=self.timeout,
                       return_max_logits=return_max_logits, **options)
         if documents is not None:

@@ -59,7 +59,7 @@ class ShardedLayer(CacheLayerMixin):
         if not opts.causal:
             raise ValueError(f"{WHAT}: ContextParallelCache supports causal attention only (a "
                              "decoder's); got causal=False")
-        options = {**opts.as_keywords(), "timeout": self.cp.timeout}
+        options = self.cp.with_mode({**opts.as_keywords(), "timeout": self.cp.timeout})
         del options["causal"]  # (prefill and decode are causal: checked above)
         chunk = attention_chunk(module)
         if chunk is not None and past + q.shape[1] > chunk:

@@ -227,7 +227,7 @@ def _chunked_ulysses(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: t
     out = ulysses_attention_varlen(
         q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bounds, group=cp.group,
         attend_cu_seqlens=chunk_boundaries(lengths, starts, chunk), timeout=cp.timeout,
-        **keywords)
+        **cp.with_mode(keywords))
     return out.view(batch, local, *out.shape[1:])
 
 
