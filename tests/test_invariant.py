@@ -206,6 +206,96 @@ def test_hybrid_bitwise_equal_to_one_process(world: int, u: int) -> None:
         run_ranks(world, _check_hybrid, u, "contiguous", 301)
 
 
+# Packed documents of 137, 3, 260, 1 and 199 tokens (and their prefixes, for the per-document
+# prefix case): lengths no granularity divides, a document shorter than a zigzag chunk.
+DOCS = (0, 137, 140, 400, 401, 600)
+DOC_PREFIXES = (5, 0, 100, 1, 199)
+
+
+def _varlen_run(full, cu, kwargs, group, layout, strategy="ring"):
+    """ring_attention_varlen(invariant=True) on this rank's tokens; the results unsharded (the
+    sinks' gradient summed over the group)."""
+    shard = functools.partial(cpattn.shard_varlen, cu_seqlens=cu, group=group, layout=layout)
+    unshard = functools.partial(cpattn.unshard_varlen, cu_seqlens=cu, group=group, layout=layout)
+    q, k, v = (shard(t).requires_grad_() for t in full[:3])
+    kw = dict(kwargs)
+    if "sinks" in kw:
+        kw["sinks"] = kw["sinks"].clone().requires_grad_()
+    out, lse = cpattn.ring_attention_varlen(q, k, v, cu, group=group, layout=layout,
+                                            strategy=strategy, return_lse=True, invariant=True,
+                                            **kw)
+    (out * shard(full[3])).sum().backward()
+    dsinks = None
+    if "sinks" in kw:
+        dsinks = kw["sinks"].grad.clone()
+        dist.all_reduce(dsinks, group=group)
+    return (unshard(out.detach()), unshard(lse.detach(), dim=1), unshard(q.grad),
+            unshard(k.grad), unshard(v.grad), dsinks)
+
+
+def _check_varlen(rank: int, world: int, layouts, names, dtype) -> None:
+    """Packed documents: ring_attention_varlen(invariant=True) over W ranks equals it over one
+    rank (a group of one: the one-process computation), bitwise; and each document's rows
+    equal cpattn.attention(invariant=True) on that document alone."""
+    singles = [dist.new_group([r]) for r in range(world)]
+    for n, name in enumerate(names):
+        causal, window, options = CASES[name]
+        torch.manual_seed(70 + n)
+        full = tuple(torch.randn(DOCS[-1], h, 32).to(dtype) for h in (4, 2, 2, 4))
+        kwargs = {**_draw(options, 4), "causal": causal, "window": window}
+        if name == "prefix":  # a prefix per document
+            kwargs["prefix_len"] = torch.tensor(DOC_PREFIXES)
+        want = _varlen_run(full, DOCS, kwargs, singles[rank], "contiguous")
+        for d, (a, b) in enumerate(zip(DOCS[:-1], DOCS[1:])):
+            kw = dict(kwargs)
+            if name == "prefix":
+                kw["prefix_len"] = DOC_PREFIXES[d]
+            q, k, v = (t[None, a:b].clone().requires_grad_() for t in full[:3])
+            out, lse = cpattn.attention(q, k, v, return_lse=True, invariant=True, **kw)
+            (out * full[3][None, a:b]).sum().backward()
+            alone = (out[0], lse[0], q.grad[0], k.grad[0], v.grad[0])
+            for what, g, w in zip(NAMES, [t[:, a:b] if t.dim() == 2 and t.shape[0] == 4
+                                          else t[a:b] for t in want[:5]], alone):
+                assert torch.equal(g, w), f"{what} of document {d} {name}: packed != alone"
+        for layout in layouts:
+            for strategy in ("ring", "allgather"):
+                got = _varlen_run(full, DOCS, kwargs, dist.group.WORLD, layout, strategy)
+                _assert_bitwise(f"varlen W={world} {layout} {strategy} {name} {dtype}", got,
+                                want)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_varlen_bitwise_equal_to_one_process(world: int) -> None:
+    """Packed documents (cu_seqlens), per-document sharding: every option case (prefix: one per
+    document), contiguous and zigzag, ring and all-gather, fp32."""
+    run_ranks(world, _check_varlen, ("contiguous", "zigzag"), tuple(CASES), torch.float32)
+
+
+def test_varlen_bitwise_bf16() -> None:
+    run_ranks(3, _check_varlen, ("zigzag",), ("causal", "all"), torch.bfloat16)
+
+
+def _check_prefix_per_sequence(rank: int, world: int) -> None:
+    """ring_attention with a prefix per sequence of the batch (prefix_len a tensor): the batch
+    runs as packed documents; each sequence's rows equal cpattn.attention(invariant=True) on
+    that sequence with its prefix, bitwise, for any W (and any length)."""
+    full = _inputs(80, 301, torch.float32)
+    prefixes = torch.tensor([40, 301])
+    for layout in ("contiguous", "zigzag"):
+        got = _sharded(full, True, (20, -1), {"prefix_len": prefixes}, layout, "ring",
+                       seqlen=301, invariant=True)
+        for b, p in enumerate(prefixes.tolist()):
+            want = _one_process(tuple(t[b:b + 1] for t in full), True, (20, -1),
+                                {"prefix_len": p})
+            for name, g, w in zip(NAMES[:5], got, want):
+                assert torch.equal(g[b:b + 1], w), f"{name} of sequence {b} W={world} {layout}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_prefix_per_sequence_bitwise(world: int) -> None:
+    run_ranks(world, _check_prefix_per_sequence)
+
+
 def _check_reference(rank: int, world: int) -> None:
     """The invariant results are also exact: against float64 (forward, LSE, every gradient)."""
     for n, name in enumerate(("all", "sinks_window_both")):
@@ -255,9 +345,9 @@ def _environment(rank: int, world: int) -> None:
         got = _sharded(full, True, (-1, -1), {}, "zigzag", "ring")
         _assert_bitwise("$CPATTN_INVARIANT=1", got, want)
         q = cpattn.shard(full[0], layout="zigzag")
-        with pytest.raises(ValueError, match=r"ring_attention_varlen: \$CPATTN_INVARIANT=True: "
+        with pytest.raises(ValueError, match=r"ulysses_attention_varlen: \$CPATTN_INVARIANT=True: "
                                              r"is not supported here yet"):
-            cpattn.ring_attention_varlen(q[0], q[0], q[0], [0, 32])
+            cpattn.ulysses_attention_varlen(q[0], q[0], q[0], [0, 64])
         os.environ["CPATTN_INVARIANT"] = "yes"
         with pytest.raises(ValueError, match=r"\$CPATTN_INVARIANT='yes': must be \"1\""):
             cpattn.ring_attention(q, q, q)
@@ -310,11 +400,9 @@ def _refusals(rank: int, world: int) -> None:
          "kv_heads=1: must be divisible"),
         (lambda: cpattn.ulysses_attention_varlen(q[0], q[0], q[0], [0, 16], invariant=True),
          "not supported here yet"),
-        (lambda: cpattn.ring_attention_varlen(q[0], q[0], q[0], [0, 16], invariant=True),
-         "not supported here yet"),
-        (lambda: cpattn.ring_attention(q, q, q, invariant=True,
-                                       prefix_len=torch.tensor([3])),
-         "not supported with invariant=True yet"),
+        (lambda: cpattn.ring_attention_varlen(
+            q[0], q[0], q[0], cpattn.shard_documents([0, 16], world_size=world), invariant=True),
+         "invariant=True: is not supported over a DocumentPlan"),
         (lambda: cpattn.ring_attention(q, q, q, invariant="yes"), "must be True or False"),
         # ranks that disagree: the agreement check names the field, on every rank
         (lambda: cpattn.ring_attention(q, q, q, invariant=rank == 0), "invariant"),

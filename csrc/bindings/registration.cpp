@@ -67,12 +67,12 @@ TORCH_LIBRARY(cpattn, m) {
   // order.
   m.def(with_options(
       "invariant_fwd(Tensor q, Tensor k, Tensor v, int rank, int world, int layout, int seqlen, "
-      "Tensor? sinks=None",
+      "Tensor? doc_lengths=None, Tensor? sinks=None",
       "(Tensor out, Tensor lse)"));
   m.def(with_options(
       "invariant_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? dlse, Tensor? q_all, Tensor? dout_all, Tensor? lse_all, Tensor? shifted_all, "
-      "Tensor? sinks, int rank, int world, int layout, int seqlen",
+      "Tensor? sinks, int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None",
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)"));
   m.def("layout_positions(int seqlen, int world, int rank, int layout) -> Tensor");
   // The cost model's view of the schedule: (world, world, 3) work per (rank, step).

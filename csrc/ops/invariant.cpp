@@ -2,7 +2,8 @@
 // of ranks, the layout or the strategy, bit for bit. Each rank computes exactly what one process
 // computes for its own query rows (out, lse, dQ) and its own keys (dK, dV): the operands it needs
 // are gathered in global order (python/cpattn/strategies/invariant.py), and each product is one
-// kernel call over the whole sequence on global positions. The kernels' sums then go in an order
+// kernel call over the whole sequence (with packed documents: the row's document) on global
+// positions. The kernels' sums then go in an order
 // fixed by global positions alone: the forward folds key blocks from key 0 and treats every query
 // row alike; the backward runs with AttnShape::fixed_order (one key split, query chunks of a fixed
 // size from row 0). The contiguous and zigzag layouts hold runs of consecutive positions, which
@@ -16,44 +17,82 @@
 #include <vector>
 
 #include "cpattn/layout.h"
+#include "cpattn/schedule.h"
 #include "ops/backend.h"
 #include "ops/checks.h"
 #include "ops/ops.h"
 #include "ops/options.h"
+#include "ops/ring.h"
 
 namespace cpattn::ops {
 namespace {
 
-// This rank's runs of real positions: its shard's runs cut at `seqlen` (the rest is padding).
-// With one rank, q may be shorter than the keys: bottom-right aligned, as cpattn.attention.
-std::vector<Run> real_runs(Layout layout, int64_t world, int64_t rank, int64_t local_q,
-                           int64_t local_k, int64_t seqlen) {
-  std::vector<Run> runs;
-  if (world == 1) {
-    runs.push_back({0, local_q, seqlen - local_q, 1});
-    return runs;
-  }
-  const ShardRuns s = shard_runs(layout, local_k * world, world, rank);
-  for (int i = 0; i < s.count; ++i) {
-    Run run = s.runs[i];
-    run.length = std::clamp<int64_t>(seqlen - run.global_begin, 0, run.length);
-    if (run.length > 0) runs.push_back(run);
-  }
-  return runs;
-}
+// A run of this rank's rows inside one document (one sequence without documents): the rows
+// (global_begin: the position of the first inside the document), where the document's tokens
+// start in global order (the gathered tensors) and its real length, and the mask of its rows.
+struct Piece {
+  Run rows;
+  int64_t doc_begin;
+  int64_t doc_length;
+  Mask mask;
+};
 
 struct InvariantCall {
-  Layout layout;
-  int64_t world, rank, seqlen;
-  AttentionOptions options;
+  int64_t world, rank;
+  RingOptions options;  // with the layout and the documents
+  std::vector<Piece> pieces;
 };
+
+// Every piece of this rank: its shard's runs of each document (cut at the document's real
+// length; the rest is padding), documents sharded on their own as ring_attention_varlen's
+// (cpattn/schedule.h: schedule_step_varlen). Without documents: one of `seqlen` real tokens.
+// With one rank and no documents q may be shorter than the keys: bottom-right aligned, as
+// cpattn.attention; with one rank every layout keeps the global order, so a document's rows are
+// one run.
+std::vector<Piece> rank_pieces(const RingOptions& o, int64_t world, int64_t rank, int64_t local_q,
+                               int64_t local_k, int64_t seqlen) {
+  const Mask global = global_mask(o);
+  std::vector<Piece> pieces;
+  if (o.doc_lengths.empty()) {
+    if (world == 1) {
+      Mask m = global;
+      m.q_offset = seqlen - local_q;
+      return {{{0, local_q, seqlen - local_q, 1}, 0, seqlen, m}};
+    }
+  }
+  const std::vector<int64_t> lengths =
+      o.doc_lengths.empty() ? std::vector<int64_t>{seqlen} : o.doc_lengths;
+  const int64_t granularity = layout_granularity(o.layout, world);
+  int64_t global_begin = 0;
+  for (size_t d = 0; d < lengths.size(); ++d) {
+    const int64_t padded = o.doc_lengths.empty()
+                               ? local_k * world
+                               : (lengths[d] + granularity - 1) / granularity * granularity;
+    Mask m = global;
+    if (!o.doc_prefix_lens.empty())
+      m.prefix_end = o.doc_prefix_lens[d] > 0 ? o.doc_prefix_lens[d] : -kUnbounded;
+    const ShardRuns s = world == 1 ? ShardRuns{1, {{0, padded, 0, 1}, {0, 0, 0, 1}}}
+                                   : shard_runs(o.layout, padded, world, rank);
+    for (int i = 0; i < s.count; ++i) {
+      Run run = s.runs[i];
+      run.local_begin += global_begin / world;
+      run.length = run_length_below(run, lengths[d]);
+      m.q_offset = run.global_begin;
+      if (run.length > 0) pieces.push_back({run, global_begin, lengths[d], m});
+    }
+    global_begin += padded;
+  }
+  return pieces;
+}
 
 // Checks before any kernel runs; every rank passes the same values (agreed on in Python). q this
 // rank's shard (B, L, H, D); k (B, W L, Hkv, D) every rank's keys in global order (with one rank:
-// the keys, which q's rows may be fewer than).
+// the keys, which q's rows may be fewer than); doc_lengths as ring_fwd's (the documents' lengths,
+// and as a second row their prefixes), or none: one sequence of `seqlen` real tokens.
 InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at::Tensor& k,
                                    const at::Tensor& v, int64_t rank, int64_t world, int64_t layout,
-                                   int64_t seqlen, const AttentionOptions& o) {
+                                   int64_t seqlen, const std::optional<at::Tensor>& doc_lengths,
+                                   const AttentionOptions& options) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
                   k.sizes().slice(0, 3) == v.sizes().slice(0, 3) && k.size(0) == q.size(0) &&
                   k.size(3) == q.size(3),
@@ -66,58 +105,65 @@ InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at
               "(the CUDA kernels have no fixed-order mode yet), got q on ",
               q.device());
   check_rank(rank, world);
-  const Layout l = checked_layout(layout);
-  TORCH_CHECK(world == 1 || l != Layout::kStriped, "cpattn.", fn,
+  check_options(fn, options, q.size(2), q.device());
+  const RingOptions o = make_ring_options(options, layout, doc_lengths, std::nullopt);
+  TORCH_CHECK(world == 1 || o.layout != Layout::kStriped, "cpattn.", fn,
               ": invariant=True needs the contiguous or zigzag layout (a striped shard's "
               "positions are not runs of consecutive positions)");
-  TORCH_CHECK(world == 1 ? k.size(1) >= q.size(1) : k.size(1) == q.size(1) * world, "cpattn.", fn,
-              ": k and v must hold the ", world, " ranks' shards of ", q.size(1), " tokens, got ",
-              k.size(1));
-  TORCH_CHECK(world == 1 || l != Layout::kZigzag || q.size(1) % 2 == 0, "cpattn.", fn,
-              ": the zigzag layout holds two equal chunks per rank, so the local sequence length "
-              "must be even, got ",
-              q.size(1));
-  TORCH_CHECK(seqlen >= (world == 1 ? k.size(1) : 1) && seqlen <= k.size(1), "cpattn.", fn,
-              ": seqlen must be in [1, ", k.size(1), "] (with one rank: every key), got ", seqlen);
-  check_options(fn, o, q.size(2), q.device());
-  return {l, world, rank, seqlen, o};
+  const bool documents = !o.doc_lengths.empty();
+  TORCH_CHECK(world == 1 && !documents ? k.size(1) >= q.size(1) : k.size(1) == q.size(1) * world,
+              "cpattn.", fn, ": k and v must hold the ", world, " ranks' shards of ", q.size(1),
+              " tokens, got ", k.size(1));
+  if (documents) {
+    const int64_t g = layout_granularity(o.layout, world);
+    int64_t total = 0;
+    for (int64_t n : o.doc_lengths) total += (n + g - 1) / g * g;
+    TORCH_CHECK(total == k.size(1), "cpattn.", fn, ": with these documents (each padded to a ",
+                "multiple of ", g, ") the sequence holds ", total, " tokens, k and v ", k.size(1));
+  } else {
+    TORCH_CHECK(world == 1 || o.layout != Layout::kZigzag || q.size(1) % 2 == 0, "cpattn.", fn,
+                ": the zigzag layout holds two equal chunks per rank, so the local sequence "
+                "length must be even, got ",
+                q.size(1));
+    TORCH_CHECK(seqlen >= (world == 1 ? k.size(1) : 1) && seqlen <= k.size(1), "cpattn.", fn,
+                ": seqlen must be in [1, ", k.size(1), "] (with one rank: every key), got ",
+                seqlen);
+  }
+  return {world, rank, o, rank_pieces(o, world, rank, q.size(1), k.size(1) / world, seqlen)};
 }
 
-// The mask and score arguments of queries at positions [q_begin, ..) against keys at
-// [k_begin, ..), with the sinks when given.
-std::pair<Mask, ScoreArgs> run_options(const AttentionOptions& o, int64_t q_begin, int64_t k_begin,
-                                       const std::optional<at::Tensor>& sinks) {
-  Mask m = global_mask(o);
-  m.q_offset = q_begin;
-  m.k_offset = k_begin;
+// The score arguments of rows and keys at the mask's positions, with the sinks when given.
+ScoreArgs fixed_order_score(const AttentionOptions& o, const Mask& m,
+                            const std::optional<at::Tensor>& sinks) {
   ScoreArgs a = score_args(o);
   a.sinks = sinks;
-  a.alibi_q_begin = q_begin;
-  a.alibi_k_begin = k_begin;
+  a.alibi_q_begin = m.q_offset;
+  a.alibi_k_begin = m.k_offset;
   a.fixed_order = true;
-  return {m, a};
+  return a;
 }
 
 std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v, int64_t rank, int64_t world,
                                                  int64_t layout, int64_t seqlen,
+                                                 const std::optional<at::Tensor>& doc_lengths,
                                                  const std::optional<at::Tensor>& sinks,
                                                  CPATTN_OPTION_PARAMS) {
-  const InvariantCall c =
-      check_invariant_args("invariant_fwd", q, k, v, rank, world, layout, seqlen, CPATTN_OPTIONS);
+  const InvariantCall c = check_invariant_args("invariant_fwd", q, k, v, rank, world, layout,
+                                               seqlen, doc_lengths, CPATTN_OPTIONS);
   check_per_head("invariant_fwd", "sinks", sinks, q.size(2), q.device());
-  const at::Tensor keys = k.narrow(1, 0, seqlen), values = v.narrow(1, 0, seqlen);
   // Padding rows: out 0, lse -inf (with a sink: the sink), as the ring gives them.
   at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   at::Tensor lse =
       at::full({q.size(0), q.size(2), q.size(1)}, -INFINITY, q.options().dtype(at::kFloat));
   if (sinks) lse.copy_(sinks->to(at::kFloat).view({1, -1, 1}).expand_as(lse));
-  for (const Run& run : real_runs(c.layout, world, rank, q.size(1), k.size(1) / world, seqlen)) {
-    const auto [mask, score] = run_options(c.options, run.global_begin, 0, sinks);
-    const auto [o, l] = attention_fwd_scored(q.narrow(1, run.local_begin, run.length), keys, values,
-                                             softmax_scale, mask, score, std::nullopt);
-    out.narrow(1, run.local_begin, run.length).copy_(o);
-    lse.narrow(2, run.local_begin, run.length).copy_(l);
+  for (const Piece& p : c.pieces) {
+    const auto [o, l] = attention_fwd_scored(
+        q.narrow(1, p.rows.local_begin, p.rows.length), k.narrow(1, p.doc_begin, p.doc_length),
+        v.narrow(1, p.doc_begin, p.doc_length), softmax_scale, p.mask,
+        fixed_order_score(c.options, p.mask, sinks), std::nullopt);
+    out.narrow(1, p.rows.local_begin, p.rows.length).copy_(o);
+    lse.narrow(2, p.rows.local_begin, p.rows.length).copy_(l);
   }
   return {out, lse};
 }
@@ -128,77 +174,107 @@ std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::
 // IEEE subtraction is antisymmetric); with one rank, none of them (q, dout, out, lse and dlse
 // are everything). Returns dq (q's rows) and dk, dv (this rank's keys, (B, L, Hkv, D / Dv))
 // in the inputs' dtypes, padding rows and keys 0; and with sinks their gradient (H,) fp32 over
-// the whole sequence on rank 0, 0 elsewhere: summed over the ranks (the usual gradient
-// all-reduce) it is exactly the one-process gradient, whatever the number of ranks (no sinks:
-// an empty tensor).
+// every real row of the sequence on rank 0, 0 elsewhere: summed over the ranks (the usual
+// gradient all-reduce) it is exactly the one-process gradient, whatever the number of ranks (no
+// sinks: an empty tensor).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     const std::optional<at::Tensor>& q_all, const std::optional<at::Tensor>& dout_all,
     const std::optional<at::Tensor>& lse_all, const std::optional<at::Tensor>& shifted_all,
     const std::optional<at::Tensor>& sinks, int64_t rank, int64_t world, int64_t layout,
-    int64_t seqlen, CPATTN_OPTION_PARAMS) {
-  const InvariantCall c =
-      check_invariant_args("invariant_bwd", q, k, v, rank, world, layout, seqlen, CPATTN_OPTIONS);
+    int64_t seqlen, const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
+  const InvariantCall c = check_invariant_args("invariant_bwd", q, k, v, rank, world, layout,
+                                               seqlen, doc_lengths, CPATTN_OPTIONS);
   check_per_head("invariant_bwd", "sinks", sinks, q.size(2), q.device());
-  const auto grads = [&](const at::Tensor& dout_rows, const at::Tensor& q_rows,
+  const auto grads = [&](const Mask& mask, const at::Tensor& dout_rows, const at::Tensor& q_rows,
                          const at::Tensor& k_rows, const at::Tensor& v_rows,
                          const at::Tensor& out_rows, const at::Tensor& lse_rows,
-                         const std::optional<at::Tensor>& dlse_rows, int64_t q_begin,
-                         int64_t k_begin, bool want_dq, bool want_dkv) {
-    const auto [mask, score] = run_options(c.options, q_begin, k_begin, std::nullopt);
+                         const std::optional<at::Tensor>& dlse_rows, bool want_dq, bool want_dkv) {
     return attention_bwd_some_scored(dout_rows, q_rows, k_rows, v_rows, out_rows, lse_rows,
-                                     softmax_scale, mask, score, dlse_rows, want_dq, want_dkv);
+                                     softmax_scale, mask, fixed_order_score(c.options, mask, std::nullopt),
+                                     dlse_rows, want_dq, want_dkv);
   };
-  // With sinks: their gradient over the whole sequence on rank 0 (sink_bwd's fixed order), from
-  // every row's lse and delta - dlse (given as -shifted: dout and out of one zero column).
-  const auto sink_grads = [&](const at::Tensor& dout_g, const at::Tensor& out_g,
-                              const at::Tensor& lse_g, const std::optional<at::Tensor>& dlse_g) {
+  // With sinks: their gradient over every real row of the sequence on rank 0 (sink_bwd's fixed
+  // order), from each row's lse and delta - dlse (given as -shifted: dout and out of one zero
+  // column, or with one rank dout and out themselves).
+  const auto sink_grads = [&](std::vector<at::Tensor> dout_g, std::vector<at::Tensor> out_g,
+                              const std::vector<at::Tensor>& lse_g,
+                              const std::vector<at::Tensor>& dlse_g) {
     const auto f32 = q.options().dtype(at::kFloat);
     if (!sinks) return at::empty({0}, f32);
     if (rank != 0) return at::zeros({q.size(2)}, f32);
     return backend_for(q.device())
-        .sink_bwd(dout_g.contiguous(), out_g.contiguous(), lse_g.contiguous(),
+        .sink_bwd(at::cat(dout_g, 1), at::cat(out_g, 1), at::cat(lse_g, 2),
                   sinks->to(at::kFloat).contiguous(),
-                  dlse_g ? std::optional(dlse_g->contiguous()) : std::nullopt);
+                  dlse_g.empty() ? std::nullopt : std::optional(at::cat(dlse_g, 2)));
   };
-  if (world == 1) {  // every row against every key: dQ, dK and dV of one call
-    const Run run = real_runs(c.layout, 1, 0, q.size(1), k.size(1), seqlen)[0];
-    const auto [dq, dk, dv] = grads(dout, q, k, v, out, lse, dlse, run.global_begin, 0, true, true);
-    return {dq, dk, dv, sink_grads(dout, out, lse, dlse)};
+  at::Tensor dq = at::zeros_like(q);
+  const int64_t local_k = world == 1 ? k.size(1) : q.size(1);
+  at::Tensor dk = at::zeros({q.size(0), local_k, k.size(2), k.size(3)}, q.options());
+  at::Tensor dv = at::zeros({q.size(0), local_k, v.size(2), v.size(3)}, q.options());
+  std::vector<at::Tensor> dout_rows, out_rows, lse_rows, dlse_rows;
+  if (world == 1) {  // each document's rows against its keys: dQ, dK and dV of one call
+    for (const Piece& p : c.pieces) {
+      const auto mine = [&](const at::Tensor& t, int64_t dim) {
+        return t.narrow(dim, p.rows.local_begin, p.rows.length);
+      };
+      const auto doc = [&](const at::Tensor& t) { return t.narrow(1, p.doc_begin, p.doc_length); };
+      const std::optional<at::Tensor> dlse_p =
+          dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt;
+      const auto [dq_p, dk_p, dv_p] = grads(p.mask, mine(dout, 1), mine(q, 1), doc(k), doc(v),
+                                            mine(out, 1), mine(lse, 2).contiguous(), dlse_p, true,
+                                            true);
+      mine(dq, 1).copy_(dq_p);
+      doc(dk).copy_(dk_p);
+      doc(dv).copy_(dv_p);
+      dout_rows.push_back(mine(dout, 1));
+      out_rows.push_back(mine(out, 1));
+      lse_rows.push_back(mine(lse, 2));
+      if (dlse_p) dlse_rows.push_back(*dlse_p);
+    }
+    return {dq, dk, dv, sink_grads(dout_rows, out_rows, lse_rows, dlse_rows)};
   }
   TORCH_CHECK(q_all && dout_all && lse_all && shifted_all, "cpattn.invariant_bwd: over ", world,
               " ranks, q_all, dout_all, lse_all and shifted_all are needed");
-  const auto first = [&](const at::Tensor& t, int64_t dim) { return t.narrow(dim, 0, seqlen); };
-  const at::Tensor keys = first(k, 1), values = first(v, 1);
-  const at::Tensor q_g = first(*q_all, 1), dout_g = first(*dout_all, 1), lse_g = first(*lse_all, 2),
-                   shifted_g = first(*shifted_all, 2);
-  const int64_t local = q.size(1);
-  at::Tensor dq = at::zeros_like(q);
-  at::Tensor dk = at::zeros({q.size(0), local, k.size(2), k.size(3)}, q.options());
-  at::Tensor dv = at::zeros({q.size(0), local, v.size(2), v.size(3)}, q.options());
-  for (const Run& run : real_runs(c.layout, world, rank, local, local, seqlen)) {
+  int64_t last_doc = -1;
+  for (const Piece& p : c.pieces) {
     const auto mine = [&](const at::Tensor& t, int64_t dim) {
-      return t.narrow(dim, run.local_begin, run.length);
+      return t.narrow(dim, p.rows.local_begin, p.rows.length);
     };
-    const auto at_run = [&](const at::Tensor& t) {
-      return t.narrow(1, run.global_begin, run.length);
+    const auto doc = [&](const at::Tensor& t, int64_t dim) {
+      return t.narrow(dim, p.doc_begin, p.doc_length);
     };
-    // dQ of this run's rows against every key (its dK and dV are other ranks' business).
-    const auto dq_run = std::get<0>(
-        grads(mine(dout, 1), mine(q, 1), keys, values, mine(out, 1), mine(lse, 2).contiguous(),
-              dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt, run.global_begin, 0,
-              true, false));
-    mine(dq, 1).copy_(dq_run);
-    // dK and dV of this run's keys against every query (its dQ is the other ranks').
-    const auto [unused, dk_run, dv_run] =
-        grads(dout_g, q_g, at_run(keys), at_run(values), at::Tensor(), lse_g, shifted_g, 0,
-              run.global_begin, false, true);
-    mine(dk, 1).copy_(dk_run);
-    mine(dv, 1).copy_(dv_run);
+    const auto at_rows = [&](const at::Tensor& t) {
+      return t.narrow(1, p.doc_begin + p.rows.global_begin, p.rows.length);
+    };
+    // dQ of these rows against the document's keys (their dK and dV are other ranks' business).
+    const auto dq_p = std::get<0>(
+        grads(p.mask, mine(dout, 1), mine(q, 1), doc(k, 1), doc(v, 1), mine(out, 1),
+              mine(lse, 2).contiguous(),
+              dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt, true, false));
+    mine(dq, 1).copy_(dq_p);
+    // dK and dV of these keys against the document's queries (their dQ is the other ranks').
+    Mask keys = p.mask;  // every query of the document against these keys
+    keys.q_offset = 0;
+    keys.k_offset = p.rows.global_begin;
+    const auto [unused, dk_p, dv_p] =
+        grads(keys, doc(*dout_all, 1), doc(*q_all, 1), at_rows(k), at_rows(v), at::Tensor(),
+              doc(*lse_all, 2), doc(*shifted_all, 2), false, true);
+    mine(dk, 1).copy_(dk_p);
+    mine(dv, 1).copy_(dv_p);
+    if (p.doc_begin != last_doc) {  // the sinks' rows: every real row of each document, once
+      lse_rows.push_back(doc(*lse_all, 2));
+      dlse_rows.push_back(doc(*shifted_all, 2));
+      last_doc = p.doc_begin;
+    }
   }
-  const at::Tensor zero_column = at::zeros({q.size(0), seqlen, q.size(2), 1}, q.options());
-  return {dq, dk, dv, sink_grads(zero_column, zero_column, lse_g, shifted_g)};
+  if (sinks && rank == 0) {  // zero columns: delta - dlse = -shifted
+    for (const at::Tensor& l : lse_rows)
+      dout_rows.push_back(at::zeros({q.size(0), l.size(2), q.size(2), 1}, q.options()));
+    out_rows = dout_rows;
+  }
+  return {dq, dk, dv, sink_grads(dout_rows, out_rows, lse_rows, dlse_rows)};
 }
 
 }  // namespace

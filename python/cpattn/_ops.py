@@ -144,8 +144,8 @@ def _gathered_bwd_fake(dout, q, kv_all, out, lse, rank, layout, doc_lengths=None
 
 
 @torch.library.register_fake("cpattn::invariant_fwd")
-def _invariant_fwd_fake(q, k, v, rank, world, layout, seqlen, sinks=None, *options,
-                        **named_options):
+def _invariant_fwd_fake(q, k, v, rank, world, layout, seqlen, doc_lengths=None, sinks=None,
+                        *options, **named_options):
     _check_same_device("q, k and v", q, k, v)
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
@@ -153,7 +153,8 @@ def _invariant_fwd_fake(q, k, v, rank, world, layout, seqlen, sinks=None, *optio
 
 @torch.library.register_fake("cpattn::invariant_bwd")
 def _invariant_bwd_fake(dout, q, k, v, out, lse, dlse, q_all, dout_all, lse_all, shifted_all,
-                        sinks, rank, world, layout, seqlen, *options, **named_options):
+                        sinks, rank, world, layout, seqlen, doc_lengths=None, *options,
+                        **named_options):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
     b, s, h, _ = q.shape
     keys = k.shape[1] if world == 1 else s  # this rank's keys

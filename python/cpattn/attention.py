@@ -54,7 +54,7 @@ def attention(
     if opts.invariant:  # the one-rank case of ring_attention(invariant=True)
         check_invariant_call("cpattn.attention", q, "contiguous", 1)
         out, lse = InvariantAttention.apply(q, k, v, opts.sinks, opts, None, 0, 1,
-                                            LAYOUTS["contiguous"], k.shape[1], k.shape[2])
+                                            LAYOUTS["contiguous"], k.shape[1], k.shape[2], None)
         return (out, lse) if return_lse else out
     # no positions given: the op aligns the rows bottom-right
     out, lse = torch.ops.cpattn.attention_fwd(q, k, v, sinks=opts.sinks, **opts.op_kwargs())
@@ -118,5 +118,10 @@ def attention_varlen(
     if tokens != q.shape[0]:
         raise error(what, "cu_seqlens", f"[..., {tokens}]", f"must end at the {q.shape[0]} "
                     "tokens of q")
+    if opts.invariant:  # the one-rank case of ring_attention_varlen(invariant=True)
+        check_invariant_call(what, q, "contiguous", 1)
+        out, lse = InvariantAttention.apply(q[None], k[None], v[None], opts.sinks, opts, None, 0,
+                                            1, LAYOUTS["contiguous"], tokens, k.shape[1], docs)
+        return (out[0], lse[0]) if return_lse else out[0]
     out, lse = LocalDocuments.apply(q[None], k[None], v[None], opts.sinks, docs, opts)
     return (out[0], lse[0]) if return_lse else out[0]

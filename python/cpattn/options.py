@@ -19,7 +19,8 @@ from cpattn._validation import check_bool, check_int, check_scale, check_window,
 
 # The functions that honour invariant=True (results bitwise independent of the number of ranks,
 # the layout and the strategy: docs/invariance.md); any other raises rather than drop it.
-INVARIANT_FUNCTIONS = ("cpattn.attention", "cpattn.ring_attention", "cpattn.ulysses_attention",
+INVARIANT_FUNCTIONS = ("cpattn.attention", "cpattn.attention_varlen", "cpattn.ring_attention",
+                       "cpattn.ring_attention_varlen", "cpattn.ulysses_attention",
                        "cpattn.hybrid_attention")
 
 # The ops' option arguments, in their schema order (csrc/ops/options.h kOptionsSchema).

@@ -6,10 +6,14 @@ gathers every rank's K and V, the backward also every rank's q, dout, out and ls
 at a time (as the all-gather strategy), so the memory per rank stays bounded.
 cpattn.attention(invariant=True) is the same computation over one rank: the reference."""
 
+from itertools import accumulate
+from typing import Optional
+
 import torch
 
 from cpattn import comm
 from cpattn._autograd import once_differentiable
+from cpattn._layout import LAYOUTS
 from cpattn._validation import error
 from cpattn.strategies.common import forward_in_passes, head_groups, input_grads
 
@@ -28,34 +32,42 @@ _RUNS: dict = {}  # _runs' results by arguments
 
 
 @torch._dynamo.assume_constant_result  # compiled: run while tracing, its result a constant
-def _runs(layout_code: int, world: int, local: int) -> tuple:
+def _runs(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> tuple:
     """Per rank, (local begin, length, global begin) of each run of consecutive positions of its
     shard of `local` tokens (the layout's rule: torch.ops.cpattn.layout_positions), cut at the
     same local indices on every rank (zigzag's last rank holds two chunks that follow each
-    other, cut like the others'), so that the ranks' j-th runs have one length."""
-    key = (layout_code, world, local)
+    other, cut like the others'), so that the ranks' j-th runs have one length. docs: packed
+    documents' lengths, each padded to the layout's granularity and sharded on its own
+    (ring_attention_varlen), or None: one sequence."""
+    key = (layout_code, world, local, docs)
     if key not in _RUNS:
-        pos = [torch.ops.cpattn.layout_positions(local * world, world, r, layout_code).tolist()
+        granularity = 2 * world if layout_code == LAYOUTS["zigzag"] else world
+        padded = [local * world] if docs is None else \
+            [-(-n // granularity) * granularity for n in docs]
+        pos = [[g + p for g, n in zip(accumulate([0, *padded]), padded) if n
+                for p in torch.ops.cpattn.layout_positions(n, world, r, layout_code).tolist()]
                for r in range(world)]
-        cuts = sorted({i for p in pos for i in range(1, local) if p[i] != p[i - 1] + 1} | {local})
-        _RUNS[key] = tuple(tuple((b, e - b, p[b]) for b, e in zip([0, *cuts], cuts))
+        doc_starts = set(accumulate(n // world for n in padded))
+        cuts = sorted({i for p in pos for i in range(1, local) if p[i] != p[i - 1] + 1}
+                      | (doc_starts - {0}) | {local})
+        _RUNS[key] = tuple(tuple((b, e - b, p[b]) for b, e in zip([0, *cuts], cuts) if e > b)
                            for p in pos)
     return _RUNS[key]
 
 
-def gather_global(t: torch.Tensor, dim: int, group, rank: int, world: int, layout_code: int
-                  ) -> torch.Tensor:
-    """Every rank's shard of `t` (its tokens along `dim`, in the layout's order) in global
-    order: t's shape with W times the tokens along `dim`. Stored sequence-major, so that the
-    ranks' runs of positions that follow each other in rank order (contiguous; zigzag's first
-    chunks) are gathered in place; other runs (zigzag's second chunks, in reverse rank order)
-    through a buffer. With one rank, t itself."""
+def gather_global(t: torch.Tensor, dim: int, group, rank: int, world: int, layout_code: int,
+                  docs: Optional[tuple] = None) -> torch.Tensor:
+    """Every rank's shard of `t` (its tokens along `dim`, in the layout's order; with docs, the
+    packed documents' shards) in global order: t's shape with W times the tokens along `dim`.
+    Stored sequence-major, so that the ranks' runs of positions that follow each other in rank
+    order (contiguous; zigzag's first chunks) are gathered in place; other runs (zigzag's second
+    chunks, in reverse rank order) through a buffer. With one rank, t itself."""
     if world == 1:
         return t
     local = t.shape[dim]
     src = t.movedim(dim, 0)
     out = src.new_empty((world * local, *src.shape[1:]))
-    runs = _runs(layout_code, world, local)
+    runs = _runs(layout_code, world, local, docs)
     for j, (begin, length, _) in enumerate(runs[rank]):  # the ranks' j-th runs: equal lengths
         starts = [runs[r][j][2] for r in range(world)]
         mine = src.narrow(0, begin, length).contiguous()
@@ -70,39 +82,48 @@ def gather_global(t: torch.Tensor, dim: int, group, rank: int, world: int, layou
 
 
 class InvariantAttention(torch.autograd.Function):
-    """apply(q, k, v, sinks, options, group, rank, world, layout_code, seqlen, group_size):
+    """apply(q, k, v, sinks, options, group, rank, world, layout_code, seqlen, group_size, docs):
     q (B, L, H, D), k / v (B, L, Hkv, D / Dv) this rank's shards (with one rank the whole
     sequence; q may then be shorter, bottom-right aligned), seqlen the real global length (the
-    shards' tokens past it are padding), group_size the KV heads gathered at a time."""
+    shards' tokens past it are padding), group_size the KV heads gathered at a time; docs None
+    or packed documents (batch 1) as ring_attention_varlen shards them: their lengths (D,), or
+    (2, D) with each one's prefix as the second row (seqlen is then unused)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, options, group, rank, world, layout_code, seqlen,
-                group_size):
+                group_size, docs):
+        lengths = None if docs is None else tuple(docs.view(-1, docs.shape[-1])[0].tolist())
+
+        def everyone(t, dim=1):  # every rank's tokens of a head group, in global order
+            return gather_global(t, dim, group, rank, world, layout_code, lengths)
+
         def attend(qh, kh):  # the gathered head group is freed on return, before the next one
-            k_all, v_all = (gather_global(t[:, :, kh], 1, group, rank, world, layout_code)
-                            for t in (k, v))
             o = options.for_heads(qh)
-            return torch.ops.cpattn.invariant_fwd(q[:, :, qh], k_all, v_all, rank, world,
-                                                  layout_code, seqlen, o.sinks, **o.op_kwargs())
+            return torch.ops.cpattn.invariant_fwd(q[:, :, qh], everyone(k[:, :, kh]),
+                                                  everyone(v[:, :, kh]), rank, world,
+                                                  layout_code, seqlen, docs, o.sinks,
+                                                  **o.op_kwargs())
 
         out, lse = forward_in_passes(q, k, group_size, attend)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (options, group, rank, world, layout_code, seqlen, group_size)
+        ctx.args = (options, group, rank, world, layout_code, seqlen, group_size, docs, lengths)
         return out, lse
 
     @staticmethod
     @once_differentiable("cpattn.ring_attention(invariant=True)")
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        options, group, rank, world, layout_code, seqlen, group_size = ctx.args
+        options, group, rank, world, layout_code, seqlen, group_size, docs, lengths = ctx.args
         dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32,
                                                         device=sinks.device)
 
-        def everyone(t, dim=1):  # every rank's rows of a head group, in global order
-            return None if t is None or world == 1 else \
-                gather_global(t, dim, group, rank, world, layout_code)
+        def everyone(t, dim=1):  # every rank's tokens of a head group, in global order
+            return gather_global(t, dim, group, rank, world, layout_code, lengths)
+
+        def others(t, dim=1):  # what the other ranks need of these rows (nothing with one rank)
+            return None if t is None or world == 1 else everyone(t, dim)
 
         for qh, kh in head_groups(q, k, group_size):
             o = options.for_heads(qh)
@@ -114,11 +135,9 @@ class InvariantAttention(torch.autograd.Function):
                 dot = torch.ops.cpattn.row_dot(dout_h, out_h)
                 shifted = -dot if dlse_h is None else dlse_h.float() - dot
             dq_c, dk_c, dv_c, dsinks_c = torch.ops.cpattn.invariant_bwd(
-                dout_h, q_h, *(gather_global(t[:, :, kh], 1, group, rank, world, layout_code)
-                               for t in (k, v)),
-                out_h, lse_h, dlse_h, everyone(q_h), everyone(dout_h), everyone(lse_h, 2),
-                everyone(shifted, 2), o.sinks, rank, world, layout_code, seqlen,
-                **o.op_kwargs())
+                dout_h, q_h, everyone(k[:, :, kh]), everyone(v[:, :, kh]), out_h, lse_h, dlse_h,
+                others(q_h), others(dout_h), others(lse_h, 2), others(shifted, 2), o.sinks, rank,
+                world, layout_code, seqlen, docs, **o.op_kwargs())
             dq[:, :, qh].copy_(dq_c)
             dk[:, :, kh].copy_(dk_c)
             dv[:, :, kh].copy_(dv_c)

@@ -159,9 +159,6 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
             fields += [("requires_grad", needs_grad(q, k, v))]
         if opts.invariant:
             check_invariant_call(what, q, layout, world)
-            if per_sequence or cu_seqlens is not None:
-                raise error(what, "prefix_len" if per_sequence else "cu_seqlens", "<tensor>",
-                            "(packed documents) is not supported with invariant=True yet")
         max_logits = check_bool(what, "return_max_logits", return_max_logits)
         if max_logits and prefix_docs is not None:
             raise error(what, "return_max_logits", True, "is not supported with a prefix per "
@@ -178,31 +175,35 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
         max_logits = global_max_logits(q[None] if cu_seqlens is not None else q,
                                        k[None] if cu_seqlens is not None else k, group,
                                        placement, opts)
-    if opts.invariant:  # the strategy changes no bit: one computation for all of them
-        out, lse = InvariantAttention.apply(
-            q, k, v, opts.sinks, opts, group, rank, world, LAYOUTS[layout],
-            q.shape[1] * world if seqlen is None else seqlen,
-            chunk or ring_chunk or default_head_group(k.shape[2], world))
-        return (out, lse) if max_logits is None else (out, lse, max_logits)
+    packed = cu_seqlens is not None or prefix_docs is not None
     if cu_seqlens is not None:
         q, k, v = q[None], k[None], v[None]
     elif prefix_docs is not None:  # the batch as packed documents: (B, L, ..) -> (1, B L, ..)
         batch = q.shape[0]
         q, k, v = (t.flatten(0, 1)[None] for t in (q, k, v))
-    if strategy == "auto":
-        chosen = auto_strategy(q, k, world, group, opts, layout, docs, chunk, ring_chunk, what)
-        strategy = chosen.strategy
-        if strategy == "ring":
-            ring_chunk = chosen.chunk or None
     if prefix_docs is not None:  # the ops take the prefixes as a second row of the documents
         docs = torch.stack([docs, prefix_docs])
-    if strategy == "ring":
-        out, lse = RingAttention.apply(q, k, v, opts.sinks, opts, group.group_name,
-                                       LAYOUTS[layout], timeout, docs, ring_chunk or k.shape[2])
+    if opts.invariant:  # the strategy changes no bit: one computation for all of them
+        out, lse = InvariantAttention.apply(
+            q, k, v, opts.sinks, opts, group, rank, world, LAYOUTS[layout],
+            q.shape[1] * world if seqlen is None else seqlen,
+            chunk or ring_chunk or default_head_group(k.shape[2], world),
+            docs if packed else None)
     else:
-        out, lse = GatheredAttention.apply(q, k, v, opts.sinks, opts, group, rank, world,
-                                           LAYOUTS[layout], docs,
-                                           chunk or default_head_group(k.shape[2], world))
+        if strategy == "auto":
+            chosen = auto_strategy(q, k, world, group, opts, layout, docs, chunk, ring_chunk,
+                                   what)
+            strategy = chosen.strategy
+            if strategy == "ring":
+                ring_chunk = chosen.chunk or None
+        if strategy == "ring":
+            out, lse = RingAttention.apply(q, k, v, opts.sinks, opts, group.group_name,
+                                           LAYOUTS[layout], timeout, docs,
+                                           ring_chunk or k.shape[2])
+        else:
+            out, lse = GatheredAttention.apply(q, k, v, opts.sinks, opts, group, rank, world,
+                                               LAYOUTS[layout], docs,
+                                               chunk or default_head_group(k.shape[2], world))
     if cu_seqlens is None and prefix_docs is not None:  # back to (B, L, ..) and (B, H, L)
         out = out.view(batch, -1, *out.shape[2:])
         lse = lse.view(lse.shape[1], batch, -1).transpose(0, 1)
@@ -238,6 +239,10 @@ def _plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, 
         opts, fields = checked_call(what, q, k, v, {**options, "prefix_len": 0}
                                     if isinstance(prefix, torch.Tensor) else options,
                                     plan.layout, varlen=True, empty_tokens=True)
+        if opts.invariant:  # a plan computes documents on rank subsets: their sums W-dependent
+            raise error(what, "invariant", True, "is not supported over a DocumentPlan: pass "
+                        "cu_seqlens (every document sharded over every rank) for packed "
+                        "documents with invariant=True")
         # Ranks hold different numbers of tokens: each checks its own against the plan.
         fields = [f for f in fields if not f[0].endswith(".tokens")]
         for name, t in (("q", q), ("k", k), ("v", v)):

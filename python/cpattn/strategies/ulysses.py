@@ -168,7 +168,7 @@ def across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Att
         # process computes them (the hybrid's attend is the ring, invariant itself)
         def attend(qh, kh, vh, n, o):
             return InvariantAttention.apply(qh, kh, vh, o.sinks, o, None, 0, 1,
-                                            LAYOUTS["contiguous"], qh.shape[1], kh.shape[2])
+                                            LAYOUTS["contiguous"], qh.shape[1], kh.shape[2], None)
     if attend is None:
         out, lse = _LocalAcrossHeads.apply(qh, kh, vh, opts.sinks, real, group, mine)
         return (out, lse) if return_lse else out
