@@ -134,6 +134,28 @@ def test_bitwise_any_length(world: int) -> None:
               (torch.float32,), 301)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_bitwise_striped(world: int) -> None:
+    """The striped layout (moved to the contiguous one and back: an exact permutation), also
+    at a length no granularity divides, and with packed documents."""
+    run_ranks(world, _check, ("striped",), ("ring", "allgather"), ("causal", "all"),
+              (torch.float32,))
+    run_ranks(world, _check, ("striped",), ("ring",), ("sinks_window_both",), (torch.bfloat16,),
+              301)
+    if world == 3:
+        run_ranks(world, _check_varlen, ("striped",), ("causal", "prefix"), torch.float32)
+
+
+def test_bitwise_eight_ranks() -> None:
+    """W = 8 (real gloo ranks on a small sequence): every layout, a length 16 does not divide,
+    packed documents, bf16."""
+    run_ranks(8, _check, ("contiguous", "zigzag", "striped"), ("ring",), ("causal", "all"),
+              (torch.float32,), 200)
+    run_ranks(8, _check, ("zigzag",), ("allgather",), ("sinks_window_both",), (torch.bfloat16,),
+              200)
+    run_ranks(8, _check_varlen, ("zigzag",), ("all",), torch.float32)
+
+
 def _check_ulysses(rank: int, world: int, names, dtype, seqlen) -> None:
     """ulysses_attention(invariant=True): every rank computes its heads over the whole sequence;
     KV heads 2 W / 2, so that every rank holds whole GQA groups."""
@@ -388,8 +410,6 @@ def _refusals(rank: int, world: int) -> None:
     q = torch.randn(1, 8, 2, 16)
     singles = [dist.new_group([r]) for r in range(world)]  # hybrid: Ulysses over all, no ring
     for call, match in [
-        (lambda: cpattn.ring_attention(q, q, q, layout="striped", invariant=True),
-         "layout='striped': is not supported with invariant=True"),
         (lambda: cpattn.ulysses_attention(q[:, :, :1], q[:, :, :1], q[:, :, :1], invariant=True),
          "heads=1: must be divisible"),
         (lambda: cpattn.ulysses_attention(q, q[:, :, :1], q[:, :, :1], invariant=True),

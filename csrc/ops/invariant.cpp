@@ -7,7 +7,8 @@
 // fixed by global positions alone: the forward folds key blocks from key 0 and treats every query
 // row alike; the backward runs with AttnShape::fixed_order (one key split, query chunks of a fixed
 // size from row 0). The contiguous and zigzag layouts hold runs of consecutive positions, which
-// the kernels' offsets express; striped shards do not. docs/invariance.md.
+// the kernels' offsets express; striped shards do not (they are moved to the contiguous layout
+// before, python/cpattn/strategies/invariant.py Relayout). docs/invariance.md.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -108,8 +109,8 @@ InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at
   check_options(fn, options, q.size(2), q.device());
   const RingOptions o = make_ring_options(options, layout, doc_lengths, std::nullopt);
   TORCH_CHECK(world == 1 || o.layout != Layout::kStriped, "cpattn.", fn,
-              ": invariant=True needs the contiguous or zigzag layout (a striped shard's "
-              "positions are not runs of consecutive positions)");
+              ": takes contiguous or zigzag shards (runs of consecutive positions; the Python "
+              "side moves striped shards to the contiguous layout first)");
   const bool documents = !o.doc_lengths.empty();
   TORCH_CHECK(world == 1 && !documents ? k.size(1) >= q.size(1) : k.size(1) == q.size(1) * world,
               "cpattn.", fn, ": k and v must hold the ", world, " ranks' shards of ", q.size(1),

@@ -19,13 +19,23 @@ from cpattn.strategies.common import forward_in_passes, head_groups, input_grads
 
 
 def check_invariant_call(what: str, q: torch.Tensor, layout: str, world: int) -> None:
-    """What invariant=True needs beyond the options: CPU tensors, a layout of position runs."""
+    """What invariant=True needs beyond the options: CPU tensors."""
     if q.device.type != "cpu":
         raise error(what, "invariant", True, f"runs on CPU tensors only in this version (the "
                     f"CUDA kernels have no fixed-order mode yet), got q on {q.device}")
-    if layout == "striped" and world > 1:
-        raise error(what, "layout", layout, "is not supported with invariant=True: use "
-                    "'contiguous' or 'zigzag' (their shards are runs of consecutive positions)")
+
+
+def _positions(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> list:
+    """Per rank, the global position of each of its `local` tokens (the layout's rule:
+    torch.ops.cpattn.layout_positions). docs: packed documents' lengths, each padded to the
+    layout's granularity and sharded on its own (ring_attention_varlen), or None: one
+    sequence."""
+    granularity = 2 * world if layout_code == LAYOUTS["zigzag"] else world
+    padded = [local * world] if docs is None else \
+        [-(-n // granularity) * granularity for n in docs]
+    return [[g + p for g, n in zip(accumulate([0, *padded]), padded) if n
+             for p in torch.ops.cpattn.layout_positions(n, world, r, layout_code).tolist()]
+            for r in range(world)]
 
 
 _RUNS: dict = {}  # _runs' results by arguments
@@ -34,25 +44,64 @@ _RUNS: dict = {}  # _runs' results by arguments
 @torch._dynamo.assume_constant_result  # compiled: run while tracing, its result a constant
 def _runs(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> tuple:
     """Per rank, (local begin, length, global begin) of each run of consecutive positions of its
-    shard of `local` tokens (the layout's rule: torch.ops.cpattn.layout_positions), cut at the
-    same local indices on every rank (zigzag's last rank holds two chunks that follow each
-    other, cut like the others'), so that the ranks' j-th runs have one length. docs: packed
-    documents' lengths, each padded to the layout's granularity and sharded on its own
-    (ring_attention_varlen), or None: one sequence."""
+    shard of `local` tokens (_positions), cut at the same local indices on every rank (zigzag's
+    last rank holds two chunks that follow each other, cut like the others'; documents at their
+    starts), so that the ranks' j-th runs have one length."""
     key = (layout_code, world, local, docs)
     if key not in _RUNS:
+        pos = _positions(layout_code, world, local, docs)
         granularity = 2 * world if layout_code == LAYOUTS["zigzag"] else world
-        padded = [local * world] if docs is None else \
-            [-(-n // granularity) * granularity for n in docs]
-        pos = [[g + p for g, n in zip(accumulate([0, *padded]), padded) if n
-                for p in torch.ops.cpattn.layout_positions(n, world, r, layout_code).tolist()]
-               for r in range(world)]
-        doc_starts = set(accumulate(n // world for n in padded))
+        doc_starts = set() if docs is None else \
+            set(accumulate(-(-n // granularity) * granularity // world for n in docs))
         cuts = sorted({i for p in pos for i in range(1, local) if p[i] != p[i - 1] + 1}
                       | (doc_starts - {0}) | {local})
         _RUNS[key] = tuple(tuple((b, e - b, p[b]) for b, e in zip([0, *cuts], cuts) if e > b)
                            for p in pos)
     return _RUNS[key]
+
+
+_RELAYOUTS: dict = {}  # _relayout_plan's results by arguments
+
+
+def _relayout_plan(src_code: int, dst_code: int, world: int, rank: int, local: int,
+                   docs: Optional[tuple]) -> tuple:
+    """How this rank's `local` tokens in layout src go to their owners in layout dst (the same
+    padded length): the order in which it sends its rows, how many go to each rank, how many
+    come from each, and the local index in dst of each row received."""
+    key = (src_code, dst_code, world, rank, local, docs)
+    if key not in _RELAYOUTS:
+        src, dst = (torch.tensor(_positions(c, world, local, docs)) for c in (src_code, dst_code))
+        sender = torch.empty(world * local, dtype=torch.int64)  # by position: its rank in src,
+        owner, index = torch.empty_like(sender), torch.empty_like(sender)  # its rank, index in dst
+        for r in range(world):
+            sender[src[r]] = r
+            owner[dst[r]], index[dst[r]] = r, torch.arange(local)
+        mine = src[rank]  # what this rank holds: sent grouped by owner, in its local order
+        send_order = torch.argsort(owner[mine] * local + index[mine])
+        arriving = sender[dst[rank]]  # received grouped by sender, in this rank's dst order
+        recv_index = torch.argsort(arriving * local + torch.arange(local))
+        _RELAYOUTS[key] = (send_order, torch.bincount(owner[mine], minlength=world).tolist(),
+                           torch.bincount(arriving, minlength=world).tolist(), recv_index)
+    return _RELAYOUTS[key]
+
+
+class Relayout(torch.autograd.Function):
+    """apply(t, dim, group, rank, world, src_code, dst_code, docs): this rank's tokens of t
+    (along dim) in layout src -> its tokens in layout dst (one all-to-all; an exact permutation,
+    so no bit changes); the backward moves the gradient back."""
+
+    @staticmethod
+    def forward(ctx, t, dim, group, rank, world, src_code, dst_code, docs):
+        ctx.args = (dim, group, rank, world, dst_code, src_code, docs)
+        send_order, to_each, from_each, recv_index = _relayout_plan(
+            src_code, dst_code, world, rank, t.shape[dim], docs)
+        rows = t.movedim(dim, 0).index_select(0, send_order)
+        recv = comm.rows_all_to_all(rows, from_each, to_each, group.group_name)
+        return torch.empty_like(recv).index_copy_(0, recv_index, recv).movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return Relayout.apply(grad.contiguous(), *ctx.args), *([None] * 7)
 
 
 def gather_global(t: torch.Tensor, dim: int, group, rank: int, world: int, layout_code: int,
@@ -147,3 +196,19 @@ class InvariantAttention(torch.autograd.Function):
         if dsinks is not None:
             dsinks = dsinks.to(sinks.dtype) if ctx.needs_input_grad[3] else None
         return input_grads(ctx, dq, dk, dv, dsinks)
+
+
+def invariant_attention(q, k, v, options, group, rank: int, world: int, layout_code: int,
+                        seqlen: int, group_size: int, docs: Optional[torch.Tensor]):
+    """InvariantAttention of this rank's shards in any layout: striped shards (not runs of
+    consecutive positions) are moved to the contiguous layout and the results back."""
+    if world == 1 or layout_code != LAYOUTS["striped"]:
+        return InvariantAttention.apply(q, k, v, options.sinks, options, group, rank, world,
+                                        layout_code, seqlen, group_size, docs)
+    lengths = None if docs is None else tuple(docs.view(-1, docs.shape[-1])[0].tolist())
+    moves = (group, rank, world, LAYOUTS["striped"], LAYOUTS["contiguous"], lengths)
+    back = (*moves[:3], moves[4], moves[3], lengths)
+    q, k, v = (Relayout.apply(t, 1, *moves) for t in (q, k, v))
+    out, lse = InvariantAttention.apply(q, k, v, options.sinks, options, group, rank, world,
+                                        LAYOUTS["contiguous"], seqlen, group_size, docs)
+    return Relayout.apply(out, 1, *back), Relayout.apply(lse, 2, *back)

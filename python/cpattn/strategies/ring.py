@@ -37,7 +37,7 @@ from cpattn.strategies.common import (
     needs_grad,
     sink_grad,
 )
-from cpattn.strategies.invariant import InvariantAttention, check_invariant_call
+from cpattn.strategies.invariant import check_invariant_call, invariant_attention
 
 # The strategies ring_attention runs (ContextParallel has its own list: parallel.STRATEGIES).
 RING_ATTENTION_STRATEGIES = ("ring", "allgather", "auto")
@@ -184,8 +184,8 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
     if prefix_docs is not None:  # the ops take the prefixes as a second row of the documents
         docs = torch.stack([docs, prefix_docs])
     if opts.invariant:  # the strategy changes no bit: one computation for all of them
-        out, lse = InvariantAttention.apply(
-            q, k, v, opts.sinks, opts, group, rank, world, LAYOUTS[layout],
+        out, lse = invariant_attention(
+            q, k, v, opts, group, rank, world, LAYOUTS[layout],
             q.shape[1] * world if seqlen is None else seqlen,
             chunk or ring_chunk or default_head_group(k.shape[2], world),
             docs if packed else None)
