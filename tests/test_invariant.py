@@ -462,6 +462,85 @@ def test_one_process_prefill_and_decode_equal_the_training_rows(dtype, name) -> 
             start = end
 
 
+def _check_inference(rank: int, world: int, layout: str, dtype, names) -> None:
+    """prefill_attention + decode_attention(invariant=True) over a KV cache sharded in blocks of
+    whole tiles: a prompt prefilled in 1, 2 or 3 chunks (lengths no layout granularity
+    divides), then 5 decode steps (comm all_gather; the last reduce_scatter) give each token's
+    row and LSE of the training forward over the whole sequence in one process, bitwise."""
+    tile = torch.ops.cpattn.invariant_tile()
+    prompt, total = 4 * tile + 201, 4 * tile + 206  # several tiles and cache blocks
+    for n, name in enumerate(names):
+        causal, window, options = CASES[name]
+        full = _inputs(90 + n, total, dtype, dim=16)
+        kwargs = _draw(options, full[0].shape[2])
+        q, k, v, _ = full
+        want, want_lse = cpattn.attention(q, k, v, causal=True, window=window, return_lse=True,
+                                          invariant=True, **kwargs)
+        for cuts in ([prompt], [700, prompt], [101, 1299, prompt]):
+            cache = cpattn.KVCacheShard(2, total, 2, 16, interleave=2 * tile, dtype=dtype)
+            start = 0
+            for end in cuts:
+                shard = functools.partial(cpattn.shard, layout=layout)
+                out, lse = cpattn.prefill_attention(
+                    shard(q[:, start:end]), shard(k[:, start:end]), shard(v[:, start:end]),
+                    cache, layout=layout, seqlen=end - start, return_lse=True, window=window,
+                    invariant=True, **kwargs)
+                unshard = functools.partial(cpattn.unshard, layout=layout, seqlen=end - start)
+                where = f"W={world} {layout} {name} {dtype} prefill {cuts} [{start}, {end})"
+                assert torch.equal(unshard(out), want[:, start:end]), where
+                assert torch.equal(unshard(lse, dim=2), want_lse[:, :, start:end]), where
+                start = end
+            for t in range(prompt, total):
+                cache.append(k[:, t:t + 1], v[:, t:t + 1])
+                last = t == total - 1 and q.shape[2] % world == 0
+                comm = "reduce_scatter" if last else "all_gather"
+                out, lse = cpattn.decode_attention(q[:, t:t + 1], cache, comm=comm, window=window,
+                                                   return_lse=True, invariant=True, **kwargs)
+                heads = slice(None)
+                if comm == "reduce_scatter":
+                    per = q.shape[2] // world
+                    heads = slice(rank * per, (rank + 1) * per)
+                where = f"W={world} {layout} {name} {dtype} decode {cuts} token {t} {comm}"
+                assert torch.equal(out, want[:, t:t + 1, heads]), where
+                assert torch.equal(lse, want_lse[:, heads, t:t + 1]), where
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sharded_prefill_and_decode_equal_the_training_rows(world: int) -> None:
+    run_ranks(world, _check_inference, "zigzag", torch.float32, ("causal", "window", "all"))
+    if world == 3:
+        run_ranks(world, _check_inference, "contiguous", torch.bfloat16, ("all",))
+
+
+def test_tile_tree_blocks_merge_like_tiles() -> None:
+    """The tile tree (csrc/include/cpattn/invariant.h): the partials of single tiles, of aligned
+    blocks of 2 and 4 tiles (as a cache's owners merge them) and of all keys at once merge to the
+    same bits, equal to cpattn.attention(invariant=True); merged one after the other in key
+    order instead (another order), they differ: the order is what the test pins."""
+    tile = torch.ops.cpattn.invariant_tile()
+    torch.manual_seed(11)
+    n = 7 * tile + 5
+    q, k, v = (torch.randn(1, m, h, 16) for m, h in ((40, 2), (n, 1), (n, 1)))
+    ops = torch.ops.cpattn
+    scale = {"softmax_scale": 0.25}
+
+    def blocks(size):  # the partials of aligned blocks of `size` tiles, merged by the tree
+        parts = [ops.invariant_partial(q, k[:, b:b + size * tile], v[:, b:b + size * tile],
+                                       n - 40, b, **scale) for b in range(0, n, size * tile)]
+        return ops.invariant_merge(torch.stack([o for o, _ in parts]),
+                                   torch.stack([lse for _, lse in parts]),
+                                   [b // tile for b in range(0, n, size * tile)])
+
+    want = cpattn.attention(q, k, v, return_lse=True, invariant=True)
+    for got in (blocks(1), blocks(2), blocks(4), ops.invariant_partial(q, k, v, n - 40, 0, **scale)):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    out, lse = ops.invariant_partial(q, k[:, :tile], v[:, :tile], n - 40, 0, **scale)
+    for b in range(tile, n, tile):  # the sequential order
+        o, s = ops.invariant_partial(q, k[:, b:b + tile], v[:, b:b + tile], n - 40, b, **scale)
+        cpattn.merge_state_(out, lse, o, s)
+    assert not torch.equal(out, want[0])
+
+
 def _compiled(rank: int, world: int) -> None:
     """torch.compile(fullgraph=True) of an invariant ring call: forward and gradients bitwise
     equal to eager (the gathers' runs are constants while tracing)."""

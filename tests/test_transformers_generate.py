@@ -132,20 +132,36 @@ def test_generate_mla_refused():
     run_ranks(2, _mla)
 
 
-def _invariant_generation_refused(rank, world):
-    """ContextParallel(invariant=True) reaches the sharded cache's prefill / decode, which have
-    no invariant mode yet: generation raises on every rank, never runs the default mode."""
+def _invariant_generation(rank, world):
+    """ContextParallel(invariant=True) reaches the sharded cache's prefill / decode: with a cache
+    of interleave 1 (blocks smaller than the invariant forward's key tiles) generation raises on
+    every rank, never runs the default mode; with whole tiles per block it runs, and the
+    scores of every generated token are bitwise those of the same generation over one rank."""
     from cpattn.integrations.transformers import ContextParallelCache, register
 
     config = tiny_config("llama")
+    tile = torch.ops.cpattn.invariant_tile()
+    prompts = torch.randint(0, config.vocab_size, (2, PROMPT_LEN),
+                            generator=torch.Generator().manual_seed(5))
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
+                    pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     cp = cpattn.ContextParallel(invariant=True)
     model = tiny_model(config, register(cp))
     cache = ContextParallelCache(cp, model.config, capacity=PROMPT_LEN + NEW_TOKENS)
-    prompts = torch.randint(0, config.vocab_size, (2, PROMPT_LEN),
-                            generator=torch.Generator().manual_seed(5))
-    with pytest.raises(ValueError, match="invariant=True: is not supported here yet"):
-        model.generate(prompts, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match=f"interleave=a multiple of {tile}"):
+        model.generate(prompts, cache=cache, **settings)
+    singles = [dist.new_group([r]) for r in range(world)]
+    results = []
+    for group in (None, singles[rank]):
+        cp = cpattn.ContextParallel(group, invariant=True)
+        model = tiny_model(config, register(cp))
+        cache = ContextParallelCache(cp, model.config, capacity=PROMPT_LEN + NEW_TOKENS,
+                                     interleave=tile)
+        out = model.generate(prompts, cache=cache, **settings)
+        results.append((out.sequences, torch.stack(out.scores)))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1]), "scores differ between W and one rank"
 
 
-def test_invariant_generation_raises_on_every_rank():
-    run_ranks(2, _invariant_generation_refused)
+def test_invariant_generation_over_ranks_equals_one_rank():
+    run_ranks(2, _invariant_generation)

@@ -74,6 +74,14 @@ TORCH_LIBRARY(cpattn, m) {
       "Tensor? dlse, Tensor? q_all, Tensor? dout_all, Tensor? lse_all, Tensor? shifted_all, "
       "Tensor? sinks, int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None",
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)"));
+  // Invariant mode over a KV cache: the keys per tile (cpattn/invariant.h), one block of tiles'
+  // partial result, the blocks' tree merge.
+  m.def("invariant_tile() -> int");
+  m.def(with_options("invariant_partial(Tensor q, Tensor k, Tensor v, int q_begin, int k_begin",
+                     "(Tensor out, Tensor lse)"));
+  m.def(
+      "invariant_merge(Tensor outs, Tensor lses, int[] tiles, Tensor? sinks=None, "
+      "ScalarType? out_dtype=None) -> (Tensor out, Tensor lse)");
   m.def("layout_positions(int seqlen, int world, int rank, int layout) -> Tensor");
   // The cost model's view of the schedule: (world, world, 3) work per (rank, step).
   m.def(

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cpattn/invariant.h"
 #include "cpattn/layout.h"
 #include "cpattn/schedule.h"
 #include "ops/backend.h"
@@ -144,6 +145,56 @@ ScoreArgs fixed_order_score(const AttentionOptions& o, const Mask& m,
   return a;
 }
 
+// A partial result: out (B, R, H, Dv) and lse (B, H, R), float32.
+using Partial = std::pair<at::Tensor, at::Tensor>;
+
+Partial empty_partial(const at::Tensor& q, int64_t dv) {
+  return {at::zeros({q.size(0), q.size(1), q.size(2), dv}, q.options().dtype(at::kFloat)),
+          at::full({q.size(0), q.size(2), q.size(1)}, -INFINITY, q.options().dtype(at::kFloat))};
+}
+
+// Rows of about this many bytes of fp32 partial results at a time: the tree holds one per level.
+constexpr int64_t kPartialBytes = int64_t{1} << 20;
+
+// Query rows q (B, R, H, D) against keys k, v (B, N, Hkv, D / Dv) that start at tile
+// `first_tile` (mask and score on their positions, no sinks): the keys' tiles one by one (a tile
+// no row sees is skipped: it would merge as empty), merged by the tile tree (cpattn/invariant.h).
+// Rows go in groups (a row's bits never depend on the others) to bound the pending results.
+Partial tile_tree_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      double softmax_scale, const Mask& mask, const ScoreArgs& score,
+                      int64_t first_tile) {
+  const int64_t rows = q.size(1), keys = k.size(1), dv = v.size(3);
+  Partial result = empty_partial(q, dv);
+  const int64_t row_bytes = q.size(0) * q.size(2) * dv * 4;
+  const int64_t group = std::max<int64_t>(256, kPartialBytes / std::max<int64_t>(1, row_bytes));
+  const auto merge = [](Partial& a, const Partial& b) {
+    merge_into(a.first, a.second, b.first, b.second);
+  };
+  for (int64_t r0 = 0; r0 < rows; r0 += group) {
+    const int64_t n = std::min(group, rows - r0);
+    const at::Tensor q_rows = q.narrow(1, r0, n);
+    TileTree<Partial, decltype(merge)> tree(merge);
+    for (int64_t t0 = 0; t0 < keys; t0 += kInvariantTile) {
+      const int64_t cols = std::min(kInvariantTile, keys - t0);
+      Mask m = mask;
+      m.q_offset += r0;
+      m.k_offset += t0;
+      if (m.classify(0, n, 0, cols) == BlockKind::kEmpty) continue;
+      ScoreArgs a = score;
+      a.alibi_q_begin += r0;
+      a.alibi_k_begin += t0;
+      auto [o, l] = attention_fwd_scored(q_rows, k.narrow(1, t0, cols), v.narrow(1, t0, cols),
+                                         softmax_scale, m, a, at::kFloat);
+      tree.push(first_tile + t0 / kInvariantTile, {std::move(o), std::move(l)});
+    }
+    if (tree.empty()) continue;
+    const auto [o, l] = tree.finish();
+    result.first.narrow(1, r0, n).copy_(o);
+    result.second.narrow(2, r0, n).copy_(l);
+  }
+  return result;
+}
+
 std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::Tensor& k,
                                                  const at::Tensor& v, int64_t rank, int64_t world,
                                                  int64_t layout, int64_t seqlen,
@@ -154,19 +205,17 @@ std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::
                                                seqlen, doc_lengths, CPATTN_OPTIONS);
   check_per_head("invariant_fwd", "sinks", sinks, q.size(2), q.device());
   // Padding rows: out 0, lse -inf (with a sink: the sink), as the ring gives them.
-  at::Tensor out = at::zeros({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
-  at::Tensor lse =
-      at::full({q.size(0), q.size(2), q.size(1)}, -INFINITY, q.options().dtype(at::kFloat));
-  if (sinks) lse.copy_(sinks->to(at::kFloat).view({1, -1, 1}).expand_as(lse));
+  Partial result = empty_partial(q, v.size(3));
   for (const Piece& p : c.pieces) {
-    const auto [o, l] = attention_fwd_scored(
-        q.narrow(1, p.rows.local_begin, p.rows.length), k.narrow(1, p.doc_begin, p.doc_length),
-        v.narrow(1, p.doc_begin, p.doc_length), softmax_scale, p.mask,
-        fixed_order_score(c.options, p.mask, sinks), std::nullopt);
-    out.narrow(1, p.rows.local_begin, p.rows.length).copy_(o);
-    lse.narrow(2, p.rows.local_begin, p.rows.length).copy_(l);
+    const auto [o, l] = tile_tree_fwd(q.narrow(1, p.rows.local_begin, p.rows.length),
+                                      k.narrow(1, p.doc_begin, p.doc_length),
+                                      v.narrow(1, p.doc_begin, p.doc_length), softmax_scale, p.mask,
+                                      fixed_order_score(c.options, p.mask, std::nullopt), 0);
+    result.first.narrow(1, p.rows.local_begin, p.rows.length).copy_(o);
+    result.second.narrow(2, p.rows.local_begin, p.rows.length).copy_(l);
   }
-  return {out, lse};
+  if (sinks) apply_sinks_(result.first, result.second, *sinks);  // once, after the last merge
+  return {result.first.to(q.scalar_type()), result.second};
 }
 
 // k, v as invariant_fwd's; q_all, dout_all (B, W L, H, D / Dv), lse_all and shifted_all
@@ -278,11 +327,76 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
   return {dq, dk, dv, sink_grads(dout_rows, out_rows, lse_rows, dlse_rows)};
 }
 
+// Invariant mode over a KV cache sharded in blocks of whole tiles (python/cpattn/inference.py):
+// the partial result of query rows q (B, R, H, D) at positions q_begin.. over the keys k, v
+// (B, N, Hkv, D / Dv) at positions k_begin.. (a tile boundary), their tiles merged by the tile
+// tree: out (B, R, H, Dv) and lse (B, H, R) float32, no sinks.
+std::tuple<at::Tensor, at::Tensor> invariant_partial(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, int64_t q_begin,
+                                                     int64_t k_begin, CPATTN_OPTION_PARAMS) {
+  const AttentionOptions o = CPATTN_OPTIONS;
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
+                  k.sizes().slice(0, 3) == v.sizes().slice(0, 3) && k.size(0) == q.size(0) &&
+                  k.size(3) == q.size(3),
+              "cpattn.invariant_partial: q must be (batch, rows, heads, head_dim) and k, v (batch, "
+              "keys, kv_heads, head_dim / v_head_dim), got ",
+              q.sizes(), ", ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(q.device().is_cpu(), "cpattn.invariant_partial: invariant=True runs on CPU tensors "
+              "only (the CUDA kernels have no fixed-order mode yet), got q on ", q.device());
+  TORCH_CHECK(k_begin >= 0 && k_begin % kInvariantTile == 0 && q_begin >= 0,
+              "cpattn.invariant_partial: the keys must start at a tile boundary (a multiple of ",
+              kInvariantTile, "), got k_begin ", k_begin, " and q_begin ", q_begin);
+  check_options("invariant_partial", o, q.size(2), q.device());
+  Mask m = global_mask(o);
+  m.q_offset = q_begin;
+  m.k_offset = k_begin;
+  const auto [out, lse] = tile_tree_fwd(q, k, v, softmax_scale, m,
+                                        fixed_order_score(o, m, std::nullopt),
+                                        k_begin / kInvariantTile);
+  return {out, lse};
+}
+
+// Merges partial results outs (N, B, R, H, Dv) and lses (N, B, H, R) float32, each over an aligned
+// block of tiles starting at tiles[n] (increasing), by the tile tree; then the sinks join each row
+// once and out is cast to out_dtype (default float32).
+std::tuple<at::Tensor, at::Tensor> invariant_merge(const at::Tensor& outs, const at::Tensor& lses,
+                                                   at::IntArrayRef tiles,
+                                                   const std::optional<at::Tensor>& sinks,
+                                                   std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK(outs.dim() == 5 && lses.dim() == 4 && outs.scalar_type() == at::kFloat &&
+                  lses.scalar_type() == at::kFloat && outs.size(0) == lses.size(0) &&
+                  outs.size(0) == static_cast<int64_t>(tiles.size()) && outs.size(0) > 0 &&
+                  lses.size(1) == outs.size(1) && lses.size(2) == outs.size(3) &&
+                  lses.size(3) == outs.size(2),
+              "cpattn.invariant_merge: outs (N, B, R, H, Dv) and lses (N, B, H, R) float32 with "
+              "N >= 1 tiles, got ", outs.sizes(), ", ", lses.sizes(), " and ", tiles.size(),
+              " tiles");
+  for (size_t n = 1; n < tiles.size(); ++n)
+    TORCH_CHECK(tiles[n] > tiles[n - 1], "cpattn.invariant_merge: tiles must increase, got ",
+                tiles);
+  const auto merge = [](Partial& a, const Partial& b) {
+    merge_into(a.first, a.second, b.first, b.second);
+  };
+  TileTree<Partial, decltype(merge)> tree(merge);
+  for (int64_t n = 0; n < outs.size(0); ++n)
+    tree.push(tiles[n], {outs[n].clone(), lses[n].clone()});
+  Partial result = tree.finish();
+  if (sinks) apply_sinks_(result.first, result.second, *sinks);
+  return {result.first.to(out_dtype.value_or(at::kFloat)), result.second};
+}
+
 }  // namespace
 
 void impl_invariant_ops(torch::Library& m) {
   m.impl("invariant_fwd", &invariant_fwd);
   m.impl("invariant_bwd", &invariant_bwd);
+  m.impl("invariant_partial", &invariant_partial);
+  m.impl("invariant_merge", &invariant_merge);
 }
 
 }  // namespace cpattn::ops
+
+// No tensor argument to dispatch on.
+TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
+  m.impl("invariant_tile", [] { return cpattn::kInvariantTile; });
+}

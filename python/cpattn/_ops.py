@@ -163,6 +163,20 @@ def _invariant_bwd_fake(dout, q, k, v, out, lse, dlse, q_all, dout_all, lse_all,
             q.new_empty((b, keys, *v.shape[2:])), dsinks)
 
 
+@torch.library.register_fake("cpattn::invariant_partial")
+def _invariant_partial_fake(q, k, v, q_begin, k_begin, *options, **named_options):
+    _check_same_device("q, k and v", q, k, v)
+    b, s, h, _ = q.shape
+    return (q.new_empty((b, s, h, v.shape[-1]), dtype=torch.float32),
+            q.new_empty((b, h, s), dtype=torch.float32))
+
+
+@torch.library.register_fake("cpattn::invariant_merge")
+def _invariant_merge_fake(outs, lses, tiles, sinks=None, out_dtype=None):
+    return outs[0].new_empty(outs.shape[1:], dtype=out_dtype or torch.float32), \
+        lses[0].new_empty(lses.shape[1:])
+
+
 @torch.library.register_fake("cpattn::layout_positions")
 def _layout_positions_fake(seqlen, world, rank, layout):
     return torch.empty((seqlen // world,), dtype=torch.int64)

@@ -135,6 +135,74 @@ def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
     return out.to(dtype), lse
 
 
+# ---------------------------------------------------------------------------------------------
+# Invariant mode (invariant=True): every row the bits of the training forward over the whole
+# sequence (docs/invariance.md). The cache's blocks of `interleave` tokens are aligned blocks of
+# the forward's key tiles (csrc/include/cpattn/invariant.h): each rank computes its blocks'
+# partial results, the blocks' results merge in the tile tree's order wherever the rows live.
+
+def _check_invariant_cache(what: str, q: torch.Tensor, cache: KVCacheShard) -> None:
+    tile = ops.invariant_tile()
+    if cache.interleave % tile:
+        raise error(what, "invariant", True, f"needs a cache whose blocks are whole key tiles of "
+                    f"the invariant forward: KVCacheShard(interleave=a multiple of {tile}), got "
+                    f"interleave {cache.interleave}")
+    if q.device.type != "cpu":
+        raise error(what, "invariant", True, "runs on CPU tensors only in this version (the CUDA "
+                    f"kernels have no fixed-order mode yet), got q on {q.device}")
+
+
+def _owned_blocks(q: torch.Tensor, cache: KVCacheShard, q_begin: list, opts) -> torch.Tensor:
+    """The partial results of query rows q (B, R, H, D) (sequence b's first at position
+    q_begin[b]) over each cache block this rank owns, in slot order: (blocks, B, R, H, D + 1),
+    out and lse packed ((0, -inf) where a sequence has no such block)."""
+    block, world = cache.interleave, cache.world_size
+    lengths = cache.lengths.tolist()
+    slots = -(-max(-(-n // block) for n in lengths) // world)  # blocks per rank, at most
+    b, r, h, d = q.shape
+    parts = q.new_zeros((slots, b, r, h, d + 1), dtype=torch.float32)
+    parts[..., -1] = float("-inf")
+    for i, n in enumerate(lengths):
+        for slot, j in enumerate(range(cache.rank, -(-n // block), world)):
+            keys = slice(slot * block, slot * block + min(block, n - j * block))
+            out, lse = ops.invariant_partial(q[i:i + 1], cache.k[i:i + 1, keys],
+                                             cache.v[i:i + 1, keys], q_begin[i], j * block,
+                                             **opts.op_kwargs())
+            parts[slot, i] = _pack(out, lse)[0]
+    return parts
+
+
+def _merge_blocks(parts: torch.Tensor, cache: KVCacheShard, sinks, dtype) -> tuple:
+    """parts (W, slots, ...): every rank's blocks (rank s's slot j is block j W + s) -> merged in
+    the tile tree's order, the sinks joined, out cast to dtype."""
+    tiles_per_block = cache.interleave // ops.invariant_tile()
+    parts = parts.transpose(0, 1).flatten(0, 1)  # block order
+    outs, lses = parts[..., :-1], parts[..., -1].transpose(2, 3)
+    return ops.invariant_merge(outs.contiguous(), lses.contiguous(),
+                               [j * tiles_per_block for j in range(parts.shape[0])], sinks, dtype)
+
+
+def _invariant_prefill(q, k, v, cache, group, rank, world, layout, n, timeout, opts, what):
+    """prefill_attention(invariant=True): the chunk's K/V gathered and stored by their owners,
+    then every rank's blocks for all the chunk's queries, sent to the ranks holding them."""
+    from cpattn.strategies.invariant import gather_global
+
+    code = LAYOUTS[layout]
+    start = cache.lengths.tolist()
+    k_all, v_all, q_all = (gather_global(t, 1, group, rank, world, code)[:, :n] for t in (k, v, q))
+    cache.append(k_all, v_all)
+    parts = _owned_blocks(q_all, cache, start, opts)  # (slots, B, n, H, D + 1)
+    # each rank's rows, in its layout order (padding rows: empty)
+    index = torch.cat([positions(n, layout=layout, rank=r, world_size=world)
+                       for r in range(world)])
+    parts = torch.cat([parts, torch.zeros_like(parts[:, :, :1])], 2)
+    parts[:, :, -1, :, -1] = float("-inf")
+    send = parts.index_select(2, torch.where(index < 0, n, index))
+    send = send.unflatten(2, (world, q.shape[1])).permute(2, 0, 1, 3, 4, 5).contiguous()
+    out, lse = _merge_blocks(_all_to_all(send, group, timeout, what), cache, opts.sinks, q.dtype)
+    return out, lse
+
+
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheShard, *, group=None,
     layout: str = "zigzag", seqlen: Optional[int] = None, timeout: Optional[float] = None,
@@ -191,9 +259,11 @@ def prefill_attention(
             raise error(what, "seqlen", n, f"gives shards of "
                         f"{padded_length(n, layout, world) // world} tokens under the {layout} "
                         f"layout over {world} ranks, not {q.shape[1]}")
+        if opts.invariant:
+            _check_invariant_cache(what, q, cache)
         # the ring runs on positions within the chunk: the prefix's end relative to it
         ring_prefix = (prefix - cache.lengths).clamp(min=0).unique().tolist() if prefix else [0]
-        if len(ring_prefix) > 1:
+        if len(ring_prefix) > 1 and not opts.invariant:
             raise error(what, "prefix_len", prefix, "reaches into this chunk at different "
                         "positions of the batch's sequences (their cache lengths differ): "
                         "prefill them one at a time (cache.sequences(i, i + 1))")
@@ -207,6 +277,10 @@ def prefill_attention(
     cache.check_query(q, what)
     chunk = q.shape[1] * world  # padded to the layout's granularity: n real tokens
     cache.check_room(n, what)
+    if opts.invariant:
+        out, lse = _invariant_prefill(q, k, v, cache, group, rank, world, layout, n, timeout,
+                                      opts, what)
+        return (out, lse) if return_lse else out
 
     start = cache.lengths.clone()
     parts_out, parts_lse = [], []
@@ -296,6 +370,8 @@ def decode_attention(
         check_choice(what, "comm", comm, COMMS)
         check_cache_type(cache, what)
         opts = _causal_options(what, q, options)
+        if opts.invariant:
+            _check_invariant_cache(what, q, cache)
         return opts, [*tensor_fields("q", q), ("comm", comm), *cache.agreement_fields(rank),
                       *opts.agreement_fields()]
 
@@ -317,6 +393,19 @@ def decode_attention(
             f"a multiple of the world size"
         )
 
+    if opts.invariant:  # every rank's blocks, merged in the tile tree's order
+        parts = _owned_blocks(q, cache, (cache.lengths - sq).tolist(), opts)
+        if world == 1:
+            parts = parts[None]
+        elif comm == "all_gather":
+            parts = _all_gather(parts, group, world, timeout, what)
+        else:  # this rank's heads of every rank's blocks
+            send = parts.unflatten(3, (world, h // world)).permute(3, 0, 1, 2, 4, 5).contiguous()
+            parts = _all_to_all(send, group, timeout, what)
+            if sinks is not None:
+                sinks = sinks[rank * h // world:(rank + 1) * h // world]
+        out, lse = _merge_blocks(parts, cache, sinks, q.dtype)
+        return (out, lse) if return_lse else out
     po, pl = ops.cache_attention_fwd(
         q, cache.k, cache.v, cache.lengths, cache.lengths - sq, rank, world, cache.interleave,
         torch.float32, **opts.op_kwargs())

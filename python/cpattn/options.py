@@ -21,7 +21,8 @@ from cpattn._validation import check_bool, check_int, check_scale, check_window,
 # the layout and the strategy: docs/invariance.md); any other raises rather than drop it.
 INVARIANT_FUNCTIONS = ("cpattn.attention", "cpattn.attention_varlen", "cpattn.ring_attention",
                        "cpattn.ring_attention_varlen", "cpattn.ulysses_attention",
-                       "cpattn.hybrid_attention")
+                       "cpattn.hybrid_attention", "cpattn.prefill_attention",
+                       "cpattn.decode_attention")
 
 # The ops' option arguments, in their schema order (csrc/ops/options.h kOptionsSchema).
 OP_OPTION_NAMES = ("softmax_scale", "causal", "window_left", "window_right", "softcap",
