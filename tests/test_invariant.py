@@ -532,7 +532,8 @@ def test_tile_tree_blocks_merge_like_tiles() -> None:
                                    [b // tile for b in range(0, n, size * tile)])
 
     want = cpattn.attention(q, k, v, return_lse=True, invariant=True)
-    for got in (blocks(1), blocks(2), blocks(4), ops.invariant_partial(q, k, v, n - 40, 0, **scale)):
+    whole = ops.invariant_partial(q, k, v, n - 40, 0, **scale)
+    for got in (blocks(1), blocks(2), blocks(4), whole):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     out, lse = ops.invariant_partial(q, k[:, :tile], v[:, :tile], n - 40, 0, **scale)
     for b in range(tile, n, tile):  # the sequential order
