@@ -259,10 +259,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
                   sinks->to(at::kFloat).contiguous(),
                   dlse_g.empty() ? std::nullopt : std::optional(at::cat(dlse_g, 2)));
   };
-  at::Tensor dq = at::zeros_like(q);
+  // One piece over every row and key of this rank: its gradients are the outputs, not copied
+  // into zeroed ones (padding and several pieces).
   const int64_t local_k = world == 1 ? k.size(1) : q.size(1);
-  at::Tensor dk = at::zeros({q.size(0), local_k, k.size(2), k.size(3)}, q.options());
-  at::Tensor dv = at::zeros({q.size(0), local_k, v.size(2), v.size(3)}, q.options());
+  const bool whole = c.pieces.size() == 1 && c.pieces[0].rows.length == q.size(1) &&
+                     (world == 1 ? c.pieces[0].doc_length : c.pieces[0].rows.length) == local_k;
+  at::Tensor dq, dk, dv;
+  if (!whole) {
+    dq = at::zeros_like(q);
+    dk = at::zeros({q.size(0), local_k, k.size(2), k.size(3)}, q.options());
+    dv = at::zeros({q.size(0), local_k, v.size(2), v.size(3)}, q.options());
+  }
+  // all's tokens [begin, begin + part's) are part
+  const auto put = [&](at::Tensor& all, const at::Tensor& part, int64_t begin) {
+    if (whole)
+      all = part;
+    else
+      all.narrow(1, begin, part.size(1)).copy_(part);
+  };
   std::vector<at::Tensor> dout_rows, out_rows, lse_rows, dlse_rows;
   if (world == 1) {  // each document's rows against its keys: dQ, dK and dV of one call
     for (const Piece& p : c.pieces) {
@@ -275,9 +289,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
       const auto [dq_p, dk_p, dv_p] = grads(p.mask, mine(dout, 1), mine(q, 1), doc(k), doc(v),
                                             mine(out, 1), mine(lse, 2).contiguous(), dlse_p, true,
                                             true);
-      mine(dq, 1).copy_(dq_p);
-      doc(dk).copy_(dk_p);
-      doc(dv).copy_(dv_p);
+      put(dq, dq_p, p.rows.local_begin);
+      put(dk, dk_p, p.doc_begin);
+      put(dv, dv_p, p.doc_begin);
       dout_rows.push_back(mine(dout, 1));
       out_rows.push_back(mine(out, 1));
       lse_rows.push_back(mine(lse, 2));
@@ -303,7 +317,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
         grads(p.mask, mine(dout, 1), mine(q, 1), doc(k, 1), doc(v, 1), mine(out, 1),
               mine(lse, 2).contiguous(),
               dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt, true, false));
-    mine(dq, 1).copy_(dq_p);
+    put(dq, dq_p, p.rows.local_begin);
     // dK and dV of these keys against the document's queries (their dQ is the other ranks').
     Mask keys = p.mask;  // every query of the document against these keys
     keys.q_offset = 0;
@@ -311,8 +325,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const auto [unused, dk_p, dv_p] =
         grads(keys, doc(*dout_all, 1), doc(*q_all, 1), at_rows(k), at_rows(v), at::Tensor(),
               doc(*lse_all, 2), doc(*shifted_all, 2), false, true);
-    mine(dk, 1).copy_(dk_p);
-    mine(dv, 1).copy_(dv_p);
+    put(dk, dk_p, p.rows.local_begin);
+    put(dv, dv_p, p.rows.local_begin);
     if (p.doc_begin != last_doc) {  // the sinks' rows: every real row of each document, once
       lse_rows.push_back(doc(*lse_all, 2));
       dlse_rows.push_back(doc(*shifted_all, 2));

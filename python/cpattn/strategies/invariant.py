@@ -164,7 +164,9 @@ class InvariantAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         options, group, rank, world, layout_code, seqlen, group_size, docs, lengths = ctx.args
         dout = dout.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        passes = head_groups(q, k, group_size)
+        if len(passes) > 1:  # written pass by pass (one pass: the op's results themselves)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32,
                                                         device=sinks.device)
 
@@ -174,7 +176,7 @@ class InvariantAttention(torch.autograd.Function):
         def others(t, dim=1):  # what the other ranks need of these rows (nothing with one rank)
             return None if t is None or world == 1 else everyone(t, dim)
 
-        for qh, kh in head_groups(q, k, group_size):
+        for qh, kh in passes:
             o = options.for_heads(qh)
             dout_h, q_h, out_h, lse_h = (t.contiguous() for t in (dout[:, :, qh], q[:, :, qh],
                                                                    out[:, :, qh], lse[:, qh]))
@@ -187,11 +189,14 @@ class InvariantAttention(torch.autograd.Function):
                 dout_h, q_h, everyone(k[:, :, kh]), everyone(v[:, :, kh]), out_h, lse_h, dlse_h,
                 others(q_h), others(dout_h), others(lse_h, 2), others(shifted, 2), o.sinks, rank,
                 world, layout_code, seqlen, docs, **o.op_kwargs())
+            if dsinks is not None:
+                dsinks[qh].copy_(dsinks_c)
+            if len(passes) == 1:
+                dq, dk, dv = dq_c, dk_c, dv_c
+                break
             dq[:, :, qh].copy_(dq_c)
             dk[:, :, kh].copy_(dk_c)
             dv[:, :, kh].copy_(dv_c)
-            if dsinks is not None:
-                dsinks[qh].copy_(dsinks_c)
             del dq_c, dk_c, dv_c
         if dsinks is not None:
             dsinks = dsinks.to(sinks.dtype) if ctx.needs_input_grad[3] else None
