@@ -241,9 +241,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
                          const at::Tensor& k_rows, const at::Tensor& v_rows,
                          const at::Tensor& out_rows, const at::Tensor& lse_rows,
                          const std::optional<at::Tensor>& dlse_rows, bool want_dq, bool want_dkv) {
-    return attention_bwd_some_scored(dout_rows, q_rows, k_rows, v_rows, out_rows, lse_rows,
-                                     softmax_scale, mask, fixed_order_score(c.options, mask, std::nullopt),
-                                     dlse_rows, want_dq, want_dkv);
+    return attention_bwd_some_scored(
+        dout_rows, q_rows, k_rows, v_rows, out_rows, lse_rows, softmax_scale, mask,
+        fixed_order_score(c.options, mask, std::nullopt), dlse_rows, want_dq, want_dkv);
   };
   // With sinks: their gradient over every real row of the sequence on rank 0 (sink_bwd's fixed
   // order), from each row's lse and delta - dlse (given as -shifted: dout and out of one zero
@@ -286,9 +286,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
       const auto doc = [&](const at::Tensor& t) { return t.narrow(1, p.doc_begin, p.doc_length); };
       const std::optional<at::Tensor> dlse_p =
           dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt;
-      const auto [dq_p, dk_p, dv_p] = grads(p.mask, mine(dout, 1), mine(q, 1), doc(k), doc(v),
-                                            mine(out, 1), mine(lse, 2).contiguous(), dlse_p, true,
-                                            true);
+      const auto [dq_p, dk_p, dv_p] =
+          grads(p.mask, mine(dout, 1), mine(q, 1), doc(k), doc(v), mine(out, 1),
+                mine(lse, 2).contiguous(), dlse_p, true, true);
       put(dq, dq_p, p.rows.local_begin);
       put(dk, dk_p, p.doc_begin);
       put(dv, dv_p, p.doc_begin);
@@ -355,8 +355,10 @@ std::tuple<at::Tensor, at::Tensor> invariant_partial(const at::Tensor& q, const 
               "cpattn.invariant_partial: q must be (batch, rows, heads, head_dim) and k, v (batch, "
               "keys, kv_heads, head_dim / v_head_dim), got ",
               q.sizes(), ", ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(q.device().is_cpu(), "cpattn.invariant_partial: invariant=True runs on CPU tensors "
-              "only (the CUDA kernels have no fixed-order mode yet), got q on ", q.device());
+  TORCH_CHECK(q.device().is_cpu(),
+              "cpattn.invariant_partial: invariant=True runs on CPU tensors "
+              "only (the CUDA kernels have no fixed-order mode yet), got q on ",
+              q.device());
   TORCH_CHECK(k_begin >= 0 && k_begin % kInvariantTile == 0 && q_begin >= 0,
               "cpattn.invariant_partial: the keys must start at a tile boundary (a multiple of ",
               kInvariantTile, "), got k_begin ", k_begin, " and q_begin ", q_begin);
@@ -364,9 +366,8 @@ std::tuple<at::Tensor, at::Tensor> invariant_partial(const at::Tensor& q, const 
   Mask m = global_mask(o);
   m.q_offset = q_begin;
   m.k_offset = k_begin;
-  const auto [out, lse] = tile_tree_fwd(q, k, v, softmax_scale, m,
-                                        fixed_order_score(o, m, std::nullopt),
-                                        k_begin / kInvariantTile);
+  const auto [out, lse] = tile_tree_fwd(
+      q, k, v, softmax_scale, m, fixed_order_score(o, m, std::nullopt), k_begin / kInvariantTile);
   return {out, lse};
 }
 
@@ -383,8 +384,8 @@ std::tuple<at::Tensor, at::Tensor> invariant_merge(const at::Tensor& outs, const
                   lses.size(1) == outs.size(1) && lses.size(2) == outs.size(3) &&
                   lses.size(3) == outs.size(2),
               "cpattn.invariant_merge: outs (N, B, R, H, Dv) and lses (N, B, H, R) float32 with "
-              "N >= 1 tiles, got ", outs.sizes(), ", ", lses.sizes(), " and ", tiles.size(),
-              " tiles");
+              "N >= 1 tiles, got ",
+              outs.sizes(), ", ", lses.sizes(), " and ", tiles.size(), " tiles");
   for (size_t n = 1; n < tiles.size(); ++n)
     TORCH_CHECK(tiles[n] > tiles[n - 1], "cpattn.invariant_merge: tiles must increase, got ",
                 tiles);

@@ -38,9 +38,9 @@ class TileTree {
   void push(int64_t tile, Result result) {
     // Pairs below whose common block ends before `tile` are complete: merge them first. The
     // levels of neighbouring pairs then fall towards the top.
-    while (stack_.size() >= 2 && tile_tree_level(stack_[stack_.size() - 2].first,
-                                                 stack_.back().first) <
-                                     tile_tree_level(stack_.back().first, tile))
+    while (stack_.size() >= 2 &&
+           tile_tree_level(stack_[stack_.size() - 2].first, stack_.back().first) <
+               tile_tree_level(stack_.back().first, tile))
       pop_merge();
     stack_.emplace_back(tile, std::move(result));
   }
