@@ -3,10 +3,13 @@
 // the row / key bounds agree with the rule.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "cpattn/invariant.h"
 #include "cpattn/tiling.h"
 #include "random_mask.h"
 
@@ -135,6 +138,39 @@ TEST(Tiling, PickKernelHeadDim) {
   EXPECT_EQ(pick_kernel_head_dim(200, compiled, 3), 256);
   EXPECT_EQ(pick_kernel_head_dim(257, compiled, 3), -1);
   EXPECT_EQ(pick_kernel_head_dim(64, compiled, 0), -1);
+}
+
+// Invariant mode's tile tree (invariant.h): the merge order written out, "(a,b)" for a merge.
+std::string tree_of(const std::vector<std::pair<int64_t, std::string>>& pushed) {
+  const auto merge = [](std::string& a, const std::string& b) { a = "(" + a + "," + b + ")"; };
+  TileTree<std::string, decltype(merge)> tree(merge);
+  for (const auto& [tile, name] : pushed) tree.push(tile, name);
+  return tree.finish();
+}
+
+TEST(TileTree, MergesAsTheBinaryTreeOverTileIndices) {
+  EXPECT_EQ(tree_of({{0, "0"}}), "0");
+  EXPECT_EQ(tree_of({{0, "0"}, {1, "1"}, {2, "2"}, {3, "3"}}), "((0,1),(2,3))");
+  EXPECT_EQ(tree_of({{0, "0"}, {1, "1"}, {2, "2"}, {3, "3"}, {4, "4"}, {5, "5"}}),
+            "(((0,1),(2,3)),(4,5))");
+  // absent tiles (no visible key) are empty: the present ones keep their places in the tree
+  EXPECT_EQ(tree_of({{1, "1"}, {2, "2"}, {3, "3"}}), "(1,(2,3))");
+  EXPECT_EQ(tree_of({{0, "0"}, {3, "3"}, {4, "4"}}), "((0,3),4)");
+  EXPECT_EQ(tree_of({{2, "2"}, {5, "5"}, {6, "6"}, {7, "7"}}), "(2,(5,(6,7)))");
+}
+
+TEST(TileTree, AlignedBlocksMergeLikeTheirTiles) {
+  // A cache owner's aligned block of tiles, merged first, is the tree's node of that block.
+  std::vector<std::pair<int64_t, std::string>> tiles;
+  for (int64_t t = 0; t < 11; ++t) tiles.emplace_back(t, std::to_string(t));
+  const std::string all = tree_of(tiles);
+  for (int64_t block : {2, 4, 8}) {
+    std::vector<std::pair<int64_t, std::string>> blocks;
+    for (int64_t b = 0; b < 11; b += block)
+      blocks.emplace_back(
+          b, tree_of({tiles.begin() + b, tiles.begin() + std::min<int64_t>(11, b + block)}));
+    EXPECT_EQ(tree_of(blocks), all) << block;
+  }
 }
 
 }  // namespace
