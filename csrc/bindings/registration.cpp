@@ -63,15 +63,16 @@ TORCH_LIBRARY(cpattn, m) {
       "int layout, Tensor? doc_lengths=None, Tensor? dlse=None",
       "(Tensor dq, Tensor dkv_all)"));
   // Invariant mode (ops/invariant.cpp): what one process computes for this rank's rows and keys,
-  // from k, v (and in the backward q_all, dout_all, lse_all, shifted_all) of every rank in global
-  // order.
+  // from k, v of every rank in global order (the backward: its dQ pass from k_all, v_all, its
+  // dK / dV pass from q_all, dout_all, lse_all, shifted_all).
   m.def(with_options(
       "invariant_fwd(Tensor q, Tensor k, Tensor v, int rank, int world, int layout, int seqlen, "
       "Tensor? doc_lengths=None, Tensor? sinks=None",
       "(Tensor out, Tensor lse)"));
   m.def(with_options(
       "invariant_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor? dlse, Tensor? q_all, Tensor? dout_all, Tensor? lse_all, Tensor? shifted_all, "
+      "Tensor? dlse, Tensor? k_all, Tensor? v_all, Tensor? q_all, Tensor? dout_all, "
+      "Tensor? lse_all, Tensor? shifted_all, "
       "Tensor? sinks, int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None",
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)"));
   // Invariant mode over a KV cache: the keys per tile (cpattn/invariant.h), one block of tiles'

@@ -92,8 +92,9 @@ std::vector<Piece> rank_pieces(const RingOptions& o, int64_t world, int64_t rank
 // the keys, which q's rows may be fewer than); doc_lengths as ring_fwd's (the documents' lengths,
 // and as a second row their prefixes), or none: one sequence of `seqlen` real tokens.
 InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at::Tensor& k,
-                                   const at::Tensor& v, int64_t rank, int64_t world, int64_t layout,
-                                   int64_t seqlen, const std::optional<at::Tensor>& doc_lengths,
+                                   const at::Tensor& v, int64_t keys, int64_t rank, int64_t world,
+                                   int64_t layout, int64_t seqlen,
+                                   const std::optional<at::Tensor>& doc_lengths,
                                    const AttentionOptions& options) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
                   k.sizes().slice(0, 3) == v.sizes().slice(0, 3) && k.size(0) == q.size(0) &&
@@ -113,25 +114,24 @@ InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at
               ": takes contiguous or zigzag shards (runs of consecutive positions; the Python "
               "side moves striped shards to the contiguous layout first)");
   const bool documents = !o.doc_lengths.empty();
-  TORCH_CHECK(world == 1 && !documents ? k.size(1) >= q.size(1) : k.size(1) == q.size(1) * world,
-              "cpattn.", fn, ": k and v must hold the ", world, " ranks' shards of ", q.size(1),
-              " tokens, got ", k.size(1));
+  TORCH_CHECK(world == 1 && !documents ? keys >= q.size(1) : keys == q.size(1) * world, "cpattn.",
+              fn, ": k and v must hold the ", world, " ranks' shards of ", q.size(1),
+              " tokens, got ", keys);
   if (documents) {
     const int64_t g = layout_granularity(o.layout, world);
     int64_t total = 0;
     for (int64_t n : o.doc_lengths) total += (n + g - 1) / g * g;
-    TORCH_CHECK(total == k.size(1), "cpattn.", fn, ": with these documents (each padded to a ",
-                "multiple of ", g, ") the sequence holds ", total, " tokens, k and v ", k.size(1));
+    TORCH_CHECK(total == keys, "cpattn.", fn, ": with these documents (each padded to a ",
+                "multiple of ", g, ") the sequence holds ", total, " tokens, k and v ", keys);
   } else {
     TORCH_CHECK(world == 1 || o.layout != Layout::kZigzag || q.size(1) % 2 == 0, "cpattn.", fn,
                 ": the zigzag layout holds two equal chunks per rank, so the local sequence "
                 "length must be even, got ",
                 q.size(1));
-    TORCH_CHECK(seqlen >= (world == 1 ? k.size(1) : 1) && seqlen <= k.size(1), "cpattn.", fn,
-                ": seqlen must be in [1, ", k.size(1), "] (with one rank: every key), got ",
-                seqlen);
+    TORCH_CHECK(seqlen >= (world == 1 ? keys : 1) && seqlen <= keys, "cpattn.", fn,
+                ": seqlen must be in [1, ", keys, "] (with one rank: every key), got ", seqlen);
   }
-  return {world, rank, o, rank_pieces(o, world, rank, q.size(1), k.size(1) / world, seqlen)};
+  return {world, rank, o, rank_pieces(o, world, rank, q.size(1), keys / world, seqlen)};
 }
 
 // The score arguments of rows and keys at the mask's positions, with the sinks when given.
@@ -201,8 +201,8 @@ std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::
                                                  const std::optional<at::Tensor>& doc_lengths,
                                                  const std::optional<at::Tensor>& sinks,
                                                  CPATTN_OPTION_PARAMS) {
-  const InvariantCall c = check_invariant_args("invariant_fwd", q, k, v, rank, world, layout,
-                                               seqlen, doc_lengths, CPATTN_OPTIONS);
+  const InvariantCall c = check_invariant_args("invariant_fwd", q, k, v, k.size(1), rank, world,
+                                               layout, seqlen, doc_lengths, CPATTN_OPTIONS);
   check_per_head("invariant_fwd", "sinks", sinks, q.size(2), q.device());
   // Padding rows: out 0, lse -inf (with a sink: the sink), as the ring gives them.
   Partial result = empty_partial(q, v.size(3));
@@ -218,24 +218,39 @@ std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::
   return {result.first.to(q.scalar_type()), result.second};
 }
 
-// k, v as invariant_fwd's; q_all, dout_all (B, W L, H, D / Dv), lse_all and shifted_all
-// (B, H, W L): every rank's, in global order, shifted = dlse - rowsum(dout * out) (op row_dot;
-// the backward's delta - dlse is -shifted, the same bits a call given out and dlse computes:
-// IEEE subtraction is antisymmetric); with one rank, none of them (q, dout, out, lse and dlse
-// are everything). Returns dq (q's rows) and dk, dv (this rank's keys, (B, L, Hkv, D / Dv))
-// in the inputs' dtypes, padding rows and keys 0; and with sinks their gradient (H,) fp32 over
-// every real row of the sequence on rank 0, 0 elsewhere: summed over the ranks (the usual
-// gradient all-reduce) it is exactly the one-process gradient, whatever the number of ranks (no
-// sinks: an empty tensor).
+// With one rank: k, v every key, and q, dout, out, lse and dlse are everything: dQ, dK and dV of
+// one call. Over W ranks two passes, each run when its operands are given: the dQ pass (k_all,
+// v_all: every rank's keys in global order, as invariant_fwd's k, v) and the dK / dV pass (k, v
+// this rank's shard; q_all, dout_all (B, W L, H, D / Dv), lse_all and shifted_all (B, H, W L):
+// every rank's, in global order, shifted = dlse - rowsum(dout * out) (op row_dot; the
+// backward's delta - dlse is -shifted, the same bits a call given out and dlse computes: IEEE
+// subtraction is antisymmetric)); a pass not run returns empty tensors, so that the caller can
+// free one pass's gathered operands before it gathers the other's. Returns dq (q's rows) and
+// dk, dv (this rank's keys) in the inputs' dtypes, padding rows and keys 0; and with sinks (in
+// the dK / dV pass) their gradient (H,) fp32 over every real row of the sequence on rank 0, 0
+// elsewhere: summed over the ranks (the usual gradient all-reduce) it is exactly the
+// one-process gradient, whatever the number of ranks (no sinks: an empty tensor).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const std::optional<at::Tensor>& k_all, const std::optional<at::Tensor>& v_all,
     const std::optional<at::Tensor>& q_all, const std::optional<at::Tensor>& dout_all,
     const std::optional<at::Tensor>& lse_all, const std::optional<at::Tensor>& shifted_all,
     const std::optional<at::Tensor>& sinks, int64_t rank, int64_t world, int64_t layout,
     int64_t seqlen, const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
-  const InvariantCall c = check_invariant_args("invariant_bwd", q, k, v, rank, world, layout,
-                                               seqlen, doc_lengths, CPATTN_OPTIONS);
+  const bool dq_pass = world > 1 && k_all && v_all;
+  const bool dkv_pass = world > 1 && q_all && dout_all && lse_all && shifted_all;
+  TORCH_CHECK(world == 1 || k.size(1) == q.size(1), "cpattn.invariant_bwd: over ", world,
+              " ranks k and v are this rank's shard of ", q.size(1), " tokens, got ", k.size(1));
+  TORCH_CHECK(world == 1 || ((k_all.has_value() == v_all.has_value()) && (dq_pass || dkv_pass) &&
+                             (!dq_pass || k_all->size(1) == q.size(1) * world)),
+              "cpattn.invariant_bwd: over ", world,
+              " ranks give k_all and v_all (every rank's "
+              "keys: the dQ pass) or q_all, dout_all, lse_all and shifted_all (the dK / dV pass)");
+  const InvariantCall c =
+      check_invariant_args("invariant_bwd", q, dq_pass ? *k_all : k, dq_pass ? *v_all : v,
+                           world == 1 ? k.size(1) : q.size(1) * world, rank, world, layout, seqlen,
+                           doc_lengths, CPATTN_OPTIONS);
   check_per_head("invariant_bwd", "sinks", sinks, q.size(2), q.device());
   const auto grads = [&](const Mask& mask, const at::Tensor& dout_rows, const at::Tensor& q_rows,
                          const at::Tensor& k_rows, const at::Tensor& v_rows,
@@ -260,13 +275,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
                   dlse_g.empty() ? std::nullopt : std::optional(at::cat(dlse_g, 2)));
   };
   // One piece over every row and key of this rank: its gradients are the outputs, not copied
-  // into zeroed ones (padding and several pieces).
+  // into zeroed ones (padding and several pieces). A pass not run: empty tensors.
   const int64_t local_k = world == 1 ? k.size(1) : q.size(1);
   const bool whole = c.pieces.size() == 1 && c.pieces[0].rows.length == q.size(1) &&
                      (world == 1 ? c.pieces[0].doc_length : c.pieces[0].rows.length) == local_k;
-  at::Tensor dq, dk, dv;
-  if (!whole) {
-    dq = at::zeros_like(q);
+  const at::Tensor none = at::empty({0}, q.options());
+  at::Tensor dq = none, dk = none, dv = none;
+  if (!whole && (world == 1 || dq_pass)) dq = at::zeros_like(q);
+  if (!whole && (world == 1 || dkv_pass)) {
     dk = at::zeros({q.size(0), local_k, k.size(2), k.size(3)}, q.options());
     dv = at::zeros({q.size(0), local_k, v.size(2), v.size(3)}, q.options());
   }
@@ -299,8 +315,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     }
     return {dq, dk, dv, sink_grads(dout_rows, out_rows, lse_rows, dlse_rows)};
   }
-  TORCH_CHECK(q_all && dout_all && lse_all && shifted_all, "cpattn.invariant_bwd: over ", world,
-              " ranks, q_all, dout_all, lse_all and shifted_all are needed");
   int64_t last_doc = -1;
   for (const Piece& p : c.pieces) {
     const auto mine = [&](const at::Tensor& t, int64_t dim) {
@@ -309,21 +323,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const auto doc = [&](const at::Tensor& t, int64_t dim) {
       return t.narrow(dim, p.doc_begin, p.doc_length);
     };
-    const auto at_rows = [&](const at::Tensor& t) {
-      return t.narrow(1, p.doc_begin + p.rows.global_begin, p.rows.length);
-    };
-    // dQ of these rows against the document's keys (their dK and dV are other ranks' business).
-    const auto dq_p = std::get<0>(
-        grads(p.mask, mine(dout, 1), mine(q, 1), doc(k, 1), doc(v, 1), mine(out, 1),
-              mine(lse, 2).contiguous(),
-              dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt, true, false));
-    put(dq, dq_p, p.rows.local_begin);
+    if (dq_pass) {  // dQ of these rows against the document's keys (their dK, dV: other ranks')
+      const auto dq_p = std::get<0>(
+          grads(p.mask, mine(dout, 1), mine(q, 1), doc(*k_all, 1), doc(*v_all, 1), mine(out, 1),
+                mine(lse, 2).contiguous(),
+                dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt, true, false));
+      put(dq, dq_p, p.rows.local_begin);
+    }
+    if (!dkv_pass) continue;
     // dK and dV of these keys against the document's queries (their dQ is the other ranks').
     Mask keys = p.mask;  // every query of the document against these keys
     keys.q_offset = 0;
     keys.k_offset = p.rows.global_begin;
     const auto [unused, dk_p, dv_p] =
-        grads(keys, doc(*dout_all, 1), doc(*q_all, 1), at_rows(k), at_rows(v), at::Tensor(),
+        grads(keys, doc(*dout_all, 1), doc(*q_all, 1), mine(k, 1), mine(v, 1), at::Tensor(),
               doc(*lse_all, 2), doc(*shifted_all, 2), false, true);
     put(dk, dk_p, p.rows.local_begin);
     put(dv, dv_p, p.rows.local_begin);
@@ -333,6 +346,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
       last_doc = p.doc_begin;
     }
   }
+  if (!dkv_pass) return {dq, dk, dv, at::empty({0}, q.options().dtype(at::kFloat))};
   if (sinks && rank == 0) {  // zero columns: delta - dlse = -shifted
     for (const at::Tensor& l : lse_rows)
       dout_rows.push_back(at::zeros({q.size(0), l.size(2), q.size(2), 1}, q.options()));

@@ -152,15 +152,19 @@ def _invariant_fwd_fake(q, k, v, rank, world, layout, seqlen, doc_lengths=None, 
 
 
 @torch.library.register_fake("cpattn::invariant_bwd")
-def _invariant_bwd_fake(dout, q, k, v, out, lse, dlse, q_all, dout_all, lse_all, shifted_all,
-                        sinks, rank, world, layout, seqlen, doc_lengths=None, *options,
-                        **named_options):
+def _invariant_bwd_fake(dout, q, k, v, out, lse, dlse, k_all, v_all, q_all, dout_all, lse_all,
+                        shifted_all, sinks, rank, world, layout, seqlen, doc_lengths=None,
+                        *options, **named_options):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
     b, s, h, _ = q.shape
-    keys = k.shape[1] if world == 1 else s  # this rank's keys
-    dsinks = q.new_empty((h if sinks is not None else 0,), dtype=torch.float32)
-    return (q.new_empty(q.shape), q.new_empty((b, keys, *k.shape[2:])),
-            q.new_empty((b, keys, *v.shape[2:])), dsinks)
+    dq_pass, dkv_pass = world == 1 or k_all is not None, world == 1 or q_all is not None
+
+    def grad(shape, run):  # a pass not run returns empty tensors
+        return q.new_empty(shape if run else (0,))
+
+    return (grad(q.shape, dq_pass), grad((b, k.shape[1], *k.shape[2:]), dkv_pass),
+            grad((b, k.shape[1], *v.shape[2:]), dkv_pass),
+            q.new_empty((h if sinks is not None and dkv_pass else 0,), dtype=torch.float32))
 
 
 @torch.library.register_fake("cpattn::invariant_partial")

@@ -173,9 +173,6 @@ class InvariantAttention(torch.autograd.Function):
         def everyone(t, dim=1):  # every rank's tokens of a head group, in global order
             return gather_global(t, dim, group, rank, world, layout_code, lengths)
 
-        def others(t, dim=1):  # what the other ranks need of these rows (nothing with one rank)
-            return None if t is None or world == 1 else everyone(t, dim)
-
         for qh, kh in passes:
             o = options.for_heads(qh)
             dout_h, q_h, out_h, lse_h = (t.contiguous() for t in (dout[:, :, qh], q[:, :, qh],
@@ -185,10 +182,19 @@ class InvariantAttention(torch.autograd.Function):
             if world > 1:
                 dot = torch.ops.cpattn.row_dot(dout_h, out_h)
                 shifted = -dot if dlse_h is None else dlse_h.float() - dot
-            dq_c, dk_c, dv_c, dsinks_c = torch.ops.cpattn.invariant_bwd(
-                dout_h, q_h, everyone(k[:, :, kh]), everyone(v[:, :, kh]), out_h, lse_h, dlse_h,
-                others(q_h), others(dout_h), others(lse_h, 2), others(shifted, 2), o.sinks, rank,
-                world, layout_code, seqlen, docs, **o.op_kwargs())
+            mine = (dout_h, q_h, k[:, :, kh].contiguous(), v[:, :, kh].contiguous(), out_h,
+                    lse_h, dlse_h)
+            rest = (o.sinks, rank, world, layout_code, seqlen, docs)
+            if world == 1:  # one call: dQ, dK and dV
+                dq_c, dk_c, dv_c, dsinks_c = torch.ops.cpattn.invariant_bwd(
+                    *mine, *([None] * 6), *rest, **o.op_kwargs())
+            else:  # the dQ pass, then (its gathered keys freed) the dK / dV pass
+                dq_c = torch.ops.cpattn.invariant_bwd(
+                    *mine, everyone(k[:, :, kh]), everyone(v[:, :, kh]), *([None] * 4), *rest,
+                    **o.op_kwargs())[0]
+                _, dk_c, dv_c, dsinks_c = torch.ops.cpattn.invariant_bwd(
+                    *mine, None, None, everyone(q_h), everyone(dout_h), everyone(lse_h, 2),
+                    everyone(shifted, 2), *rest, **o.op_kwargs())
             if dsinks is not None:
                 dsinks[qh].copy_(dsinks_c)
             if len(passes) == 1:
