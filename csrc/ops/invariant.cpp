@@ -1,14 +1,15 @@
-// Invariant mode (cpattn.ring_attention(invariant=True)): results that do not depend on the number
-// of ranks, the layout or the strategy, bit for bit. Each rank computes exactly what one process
-// computes for its own query rows (out, lse, dQ) and its own keys (dK, dV): the operands it needs
-// are gathered in global order (python/cpattn/strategies/invariant.py), and each product is one
-// kernel call over the whole sequence (with packed documents: the row's document) on global
-// positions. The kernels' sums then go in an order
-// fixed by global positions alone: the forward folds key blocks from key 0 and treats every query
-// row alike; the backward runs with AttnShape::fixed_order (one key split, query chunks of a fixed
-// size from row 0). The contiguous and zigzag layouts hold runs of consecutive positions, which
-// the kernels' offsets express; striped shards do not (they are moved to the contiguous layout
-// before, python/cpattn/strategies/invariant.py Relayout). docs/invariance.md.
+// Invariant mode (invariant=True): results that do not depend on the number of ranks, the layout
+// or the strategy, bit for bit. Each rank computes exactly what one process computes for its own
+// query rows (out, lse, dQ) and its own keys (dK, dV): the operands it needs are gathered in
+// global order (python/cpattn/strategies/invariant.py) and every sum runs in an order fixed by
+// global positions alone. The forward cuts each row's keys (those of its document, with packed
+// documents) into tiles from key 0 and merges the tiles' partial results by the tile tree
+// (cpattn/invariant.h); the kernels treat every query row alike. The backward runs with
+// AttnShape::fixed_order (one key split, query chunks of a fixed size from row 0) and needs only
+// the final out and lse. Contiguous and zigzag shards are runs of consecutive positions, which the
+// kernels' offsets express; striped shards are moved to the contiguous layout before (Relayout).
+// The same tiles serve a KV cache sharded in blocks of whole tiles (invariant_partial,
+// invariant_merge: python/cpattn/inference.py). docs/invariance.md.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>

@@ -1,10 +1,12 @@
 """Invariant mode (invariant=True): out, lse and every gradient bitwise independent of the number of
 ranks, the layout and the strategy. Each rank computes exactly what one process computes for its
-own query rows (out, lse, dQ) and its own keys (dK, dV), in kernel calls over the whole sequence
-whose sums run in an order fixed by global positions (csrc/ops/invariant.cpp). The forward
-gathers every rank's K and V, the backward also every rank's q, dout, out and lse, a head group
-at a time (as the all-gather strategy), so the memory per rank stays bounded.
-cpattn.attention(invariant=True) is the same computation over one rank: the reference."""
+own query rows (out, lse, dQ) and its own keys (dK, dV), in kernel calls whose sums run in an
+order fixed by global positions (csrc/ops/invariant.cpp, csrc/include/cpattn/invariant.h). The
+forward gathers every rank's K and V; the backward runs a dQ pass over every rank's K and V, then
+a dK / dV pass over every rank's q, dout, lse and dlse - rowsum(dout * out); all a head group at a
+time (as the all-gather strategy), so the memory per rank stays bounded. Striped shards are moved
+to the contiguous layout first. cpattn.attention(invariant=True) is the same computation over one
+rank: the reference. docs/invariance.md."""
 
 from itertools import accumulate
 from typing import Optional
