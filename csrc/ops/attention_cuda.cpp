@@ -117,21 +117,26 @@ void check_launch(int err, const char* what) {
               " kernel launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
-// torch.use_deterministic_algorithms(True) or CPATTN_DETERMINISTIC=1: dQ by a separate pass
-// instead of fp32 atomics (bitwise reproducible, some recomputation).
-bool deterministic_backward() {
+// torch.use_deterministic_algorithms(True), CPATTN_DETERMINISTIC=1 or the invariant mode's fixed
+// order: dQ by a separate pass instead of fp32 atomics (bitwise reproducible, some
+// recomputation; in that pass each row sums its key blocks in order from key 0).
+bool deterministic_backward(const AttnShape& s) {
   static const bool env = env::deterministic();
-  return env || at::globalContext().deterministicAlgorithms();
+  return env || s.fixed_order || at::globalContext().deterministicAlgorithms();
 }
 
 // How many thread blocks share the query heads of one kv head in the dK/dV pass: with few kv
 // heads (MQA, small GQA groups) and short keys, (key blocks x kv heads x batch) blocks would leave
 // most SMs idle. Splits the group (a divisor of it) until there are about two blocks per SM.
-// CPATTN_BWD_HEAD_SPLITS=n forces n (tests; rounded down to a divisor of the group).
+// CPATTN_BWD_HEAD_SPLITS=n forces n (tests; rounded down to a divisor of the group). The
+// invariant mode's fixed order: 1, whatever the shape (a key's sum over the query heads and blocks
+// must not depend on how many keys or SMs there are; tests/emulate/test_invariant_emulated.cpp).
 int bwd_head_splits(const AttnShape& s, int kd) {
   const int64_t group = s.heads / s.kv_heads;
   int64_t want = 1;
-  if (const auto forced = env::bwd_head_splits()) {
+  if (s.fixed_order) {
+    want = 1;
+  } else if (const auto forced = env::bwd_head_splits()) {
     want = std::max<int64_t>(1, *forced);
   } else {
     const int64_t blocks =
@@ -264,7 +269,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(
   BwdCall c;
   prepare_bwd(c, dout, q, k, v, out, lse, dlse, s, kd, softmax_scale, mask, score);
   at::Tensor dq_accum;
-  if (!deterministic_backward())
+  if (!deterministic_backward(s))
     dq_accum =
         at::zeros({s.batch, s.heads, c.p.seqlen_q_rounded, kd}, q.options().dtype(at::kFloat));
   const at::Tensor dq = new_output({s.batch, s.seqlen_q, s.heads, kd}, q.options().dtype(gd));
@@ -318,7 +323,7 @@ void attention_bwd_add_cuda(const at::Tensor& dq, const at::Tensor& dq_low, cons
   p.dq_cols = static_cast<int>(s.head_dim);
   p.dk_cols = static_cast<int>(s.head_dim);
   p.dv_cols = static_cast<int>(s.head_dim_v);
-  p.dq_accum = deterministic_backward() ? nullptr : dq.data_ptr<float>();
+  p.dq_accum = deterministic_backward(s) ? nullptr : dq.data_ptr<float>();
   check_launch(cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream()), "backward (add)");
 }
 
