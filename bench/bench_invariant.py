@@ -9,6 +9,12 @@ Columns: time = max over ranks of the median fwd + bwd (s); ratio = time / the d
 peak = max over ranks of the bytes the call allocates on top of its inputs at once
 (cpattn.memory.counting, the ring's cached buffers released first); peak ratio likewise.
 The last line: invariant time_ratio T peak_ratio P (against the default ring).
+
+    python bench/bench_invariant.py --world W --decode CONTEXT [--dtype ...] [--heads ...]
+
+--decode: one decode step (cpattn.decode_attention, comm all_gather, one new token, batch 1)
+over a KV cache of CONTEXT tokens sharded in blocks of 512 (interleave), default mode against
+invariant=True, same processes: the median step time (max over ranks) and their ratio.
 """
 
 import argparse
@@ -58,6 +64,29 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     return rows
 
 
+def _decode_worker(rank: int, world: int, cfg: dict) -> dict:
+    import cpattn
+
+    torch.manual_seed(0)  # the same tokens on every rank
+    dtype = getattr(torch, cfg["dtype"])
+    n, h, hkv, d = cfg["decode"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    tile = torch.ops.cpattn.invariant_tile()
+    cache = cpattn.KVCacheShard(1, n + cfg["iters"] + 1, hkv, d, interleave=tile, dtype=dtype)
+    cache.append(*(torch.randn(1, n, hkv, d).to(dtype) for _ in range(2)))
+    times = {}
+    for invariant in (False, True):
+        steps = []
+        for it in range(cfg["iters"] + 1):  # the first call warms up
+            q = torch.randn(1, 1, h, d).to(dtype)
+            dist.barrier()
+            start = time.perf_counter()
+            cpattn.decode_attention(q, cache, invariant=invariant)
+            if it:
+                steps.append(time.perf_counter() - start)
+        times[invariant] = statistics.median(steps)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, required=True)
@@ -67,9 +96,18 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--decode", type=int, default=0, help="context of a decode step")
     args = parser.parse_args()
     cfg = {"local": args.local, "dtype": args.dtype, "heads": args.heads,
-           "kv_heads": args.kv_heads, "head_dim": args.head_dim, "iters": args.iters}
+           "kv_heads": args.kv_heads, "head_dim": args.head_dim, "iters": args.iters,
+           "decode": args.decode}
+    if args.decode:
+        per_rank = run_ranks(args.world, _decode_worker, cfg, poison=False)
+        base, inv = (max(r[mode] for r in per_rank) for mode in (False, True))
+        print(f"W={args.world} decode over {args.decode} cached tokens, {args.dtype} heads "
+              f"{args.heads}/{args.kv_heads} D={args.head_dim}: default {base * 1e3:.2f} ms, "
+              f"invariant {inv * 1e3:.2f} ms, ratio {inv / base:.2f}")
+        return
     per_rank = run_ranks(args.world, _worker, cfg, poison=False)
     print(f"W={args.world} S_local={args.local} {args.dtype} heads {args.heads}/{args.kv_heads} "
           f"D={args.head_dim}, causal zigzag, fwd + bwd")
