@@ -13,8 +13,8 @@ The last line: invariant time_ratio T peak_ratio P (against the default ring).
     python bench/bench_invariant.py --world W --decode CONTEXT [--dtype ...] [--heads ...]
 
 --decode: one decode step (cpattn.decode_attention, comm all_gather, one new token, batch 1)
-over a KV cache of CONTEXT tokens sharded in blocks of 512 (interleave), default mode against
-invariant=True, same processes: the median step time (max over ranks) and their ratio.
+over a KV cache of CONTEXT tokens sharded in blocks of one key tile (interleave 1024), default
+mode against invariant=True, same processes: the median step time (max over ranks), the ratio.
 """
 
 import argparse

@@ -134,6 +134,13 @@ def test_bitwise_any_length(world: int) -> None:
               (torch.float32,), 301)
 
 
+def test_bitwise_several_key_tiles() -> None:
+    """A sequence of several key tiles (the forward's tile tree; a window skips some), W = 3."""
+    n = 2 * torch.ops.cpattn.invariant_tile() + 300
+    run_ranks(3, _check, ("zigzag", "contiguous"), ("ring",), ("window", "all"), (torch.float32,),
+              n)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_bitwise_striped(world: int) -> None:
     """The striped layout (moved to the contiguous one and back: an exact permutation), also

@@ -16,7 +16,7 @@
 
 namespace cpattn {
 
-constexpr int64_t kInvariantTile = 512;  // keys per tile (a multiple of every kernel's key block)
+constexpr int64_t kInvariantTile = 1024;  // keys per tile (a multiple of every kernel's key block)
 
 // The level of the smallest aligned block of tiles that holds tiles a and b (a != b): the bit
 // length of a ^ b. Level 0 is one tile.
