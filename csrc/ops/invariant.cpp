@@ -56,12 +56,10 @@ std::vector<Piece> rank_pieces(const RingOptions& o, int64_t world, int64_t rank
                                int64_t local_k, int64_t seqlen) {
   const Mask global = global_mask(o);
   std::vector<Piece> pieces;
-  if (o.doc_lengths.empty()) {
-    if (world == 1) {
-      Mask m = global;
-      m.q_offset = seqlen - local_q;
-      return {{{0, local_q, seqlen - local_q, 1}, 0, seqlen, m}};
-    }
+  if (o.doc_lengths.empty() && world == 1) {
+    Mask m = global;
+    m.q_offset = seqlen - local_q;
+    return {{{0, local_q, seqlen - local_q, 1}, 0, seqlen, m}};
   }
   const std::vector<int64_t> lengths =
       o.doc_lengths.empty() ? std::vector<int64_t>{seqlen} : o.doc_lengths;
@@ -90,8 +88,9 @@ std::vector<Piece> rank_pieces(const RingOptions& o, int64_t world, int64_t rank
 
 // Checks before any kernel runs; every rank passes the same values (agreed on in Python). q this
 // rank's shard (B, L, H, D); k (B, W L, Hkv, D) every rank's keys in global order (with one rank:
-// the keys, which q's rows may be fewer than); doc_lengths as ring_fwd's (the documents' lengths,
-// and as a second row their prefixes), or none: one sequence of `seqlen` real tokens.
+// the keys, which q's rows may be fewer than), `keys` of them (k may be this rank's shard alone,
+// for a call that needs no other keys); doc_lengths as ring_fwd's (the documents' lengths, and as
+// a second row their prefixes), or none: one sequence of `seqlen` real tokens.
 InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at::Tensor& k,
                                    const at::Tensor& v, int64_t keys, int64_t rank, int64_t world,
                                    int64_t layout, int64_t seqlen,
@@ -105,8 +104,8 @@ InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at
               "seqlen, kv_heads, head_dim / v_head_dim) in global order, got ",
               q.sizes(), ", ", k.sizes(), " and ", v.sizes());
   TORCH_CHECK(q.device().is_cpu(), "cpattn.", fn,
-              ": invariant=True runs on CPU tensors only "
-              "(the CUDA kernels have no fixed-order mode yet), got q on ",
+              ": invariant=True runs on CPU tensors only in this version (not run on a GPU "
+              "yet), got q on ",
               q.device());
   check_rank(rank, world);
   check_options(fn, options, q.size(2), q.device());
@@ -371,8 +370,8 @@ std::tuple<at::Tensor, at::Tensor> invariant_partial(const at::Tensor& q, const 
               "keys, kv_heads, head_dim / v_head_dim), got ",
               q.sizes(), ", ", k.sizes(), " and ", v.sizes());
   TORCH_CHECK(q.device().is_cpu(),
-              "cpattn.invariant_partial: invariant=True runs on CPU tensors "
-              "only (the CUDA kernels have no fixed-order mode yet), got q on ",
+              "cpattn.invariant_partial: invariant=True runs on CPU tensors only in this "
+              "version (not run on a GPU yet), got q on ",
               q.device());
   TORCH_CHECK(k_begin >= 0 && k_begin % kInvariantTile == 0 && q_begin >= 0,
               "cpattn.invariant_partial: the keys must start at a tile boundary (a multiple of ",

@@ -52,7 +52,7 @@ def attention(
         )
     opts = AttentionOptions.checked("cpattn.attention", q.shape[-1], **options)
     if opts.invariant:  # the one-rank case of ring_attention(invariant=True)
-        check_invariant_call("cpattn.attention", q, "contiguous", 1)
+        check_invariant_call("cpattn.attention", q)
         out, lse = InvariantAttention.apply(q, k, v, opts.sinks, opts, None, 0, 1,
                                             LAYOUTS["contiguous"], k.shape[1], k.shape[2], None)
         return (out, lse) if return_lse else out
@@ -119,7 +119,7 @@ def attention_varlen(
         raise error(what, "cu_seqlens", f"[..., {tokens}]", f"must end at the {q.shape[0]} "
                     "tokens of q")
     if opts.invariant:  # the one-rank case of ring_attention_varlen(invariant=True)
-        check_invariant_call(what, q, "contiguous", 1)
+        check_invariant_call(what, q)
         out, lse = InvariantAttention.apply(q[None], k[None], v[None], opts.sinks, opts, None, 0,
                                             1, LAYOUTS["contiguous"], tokens, k.shape[1], docs)
         return (out[0], lse[0]) if return_lse else out[0]

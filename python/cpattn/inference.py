@@ -147,9 +147,9 @@ def _check_invariant_cache(what: str, q: torch.Tensor, cache: KVCacheShard) -> N
         raise error(what, "invariant", True, f"needs a cache whose blocks are whole key tiles of "
                     f"the invariant forward: KVCacheShard(interleave=a multiple of {tile}), got "
                     f"interleave {cache.interleave}")
-    if q.device.type != "cpu":
-        raise error(what, "invariant", True, "runs on CPU tensors only in this version (the CUDA "
-                    f"kernels have no fixed-order mode yet), got q on {q.device}")
+    from cpattn.strategies.invariant import check_invariant_call
+
+    check_invariant_call(what, q)
 
 
 def _owned_blocks(q: torch.Tensor, cache: KVCacheShard, q_begin: list, opts) -> torch.Tensor:

@@ -20,11 +20,12 @@ from cpattn._validation import error
 from cpattn.strategies.common import forward_in_passes, head_groups, input_grads
 
 
-def check_invariant_call(what: str, q: torch.Tensor, layout: str, world: int) -> None:
+def check_invariant_call(what: str, q: torch.Tensor) -> None:
     """What invariant=True needs beyond the options: CPU tensors."""
     if q.device.type != "cpu":
-        raise error(what, "invariant", True, f"runs on CPU tensors only in this version (the "
-                    f"CUDA kernels have no fixed-order mode yet), got q on {q.device}")
+        raise error(what, "invariant", True, "runs on CPU tensors only in this version (on CUDA "
+                    "it has not run on a GPU yet: the kernels' fixed order is checked in "
+                    f"emulation only), got q on {q.device}")
 
 
 def _positions(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> list:

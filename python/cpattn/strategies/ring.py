@@ -158,7 +158,7 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
         if strategy == "auto":  # the choice may only depend on what the ranks agree on
             fields += [("requires_grad", needs_grad(q, k, v))]
         if opts.invariant:
-            check_invariant_call(what, q, layout, world)
+            check_invariant_call(what, q)
         max_logits = check_bool(what, "return_max_logits", return_max_logits)
         if max_logits and prefix_docs is not None:
             raise error(what, "return_max_logits", True, "is not supported with a prefix per "

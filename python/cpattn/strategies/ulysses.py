@@ -145,8 +145,8 @@ def across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Att
         if q.shape[2] % world != 0:
             raise error(what, "heads", q.shape[2],
                         f"must be divisible by the Ulysses group size ({world})")
-        if opts.invariant:  # (the hybrid's ring checks its layout)
-            check_invariant_call(what, q, "contiguous", world)
+        if opts.invariant:
+            check_invariant_call(what, q)
             if k.shape[2] % world != 0:  # a replicated KV head's gradient is a sum over ranks
                 raise error(what, "kv_heads", k.shape[2], f"must be divisible by the Ulysses "
                             f"group size ({world}) with invariant=True")
