@@ -233,6 +233,7 @@ def test_hybrid_bitwise_equal_to_one_process(world: int, u: int) -> None:
     run_ranks(world, _check_hybrid, u, "zigzag", 600)
     if world == 4:
         run_ranks(world, _check_hybrid, u, "contiguous", 301)
+        run_ranks(world, _check_hybrid, u, "striped", 600)
 
 
 # Packed documents of 137, 3, 260, 1 and 199 tokens (and their prefixes, for the per-document
