@@ -6,6 +6,7 @@ reference; a negative control shows the default mode differs with W (so the test
 what invariant=True does not cover raises on every rank."""
 
 import functools
+from itertools import accumulate
 
 import pytest
 import torch
@@ -548,6 +549,47 @@ def test_tile_tree_blocks_merge_like_tiles() -> None:
         o, s = ops.invariant_partial(q, k[:, b:b + tile], v[:, b:b + tile], n - 40, b, **scale)
         cpattn.merge_state_(out, lse, o, s)
     assert not torch.equal(out, want[0])
+
+
+def _streamed_parts(rank: int, world: int) -> None:
+    """The backward's streamed parts: in global order they are gather_global's tokens, and each
+    starts a document or a multiple of invariant_chunk() into it (where the kernels' sums can
+    continue), with runs that do and do not end at such a multiple."""
+    from cpattn._layout import LAYOUTS
+    from cpattn.strategies.invariant import _padded, gather_global, stream_global
+
+    chunk = torch.ops.cpattn.invariant_chunk()
+    group = dist.group.WORLD
+    for layout, docs in (("zigzag", None), ("contiguous", None), ("zigzag", (700, 5, 901))):
+        code = LAYOUTS[layout]
+        local = 2 * 3 * 100 if docs is None else sum(_padded(code, world, 0, docs)) // world
+        t = torch.randn(2, local, 3, 4) + rank
+        whole = gather_global(t, 1, group, rank, world, code, docs)
+        starts = list(accumulate([0, *_padded(code, world, local, docs)]))[:-1]
+        end = 0
+        for begin, (part,) in stream_global([t], 1, group, rank, world, code, docs):
+            assert begin == end and torch.equal(part, whole.narrow(1, begin, part.shape[1]))
+            assert (begin - max(s for s in starts if s <= begin)) % chunk == 0
+            end = begin + part.shape[1]
+        assert end == whole.shape[1]
+
+
+def test_streamed_parts_cover_the_sequence_in_order() -> None:
+    run_ranks(3, _streamed_parts)
+
+
+def test_streamed_part_not_on_a_chunk_boundary_raises() -> None:
+    """A part that starts inside a document off a multiple of invariant_chunk() would continue
+    the kernels' sums out of order: refused."""
+    from cpattn._layout import LAYOUTS
+
+    q, k, v = (torch.randn(1, 512, 2, 16) for _ in range(3))
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    lse = torch.zeros(1, 2, 100)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        torch.ops.cpattn.invariant_bwd_dkv_part(dk, dv, k, v, q[:, :100], q[:, :100], lse, lse,
+                                                100, 0, 2, LAYOUTS["contiguous"], 1024,
+                                                softmax_scale=0.25)
 
 
 def _compiled(rank: int, world: int) -> None:

@@ -62,22 +62,35 @@ TORCH_LIBRARY(cpattn, m) {
       "gathered_bwd(Tensor dout, Tensor q, Tensor kv_all, Tensor out, Tensor lse, int rank, "
       "int layout, Tensor? doc_lengths=None, Tensor? dlse=None",
       "(Tensor dq, Tensor dkv_all)"));
-  // Invariant mode (ops/invariant.cpp): what one process computes for this rank's rows and keys,
-  // from k, v of every rank in global order (the backward: its dQ pass from k_all, v_all, its
-  // dK / dV pass from q_all, dout_all, lse_all, shifted_all).
+  // Invariant mode (ops/invariant.cpp): what one process computes for this rank's rows and keys.
+  // The forward from k, v of every rank in global order; the backward of one process, or over W
+  // ranks streamed into fp32 running sums: a part of every rank's keys at a time (dQ), of every
+  // rank's queries (dK, dV); the sinks' gradient from every rank's lse and dlse - row_dot.
   m.def(with_options(
       "invariant_fwd(Tensor q, Tensor k, Tensor v, int rank, int world, int layout, int seqlen, "
       "Tensor? doc_lengths=None, Tensor? sinks=None",
       "(Tensor out, Tensor lse)"));
   m.def(with_options(
       "invariant_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor? dlse, Tensor? k_all, Tensor? v_all, Tensor? q_all, Tensor? dout_all, "
-      "Tensor? lse_all, Tensor? shifted_all, "
-      "Tensor? sinks, int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None",
+      "Tensor? dlse, Tensor? sinks, int layout, int seqlen, Tensor? doc_lengths=None",
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)"));
+  m.def(with_options(
+      "invariant_bwd_dq_part(Tensor(a!) dq_sum, Tensor dout, Tensor q, Tensor lse, "
+      "Tensor shifted, Tensor k_part, Tensor v_part, int part_begin, int rank, int world, "
+      "int layout, int seqlen, Tensor? doc_lengths=None",
+      "()"));
+  m.def(with_options(
+      "invariant_bwd_dkv_part(Tensor(a!) dk_sum, Tensor(b!) dv_sum, Tensor k, Tensor v, "
+      "Tensor q_part, Tensor dout_part, Tensor lse_part, Tensor shifted_part, int part_begin, "
+      "int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None",
+      "()"));
+  m.def(
+      "invariant_sink_bwd(Tensor lse_all, Tensor shifted_all, Tensor sinks, int rank, int world, "
+      "int layout, int seqlen, Tensor? doc_lengths=None) -> Tensor");
   // Invariant mode over a KV cache: the keys per tile (cpattn/invariant.h), one block of tiles'
   // partial result, the blocks' tree merge.
   m.def("invariant_tile() -> int");
+  m.def("invariant_chunk() -> int");  // the streamed backward's parts start at its multiples
   m.def(with_options("invariant_partial(Tensor q, Tensor k, Tensor v, int q_begin, int k_begin",
                      "(Tensor out, Tensor lse)"));
   m.def(

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <memory>
 
+#include "cpattn/invariant.h"
 #include "cpattn/mask.h"
 #include "cpattn/softmax_state.h"
 #include "cpu/micro_gemm.h"
@@ -373,7 +374,8 @@ constexpr int64_t kChunkElemBudget = 2048 * 128;
 
 // Under fixed_order, chunks of kFixedChunkRows from query row 0: dK and dV sum the chunks' parts
 // in an order that depends on the query rows' positions only.
-constexpr int64_t kFixedChunkRows = 256;
+constexpr int64_t kFixedChunkRows = kInvariantChunk;
+static_assert(kFixedChunkRows % kBlockQ == 0 && kFixedChunkRows % kBlockK == 0);
 
 inline int64_t chunk_rows(const AttnShape& sh) {
   const int64_t rows_needed = (sh.seqlen_q + kBlockQ - 1) / kBlockQ * kBlockQ;
@@ -468,6 +470,8 @@ inline bool for_each_query_block(const BwdParams& p, int64_t b, int64_t hk, int6
 //   low 16 bits in a (B, Sk, Hkv, dim_padded) buffer of their own: the same fp32 sums, the same
 //   bits, in half the bytes of an fp32 buffer; rounded to nearest into the output at the end;
 // - otherwise a (B, Sk, Hkv, dim_padded) fp32 buffer of their own.
+// With `resume` (a fixed-order call continuing fp32 running sums: backward_chunks) factor is 1
+// and the sums start from the output's values; a buffer of their own is copied back.
 struct KeyGradSums {
   enum class Storage { kOutput, kSplit, kOwn, kNone };  // kNone: no output (not wanted)
   Storage storage;
@@ -477,14 +481,15 @@ struct KeyGradSums {
   BshdStrides strides;         // of data
   int64_t seqlen_k, kv_heads, dim_padded;
   float factor;
-  bool accumulate;
+  bool accumulate, resume;
   KeyGradSums(const AttnShape& sh, const BshdOutput& out, int64_t dim, int64_t padded,
-              float factor_, bool accumulate_)
+              float factor_, bool accumulate_, bool resume_)
       : seqlen_k(sh.seqlen_k),
         kv_heads(sh.kv_heads),
         dim_padded(padded),
-        factor(factor_),
-        accumulate(accumulate_) {
+        factor(resume_ ? 1.f : factor_),
+        accumulate(accumulate_ || resume_),
+        resume(resume_) {
     const int64_t rows = sh.batch * sh.seqlen_k * sh.kv_heads;
     storage = out.data == nullptr            ? Storage::kNone
               : dim != padded                ? Storage::kOwn
@@ -509,6 +514,11 @@ struct KeyGradSums {
         if (storage == Storage::kSplit) {
           std::fill(high_row(b, c, hk), high_row(b, c, hk) + dim_padded, uint16_t{0});
           std::fill(low_row(b, c, hk), low_row(b, c, hk) + dim_padded, uint16_t{0});
+        } else if (resume) {  // kOwn: the running sums' D values, zero beyond
+          const float* src = static_cast<const float*>(out.data) + b * out.strides.batch +
+                             c * out.strides.seq + hk * out.strides.head;
+          std::copy(src, src + dim, row(b, c, hk));
+          std::fill(row(b, c, hk) + dim, row(b, c, hk) + dim_padded, 0.f);
         } else {
           std::fill(row(b, c, hk), row(b, c, hk) + dim_padded, 0.f);
         }
@@ -570,7 +580,7 @@ struct KeyGradSums {
         } else {
           const BshdStrides& o = out.strides;
           const int64_t offset = b * o.batch + c * o.seq + hk * o.head;
-          if (accumulate)
+          if (accumulate && !resume)
             add_row(out, nullptr, offset, row(b, c, hk), factor, dim);
           else
             write_row(out, offset, row(b, c, hk), factor, dim);
@@ -659,6 +669,12 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
 // the chunk's packed blocks, splits x the chunk's dQ, and the sums when not in place. dQ may be
 // dO itself (same strides): a chunk's dO rows are read when packed, before its dQ rows are
 // written, and never again (attention_bwd_in_dout).
+// Under fixed_order with accumulate, dq, dk and dv are fp32 running sums, unscaled, that the
+// call continues: each chunk's dQ starts from dq's rows, each chunk's dK / dV part is added to
+// the sums, and nothing is scaled. So calls over consecutive parts of the keys (dQ) or of the
+// queries (dK, dV), each starting at a multiple of kFixedChunkRows (a multiple of kBlockK) from
+// the first, give exactly the sums of one call; the caller scales once at the end (invariant
+// mode's streamed backward: ops/invariant.cpp).
 template <typename T, typename Scratch, typename Pack, typename KeyBlock>
 inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
   const AttnShape& sh = p.shape;
@@ -669,8 +685,9 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
   const int64_t chunk_elems = heads * rows_per_chunk * dp;
   PackedChunk<T> packed(sh, rows_per_chunk);
   AlignedArray<float> dq = aligned_array<float>(max_splits * chunk_elems);
-  const KeyGradSums dk(sh, p.dk, sh.head_dim, dp, p.softmax_scale, p.accumulate),
-      dv(sh, p.dv, sh.head_dim_v, sh.head_dim_v_padded, 1.f, p.accumulate);
+  const bool resume = sh.fixed_order && p.accumulate;
+  const KeyGradSums dk(sh, p.dk, sh.head_dim, dp, p.softmax_scale, p.accumulate, resume),
+      dv(sh, p.dv, sh.head_dim_v, sh.head_dim_v_padded, 1.f, p.accumulate, resume);
   for (int64_t q0 = 0; q0 < sh.seqlen_q; q0 += rows_per_chunk) {
     const int64_t q1 = std::min(sh.seqlen_q, q0 + rows_per_chunk);
     const int64_t blocks = (q1 - q0 + kBlockQ - 1) / kBlockQ;
@@ -697,6 +714,13 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
         float* dq_split = dq.get() + split * chunk_elems;
         float* own = dq_split + (b * sh.heads + hk * group) * rows_per_chunk * dp;
         std::fill(own, own + group * rows_per_chunk * dp, 0.f);
+        if (resume && p.dq.data)  // the running sums of the chunk's rows (one split)
+          for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+            for (int64_t i = 0; i < q1 - q0; ++i) {
+              const float* src = static_cast<const float*>(p.dq.data) + b * p.dq.strides.batch +
+                                 (q0 + i) * p.dq.strides.seq + h * p.dq.strides.head;
+              std::copy(src, src + sh.head_dim, own + ((h - hk * group) * rows_per_chunk + i) * dp);
+            }
         // every splits-th key block: a causal diagonal's partly masked blocks spread over splits
         for (int64_t kb = kb_first + split; kb < kb_first + kb_count; kb += splits) {
           const int64_t c0 = kb * kBlockK, cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -715,7 +739,9 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
         for (int64_t split = 1; split < splits; ++split)
           for (int64_t d = 0; d < dp; ++d) row[d] += row[split * chunk_elems + d];
         const int64_t offset = bh / sh.heads * o.batch + (q0 + i) * o.seq + bh % sh.heads * o.head;
-        if (p.accumulate)
+        if (resume)
+          write_row(p.dq, offset, row, 1.f, sh.head_dim);
+        else if (p.accumulate)
           add_row(p.dq, p.dq_low, offset, row, p.softmax_scale, sh.head_dim);
         else
           write_row(p.dq, offset, row, p.softmax_scale, sh.head_dim);

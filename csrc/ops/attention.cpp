@@ -177,21 +177,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
       .bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, grad_dtype);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_some_scored(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Mask& mask,
-    const ScoreArgs& score, const std::optional<at::Tensor>& dlse, bool want_dq, bool want_dkv) {
-  const AttnShape s = check_attention_args(q, k, v, softmax_scale, mask, score);
-  check_bwd_args(dout, q, out, lse, dlse, std::nullopt, s);
-  const Backend& backend = backend_for(q.device());
-  if (backend.bwd_some)
-    return backend.bwd_some(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, want_dq,
-                            want_dkv);
-  auto [dq, dk, dv] =
-      backend.bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, std::nullopt);
-  return {want_dq ? dq : at::Tensor(), want_dkv ? dk : at::Tensor(), want_dkv ? dv : at::Tensor()};
-}
-
 std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout_scored(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Mask& mask,
@@ -225,8 +210,13 @@ void attention_bwd_add_scored(const at::Tensor& dq, const at::Tensor& dk, const 
   check_bwd_args(dout, q, out, lse, dlse, at::kFloat, s);
   const bool split = dq_low.has_value();
   const at::ScalarType dq_type = split ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(dq.defined() || (dk.defined() && dv.defined()),
+              "cpattn: the backward adds into dq, or dk and dv, or all three");
+  TORCH_CHECK(!score.fixed_order || q.device().is_cpu(),
+              "cpattn: fixed-order running sums are CPU only, got q on ", q.device());
   for (const auto& [target, like, want] :
        {std::tuple(dq, q, dq_type), std::tuple(dk, k, at::kFloat), std::tuple(dv, v, at::kFloat)}) {
+    if (!target.defined()) continue;
     TORCH_CHECK(target.scalar_type() == want && target.sizes() == like.sizes() &&
                     target.device() == like.device() && target.stride(3) == 1,
                 "cpattn: the backward adds into ", want,
@@ -248,9 +238,9 @@ void attention_bwd_add_scored(const at::Tensor& dq, const at::Tensor& dk, const 
   }
   const auto [dq_part, dk_part, dv_part] =
       backend.bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, at::kFloat);
-  dq.add_(dq_part);
-  dk.add_(dk_part);
-  dv.add_(dv_part);
+  for (const auto& [target, part] : {std::pair(dq, dq_part), std::pair(dk, dk_part),
+                                     std::pair(dv, dv_part)})
+    if (target.defined()) target.add_(part);
 }
 
 bool split_sums_supported(const c10::Device& device) {

@@ -302,19 +302,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   return {dq, dk, dv};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_some_cpu(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-    const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
-    bool want_dq, bool want_dkv) {
-  at::Tensor dq, dk, dv;
-  if (want_dq) dq = new_output({s.batch, s.seqlen_q, s.heads, s.head_dim}, q.options());
-  if (want_dkv) std::tie(dk, dv) = new_key_grads(q, s, q.scalar_type());
-  backward_cpu(dq, at::Tensor(), dk, dv, false, dout, q, k, v, out, lse, dlse, s, softmax_scale,
-               mask, score);
-  return {dq, dk, dv};
-}
-
 // dQ over dout: backward_chunks reads a chunk's dO rows (packing them) before it writes the
 // chunk's dQ rows, and never again; the fp32 path's copy of dO, where it makes one, is read only.
 std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout_cpu(
@@ -433,7 +420,7 @@ at::Tensor row_dot_cpu(const at::Tensor& a, const at::Tensor& b) {
     c10::DeviceType::CPU,
     {&attention_fwd_cpu, &attention_bwd_cpu, &attention_bwd_add_cpu, &round_split_cpu,
      &attention_bwd_in_dout_cpu, &merge_into_cpu, &apply_sinks_cpu, &sink_bwd_cpu, &row_dot_cpu,
-     /*cache_decode=*/nullptr, &attention_bwd_some_cpu});
+     /*cache_decode=*/nullptr});
 
 }  // namespace
 }  // namespace cpattn::ops

@@ -70,13 +70,6 @@ struct Backend {
       const std::vector<int64_t>& lens, const std::vector<int64_t>& q_start,
       const CacheSharding& sharding, int64_t rank, double softmax_scale, const Mask& rule,
       const ScoreArgs& score);
-  // attention_bwd_some_scored (ops.h) with its arguments checked: only the gradients asked for,
-  // the others undefined. nullptr on a backend that always computes all three.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> (*bwd_some)(
-      const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-      const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-      const AttnShape& s, double softmax_scale, const Mask& mask, const ScoreArgs& score,
-      bool want_dq, bool want_dkv) = nullptr;
 };
 
 // The kernels' name of a float dtype (float32, bfloat16, float16).

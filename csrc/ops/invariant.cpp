@@ -86,22 +86,22 @@ std::vector<Piece> rank_pieces(const RingOptions& o, int64_t world, int64_t rank
   return pieces;
 }
 
-// Checks before any kernel runs; every rank passes the same values (agreed on in Python). q this
-// rank's shard (B, L, H, D); k (B, W L, Hkv, D) every rank's keys in global order (with one rank:
-// the keys, which q's rows may be fewer than), `keys` of them (k may be this rank's shard alone,
-// for a call that needs no other keys); doc_lengths as ring_fwd's (the documents' lengths, and as
+// Checks before any kernel runs; every rank passes the same values (agreed on in Python). q
+// (B, R, H, D) and k, v (B, N, Hkv, D / Dv) some of the call's rows and keys (their shapes beyond
+// the tokens are checked); this rank holds `local` tokens of the sequence's `keys` (with one rank:
+// q's rows may be fewer than the keys); doc_lengths as ring_fwd's (the documents' lengths, and as
 // a second row their prefixes), or none: one sequence of `seqlen` real tokens.
 InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at::Tensor& k,
-                                   const at::Tensor& v, int64_t keys, int64_t rank, int64_t world,
-                                   int64_t layout, int64_t seqlen,
+                                   const at::Tensor& v, int64_t local, int64_t keys, int64_t rank,
+                                   int64_t world, int64_t layout, int64_t seqlen,
                                    const std::optional<at::Tensor>& doc_lengths,
                                    const AttentionOptions& options) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
                   k.sizes().slice(0, 3) == v.sizes().slice(0, 3) && k.size(0) == q.size(0) &&
                   k.size(3) == q.size(3),
               "cpattn.", fn,
-              ": q must be (batch, seqlen_local, heads, head_dim) and k, v (batch, "
-              "seqlen, kv_heads, head_dim / v_head_dim) in global order, got ",
+              ": q must be (batch, rows, heads, head_dim) and k, v (batch, keys, kv_heads, "
+              "head_dim / v_head_dim), got ",
               q.sizes(), ", ", k.sizes(), " and ", v.sizes());
   TORCH_CHECK(q.device().is_cpu(), "cpattn.", fn,
               ": invariant=True runs on CPU tensors only in this version (not run on a GPU "
@@ -114,9 +114,9 @@ InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at
               ": takes contiguous or zigzag shards (runs of consecutive positions; the Python "
               "side moves striped shards to the contiguous layout first)");
   const bool documents = !o.doc_lengths.empty();
-  TORCH_CHECK(world == 1 && !documents ? keys >= q.size(1) : keys == q.size(1) * world, "cpattn.",
-              fn, ": k and v must hold the ", world, " ranks' shards of ", q.size(1),
-              " tokens, got ", keys);
+  TORCH_CHECK(world == 1 && !documents ? keys >= local : keys == local * world, "cpattn.", fn,
+              ": k and v must hold the ", world, " ranks' shards of ", local, " tokens, got ",
+              keys);
   if (documents) {
     const int64_t g = layout_granularity(o.layout, world);
     int64_t total = 0;
@@ -124,14 +124,14 @@ InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at
     TORCH_CHECK(total == keys, "cpattn.", fn, ": with these documents (each padded to a ",
                 "multiple of ", g, ") the sequence holds ", total, " tokens, k and v ", keys);
   } else {
-    TORCH_CHECK(world == 1 || o.layout != Layout::kZigzag || q.size(1) % 2 == 0, "cpattn.", fn,
+    TORCH_CHECK(world == 1 || o.layout != Layout::kZigzag || local % 2 == 0, "cpattn.", fn,
                 ": the zigzag layout holds two equal chunks per rank, so the local sequence "
                 "length must be even, got ",
-                q.size(1));
+                local);
     TORCH_CHECK(seqlen >= (world == 1 ? keys : 1) && seqlen <= keys, "cpattn.", fn,
                 ": seqlen must be in [1, ", keys, "] (with one rank: every key), got ", seqlen);
   }
-  return {world, rank, o, rank_pieces(o, world, rank, q.size(1), keys / world, seqlen)};
+  return {world, rank, o, rank_pieces(o, world, rank, local, keys / world, seqlen)};
 }
 
 // The score arguments of rows and keys at the mask's positions, with the sinks when given.
@@ -201,8 +201,8 @@ std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::
                                                  const std::optional<at::Tensor>& doc_lengths,
                                                  const std::optional<at::Tensor>& sinks,
                                                  CPATTN_OPTION_PARAMS) {
-  const InvariantCall c = check_invariant_args("invariant_fwd", q, k, v, k.size(1), rank, world,
-                                               layout, seqlen, doc_lengths, CPATTN_OPTIONS);
+  const InvariantCall c = check_invariant_args("invariant_fwd", q, k, v, q.size(1), k.size(1), rank,
+                                               world, layout, seqlen, doc_lengths, CPATTN_OPTIONS);
   check_per_head("invariant_fwd", "sinks", sinks, q.size(2), q.device());
   // Padding rows: out 0, lse -inf (with a sink: the sink), as the ring gives them.
   Partial result = empty_partial(q, v.size(3));
@@ -218,74 +218,61 @@ std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::
   return {result.first.to(q.scalar_type()), result.second};
 }
 
-// With one rank: k, v every key, and q, dout, out, lse and dlse are everything: dQ, dK and dV of
-// one call. Over W ranks two passes, each run when its operands are given: the dQ pass (k_all,
-// v_all: every rank's keys in global order, as invariant_fwd's k, v) and the dK / dV pass (k, v
-// this rank's shard; q_all, dout_all (B, W L, H, D / Dv), lse_all and shifted_all (B, H, W L):
-// every rank's, in global order, shifted = dlse - rowsum(dout * out) (op row_dot; the
-// backward's delta - dlse is -shifted, the same bits a call given out and dlse computes: IEEE
-// subtraction is antisymmetric)); a pass not run returns empty tensors, so that the caller can
-// free one pass's gathered operands before it gathers the other's. Returns dq (q's rows) and
-// dk, dv (this rank's keys) in the inputs' dtypes, padding rows and keys 0; and with sinks (in
-// the dK / dV pass) their gradient (H,) fp32 over every real row of the sequence on rank 0, 0
-// elsewhere: summed over the ranks (the usual gradient all-reduce) it is exactly the
-// one-process gradient, whatever the number of ranks (no sinks: an empty tensor).
+// The sinks' gradient (H,) fp32 over every real row of the sequence (of each document) from each
+// row's lse and shifted = dlse - rowsum(dout * out) (sink_bwd's fixed order, given dout and out
+// of one zero column: their delta - dlse is -shifted, the bits of a call given dout, out and dlse,
+// IEEE subtraction being antisymmetric), on rank 0; 0 elsewhere: summed over the ranks (the usual
+// gradient all-reduce) it is exactly the one-process gradient. lse_all and shifted_all
+// (B, H, W L) every rank's rows in global order.
+at::Tensor invariant_sink_bwd(const at::Tensor& lse_all, const at::Tensor& shifted_all,
+                              const at::Tensor& sinks, int64_t rank, int64_t world, int64_t layout,
+                              int64_t seqlen, const std::optional<at::Tensor>& doc_lengths) {
+  TORCH_CHECK(lse_all.dim() == 3 && shifted_all.sizes() == lse_all.sizes() &&
+                  lse_all.scalar_type() == at::kFloat && shifted_all.scalar_type() == at::kFloat &&
+                  lse_all.size(2) % world == 0,
+              "cpattn.invariant_sink_bwd: lse_all and shifted_all must be float32 (batch, heads, "
+              "W x seqlen_local), got ",
+              lse_all.sizes(), " and ", shifted_all.sizes());
+  const int64_t batch = lse_all.size(0), heads = lse_all.size(1);
+  check_per_head("invariant_sink_bwd", "sinks", sinks, heads, lse_all.device());
+  const auto f32 = lse_all.options();
+  if (rank != 0) return at::zeros({heads}, f32);
+  const int64_t local = lse_all.size(2) / world;
+  const RingOptions o = make_ring_options(AttentionOptions{}, layout, doc_lengths, std::nullopt);
+  std::vector<at::Tensor> zero_cols, lses, shifted;
+  int64_t last_doc = -1;
+  for (const Piece& p : rank_pieces(o, world, 0, local, local, seqlen)) {  // rank 0: every doc
+    if (p.doc_begin == last_doc) continue;
+    last_doc = p.doc_begin;
+    lses.push_back(lse_all.narrow(2, p.doc_begin, p.doc_length));
+    shifted.push_back(shifted_all.narrow(2, p.doc_begin, p.doc_length));
+    zero_cols.push_back(at::zeros({batch, p.doc_length, heads, 1}, f32));
+  }
+  const at::Tensor zeros = at::cat(zero_cols, 1);
+  return backend_for(lse_all.device())
+      .sink_bwd(zeros, zeros, at::cat(lses, 2), sinks.to(at::kFloat).contiguous(),
+                at::cat(shifted, 2));
+}
+
+// One process: dq, dk, dv of every row and key (k, v every key; q's rows may be fewer, bottom-right
+// aligned without documents) in the inputs' dtypes, padding rows and keys 0; and with sinks their
+// gradient (H,) fp32 (else an empty tensor). Each document's rows against its keys in one call
+// (AttnShape::fixed_order); over W ranks the same sums are streamed (invariant_bwd_dq_part,
+// invariant_bwd_dkv_part).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
-    const std::optional<at::Tensor>& k_all, const std::optional<at::Tensor>& v_all,
-    const std::optional<at::Tensor>& q_all, const std::optional<at::Tensor>& dout_all,
-    const std::optional<at::Tensor>& lse_all, const std::optional<at::Tensor>& shifted_all,
-    const std::optional<at::Tensor>& sinks, int64_t rank, int64_t world, int64_t layout,
-    int64_t seqlen, const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
-  const bool dq_pass = world > 1 && k_all && v_all;
-  const bool dkv_pass = world > 1 && q_all && dout_all && lse_all && shifted_all;
-  TORCH_CHECK(world == 1 || k.size(1) == q.size(1), "cpattn.invariant_bwd: over ", world,
-              " ranks k and v are this rank's shard of ", q.size(1), " tokens, got ", k.size(1));
-  TORCH_CHECK(world == 1 || ((k_all.has_value() == v_all.has_value()) && (dq_pass || dkv_pass) &&
-                             (!dq_pass || k_all->size(1) == q.size(1) * world)),
-              "cpattn.invariant_bwd: over ", world,
-              " ranks give k_all and v_all (every rank's "
-              "keys: the dQ pass) or q_all, dout_all, lse_all and shifted_all (the dK / dV pass)");
-  const InvariantCall c =
-      check_invariant_args("invariant_bwd", q, dq_pass ? *k_all : k, dq_pass ? *v_all : v,
-                           world == 1 ? k.size(1) : q.size(1) * world, rank, world, layout, seqlen,
-                           doc_lengths, CPATTN_OPTIONS);
+    const std::optional<at::Tensor>& sinks, int64_t layout, int64_t seqlen,
+    const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
+  const InvariantCall c = check_invariant_args("invariant_bwd", q, k, v, q.size(1), k.size(1), 0, 1,
+                                               layout, seqlen, doc_lengths, CPATTN_OPTIONS);
   check_per_head("invariant_bwd", "sinks", sinks, q.size(2), q.device());
-  const auto grads = [&](const Mask& mask, const at::Tensor& dout_rows, const at::Tensor& q_rows,
-                         const at::Tensor& k_rows, const at::Tensor& v_rows,
-                         const at::Tensor& out_rows, const at::Tensor& lse_rows,
-                         const std::optional<at::Tensor>& dlse_rows, bool want_dq, bool want_dkv) {
-    return attention_bwd_some_scored(
-        dout_rows, q_rows, k_rows, v_rows, out_rows, lse_rows, softmax_scale, mask,
-        fixed_order_score(c.options, mask, std::nullopt), dlse_rows, want_dq, want_dkv);
-  };
-  // With sinks: their gradient over every real row of the sequence on rank 0 (sink_bwd's fixed
-  // order), from each row's lse and delta - dlse (given as -shifted: dout and out of one zero
-  // column, or with one rank dout and out themselves).
-  const auto sink_grads = [&](std::vector<at::Tensor> dout_g, std::vector<at::Tensor> out_g,
-                              const std::vector<at::Tensor>& lse_g,
-                              const std::vector<at::Tensor>& dlse_g) {
-    const auto f32 = q.options().dtype(at::kFloat);
-    if (!sinks) return at::empty({0}, f32);
-    if (rank != 0) return at::zeros({q.size(2)}, f32);
-    return backend_for(q.device())
-        .sink_bwd(at::cat(dout_g, 1), at::cat(out_g, 1), at::cat(lse_g, 2),
-                  sinks->to(at::kFloat).contiguous(),
-                  dlse_g.empty() ? std::nullopt : std::optional(at::cat(dlse_g, 2)));
-  };
-  // One piece over every row and key of this rank: its gradients are the outputs, not copied
-  // into zeroed ones (padding and several pieces). A pass not run: empty tensors.
-  const int64_t local_k = world == 1 ? k.size(1) : q.size(1);
+  // One piece over every row and key: its gradients are the outputs, not copied into zeroed ones
+  // (padding and several pieces).
   const bool whole = c.pieces.size() == 1 && c.pieces[0].rows.length == q.size(1) &&
-                     (world == 1 ? c.pieces[0].doc_length : c.pieces[0].rows.length) == local_k;
-  const at::Tensor none = at::empty({0}, q.options());
-  at::Tensor dq = none, dk = none, dv = none;
-  if (!whole && (world == 1 || dq_pass)) dq = at::zeros_like(q);
-  if (!whole && (world == 1 || dkv_pass)) {
-    dk = at::zeros({q.size(0), local_k, k.size(2), k.size(3)}, q.options());
-    dv = at::zeros({q.size(0), local_k, v.size(2), v.size(3)}, q.options());
-  }
+                     c.pieces[0].doc_length == k.size(1);
+  at::Tensor dq, dk, dv;
+  if (!whole) std::tie(dq, dk, dv) = std::tuple(at::zeros_like(q), at::zeros_like(k), at::zeros_like(v));
   // all's tokens [begin, begin + part's) are part
   const auto put = [&](at::Tensor& all, const at::Tensor& part, int64_t begin) {
     if (whole)
@@ -294,65 +281,140 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
       all.narrow(1, begin, part.size(1)).copy_(part);
   };
   std::vector<at::Tensor> dout_rows, out_rows, lse_rows, dlse_rows;
-  if (world == 1) {  // each document's rows against its keys: dQ, dK and dV of one call
-    for (const Piece& p : c.pieces) {
-      const auto mine = [&](const at::Tensor& t, int64_t dim) {
-        return t.narrow(dim, p.rows.local_begin, p.rows.length);
-      };
-      const auto doc = [&](const at::Tensor& t) { return t.narrow(1, p.doc_begin, p.doc_length); };
-      const std::optional<at::Tensor> dlse_p =
-          dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt;
-      const auto [dq_p, dk_p, dv_p] =
-          grads(p.mask, mine(dout, 1), mine(q, 1), doc(k), doc(v), mine(out, 1),
-                mine(lse, 2).contiguous(), dlse_p, true, true);
-      put(dq, dq_p, p.rows.local_begin);
-      put(dk, dk_p, p.doc_begin);
-      put(dv, dv_p, p.doc_begin);
-      dout_rows.push_back(mine(dout, 1));
-      out_rows.push_back(mine(out, 1));
-      lse_rows.push_back(mine(lse, 2));
-      if (dlse_p) dlse_rows.push_back(*dlse_p);
-    }
-    return {dq, dk, dv, sink_grads(dout_rows, out_rows, lse_rows, dlse_rows)};
-  }
-  int64_t last_doc = -1;
   for (const Piece& p : c.pieces) {
     const auto mine = [&](const at::Tensor& t, int64_t dim) {
       return t.narrow(dim, p.rows.local_begin, p.rows.length);
     };
-    const auto doc = [&](const at::Tensor& t, int64_t dim) {
-      return t.narrow(dim, p.doc_begin, p.doc_length);
+    const auto doc = [&](const at::Tensor& t) { return t.narrow(1, p.doc_begin, p.doc_length); };
+    const std::optional<at::Tensor> dlse_p =
+        dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt;
+    const auto [dq_p, dk_p, dv_p] = attention_bwd_scored(
+        mine(dout, 1), mine(q, 1), doc(k), doc(v), mine(out, 1), mine(lse, 2).contiguous(),
+        softmax_scale, p.mask, fixed_order_score(c.options, p.mask, std::nullopt), std::nullopt,
+        dlse_p);
+    put(dq, dq_p, p.rows.local_begin);
+    put(dk, dk_p, p.doc_begin);
+    put(dv, dv_p, p.doc_begin);
+    dout_rows.push_back(mine(dout, 1));
+    out_rows.push_back(mine(out, 1));
+    lse_rows.push_back(mine(lse, 2));
+    if (dlse_p) dlse_rows.push_back(*dlse_p);
+  }
+  if (!sinks) return {dq, dk, dv, at::empty({0}, q.options().dtype(at::kFloat))};
+  return {dq, dk, dv,
+          backend_for(q.device())
+              .sink_bwd(at::cat(dout_rows, 1), at::cat(out_rows, 1), at::cat(lse_rows, 2),
+                        sinks->to(at::kFloat).contiguous(),
+                        dlse_rows.empty() ? std::nullopt : std::optional(at::cat(dlse_rows, 2)))};
+}
+
+// Where a streamed part, tokens [begin, begin + n) of global order, meets piece p's document:
+// its tokens from `part_offset` in the part, from `doc_offset` in the document, `length` of them
+// (0: none). The kernels' sums continue across parts when doc_offset is a multiple of
+// kInvariantChunk (checked).
+struct PartInDoc {
+  int64_t part_offset, doc_offset, length;
+};
+
+PartInDoc part_in_doc(const char* fn, const Piece& p, int64_t begin, int64_t n) {
+  const int64_t first = std::max(begin, p.doc_begin);
+  const int64_t last = std::min(begin + n, p.doc_begin + p.doc_length);
+  if (last <= first) return {0, 0, 0};
+  TORCH_CHECK((first - p.doc_begin) % kInvariantChunk == 0, "cpattn.", fn,
+              ": a part must start a document or a multiple of ", kInvariantChunk,
+              " tokens into it, got one from token ", first - p.doc_begin);
+  return {first - begin, first - p.doc_begin, last - first};
+}
+
+// A running fp32 sum the streamed backward adds into: `like`'s shape with `dim` columns, float32.
+void check_running_sum(const char* fn, const char* what, const at::Tensor& sum,
+                       const at::Tensor& like) {
+  TORCH_CHECK(sum.scalar_type() == at::kFloat && sum.sizes() == like.sizes() &&
+                  sum.device() == like.device() && sum.stride(3) == 1,
+              "cpattn.", fn, ": ", what, " must be float32 of shape ", like.sizes(),
+              " contiguous in head_dim, got ", sum.scalar_type(), " ", sum.sizes());
+}
+
+// The dQ pass over W ranks, one part of the keys: adds to dq_sum (B, L, H, D) fp32, unscaled,
+// the terms of this rank's rows (dout, q, lse its shards; shifted (B, H, L) = dlse - rowsum(dout *
+// out), as invariant_bwd_dkv_part's) against keys k_part, v_part (B, N, Hkv, D / Dv), tokens
+// [part_begin, part_begin + N) of global order (every rank's shards; with documents, each padded
+// as ring_attention_varlen shards them). Called with the parts in global order, each starting a
+// document or a multiple of kInvariantChunk into it, from zeros: dq_sum * softmax_scale is then
+// exactly what one process computes for these rows.
+void invariant_bwd_dq_part(const at::Tensor& dq_sum, const at::Tensor& dout, const at::Tensor& q,
+                           const at::Tensor& lse, const at::Tensor& shifted,
+                           const at::Tensor& k_part,
+                           const at::Tensor& v_part, int64_t part_begin, int64_t rank,
+                           int64_t world, int64_t layout, int64_t seqlen,
+                           const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
+  constexpr const char* fn = "invariant_bwd_dq_part";
+  const int64_t keys = q.size(1) * world;
+  const InvariantCall c = check_invariant_args(fn, q, k_part, v_part, q.size(1), keys, rank, world,
+                                               layout, seqlen, doc_lengths, CPATTN_OPTIONS);
+  TORCH_CHECK(part_begin >= 0 && part_begin + k_part.size(1) <= keys, "cpattn.", fn,
+              ": the part [", part_begin, ", ", part_begin + k_part.size(1),
+              ") lies outside the sequence's ", keys, " tokens");
+  check_running_sum(fn, "dq_sum", dq_sum, q);
+  for (const Piece& p : c.pieces) {
+    const PartInDoc part = part_in_doc(fn, p, part_begin, k_part.size(1));
+    if (part.length == 0) continue;
+    const auto mine = [&](const at::Tensor& t, int64_t dim) {
+      return t.narrow(dim, p.rows.local_begin, p.rows.length);
     };
-    if (dq_pass) {  // dQ of these rows against the document's keys (their dK, dV: other ranks')
-      const auto dq_p = std::get<0>(
-          grads(p.mask, mine(dout, 1), mine(q, 1), doc(*k_all, 1), doc(*v_all, 1), mine(out, 1),
-                mine(lse, 2).contiguous(),
-                dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt, true, false));
-      put(dq, dq_p, p.rows.local_begin);
-    }
-    if (!dkv_pass) continue;
-    // dK and dV of these keys against the document's queries (their dQ is the other ranks').
-    Mask keys = p.mask;  // every query of the document against these keys
-    keys.q_offset = 0;
-    keys.k_offset = p.rows.global_begin;
-    const auto [unused, dk_p, dv_p] =
-        grads(keys, doc(*dout_all, 1), doc(*q_all, 1), mine(k, 1), mine(v, 1), at::Tensor(),
-              doc(*lse_all, 2), doc(*shifted_all, 2), false, true);
-    put(dk, dk_p, p.rows.local_begin);
-    put(dv, dv_p, p.rows.local_begin);
-    if (p.doc_begin != last_doc) {  // the sinks' rows: every real row of each document, once
-      lse_rows.push_back(doc(*lse_all, 2));
-      dlse_rows.push_back(doc(*shifted_all, 2));
-      last_doc = p.doc_begin;
-    }
+    Mask m = p.mask;
+    m.k_offset = part.doc_offset;
+    if (m.classify(0, p.rows.length, 0, part.length) == BlockKind::kEmpty) continue;
+    attention_bwd_add_scored(mine(dq_sum, 1), at::Tensor(), at::Tensor(), mine(dout, 1),
+                             mine(q, 1), k_part.narrow(1, part.part_offset, part.length),
+                             v_part.narrow(1, part.part_offset, part.length), at::Tensor(),
+                             mine(lse, 2).contiguous(), softmax_scale, m,
+                             fixed_order_score(c.options, m, std::nullopt),
+                             mine(shifted, 2).contiguous());
   }
-  if (!dkv_pass) return {dq, dk, dv, at::empty({0}, q.options().dtype(at::kFloat))};
-  if (sinks && rank == 0) {  // zero columns: delta - dlse = -shifted
-    for (const at::Tensor& l : lse_rows)
-      dout_rows.push_back(at::zeros({q.size(0), l.size(2), q.size(2), 1}, q.options()));
-    out_rows = dout_rows;
+}
+
+// The dK / dV pass over W ranks, one part of the queries: adds to dk_sum and dv_sum
+// (B, L, Hkv, D / Dv) fp32, unscaled, the terms of this rank's keys k, v (its shards) against
+// query rows q_part, dout_part (B, N, H, D / Dv), lse_part and shifted_part (B, H, N): tokens
+// [part_begin, part_begin + N) of global order, shifted = dlse - rowsum(dout * out) (op row_dot;
+// the backward's delta - dlse is -shifted). Called with the parts in global order, each starting
+// a document or a multiple of kInvariantChunk into it, from zeros: dk_sum * softmax_scale and
+// dv_sum are then exactly what one process computes for these keys.
+void invariant_bwd_dkv_part(const at::Tensor& dk_sum, const at::Tensor& dv_sum, const at::Tensor& k,
+                            const at::Tensor& v, const at::Tensor& q_part,
+                            const at::Tensor& dout_part, const at::Tensor& lse_part,
+                            const at::Tensor& shifted_part, int64_t part_begin, int64_t rank,
+                            int64_t world, int64_t layout, int64_t seqlen,
+                            const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
+  constexpr const char* fn = "invariant_bwd_dkv_part";
+  const int64_t keys = k.size(1) * world;
+  const InvariantCall c = check_invariant_args(fn, q_part, k, v, k.size(1), keys, rank, world,
+                                               layout, seqlen, doc_lengths, CPATTN_OPTIONS);
+  TORCH_CHECK(part_begin >= 0 && part_begin + q_part.size(1) <= keys, "cpattn.", fn,
+              ": the part [", part_begin, ", ", part_begin + q_part.size(1),
+              ") lies outside the sequence's ", keys, " tokens");
+  check_running_sum(fn, "dk_sum", dk_sum, k);
+  check_running_sum(fn, "dv_sum", dv_sum, v);
+  for (const Piece& p : c.pieces) {
+    const PartInDoc part = part_in_doc(fn, p, part_begin, q_part.size(1));
+    if (part.length == 0) continue;
+    const auto mine = [&](const at::Tensor& t) {
+      return t.narrow(1, p.rows.local_begin, p.rows.length);
+    };
+    const auto rows = [&](const at::Tensor& t, int64_t dim) {
+      return t.narrow(dim, part.part_offset, part.length);
+    };
+    Mask m = p.mask;  // the part's queries of the document against these keys
+    m.q_offset = part.doc_offset;
+    m.k_offset = p.rows.global_begin;
+    if (m.classify(0, part.length, 0, p.rows.length) == BlockKind::kEmpty) continue;
+    attention_bwd_add_scored(at::Tensor(), mine(dk_sum), mine(dv_sum), rows(dout_part, 1),
+                             rows(q_part, 1), mine(k), mine(v), at::Tensor(),
+                             rows(lse_part, 2).contiguous(), softmax_scale, m,
+                             fixed_order_score(c.options, m, std::nullopt),
+                             rows(shifted_part, 2).contiguous());
   }
-  return {dq, dk, dv, sink_grads(dout_rows, out_rows, lse_rows, dlse_rows)};
 }
 
 // Invariant mode over a KV cache sharded in blocks of whole tiles (python/cpattn/inference.py):
@@ -419,6 +481,9 @@ std::tuple<at::Tensor, at::Tensor> invariant_merge(const at::Tensor& outs, const
 void impl_invariant_ops(torch::Library& m) {
   m.impl("invariant_fwd", &invariant_fwd);
   m.impl("invariant_bwd", &invariant_bwd);
+  m.impl("invariant_bwd_dq_part", &invariant_bwd_dq_part);
+  m.impl("invariant_bwd_dkv_part", &invariant_bwd_dkv_part);
+  m.impl("invariant_sink_bwd", &invariant_sink_bwd);
   m.impl("invariant_partial", &invariant_partial);
   m.impl("invariant_merge", &invariant_merge);
 }
@@ -428,4 +493,5 @@ void impl_invariant_ops(torch::Library& m) {
 // No tensor argument to dispatch on.
 TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("invariant_tile", [] { return cpattn::kInvariantTile; });
+  m.impl("invariant_chunk", [] { return cpattn::kInvariantChunk; });
 }

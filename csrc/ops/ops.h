@@ -32,13 +32,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
     const ScoreArgs& score, std::optional<at::ScalarType> grad_dtype,
     const std::optional<at::Tensor>& dlse);
 
-// attention_bwd_scored in the inputs' dtypes computing only dq (want_dq) and / or dk and dv
-// (want_dkv), the others undefined: the invariant backward's two passes (ops/invariant.cpp)
-// skip the products they do not need. A backend without such kernels computes all three.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_some_scored(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Mask& mask,
-    const ScoreArgs& score, const std::optional<at::Tensor>& dlse, bool want_dq, bool want_dkv);
 // attention_bwd_scored with dq (of q's dtype) written over dout, which must have q's shape and
 // dtype and must not overlap q, k or v: returns dk, dv; dq is dout afterwards. For a caller that
 // owns dout and needs it no more (Ulysses: dout by heads, received from the all-to-all).
@@ -51,7 +44,11 @@ std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout_scored(
 // v's shapes with head_dim contiguous, instead of returning new ones: the ring's accumulators
 // take a sub-problem's gradients without a temporary. With dq_low, dq holds split fp32 sums: dq
 // bf16 their high halves, dq_low (int16, dq's shape and strides) their low halves (only where
-// split_sums_supported).
+// split_sums_supported). An undefined dq, or dk and dv: not wanted (their products skipped).
+// Under score.fixed_order (CPU only) the fp32 dq, dk and dv are running sums, unscaled, that the
+// call continues in its fixed order, nothing scaled: calls over consecutive parts of the keys
+// (dq) or queries (dk, dv) starting at multiples of kInvariantChunk give one call's sums
+// (cpu/attention_kernel.h backward_chunks; invariant mode's streamed backward).
 void attention_bwd_add_scored(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
                               const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,

@@ -152,19 +152,29 @@ def _invariant_fwd_fake(q, k, v, rank, world, layout, seqlen, doc_lengths=None, 
 
 
 @torch.library.register_fake("cpattn::invariant_bwd")
-def _invariant_bwd_fake(dout, q, k, v, out, lse, dlse, k_all, v_all, q_all, dout_all, lse_all,
-                        shifted_all, sinks, rank, world, layout, seqlen, doc_lengths=None,
+def _invariant_bwd_fake(dout, q, k, v, out, lse, dlse, sinks, layout, seqlen, doc_lengths=None,
                         *options, **named_options):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
-    b, s, h, _ = q.shape
-    dq_pass, dkv_pass = world == 1 or k_all is not None, world == 1 or q_all is not None
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((q.shape[2] if sinks is not None else 0,), dtype=torch.float32))
 
-    def grad(shape, run):  # a pass not run returns empty tensors
-        return q.new_empty(shape if run else (0,))
 
-    return (grad(q.shape, dq_pass), grad((b, k.shape[1], *k.shape[2:]), dkv_pass),
-            grad((b, k.shape[1], *v.shape[2:]), dkv_pass),
-            q.new_empty((h if sinks is not None and dkv_pass else 0,), dtype=torch.float32))
+@torch.library.register_fake("cpattn::invariant_bwd_dq_part")
+def _invariant_bwd_dq_part_fake(dq_sum, dout, q, lse, shifted, k_part, v_part, *args,
+                                **named_options):
+    _check_same_device("dq_sum, q, k_part and v_part", dq_sum, q, k_part, v_part)
+
+
+@torch.library.register_fake("cpattn::invariant_bwd_dkv_part")
+def _invariant_bwd_dkv_part_fake(dk_sum, dv_sum, k, v, q_part, dout_part, *args,
+                                 **named_options):
+    _check_same_device("dk_sum, dv_sum, k, v and q_part", dk_sum, dv_sum, k, v, q_part)
+
+
+@torch.library.register_fake("cpattn::invariant_sink_bwd")
+def _invariant_sink_bwd_fake(lse_all, shifted_all, sinks, rank, world, layout, seqlen,
+                             doc_lengths=None):
+    return lse_all.new_empty((lse_all.shape[1],))
 
 
 @torch.library.register_fake("cpattn::invariant_partial")

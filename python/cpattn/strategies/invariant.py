@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+import torch.distributed as dist
+
 from cpattn import comm
 from cpattn._autograd import once_differentiable
 from cpattn._layout import LAYOUTS
@@ -28,14 +30,19 @@ def check_invariant_call(what: str, q: torch.Tensor) -> None:
                     f"emulation only), got q on {q.device}")
 
 
+def _padded(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> list:
+    """The lengths of the packed documents `docs` each padded to the layout's granularity (as
+    ring_attention_varlen shards them), or with docs None the sequence's: W `local` tokens."""
+    granularity = 2 * world if layout_code == LAYOUTS["zigzag"] else world
+    return [local * world] if docs is None else [-(-n // granularity) * granularity for n in docs]
+
+
 def _positions(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> list:
     """Per rank, the global position of each of its `local` tokens (the layout's rule:
     torch.ops.cpattn.layout_positions). docs: packed documents' lengths, each padded to the
     layout's granularity and sharded on its own (ring_attention_varlen), or None: one
     sequence."""
-    granularity = 2 * world if layout_code == LAYOUTS["zigzag"] else world
-    padded = [local * world] if docs is None else \
-        [-(-n // granularity) * granularity for n in docs]
+    padded = _padded(layout_code, world, local, docs)
     return [[g + p for g, n in zip(accumulate([0, *padded]), padded) if n
              for p in torch.ops.cpattn.layout_positions(n, world, r, layout_code).tolist()]
             for r in range(world)]
@@ -53,9 +60,7 @@ def _runs(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> tu
     key = (layout_code, world, local, docs)
     if key not in _RUNS:
         pos = _positions(layout_code, world, local, docs)
-        granularity = 2 * world if layout_code == LAYOUTS["zigzag"] else world
-        doc_starts = set() if docs is None else \
-            set(accumulate(-(-n // granularity) * granularity // world for n in docs))
+        doc_starts = set(accumulate(n // world for n in _padded(layout_code, world, local, docs)))
         cuts = sorted({i for p in pos for i in range(1, local) if p[i] != p[i - 1] + 1}
                       | (doc_starts - {0}) | {local})
         _RUNS[key] = tuple(tuple((b, e - b, p[b]) for b, e in zip([0, *cuts], cuts) if e > b)
@@ -133,6 +138,73 @@ def gather_global(t: torch.Tensor, dim: int, group, rank: int, world: int, layou
     return out.movedim(0, dim)
 
 
+def _invariant_chunk() -> int:
+    return torch.ops.cpattn.invariant_chunk()
+
+
+def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_code: int,
+                  docs: Optional[tuple] = None):
+    """Every rank's shards of `tensors` (their tokens along `dim`, as gather_global) in global
+    order, a part at a time: yields (begin, parts), the tokens [begin, begin + n) of each. Each
+    part starts a document (the sequence) or a multiple of invariant_chunk() tokens into it, so
+    the kernels' fixed-order sums continue across parts; it is at most a run of one rank's
+    shard plus fewer than invariant_chunk() tokens carried from the run before. Each run is
+    broadcast by its owner, the next one while the caller works on the current part. Compiled
+    (traced collectives have no broadcast): one part, every token (gather_global)."""
+    if torch.compiler.is_compiling():
+        yield 0, [gather_global(t, dim, group, rank, world, layout_code, docs) for t in tensors]
+        return
+    align = _invariant_chunk()
+    local = tensors[0].shape[dim]
+    sources = [t.movedim(dim, 0) for t in tensors]
+    runs = _runs(layout_code, world, local, docs)
+    order = sorted((g, r, b, n) for r in range(world) for b, n, g in runs[r])
+    doc_starts = list(accumulate([0, *_padded(layout_code, world, local, docs)]))[:-1]
+
+    def receive(run):  # start the owner's broadcast of one run of every tensor
+        _, owner, begin, n = run
+        bufs = [src.narrow(0, begin, n).contiguous() if owner == rank else
+                src.new_empty((n, *src.shape[1:])) for src in sources]
+        root = dist.get_global_rank(group, owner)
+        return bufs, [dist.broadcast(b, root, group=group, async_op=True) for b in bufs]
+
+    def as_parts(bufs):
+        return [b.movedim(0, dim) for b in bufs]
+
+    carry, carry_begin = None, 0
+    pending = receive(order[0])
+    for i, run in enumerate(order):
+        bufs, works = pending
+        if i + 1 < len(order):
+            pending = receive(order[i + 1])
+        for w in works:
+            w.wait()
+        begin = run[0]
+        if carry is not None and begin in doc_starts:  # a document ends with the carried tokens
+            yield carry_begin, as_parts(carry)
+            carry = None
+        if carry is None:
+            carry, carry_begin = bufs, begin
+        else:
+            carry = [torch.cat([c, b]) for c, b in zip(carry, bufs)]
+        doc_start = max(s for s in doc_starts if s <= carry_begin)
+        end = carry_begin + carry[0].shape[0]
+        cut = doc_start + (end - doc_start) // align * align
+        if cut > carry_begin:
+            yield carry_begin, as_parts([c[:cut - carry_begin] for c in carry])
+            carry = None if cut == end else [c[cut - carry_begin:] for c in carry]
+            carry_begin = cut
+    if carry is not None:
+        yield carry_begin, as_parts(carry)
+
+
+def _finished(grad_sum: torch.Tensor, softmax_scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """A streamed gradient's fp32 sum, scaled once and rounded to the gradient's dtype: the
+    multiply in fp32 (the scale rounded to fp32 first) and round to nearest even, as the kernels
+    write a whole call's gradients."""
+    return grad_sum.mul_(softmax_scale).to(dtype)
+
+
 class InvariantAttention(torch.autograd.Function):
     """apply(q, k, v, sinks, options, group, rank, world, layout_code, seqlen, group_size, docs):
     q (B, L, H, D), k / v (B, L, Hkv, D / Dv) this rank's shards (with one rank the whole
@@ -176,28 +248,44 @@ class InvariantAttention(torch.autograd.Function):
         def everyone(t, dim=1):  # every rank's tokens of a head group, in global order
             return gather_global(t, dim, group, rank, world, layout_code, lengths)
 
+        def streamed(tensors):  # every rank's tokens of a head group, a part at a time
+            return stream_global(tensors, 1, group, rank, world, layout_code, lengths)
+
         for qh, kh in passes:
             o = options.for_heads(qh)
-            dout_h, q_h, out_h, lse_h = (t.contiguous() for t in (dout[:, :, qh], q[:, :, qh],
-                                                                   out[:, :, qh], lse[:, qh]))
+            dout_h, q_h, out_h, lse_h, k_h, v_h = (
+                t.contiguous() for t in (dout[:, :, qh], q[:, :, qh], out[:, :, qh], lse[:, qh],
+                                         k[:, :, kh], v[:, :, kh]))
             dlse_h = None if dlse is None else dlse[:, qh].contiguous()
-            shifted = None  # the other ranks need dlse - rowsum(dout * out) of these rows, not out
-            if world > 1:
-                dot = torch.ops.cpattn.row_dot(dout_h, out_h)
-                shifted = -dot if dlse_h is None else dlse_h.float() - dot
-            mine = (dout_h, q_h, k[:, :, kh].contiguous(), v[:, :, kh].contiguous(), out_h,
-                    lse_h, dlse_h)
-            rest = (o.sinks, rank, world, layout_code, seqlen, docs)
             if world == 1:  # one call: dQ, dK and dV
                 dq_c, dk_c, dv_c, dsinks_c = torch.ops.cpattn.invariant_bwd(
-                    *mine, *([None] * 6), *rest, **o.op_kwargs())
-            else:  # the dQ pass, then (its gathered keys freed) the dK / dV pass
-                dq_c = torch.ops.cpattn.invariant_bwd(
-                    *mine, everyone(k[:, :, kh]), everyone(v[:, :, kh]), *([None] * 4), *rest,
-                    **o.op_kwargs())[0]
-                _, dk_c, dv_c, dsinks_c = torch.ops.cpattn.invariant_bwd(
-                    *mine, None, None, everyone(q_h), everyone(dout_h), everyone(lse_h, 2),
-                    everyone(shifted, 2), *rest, **o.op_kwargs())
+                    dout_h, q_h, k_h, v_h, out_h, lse_h, dlse_h, o.sinks, layout_code, seqlen,
+                    docs, **o.op_kwargs())
+            else:  # the same sums streamed: fp32 running sums, scaled and cast once at the end
+                rest = (rank, world, layout_code, seqlen, docs)
+                # dlse - rowsum(dout * out) of these rows: what the kernels need of out and
+                # dlse (here, and on the other ranks)
+                dot = torch.ops.cpattn.row_dot(dout_h, out_h)
+                shifted = -dot if dlse_h is None else dlse_h.float() - dot
+                dq_sum = torch.zeros(q_h.shape, dtype=torch.float32)
+                for begin, (k_part, v_part) in streamed([k_h, v_h]):
+                    torch.ops.cpattn.invariant_bwd_dq_part(
+                        dq_sum, dout_h, q_h, lse_h, shifted, k_part, v_part, begin, *rest,
+                        **o.op_kwargs())
+                dq_c = _finished(dq_sum, o.softmax_scale, q.dtype)
+                del dq_sum
+                lse_all, shifted_all = everyone(lse_h, 2), everyone(shifted, 2)
+                dk_sum = torch.zeros(k_h.shape, dtype=torch.float32)
+                dv_sum = torch.zeros(v_h.shape, dtype=torch.float32)
+                for begin, (q_part, dout_part) in streamed([q_h, dout_h]):
+                    n = q_part.shape[1]
+                    torch.ops.cpattn.invariant_bwd_dkv_part(
+                        dk_sum, dv_sum, k_h, v_h, q_part, dout_part,
+                        lse_all.narrow(2, begin, n), shifted_all.narrow(2, begin, n), begin,
+                        *rest, **o.op_kwargs())
+                dk_c, dv_c = _finished(dk_sum, o.softmax_scale, k.dtype), dv_sum.to(v.dtype)
+                dsinks_c = None if o.sinks is None else torch.ops.cpattn.invariant_sink_bwd(
+                    lse_all, shifted_all, o.sinks, *rest)
             if dsinks is not None:
                 dsinks[qh].copy_(dsinks_c)
             if len(passes) == 1:
