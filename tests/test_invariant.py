@@ -584,12 +584,12 @@ def test_streamed_part_not_on_a_chunk_boundary_raises() -> None:
     from cpattn._layout import LAYOUTS
 
     q, k, v = (torch.randn(1, 512, 2, 16) for _ in range(3))
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    lse = torch.zeros(1, 2, 100)
+    sums = [torch.zeros_like(t) for t in (q, k, v)]
+    lse = torch.zeros(1, 2, 512)
+    parts = [t[:, :100] for t in (q, q, k, v)] + [lse[..., :100]] * 2
     with pytest.raises(RuntimeError, match="multiple of"):
-        torch.ops.cpattn.invariant_bwd_dkv_part(dk, dv, k, v, q[:, :100], q[:, :100], lse, lse,
-                                                100, 0, 2, LAYOUTS["contiguous"], 1024,
-                                                softmax_scale=0.25)
+        torch.ops.cpattn.invariant_bwd_part(*sums, q, q, k, v, lse, lse, *parts, 100, 0, 2,
+                                            LAYOUTS["contiguous"], 1024, softmax_scale=0.25)
 
 
 def _compiled(rank: int, world: int) -> None:

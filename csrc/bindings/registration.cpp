@@ -64,8 +64,8 @@ TORCH_LIBRARY(cpattn, m) {
       "(Tensor dq, Tensor dkv_all)"));
   // Invariant mode (ops/invariant.cpp): what one process computes for this rank's rows and keys.
   // The forward from k, v of every rank in global order; the backward of one process, or over W
-  // ranks streamed into fp32 running sums: a part of every rank's keys at a time (dQ), of every
-  // rank's queries (dK, dV); the sinks' gradient from every rank's lse and dlse - row_dot.
+  // ranks streamed into fp32 running sums, a part of every rank's tokens at a time; the sinks'
+  // gradient from every rank's lse and dlse - row_dot.
   m.def(with_options(
       "invariant_fwd(Tensor q, Tensor k, Tensor v, int rank, int world, int layout, int seqlen, "
       "Tensor? doc_lengths=None, Tensor? sinks=None",
@@ -75,14 +75,10 @@ TORCH_LIBRARY(cpattn, m) {
       "Tensor? dlse, Tensor? sinks, int layout, int seqlen, Tensor? doc_lengths=None",
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)"));
   m.def(with_options(
-      "invariant_bwd_dq_part(Tensor(a!) dq_sum, Tensor dout, Tensor q, Tensor lse, "
-      "Tensor shifted, Tensor k_part, Tensor v_part, int part_begin, int rank, int world, "
-      "int layout, int seqlen, Tensor? doc_lengths=None",
-      "()"));
-  m.def(with_options(
-      "invariant_bwd_dkv_part(Tensor(a!) dk_sum, Tensor(b!) dv_sum, Tensor k, Tensor v, "
-      "Tensor q_part, Tensor dout_part, Tensor lse_part, Tensor shifted_part, int part_begin, "
-      "int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None",
+      "invariant_bwd_part(Tensor(a!) dq_sum, Tensor(b!) dk_sum, Tensor(c!) dv_sum, Tensor dout, "
+      "Tensor q, Tensor k, Tensor v, Tensor lse, Tensor shifted, Tensor dout_part, "
+      "Tensor q_part, Tensor k_part, Tensor v_part, Tensor lse_part, Tensor shifted_part, "
+      "int part_begin, int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None",
       "()"));
   m.def(
       "invariant_sink_bwd(Tensor lse_all, Tensor shifted_all, Tensor sinks, int rank, int world, "

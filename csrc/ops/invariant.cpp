@@ -6,7 +6,8 @@
 // documents) into tiles from key 0 and merges the tiles' partial results by the tile tree
 // (cpattn/invariant.h); the kernels treat every query row alike. The backward runs with
 // AttnShape::fixed_order (one key split, query chunks of a fixed size from row 0) and needs only
-// the final out and lse. Contiguous and zigzag shards are runs of consecutive positions, which the
+// the final out and lse; over W ranks its operands stream in global order, a part at a time, into
+// fp32 running sums that the kernels continue. Contiguous and zigzag shards are runs of consecutive positions, which the
 // kernels' offsets express; striped shards are moved to the contiguous layout before (Relayout).
 // The same tiles serve a KV cache sharded in blocks of whole tiles (invariant_partial,
 // invariant_merge: python/cpattn/inference.py). docs/invariance.md.
@@ -257,8 +258,7 @@ at::Tensor invariant_sink_bwd(const at::Tensor& lse_all, const at::Tensor& shift
 // One process: dq, dk, dv of every row and key (k, v every key; q's rows may be fewer, bottom-right
 // aligned without documents) in the inputs' dtypes, padding rows and keys 0; and with sinks their
 // gradient (H,) fp32 (else an empty tensor). Each document's rows against its keys in one call
-// (AttnShape::fixed_order); over W ranks the same sums are streamed (invariant_bwd_dq_part,
-// invariant_bwd_dkv_part).
+// (AttnShape::fixed_order); over W ranks the same sums are streamed (invariant_bwd_part).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
@@ -335,85 +335,97 @@ void check_running_sum(const char* fn, const char* what, const at::Tensor& sum,
               " contiguous in head_dim, got ", sum.scalar_type(), " ", sum.sizes());
 }
 
-// The dQ pass over W ranks, one part of the keys: adds to dq_sum (B, L, H, D) fp32, unscaled,
-// the terms of this rank's rows (dout, q, lse its shards; shifted (B, H, L) = dlse - rowsum(dout *
-// out), as invariant_bwd_dkv_part's) against keys k_part, v_part (B, N, Hkv, D / Dv), tokens
-// [part_begin, part_begin + N) of global order (every rank's shards; with documents, each padded
-// as ring_attention_varlen shards them). Called with the parts in global order, each starting a
-// document or a multiple of kInvariantChunk into it, from zeros: dq_sum * softmax_scale is then
-// exactly what one process computes for these rows.
-void invariant_bwd_dq_part(const at::Tensor& dq_sum, const at::Tensor& dout, const at::Tensor& q,
-                           const at::Tensor& lse, const at::Tensor& shifted,
-                           const at::Tensor& k_part,
-                           const at::Tensor& v_part, int64_t part_begin, int64_t rank,
-                           int64_t world, int64_t layout, int64_t seqlen,
-                           const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
-  constexpr const char* fn = "invariant_bwd_dq_part";
-  const int64_t keys = q.size(1) * world;
-  const InvariantCall c = check_invariant_args(fn, q, k_part, v_part, q.size(1), keys, rank, world,
-                                               layout, seqlen, doc_lengths, CPATTN_OPTIONS);
-  TORCH_CHECK(part_begin >= 0 && part_begin + k_part.size(1) <= keys, "cpattn.", fn,
-              ": the part [", part_begin, ", ", part_begin + k_part.size(1),
-              ") lies outside the sequence's ", keys, " tokens");
+// The backward over W ranks, one part of every rank's tokens: adds to dq_sum (B, L, H, D),
+// dk_sum and dv_sum (B, L, Hkv, D / Dv), fp32 and unscaled, the terms of this rank's rows against
+// the part's keys (dQ) and of the part's rows against this rank's keys (dK, dV). This rank's
+// shards: dout, q, k, v, lse and shifted (B, H, L) = dlse - rowsum(dout * out) (op row_dot; the
+// backward's delta - dlse is -shifted). The part: tokens [part_begin, part_begin + N) of global
+// order (every rank's shards; with documents, each padded as ring_attention_varlen shards them),
+// dout_part, q_part, k_part, v_part (B, N, heads, ...), lse_part and shifted_part (B, H, N).
+// Called with the parts in global order, each starting a document or a multiple of
+// kInvariantChunk into it, from zeros: dq_sum * softmax_scale, dk_sum * softmax_scale and dv_sum
+// are then exactly what one process computes for these rows and keys (dQ sums its terms over the
+// keys in order, dK and dV over the query chunks in order; splitting the rows (dQ) or the keys
+// (dK, dV) anywhere changes no sum). Where the part's tokens are this rank's own, its rows against
+// its keys give dQ, dK and dV in one kernel call, computing P and dP once instead of twice.
+void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
+                        const at::Tensor& dv_sum, const at::Tensor& dout, const at::Tensor& q,
+                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
+                        const at::Tensor& shifted, const at::Tensor& dout_part,
+                        const at::Tensor& q_part, const at::Tensor& k_part,
+                        const at::Tensor& v_part, const at::Tensor& lse_part,
+                        const at::Tensor& shifted_part, int64_t part_begin, int64_t rank,
+                        int64_t world, int64_t layout, int64_t seqlen,
+                        const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
+  constexpr const char* fn = "invariant_bwd_part";
+  const int64_t local = q.size(1), keys = local * world, n = q_part.size(1);
+  const InvariantCall c = check_invariant_args(fn, q, k, v, local, keys, rank, world, layout,
+                                               seqlen, doc_lengths, CPATTN_OPTIONS);
+  check_invariant_args(fn, q_part, k_part, v_part, local, keys, rank, world, layout, seqlen,
+                       doc_lengths, CPATTN_OPTIONS);
+  TORCH_CHECK(k.size(1) == local && k_part.size(1) == n && part_begin >= 0 &&
+                  part_begin + n <= keys,
+              "cpattn.", fn, ": k, v must be this rank's shard of ", local,
+              " tokens and the part [", part_begin, ", ", part_begin + n,
+              ") of q_part, k_part, v_part tokens of the sequence's ", keys, ", got ", k.size(1),
+              " and ", k_part.size(1));
   check_running_sum(fn, "dq_sum", dq_sum, q);
-  for (const Piece& p : c.pieces) {
-    const PartInDoc part = part_in_doc(fn, p, part_begin, k_part.size(1));
-    if (part.length == 0) continue;
-    const auto mine = [&](const at::Tensor& t, int64_t dim) {
-      return t.narrow(dim, p.rows.local_begin, p.rows.length);
-    };
-    Mask m = p.mask;
-    m.k_offset = part.doc_offset;
-    if (m.classify(0, p.rows.length, 0, part.length) == BlockKind::kEmpty) continue;
-    attention_bwd_add_scored(mine(dq_sum, 1), at::Tensor(), at::Tensor(), mine(dout, 1),
-                             mine(q, 1), k_part.narrow(1, part.part_offset, part.length),
-                             v_part.narrow(1, part.part_offset, part.length), at::Tensor(),
-                             mine(lse, 2).contiguous(), softmax_scale, m,
-                             fixed_order_score(c.options, m, std::nullopt),
-                             mine(shifted, 2).contiguous());
-  }
-}
-
-// The dK / dV pass over W ranks, one part of the queries: adds to dk_sum and dv_sum
-// (B, L, Hkv, D / Dv) fp32, unscaled, the terms of this rank's keys k, v (its shards) against
-// query rows q_part, dout_part (B, N, H, D / Dv), lse_part and shifted_part (B, H, N): tokens
-// [part_begin, part_begin + N) of global order, shifted = dlse - rowsum(dout * out) (op row_dot;
-// the backward's delta - dlse is -shifted). Called with the parts in global order, each starting
-// a document or a multiple of kInvariantChunk into it, from zeros: dk_sum * softmax_scale and
-// dv_sum are then exactly what one process computes for these keys.
-void invariant_bwd_dkv_part(const at::Tensor& dk_sum, const at::Tensor& dv_sum, const at::Tensor& k,
-                            const at::Tensor& v, const at::Tensor& q_part,
-                            const at::Tensor& dout_part, const at::Tensor& lse_part,
-                            const at::Tensor& shifted_part, int64_t part_begin, int64_t rank,
-                            int64_t world, int64_t layout, int64_t seqlen,
-                            const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
-  constexpr const char* fn = "invariant_bwd_dkv_part";
-  const int64_t keys = k.size(1) * world;
-  const InvariantCall c = check_invariant_args(fn, q_part, k, v, k.size(1), keys, rank, world,
-                                               layout, seqlen, doc_lengths, CPATTN_OPTIONS);
-  TORCH_CHECK(part_begin >= 0 && part_begin + q_part.size(1) <= keys, "cpattn.", fn,
-              ": the part [", part_begin, ", ", part_begin + q_part.size(1),
-              ") lies outside the sequence's ", keys, " tokens");
   check_running_sum(fn, "dk_sum", dk_sum, k);
   check_running_sum(fn, "dv_sum", dv_sum, v);
+  const at::Tensor none;
   for (const Piece& p : c.pieces) {
-    const PartInDoc part = part_in_doc(fn, p, part_begin, q_part.size(1));
+    const PartInDoc part = part_in_doc(fn, p, part_begin, n);
     if (part.length == 0) continue;
-    const auto mine = [&](const at::Tensor& t) {
-      return t.narrow(1, p.rows.local_begin, p.rows.length);
+    // Positions inside the document: the piece's tokens [a, b), the part's [s0, s1).
+    const int64_t a = p.rows.global_begin, b = a + p.rows.length;
+    const int64_t s0 = part.doc_offset, s1 = s0 + part.length;
+    const auto mine = [&](const at::Tensor& t, int64_t dim, int64_t x, int64_t y) {
+      return t.narrow(dim, p.rows.local_begin + x - a, y - x);
     };
-    const auto rows = [&](const at::Tensor& t, int64_t dim) {
+    const auto parts = [&](const at::Tensor& t, int64_t dim) {
       return t.narrow(dim, part.part_offset, part.length);
     };
-    Mask m = p.mask;  // the part's queries of the document against these keys
-    m.q_offset = part.doc_offset;
-    m.k_offset = p.rows.global_begin;
-    if (m.classify(0, part.length, 0, p.rows.length) == BlockKind::kEmpty) continue;
-    attention_bwd_add_scored(at::Tensor(), mine(dk_sum), mine(dv_sum), rows(dout_part, 1),
-                             rows(q_part, 1), mine(k), mine(v), at::Tensor(),
-                             rows(lse_part, 2).contiguous(), softmax_scale, m,
-                             fixed_order_score(c.options, m, std::nullopt),
-                             rows(shifted_part, 2).contiguous());
+    // Adds the terms of rows at positions q0.. against keys at k0.. (gradients undefined: not
+    // wanted); nothing where no row sees a key.
+    const auto add = [&](const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                         const at::Tensor& dout_r, const at::Tensor& q_r, const at::Tensor& lse_r,
+                         const at::Tensor& shifted_r, int64_t q0, const at::Tensor& k_c,
+                         const at::Tensor& v_c, int64_t k0) {
+      Mask m = p.mask;
+      m.q_offset = q0;
+      m.k_offset = k0;
+      if (q_r.size(1) == 0 || k_c.size(1) == 0 ||
+          m.classify(0, q_r.size(1), 0, k_c.size(1)) == BlockKind::kEmpty)
+        return;
+      attention_bwd_add_scored(dq, dk, dv, dout_r, q_r, k_c, v_c, at::Tensor(), lse_r.contiguous(),
+                               softmax_scale, m, fixed_order_score(c.options, m, std::nullopt),
+                               shifted_r.contiguous());
+    };
+    // This piece's rows [x, y) against the part's keys: dQ.
+    const auto dq_terms = [&](int64_t x, int64_t y) {
+      add(mine(dq_sum, 1, x, y), none, none, mine(dout, 1, x, y), mine(q, 1, x, y),
+          mine(lse, 2, x, y), mine(shifted, 2, x, y), x, parts(k_part, 1), parts(v_part, 1), s0);
+    };
+    // The part's rows against this piece's keys [x, y): dK, dV.
+    const auto dkv_terms = [&](int64_t x, int64_t y) {
+      add(none, mine(dk_sum, 1, x, y), mine(dv_sum, 1, x, y), parts(dout_part, 1),
+          parts(q_part, 1), parts(lse_part, 2), parts(shifted_part, 2), s0, mine(k, 1, x, y),
+          mine(v, 1, x, y), x);
+    };
+    if (s0 < a || b < s1) {  // the part is not (only) this piece's
+      dq_terms(a, b);
+      dkv_terms(a, b);
+      continue;
+    }
+    // The part's tokens are this piece's: their rows against their keys once for all three
+    // gradients, then the piece's other rows against them and them against its other keys.
+    add(mine(dq_sum, 1, s0, s1), mine(dk_sum, 1, s0, s1), mine(dv_sum, 1, s0, s1),
+        mine(dout, 1, s0, s1), mine(q, 1, s0, s1), mine(lse, 2, s0, s1), mine(shifted, 2, s0, s1),
+        s0, mine(k, 1, s0, s1), mine(v, 1, s0, s1), s0);
+    for (const auto& [x, y] : {std::pair(a, s0), std::pair(s1, b)}) {
+      dq_terms(x, y);
+      dkv_terms(x, y);
+    }
   }
 }
 
@@ -481,8 +493,7 @@ std::tuple<at::Tensor, at::Tensor> invariant_merge(const at::Tensor& outs, const
 void impl_invariant_ops(torch::Library& m) {
   m.impl("invariant_fwd", &invariant_fwd);
   m.impl("invariant_bwd", &invariant_bwd);
-  m.impl("invariant_bwd_dq_part", &invariant_bwd_dq_part);
-  m.impl("invariant_bwd_dkv_part", &invariant_bwd_dkv_part);
+  m.impl("invariant_bwd_part", &invariant_bwd_part);
   m.impl("invariant_sink_bwd", &invariant_sink_bwd);
   m.impl("invariant_partial", &invariant_partial);
   m.impl("invariant_merge", &invariant_merge);

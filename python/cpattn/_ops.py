@@ -159,16 +159,11 @@ def _invariant_bwd_fake(dout, q, k, v, out, lse, dlse, sinks, layout, seqlen, do
             q.new_empty((q.shape[2] if sinks is not None else 0,), dtype=torch.float32))
 
 
-@torch.library.register_fake("cpattn::invariant_bwd_dq_part")
-def _invariant_bwd_dq_part_fake(dq_sum, dout, q, lse, shifted, k_part, v_part, *args,
-                                **named_options):
-    _check_same_device("dq_sum, q, k_part and v_part", dq_sum, q, k_part, v_part)
-
-
-@torch.library.register_fake("cpattn::invariant_bwd_dkv_part")
-def _invariant_bwd_dkv_part_fake(dk_sum, dv_sum, k, v, q_part, dout_part, *args,
-                                 **named_options):
-    _check_same_device("dk_sum, dv_sum, k, v and q_part", dk_sum, dv_sum, k, v, q_part)
+@torch.library.register_fake("cpattn::invariant_bwd_part")
+def _invariant_bwd_part_fake(dq_sum, dk_sum, dv_sum, dout, q, k, v, lse, shifted, dout_part,
+                             q_part, k_part, v_part, *args, **named_options):
+    _check_same_device("the sums, q, k, v and the parts", dq_sum, dk_sum, dv_sum, q, k, v,
+                       q_part, k_part, v_part)
 
 
 @torch.library.register_fake("cpattn::invariant_sink_bwd")

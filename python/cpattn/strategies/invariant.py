@@ -2,10 +2,11 @@
 ranks, the layout and the strategy. Each rank computes exactly what one process computes for its
 own query rows (out, lse, dQ) and its own keys (dK, dV), in kernel calls whose sums run in an
 order fixed by global positions (csrc/ops/invariant.cpp, csrc/include/cpattn/invariant.h). The
-forward gathers every rank's K and V; the backward runs a dQ pass over every rank's K and V, then
-a dK / dV pass over every rank's q, dout, lse and dlse - rowsum(dout * out); all a head group at a
-time (as the all-gather strategy), so the memory per rank stays bounded. Striped shards are moved
-to the contiguous layout first. cpattn.attention(invariant=True) is the same computation over one
+forward gathers every rank's K and V of a head group at a time (as the all-gather strategy); the
+backward runs a dQ pass over every rank's K and V, then a dK / dV pass over every rank's q, dout,
+lse and dlse - rowsum(dout * out), streamed a part at a time in global order into fp32 running
+sums, so that its memory per rank does not grow with W. Striped shards are moved to the
+contiguous layout first. cpattn.attention(invariant=True) is the same computation over one
 rank: the reference. docs/invariance.md."""
 
 from itertools import accumulate
@@ -267,22 +268,16 @@ class InvariantAttention(torch.autograd.Function):
                 # dlse (here, and on the other ranks)
                 dot = torch.ops.cpattn.row_dot(dout_h, out_h)
                 shifted = -dot if dlse_h is None else dlse_h.float() - dot
-                dq_sum = torch.zeros(q_h.shape, dtype=torch.float32)
-                for begin, (k_part, v_part) in streamed([k_h, v_h]):
-                    torch.ops.cpattn.invariant_bwd_dq_part(
-                        dq_sum, dout_h, q_h, lse_h, shifted, k_part, v_part, begin, *rest,
-                        **o.op_kwargs())
-                dq_c = _finished(dq_sum, o.softmax_scale, q.dtype)
-                del dq_sum
                 lse_all, shifted_all = everyone(lse_h, 2), everyone(shifted, 2)
-                dk_sum = torch.zeros(k_h.shape, dtype=torch.float32)
-                dv_sum = torch.zeros(v_h.shape, dtype=torch.float32)
-                for begin, (q_part, dout_part) in streamed([q_h, dout_h]):
-                    n = q_part.shape[1]
-                    torch.ops.cpattn.invariant_bwd_dkv_part(
-                        dk_sum, dv_sum, k_h, v_h, q_part, dout_part,
-                        lse_all.narrow(2, begin, n), shifted_all.narrow(2, begin, n), begin,
-                        *rest, **o.op_kwargs())
+                dq_sum, dk_sum, dv_sum = (torch.zeros(t.shape, dtype=torch.float32)
+                                          for t in (q_h, k_h, v_h))
+                mine = (dout_h, q_h, k_h, v_h, lse_h, shifted)
+                for begin, parts in streamed([dout_h, q_h, k_h, v_h]):
+                    n = parts[0].shape[1]
+                    torch.ops.cpattn.invariant_bwd_part(
+                        dq_sum, dk_sum, dv_sum, *mine, *parts, lse_all.narrow(2, begin, n),
+                        shifted_all.narrow(2, begin, n), begin, *rest, **o.op_kwargs())
+                dq_c = _finished(dq_sum, o.softmax_scale, q.dtype)
                 dk_c, dv_c = _finished(dk_sum, o.softmax_scale, k.dtype), dv_sum.to(v.dtype)
                 dsinks_c = None if o.sinks is None else torch.ops.cpattn.invariant_sink_bwd(
                     lse_all, shifted_all, o.sinks, *rest)
