@@ -673,8 +673,9 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
 // call continues: each chunk's dQ starts from dq's rows, each chunk's dK / dV part is added to
 // the sums, and nothing is scaled. So calls over consecutive parts of the keys (dQ) or of the
 // queries (dK, dV), each starting at a multiple of kFixedChunkRows (a multiple of kBlockK) from
-// the first, give exactly the sums of one call; the caller scales once at the end (invariant
-// mode's streamed backward: ops/invariant.cpp).
+// the first, give exactly the sums of one call (the rows of dQ and the keys of dK / dV may be
+// split anywhere: each row's, each key's sum is its own); the caller scales once at the end
+// (invariant mode's streamed backward: ops/invariant.cpp).
 template <typename T, typename Scratch, typename Pack, typename KeyBlock>
 inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
   const AttnShape& sh = p.shape;

@@ -290,7 +290,8 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
                                  dp, s.k_rows.get());
   const uint16_t* v = block_rows(p.v16 + b * vs.batch + c0 * vs.seq + hk * vs.head, vs.seq, cols,
                                  dvp, s.v_rows.get());
-  const uint16_t* k_pairs = p.k16_pairs + ((b * sh.kv_heads + hk) * key_pairs + c0 / 2) * dp * 2;
+  const uint16_t* k_pairs =  // none without dQ
+      p.k16_pairs ? p.k16_pairs + ((b * sh.kv_heads + hk) * key_pairs + c0 / 2) * dp * 2 : nullptr;
   std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
   std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
   alignas(64) float reference[kBlockQ], delta[kBlockQ];

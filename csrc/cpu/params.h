@@ -53,7 +53,7 @@ struct BwdParams : AttnScoring {  // score.sinks unused: the sink is already in 
   // given, strides q16_strides and dout16_strides; k16 (B, Sk, Hkv, Dp) and v16 (B, Sk, Hkv,
   // Dvp) by strides k16_strides and v16_strides (the caller's tensors when D = Dp, else copies
   // zero beyond D), and K again with key pairs interleaved, k16_pairs (B, Hkv, ceil(Sk / 2),
-  // Dp, 2), for dQ = dS K.
+  // Dp, 2), for dQ = dS K (none without dQ).
   const uint16_t* q16 = nullptr;
   BshdStrides q16_strides;
   const uint16_t* dout16 = nullptr;

@@ -239,7 +239,7 @@ void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tens
       // when D = Dp.
       kp = operand(kv_heads(k), dp, at::kBFloat16);
       vp = operand(kv_heads(v), dvp, at::kBFloat16);
-      k_pairs = pair_keys(kv_heads(k), dp);
+      if (dq.defined()) k_pairs = pair_keys(kv_heads(k), dp);  // for dQ = dS K only
       p.q16 = bf16_data(q_g);
       p.q16_strides = strides_of(q_g);
       p.dout16 = bf16_data(dout_g);
@@ -248,7 +248,7 @@ void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tens
       p.v16 = bf16_data(vp);
       p.k16_strides = strides_of(kp);
       p.v16_strides = strides_of(vp);
-      p.k16_pairs = bf16_data(k_pairs);
+      p.k16_pairs = dq.defined() ? bf16_data(k_pairs) : nullptr;
     } else {
       qp = operand(q_g, dp);
       kp = operand(kv_heads(k), dp);
