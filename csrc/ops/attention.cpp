@@ -238,8 +238,8 @@ void attention_bwd_add_scored(const at::Tensor& dq, const at::Tensor& dk, const 
   }
   const auto [dq_part, dk_part, dv_part] =
       backend.bwd(dout, q, k, v, out, lse, dlse, s, softmax_scale, mask, score, at::kFloat);
-  for (const auto& [target, part] : {std::pair(dq, dq_part), std::pair(dk, dk_part),
-                                     std::pair(dv, dv_part)})
+  for (const auto& [target, part] :
+       {std::pair(dq, dq_part), std::pair(dk, dk_part), std::pair(dv, dv_part)})
     if (target.defined()) target.add_(part);
 }
 

@@ -7,10 +7,10 @@
 // (cpattn/invariant.h); the kernels treat every query row alike. The backward runs with
 // AttnShape::fixed_order (one key split, query chunks of a fixed size from row 0) and needs only
 // the final out and lse; over W ranks its operands stream in global order, a part at a time, into
-// fp32 running sums that the kernels continue. Contiguous and zigzag shards are runs of consecutive positions, which the
-// kernels' offsets express; striped shards are moved to the contiguous layout before (Relayout).
-// The same tiles serve a KV cache sharded in blocks of whole tiles (invariant_partial,
-// invariant_merge: python/cpattn/inference.py). docs/invariance.md.
+// fp32 running sums that the kernels continue. Contiguous and zigzag shards are runs of consecutive
+// positions, which the kernels' offsets express; striped shards are moved to the contiguous layout
+// before (Relayout). The same tiles serve a KV cache sharded in blocks of whole tiles
+// (invariant_partial, invariant_merge: python/cpattn/inference.py). docs/invariance.md.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -272,7 +272,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
   const bool whole = c.pieces.size() == 1 && c.pieces[0].rows.length == q.size(1) &&
                      c.pieces[0].doc_length == k.size(1);
   at::Tensor dq, dk, dv;
-  if (!whole) std::tie(dq, dk, dv) = std::tuple(at::zeros_like(q), at::zeros_like(k), at::zeros_like(v));
+  if (!whole)
+    std::tie(dq, dk, dv) = std::tuple(at::zeros_like(q), at::zeros_like(k), at::zeros_like(v));
   // all's tokens [begin, begin + part's) are part
   const auto put = [&](at::Tensor& all, const at::Tensor& part, int64_t begin) {
     if (whole)
@@ -326,7 +327,7 @@ PartInDoc part_in_doc(const char* fn, const Piece& p, int64_t begin, int64_t n) 
   return {first - begin, first - p.doc_begin, last - first};
 }
 
-// A running fp32 sum the streamed backward adds into: `like`'s shape with `dim` columns, float32.
+// A running fp32 sum the streamed backward adds into: `like`'s shape, float32, contiguous in D.
 void check_running_sum(const char* fn, const char* what, const at::Tensor& sum,
                        const at::Tensor& like) {
   TORCH_CHECK(sum.scalar_type() == at::kFloat && sum.sizes() == like.sizes() &&
@@ -363,12 +364,11 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
                                                seqlen, doc_lengths, CPATTN_OPTIONS);
   check_invariant_args(fn, q_part, k_part, v_part, local, keys, rank, world, layout, seqlen,
                        doc_lengths, CPATTN_OPTIONS);
-  TORCH_CHECK(k.size(1) == local && k_part.size(1) == n && part_begin >= 0 &&
-                  part_begin + n <= keys,
-              "cpattn.", fn, ": k, v must be this rank's shard of ", local,
-              " tokens and the part [", part_begin, ", ", part_begin + n,
-              ") of q_part, k_part, v_part tokens of the sequence's ", keys, ", got ", k.size(1),
-              " and ", k_part.size(1));
+  TORCH_CHECK(
+      k.size(1) == local && k_part.size(1) == n && part_begin >= 0 && part_begin + n <= keys,
+      "cpattn.", fn, ": k, v must be this rank's shard of ", local, " tokens and the part [",
+      part_begin, ", ", part_begin + n, ") of q_part, k_part, v_part tokens of the sequence's ",
+      keys, ", got ", k.size(1), " and ", k_part.size(1));
   check_running_sum(fn, "dq_sum", dq_sum, q);
   check_running_sum(fn, "dk_sum", dk_sum, k);
   check_running_sum(fn, "dv_sum", dv_sum, v);
@@ -408,9 +408,8 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
     };
     // The part's rows against this piece's keys [x, y): dK, dV.
     const auto dkv_terms = [&](int64_t x, int64_t y) {
-      add(none, mine(dk_sum, 1, x, y), mine(dv_sum, 1, x, y), parts(dout_part, 1),
-          parts(q_part, 1), parts(lse_part, 2), parts(shifted_part, 2), s0, mine(k, 1, x, y),
-          mine(v, 1, x, y), x);
+      add(none, mine(dk_sum, 1, x, y), mine(dv_sum, 1, x, y), parts(dout_part, 1), parts(q_part, 1),
+          parts(lse_part, 2), parts(shifted_part, 2), s0, mine(k, 1, x, y), mine(v, 1, x, y), x);
     };
     if (s0 < a || b < s1) {  // the part is not (only) this piece's
       dq_terms(a, b);

@@ -13,7 +13,6 @@ from itertools import accumulate
 from typing import Optional
 
 import torch
-
 import torch.distributed as dist
 
 from cpattn import comm
