@@ -2,11 +2,12 @@
 ranks, the layout and the strategy. Each rank computes exactly what one process computes for its
 own query rows (out, lse, dQ) and its own keys (dK, dV), in kernel calls whose sums run in an
 order fixed by global positions (csrc/ops/invariant.cpp, csrc/include/cpattn/invariant.h). The
-forward gathers every rank's K and V of a head group at a time (as the all-gather strategy); the
-backward runs a dQ pass over every rank's K and V, then a dK / dV pass over every rank's q, dout,
-lse and dlse - rowsum(dout * out), streamed a part at a time in global order into fp32 running
-sums, so that its memory per rank does not grow with W. Striped shards are moved to the
-contiguous layout first. cpattn.attention(invariant=True) is the same computation over one
+forward gathers every rank's K and V of a head group at a time (as the all-gather strategy). The
+backward streams every rank's dout, q, K and V a part at a time in global order (with every
+rank's lse and dlse - rowsum(dout * out), gathered) and adds this rank's rows against each part's
+keys (dQ) and each part's rows against this rank's keys (dK, dV) to fp32 running sums, so that
+its memory per rank does not grow with W. Striped shards are moved to the contiguous layout
+first. cpattn.attention(invariant=True) is the same computation over one
 rank: the reference. docs/invariance.md."""
 
 from itertools import accumulate
@@ -138,10 +139,6 @@ def gather_global(t: torch.Tensor, dim: int, group, rank: int, world: int, layou
     return out.movedim(0, dim)
 
 
-def _invariant_chunk() -> int:
-    return torch.ops.cpattn.invariant_chunk()
-
-
 def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_code: int,
                   docs: Optional[tuple] = None):
     """Every rank's shards of `tensors` (their tokens along `dim`, as gather_global) in global
@@ -154,7 +151,7 @@ def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_
     if torch.compiler.is_compiling():
         yield 0, [gather_global(t, dim, group, rank, world, layout_code, docs) for t in tensors]
         return
-    align = _invariant_chunk()
+    align = torch.ops.cpattn.invariant_chunk()
     local = tensors[0].shape[dim]
     sources = [t.movedim(dim, 0) for t in tensors]
     runs = _runs(layout_code, world, local, docs)
@@ -268,7 +265,7 @@ class InvariantAttention(torch.autograd.Function):
                 dot = torch.ops.cpattn.row_dot(dout_h, out_h)
                 shifted = -dot if dlse_h is None else dlse_h.float() - dot
                 lse_all, shifted_all = everyone(lse_h, 2), everyone(shifted, 2)
-                dq_sum, dk_sum, dv_sum = (torch.zeros(t.shape, dtype=torch.float32)
+                dq_sum, dk_sum, dv_sum = (torch.zeros_like(t, dtype=torch.float32)
                                           for t in (q_h, k_h, v_h))
                 mine = (dout_h, q_h, k_h, v_h, lse_h, shifted)
                 for begin, parts in streamed([dout_h, q_h, k_h, v_h]):
