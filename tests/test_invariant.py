@@ -554,13 +554,19 @@ def test_tile_tree_blocks_merge_like_tiles() -> None:
 def _streamed_parts(rank: int, world: int) -> None:
     """The backward's streamed parts: in global order they are gather_global's tokens, and each
     starts a document or a multiple of invariant_chunk() into it (where the kernels' sums can
-    continue), with runs that do and do not end at such a multiple."""
+    continue), with runs that do and do not end at such a multiple, broadcast whole or in pieces
+    of one chunk; and with such pieces the results stay bitwise those of one process."""
     from cpattn._layout import LAYOUTS
+    from cpattn.strategies import invariant
     from cpattn.strategies.invariant import _padded, gather_global, stream_global
 
     chunk = torch.ops.cpattn.invariant_chunk()
     group = dist.group.WORLD
-    for layout, docs in (("zigzag", None), ("contiguous", None), ("zigzag", (700, 5, 901))):
+    cases = [(layout, docs, piece_bytes) for piece_bytes in (invariant._STREAM_BYTES, 1)
+             for layout, docs in (("zigzag", None), ("contiguous", None),
+                                  ("zigzag", (700, 5, 901)))]
+    for layout, docs, piece_bytes in cases:
+        invariant._STREAM_BYTES = piece_bytes
         code = LAYOUTS[layout]
         local = 2 * 3 * 100 if docs is None else sum(_padded(code, world, 0, docs)) // world
         t = torch.randn(2, local, 3, 4) + rank
@@ -572,6 +578,8 @@ def _streamed_parts(rank: int, world: int) -> None:
             assert (begin - max(s for s in starts if s <= begin)) % chunk == 0
             end = begin + part.shape[1]
         assert end == whole.shape[1]
+    invariant._STREAM_BYTES = 1  # runs of 500 tokens broadcast in pieces of 256 and 244
+    _check(rank, world, ("zigzag",), ("ring",), ("all",), (torch.float32,), 3000)
 
 
 def test_streamed_parts_cover_the_sequence_in_order() -> None:
