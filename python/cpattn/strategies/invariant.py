@@ -139,8 +139,9 @@ def gather_global(t: torch.Tensor, dim: int, group, rank: int, world: int, layou
     return out.movedim(0, dim)
 
 
-# Bytes per broadcast of stream_global: two pieces in flight bound its memory.
-_STREAM_BYTES = 1 << 20
+# Bytes (of all the tensors) per piece of stream_global: two pieces in flight bound its memory.
+# Fewer, larger pieces cost less: each part's kernel calls pack this rank's rows again.
+_STREAM_BYTES = 8 << 20
 
 
 def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_code: int,
@@ -148,10 +149,10 @@ def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_
     """Every rank's shards of `tensors` (their tokens along `dim`, as gather_global) in global
     order, a part at a time: yields (begin, parts), the tokens [begin, begin + n) of each. Each
     part starts a document (the sequence) or a multiple of invariant_chunk() tokens into it, so
-    the kernels' fixed-order sums continue across parts; it is at most a run of one rank's
-    shard plus fewer than invariant_chunk() tokens carried from the run before. Each run of all
-    the tensors is broadcast by its owner (their tokens' bytes side by side) in pieces of about
-    _STREAM_BYTES, the next one while the caller works on the current part. Compiled
+    the kernels' fixed-order sums continue across parts; it is at most one piece of a rank's
+    run plus fewer than invariant_chunk() tokens carried from the piece before. Each run is
+    broadcast by its owner in pieces of about _STREAM_BYTES (one broadcast per tensor: the
+    owner's are views), the next piece while the caller works on the current part. Compiled
     (traced collectives have no broadcast): one part, every token (gather_global)."""
     if torch.compiler.is_compiling():
         yield 0, [gather_global(t, dim, group, rank, world, layout_code, docs) for t in tensors]
@@ -159,48 +160,45 @@ def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_
     align = torch.ops.cpattn.invariant_chunk()
     local = tensors[0].shape[dim]
     sources = [t.movedim(dim, 0) for t in tensors]
-    widths = [s[0].numel() * s.element_size() for s in sources]  # bytes per token
     runs = _runs(layout_code, world, local, docs)
-    step = max(align, _STREAM_BYTES // sum(widths))  # tokens per broadcast
+    token_bytes = sum(s[0].numel() * s.element_size() for s in sources)
+    step = max(align, _STREAM_BYTES // token_bytes)  # tokens per piece
     order = sorted((g + i, r, b + i, min(step, n - i)) for r in range(world)
                    for b, n, g in runs[r] for i in range(0, n, step))
     doc_starts = list(accumulate([0, *_padded(layout_code, world, local, docs)]))[:-1]
 
-    def receive(run):  # start the owner's broadcast of one run: (tokens, bytes of each tensor)
-        _, owner, begin, n = run
-        if owner == rank:
-            buf = torch.cat([src.narrow(0, begin, n).reshape(n, -1).view(torch.uint8)
-                             for src in sources], 1)
-        else:
-            buf = torch.empty((n, sum(widths)), dtype=torch.uint8, device=sources[0].device)
-        return buf, dist.broadcast(buf, dist.get_global_rank(group, owner), group=group,
-                                   async_op=True)
+    def receive(piece):  # start the owner's broadcasts of one piece of every tensor
+        _, owner, begin, n = piece
+        bufs = [src.narrow(0, begin, n).contiguous() if owner == rank else
+                src.new_empty((n, *src.shape[1:])) for src in sources]
+        root = dist.get_global_rank(group, owner)
+        return bufs, [dist.broadcast(b, root, group=group, async_op=True) for b in bufs]
 
-    def as_parts(buf):  # each tensor's tokens: views of the bytes
-        return [part.view(src.dtype).view(len(buf), *src.shape[1:]).movedim(0, dim)
-                for part, src in zip(buf.split(widths, 1), sources)]
+    def as_parts(bufs):
+        return [b.movedim(0, dim) for b in bufs]
 
     carry, carry_begin = None, 0
     pending = receive(order[0])
-    for i, run in enumerate(order):
-        buf, work = pending
+    for i, piece in enumerate(order):
+        bufs, works = pending
         if i + 1 < len(order):
             pending = receive(order[i + 1])
-        work.wait()
-        begin = run[0]
+        for w in works:
+            w.wait()
+        begin = piece[0]
         if carry is not None and begin in doc_starts:  # a document ends with the carried tokens
             yield carry_begin, as_parts(carry)
             carry = None
         if carry is None:
-            carry, carry_begin = buf, begin
+            carry, carry_begin = bufs, begin
         else:
-            carry = torch.cat([carry, buf])
+            carry = [torch.cat([c, b]) for c, b in zip(carry, bufs)]
         doc_start = max(s for s in doc_starts if s <= carry_begin)
-        end = carry_begin + len(carry)
+        end = carry_begin + len(carry[0])
         cut = doc_start + (end - doc_start) // align * align
         if cut > carry_begin:
-            yield carry_begin, as_parts(carry[:cut - carry_begin])
-            carry = None if cut == end else carry[cut - carry_begin:]
+            yield carry_begin, as_parts([c[:cut - carry_begin] for c in carry])
+            carry = None if cut == end else [c[cut - carry_begin:] for c in carry]
             carry_begin = cut
     if carry is not None:
         yield carry_begin, as_parts(carry)
