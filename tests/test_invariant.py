@@ -586,6 +586,23 @@ def test_streamed_parts_cover_the_sequence_in_order() -> None:
     run_ranks(3, _streamed_parts)
 
 
+def _head_dim_padded(rank: int, world: int) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        full = _inputs(3, 600, dtype, dim=40)
+        causal, window, options = CASES["all"]
+        kwargs = _draw(options, full[0].shape[2])
+        want = _one_process(full, causal, window, kwargs)
+        got = _sharded(full, causal, window, kwargs, "zigzag", "ring", seqlen=600,
+                       invariant=True)
+        _assert_bitwise(f"W={world} head_dim 40 {dtype}", got, want)
+
+
+def test_bitwise_head_dim_not_a_multiple_of_16() -> None:
+    """head_dim 40: the kernels keep the streamed dK / dV sums in a padded buffer of their own,
+    started from the running sums and copied back."""
+    run_ranks(2, _head_dim_padded)
+
+
 def test_streamed_part_not_on_a_chunk_boundary_raises() -> None:
     """A part that starts inside a document off a multiple of invariant_chunk() would continue
     the kernels' sums out of order: refused."""
