@@ -570,7 +570,7 @@ def _streamed_parts(rank: int, world: int) -> None:
         code = LAYOUTS[layout]
         local = 2 * 3 * 100 if docs is None else sum(_padded(code, world, 0, docs)) // world
         t = torch.randn(2, local, 3, 4) + rank
-        whole = gather_global(t, 1, group, rank, world, code, docs)
+        whole, = gather_global([t], 1, group, rank, world, code, docs)
         starts = list(accumulate([0, *_padded(code, world, local, docs)]))[:-1]
         end = 0
         for begin, (part,) in stream_global([t], 1, group, rank, world, code, docs):

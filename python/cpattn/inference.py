@@ -189,7 +189,7 @@ def _invariant_prefill(q, k, v, cache, group, rank, world, layout, n, timeout, o
 
     code = LAYOUTS[layout]
     start = cache.lengths.tolist()
-    k_all, v_all, q_all = (gather_global(t, 1, group, rank, world, code)[:, :n] for t in (k, v, q))
+    k_all, v_all, q_all = (t[:, :n] for t in gather_global([k, v, q], 1, group, rank, world, code))
     cache.append(k_all, v_all)
     parts = _owned_blocks(q_all, cache, start, opts)  # (slots, B, n, H, D + 1)
     # each rank's rows, in its layout order (padding rows: empty)

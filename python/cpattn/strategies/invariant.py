@@ -113,30 +113,43 @@ class Relayout(torch.autograd.Function):
         return Relayout.apply(grad.contiguous(), *ctx.args), *([None] * 7)
 
 
-def gather_global(t: torch.Tensor, dim: int, group, rank: int, world: int, layout_code: int,
-                  docs: Optional[tuple] = None) -> torch.Tensor:
-    """Every rank's shard of `t` (its tokens along `dim`, in the layout's order; with docs, the
-    packed documents' shards) in global order: t's shape with W times the tokens along `dim`.
-    Stored sequence-major, so that the ranks' runs of positions that follow each other in rank
-    order (contiguous; zigzag's first chunks) are gathered in place; other runs (zigzag's second
-    chunks, in reverse rank order) through a buffer. With one rank, t itself."""
+def gather_global(tensors: list, dim: int, group, rank: int, world: int, layout_code: int,
+                  docs: Optional[tuple] = None) -> list:
+    """Every rank's shard of each of `tensors` (its tokens along `dim`, in the layout's order;
+    with docs, the packed documents' shards) in global order: each tensor's shape with W times
+    the tokens along `dim`. Stored sequence-major, so that the ranks' runs of positions that
+    follow each other in rank order (contiguous; zigzag's first chunks) are gathered in place;
+    other runs (zigzag's second chunks, in reverse rank order) through a buffer. Every gather is
+    in flight at once, waited for together (not compiled: traced collectives are waited for
+    one by one). With one rank, the tensors themselves."""
     if world == 1:
-        return t
-    local = t.shape[dim]
-    src = t.movedim(dim, 0)
-    out = src.new_empty((world * local, *src.shape[1:]))
-    runs = _runs(layout_code, world, local, docs)
-    for j, (begin, length, _) in enumerate(runs[rank]):  # the ranks' j-th runs: equal lengths
-        starts = [runs[r][j][2] for r in range(world)]
-        mine = src.narrow(0, begin, length).contiguous()
-        if starts == [starts[0] + r * length for r in range(world)]:
-            comm.all_gather_flat(out.narrow(0, starts[0], world * length), mine, group=group)
-            continue
-        gathered = mine.new_empty((world * length, *mine.shape[1:]))
-        comm.all_gather_flat(gathered, mine, group=group)
+        return list(tensors)
+    in_flight = {} if torch.compiler.is_compiling() else {"async_op": True}
+    outs, works, keep, copies = [], [], [], []
+    for t in tensors:
+        local = t.shape[dim]
+        src = t.movedim(dim, 0)
+        out = src.new_empty((world * local, *src.shape[1:]))
+        runs = _runs(layout_code, world, local, docs)
+        for j, (begin, length, _) in enumerate(runs[rank]):  # the ranks' j-th runs: equal lengths
+            starts = [runs[r][j][2] for r in range(world)]
+            mine = src.narrow(0, begin, length).contiguous()
+            keep.append(mine)
+            if starts == [starts[0] + r * length for r in range(world)]:
+                works.append(comm.all_gather_flat(out.narrow(0, starts[0], world * length), mine,
+                                                  group=group, **in_flight))
+                continue
+            gathered = mine.new_empty((world * length, *mine.shape[1:]))
+            works.append(comm.all_gather_flat(gathered, mine, group=group, **in_flight))
+            copies.append((out, gathered, starts, length))
+        outs.append(out.movedim(0, dim))
+    for w in works:
+        if w is not None:
+            w.wait()
+    for out, gathered, starts, length in copies:
         for r, start in enumerate(starts):
             out.narrow(0, start, length).copy_(gathered.narrow(0, r * length, length))
-    return out.movedim(0, dim)
+    return outs
 
 
 # Bytes (of all the tensors) per piece of stream_global: two pieces in flight bound its memory.
@@ -155,7 +168,7 @@ def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_
     owner's are views), the next piece while the caller works on the current part. Compiled
     (traced collectives have no broadcast): one part, every token (gather_global)."""
     if torch.compiler.is_compiling():
-        yield 0, [gather_global(t, dim, group, rank, world, layout_code, docs) for t in tensors]
+        yield 0, gather_global(tensors, dim, group, rank, world, layout_code, docs)
         return
     align = torch.ops.cpattn.invariant_chunk()
     local = tensors[0].shape[dim]
@@ -224,13 +237,11 @@ class InvariantAttention(torch.autograd.Function):
                 group_size, docs):
         lengths = None if docs is None else tuple(docs.view(-1, docs.shape[-1])[0].tolist())
 
-        def everyone(t, dim=1):  # every rank's tokens of a head group, in global order
-            return gather_global(t, dim, group, rank, world, layout_code, lengths)
-
         def attend(qh, kh):  # the gathered head group is freed on return, before the next one
             o = options.for_heads(qh)
-            return torch.ops.cpattn.invariant_fwd(q[:, :, qh], everyone(k[:, :, kh]),
-                                                  everyone(v[:, :, kh]), rank, world,
+            k_all, v_all = gather_global([k[:, :, kh], v[:, :, kh]], 1, group, rank, world,
+                                         layout_code, lengths)
+            return torch.ops.cpattn.invariant_fwd(q[:, :, qh], k_all, v_all, rank, world,
                                                   layout_code, seqlen, docs, o.sinks,
                                                   **o.op_kwargs())
 
@@ -251,9 +262,6 @@ class InvariantAttention(torch.autograd.Function):
         dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32,
                                                         device=sinks.device)
 
-        def everyone(t, dim=1):  # every rank's tokens of a head group, in global order
-            return gather_global(t, dim, group, rank, world, layout_code, lengths)
-
         def streamed(tensors):  # every rank's tokens of a head group, a part at a time
             return stream_global(tensors, 1, group, rank, world, layout_code, lengths)
 
@@ -273,7 +281,8 @@ class InvariantAttention(torch.autograd.Function):
                 # dlse (here, and on the other ranks)
                 dot = torch.ops.cpattn.row_dot(dout_h, out_h)
                 shifted = -dot if dlse_h is None else dlse_h.float() - dot
-                lse_all, shifted_all = everyone(lse_h, 2), everyone(shifted, 2)
+                lse_all, shifted_all = gather_global([lse_h, shifted], 2, group, rank, world,
+                                                     layout_code, lengths)
                 dq_sum, dk_sum, dv_sum = (torch.zeros_like(t, dtype=torch.float32)
                                           for t in (q_h, k_h, v_h))
                 mine = (dout_h, q_h, k_h, v_h, lse_h, shifted)
