@@ -118,14 +118,14 @@ def gather_global(tensors: list, dim: int, group, rank: int, world: int, layout_
     """Every rank's shard of each of `tensors` (its tokens along `dim`, in the layout's order;
     with docs, the packed documents' shards) in global order: each tensor's shape with W times
     the tokens along `dim`. Stored sequence-major, so that the ranks' runs of positions that
-    follow each other in rank order (contiguous; zigzag's first chunks) are gathered in place;
-    other runs (zigzag's second chunks, in reverse rank order) through a buffer. Every gather is
-    in flight at once, waited for together (not compiled: traced collectives are waited for
-    one by one). With one rank, the tensors themselves."""
+    follow each other in rank order (contiguous; zigzag's first chunks) are gathered in place,
+    all in flight at once; other runs (zigzag's second chunks, in reverse rank order) through a
+    buffer, one at a time (a buffer is the size of the result's run). Not compiled: traced
+    collectives are waited for one by one. With one rank, the tensors themselves."""
     if world == 1:
         return list(tensors)
     in_flight = {} if torch.compiler.is_compiling() else {"async_op": True}
-    outs, works, keep, copies = [], [], [], []
+    outs, works, buffered = [], [], []
     for t in tensors:
         local = t.shape[dim]
         src = t.movedim(dim, 0)
@@ -134,21 +134,22 @@ def gather_global(tensors: list, dim: int, group, rank: int, world: int, layout_
         for j, (begin, length, _) in enumerate(runs[rank]):  # the ranks' j-th runs: equal lengths
             starts = [runs[r][j][2] for r in range(world)]
             mine = src.narrow(0, begin, length).contiguous()
-            keep.append(mine)
             if starts == [starts[0] + r * length for r in range(world)]:
-                works.append(comm.all_gather_flat(out.narrow(0, starts[0], world * length), mine,
-                                                  group=group, **in_flight))
-                continue
-            gathered = mine.new_empty((world * length, *mine.shape[1:]))
-            works.append(comm.all_gather_flat(gathered, mine, group=group, **in_flight))
-            copies.append((out, gathered, starts, length))
+                works.append((mine, comm.all_gather_flat(out.narrow(0, starts[0], world * length),
+                                                         mine, group=group, **in_flight)))
+            else:
+                buffered.append((out, mine, starts))
         outs.append(out.movedim(0, dim))
-    for w in works:
-        if w is not None:
-            w.wait()
-    for out, gathered, starts, length in copies:
+    for out, mine, starts in buffered:
+        length = mine.shape[0]
+        gathered = mine.new_empty((world * length, *mine.shape[1:]))
+        comm.all_gather_flat(gathered, mine, group=group)
         for r, start in enumerate(starts):
             out.narrow(0, start, length).copy_(gathered.narrow(0, r * length, length))
+        del gathered
+    for _, work in works:
+        if work is not None:
+            work.wait()
     return outs
 
 
