@@ -153,7 +153,9 @@ def gather_global(tensors: list, dim: int, group, rank: int, world: int, layout_
     return outs
 
 
-# Bytes (of all the tensors) per piece of stream_global: two pieces in flight bound its memory.
+# Bytes (of all the tensors) per piece of stream_global: two pieces alive bound its memory (the
+# caller's part and the next piece, in flight; the caller drops its part before asking for the
+# next).
 # Fewer, larger pieces cost less: each part's kernel calls pack this rank's rows again.
 _STREAM_BYTES = 8 << 20
 
@@ -292,6 +294,7 @@ class InvariantAttention(torch.autograd.Function):
                     torch.ops.cpattn.invariant_bwd_part(
                         dq_sum, dk_sum, dv_sum, *mine, *parts, lse_all.narrow(2, begin, n),
                         shifted_all.narrow(2, begin, n), begin, *rest, **o.op_kwargs())
+                    del parts  # freed before the stream receives the next piece
                 dq_c = _finished(dq_sum, o.softmax_scale, q.dtype)
                 dk_c, dv_c = _finished(dk_sum, o.softmax_scale, k.dtype), dv_sum.to(v.dtype)
                 dsinks_c = None if o.sinks is None else torch.ops.cpattn.invariant_sink_bwd(
