@@ -115,7 +115,8 @@ def _check(rank: int, world: int, layouts, strategies, names, dtypes, seqlen=600
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_bitwise_equal_to_one_process(world: int) -> None:
     """Every option case, both layouts, the ring and all-gather strategies, fp32; S = 600 spans
-    several key blocks and backward chunks; B = 2, GQA 4 / 2."""
+    several key blocks (sequences of several backward chunks: test_bitwise_several_key_tiles,
+    test_bitwise_blocks_computed_once); B = 2, GQA 4 / 2."""
     run_ranks(world, _check, ("contiguous", "zigzag"), ("ring", "allgather"), tuple(CASES),
               (torch.float32,))
 
@@ -578,8 +579,8 @@ def _streamed_parts(rank: int, world: int) -> None:
             assert (begin - max(s for s in starts if s <= begin)) % chunk == 0
             end = begin + part.shape[1]
         assert end == whole.shape[1]
-    invariant._STREAM_BYTES = 1  # runs of 500 tokens broadcast in pieces of 256 and 244
-    _check(rank, world, ("zigzag",), ("ring",), ("all",), (torch.float32,), 3000)
+    invariant._STREAM_BYTES = 1  # runs of 1100 tokens broadcast in pieces of 1024 and 76
+    _check(rank, world, ("zigzag",), ("ring",), ("all",), (torch.float32,), 6600)
 
 
 def test_streamed_parts_cover_the_sequence_in_order() -> None:
@@ -638,3 +639,20 @@ def _compiled(rank: int, world: int) -> None:
 
 def test_compile_fullgraph() -> None:
     run_ranks(2, _compiled)
+
+
+@pytest.mark.parametrize("world,layout,seqlen,dtype,names", [
+    (2, "zigzag", 4096, torch.float32, tuple(CASES)),
+    (3, "contiguous", 3072, torch.float32, ("causal", "sinks_window_both", "all")),
+    (4, "zigzag", 8192, torch.bfloat16, ("causal", "all")),
+    (2, "striped", 4096, torch.float32, ("all",))])
+def test_bitwise_blocks_computed_once(world, layout, seqlen, dtype, names) -> None:
+    """Shards whose runs start and end at multiples of invariant_chunk(): the backward computes
+    each block once, on its rows' rank, and the keys' owner adds the dK / dV planes of the
+    chunks in global order (_backward_once); bitwise."""
+    from cpattn._layout import LAYOUTS
+    from cpattn.strategies.invariant import _computed_once
+
+    code = LAYOUTS["contiguous" if layout == "striped" else layout]
+    assert _computed_once(code, world, seqlen // world, None)
+    run_ranks(world, _check, (layout,), ("ring",), names, (dtype,), seqlen)

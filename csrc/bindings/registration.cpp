@@ -80,6 +80,15 @@ TORCH_LIBRARY(cpattn, m) {
       "Tensor q_part, Tensor k_part, Tensor v_part, Tensor lse_part, Tensor shifted_part, "
       "int part_begin, int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None",
       "()"));
+  m.def(with_options(
+      "invariant_bwd_rows(Tensor(a!) dq_sum, Tensor(b!) planes, Tensor dout, Tensor q, "
+      "Tensor k_part, Tensor v_part, Tensor lse, Tensor shifted, int[] chunks, int part_begin, "
+      "int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None",
+      "()"));
+  m.def(with_options(
+      "invariant_chunks_seen(int local, int part_begin, int n, int world, int layout, int seqlen, "
+      "Tensor? doc_lengths=None",
+      "Tensor"));
   m.def(
       "invariant_sink_bwd(Tensor lse_all, Tensor shifted_all, Tensor sinks, int rank, int world, "
       "int layout, int seqlen, Tensor? doc_lengths=None) -> Tensor");

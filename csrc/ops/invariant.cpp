@@ -428,6 +428,116 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
   }
 }
 
+// The backward over W ranks with each block computed once (no documents; every rank's runs start
+// and end at multiples of kInvariantChunk): a rank adds its rows' dQ terms against a part of the
+// keys to its running sums as invariant_bwd_part does, and returns the dK / dV terms of each of
+// its chunks of kInvariantChunk rows against the part separately (a plane per chunk), for the
+// keys' owner to add in global order of the chunks (python/cpattn/strategies/invariant.py). A
+// chunk's plane is exactly the part that one process's call adds to the sums for these rows
+// (backward_chunks: the chunks' dK / dV parts are added one after another), so the owner's
+// additions give the same sums.
+
+// Chunk `chunk` (its rows from local row chunk * kInvariantChunk) of a rank's pieces against the
+// part [part_begin, part_begin + n) of global order: its piece, the rows' and part's positions in
+// the document, and the mask of the block; nullopt where no row of the chunk sees a key of the
+// part (or the chunk is padding).
+struct ChunkBlock {
+  const Piece* piece;
+  int64_t row_offset;  // of the chunk's first row in the piece
+  int64_t rows;
+  PartInDoc part;
+  Mask mask;
+};
+
+std::optional<ChunkBlock> chunk_block(const char* fn, const std::vector<Piece>& pieces,
+                                      int64_t chunk, int64_t part_begin, int64_t n) {
+  const int64_t first = chunk * kInvariantChunk;
+  for (const Piece& p : pieces) {
+    const int64_t offset = first - p.rows.local_begin;
+    if (offset < 0 || offset >= p.rows.length) continue;
+    TORCH_CHECK((p.rows.global_begin + offset) % kInvariantChunk == 0, "cpattn.", fn,
+                ": the rank's runs must start at multiples of ", kInvariantChunk,
+                " tokens of their document, got a chunk from token ", p.rows.global_begin + offset);
+    const PartInDoc part = part_in_doc(fn, p, part_begin, n);
+    Mask m = p.mask;
+    m.q_offset = p.rows.global_begin + offset;
+    m.k_offset = part.doc_offset;
+    const int64_t rows = std::min(kInvariantChunk, p.rows.length - offset);
+    if (part.length == 0 || m.classify(0, rows, 0, part.length) == BlockKind::kEmpty)
+      return std::nullopt;
+    return ChunkBlock{&p, offset, rows, part, m};
+  }
+  return std::nullopt;  // padding rows
+}
+
+// Which chunks of kInvariantChunk rows of each rank's `local` tokens see some key of the part
+// [part_begin, part_begin + n) of global order: (W, ceil(local / kInvariantChunk)) bool, the
+// chunks whose planes invariant_bwd_rows computes (every rank agrees on them: a rule of
+// positions only).
+at::Tensor invariant_chunks_seen(int64_t local, int64_t part_begin, int64_t n, int64_t world,
+                                 int64_t layout, int64_t seqlen,
+                                 const std::optional<at::Tensor>& doc_lengths,
+                                 CPATTN_OPTION_PARAMS) {
+  const RingOptions o = make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, std::nullopt);
+  const int64_t chunks = (local + kInvariantChunk - 1) / kInvariantChunk;
+  at::Tensor seen = at::zeros({world, chunks}, at::kBool);
+  for (int64_t r = 0; r < world; ++r) {
+    const std::vector<Piece> pieces = rank_pieces(o, world, r, local, local, seqlen);
+    for (int64_t j = 0; j < chunks; ++j)
+      seen[r][j] = chunk_block("invariant_chunks_seen", pieces, j, part_begin, n).has_value();
+  }
+  return seen;
+}
+
+// Adds to dq_sum (B, L, H, D), fp32 and unscaled, the terms of this rank's rows against the part's
+// keys k_part, v_part (B, N, Hkv, D / Dv: tokens [part_begin, part_begin + N) of global order,
+// parts in global order, each starting at a multiple of kInvariantChunk), and writes into plane i
+// of planes (C, B, N, Hkv, D + Dv) fp32, zeros, the dK (first D) and dV terms, unscaled, of its
+// chunk chunks[i] against them: the rows from local row chunks[i] * kInvariantChunk, a chunk that
+// sees the part (invariant_chunks_seen). This rank's shards: dout, q, lse and shifted as in
+// invariant_bwd_part.
+void invariant_bwd_rows(const at::Tensor& dq_sum, const at::Tensor& planes, const at::Tensor& dout,
+                        const at::Tensor& q, const at::Tensor& k_part, const at::Tensor& v_part,
+                        const at::Tensor& lse, const at::Tensor& shifted, at::IntArrayRef chunks,
+                        int64_t part_begin, int64_t rank, int64_t world, int64_t layout,
+                        int64_t seqlen, const std::optional<at::Tensor>& doc_lengths,
+                        CPATTN_OPTION_PARAMS) {
+  constexpr const char* fn = "invariant_bwd_rows";
+  const int64_t local = q.size(1), keys = local * world, n = k_part.size(1);
+  const InvariantCall c = check_invariant_args(fn, q, k_part, v_part, local, keys, rank, world,
+                                               layout, seqlen, doc_lengths, CPATTN_OPTIONS);
+  const int64_t d = k_part.size(3), dv = v_part.size(3);
+  TORCH_CHECK(part_begin >= 0 && part_begin + n <= keys && part_begin % kInvariantChunk == 0,
+              "cpattn.", fn, ": the part [", part_begin, ", ", part_begin + n,
+              ") must lie in the sequence's ", keys, " tokens and start at a multiple of ",
+              kInvariantChunk);
+  TORCH_CHECK(planes.scalar_type() == at::kFloat && planes.dim() == 5 &&
+                  planes.size(0) == static_cast<int64_t>(chunks.size()) &&
+                  planes.size(1) == q.size(0) && planes.size(2) == n &&
+                  planes.size(3) == k_part.size(2) && planes.size(4) == d + dv &&
+                  planes.is_contiguous(),
+              "cpattn.", fn, ": planes must be float32 (chunks, batch, part tokens, kv_heads, ",
+              "head_dim + v_head_dim), contiguous, one per chunk: got ", planes.sizes(), " for ",
+              chunks.size(), " chunks");
+  check_running_sum(fn, "dq_sum", dq_sum, q);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const std::optional<ChunkBlock> b = chunk_block(fn, c.pieces, chunks[i], part_begin, n);
+    TORCH_CHECK(b.has_value(), "cpattn.", fn, ": chunk ", chunks[i],
+                " sees no key of the part (invariant_chunks_seen)");
+    const int64_t row0 = b->piece->rows.local_begin + b->row_offset;
+    const auto mine = [&](const at::Tensor& t, int64_t dim) { return t.narrow(dim, row0, b->rows); };
+    const auto keys_of = [&](const at::Tensor& t) {
+      return t.narrow(1, b->part.part_offset, b->part.length);
+    };
+    const at::Tensor plane = keys_of(planes[i]);
+    attention_bwd_add_scored(mine(dq_sum, 1), plane.narrow(3, 0, d), plane.narrow(3, d, dv),
+                             mine(dout, 1), mine(q, 1), keys_of(k_part), keys_of(v_part),
+                             at::Tensor(), mine(lse, 2).contiguous(), softmax_scale, b->mask,
+                             fixed_order_score(c.options, b->mask, std::nullopt),
+                             mine(shifted, 2).contiguous());
+  }
+}
+
 // Invariant mode over a KV cache sharded in blocks of whole tiles (python/cpattn/inference.py):
 // the partial result of query rows q (B, R, H, D) at positions q_begin.. over the keys k, v
 // (B, N, Hkv, D / Dv) at positions k_begin.. (a tile boundary), their tiles merged by the tile
@@ -493,6 +603,7 @@ void impl_invariant_ops(torch::Library& m) {
   m.impl("invariant_fwd", &invariant_fwd);
   m.impl("invariant_bwd", &invariant_bwd);
   m.impl("invariant_bwd_part", &invariant_bwd_part);
+  m.impl("invariant_bwd_rows", &invariant_bwd_rows);
   m.impl("invariant_sink_bwd", &invariant_sink_bwd);
   m.impl("invariant_partial", &invariant_partial);
   m.impl("invariant_merge", &invariant_merge);
@@ -504,4 +615,5 @@ void impl_invariant_ops(torch::Library& m) {
 TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("invariant_tile", [] { return cpattn::kInvariantTile; });
   m.impl("invariant_chunk", [] { return cpattn::kInvariantChunk; });
+  m.impl("invariant_chunks_seen", &cpattn::ops::invariant_chunks_seen);
 }

@@ -220,6 +220,100 @@ def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_
         yield carry_begin, as_parts(carry)
 
 
+def _computed_once(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> bool:
+    """Whether the backward can compute each block once (_backward_once): without documents,
+    every rank's runs start and end at multiples of invariant_chunk() (so each chunk of rows is
+    one rank's), not compiled (its point-to-point messages are not traced)."""
+    if world == 1 or docs is not None or torch.compiler.is_compiling():
+        return False
+    align = torch.ops.cpattn.invariant_chunk()
+    return all(b % align == 0 and n % align == 0 and g % align == 0
+               for runs in _runs(layout_code, world, local, docs) for b, n, g in runs)
+
+
+# Parts of the keys whose planes _backward_once sends and adds while it computes the next ones: a
+# rank whose rows see less of one part runs ahead instead of waiting for the others. Each part in
+# flight keeps its planes alive; two were no faster than one here and raised the peak.
+_PARTS_IN_FLIGHT = 1
+
+
+def _backward_once(sums: tuple, mine: tuple, k: torch.Tensor, v: torch.Tensor, group, rank: int,
+                   world: int, layout_code: int, seqlen: int, op_kwargs: dict) -> None:
+    """Adds every gradient term of this rank's rows and keys to the fp32 running sums (dq_sum,
+    dk_sum, dv_sum), each block of rows against keys computed once, on the rows' rank. Every
+    rank's K and V stream in global order (stream_global), in parts of invariant_chunk() keys;
+    per part each rank adds its rows' dQ terms (invariant_bwd_rows, as invariant_bwd_part does)
+    and computes the dK / dV terms of each of its chunks of rows that sees the part, a plane
+    each; the part's owner receives the planes (one message per run of a rank's chunks, one
+    message at a time, so that one is alive) and adds them in global order of the chunks: the
+    order in which one process's kernel adds them. mine: this rank's dout, q, lse and shifted."""
+    dq_sum, dk_sum, dv_sum = sums
+    align = torch.ops.cpattn.invariant_chunk()
+    local, d = k.shape[1], k.shape[3]
+    runs = _runs(layout_code, world, local, None)
+    # every rank's chunks of rows in global order: (global begin, rank, local chunk index)
+    chunks = sorted((g + i, r, (b + i) // align) for r in range(world) for b, n, g in runs[r]
+                    for i in range(0, n, align))
+    in_flight: list = []  # (part, this rank's sends, or a part it owns: its planes to add)
+
+    def settle(last: int) -> None:  # completes the sends and additions of parts up to `last`
+        while in_flight and in_flight[0][0] <= last:
+            _, works, additions, _ = in_flight.pop(0)
+            for dk_keys, dv_keys, planes in additions:  # in global order of the chunks
+                if isinstance(planes, tuple):  # another rank's: received now, one at a time
+                    source, count, tag = planes
+                    planes = dk_keys.new_empty((count, *dk_keys.shape[:3], d + dv_keys.shape[3]))
+                    dist.recv(planes, dist.get_global_rank(group, source), group=group, tag=tag)
+                for plane in planes:
+                    dk_keys.add_(plane[..., :d])
+                    dv_keys.add_(plane[..., d:])
+                del planes
+            for w in works:
+                w.wait()
+
+    step = 0
+    for begin, (k_part, v_part) in stream_global([k, v], 1, group, rank, world, layout_code):
+        owner, owner_begin = next((r, b + begin - g) for r in range(world)
+                                  for b, n, g in runs[r] if g <= begin < g + n)
+        for offset in range(0, k_part.shape[1], align):
+            n, start = min(align, k_part.shape[1] - offset), begin + offset
+            step += 1
+            seen = torch.ops.cpattn.invariant_chunks_seen(local, start, n, world, layout_code,
+                                                          seqlen, None, **op_kwargs).tolist()
+            # the chunks that see the part, in global order, as runs of one rank's chunks
+            segments: list = []
+            for _, r, j in chunks:
+                if seen[r][j]:
+                    if segments and segments[-1][0] == r:
+                        segments[-1][1].append(j)
+                    else:
+                        segments.append((r, [j]))
+            own = [j for r, js in segments if r == rank for j in js]
+            planes = dq_sum.new_zeros((len(own), k.shape[0], n, *k.shape[2:3], d + v.shape[3]))
+            if own:
+                torch.ops.cpattn.invariant_bwd_rows(
+                    dq_sum, planes, *mine[:2], k_part.narrow(1, offset, n),
+                    v_part.narrow(1, offset, n), *mine[2:], own, start, rank, world, layout_code,
+                    seqlen, None, **op_kwargs)
+            works, additions, i = [], [], 0
+            keys = [s.narrow(1, owner_begin + offset, n) for s in (dk_sum, dv_sum)]
+            for t, (r, js) in enumerate(segments):
+                tag = step * 4096 + t  # the same on both sides: the part and the segment
+                if r == rank:
+                    mine_now = planes[i:i + len(js)]
+                    i += len(js)
+                    if owner == rank:
+                        additions.append((*keys, mine_now))
+                    else:
+                        works.append(dist.isend(mine_now, dist.get_global_rank(group, owner),
+                                                group=group, tag=tag))
+                elif owner == rank:
+                    additions.append((*keys, (r, len(js), tag)))
+            in_flight.append((step, works, additions, planes))  # planes: alive until sent
+            settle(step - _PARTS_IN_FLIGHT)
+    settle(step)
+
+
 def _finished(grad_sum: torch.Tensor, softmax_scale: float, dtype: torch.dtype) -> torch.Tensor:
     """A streamed gradient's fp32 sum, scaled once and rounded to the gradient's dtype: the
     multiply in fp32 (the scale rounded to fp32 first) and round to nearest even, as the kernels
@@ -284,17 +378,23 @@ class InvariantAttention(torch.autograd.Function):
                 # dlse (here, and on the other ranks)
                 dot = torch.ops.cpattn.row_dot(dout_h, out_h)
                 shifted = -dot if dlse_h is None else dlse_h.float() - dot
-                lse_all, shifted_all = gather_global([lse_h, shifted], 2, group, rank, world,
-                                                     layout_code, lengths)
+                once = _computed_once(layout_code, world, q_h.shape[1], lengths)
+                if not once or o.sinks is not None:  # every rank's rows' lse and shifted
+                    lse_all, shifted_all = gather_global([lse_h, shifted], 2, group, rank, world,
+                                                         layout_code, lengths)
                 dq_sum, dk_sum, dv_sum = (torch.zeros_like(t, dtype=torch.float32)
                                           for t in (q_h, k_h, v_h))
-                mine = (dout_h, q_h, k_h, v_h, lse_h, shifted)
-                for begin, parts in streamed([dout_h, q_h, k_h, v_h]):
-                    n = parts[0].shape[1]
-                    torch.ops.cpattn.invariant_bwd_part(
-                        dq_sum, dk_sum, dv_sum, *mine, *parts, lse_all.narrow(2, begin, n),
-                        shifted_all.narrow(2, begin, n), begin, *rest, **o.op_kwargs())
-                    del parts  # freed before the stream receives the next piece
+                if once:
+                    _backward_once((dq_sum, dk_sum, dv_sum), (dout_h, q_h, lse_h, shifted), k_h,
+                                   v_h, group, rank, world, layout_code, seqlen, o.op_kwargs())
+                else:
+                    mine = (dout_h, q_h, k_h, v_h, lse_h, shifted)
+                    for begin, parts in streamed([dout_h, q_h, k_h, v_h]):
+                        n = parts[0].shape[1]
+                        torch.ops.cpattn.invariant_bwd_part(
+                            dq_sum, dk_sum, dv_sum, *mine, *parts, lse_all.narrow(2, begin, n),
+                            shifted_all.narrow(2, begin, n), begin, *rest, **o.op_kwargs())
+                        del parts  # freed before the stream receives the next piece
                 dq_c = _finished(dq_sum, o.softmax_scale, q.dtype)
                 dk_c, dv_c = _finished(dk_sum, o.softmax_scale, k.dtype), dv_sum.to(v.dtype)
                 dsinks_c = None if o.sinks is None else torch.ops.cpattn.invariant_sink_bwd(
