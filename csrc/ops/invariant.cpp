@@ -525,7 +525,9 @@ void invariant_bwd_rows(const at::Tensor& dq_sum, const at::Tensor& planes, cons
     TORCH_CHECK(b.has_value(), "cpattn.", fn, ": chunk ", chunks[i],
                 " sees no key of the part (invariant_chunks_seen)");
     const int64_t row0 = b->piece->rows.local_begin + b->row_offset;
-    const auto mine = [&](const at::Tensor& t, int64_t dim) { return t.narrow(dim, row0, b->rows); };
+    const auto mine = [&](const at::Tensor& t, int64_t dim) {
+      return t.narrow(dim, row0, b->rows);
+    };
     const auto keys_of = [&](const at::Tensor& t) {
       return t.narrow(1, b->part.part_offset, b->part.length);
     };
