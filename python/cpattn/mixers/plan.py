@@ -1,0 +1,230 @@
+"""Which rank holds which pieces of which document, for the token mixers outside attention.
+
+A *piece* is a maximal run of a rank's local tokens whose global indices are consecutive and lie
+in one document. A document's pieces, sorted by their first global index, form its *chain*: the
+convolution halo of a piece comes from the tokens just before it in its chain, its entry state
+from the fold of the summaries of the pieces before it. Which rank holds a piece does not matter,
+so one plan serves every layout cpattn shards with (contiguous, zigzag, document plans, the hybrid
+mesh, padding) as long as a rank's tokens form few runs (striped makes every token a piece and is
+refused by the integration).
+
+The plan is built from what cpattn already computes: every rank's global indices (cpattn.positions,
+DocumentPlan.positions, Documents.local_positions; -1 for padding) and the documents' boundaries.
+It is a pure function of them, the same on every rank, and hashable (cached, and a constant under
+torch.compile). Ranks are numbered as the exchange orders them (cpattn.ContextParallel.rank).
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cpattn._agreement import digest_ints
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A run of a rank's tokens: its first local index, length, document and first global index."""
+
+    local: int
+    length: int
+    doc: int
+    start: int
+
+
+@dataclass(frozen=True)
+class MixerPlan:
+    """pieces[r]: rank r's pieces in local order; local_len[r]: its number of local tokens
+    (padding included); bounds: the documents' boundaries in the global index (from 0)."""
+
+    world: int
+    bounds: tuple
+    pieces: tuple
+    local_len: tuple
+    signature: bytes
+
+    def __repr__(self) -> str:  # (short: the plan is a key of caches and appears in errors)
+        return (f"MixerPlan(world={self.world}, documents={len(self.bounds) - 1}, "
+                f"pieces={[len(p) for p in self.pieces]})")
+
+    # --- local token <-> piece rows -------------------------------------------------------------
+    def longest(self, rank: int) -> int:
+        """The longest piece of rank (the rows' length); 0 without pieces."""
+        return max((p.length for p in self.pieces[rank]), default=0)
+
+    def uniform(self, rank: int) -> bool:
+        """Whether rank's pieces tile its local tokens in order with one length (no padding):
+        pieces are then a view (B, n, L / n) of the local tokens."""
+        ps = self.pieces[rank]
+        if not ps:
+            return self.local_len[rank] == 0
+        n = ps[0].length
+        return all(p.length == n and p.local == i * n for i, p in enumerate(ps)) and \
+            n * len(ps) == self.local_len[rank]
+
+    def piece_rows(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(for each slot of the (pieces, longest) rows, its local token or local_len: a zero
+        row; for each local token, its slot in the rows or pieces * longest: a zero row)."""
+        return _piece_rows(self, rank)
+
+    # --- the chains -----------------------------------------------------------------------------
+    def chain(self, doc: int) -> tuple:
+        """(rank, piece) of the document's pieces in global order."""
+        return _chains(self)[doc]
+
+    def starts_document(self, rank: int) -> tuple[bool, ...]:
+        """For each of rank's pieces: whether it starts its document (no predecessor)."""
+        return tuple(p.start == self.bounds[p.doc] for p in self.pieces[rank])
+
+    @property
+    def slots(self) -> int:
+        """Summaries each rank publishes (the most of any rank): one per piece whose document
+        continues in a later piece."""
+        return max((len(_published(self, r)) for r in range(self.world)), default=0)
+
+    def published(self, rank: int) -> tuple[int, ...]:
+        """rank's pieces (indices) that publish a summary, in slot order."""
+        return _published(self, rank)
+
+    def predecessors(self, rank: int) -> tuple[tuple[int, ...], ...]:
+        """For each of rank's pieces: the gathered slots (source rank * slots + slot) of the
+        pieces before it in its document, in global order (empty: it starts its document)."""
+        return _predecessors(self, rank)
+
+    # --- the convolution halo -------------------------------------------------------------------
+    def halo(self, rank: int, width: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+        """For a causal convolution reading `width` earlier tokens: (the local tokens rank
+        publishes, padded with -1 to the most any rank publishes; for each of rank's pieces, for
+        each of the `width` tokens before it (oldest first), its gathered row (source rank *
+        rows + row), or world * rows: a zero row (before the document's start))."""
+        return _halo(self, rank, width)
+
+
+def build_plan(indices: Sequence[torch.Tensor], bounds: Sequence[int]) -> MixerPlan:
+    """The plan of W ranks holding the global indices indices[r] (int64, -1 for padding) of
+    documents with these boundaries. Raises RuntimeError unless every token of every document is
+    held exactly once (a layout bug, never a user error)."""
+    idx = tuple(tuple(int(i) for i in torch.as_tensor(t).tolist()) for t in indices)
+    return _build(idx, tuple(int(b) for b in bounds))
+
+
+@functools.lru_cache(maxsize=128)
+def _build(indices: tuple, bounds: tuple) -> MixerPlan:
+    cu = torch.tensor(bounds, dtype=torch.int64)
+    pieces, held = [], 0
+    for idx in indices:
+        t = torch.tensor(idx, dtype=torch.int64)
+        valid = t >= 0
+        doc = torch.searchsorted(cu, t.clamp(min=0), right=True) - 1
+        prev = torch.cat([t.new_tensor([-2]), t[:-1]])
+        prev_doc = torch.cat([t.new_tensor([-1]), doc[:-1]])
+        new = valid & ((t != prev + 1) | (doc != prev_doc))
+        firsts = new.nonzero().flatten()
+        if firsts.numel():
+            run = torch.cumsum(new.to(torch.int64), 0) - 1
+            lengths = torch.bincount(run[valid], minlength=firsts.numel())
+        else:
+            lengths = firsts
+        rank_pieces = tuple(Piece(int(i), int(n), int(doc[i]), int(t[i]))
+                            for i, n in zip(firsts.tolist(), lengths.tolist()))
+        pieces.append(rank_pieces)
+        held += int(valid.sum())
+    # Every document's pieces must tile it exactly (and nothing else be held).
+    for d in range(len(bounds) - 1):
+        at = bounds[d]
+        for p in sorted((p for ps in pieces for p in ps if p.doc == d), key=lambda p: p.start):
+            if p.start != at:
+                raise RuntimeError(f"cpattn.mixers: the ranks' tokens do not tile document {d} "
+                                   f"[{bounds[d]}, {bounds[d + 1]}): a piece starts at {p.start}, "
+                                   f"expected {at}")
+            at += p.length
+        if at != bounds[d + 1]:
+            raise RuntimeError(f"cpattn.mixers: document {d} [{bounds[d]}, {bounds[d + 1]}) is "
+                               f"held up to {at} only")
+    if held != bounds[-1] - bounds[0]:
+        raise RuntimeError(f"cpattn.mixers: the ranks hold {held} tokens, the documents "
+                           f"{bounds[-1] - bounds[0]}")
+    flat = [len(indices), len(bounds), *bounds]
+    for ps, idx in zip(pieces, indices):
+        flat += [-1, len(idx)] + [v for p in ps for v in (p.local, p.length, p.doc, p.start)]
+    signature = hashlib.sha256(digest_ints(flat)).digest()
+    return MixerPlan(len(indices), bounds, tuple(pieces), tuple(len(i) for i in indices),
+                     signature)
+
+
+@functools.lru_cache(maxsize=512)
+def _piece_rows(plan: MixerPlan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    ps, local = plan.pieces[rank], plan.local_len[rank]
+    longest = plan.longest(rank)
+    rows = [local] * (len(ps) * longest)
+    slot = [len(ps) * longest] * local
+    for j, p in enumerate(ps):
+        for i in range(p.length):
+            rows[j * longest + i] = p.local + i
+            slot[p.local + i] = j * longest + i
+    return tuple(rows), tuple(slot)
+
+
+@functools.lru_cache(maxsize=128)
+def _chains(plan: MixerPlan) -> tuple:
+    chains = [[] for _ in range(len(plan.bounds) - 1)]
+    for r, ps in enumerate(plan.pieces):
+        for j, p in enumerate(ps):
+            chains[p.doc].append((p.start, r, j))
+    return tuple(tuple((r, j) for _, r, j in sorted(c)) for c in chains)
+
+
+@functools.lru_cache(maxsize=512)
+def _published(plan: MixerPlan, rank: int) -> tuple[int, ...]:
+    return tuple(j for j, p in enumerate(plan.pieces[rank]) if plan.chain(p.doc)[-1] != (rank, j))
+
+
+@functools.lru_cache(maxsize=512)
+def _predecessors(plan: MixerPlan, rank: int) -> tuple[tuple[int, ...], ...]:
+    slots = plan.slots
+    slot_of = {}
+    for r in range(plan.world):
+        for s, j in enumerate(plan.published(r)):
+            slot_of[(r, j)] = r * slots + s
+    out = []
+    for j, p in enumerate(plan.pieces[rank]):
+        chain = plan.chain(p.doc)
+        out.append(tuple(slot_of[c] for c in chain[:chain.index((rank, j))]))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=512)
+def _halo_rows(plan: MixerPlan, width: int) -> tuple:
+    """(per rank: the local tokens it publishes, sorted; for each global index a piece reads
+    before its start: (its rank, its local index))."""
+    runs = sorted((p.start, r, p) for r, ps in enumerate(plan.pieces) for p in ps)
+    starts = [s for s, _, _ in runs]
+    owner = {}
+    needed = [set() for _ in range(plan.world)]
+    for ps in plan.pieces:
+        for p in ps:
+            for g in range(max(plan.bounds[p.doc], p.start - width), p.start):
+                _, r, q = runs[bisect.bisect_right(starts, g) - 1]
+                owner[g] = (r, q.local + g - q.start)
+                needed[r].add(owner[g][1])
+    return tuple(tuple(sorted(n)) for n in needed), owner
+
+
+@functools.lru_cache(maxsize=512)
+def _halo(plan: MixerPlan, rank: int, width: int):
+    publish, owner = _halo_rows(plan, width)
+    rows = max((len(p) for p in publish), default=0)
+    row_of = {(r, i): r * rows + k for r, pub in enumerate(publish) for k, i in enumerate(pub)}
+    zero = plan.world * rows
+    sources = []
+    for p in plan.pieces[rank]:
+        first = plan.bounds[p.doc]
+        sources.append(tuple(row_of[owner[g]] if g >= first else zero
+                             for g in range(p.start - width, p.start)))
+    mine = publish[rank] + (-1,) * (rows - len(publish[rank]))
+    return mine, tuple(sources)

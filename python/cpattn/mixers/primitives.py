@@ -1,0 +1,191 @@
+"""The two primitives that make a token mixer exact on sharded tokens, and the piece rows.
+
+- `conv_halo` / `causal_conv`: a causal depthwise convolution over each piece, with the `width`
+  conv inputs before the piece in its document (zeros before the document's start) fetched from
+  the ranks that hold them. Differentiable: the halo's gradient goes back to its owner.
+- `state_scan`: for a recurrence affine in its state (S_out = M S_in + B over a piece), the entry
+  state of every piece: the fold, in global order, of the summaries (M, B) of the pieces before
+  it in its document (zero for a document's first piece). One exchange of the summaries; the
+  backward is autograd's (the adjoint fold, a reduce-scatter of the summaries' gradients).
+
+Both run in two phases around one exchange (`..._publish`, then `..._take` on the gathered
+tensor), so one process can play W ranks (cpattn.mixers.exchange). Every rank calls the exchange
+whenever any rank needs it (the plan is the same everywhere), and keeps the gathered tensor in its
+autograd graph even when none of its pieces reads it, so every rank also takes part in the
+backward's reduce-scatter.
+
+Shapes: local tensors are (B, L, ...) for this rank's L tokens (B rows sharded alike, or one row
+of packed documents); piece rows are (B, n, longest, ...) for its n pieces; states and summaries
+(B, n, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cpattn.mixers.exchange import Exchange
+from cpattn.mixers.plan import MixerPlan
+
+KINDS = ("scalar", "diagonal", "matrix")  # M: broadcast over the state / elementwise / M @ S
+
+
+def _index(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _pick(x: torch.Tensor, rows, dim: int) -> torch.Tensor:
+    """x's entries `rows` along dim, index len(x) along dim giving a zero entry."""
+    zero = x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1:]))
+    return torch.cat([x, zero], dim).index_select(dim, _index(rows, x.device))
+
+
+def to_pieces(x: torch.Tensor, plan: MixerPlan, rank: int) -> torch.Tensor:
+    """Local (B, L, ...) -> piece rows (B, n, longest, ...), zero past a piece's end."""
+    n, longest = len(plan.pieces[rank]), plan.longest(rank)
+    if plan.uniform(rank):
+        return x.reshape(x.shape[0], n, longest, *x.shape[2:])
+    rows, _ = plan.piece_rows(rank)
+    return _pick(x, rows, 1).reshape(x.shape[0], n, longest, *x.shape[2:])
+
+
+def from_pieces(y: torch.Tensor, plan: MixerPlan, rank: int) -> torch.Tensor:
+    """Piece rows (B, n, longest, ...) -> local (B, L, ...), zero at padding tokens."""
+    if plan.uniform(rank):
+        return y.reshape(y.shape[0], plan.local_len[rank], *y.shape[3:])
+    _, slots = plan.piece_rows(rank)
+    return _pick(y.flatten(1, 2), slots, 1)
+
+
+def piece_mask(plan: MixerPlan, rank: int, device=None) -> torch.Tensor:
+    """(n, longest) bool: which row slots hold a token."""
+    n, longest = len(plan.pieces[rank]), plan.longest(rank)
+    lengths = _index([p.length for p in plan.pieces[rank]], device)
+    return torch.arange(longest, device=device)[None, :] < lengths[:, None] if n else \
+        torch.zeros((0, longest), dtype=torch.bool, device=device)
+
+
+# --- the convolution halo --------------------------------------------------------------------
+
+def halo_publish(x: torch.Tensor, plan: MixerPlan, rank: int, width: int) -> torch.Tensor:
+    """(rows, B, ...): the local tokens of x (B, L, ...) that some piece reads as its halo."""
+    mine, _ = plan.halo(rank, width)
+    rows = tuple(plan.local_len[rank] if i < 0 else i for i in mine)
+    return _pick(x, rows, 1).transpose(0, 1)
+
+
+def halo_take(gathered: torch.Tensor, plan: MixerPlan, rank: int, width: int) -> torch.Tensor:
+    """(B, n, width, ...): each piece's halo (oldest first) from every rank's published rows
+    gathered (W, rows, B, ...)."""
+    _, sources = plan.halo(rank, width)
+    flat = gathered.flatten(0, 1)
+    n = len(sources)
+    picked = _pick(flat, tuple(s for src in sources for s in src), 0)
+    halo = picked.reshape(n, width, *flat.shape[1:]).movedim(2, 0)
+    return halo + 0 * gathered.sum()  # (in every rank's graph: every rank joins the backward)
+
+
+def conv_halo(x: torch.Tensor, plan: MixerPlan, rank: int, width: int,
+              exchange: Exchange) -> torch.Tensor:
+    """(B, n, width, ...): the `width` inputs before each of rank's pieces in its document (zero
+    before the document's start) of the sharded x (B, L, ...). Differentiable."""
+    _, sources = plan.halo(rank, width)
+    if width == 0 or not any(len(plan.halo(r, width)[0]) for r in range(plan.world)):
+        return x.new_zeros((x.shape[0], len(sources), width, *x.shape[2:]))
+    return halo_take(exchange(halo_publish(x, plan, rank, width)), plan, rank, width)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias, plan: MixerPlan, rank: int,
+                exchange: Exchange) -> torch.Tensor:
+    """The causal depthwise convolution of the sharded x (B, L, C) with weight (C, k) and bias
+    (C,) or None, each document from zero history: (B, L, C), zero at padding tokens, in x's
+    dtype (computed in the weight's, as nn.Conv1d)."""
+    width = weight.shape[-1] - 1
+    halo = conv_halo(x, plan, rank, width, exchange)  # (B, n, k-1, C)
+    rows = to_pieces(x, plan, rank)  # (B, n, longest, C)
+    b, n, longest, c = rows.shape
+    seq = torch.cat([halo, rows], 2).flatten(0, 1).transpose(1, 2).to(weight.dtype)
+    out = F.conv1d(seq, weight[:, None, :], bias, groups=c)  # (B n, C, longest)
+    return from_pieces(out.transpose(1, 2).reshape(b, n, longest, c), plan, rank).to(x.dtype)
+
+
+# --- the state scan --------------------------------------------------------------------------
+
+def apply_transition(kind: str, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """M S for a transition of `kind`: "scalar" m (..., H) times s (..., H, K, V); "diagonal" m
+    like s (elementwise); "matrix" m (..., H, K, K) @ s (..., H, K, V)."""
+    if kind == "matrix":
+        return m @ s
+    if kind == "scalar":
+        return m.reshape(*m.shape, *([1] * (s.dim() - m.dim()))) * s
+    return m * s
+
+
+def compose(kind: str, second: tuple, first: tuple) -> tuple:
+    """(M2, B2) after (M1, B1): (M2 M1, M2 B1 + B2), the summary of two pieces in sequence."""
+    (m2, b2), (m1, b1) = second, first
+    if kind == "matrix":
+        m = m2 @ m1
+    else:
+        m = m2 * m1
+    return m, apply_transition(kind, m2, b1) + b2
+
+
+def summary_publish(m: torch.Tensor, s: torch.Tensor, plan: MixerPlan, rank: int) -> torch.Tensor:
+    """(slots, B, |M| + |S|): the flattened summaries (M, B) of rank's pieces whose documents
+    continue elsewhere (m (B, n, ...), s (B, n, ...)), zero in unused slots."""
+    batch = s.shape[0]
+    flat = torch.cat([m.flatten(2), s.flatten(2)], 2)  # (B, n, |M| + |S|)
+    mine = plan.published(rank)
+    rows = mine + (len(plan.pieces[rank]),) * (plan.slots - len(mine))
+    return _pick(flat, rows, 1).transpose(0, 1).reshape(plan.slots, batch, -1)
+
+
+def fold_take(gathered: torch.Tensor, plan: MixerPlan, rank: int, kind: str,
+              m_shape: tuple, s_shape: tuple) -> torch.Tensor:
+    """(B, n, *s_shape): each of rank's pieces' entry state, the fold in global order of the
+    gathered summaries (W, slots, B, |M| + |S|) of the pieces before it (M of shape m_shape,
+    B of shape s_shape, per row)."""
+    preds = plan.predecessors(rank)
+    flat = gathered.flatten(0, 1)  # (W slots, B, |M| + |S|)
+    batch, m_size = flat.shape[1], 1
+    for d in m_shape:
+        m_size *= d
+    steps = max((len(p) for p in preds), default=0)
+    n = len(preds)
+    state = flat.new_zeros((batch, n, *s_shape))
+    if steps:
+        identity = _identity(kind, m_shape, flat)  # (|M|,)
+        table = torch.cat([flat, torch.cat([identity, flat.new_zeros(flat.shape[2] - m_size)])
+                           .expand(1, batch, -1)])
+        pad = flat.shape[0]
+        ids = [(pad,) * (steps - len(p)) + p for p in preds]  # identity first: 0 stays 0
+        for t in range(steps):
+            entry = table.index_select(0, _index([i[t] for i in ids], flat.device))
+            entry = entry.transpose(0, 1)  # (B, n, |M| + |S|)
+            m = entry[..., :m_size].reshape(batch, n, *m_shape)
+            b = entry[..., m_size:].reshape(batch, n, *s_shape)
+            state = apply_transition(kind, m, state) + b
+    return state + 0 * gathered.sum()  # (in every rank's graph: every rank joins the backward)
+
+
+def _identity(kind: str, m_shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    if kind == "matrix":
+        k = m_shape[-1]
+        return torch.eye(k, dtype=like.dtype, device=like.device).expand(*m_shape).flatten()
+    return like.new_ones(m_shape).flatten()
+
+
+def state_scan(m: torch.Tensor, s: torch.Tensor, plan: MixerPlan, rank: int, kind: str,
+               exchange: Exchange) -> torch.Tensor:
+    """Entry states (B, n, ...) of rank's pieces given their summaries: m (B, n, ...) the
+    transition of each piece (`kind`: "scalar" (B, n, H), "diagonal" like s, "matrix"
+    (B, n, H, K, K)), s (B, n, ...) its state at its end when started from zero. fp32 in, fp32
+    out; differentiable; a document's first piece gets zeros."""
+    if kind not in KINDS:
+        raise ValueError(f"cpattn.mixers.state_scan: kind={kind!r}: must be one of {KINDS}")
+    m_shape, s_shape = tuple(m.shape[2:]), tuple(s.shape[2:])
+    if plan.slots == 0:  # no document continues on another piece anywhere: nothing to exchange
+        return s.new_zeros(s.shape)
+    gathered = exchange(summary_publish(m, s, plan, rank))
+    return fold_take(gathered, plan, rank, kind, m_shape, s_shape)

@@ -1,0 +1,90 @@
+"""Float64 token-by-token references for the token mixers, and the sharding of test problems
+(shared by tests/test_mixers*.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cpattn._layout import document_positions, shard_positions
+from cpattn.documents import shard_documents
+from cpattn.mixers import build_plan
+
+
+def scalar_decay_loop(q, k, v, a, initial=None):
+    """S_t = exp(a_t) S_{t-1} + k_t v_t^T, y_t = S_t^T q_t. q, k (L, H, K), v (L, H, V),
+    a (L, H); initial (H, K, V). Returns y (L, H, V), S."""
+    s = torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=q.dtype) if initial is None \
+        else initial.clone()
+    ys = []
+    for t in range(q.shape[0]):
+        s = a[t].exp()[:, None, None] * s + k[t][:, :, None] * v[t][:, None, :]
+        ys.append(torch.einsum("hk,hkv->hv", q[t], s))
+    return torch.stack(ys), s
+
+
+def delta_rule_loop(q, k, v, a, beta, initial=None):
+    """S_t = exp(a_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T, y_t = S_t^T q_t (shapes of
+    scalar_decay_loop; beta (L, H))."""
+    s = torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=q.dtype) if initial is None \
+        else initial.clone()
+    ys = []
+    for t in range(q.shape[0]):
+        s = a[t].exp()[:, None, None] * s
+        kv = torch.einsum("hk,hkv->hv", k[t], s)
+        s = s + beta[t][:, None, None] * k[t][:, :, None] * (v[t] - kv)[:, None, :]
+        ys.append(torch.einsum("hk,hkv->hv", q[t], s))
+    return torch.stack(ys), s
+
+
+def selective_scan_loop(dt, a, bx, c, initial=None):
+    """h_t = exp(dt_t A) h_{t-1} + bx_t, y_t = h_t c_t: dt (L, D), a (D, K), bx (L, D, K),
+    c (L, K). Returns y (L, D), h."""
+    h = torch.zeros(bx.shape[1:], dtype=bx.dtype) if initial is None else initial.clone()
+    ys = []
+    for t in range(dt.shape[0]):
+        h = torch.exp(dt[t][:, None] * a) * h + bx[t]
+        ys.append(h @ c[t])
+    return torch.stack(ys), h
+
+
+def conv_reference(x, weight, bias, bounds):
+    """The causal depthwise convolution of x (B, T, C) within each document [bounds[d],
+    bounds[d+1]) from zero history: (B, T, C)."""
+    width = weight.shape[-1] - 1
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        seq = F.pad(x[:, lo:hi].transpose(1, 2), (width, 0))
+        out.append(F.conv1d(seq, weight[:, None, :], bias, groups=x.shape[-1]).transpose(1, 2))
+    return torch.cat(out, 1)
+
+
+def sharding(kind: str, world: int, lengths: tuple, layout: str = "zigzag"):
+    """Every rank's global indices and the documents' boundaries, for kind "sequence" (one
+    document of sum(lengths) tokens, cpattn.positions' layout), "per-document" (each document
+    sharded over every rank, cpattn.shard_varlen's) or "plan" (cpattn.shard_documents, split
+    "balanced")."""
+    total = sum(lengths)
+    if kind == "sequence":
+        return [shard_positions(total, layout, world, r) for r in range(world)], (0, total)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    if kind == "per-document":
+        docs = torch.tensor(lengths)
+        return [document_positions(docs, layout, world, r)[0] for r in range(world)], tuple(cu)
+    plan = shard_documents(torch.tensor(cu), world_size=world, layout=layout, split="balanced")
+    return [plan.positions(r)[0] for r in range(world)], tuple(cu)
+
+
+def sharded_problem(kind: str, world: int, lengths: tuple, layout: str = "zigzag"):
+    """(mixer plan, per-rank indices, bounds)."""
+    indices, bounds = sharding(kind, world, lengths, layout)
+    return build_plan(indices, bounds), indices, bounds
+
+
+def take(x: torch.Tensor, index: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """x's tokens at `index` along dim, zeros where index is -1 (a rank's shard)."""
+    zero = x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1:]))
+    slots = torch.where(index < 0, x.shape[dim], index)
+    return torch.cat([x, zero], dim).index_select(dim, slots)

@@ -1,0 +1,298 @@
+"""The mixer primitives in one process (W ranks emulated on threads, cpattn.testing.mixers)
+against float64 token-by-token recurrences: the local kernels and their summaries, the fold's
+associativity, gradcheck of the convolution halo and the state scan, and exactness on the
+layouts cpattn shards with: contiguous, zigzag, per-document and document plans, pieces shorter
+than the halo and than the chunk, a document over three or more ranks, a rank holding only
+document starts. Real gloo ranks: tests/test_mixers_distributed.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpattn.mixers import build_plan, causal_conv, compose, state_scan
+from cpattn.mixers.kernels import (
+    delta_rule_summary,
+    read_entry,
+    scalar_decay,
+    selective_scan,
+)
+from cpattn.mixers.primitives import from_pieces, piece_mask, to_pieces
+from cpattn.testing.mixers import emulate
+
+from mixer_reference import (
+    conv_reference,
+    delta_rule_loop,
+    scalar_decay_loop,
+    selective_scan_loop,
+    sharded_problem,
+    take,
+)
+
+F64 = torch.float64
+
+
+def _rand(gen, *shape, scale=1.0):
+    return torch.randn(*shape, generator=gen, dtype=F64) * scale
+
+
+def _problem(gen, batch, total, heads=2, dk=3, dv=4):
+    """Global inputs of the three recurrences (B, T, ...)."""
+    return dict(
+        q=_rand(gen, batch, total, heads, dk), k=_rand(gen, batch, total, heads, dk) * 0.5,
+        v=_rand(gen, batch, total, heads, dv),
+        a=-torch.rand(batch, total, heads, generator=gen, dtype=F64),  # log decays <= 0
+        beta=torch.rand(batch, total, heads, generator=gen, dtype=F64),
+        dt=torch.rand(batch, total, heads * 2, generator=gen, dtype=F64) * 0.5,
+        A=-torch.rand(heads * 2, dk, generator=gen, dtype=F64) - 0.1,
+        x=_rand(gen, batch, total, heads * 2, dk), c=_rand(gen, batch, total, dk))
+
+
+def _unit_keys(k):
+    return k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # (l2-normalised, as the models)
+
+
+# --- plans --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_plan_chains(world):
+    """Contiguous: one piece per rank, chain in rank order; zigzag: fronts ascending then backs
+    descending (the middle rank's two chunks one piece); document plans tile every document."""
+    total = 8 * world
+    plan, _, _ = sharded_problem("sequence", world, (total,), "contiguous")
+    assert plan.chain(0) == tuple((r, 0) for r in range(world))
+    assert plan.slots == 1 and plan.predecessors(0) == ((),)
+    plan, _, _ = sharded_problem("sequence", world, (total,), "zigzag")
+    fronts = [(r, 0) for r in range(world - 1)] + [(world - 1, 0)]
+    backs = [(r, 1) for r in reversed(range(world - 1))]
+    assert plan.chain(0) == tuple(fronts + backs)
+    assert len(plan.pieces[world - 1]) == 1
+    lengths = (3, 40, 1, 2, 17, 5)
+    for kind in ("per-document", "plan"):
+        plan, _, bounds = sharded_problem(kind, world, lengths)
+        assert bounds[-1] == sum(lengths)
+        for d, n in enumerate(lengths):
+            assert sum(plan.pieces[r][j].length for r, j in plan.chain(d)) == n
+
+
+def test_plan_refuses_a_bad_tiling():
+    with pytest.raises(RuntimeError, match="do not tile"):
+        build_plan([torch.tensor([0, 1, 2]), torch.tensor([2, 3])], (0, 4))
+    with pytest.raises(RuntimeError, match="held up to"):
+        build_plan([torch.tensor([0, 1]), torch.tensor([-1])], (0, 3))
+
+
+# --- local kernels ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_kernels_and_summaries_match_the_token_loop(gen, chunk):
+    """Each kernel from zero, its entry map from a random entry state and its summary (the state
+    at the row's end) equal the float64 token loop, rows of different lengths (masked ends)."""
+    p = _problem(gen, 3, 11)
+    lengths = [11, 7, 1]
+    mask = torch.arange(11)[None] < torch.tensor(lengths)[:, None]
+    k = _unit_keys(p["k"])
+    entry = _rand(gen, 3, 2, 3, 4)
+    y0, pm, m, s = scalar_decay(p["q"], p["k"], p["v"], p["a"], mask, chunk)
+    y1, pd, md, sd = delta_rule_summary(p["q"], k, p["v"], p["a"], p["beta"], mask, chunk)
+    for row, n in enumerate(lengths):
+        ref, ref_s = scalar_decay_loop(p["q"][row, :n], p["k"][row, :n], p["v"][row, :n],
+                                       p["a"][row, :n], entry[row])
+        got = y0[row, :n] + read_entry(pm[row, :n], entry[row])
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(m[row][:, None, None] * entry[row] + s[row], ref_s)
+        ref, ref_s = delta_rule_loop(p["q"][row, :n], k[row, :n], p["v"][row, :n],
+                                     p["a"][row, :n], p["beta"][row, :n], entry[row])
+        got = y1[row, :n] + read_entry(pd[row, :n], entry[row])
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(md[row] @ entry[row] + sd[row], ref_s)
+    h0 = _rand(gen, 3, 4, 3)
+    bx = p["x"] * p["dt"][..., None]
+    y, h, mh = selective_scan(p["dt"], p["A"], bx, p["c"], mask, h0)
+    for row, n in enumerate(lengths):
+        ref, ref_h = selective_scan_loop(p["dt"][row, :n], p["A"], bx[row, :n], p["c"][row, :n],
+                                         h0[row])
+        torch.testing.assert_close(y[row, :n], ref)
+        torch.testing.assert_close(h[row], ref_h)
+        _, from_zero = selective_scan_loop(p["dt"][row, :n], p["A"], bx[row, :n],
+                                           p["c"][row, :n])
+        torch.testing.assert_close(mh[row] * h0[row] + from_zero, ref_h)
+
+
+def test_fold_is_associative(gen):
+    """(c + b) + a == c + (b + a) for every kind, and the summary of two pieces run one after
+    the other is the composition of their summaries (matrix: the delta rule's)."""
+    for kind, m_shape in (("scalar", (2,)), ("diagonal", (2, 3, 4)), ("matrix", (2, 3, 3))):
+        parts = [(_rand(gen, *m_shape), _rand(gen, 2, 3, 4)) for _ in range(3)]
+        a, b, c = parts
+        left = compose(kind, compose(kind, c, b), a)
+        right = compose(kind, c, compose(kind, b, a))
+        for x, y in zip(left, right):
+            torch.testing.assert_close(x, y)
+    p = _problem(gen, 1, 9)
+    k = _unit_keys(p["k"])
+    whole = torch.ones(1, 9, dtype=torch.bool)
+    args = (p["q"], k, p["v"], p["a"], p["beta"])
+    _, _, m, s = delta_rule_summary(*args, whole, 4)
+    _, _, m1, s1 = delta_rule_summary(*(t[:, :5] for t in args), whole[:, :5], 4)
+    _, _, m2, s2 = delta_rule_summary(*(t[:, 5:] for t in args), whole[:, 5:], 4)
+    for x, y in zip((m, s), compose("matrix", (m2, s2), (m1, s1))):
+        torch.testing.assert_close(x, y)
+
+
+# --- the sharded primitives -----------------------------------------------------------------------
+
+def _scan_on_rank(kind, p, plan, index, rank, exchange, chunk):
+    """The recurrence `kind` ("scalar", "matrix", "diagonal") on rank's tokens of the global
+    problem p: local kernel per piece, state scan, entry read. Returns local outputs."""
+    local = {name: take(t, index) if t.dim() > 2 or name != "A" else t for name, t in p.items()}
+    local["A"] = p["A"]
+    rows = {name: to_pieces(t, plan, rank).flatten(0, 1) for name, t in local.items()
+            if name != "A"}
+    batch, n = p["q"].shape[0], len(plan.pieces[rank])
+    mask = piece_mask(plan, rank).repeat(batch, 1)
+    if kind == "diagonal":
+        bx = rows["x"] * rows["dt"][..., None]
+        _, s, m = selective_scan(rows["dt"], p["A"], bx, rows["c"], mask)
+        entry = state_scan(m.unflatten(0, (batch, n)), s.unflatten(0, (batch, n)), plan, rank,
+                           "diagonal", exchange)
+        y, _, _ = selective_scan(rows["dt"], p["A"], bx, rows["c"], mask, entry.flatten(0, 1))
+    else:
+        if kind == "scalar":
+            y0, pm, m, s = scalar_decay(rows["q"], rows["k"], rows["v"], rows["a"], mask, chunk)
+        else:
+            y0, pm, m, s = delta_rule_summary(rows["q"], _unit_keys(rows["k"]), rows["v"],
+                                              rows["a"], rows["beta"], mask, chunk)
+        unflat = [t.unflatten(0, (batch, n)) for t in (y0, pm, m, s)]
+        entry = state_scan(unflat[2], unflat[3], plan, rank, kind, exchange)
+        y = (unflat[0] + read_entry(unflat[1], entry)).flatten(0, 1)
+    return from_pieces(y.unflatten(0, (batch, n)), plan, rank)
+
+
+def _reference(kind, p, bounds):
+    out = []
+    for row in range(p["q"].shape[0]):
+        parts = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            t = {name: v[row, lo:hi] for name, v in p.items() if name != "A"}
+            if kind == "scalar":
+                y, _ = scalar_decay_loop(t["q"], t["k"], t["v"], t["a"])
+            elif kind == "matrix":
+                y, _ = delta_rule_loop(t["q"], _unit_keys(t["k"]), t["v"], t["a"], t["beta"])
+            else:
+                y, _ = selective_scan_loop(t["dt"], p["A"], t["x"] * t["dt"][..., None], t["c"])
+            parts.append(y)
+        out.append(torch.cat(parts))
+    return torch.stack(out)
+
+
+CASES = [  # (sharding, world, document lengths, layout)
+    ("sequence", 2, (24,), "contiguous"),
+    ("sequence", 3, (30,), "zigzag"),
+    ("sequence", 4, (16,), "zigzag"),  # pieces of 2 tokens: shorter than the halo (3)
+    ("per-document", 3, (1, 2, 20, 3, 13), "zigzag"),  # padding, 1-token documents
+    ("per-document", 4, (9, 30), "contiguous"),
+    ("plan", 3, (2, 31, 1, 4, 5, 3, 6), "zigzag"),
+    ("plan", 4, (40, 2, 2, 3, 1, 7), "contiguous"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-W{c[1]}-{c[3]}")
+def test_sharded_conv_and_scans_are_exact(gen, case):
+    """Every rank's outputs (conv with a 4-tap kernel: halo 3; the three recurrences with
+    chunk 4, so that pieces are longer and shorter than a chunk) equal the float64 per-document
+    reference, batch 2 rows sharded alike (packed documents: 1 row)."""
+    sharding, world, lengths, layout = case
+    plan, indices, bounds = sharded_problem(sharding, world, lengths, layout)
+    batch = 2 if sharding == "sequence" else 1
+    p = _problem(gen, batch, bounds[-1])
+    x = _rand(gen, batch, bounds[-1], 5)
+    weight, bias = _rand(gen, 5, 4), _rand(gen, 5)
+    conv_ref = conv_reference(x, weight, bias, bounds)
+    refs = {kind: _reference(kind, p, bounds) for kind in ("scalar", "matrix", "diagonal")}
+
+    def rank_fn(rank, exchange):
+        index = indices[rank]
+        out = {"conv": causal_conv(take(x, index), weight, bias, plan, rank, exchange)}
+        for kind in refs:
+            out[kind] = _scan_on_rank(kind, p, plan, index, rank, exchange, chunk=4)
+        return out
+
+    for rank, out in enumerate(emulate(world, rank_fn)):
+        index = indices[rank]
+        torch.testing.assert_close(out["conv"], take(conv_ref, index), msg=f"conv rank {rank}")
+        for kind, ref in refs.items():
+            torch.testing.assert_close(out[kind], take(ref, index), atol=1e-9, rtol=1e-9,
+                                       msg=lambda m: f"{kind} rank {rank}: {m}")
+    # Ablation: each rank on its own tokens only (nothing received) is not the reference.
+    alone = emulate(world, lambda r, ex: rank_fn(r, lambda t: torch.zeros_like(ex(t))))
+    for name, ref in (("conv", conv_ref), *refs.items()):
+        assert any(not torch.allclose(out[name], take(ref, indices[r]), atol=1e-6)
+                   for r, out in enumerate(alone)), f"{name}: the test cannot fail"
+
+
+def test_rank_with_only_document_starts_takes_part(gen):
+    """Rank 0 holds only whole documents (every piece starts its document: nothing to receive)
+    while the others share a split one: every rank still calls the exchange in the forward and
+    the backward (else the others would wait for it), and the results are exact."""
+    indices = [torch.tensor([0, 1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]),
+               torch.tensor([9, 10, 11, 12])]
+    bounds = (0, 2, 5, 13)  # documents [0, 2), [2, 5) on rank 0; [5, 13) over ranks 1 and 2
+    plan = build_plan(indices, bounds)
+    assert all(plan.starts_document(0)) and plan.predecessors(0) == ((), ())
+    calls = [0] * 3
+    p = _problem(gen, 1, 13)
+    for t in p.values():
+        t.requires_grad_(True)
+    x = _rand(gen, 1, 13, 5).requires_grad_(True)
+    weight = _rand(gen, 5, 3)
+
+    def rank_fn(rank, exchange):
+        def counted(t):
+            calls[rank] += 1
+            return exchange(t)
+        conv = causal_conv(take(x, indices[rank]), weight, None, plan, rank, counted)
+        return conv, _scan_on_rank("matrix", p, plan, indices[rank], rank, counted, chunk=4)
+
+    outs = emulate(3, rank_fn)
+    assert calls == [2, 2, 2]  # halo and summaries, on every rank
+    loss = sum((c.square().sum() + y.square().sum()) for c, y in outs)
+    loss.backward()
+    for rank, (conv, y) in enumerate(outs):
+        torch.testing.assert_close(conv, take(conv_reference(x, weight, None, bounds),
+                                              indices[rank]))
+        torch.testing.assert_close(y, take(_reference("matrix", p, bounds), indices[rank]))
+    assert x.grad is not None and bool(x.grad.abs().sum() > 0)
+
+
+def test_gradcheck_conv_halo_and_state_scan(gen):
+    """torch.autograd.gradcheck of the sharded conv (inputs, weight, bias) and of the state scan
+    (summaries of every kind) over 3 emulated zigzag ranks with two documents, float64."""
+    plan, indices, bounds = sharded_problem("per-document", 3, (7, 11), "zigzag")
+    x = _rand(gen, 1, bounds[-1], 2).requires_grad_(True)
+    weight = _rand(gen, 2, 3).requires_grad_(True)
+    bias = _rand(gen, 2).requires_grad_(True)
+
+    def conv(x, weight, bias):
+        outs = emulate(3, lambda r, ex: causal_conv(take(x, indices[r]), weight, bias, plan, r,
+                                                     ex))
+        return torch.cat(outs, 1)
+
+    assert torch.autograd.gradcheck(conv, (x, weight, bias), fast_mode=True)
+    counts = [len(ps) for ps in plan.pieces]
+    for kind, m_shape in (("scalar", (2,)), ("diagonal", (2, 2, 3)), ("matrix", (2, 2, 2))):
+        ms = [(_rand(gen, 1, n, *m_shape) * 0.5).requires_grad_(True) for n in counts]
+        ss = [_rand(gen, 1, n, 2, 2, 3).requires_grad_(True) for n in counts]
+
+        def scan(*tensors):
+            outs = emulate(3, lambda r, ex: state_scan(tensors[r], tensors[3 + r], plan, r,
+                                                        kind, ex))
+            return torch.cat([o.flatten() for o in outs])
+
+        assert torch.autograd.gradcheck(scan, (*ms, *ss), fast_mode=True), kind
+
+
+def test_striped_is_a_piece_per_token():
+    """The striped layout makes every token a piece (what the integration refuses)."""
+    plan, _, _ = sharded_problem("sequence", 2, (16,), "striped")
+    assert [len(ps) for ps in plan.pieces] == [8, 8]
