@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 from cpattn._layout import document_positions, shard_positions
 from cpattn.documents import shard_documents
-from cpattn.mixers import build_plan
+from cpattn.mixers import build_plan, state_scan
+from cpattn.mixers.kernels import delta_rule_summary, read_entry, scalar_decay, selective_scan
+from cpattn.mixers.primitives import from_pieces, piece_mask, to_pieces
 
 
 def scalar_decay_loop(q, k, v, a, initial=None):
@@ -88,3 +90,67 @@ def take(x: torch.Tensor, index: torch.Tensor, dim: int = 1) -> torch.Tensor:
     zero = x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1:]))
     slots = torch.where(index < 0, x.shape[dim], index)
     return torch.cat([x, zero], dim).index_select(dim, slots)
+
+
+def unit_keys(k):
+    return k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # (l2-normalised, as the models)
+
+
+def problem(gen, batch, total, heads=2, dk=3, dv=4, dtype=torch.float64):
+    """Global inputs (B, T, ...) of the three recurrences of scan_on_rank."""
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    return dict(
+        q=rand(batch, total, heads, dk), k=rand(batch, total, heads, dk) * 0.5,
+        v=rand(batch, total, heads, dv),
+        a=-torch.rand(batch, total, heads, generator=gen, dtype=dtype),  # log decays <= 0
+        beta=torch.rand(batch, total, heads, generator=gen, dtype=dtype),
+        dt=torch.rand(batch, total, heads * 2, generator=gen, dtype=dtype) * 0.5,
+        A=-torch.rand(heads * 2, dk, generator=gen, dtype=dtype) - 0.1,
+        x=rand(batch, total, heads * 2, dk), c=rand(batch, total, dk))
+
+
+def scan_on_rank(kind, p, plan, index, rank, exchange, chunk):
+    """The recurrence `kind` ("scalar", "matrix", "diagonal") on rank's tokens of the global
+    problem p (index: rank's global indices; None: p holds rank's tokens already): local kernel
+    per piece, state scan, entry read. Returns local outputs."""
+    local = {name: t if index is None or name == "A" else take(t, index)
+             for name, t in p.items()}
+    rows = {name: to_pieces(t, plan, rank).flatten(0, 1) for name, t in local.items()
+            if name != "A"}
+    batch, n = p["q"].shape[0], len(plan.pieces[rank])
+    mask = piece_mask(plan, rank).repeat(batch, 1)
+    if kind == "diagonal":
+        bx = rows["x"] * rows["dt"][..., None]
+        _, s, m = selective_scan(rows["dt"], p["A"], bx, rows["c"], mask)
+        entry = state_scan(m.unflatten(0, (batch, n)), s.unflatten(0, (batch, n)), plan, rank,
+                           "diagonal", exchange)
+        y, _, _ = selective_scan(rows["dt"], p["A"], bx, rows["c"], mask, entry.flatten(0, 1))
+    else:
+        if kind == "scalar":
+            y0, pm, m, s = scalar_decay(rows["q"], rows["k"], rows["v"], rows["a"], mask, chunk)
+        else:
+            y0, pm, m, s = delta_rule_summary(rows["q"], unit_keys(rows["k"]), rows["v"],
+                                              rows["a"], rows["beta"], mask, chunk)
+        unflat = [t.unflatten(0, (batch, n)) for t in (y0, pm, m, s)]
+        entry = state_scan(unflat[2], unflat[3], plan, rank, kind, exchange)
+        y = (unflat[0] + read_entry(unflat[1], entry)).flatten(0, 1)
+    return from_pieces(y.unflatten(0, (batch, n)), plan, rank)
+
+
+def reference(kind, p, bounds):
+    out = []
+    for row in range(p["q"].shape[0]):
+        parts = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            t = {name: v[row, lo:hi] for name, v in p.items() if name != "A"}
+            if kind == "scalar":
+                y, _ = scalar_decay_loop(t["q"], t["k"], t["v"], t["a"])
+            elif kind == "matrix":
+                y, _ = delta_rule_loop(t["q"], unit_keys(t["k"]), t["v"], t["a"], t["beta"])
+            else:
+                y, _ = selective_scan_loop(t["dt"], p["A"], t["x"] * t["dt"][..., None], t["c"])
+            parts.append(y)
+        out.append(torch.cat(parts))
+    return torch.stack(out)

@@ -11,22 +11,20 @@ import pytest
 import torch
 
 from cpattn.mixers import build_plan, causal_conv, compose, state_scan
-from cpattn.mixers.kernels import (
-    delta_rule_summary,
-    read_entry,
-    scalar_decay,
-    selective_scan,
-)
-from cpattn.mixers.primitives import from_pieces, piece_mask, to_pieces
+from cpattn.mixers.kernels import delta_rule_summary, read_entry, scalar_decay, selective_scan
 from cpattn.testing.mixers import emulate
 
 from mixer_reference import (
     conv_reference,
     delta_rule_loop,
+    problem,
+    reference,
     scalar_decay_loop,
+    scan_on_rank,
     selective_scan_loop,
     sharded_problem,
     take,
+    unit_keys,
 )
 
 F64 = torch.float64
@@ -34,22 +32,6 @@ F64 = torch.float64
 
 def _rand(gen, *shape, scale=1.0):
     return torch.randn(*shape, generator=gen, dtype=F64) * scale
-
-
-def _problem(gen, batch, total, heads=2, dk=3, dv=4):
-    """Global inputs of the three recurrences (B, T, ...)."""
-    return dict(
-        q=_rand(gen, batch, total, heads, dk), k=_rand(gen, batch, total, heads, dk) * 0.5,
-        v=_rand(gen, batch, total, heads, dv),
-        a=-torch.rand(batch, total, heads, generator=gen, dtype=F64),  # log decays <= 0
-        beta=torch.rand(batch, total, heads, generator=gen, dtype=F64),
-        dt=torch.rand(batch, total, heads * 2, generator=gen, dtype=F64) * 0.5,
-        A=-torch.rand(heads * 2, dk, generator=gen, dtype=F64) - 0.1,
-        x=_rand(gen, batch, total, heads * 2, dk), c=_rand(gen, batch, total, dk))
-
-
-def _unit_keys(k):
-    return k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # (l2-normalised, as the models)
 
 
 # --- plans --------------------------------------------------------------------------------------
@@ -88,10 +70,10 @@ def test_plan_refuses_a_bad_tiling():
 def test_kernels_and_summaries_match_the_token_loop(gen, chunk):
     """Each kernel from zero, its entry map from a random entry state and its summary (the state
     at the row's end) equal the float64 token loop, rows of different lengths (masked ends)."""
-    p = _problem(gen, 3, 11)
+    p = problem(gen, 3, 11)
     lengths = [11, 7, 1]
     mask = torch.arange(11)[None] < torch.tensor(lengths)[:, None]
-    k = _unit_keys(p["k"])
+    k = unit_keys(p["k"])
     entry = _rand(gen, 3, 2, 3, 4)
     y0, pm, m, s = scalar_decay(p["q"], p["k"], p["v"], p["a"], mask, chunk)
     y1, pd, md, sd = delta_rule_summary(p["q"], k, p["v"], p["a"], p["beta"], mask, chunk)
@@ -129,8 +111,8 @@ def test_fold_is_associative(gen):
         right = compose(kind, c, compose(kind, b, a))
         for x, y in zip(left, right):
             torch.testing.assert_close(x, y)
-    p = _problem(gen, 1, 9)
-    k = _unit_keys(p["k"])
+    p = problem(gen, 1, 9)
+    k = unit_keys(p["k"])
     whole = torch.ones(1, 9, dtype=torch.bool)
     args = (p["q"], k, p["v"], p["a"], p["beta"])
     _, _, m, s = delta_rule_summary(*args, whole, 4)
@@ -141,50 +123,6 @@ def test_fold_is_associative(gen):
 
 
 # --- the sharded primitives -----------------------------------------------------------------------
-
-def _scan_on_rank(kind, p, plan, index, rank, exchange, chunk):
-    """The recurrence `kind` ("scalar", "matrix", "diagonal") on rank's tokens of the global
-    problem p: local kernel per piece, state scan, entry read. Returns local outputs."""
-    local = {name: take(t, index) if t.dim() > 2 or name != "A" else t for name, t in p.items()}
-    local["A"] = p["A"]
-    rows = {name: to_pieces(t, plan, rank).flatten(0, 1) for name, t in local.items()
-            if name != "A"}
-    batch, n = p["q"].shape[0], len(plan.pieces[rank])
-    mask = piece_mask(plan, rank).repeat(batch, 1)
-    if kind == "diagonal":
-        bx = rows["x"] * rows["dt"][..., None]
-        _, s, m = selective_scan(rows["dt"], p["A"], bx, rows["c"], mask)
-        entry = state_scan(m.unflatten(0, (batch, n)), s.unflatten(0, (batch, n)), plan, rank,
-                           "diagonal", exchange)
-        y, _, _ = selective_scan(rows["dt"], p["A"], bx, rows["c"], mask, entry.flatten(0, 1))
-    else:
-        if kind == "scalar":
-            y0, pm, m, s = scalar_decay(rows["q"], rows["k"], rows["v"], rows["a"], mask, chunk)
-        else:
-            y0, pm, m, s = delta_rule_summary(rows["q"], _unit_keys(rows["k"]), rows["v"],
-                                              rows["a"], rows["beta"], mask, chunk)
-        unflat = [t.unflatten(0, (batch, n)) for t in (y0, pm, m, s)]
-        entry = state_scan(unflat[2], unflat[3], plan, rank, kind, exchange)
-        y = (unflat[0] + read_entry(unflat[1], entry)).flatten(0, 1)
-    return from_pieces(y.unflatten(0, (batch, n)), plan, rank)
-
-
-def _reference(kind, p, bounds):
-    out = []
-    for row in range(p["q"].shape[0]):
-        parts = []
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            t = {name: v[row, lo:hi] for name, v in p.items() if name != "A"}
-            if kind == "scalar":
-                y, _ = scalar_decay_loop(t["q"], t["k"], t["v"], t["a"])
-            elif kind == "matrix":
-                y, _ = delta_rule_loop(t["q"], _unit_keys(t["k"]), t["v"], t["a"], t["beta"])
-            else:
-                y, _ = selective_scan_loop(t["dt"], p["A"], t["x"] * t["dt"][..., None], t["c"])
-            parts.append(y)
-        out.append(torch.cat(parts))
-    return torch.stack(out)
-
 
 CASES = [  # (sharding, world, document lengths, layout)
     ("sequence", 2, (24,), "contiguous"),
@@ -205,17 +143,17 @@ def test_sharded_conv_and_scans_are_exact(gen, case):
     sharding, world, lengths, layout = case
     plan, indices, bounds = sharded_problem(sharding, world, lengths, layout)
     batch = 2 if sharding == "sequence" else 1
-    p = _problem(gen, batch, bounds[-1])
+    p = problem(gen, batch, bounds[-1])
     x = _rand(gen, batch, bounds[-1], 5)
     weight, bias = _rand(gen, 5, 4), _rand(gen, 5)
     conv_ref = conv_reference(x, weight, bias, bounds)
-    refs = {kind: _reference(kind, p, bounds) for kind in ("scalar", "matrix", "diagonal")}
+    refs = {kind: reference(kind, p, bounds) for kind in ("scalar", "matrix", "diagonal")}
 
     def rank_fn(rank, exchange):
         index = indices[rank]
         out = {"conv": causal_conv(take(x, index), weight, bias, plan, rank, exchange)}
         for kind in refs:
-            out[kind] = _scan_on_rank(kind, p, plan, index, rank, exchange, chunk=4)
+            out[kind] = scan_on_rank(kind, p, plan, index, rank, exchange, chunk=4)
         return out
 
     for rank, out in enumerate(emulate(world, rank_fn)):
@@ -241,7 +179,7 @@ def test_rank_with_only_document_starts_takes_part(gen):
     plan = build_plan(indices, bounds)
     assert all(plan.starts_document(0)) and plan.predecessors(0) == ((), ())
     calls = [0] * 3
-    p = _problem(gen, 1, 13)
+    p = problem(gen, 1, 13)
     for t in p.values():
         t.requires_grad_(True)
     x = _rand(gen, 1, 13, 5).requires_grad_(True)
@@ -252,7 +190,7 @@ def test_rank_with_only_document_starts_takes_part(gen):
             calls[rank] += 1
             return exchange(t)
         conv = causal_conv(take(x, indices[rank]), weight, None, plan, rank, counted)
-        return conv, _scan_on_rank("matrix", p, plan, indices[rank], rank, counted, chunk=4)
+        return conv, scan_on_rank("matrix", p, plan, indices[rank], rank, counted, chunk=4)
 
     outs = emulate(3, rank_fn)
     assert calls == [2, 2, 2]  # halo and summaries, on every rank
@@ -261,7 +199,7 @@ def test_rank_with_only_document_starts_takes_part(gen):
     for rank, (conv, y) in enumerate(outs):
         torch.testing.assert_close(conv, take(conv_reference(x, weight, None, bounds),
                                               indices[rank]))
-        torch.testing.assert_close(y, take(_reference("matrix", p, bounds), indices[rank]))
+        torch.testing.assert_close(y, take(reference("matrix", p, bounds), indices[rank]))
     assert x.grad is not None and bool(x.grad.abs().sum() > 0)
 
 

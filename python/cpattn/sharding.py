@@ -241,7 +241,14 @@ def hybrid_positions(
     padding slots have position -1."""
     _, r_rank, r_world = group_info(ring_group)
     _, u_rank, u_world = group_info(ulysses_group)
-    ring_pos = positions(seqlen, layout=layout, rank=r_rank, world_size=r_world, device=device)
+    pos = hybrid_shard_positions(seqlen, layout, r_world, u_world, r_rank, u_rank)
+    return to_device(pos, device) if device is not None else pos
+
+
+def hybrid_shard_positions(seqlen: int, layout: str, r_world: int, u_world: int, r_rank: int,
+                           u_rank: int) -> torch.Tensor:
+    """hybrid_positions of the rank at (r_rank, u_rank) of an R x U mesh (int64, CPU)."""
+    ring_pos = shard_positions(seqlen, layout, r_world, r_rank)
     _, padded = hybrid_ring_shard(seqlen, layout, r_world, u_world)
     if padded != ring_pos.numel():
         ring_pos = torch.cat([ring_pos, ring_pos.new_full((padded - ring_pos.numel(),), -1)])

@@ -1,0 +1,78 @@
+"""The mixer plan and exchange of a cpattn.ContextParallel: the tokens each rank holds under its
+settings (sequences sharded by cpattn.positions' layout, the hybrid mesh's, or packed documents
+from cpattn.shard_batch: a DocumentPlan or per document), from the functions that shard them."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch.distributed as dist
+
+from cpattn._layout import shard_positions
+from cpattn.mixers.exchange import Exchange, group_exchange
+from cpattn.mixers.plan import MixerPlan, build_plan
+from cpattn.packing import Documents
+from cpattn.parallel import ContextParallel
+from cpattn.sharding import hybrid_shard_positions
+
+WHAT = "cpattn.mixers"
+
+
+def check_settings(cp: ContextParallel, what: str = WHAT) -> None:
+    """Raises ValueError (the same on every rank: it depends on cp only) for settings under which
+    the mixers are not exact: the striped layout (every token its own piece: a summary per
+    token) and invariant mode (the fold's order follows W)."""
+    if cp.layout == "striped":
+        raise ValueError(f"{what}: the striped layout puts consecutive tokens on different ranks, "
+                         "so a convolution or recurrent layer would exchange a state per token; "
+                         "cpattn refuses it for models with such layers: use layout='zigzag' or "
+                         "'contiguous'")
+    if cp.invariant:
+        raise ValueError(f"{what}: invariant mode (results bitwise independent of the number of "
+                         "ranks) does not cover convolution, state-space or linear-attention "
+                         "layers: their states are folded at the ranks' boundaries, which move "
+                         "with W. Use ContextParallel(invariant=False) for this model")
+
+
+def _mesh(cp: ContextParallel) -> tuple:
+    """(strategy, layout, world, ring size, Ulysses size): what the sharding depends on."""
+    if cp.strategy == "hybrid":
+        r_world = dist.get_world_size(cp.ring_group)
+        return (cp.strategy, cp.layout, cp.world_size, r_world, cp.world_size // r_world)
+    return (cp.strategy, cp.layout, cp.world_size, cp.world_size, 1)
+
+
+def plan_of(cp: ContextParallel, local_len: int, documents: Optional[Documents] = None
+            ) -> MixerPlan:
+    """The plan of cp's ranks holding `local_len` tokens each of rows of local_len * W tokens
+    (documents None), or shard_batch's tokens of these packed documents."""
+    check_settings(cp)
+    return _plan(_mesh(cp), local_len, documents)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(mesh: tuple, local_len: int, documents: Optional[Documents]) -> MixerPlan:
+    strategy, layout, world, r_world, u_world = mesh
+    indices = []
+    for rank in range(world):
+        r_rank, u_rank = divmod(rank, u_world)
+        if documents is not None and documents.plan is not None:
+            index, _ = documents.plan_positions(rank)
+        elif documents is not None:
+            index, _ = documents.local_positions(layout, r_world, r_rank, u_world, u_rank)
+        elif strategy == "hybrid":
+            index = hybrid_shard_positions(local_len * world, layout, r_world, u_world, r_rank,
+                                           u_rank)
+        else:
+            index = shard_positions(local_len * world, layout, world, rank)
+        indices.append(index)
+    bounds = documents.cu_seqlens if documents is not None else (0, local_len * world)
+    return build_plan(indices, bounds)
+
+
+def exchange_of(cp: ContextParallel) -> Exchange:
+    """The exchange over cp's ranks, in cp.rank order."""
+    if cp.strategy == "hybrid":
+        return group_exchange((cp.ulysses_group, cp.ring_group))
+    return group_exchange((cp.group,))
