@@ -7,12 +7,13 @@ Ulysses; families beyond the ones of test_transformers (Qwen3, Gemma 3, Cohere2,
 MLA, Llama 4 with chunks longer than the sequence), encoders (BERT, ModernBERT's bidirectional
 local window), Qwen3-MoE's load-balancing loss over the whole sequence. Each exact case has an
 ablation showing that its feature changes the one-process result (so the test can fail).
-Refused on every rank: token mixers outside attention (LFM2's convolutions, GraniteMoeHybrid's
-Mamba layers, MiniMax's lightning attention), a sparse-attention indexer (DeepSeek-V3.2), Llama
-4's chunks shorter than the sequence with the ring (Ulysses applies them exactly), its
-temperature tuning past floor_scale, and its attention without position ids; and the
-one-rank-only triggers (a padding mask whose zeros lie in one shard, a document boundary in one
-shard, local positions that are global on rank 0 only) raise on every rank within a second."""
+Refused on every rank: token mixers outside attention that cpattn does not make exact
+(RecurrentGemma's RG-LRU; the exact ones: tests/test_transformers_hybrid.py), a sparse-attention
+indexer (DeepSeek-V3.2), Llama 4's chunks shorter than the sequence with the ring (Ulysses
+applies them exactly), its temperature tuning past floor_scale, and its attention without
+position ids; and the one-rank-only triggers (a padding mask whose zeros lie in one shard, a
+document boundary in one shard, local positions that are global on rank 0 only) raise on every
+rank within a second."""
 
 import time
 
@@ -335,20 +336,13 @@ def _refusals(cp):
     ids = _sequences()["input_ids"]
     local = cpattn.shard_batch({"input_ids": ids}, cp)
     refused = {
-        "lfm2": (T.Lfm2Config(vocab_size=96, hidden_size=32, intermediate_size=64,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                              layer_types=["conv", "full_attention"]), r"\['conv'\]"),
-        "granitemoehybrid": (T.GraniteMoeHybridConfig(
+        # (LFM2, Mamba, the delta rules and lightning attention are exact now:
+        # tests/test_transformers_hybrid.py; RecurrentGemma's RG-LRU is not)
+        "recurrent_gemma": (T.RecurrentGemmaConfig(
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention"],
-            mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8,
-            num_local_experts=2, num_experts_per_tok=1), "linear_attention"),  # (its Mamba)
-        "minimax": (T.MiniMaxConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
-                                    num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=8, num_local_experts=2,
-                                    num_experts_per_tok=1,
-                                    layer_types=["linear_attention", "full_attention"]),
-                    "linear_attention"),
+            num_attention_heads=4, num_key_value_heads=2, lru_width=32,
+            attention_window_size=16, block_types=["recurrent", "attention"]),
+            r"\['linear_attention'\]"),
         "deepseek_v32": (T.DeepseekV32Config(vocab_size=96, hidden_size=32,
                                               intermediate_size=64, num_hidden_layers=1,
                                               num_attention_heads=4, num_key_value_heads=4,

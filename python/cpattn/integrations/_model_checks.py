@@ -4,7 +4,8 @@ Under context parallelism each rank runs the model on its shard of the tokens; o
 call sees the whole sequence. Everything else must be per token, or be made exact, or be refused:
 - token mixers outside attention (convolutions, Mamba / SSM, linear or lightning attention, a
   sparse-attention indexer) would mix each rank's shard only: refused, from the config's
-  `layer_types` and the classes of the model's modeling module (`check_config`);
+  `layer_types` and the classes of the model's modeling module (`check_config`), unless
+  `_hybrid` makes every mixer of the model type exact;
 - masks the model builds (`mask_function` handed to the mask hook): the ones cpattn applies on
   global positions (causal, bidirectional, sliding windows, chunks, packed documents, padding
   handled by shard_batch) pass, any other raises (`check_mask_function`);
@@ -27,6 +28,7 @@ from typing import Optional
 import torch
 
 from cpattn._agreement import agree_on
+from cpattn.integrations import _hybrid
 
 WHAT = "cpattn.integrations.transformers"
 
@@ -65,14 +67,15 @@ def _cached_config_refusal(model_type: str, layer_types: tuple) -> str:
                     "indexer (top-k over the scores of the whole sequence) before the attention "
                     "call; under context parallelism the indexer would see each rank's shard "
                     "only, so cpattn refuses it (no exact sharded indexer yet)")
-        if others:
+        if others and not _hybrid.handles(model_type):
             first = next(i for i, t in enumerate(layer_types) if t in others)
             return (f"{WHAT}: the {model_type!r} model has layers of type {others} (layer "
                     f"{first} first), which mix tokens outside the attention call (convolution, "
                     "state-space or linear attention); under context parallelism they would "
                     "see each rank's shard only, so cpattn refuses the model")
         return ""
-    mixers = _mixer_classes(model_type)
+    mixers = [m for m in _mixer_classes(model_type)
+              if not (_hybrid.handles(model_type) and m in _hybrid.mixer_classes(model_type))]
     if mixers:
         return (f"{WHAT}: the {model_type!r} model defines token-mixing layers outside attention "
                 f"({', '.join(mixers)}); under context parallelism they would see each rank's "

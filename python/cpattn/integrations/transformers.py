@@ -45,6 +45,7 @@ import torch
 
 from cpattn._agreement import reads_on_host
 from cpattn._device import to_device
+from cpattn.integrations import _hybrid
 from cpattn.integrations._generation import PENDING, ContextParallelCache
 from cpattn.integrations._keywords import WHAT, score_options, short
 from cpattn.integrations._model_checks import (
@@ -249,7 +250,8 @@ def _mask(cp: ContextParallel, *args, attention_mask: Optional[torch.Tensor] = N
     attention in its own code (Bloom, MPT: they accept any attn_implementation) would attend
     within each rank's shard only: it raises too."""
     model_type = getattr(config, "model_type", None)
-    if model_type is not None and not _calls_attention_interface(model_type):
+    if model_type is not None and not _calls_attention_interface(model_type) and \
+            not _hybrid.handles(model_type):  # (hybrids: attention through the interface)
         raise ValueError(f"{WHAT}: the {model_type!r} model computes attention in its own code "
                          "and never calls the attention interface, so cpattn cannot run it: "
                          "under context parallelism each rank would attend to its own shard "
@@ -314,6 +316,7 @@ def register(cp: ContextParallel, name: str = "cpattn") -> str:
     def mask(*args, **kwargs):
         return _mask(_SETTINGS[name], *args, **kwargs)
 
+    _hybrid.install(_SETTINGS.get)  # the token mixers of hybrid models (docs/hybrid-models.md)
     attention.__name__ = attention.__qualname__ = f"cpattn_attention_{name}"
     mask.__name__ = mask.__qualname__ = f"cpattn_mask_{name}"
     AttentionInterface.register(name, attention)

@@ -106,13 +106,43 @@ def delta_rule_summary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     transition M (K x K) and their outputs are the entry map. Returns y (N, L, H, V),
     P (N, L, H, K), M (N, H, K, K), S (N, H, K, V)."""
     keep = mask[..., None].to(q.dtype)
+    return _widened(lambda *a: delta_rule(*a, chunk), q, k, v, log_decay * keep, beta * keep)
+
+
+def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+        beta: torch.Tensor, initial: torch.Tensor | None = None):
+    """Kimi delta attention, token by token: S_t = (I - b_t k_t k_t^T) diag(exp(g_t)) S_{t-1}
+    + b_t k_t v_t^T, y_t = S_t^T q_t, with a decay per key channel: log_decay g (N, L, H, K);
+    other shapes as delta_rule. Returns y (N, L, H, V), S_L."""
+    state = initial if initial is not None else \
+        q.new_zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]))
+    ys = []
+    for t in range(q.shape[1]):
+        state = state * log_decay[:, t, :, :, None].exp()
+        seen = torch.einsum("nhk,nhkv->nhv", k[:, t], state)
+        state = state + k[:, t, :, :, None] * (beta[:, t, :, None] * (v[:, t] - seen))[:, :, None]
+        ys.append(torch.einsum("nhk,nhkv->nhv", q[:, t], state))
+    y = torch.stack(ys, 1) if ys else v.new_zeros(v.shape)
+    return y, state
+
+
+def _widened(fn, q, k, v, *args):
+    """fn from a zero state with its entry map and summary: the state widened by K identity
+    columns that receive no values (see delta_rule_summary)."""
     dk = k.shape[-1]
     wide = torch.cat([v.new_zeros((*v.shape[:3], dk)), v], -1)
     eye = torch.eye(dk, dtype=q.dtype, device=q.device)
     initial = torch.cat([eye.expand(q.shape[0], q.shape[2], dk, dk),
                          q.new_zeros((q.shape[0], q.shape[2], dk, v.shape[-1]))], -1)
-    y, final = delta_rule(q, k, wide, log_decay * keep, beta * keep, initial, chunk)
+    y, final = fn(q, k, wide, *args, initial)
     return y[..., dk:], y[..., :dk], final[..., :dk], final[..., dk:]
+
+
+def kda_summary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                beta: torch.Tensor, mask: torch.Tensor):
+    """kda from a zero state with its entry map and summary (as delta_rule_summary): y, P, M, S."""
+    keep = mask[..., None].to(q.dtype)
+    return _widened(kda, q, k, v, log_decay * keep[..., None], beta * keep)
 
 
 def selective_scan(dt: torch.Tensor, a: torch.Tensor, bx: torch.Tensor, c: torch.Tensor,
