@@ -308,7 +308,7 @@ def mixer_classes(model_type: str) -> tuple[str, ...]:
 
 _ORIGINAL: dict[str, tuple[type, Callable, Callable]] = {}  # class name -> (class, forward, init)
 _LOOKUP: list = []  # [settings_of(name) -> ContextParallel or None], set by install
-_CONFIG = weakref.WeakKeyDictionary()  # mixer module -> its config (for classes without one)
+_MODULES: dict[int, weakref.ref] = {}  # id -> the mixer modules built since install
 _DOCUMENTS: list = []  # shard_batch's documents of the base model forwards in progress
 
 
@@ -339,7 +339,8 @@ def _recording_init(init: Callable) -> Callable:
     @functools.wraps(init)
     def __init__(self, config, *args, **kwargs):
         init(self, config, *args, **kwargs)
-        _CONFIG[self] = config
+        self._cpattn_config = config  # (most mixers keep no reference to their config)
+        _MODULES[id(self)] = weakref.ref(self)
     return __init__
 
 
@@ -359,7 +360,7 @@ _ABSENT = object()
 
 def _config(module):
     config = getattr(module, "config", None)
-    return config if config is not None else _CONFIG.get(module)
+    return config if config is not None else getattr(module, "_cpattn_config", None)
 
 
 def _settings(module) -> Optional[ContextParallel]:
@@ -420,7 +421,7 @@ def _sharded_forward(cp: ContextParallel, name: str, module, hidden_states, args
         if plan.local_len[cp.rank] != local:
             raise ValueError(f"{WHAT}: {name} got {local} tokens; this rank holds "
                              f"{plan.local_len[cp.rank]} of the batch (pass shard_batch's tokens)")
-        verdict = probe(name, module)
+        verdict = _verdict(name, id(module))
         if verdict:
             raise ValueError(verdict)
         # (not the local length: under a document plan the ranks hold different numbers)
@@ -473,6 +474,18 @@ def _cache_refusal(name: str, cache) -> str:
 
 _VERDICTS = weakref.WeakKeyDictionary()  # module -> "" (matches its own forward) or the refusal
 PROBE_TOKENS = (70, 2, 61)  # the probe's pieces: out of order, one shorter than any halo
+
+
+@torch._dynamo.assume_constant_result
+def _verdict(name: str, key: int) -> str:
+    """probe() of the mixer module with id `key` (a constant under torch.compile: run in Python
+    while dynamo traces)."""
+    ref = _MODULES.get(key)
+    module = ref() if ref is not None else None
+    if module is None:
+        return (f"{WHAT}: {name} was built before cpattn's register(): register first, then "
+                "build the model")
+    return probe(name, module)
 
 
 def probe(name: str, module) -> str:

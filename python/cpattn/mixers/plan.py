@@ -10,8 +10,9 @@ refused by the integration).
 
 The plan is built from what cpattn already computes: every rank's global indices (cpattn.positions,
 DocumentPlan.positions, Documents.local_positions; -1 for padding) and the documents' boundaries.
-It is a pure function of them, the same on every rank, and hashable (cached, and a constant under
-torch.compile). Ranks are numbered as the exchange orders them (cpattn.ContextParallel.rank).
+It is a pure function of them, the same on every rank, and hashable: cached, and under
+torch.compile its queries are constants (computed in Python while dynamo traces). Ranks are
+numbered as the exchange orders them (cpattn.ContextParallel.rank).
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ import bisect
 import functools
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from cpattn._agreement import digest_ints
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A run of a rank's tokens: its first local index, length, document and first global index."""
+class Piece(NamedTuple):
+    """A run of a rank's tokens: its first local index, length, document and first global index.
+    (A tuple: the plan stays a constant that torch.compile can hold.)"""
 
     local: int
     length: int
@@ -37,10 +38,10 @@ class Piece:
     start: int
 
 
-@dataclass(frozen=True)
-class MixerPlan:
+class MixerPlan(NamedTuple):
     """pieces[r]: rank r's pieces in local order; local_len[r]: its number of local tokens
-    (padding included); bounds: the documents' boundaries in the global index (from 0)."""
+    (padding included); bounds: the documents' boundaries in the global index (from 0). (A
+    tuple of ints: torch.compile holds it as a constant.)"""
 
     world: int
     bounds: tuple
@@ -55,17 +56,16 @@ class MixerPlan:
     # --- local token <-> piece rows -------------------------------------------------------------
     def longest(self, rank: int) -> int:
         """The longest piece of rank (the rows' length); 0 without pieces."""
-        return max((p.length for p in self.pieces[rank]), default=0)
+        return _longest(self, rank)
+
+    def lengths(self, rank: int) -> tuple[int, ...]:
+        """The lengths of rank's pieces."""
+        return _lengths(self, rank)
 
     def uniform(self, rank: int) -> bool:
         """Whether rank's pieces tile its local tokens in order with one length (no padding):
         pieces are then a view (B, n, L / n) of the local tokens."""
-        ps = self.pieces[rank]
-        if not ps:
-            return self.local_len[rank] == 0
-        n = ps[0].length
-        return all(p.length == n and p.local == i * n for i, p in enumerate(ps)) and \
-            n * len(ps) == self.local_len[rank]
+        return _uniform(self, rank)
 
     def piece_rows(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(for each slot of the (pieces, longest) rows, its local token or local_len: a zero
@@ -79,13 +79,13 @@ class MixerPlan:
 
     def starts_document(self, rank: int) -> tuple[bool, ...]:
         """For each of rank's pieces: whether it starts its document (no predecessor)."""
-        return tuple(p.start == self.bounds[p.doc] for p in self.pieces[rank])
+        return _starts_document(self, rank)
 
     @property
     def slots(self) -> int:
         """Summaries each rank publishes (the most of any rank): one per piece whose document
         continues in a later piece."""
-        return max((len(_published(self, r)) for r in range(self.world)), default=0)
+        return _slots(self)
 
     def published(self, rank: int) -> tuple[int, ...]:
         """rank's pieces (indices) that publish a summary, in slot order."""
@@ -96,6 +96,11 @@ class MixerPlan:
         pieces before it in its document, in global order (empty: it starts its document)."""
         return _predecessors(self, rank)
 
+    def fold_steps(self, rank: int) -> tuple[tuple[int, ...], ...]:
+        """predecessors(rank) as the fold's steps: for each step, each piece's gathered slot,
+        left-padded with world * slots (the identity) to the longest chain."""
+        return _fold_steps(self, rank)
+
     # --- the convolution halo -------------------------------------------------------------------
     def halo(self, rank: int, width: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
         """For a causal convolution reading `width` earlier tokens: (the local tokens rank
@@ -103,6 +108,18 @@ class MixerPlan:
         each of the `width` tokens before it (oldest first), its gathered row (source rank *
         rows + row), or world * rows: a zero row (before the document's start))."""
         return _halo(self, rank, width)
+
+
+def _constant(fn):
+    """fn cached, and a constant under torch.compile (run in Python while dynamo traces: dynamo
+    would trace a cached function's body instead)."""
+    cached = functools.lru_cache(maxsize=512)(fn)
+
+    @functools.wraps(fn)
+    def constant(*args):
+        return cached(*args)
+
+    return torch._dynamo.assume_constant_result(constant)
 
 
 def build_plan(indices: Sequence[torch.Tensor], bounds: Sequence[int]) -> MixerPlan:
@@ -157,7 +174,32 @@ def _build(indices: tuple, bounds: tuple) -> MixerPlan:
                      signature)
 
 
-@functools.lru_cache(maxsize=512)
+@_constant
+def _longest(plan: MixerPlan, rank: int) -> int:
+    return max((p.length for p in plan.pieces[rank]), default=0)
+
+
+@_constant
+def _lengths(plan: MixerPlan, rank: int) -> tuple[int, ...]:
+    return tuple(p.length for p in plan.pieces[rank])
+
+
+@_constant
+def _uniform(plan: MixerPlan, rank: int) -> bool:
+    ps = plan.pieces[rank]
+    if not ps:
+        return plan.local_len[rank] == 0
+    n = ps[0].length
+    return all(p.length == n and p.local == i * n for i, p in enumerate(ps)) and \
+        n * len(ps) == plan.local_len[rank]
+
+
+@_constant
+def _starts_document(plan: MixerPlan, rank: int) -> tuple[bool, ...]:
+    return tuple(p.start == plan.bounds[p.doc] for p in plan.pieces[rank])
+
+
+@_constant
 def _piece_rows(plan: MixerPlan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     ps, local = plan.pieces[rank], plan.local_len[rank]
     longest = plan.longest(rank)
@@ -170,7 +212,7 @@ def _piece_rows(plan: MixerPlan, rank: int) -> tuple[tuple[int, ...], tuple[int,
     return tuple(rows), tuple(slot)
 
 
-@functools.lru_cache(maxsize=128)
+@_constant
 def _chains(plan: MixerPlan) -> tuple:
     chains = [[] for _ in range(len(plan.bounds) - 1)]
     for r, ps in enumerate(plan.pieces):
@@ -179,14 +221,19 @@ def _chains(plan: MixerPlan) -> tuple:
     return tuple(tuple((r, j) for _, r, j in sorted(c)) for c in chains)
 
 
-@functools.lru_cache(maxsize=512)
+@_constant
 def _published(plan: MixerPlan, rank: int) -> tuple[int, ...]:
     return tuple(j for j, p in enumerate(plan.pieces[rank]) if plan.chain(p.doc)[-1] != (rank, j))
 
 
-@functools.lru_cache(maxsize=512)
+@_constant
+def _slots(plan: MixerPlan) -> int:
+    return max((len(_published(plan, r)) for r in range(plan.world)), default=0)
+
+
+@_constant
 def _predecessors(plan: MixerPlan, rank: int) -> tuple[tuple[int, ...], ...]:
-    slots = plan.slots
+    slots = _slots(plan)
     slot_of = {}
     for r in range(plan.world):
         for s, j in enumerate(plan.published(r)):
@@ -196,6 +243,15 @@ def _predecessors(plan: MixerPlan, rank: int) -> tuple[tuple[int, ...], ...]:
         chain = plan.chain(p.doc)
         out.append(tuple(slot_of[c] for c in chain[:chain.index((rank, j))]))
     return tuple(out)
+
+
+@_constant
+def _fold_steps(plan: MixerPlan, rank: int) -> tuple[tuple[int, ...], ...]:
+    preds = _predecessors(plan, rank)
+    steps = max((len(p) for p in preds), default=0)
+    pad = plan.world * _slots(plan)
+    ids = [(pad,) * (steps - len(p)) + p for p in preds]
+    return tuple(tuple(i[t] for i in ids) for t in range(steps))
 
 
 @functools.lru_cache(maxsize=512)
@@ -215,7 +271,7 @@ def _halo_rows(plan: MixerPlan, width: int) -> tuple:
     return tuple(tuple(sorted(n)) for n in needed), owner
 
 
-@functools.lru_cache(maxsize=512)
+@_constant
 def _halo(plan: MixerPlan, rank: int, width: int):
     publish, owner = _halo_rows(plan, width)
     rows = max((len(p) for p in publish), default=0)

@@ -59,8 +59,9 @@ def from_pieces(y: torch.Tensor, plan: MixerPlan, rank: int) -> torch.Tensor:
 
 def piece_mask(plan: MixerPlan, rank: int, device=None) -> torch.Tensor:
     """(n, longest) bool: which row slots hold a token."""
-    n, longest = len(plan.pieces[rank]), plan.longest(rank)
-    lengths = _index([p.length for p in plan.pieces[rank]], device)
+    lengths = plan.lengths(rank)
+    n, longest = len(lengths), plan.longest(rank)
+    lengths = _index(lengths, device)
     return torch.arange(longest, device=device)[None, :] < lengths[:, None] if n else \
         torch.zeros((0, longest), dtype=torch.bool, device=device)
 
@@ -146,22 +147,19 @@ def fold_take(gathered: torch.Tensor, plan: MixerPlan, rank: int, kind: str,
     """(B, n, *s_shape): each of rank's pieces' entry state, the fold in global order of the
     gathered summaries (W, slots, B, |M| + |S|) of the pieces before it (M of shape m_shape,
     B of shape s_shape, per row)."""
-    preds = plan.predecessors(rank)
+    steps = plan.fold_steps(rank)  # the identity first (0 stays 0), then the chain in order
     flat = gathered.flatten(0, 1)  # (W slots, B, |M| + |S|)
     batch, m_size = flat.shape[1], 1
     for d in m_shape:
         m_size *= d
-    steps = max((len(p) for p in preds), default=0)
-    n = len(preds)
+    n = len(plan.pieces[rank])
     state = flat.new_zeros((batch, n, *s_shape))
     if steps:
         identity = _identity(kind, m_shape, flat)  # (|M|,)
         table = torch.cat([flat, torch.cat([identity, flat.new_zeros(flat.shape[2] - m_size)])
                            .expand(1, batch, -1)])
-        pad = flat.shape[0]
-        ids = [(pad,) * (steps - len(p)) + p for p in preds]  # identity first: 0 stays 0
-        for t in range(steps):
-            entry = table.index_select(0, _index([i[t] for i in ids], flat.device))
+        for ids in steps:
+            entry = table.index_select(0, _index(ids, flat.device))
             entry = entry.transpose(0, 1)  # (B, n, |M| + |S|)
             m = entry[..., :m_size].reshape(batch, n, *m_shape)
             b = entry[..., m_size:].reshape(batch, n, *s_shape)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from cpattn._layout import shard_positions
@@ -48,11 +49,27 @@ def plan_of(cp: ContextParallel, local_len: int, documents: Optional[Documents] 
     """The plan of cp's ranks holding `local_len` tokens each of rows of local_len * W tokens
     (documents None), or shard_batch's tokens of these packed documents."""
     check_settings(cp)
-    return _plan(_mesh(cp), local_len, documents)
+    # Under torch.compile the plan is built while dynamo traces, and the graph reads it from
+    # _PLANS (a global: dynamo can guard on it; an object a constant function returns it cannot).
+    return _PLANS[_plan_key(_mesh(cp), local_len, documents)]
+
+
+_PLANS: dict[bytes, MixerPlan] = {}  # signature -> plan, the latest 256 (packed batches vary)
+
+
+@torch._dynamo.assume_constant_result
+def _plan_key(mesh: tuple, local_len: int, documents: Optional[Documents]) -> bytes:
+    """The signature of _cached_plan's plan, which is then in _PLANS."""
+    plan = _cached_plan(mesh, local_len, documents)
+    _PLANS.pop(plan.signature, None)
+    _PLANS[plan.signature] = plan  # (the most recent last)
+    while len(_PLANS) > 256:
+        del _PLANS[next(iter(_PLANS))]
+    return plan.signature
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(mesh: tuple, local_len: int, documents: Optional[Documents]) -> MixerPlan:
+def _cached_plan(mesh: tuple, local_len: int, documents: Optional[Documents]) -> MixerPlan:
     strategy, layout, world, r_world, u_world = mesh
     indices = []
     for rank in range(world):
