@@ -145,14 +145,26 @@ def _loss(logits, labels):
 def reference(cfg, batch: dict, lengths=None) -> tuple[float, dict]:
     """One process (eager attention, the mixers' own forwards): loss and gradients. lengths:
     packed documents, one forward per document (transformers' own CPU mixers let packed
-    documents leak into each other's state)."""
+    documents leak into each other's state); a batch with an attention_mask: each row's real
+    tokens alone (at their positions in the row)."""
     m = model(cfg, "eager")
-    if lengths is None:
+    if "attention_mask" in batch:  # padded rows: each row's real tokens alone
+        losses, count = [], 0
+        for ids, mask, labels in zip(batch["input_ids"], batch["attention_mask"],
+                                     batch["labels"]):
+            real = mask.nonzero().flatten()
+            logits = m(input_ids=ids[real][None], position_ids=real[None], use_cache=False).logits
+            losses.append(torch.nn.functional.cross_entropy(
+                logits[0, :-1], labels[real][1:], reduction="sum"))
+            count += int((labels[real][1:] != -100).sum())
+        loss = sum(losses) / count
+    elif lengths is None:
         logits = m(input_ids=batch["input_ids"], use_cache=False).logits
     else:
         logits = torch.cat([m(input_ids=part, use_cache=False).logits
                             for part in batch["input_ids"].split(list(lengths), dim=1)], 1)
-    loss = _loss(logits, batch["labels"])
+    if "attention_mask" not in batch:
+        loss = _loss(logits, batch["labels"])
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in m.named_parameters()
                          if p.grad is not None}

@@ -1,0 +1,193 @@
+"""Hybrid transformers models (token mixers outside attention) under context parallelism, on real
+gloo ranks: every family of tests/hybrid_models.py trains exactly (fp32: loss within 1e-5 and
+every gradient within 1e-4 relative of one process, see hybrid_models.assert_step_matches),
+or is refused on every rank.
+
+- W = 2, all families: zigzag sequences (ring) and packed documents under a document plan (one
+  forward per document is the reference); a padded batch, the collator's cu_seq_lens form.
+- W = 3, all families: contiguous sequences and per-document packing (all-gather).
+- W = 4, one family per mixer kind: Ulysses, the 2 x 2 hybrid mesh, a plan with the all-gather.
+- torch.compile(fullgraph=True) of Qwen3.5 (gated delta rule) and Bamba (Mamba-2).
+Each exact case has an ablation (every mixer on its rank's pieces only) that changes the result.
+Refused on every rank: the striped layout, invariant mode, generate with ContextParallelCache,
+use_cache=True, a padding mask reaching a mixer, an attention-free model not given shard_batch's
+documents, and a module that differs from cpattn's version of it (a changed transformers class).
+Unknown mixers (RecurrentGemma) stay refused: tests/test_transformers_models.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import hybrid_models as H  # noqa: E402
+
+import cpattn  # noqa: E402
+from cpattn.integrations import _hybrid  # noqa: E402
+
+from distributed import run_ranks  # noqa: E402
+
+PLAN_LENGTHS = [30, 5, 4, 9]  # the 30-token document is split, the short ones stay whole
+ALL = tuple(H.FAMILIES)
+ONE_PER_KIND = ("lfm2", "bamba", "falcon_h1", "qwen3_next", "jamba", "kimi_linear", "minimax")
+
+
+def _cases(cp, kinds, batches) -> None:
+    """Each family on each batch: exact, and the mixers alone are not."""
+    for kind in kinds:
+        cfg = H.config(kind)
+        for name, batch, lengths, shard in batches:
+            what = f"{kind} {name} {cp.strategy}/{cp.layout} W={cp.world_size}"
+            ref = H.reference(cfg, batch, lengths)
+            H.assert_step_matches(ref, H.cp_step(cfg, batch, cp, **shard), what)
+            with H.mixers_alone():
+                H.assert_differs(ref, H.cp_step(cfg, batch, cp, **shard), what)
+
+
+def _padded() -> dict:
+    """Rows of one document each, right- and left-padded (unpadded into documents)."""
+    batch = H.sequences()
+    mask = torch.ones_like(batch["input_ids"])
+    mask[0, -7:] = 0
+    mask[1, :11] = 0
+    batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+    batch["labels"][1, 11] = -100  # (predicted by padding)
+    batch["attention_mask"] = mask
+    return batch
+
+
+def _raises_everywhere(match: str, fn, *args, **kwargs) -> None:
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        fn(*args, **kwargs)
+    assert time.monotonic() - start < 5.0, f"{match}: raised after {time.monotonic() - start} s"
+
+
+def _refusals(rank: int) -> None:
+    from cpattn.integrations.transformers import ContextParallelCache, register
+
+    batch = H.sequences()
+    for settings, match in ((dict(layout="striped"), "striped layout"),
+                            (dict(invariant=True), "invariant mode")):
+        cp = cpattn.ContextParallel(**settings)
+        model = H.model(H.config("qwen3_5"), register(cp, "cpattn_refused"))
+        local = cpattn.shard_batch(batch, cp)
+        _raises_everywhere(match, model, **{k: v for k, v in local.items()
+                                           if k != "shift_labels"})
+    cp = cpattn.ContextParallel()
+    name = register(cp, "cpattn_refused")
+    local = {k: v for k, v in cpattn.shard_batch(batch, cp).items() if k != "shift_labels"}
+    model = H.model(H.config("lfm2"), name)
+    _raises_everywhere("got a cache", model, **{**local, "use_cache": True})
+    # A padding mask that reaches the mixer (LFM2 hands the model's to its convolutions).
+    mask = torch.ones_like(local["input_ids"])
+    mask[0, 1] = 0
+    _raises_everywhere("attention.mask", model, **local, attention_mask=mask)
+    # An attention-free model given only input_ids: nothing would check its tokens' positions.
+    mamba = H.model(H.config("mamba"), name)
+    _raises_everywhere("no attention layer", mamba, input_ids=local["input_ids"])
+    # generate with the sharded K/V cache: the mixers' states are not in it.
+    prompts = torch.randint(5, 96, (2, 13), generator=torch.Generator().manual_seed(5))
+    for kind in ("qwen3_5", "bamba"):
+        model = H.model(H.config(kind), name)
+        cache = ContextParallelCache(cp, model.config, capacity=19)
+        _raises_everywhere("generate with ContextParallelCache does not support", model.generate,
+                           prompts, cache=cache, max_new_tokens=6, do_sample=False,
+                           pad_token_id=0)
+    # A class whose forward is not what cpattn computes (as if transformers changed it): the
+    # equivalence check refuses it on every rank, naming the class and the version.
+    cls, forward, init = _hybrid._ORIGINAL["Lfm2ShortConv"]
+    _hybrid._ORIGINAL["Lfm2ShortConv"] = (cls, lambda *a, **k: 1.01 * forward(*a, **k), init)
+    try:
+        model = H.model(H.config("lfm2"), name)
+        import transformers
+
+        _raises_everywhere(f"Lfm2ShortConv differs by .* transformers {transformers.__version__}",
+                           model, **local)
+    finally:
+        _hybrid._ORIGINAL["Lfm2ShortConv"] = (cls, forward, init)
+    H.assert_step_matches(H.reference(H.config("lfm2"), batch),
+                          H.cp_step(H.config("lfm2"), batch, cp), "lfm2 after the refusals")
+
+
+def _w2(rank, world):
+    zigzag = cpattn.ContextParallel(strategy="ring", layout="zigzag")
+    _cases(zigzag, ALL, [("sequences", H.sequences(), None, {}),
+                         ("plan", H.packed(PLAN_LENGTHS), PLAN_LENGTHS, {})])
+    gather = cpattn.ContextParallel(strategy="allgather", layout="contiguous")
+    _cases(gather, ("lfm2", "qwen3_5"), [("padded", _padded(), None,
+                                           {"documents": "per-document"})])
+    _cases(gather, ("bamba",), [("cu_seq_lens", H.packed(PLAN_LENGTHS, flash=True),
+                                 PLAN_LENGTHS, {})])
+    _refusals(rank)
+
+
+def _w3(rank, world):
+    cp = cpattn.ContextParallel(strategy="ring", layout="contiguous")
+    _cases(cp, ALL, [("sequences", H.sequences(), None, {})])
+    cp = cpattn.ContextParallel(strategy="allgather", layout="contiguous")
+    _cases(cp, ALL, [("per-document", H.packed(PLAN_LENGTHS), PLAN_LENGTHS,
+                      {"documents": "per-document"})])
+
+
+def _w4(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    packed = ("packed", H.packed(PLAN_LENGTHS), PLAN_LENGTHS, {})
+    _cases(cpattn.ContextParallel(strategy="ulysses"), ONE_PER_KIND,
+           [("sequences", H.sequences(), None, {}), packed])
+    hybrid = cpattn.ContextParallel(init_device_mesh("cpu", (2, 2)), strategy="hybrid")
+    _cases(hybrid, ONE_PER_KIND, [("sequences", H.sequences(), None, {}), packed])
+    _cases(cpattn.ContextParallel(strategy="allgather"), ONE_PER_KIND, [packed])
+
+
+def test_families_w2():
+    run_ranks(2, _w2)
+
+
+def test_families_w3():
+    run_ranks(3, _w3)
+
+
+def test_families_w4():
+    run_ranks(4, _w4)
+
+
+def _compiled(rank, world):
+    from torch._dynamo.utils import counters
+
+    batch = H.sequences()
+    for kind in ("qwen3_5", "bamba"):
+        torch._dynamo.reset()
+        counters.clear()
+        cfg = H.config(kind)
+        got = H.cp_step(cfg, batch, cpattn.ContextParallel(), compile_backend="aot_eager")
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+        H.assert_step_matches(H.reference(cfg, batch), got, f"compiled {kind}")
+
+
+def test_compile_fullgraph_w2():
+    """The aot_eager backend traces what inductor would get (dynamo graph, AOT autograd's joint
+    graph with the exchange's custom ops) without generating code (minutes on 2 cores)."""
+    run_ranks(2, _compiled)
+
+
+def test_probe_refuses_a_changed_class():
+    """One process: the equivalence check names the class and the transformers version."""
+    import transformers
+
+    _hybrid.install(lambda name: None)
+    model = H.model(H.config("qwen3_5"), "eager")
+    module = model.model.layers[0].linear_attn
+    assert _hybrid._probe("Qwen3_5GatedDeltaNet", module) == ""
+    cls, forward, init = _hybrid._ORIGINAL["Qwen3_5GatedDeltaNet"]
+    _hybrid._ORIGINAL["Qwen3_5GatedDeltaNet"] = (cls, lambda *a, **k: forward(*a, **k) + 1e-3,
+                                                 init)
+    try:
+        verdict = _hybrid._probe("Qwen3_5GatedDeltaNet", module)
+    finally:
+        _hybrid._ORIGINAL["Qwen3_5GatedDeltaNet"] = (cls, forward, init)
+    assert "Qwen3_5GatedDeltaNet differs" in verdict and transformers.__version__ in verdict
