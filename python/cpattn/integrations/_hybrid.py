@@ -37,7 +37,9 @@ from cpattn._validation import check_timeout
 from cpattn.mixers import MixerPlan, build_plan, causal_conv, stacked, state_scan
 from cpattn.mixers.exchange import Exchange
 from cpattn.mixers.kernels import (
+    delta_rule,
     delta_rule_summary,
+    kda,
     kda_summary,
     read_entry,
     scalar_decay,
@@ -66,6 +68,12 @@ class Mixing:
     @property
     def pieces(self) -> int:
         return len(self.plan.pieces[self.rank])
+
+    @property
+    def alone(self) -> bool:
+        """No piece of any rank continues a document of another piece: every entry state is
+        zero (one process, documents that are all whole), so no summary is needed."""
+        return self.plan.slots == 0
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return to_pieces(x, self.plan, self.rank).flatten(0, 1)
@@ -154,9 +162,13 @@ def _delta_rule(m, h, mix: Mixing, mixed, z, b, a, beta_scale: float = 1.0):
     q = _l2norm(q) * q.shape[-1] ** -0.5
     k = _l2norm(k)
     rows = [mix.rows(t) for t in (q, k, v.float(), g, beta.float())]
-    y0, p, mm, s = delta_rule_summary(*rows, mix.mask(h.device))
-    y = mix.local(y0 + read_entry(p, mix.entry(mm, s, "matrix"))).to(h.dtype)
-    return y, z
+    if mix.alone:
+        keep = mix.mask(h.device)[..., None].float()
+        y, _ = delta_rule(*rows[:3], rows[3] * keep, rows[4] * keep)
+    else:
+        y0, p, mm, s = delta_rule_summary(*rows, mix.mask(h.device))
+        y = y0 + read_entry(p, mix.entry(mm, s, "matrix"))
+    return mix.local(y).to(h.dtype), z
 
 
 def gated_delta_split(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
@@ -204,8 +216,13 @@ def kimi_delta(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
     q = _l2norm(q) * q.shape[-1] ** -0.5
     k = _l2norm(k)
     rows = [mix.rows(t) for t in (q, k, v, g, beta)]
-    y0, p, mm, s = kda_summary(*rows, mix.mask(h.device))
-    y = mix.local(y0 + read_entry(p, mix.entry(mm, s, "matrix"))).to(h.dtype)
+    if mix.alone:
+        keep = mix.mask(h.device)[..., None].float()
+        y, _ = kda(*rows[:3], rows[3] * keep[..., None], rows[4] * keep)
+    else:
+        y0, p, mm, s = kda_summary(*rows, mix.mask(h.device))
+        y = y0 + read_entry(p, mix.entry(mm, s, "matrix"))
+    y = mix.local(y).to(h.dtype)
     gate = m.g_b_proj(m.g_a_proj(h)).view(shape)
     return m.o_proj(m.o_norm(y, gate).reshape(batch, length, -1))
 

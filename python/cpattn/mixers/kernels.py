@@ -50,10 +50,11 @@ def scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: t
     to_end = (g[:, :, -1:, :] - g).exp()
     own = torch.einsum("ncjhk,ncjhv->nchkv", kc * to_end[..., None], vc)
     decay = g[:, :, -1].exp()  # (N, C, H)
+    # (unbind, not [:, c]: the backward of one select per chunk writes a whole zero gradient)
     starts, state = [], q.new_zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]))
-    for c in range(qc.shape[1]):
+    for d, o in zip(decay.unbind(1), own.unbind(1)):
         starts.append(state)
-        state = decay[:, c, :, None, None] * state + own[:, c]
+        state = d[:, :, None, None] * state + o
     start = torch.stack(starts, 1)  # (N, C, H, K, V)
     y = y + torch.einsum("ncihk,nchkv->ncihv", qc * g.exp()[..., None], start)
     y = y.flatten(1, 2)[:, :q.shape[1]]
@@ -90,10 +91,11 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: tor
     decay = g[..., -1].exp()  # (N, H, C)
     state = initial if initial is not None else q.new_zeros((n, heads, dk, v.shape[-1]))
     outs = []
-    for c in range(qc.shape[2]):
-        new = u[:, :, c] - w[:, :, c] @ state
-        outs.append(q_start[:, :, c] @ state + attn[:, :, c] @ new)
-        state = decay[:, :, c, None, None] * state + k_end[:, :, c].transpose(-1, -2) @ new
+    for u_c, w_c, q_c, a_c, d_c, k_c in zip(*(t.unbind(2) for t in (u, w, q_start, attn, decay,
+                                                                    k_end))):
+        new = u_c - w_c @ state
+        outs.append(q_c @ state + a_c @ new)
+        state = d_c[:, :, None, None] * state + k_c.transpose(-1, -2) @ new
     y = torch.stack(outs, 2).flatten(2, 3)[:, :, :length].transpose(1, 2)
     return y, state
 
@@ -117,11 +119,11 @@ def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tens
     state = initial if initial is not None else \
         q.new_zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]))
     ys = []
-    for t in range(q.shape[1]):
-        state = state * log_decay[:, t, :, :, None].exp()
-        seen = torch.einsum("nhk,nhkv->nhv", k[:, t], state)
-        state = state + k[:, t, :, :, None] * (beta[:, t, :, None] * (v[:, t] - seen))[:, :, None]
-        ys.append(torch.einsum("nhk,nhkv->nhv", q[:, t], state))
+    for q_t, k_t, v_t, g_t, b_t in zip(*(t.unbind(1) for t in (q, k, v, log_decay, beta))):
+        state = state * g_t[..., None].exp()
+        seen = torch.einsum("nhk,nhkv->nhv", k_t, state)
+        state = state + k_t[..., None] * (b_t[..., None] * (v_t - seen))[:, :, None]
+        ys.append(torch.einsum("nhk,nhkv->nhv", q_t, state))
     y = torch.stack(ys, 1) if ys else v.new_zeros(v.shape)
     return y, state
 
@@ -156,9 +158,9 @@ def selective_scan(dt: torch.Tensor, a: torch.Tensor, bx: torch.Tensor, c: torch
     bx = bx * mask[..., None, None].to(bx.dtype)
     h = initial if initial is not None else bx.new_zeros((bx.shape[0], *bx.shape[2:]))
     ys = []
-    for t in range(dt.shape[1]):
-        h = torch.exp(dt[:, t, :, None] * a) * h + bx[:, t]
-        ys.append(h @ c[:, t, :, None])
+    for dt_t, bx_t, c_t in zip(dt.unbind(1), bx.unbind(1), c.unbind(1)):
+        h = torch.exp(dt_t[:, :, None] * a) * h + bx_t
+        ys.append(h @ c_t[:, :, None])
     y = torch.cat(ys, -1).transpose(1, 2) if ys else dt.new_zeros(dt.shape)
     return y, h, torch.exp(dt.sum(1)[..., None] * a)
 
