@@ -357,7 +357,8 @@ def _recording_init(init: Callable) -> Callable:
     def __init__(self, config, *args, **kwargs):
         init(self, config, *args, **kwargs)
         self._cpattn_config = config  # (most mixers keep no reference to their config)
-        _MODULES[id(self)] = weakref.ref(self)
+        key = id(self)
+        _MODULES[key] = weakref.ref(self, lambda _: _MODULES.pop(key, None))
     return __init__
 
 
@@ -393,7 +394,6 @@ def _mixer_forward(name: str, forward: Callable) -> Callable:
         if cp is None:
             return forward(self, hidden_states, *args, **kwargs)
         return _sharded_forward(cp, name, self, hidden_states, args, kwargs)
-    wrapped.__cpattn_original__ = forward
     return wrapped
 
 
