@@ -15,7 +15,9 @@ Method (1 thread throughout, as the ranks of the CI machine: W ranks would overs
 cores, so each rank's work is timed alone):
   one        the layer on all W * S_local tokens in one process (cpattn's kernels; the module's
              own forward, transformers' torch path, in the column "own" for reference: one call
-             without a warm-up)
+             without a warm-up, up to 16K tokens)
+  alone      the rank's tokens as a sequence of their own (no halo, no scan): alone / rank is
+             the share of the rank's time that is not cpattn's addition
   cpattn     one rank's work on its S_local zigzag tokens: the layer with the halo and the state
              scan (the exchange's result replaced by zeros of its shape: the same compute), the
              busiest rank (the one whose pieces all have neighbours)
@@ -46,6 +48,8 @@ from cpattn.mixers import build_plan, stacked
 from cpattn.plan.model import PRESETS
 
 KINDS = ("gdn", "mamba2", "conv", "lightning")
+OWN_UP_TO = 16384  # the module's own forward beyond this: skipped (transformers' torch path of
+#                    the delta rule and Mamba-2 grows faster than linearly: minutes at 32K)
 LINK = PRESETS["cpu-gloo"].intra
 
 
@@ -183,8 +187,8 @@ def run(kind: str, world: int, local: int, reps: int, small: bool) -> dict:
     x_all = torch.randn(1, total, hidden, generator=gen)
     one_plan = build_plan([torch.arange(total)], (0, total))
     t_one, mem_one = timed(fwd_bwd(kind, module, name, x_all, one_plan, 0, stacked), reps)
-    t_own, _ = timed(fwd_bwd(kind, module, name, x_all, one_plan, 0, stacked, own=True), 1,
-                     warmup=False)  # (for reference only: one call)
+    t_own = timed(fwd_bwd(kind, module, name, x_all, one_plan, 0, stacked, own=True), 1,
+                  warmup=False)[0] if total <= OWN_UP_TO else None  # (reference: one call)
     # The busiest zigzag rank: rank 1 (its two chunks both have neighbours; rank W-1 for W = 2).
     indices = [shard_positions(total, "zigzag", world, r) for r in range(world)]
     plan = build_plan(indices, (0, total))
@@ -192,6 +196,9 @@ def run(kind: str, world: int, local: int, reps: int, small: bool) -> dict:
     x_local = x_all[:, indices[rank]]
     t_rank, mem_rank = timed(fwd_bwd(kind, module, name, x_local, plan, rank,
                                      zeros_exchange(world)), reps)
+    # The same tokens as a sequence of their own (no halo, no scan): what cpattn adds.
+    alone = build_plan([torch.arange(local)], (0, local))
+    t_alone, _ = timed(fwd_bwd(kind, module, name, x_local, alone, 0, stacked), reps)
     kernel, channels = conv_info(kind, module)
     nbytes = exchanged_bytes(plan, rank, channels, kernel, state_sizes(kind, module))
     messages = 2 * (2 if kernel > 1 else 1) * (world - 1)  # (gloo: one per peer per collective)
@@ -207,25 +214,28 @@ def run(kind: str, world: int, local: int, reps: int, small: bool) -> dict:
     gather_bytes = 2 * (world - 1) * local * hidden * 4
     gather_comm = LINK.time(gather_bytes, 2 * (world - 1))
     return dict(kind=kind, world=world, local=local, t_one=t_one, t_own=t_own, t_rank=t_rank,
+                t_alone=t_alone,
                 comm=comm, bytes=nbytes, t_a2a=t_a2a, a2a_comm=a2a_comm, a2a_bytes=a2a_bytes,
                 gather_comm=gather_comm, gather_bytes=gather_bytes, mem_one=mem_one,
                 mem_rank=mem_rank)
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| layer | W | S_local | one (own) s | cpattn rank s | eff. compute | eff. +comm | "
-            "a2a eff. +comm | gather eff. +comm | bytes/layer cpattn | a2a | gather | "
-            "peak MiB rank | one / W |")
-    lines = [head, "|" + "---|" * 2 + "--:|" * 12]
+    head = ("| layer | W | S_local | one (own) s | cpattn rank s | alone / rank | "
+            "eff. compute | eff. +comm | a2a eff. +comm | gather eff. +comm | "
+            "bytes/layer cpattn | a2a | gather | peak MiB rank | one / W |")
+    lines = [head, "|" + "---|" * 2 + "--:|" * 13]
     for r in rows:
         w = r["world"]
         eff = r["t_one"] / (w * r["t_rank"])
         eff_comm = r["t_one"] / (w * (r["t_rank"] + r["comm"]))
         a2a = r["t_one"] / (w * (r["t_a2a"] + r["a2a_comm"]))
         gather = r["t_one"] / (w * (r["t_one"] + r["gather_comm"]))
+        own = "-" if r["t_own"] is None else f"{r['t_own']:.3f}"
         lines.append(
-            f"| {r['kind']} | {w} | {r['local']} | {r['t_one']:.3f} ({r['t_own']:.3f}) | "
-            f"{r['t_rank']:.3f} | {eff:.2f} | {eff_comm:.2f} | {a2a:.2f} | {gather:.2f} | "
+            f"| {r['kind']} | {w} | {r['local']} | {r['t_one']:.3f} ({own}) | "
+            f"{r['t_rank']:.3f} | {r['t_alone'] / r['t_rank']:.2f} | {eff:.2f} | "
+            f"{eff_comm:.2f} | {a2a:.2f} | {gather:.2f} | "
             f"{r['bytes'] / 2**20:.2f} MiB | {r['a2a_bytes'] / 2**20:.1f} MiB | "
             f"{r['gather_bytes'] / 2**20:.1f} MiB | {r['mem_rank'] / 2**20:.0f} | "
             f"{r['mem_one'] / w / 2**20:.0f} |")
