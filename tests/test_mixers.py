@@ -201,6 +201,12 @@ def test_rank_with_only_document_starts_takes_part(gen):
                                               indices[rank]))
         torch.testing.assert_close(y, take(reference("matrix", p, bounds), indices[rank]))
     assert x.grad is not None and bool(x.grad.abs().sum() > 0)
+    # Entry states are exactly zero at document starts, whatever the others publish.
+    summaries = [(_rand(gen, 1, len(ps), 2, 3, 3), _rand(gen, 1, len(ps), 2, 3, 4))
+                 for ps in plan.pieces]
+    entries = emulate(3, lambda r, ex: state_scan(*summaries[r], plan, r, "matrix", ex))
+    assert bool((entries[0] == 0).all()) and bool((entries[1][:, 0] == 0).all())
+    assert not bool((entries[2] == 0).all())
 
 
 def test_gradcheck_conv_halo_and_state_scan(gen):
