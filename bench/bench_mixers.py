@@ -12,7 +12,8 @@ Layers (transformers 5.24 classes, fp32, batch 1, the module's own parameters):
   conv       Lfm2ShortConv: hidden 512, kernel 3
   lightning  MiniMaxLightningAttention: hidden 512, 8 heads of 64
 Method (1 thread throughout, as the ranks of the CI machine: W ranks would oversubscribe its 2
-cores, so each rank's work is timed alone):
+cores, so each rank's work is timed alone; times are the process's CPU time, which a loaded
+machine disturbs far less than the wall clock):
   one        the layer on all W * S_local tokens in one process (cpattn's kernels; the module's
              own forward, transformers' torch path, in the column "own" for reference: one call
              without a warm-up, up to 16K tokens)
@@ -115,16 +116,17 @@ def _call(kind, module, name, x, plan, rank, exchange, own: bool = False):
 
 
 def timed(fn, reps: int, warmup: bool = True) -> tuple[float, int]:
-    """(median seconds of fn() = forward + backward over `reps` calls after a warm-up, the peak
-    bytes of the first timed call)."""
+    """(median CPU seconds of fn() = forward + backward over `reps` calls after a warm-up, the
+    peak bytes of the first timed call). CPU time of the process (1 thread): on a shared machine
+    it moves much less than the wall clock with the other processes' load."""
     if warmup:
         fn()
     times, peak = [], 0
     for i in range(reps):
         with counting() if i == 0 else contextlib.nullcontext() as c:
-            start = time.perf_counter()
+            start = time.process_time()
             fn()
-            times.append(time.perf_counter() - start)
+            times.append(time.process_time() - start)
         if i == 0:
             peak = c.peak
     return statistics.median(times), peak

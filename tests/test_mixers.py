@@ -209,6 +209,32 @@ def test_rank_with_only_document_starts_takes_part(gen):
     assert not bool((entries[2] == 0).all())
 
 
+def test_rank_without_tokens(gen):
+    """A rank holding no token (a document plan with fewer documents than ranks) takes part in
+    the exchanges and gives empty outputs; the others are exact."""
+    indices = [torch.tensor([0, 1, 2, 3, 4, 5]), torch.tensor([], dtype=torch.int64),
+               torch.tensor([6, 7, 8])]
+    bounds = (0, 4, 9)
+    plan = build_plan(indices, bounds)
+    p = problem(gen, 1, 9)
+    x, weight = _rand(gen, 1, 9, 3), _rand(gen, 3, 3)
+
+    def rank_fn(rank, exchange):
+        out = {"conv": causal_conv(take(x, indices[rank]), weight, None, plan, rank, exchange)}
+        for kind in ("scalar", "matrix", "diagonal"):
+            out[kind] = scan_on_rank(kind, p, plan, indices[rank], rank, exchange, chunk=4)
+        return out
+
+    outs = emulate(3, rank_fn)
+    assert all(t.shape[1] == 0 for t in outs[1].values())
+    for rank in (0, 2):
+        torch.testing.assert_close(outs[rank]["conv"],
+                                   take(conv_reference(x, weight, None, bounds), indices[rank]))
+        for kind in ("scalar", "matrix", "diagonal"):
+            torch.testing.assert_close(outs[rank][kind],
+                                       take(reference(kind, p, bounds), indices[rank]))
+
+
 def test_gradcheck_conv_halo_and_state_scan(gen):
     """torch.autograd.gradcheck of the sharded conv (inputs, weight, bias) and of the state scan
     (summaries of every kind) over 3 emulated zigzag ranks with two documents, float64."""

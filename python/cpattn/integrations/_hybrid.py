@@ -103,6 +103,15 @@ def _act(name):
     return ACT2FN[name]
 
 
+def _tokens(h: torch.Tensor, fn: Callable):
+    """fn(h) for a per-token function of the module's own (its reshapes cannot infer a head
+    count from no tokens: a rank holding none runs it on one zero token, then keeps none)."""
+    if h.shape[1]:
+        return fn(h)
+    out = fn(torch.cat([h, h.new_zeros((h.shape[0], 1, *h.shape[2:]))], 1))
+    return tuple(t[:, :0] for t in out) if isinstance(out, tuple) else out[:, :0]
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
@@ -120,7 +129,7 @@ def mamba2(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
     GraniteMoeHybridMambaLayer, NemotronHMamba2Mixer, Zamba2MambaMixer, and FalconH1Mixer with
     its multipliers and optional norm."""
     falcon = hasattr(m, "mup_vector")
-    dtype, (batch, length, _) = h.dtype, h.shape
+    dtype = h.dtype
     if falcon:
         h = h * m.ssm_in_multiplier
     projected = m.in_proj(h)
@@ -133,13 +142,13 @@ def mamba2(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
     heads, groups = m.num_heads, m.n_groups
     dt = F.softplus(dt + m.dt_bias.to(dt.dtype)).clamp(*m.time_step_limit).float()
     a = -torch.exp(m.A_log.float())
-    x = x.reshape(batch, length, heads, -1).float()
-    b, c = (t.reshape(batch, length, groups, -1).float()
+    x = x.unflatten(-1, (heads, -1)).float()  # (unflatten: also for a rank without tokens)
+    b, c = (t.unflatten(-1, (groups, -1)).float()
             .repeat_interleave(heads // groups, dim=2) for t in (b, c))
     xr, br, cr, dtr = (mix.rows(t) for t in (x, b, c, dt))
     y0, p, mm, s = scalar_decay(cr, br, xr * dtr[..., None], a * dtr, mix.mask(h.device))
     y = y0 + read_entry(p, mix.entry(mm, s, "scalar")) + m.D.float()[:, None] * xr
-    y = mix.local(y).reshape(batch, length, -1)
+    y = mix.local(y).flatten(-2)
     if falcon and not m.mamba_rms_norm:
         y = y * F.silu(gate)
     else:
@@ -153,8 +162,8 @@ def _delta_rule(m, h, mix: Mixing, mixed, z, b, a, beta_scale: float = 1.0):
     batch, length = h.shape[:2]
     mixed = _act(m.activation)(mix.conv(mixed, m.conv1d))
     q, k, v = mixed.split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
-    q, k = (t.reshape(batch, length, -1, m.head_k_dim) for t in (q, k))
-    v = v.reshape(batch, length, -1, m.head_v_dim)
+    q, k = (t.unflatten(-1, (-1, m.head_k_dim)) for t in (q, k))
+    v = v.unflatten(-1, (-1, m.head_v_dim))
     beta = b.sigmoid() * beta_scale
     g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
     repeat = m.num_v_heads // m.num_k_heads
@@ -174,21 +183,22 @@ def _delta_rule(m, h, mix: Mixing, mixed, z, b, a, beta_scale: float = 1.0):
 def gated_delta_split(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
     """Qwen3_5GatedDeltaNet, Qwen3_5MoeGatedDeltaNet: separate qkv / z / b / a projections."""
     batch, length = h.shape[:2]
-    z = m.in_proj_z(h).reshape(batch, length, -1, m.head_v_dim)
+    z = m.in_proj_z(h).unflatten(-1, (-1, m.head_v_dim))
     y, z = _delta_rule(m, h, mix, m.in_proj_qkv(h), z, m.in_proj_b(h), m.in_proj_a(h))
     y = m.norm(y.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
-    return m.out_proj(y.reshape(batch, length, -1))
+    return m.out_proj(y.reshape(batch, length, m.value_dim))
 
 
 def gated_delta_fused(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
     """Qwen3NextGatedDeltaNet: the fused in_proj_qkvz / in_proj_ba, split by the module's own
     fix_query_key_value_ordering."""
     batch, length = h.shape[:2]
-    q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
-    mixed = torch.cat([t.reshape(batch, length, -1) for t in (q, k, v)], dim=-1)
+    q, k, v, z, b, a = _tokens(h, lambda t: m.fix_query_key_value_ordering(m.in_proj_qkvz(t),
+                                                                           m.in_proj_ba(t)))
+    mixed = torch.cat([t.flatten(-2) for t in (q, k, v)], dim=-1)
     y, z = _delta_rule(m, h, mix, mixed, z, b, a)
     y = m.norm(y.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim))
-    return m.out_proj(y.reshape(batch, length, -1))
+    return m.out_proj(y.reshape(batch, length, m.value_dim))
 
 
 def gated_delta_olmo(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
@@ -200,18 +210,17 @@ def gated_delta_olmo(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
                        2.0 if m.allow_neg_eigval else 1.0)
     gate = m.g_proj(h)
     y = m.o_norm(y.reshape(-1, m.head_v_dim), gate.reshape(-1, m.head_v_dim))
-    return m.o_proj(y.reshape(batch, length, -1))
+    return m.o_proj(y.reshape(batch, length, m.value_dim))
 
 
 def kimi_delta(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
     """KimiLinearDeltaAttention: the delta rule with a decay per key channel (the module's own
     forget_gate), gated RMSNorm output."""
-    batch, length = h.shape[:2]
-    shape = (batch, length, -1, m.head_dim)
     mixed = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], dim=-1)
     mixed = _act(m.activation)(mix.conv(mixed, m.conv1d))
-    q, k, v = (t.reshape(shape).float() for t in mixed.split([m.qkv_dim] * 3, dim=-1))
-    g = m.forget_gate(h).float()
+    q, k, v = (t.unflatten(-1, (-1, m.head_dim)).float()
+               for t in mixed.split([m.qkv_dim] * 3, dim=-1))
+    g = _tokens(h, m.forget_gate).float()
     beta = torch.sigmoid(m.b_proj(h)).float()
     q = _l2norm(q) * q.shape[-1] ** -0.5
     k = _l2norm(k)
@@ -223,8 +232,8 @@ def kimi_delta(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
         y0, p, mm, s = kda_summary(*rows, mix.mask(h.device))
         y = y0 + read_entry(p, mix.entry(mm, s, "matrix"))
     y = mix.local(y).to(h.dtype)
-    gate = m.g_b_proj(m.g_a_proj(h)).view(shape)
-    return m.o_proj(m.o_norm(y, gate).reshape(batch, length, -1))
+    gate = m.g_b_proj(m.g_a_proj(h)).unflatten(-1, (-1, m.head_dim))
+    return m.o_proj(m.o_norm(y, gate).flatten(-2))
 
 
 def lightning(m, h: torch.Tensor, mix: Mixing):

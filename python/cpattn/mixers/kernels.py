@@ -16,11 +16,12 @@ import torch
 
 
 def _chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """(N, L, ...) -> (N, L / chunk, chunk, ...), zero-padded at the end."""
-    pad = -x.shape[1] % chunk
+    """(N, L, ...) -> (N, L / chunk, chunk, ...), zero-padded at the end (to one chunk at least:
+    a rank without tokens still runs the same steps)."""
+    pad = -x.shape[1] % chunk if x.shape[1] else chunk
     if pad:
         x = torch.cat([x, x.new_zeros((x.shape[0], pad, *x.shape[2:]))], 1)
-    return x.reshape(x.shape[0], -1, chunk, *x.shape[2:])
+    return x.reshape(x.shape[0], x.shape[1] // chunk, chunk, *x.shape[2:])
 
 
 def _tril(chunk: int, device, diagonal: int = 0) -> torch.Tensor:

@@ -105,6 +105,8 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias, plan: MixerPlan, ra
     halo = conv_halo(x, plan, rank, width, exchange)  # (B, n, k-1, C)
     rows = to_pieces(x, plan, rank)  # (B, n, longest, C)
     b, n, longest, c = rows.shape
+    if n == 0:  # a rank without tokens (a document plan): nothing to convolve
+        return x.new_zeros(x.shape) + 0 * halo.sum()
     seq = torch.cat([halo, rows], 2).flatten(0, 1).transpose(1, 2).to(weight.dtype)
     out = F.conv1d(seq, weight[:, None, :], bias, groups=c)  # (B n, C, longest)
     return from_pieces(out.transpose(1, 2).reshape(b, n, longest, c), plan, rank).to(x.dtype)
