@@ -106,7 +106,7 @@ def _call(kind, module, name, x, plan, rank, exchange, own: bool = False):
     from cpattn.integrations import _hybrid
 
     if own:
-        forward = _hybrid._ORIGINAL[name][1] if name in _hybrid._ORIGINAL else type(module).forward
+        forward = _hybrid.ORIGINALS[name][1] if name in _hybrid.ORIGINALS else type(module).forward
         extra = {"position_embeddings": None, "attention_mask": None} if kind == "lightning" \
             else {}
         out = forward(module, x, **extra)

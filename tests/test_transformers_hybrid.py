@@ -16,6 +16,7 @@ Unknown mixers (RecurrentGemma) stay refused: tests/test_transformers_models.py.
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
@@ -99,8 +100,8 @@ def _refusals(rank: int) -> None:
                            pad_token_id=0)
     # A class whose forward is not what cpattn computes (as if transformers changed it): the
     # equivalence check refuses it on every rank, naming the class and the version.
-    cls, forward, init = _hybrid._ORIGINAL["Lfm2ShortConv"]
-    _hybrid._ORIGINAL["Lfm2ShortConv"] = (cls, lambda *a, **k: 1.01 * forward(*a, **k), init)
+    cls, forward, init = _hybrid.ORIGINALS["Lfm2ShortConv"]
+    _hybrid.ORIGINALS["Lfm2ShortConv"] = (cls, lambda *a, **k: 1.01 * forward(*a, **k), init)
     try:
         model = H.model(H.config("lfm2"), name)
         import transformers
@@ -108,7 +109,7 @@ def _refusals(rank: int) -> None:
         _raises_everywhere(f"Lfm2ShortConv differs by .* transformers {transformers.__version__}",
                            model, **local)
     finally:
-        _hybrid._ORIGINAL["Lfm2ShortConv"] = (cls, forward, init)
+        _hybrid.ORIGINALS["Lfm2ShortConv"] = (cls, forward, init)
     H.assert_step_matches(H.reference(H.config("lfm2"), batch),
                           H.cp_step(H.config("lfm2"), batch, cp), "lfm2 after the refusals")
 
@@ -182,12 +183,13 @@ def test_probe_refuses_a_changed_class():
     _hybrid.install(lambda name: None)
     model = H.model(H.config("qwen3_5"), "eager")
     module = model.model.layers[0].linear_attn
-    assert _hybrid._probe("Qwen3_5GatedDeltaNet", module) == ""
-    cls, forward, init = _hybrid._ORIGINAL["Qwen3_5GatedDeltaNet"]
-    _hybrid._ORIGINAL["Qwen3_5GatedDeltaNet"] = (cls, lambda *a, **k: forward(*a, **k) + 1e-3,
+    changed = copy.deepcopy(module)  # (probe() remembers each module's verdict)
+    assert _hybrid.probe("Qwen3_5GatedDeltaNet", module) == ""
+    cls, forward, init = _hybrid.ORIGINALS["Qwen3_5GatedDeltaNet"]
+    _hybrid.ORIGINALS["Qwen3_5GatedDeltaNet"] = (cls, lambda *a, **k: forward(*a, **k) + 1e-3,
                                                  init)
     try:
-        verdict = _hybrid._probe("Qwen3_5GatedDeltaNet", module)
+        verdict = _hybrid.probe("Qwen3_5GatedDeltaNet", changed)
     finally:
-        _hybrid._ORIGINAL["Qwen3_5GatedDeltaNet"] = (cls, forward, init)
+        _hybrid.ORIGINALS["Qwen3_5GatedDeltaNet"] = (cls, forward, init)
     assert "Qwen3_5GatedDeltaNet differs" in verdict and transformers.__version__ in verdict

@@ -131,7 +131,7 @@ def _rows_all_to_all_fake(send, out_splits, in_splits, group_name):
 
 # Ordered side effect: torch.compile must neither drop the call (a rank whose received rows go
 # unused still takes part in the collective) nor move it past another collective.
-def _register_ordered(name: str) -> None:
+def register_ordered(name: str) -> None:
     register = getattr(torch.library, "_register_effectful_op", None)
     if register is not None:
         register(name, torch.library.EffectType.ORDERED)
@@ -143,4 +143,4 @@ def _register_ordered(name: str) -> None:
                                        effects._EffectType.ORDERED)
 
 
-_register_ordered("cpattn::rows_all_to_all")
+register_ordered("cpattn::rows_all_to_all")

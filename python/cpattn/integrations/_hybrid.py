@@ -322,7 +322,7 @@ def handles(model_type: str) -> bool:
     """Whether every token mixer of the model type runs exactly under context parallelism (its
     classes are installed)."""
     family = FAMILIES.get(model_type)
-    return family is not None and all(c in _ORIGINAL for c in family[1])
+    return family is not None and all(c in ORIGINALS for c in family[1])
 
 
 def mixer_classes(model_type: str) -> tuple[str, ...]:
@@ -332,7 +332,7 @@ def mixer_classes(model_type: str) -> tuple[str, ...]:
 
 # --- installing ----------------------------------------------------------------------------------
 
-_ORIGINAL: dict[str, tuple[type, Callable, Callable]] = {}  # class name -> (class, forward, init)
+ORIGINALS: dict[str, tuple[type, Callable, Callable]] = {}  # class name -> (class, forward, init)
 _LOOKUP: list = []  # [settings_of(name) -> ContextParallel or None], set by install
 _MODULES: dict[int, weakref.ref] = {}  # id -> the mixer modules built since install
 _DOCUMENTS: list = []  # shard_batch's documents of the base model forwards in progress
@@ -350,14 +350,14 @@ def install(settings_of: Callable[[str], Optional[ContextParallel]]) -> None:
             continue
         for name in classes:
             cls = getattr(module, name, None)
-            if cls is not None and name not in _ORIGINAL:
-                _ORIGINAL[name] = (cls, cls.forward, cls.__init__)
+            if cls is not None and name not in ORIGINALS:
+                ORIGINALS[name] = (cls, cls.forward, cls.__init__)
                 cls.__init__ = _recording_init(cls.__init__)
                 cls.forward = _mixer_forward(name, cls.forward)
         for base in _BASE_MODELS.get(model_type, ()):
             cls = getattr(module, base, None)
-            if cls is not None and base not in _ORIGINAL:
-                _ORIGINAL[base] = (cls, cls.forward, cls.__init__)
+            if cls is not None and base not in ORIGINALS:
+                ORIGINALS[base] = (cls, cls.forward, cls.__init__)
                 cls.forward = _documents_forward(cls.forward)
 
 
@@ -529,7 +529,7 @@ def _probe(name: str, module) -> str:
     import transformers
 
     reference_module = copy.deepcopy(module).float().train(False)
-    original = _ORIGINAL[name][1]
+    original = ORIGINALS[name][1]
     lengths = PROBE_TOKENS
     total = sum(lengths)
     gen = torch.Generator().manual_seed(1234)

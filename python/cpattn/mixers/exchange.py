@@ -87,8 +87,8 @@ def _scatter_backward(ctx, grad):
 torch.library.register_autograd("cpattn::mixer_gather", _gather_backward, setup_context=_setup)
 torch.library.register_autograd("cpattn::mixer_reduce_scatter", _scatter_backward,
                                 setup_context=_setup)
-comm._register_ordered("cpattn::mixer_gather")
-comm._register_ordered("cpattn::mixer_reduce_scatter")
+comm.register_ordered("cpattn::mixer_gather")
+comm.register_ordered("cpattn::mixer_reduce_scatter")
 
 
 def group_exchange(groups: Sequence) -> Exchange:
