@@ -129,9 +129,10 @@ def _rows_all_to_all_fake(send, out_splits, in_splits, group_name):
     return send.new_empty((sum(out_splits), *send.shape[1:]))
 
 
-# Ordered side effect: torch.compile must neither drop the call (a rank whose received rows go
-# unused still takes part in the collective) nor move it past another collective.
 def register_ordered(name: str) -> None:
+    """Gives the custom op `name` ("namespace::op") an ordered side effect: torch.compile must
+    neither drop its call (a rank whose received rows go unused still takes part in the
+    collective) nor move it past another collective."""
     register = getattr(torch.library, "_register_effectful_op", None)
     if register is not None:
         register(name, torch.library.EffectType.ORDERED)
