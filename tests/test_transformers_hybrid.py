@@ -193,3 +193,26 @@ def test_probe_refuses_a_changed_class():
     finally:
         _hybrid.ORIGINALS["Qwen3_5GatedDeltaNet"] = (cls, forward, init)
     assert "Qwen3_5GatedDeltaNet differs" in verdict and transformers.__version__ in verdict
+
+
+def test_models_built_before_install_are_adopted():
+    """A model built before the first register() (its mixers' __init__ was not yet patched)
+    gets its mixers' config recorded when the classes are installed, so switching it to cpattn
+    afterwards (set_attn_implementation) runs them sharded, not silently on the shard alone."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "import hybrid_models as H\n"
+        "from cpattn.integrations import _hybrid\n"
+        "model = H.model(H.config('qwen3_5'), 'eager')\n"
+        "mixer = model.model.layers[0].linear_attn\n"
+        "assert not hasattr(mixer, '_cpattn_config')\n"
+        "_hybrid.install(lambda name: None)\n"
+        "assert mixer._cpattn_config is model.model.config, mixer._cpattn_config\n"
+        "assert _hybrid.probe('Qwen3_5GatedDeltaNet', mixer) == ''\n"
+        "print('adopted')\n") % str(__import__("pathlib").Path(__file__).parent)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and "adopted" in run.stdout, run.stderr[-2000:]

@@ -341,6 +341,7 @@ _DOCUMENTS: list = []  # shard_batch's documents of the base model forwards in p
 def install(settings_of: Callable[[str], Optional[ContextParallel]]) -> None:
     """Patches the supported mixer classes (idempotent). settings_of(attn_implementation) gives
     the registered settings of a cpattn name, None for any other implementation."""
+    first = not ORIGINALS
     _LOOKUP[:] = [settings_of]
     for model_type, (module_name, classes) in FAMILIES.items():
         try:
@@ -359,16 +360,37 @@ def install(settings_of: Callable[[str], Optional[ContextParallel]]) -> None:
             if cls is not None and base not in ORIGINALS:
                 ORIGINALS[base] = (cls, cls.forward, cls.__init__)
                 cls.forward = _documents_forward(cls.forward)
+    if first:
+        _adopt_existing()
+
+
+def _adopt_existing() -> None:
+    """Records the config of the mixers of models built before the first install (their
+    __init__ did not): each gets its innermost model's, so that a model switched to a cpattn
+    attention implementation afterwards (set_attn_implementation) is not run unsharded."""
+    import gc
+
+    from transformers import PreTrainedModel
+
+    models = [o for o in gc.get_objects() if isinstance(o, PreTrainedModel)]
+    for model in sorted(models, key=lambda m: sum(1 for _ in m.modules())):
+        for module in model.modules():
+            if type(module).__name__ in ADAPTERS and not hasattr(module, "_cpattn_config"):
+                _record(module, model.config)
 
 
 def _recording_init(init: Callable) -> Callable:
     @functools.wraps(init)
     def __init__(self, config, *args, **kwargs):
         init(self, config, *args, **kwargs)
-        self._cpattn_config = config  # (most mixers keep no reference to their config)
-        key = id(self)
-        _MODULES[key] = weakref.ref(self, lambda _: _MODULES.pop(key, None))
+        _record(self, config)
     return __init__
+
+
+def _record(module, config) -> None:
+    module._cpattn_config = config  # (most mixers keep no reference to their config)
+    key = id(module)
+    _MODULES[key] = weakref.ref(module, lambda _: _MODULES.pop(key, None))
 
 
 def _documents_forward(forward: Callable) -> Callable:
@@ -508,7 +530,7 @@ def _verdict(name: str, key: int) -> str:
     while dynamo traces)."""
     ref = _MODULES.get(key)
     module = ref() if ref is not None else None
-    if module is None:
+    if module is None:  # (not seen being built, nor found when the classes were installed)
         return (f"{WHAT}: {name} was built before cpattn's register(): register first, then "
                 "build the model")
     return probe(name, module)
