@@ -89,9 +89,10 @@ def _dp_times_cp(rank, world):
             for layer in model.model.layers:
                 fully_shard(layer, mesh=dp_cp)
             forward = fully_shard(model, mesh=dp_cp)
-        logits = forward(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                         use_cache=False).logits
-        loss = cpattn.cross_entropy(logits, local["shift_labels"], cp, group=dp_cp.get_group())
+        inputs = dict(local)
+        labels = inputs.pop("shift_labels")  # the README's recipe
+        logits = forward(**inputs, use_cache=False).logits
+        loss = cpattn.cross_entropy(logits, labels, cp, group=dp_cp.get_group())
         loss.backward()
         grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
                  for n, p in model.named_parameters()}
@@ -228,8 +229,16 @@ def _hybrid_one_rank_refusal():
                            model, input_ids=local["input_ids"],
                            position_ids=local["position_ids"], use_cache=False,
                            attention_mask=mask)
-    # Packed documents run under hybrid too: one step equals one process per document.
     import test_transformers_models as models
+
+    # Llama 4's chunks past one chunk: refused under hybrid (ring, all-gather and Ulysses cut
+    # them), on every rank
+    chunked = tiny_model(models.model_config("llama4", attention_chunk_size=8),
+                         register(cp, "cpattn_hybrid_refusal"))
+    whole = {k: v for k, v in local.items() if k != "shift_labels"}
+    raises_same_everywhere("chunked attention.*'hybrid' runs only while", chunked, **whole,
+                           use_cache=False)
+    # Packed documents run under hybrid too: one step equals one process per document.
 
     llama, documents = models.model_config("llama"), models.packed(models.LENGTHS)
     assert_step_matches(models.reference(llama, documents, lengths=models.LENGTHS),
