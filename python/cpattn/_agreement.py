@@ -327,9 +327,9 @@ def _mismatch_message(
     names = [_name_of(h) for h in headers]
     if len(set(names)) > 1:
         calls = ", ".join(f"rank {g} called {n}" for g, n in zip(global_ranks, names))
-        return ValueError(f"{function_name}: ranks called different cpattn functions ({calls}); "
-                          "every rank of the group must make the same cpattn calls in the same "
-                          "order")
+        # (no function named first: the same text on every rank)
+        return ValueError(f"cpattn: ranks called different cpattn functions ({calls}); every "
+                          "rank of the group must make the same cpattn calls in the same order")
     # details[r] = [count, (name hash, kind, word) per field, errors' length, errors' bytes]
     per_rank, errors = [], {}
     for row, sender in zip(details.tolist(), global_ranks):
