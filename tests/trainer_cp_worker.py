@@ -515,6 +515,53 @@ def sft_completion_only(ctx):
 
 
 @scenario(world=2)
+def loss_options(ctx):
+    """cpattn.cross_entropy's num_items_in_batch, label_smoothing and reduction='sum' (loss and
+    the logits' gradient) against torch on the full batch; shard_batch with TRL's seq_idx."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(2, 32, 11, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 11, (2, 32), generator=g)
+    labels[0, :9] = -100
+    options = {"items": dict(num_items_in_batch=37),
+               "smoothing": dict(label_smoothing=0.1, num_items_in_batch=37),
+               "sum": dict(label_smoothing=0.1, reduction="sum"),
+               "mean": dict(label_smoothing=0.1)}
+    out = {}
+    if ctx.reference:
+        shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], 1).flatten()
+        for name, kw in options.items():
+            x = logits.clone().requires_grad_()
+            loss = torch.nn.functional.cross_entropy(
+                x.flatten(0, 1), shifted, label_smoothing=kw.get("label_smoothing", 0.0),
+                reduction="sum")
+            loss = loss / {"items": 37, "smoothing": 37, "sum": 1,
+                           "mean": int((shifted != -100).sum())}[name]
+            loss.backward()
+            out[name] = (loss.item(), x.grad)
+        return out
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    import cpattn
+
+    cp = ctx.cp("ring")
+    local = cpattn.shard_batch({"input_ids": labels.clamp(min=0), "labels": labels}, cp)
+    for name, kw in options.items():
+        x = cp.shard(logits).requires_grad_()
+        loss = cpattn.cross_entropy(x, local["shift_labels"], cp, **kw)
+        loss.backward()
+        out[name] = (loss.item(), cp.unshard(x.grad) / cp.world_size)
+    batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(
+        documents(5))
+    with_idx = cpattn.shard_batch(batch, cp)
+    without = cpattn.shard_batch({k: v for k, v in batch.items() if k != "seq_idx"}, cp)
+    out["seq_idx_dropped"] = "seq_idx" not in with_idx and all(
+        torch.equal(with_idx[k], without[k]) for k in without if torch.is_tensor(without[k]))
+    wrong = dict(batch, seq_idx=torch.zeros_like(batch["seq_idx"]))
+    out["seq_idx_wrong"] = raised(lambda: cpattn.shard_batch(wrong, cp))
+    return out
+
+
+@scenario(world=2)
 def refusals(ctx):
     """Misuse raises ValueError on every rank, naming a correct path."""
     if ctx.reference:
@@ -600,13 +647,14 @@ def dp_sft_packing(ctx):
 
 @scenario(world=4)
 def hybrid(ctx):
-    """Hybrid (ring 2 x Ulysses 2, cp 4): rows and packed documents."""
+    """Hybrid (ring 2 x Ulysses 2, cp 4): rows, and packed documents with evaluate / predict."""
     out = {"rows": _train(ctx, "llama", ctx.args(dp=1, batch=2), rows(4),
                           T.default_data_collator, strategy="hybrid", cp_size=4,
                           ulysses_size=2),
            "packed": _train(ctx, "llama", ctx.args(dp=1, batch=3), documents(6),
                             T.DataCollatorWithFlattening(), strategy="hybrid", cp_size=4,
-                            ulysses_size=2)}
+                            ulysses_size=2, eval_data=documents(6, seed=1),
+                            predict=documents(3, seed=2))}
     return out
 
 
