@@ -103,14 +103,8 @@ class Capture(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if self.grads is None:
-            self.grads = {n: full(p.grad) for n, p in model.named_parameters()
+            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
                           if p.grad is not None}
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t, whole (FSDP2 shards parameters and gradients as DTensors)."""
-    t = t.detach()
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
 
 
 class Context:
@@ -184,12 +178,11 @@ def results(trainer, capture) -> dict:
         "loss_every_rank": every_rank(losses),
         "grad_norm": [h["grad_norm"] for h in history if "grad_norm" in h],
         "grads": capture.grads,
-        "weights": {n: full(p) for n, p in
+        "weights": {n: p.detach().clone() for n, p in
                     trainer.accelerator.unwrap_model(trainer.model).state_dict().items()},
         "tokens": trainer.state.num_input_tokens_seen,
         "flos": trainer.state.total_flos,
         "global_batch": trainer.get_total_train_batch_size(trainer.args),
-        "fsdp": trainer.is_fsdp_enabled,
     }
     trl_tokens = [h["num_tokens"] for h in history if "num_tokens" in h and "loss" in h]
     if trl_tokens:
@@ -361,16 +354,6 @@ def rows_tokens_per_replica(ctx):
 def mixed_precision(ctx):
     """bf16=True (autocast over fp32 weights): runs, close to one process at bf16 precision."""
     return {"main": _train(ctx, "llama", ctx.args(dp=1, batch=2, bf16=True), rows(4),
-                           T.default_data_collator)}
-
-
-@scenario(world=2)
-def fsdp2(ctx):
-    """The Trainer's FSDP2 (fsdp_version 2, full shard) over dp x cp: gradients reduced by it."""
-    fsdp = {} if ctx.reference else dict(fsdp="full_shard",
-                                         fsdp_config={"fsdp_version": 2,
-                                                      "reshard_after_forward": True})
-    return {"main": _train(ctx, "llama", ctx.args(dp=1, batch=2, **fsdp), rows(6),
                            T.default_data_collator)}
 
 
