@@ -53,7 +53,7 @@ try:
     from accelerate.data_loader import BatchSamplerShard
     from transformers import Trainer
 
-    from cpattn.integrations.transformers import _SETTINGS
+    from cpattn.integrations.transformers import registered
 except ImportError as e:  # pragma: no cover - only without transformers / accelerate
     raise ImportError(
         "cpattn.integrations.trainer needs transformers and accelerate (pip install "
@@ -170,7 +170,7 @@ class ContextParallelMixin:
         _refuse_accelerate_parallelism(getattr(self.accelerator, "parallelism_config", None))
         config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
         name = getattr(config, "_attn_implementation", None)
-        if _SETTINGS.get(name) is not self.cp:
+        if registered(name) is not self.cp:
             raise ValueError(
                 f"{WHAT}: the model's attention implementation is {name!r}, not cpattn's for "
                 "the settings given to the trainer: load the model with attn_implementation="

@@ -70,7 +70,7 @@ except ImportError as e:  # pragma: no cover - only without transformers
         "transformers); cpattn itself does not"
     ) from e
 
-__all__ = ["ContextParallelCache", "register"]
+__all__ = ["ContextParallelCache", "register", "registered"]
 
 def _expected_positions(cp: ContextParallel, local_len: int, docs: Optional[Documents],
                         device) -> torch.Tensor:
@@ -306,6 +306,12 @@ def _forget_settings() -> None:
     PENDING.clear()
     _CHECKED.clear()
     gc.collect()
+
+
+def registered(name: Optional[str]) -> Optional[ContextParallel]:
+    """The settings registered (by `register`) as the attention implementation `name`, or
+    None."""
+    return _SETTINGS.get(name)
 
 
 def register(cp: ContextParallel, name: str = "cpattn") -> str:
