@@ -25,7 +25,7 @@ pytest.importorskip("trl")
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "trainer_cp_worker.py")
 EXAMPLES = os.path.join(HERE, "..", "examples")
-W2 = ["rows_ring", "rows_tokens_per_replica", "mixed_precision", "packed",
+W2 = ["rows_ring", "rows_tokens_per_replica", "checkpointing", "mixed_precision", "packed",
       "label_smoothing", "moe", "evaluate_predict", "resume", "sft_packing",
       "sft_completion_only", "loss_options", "refusals"]
 W4 = ["dp_accumulation", "dp_tokens_per_replica", "dp_evaluate", "dp_sft_packing", "hybrid"]
@@ -138,6 +138,10 @@ def test_tokens_per_replica_and_clipping(runs):
     _check(runs, "rows_tokens_per_replica")
 
 
+def test_gradient_checkpointing(runs):
+    _check(runs, "checkpointing")
+
+
 def test_mixed_precision(runs):
     """bf16=True: attention runs in the autocast dtype (q, k and v differ in dtype there)."""
     _check(runs, "mixed_precision", loss_rtol=2e-2, exact=False)
@@ -228,6 +232,7 @@ def test_refusals(runs):
                 "accelerate_cp": "Remove parallelism_config",
                 "batch_rebalance": "use 'random', 'sequential'",
                 "iterable": "use a map-style dataset",
+                "eval_not_resharded": "not sharded by accelerate's BatchSamplerShard",
                 "sft_label_smoothing": "use ContextParallelTrainer"}
     for case, hint in expected.items():
         assert hint in got[case], (case, got[case])

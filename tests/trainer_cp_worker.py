@@ -351,6 +351,13 @@ def rows_tokens_per_replica(ctx):
 
 
 @scenario(world=2)
+def checkpointing(ctx):
+    """Gradient checkpointing: the backward recomputes the attention (its collectives too)."""
+    return {"main": _train(ctx, "llama", ctx.args(dp=1, batch=2, gradient_checkpointing=True),
+                           rows(4), T.default_data_collator)}
+
+
+@scenario(world=2)
 def mixed_precision(ctx):
     """bf16=True (autocast over fp32 weights): runs, close to one process at bf16 precision."""
     return {"main": _train(ctx, "llama", ctx.args(dp=1, batch=2, bf16=True), rows(4),
@@ -562,8 +569,8 @@ def refusals(ctx):
     def build(attn=None, base=ContextParallelTrainer, **kw):
         m = model("llama", attn or register(cp, "cpattn_refusals"))
         extra = {k: kw.pop(k) for k in ("train_dataset", "processing_class") if k in kw}
-        base(cp, model=m, args=ctx.args(dp=1, **kw),
-             **{"train_dataset": data, "data_collator": T.default_data_collator, **extra})
+        return base(cp, model=m, args=ctx.args(dp=1, **kw),
+                    **{"train_dataset": data, "data_collator": T.default_data_collator, **extra})
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -582,6 +589,7 @@ def refusals(ctx):
         "accelerate_cp": raised(lambda: build(parallelism_config=ParallelismConfig(cp_size=2))),
         "batch_rebalance": raised(lambda: build(train_sampling_strategy="batch_rebalance")),
         "iterable": raised(lambda: build(train_dataset=Stream(), max_steps=2)),
+        "eval_not_resharded": raised(lambda: build().evaluate(eval_dataset=Stream())),
         "sft_label_smoothing": raised(sft_smoothing),
     }
 
