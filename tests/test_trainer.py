@@ -28,7 +28,8 @@ EXAMPLES = os.path.join(HERE, "..", "examples")
 W2 = ["rows_ring", "rows_tokens_per_replica", "checkpointing", "mixed_precision", "packed",
       "label_smoothing", "moe", "evaluate_predict", "resume", "sft_packing",
       "sft_completion_only", "loss_options", "refusals"]
-W4 = ["dp_accumulation", "dp_tokens_per_replica", "dp_evaluate", "dp_sft_packing", "hybrid"]
+W4 = ["dp_accumulation", "dp_one_group_astray", "dp_tokens_per_replica", "dp_evaluate",
+      "dp_sft_packing", "hybrid"]
 TIMEOUT = 900
 
 
@@ -243,6 +244,12 @@ def test_dp_x_cp_accumulation(runs):
     at 1 (the count cp times too large)."""
     ref, got = _check(runs, "dp_accumulation")
     assert_differs(got["ablation"]["loss"], ref["main"]["loss"], "count not divided by cp")
+
+
+def test_dp_x_cp_one_group_astray(runs):
+    """One CP group with different batches: every rank of every group raises."""
+    refused = runs[1]["dp_one_group_astray"]["refused"]
+    assert "were given different batches (data-parallel replica(s) [1]" in refused, refused
 
 
 def test_dp_x_cp_tokens_per_replica(runs):

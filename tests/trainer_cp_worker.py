@@ -606,6 +606,34 @@ def dp_accumulation(ctx):
     return out
 
 
+def _one_rank_astray(base):
+    """Rank 3 reads replica 0's batches: only the second CP group's batches differ."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    from cpattn.integrations.trainer import with_context_parallel
+
+    class Astray(with_context_parallel(base)):
+        def _get_dataloader(self, *args, **kwargs):
+            loader = super()._get_dataloader(*args, **kwargs)
+            assert isinstance(loader.batch_sampler, BatchSamplerShard)
+            if dist.get_rank() == 3:
+                loader.batch_sampler.process_index = 0
+            return loader
+
+    return Astray
+
+
+@scenario(world=4)
+def dp_one_group_astray(ctx):
+    """Different batches in one CP group only: every rank raises (none waits in the gradient
+    all-reduce)."""
+    if ctx.reference:
+        return {}
+    return {"refused": raised(lambda: _train(ctx, "llama", ctx.args(dp=2, batch=1), rows(8),
+                                             T.default_data_collator,
+                                             base=_one_rank_astray(T.Trainer)))}
+
+
 @scenario(world=4)
 def dp_tokens_per_replica(ctx):
     """average_tokens_across_devices=False at dp 2 x cp 2: the per-replica mean, the same as one

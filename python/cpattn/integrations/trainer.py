@@ -14,8 +14,8 @@ What the mixin changes, and why (the Trainer's own code does the rest):
 - data: accelerate deals batch k to process k % W; the mixin re-shards its samplers over the
   data-parallel ranks (dp = W / cp, dp rank = rank // cp), so every rank of a CP group gets the
   same full batch (train, eval and test loaders; shuffling, resume and gradient accumulation
-  stay the Trainer's). Each step checks that the CP group's batches are equal (a digest agreed
-  over the group; ValueError on every rank otherwise).
+  stay the Trainer's). Each step checks that each CP group's batches are equal (a digest
+  gathered over the world; ValueError on every rank otherwise).
 - sharding: the Trainer's context-parallel seam `_prepare_context_parallel_inputs` runs after
   the Trainer counted the targets of the full batches (`num_items_in_batch`) and returns
   `cpattn.shard_batch`'s local batch (labels shifted over the whole sequence, global positions,
@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import struct
 import sys
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from cpattn._agreement import agree
-from cpattn._validation import check_timeout
 from cpattn.packing import KEYWORD, find_packing
 from cpattn.parallel import ContextParallel
 from cpattn.training import cross_entropy, load_balancing_loss, shard_batch, token_loss_sum
@@ -240,8 +239,10 @@ class ContextParallelMixin:
         return loader
 
     def _cp_check_batch(self, inputs: dict[str, Any]) -> None:
-        """Raises ValueError on every rank of the CP group unless every rank holds the same full
-        batch (a digest of every tensor, agreed over the group)."""
+        """Raises ValueError on every rank unless every rank of each CP group holds the same
+        full batch: a digest of the batch's tensors, all-gathered over the world with the dp
+        rank (one all-gather of 5 int64 per micro-batch), so that a mismatch in one group
+        stops every rank, never leaving the others waiting in the gradient all-reduce."""
         digest = hashlib.blake2b(digest_size=32)
         for key in sorted(inputs):
             value = inputs[key]
@@ -252,23 +253,25 @@ class ContextParallelMixin:
                 digest.update(value.view(-1).view(torch.uint8).numpy().tobytes())
             else:
                 digest.update(repr(value).encode())
-        fields = [("batch", digest.digest())]
-        timeout = check_timeout(WHAT, self.cp.timeout, *_sequence_groups(self.cp))
-        failure = None
-        for group in _sequence_groups(self.cp):  # every rank takes part in every exchange
-            try:
-                agree(f"{WHAT}: batch", group, fields, timeout, every_call=True)
-            except ValueError as e:
-                failure = e
-        if failure is not None:
-            del failure  # (no reference cycle through the error's frames)
+        mine = torch.tensor([self._cp_dp_rank, *struct.unpack("<4q", digest.digest())],
+                            dtype=torch.int64, device=_host_or_device())
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        first: dict[int, torch.Tensor] = {}
+        differ = set()
+        for row in (t.cpu() for t in every):
+            group = int(row[0])
+            if not torch.equal(first.setdefault(group, row), row):
+                differ.add(group)
+        if differ:
             raise ValueError(
                 f"{WHAT}: the ranks of a context-parallel group were given different batches "
-                "(each must get the same full batch, which cpattn.shard_batch splits): the data "
-                f"loader is not sharded over the {self._cp_dp_size} data-parallel ranks. The "
-                "trainer's own loaders are (get_train_dataloader / get_eval_dataloader); a "
-                f"custom loader must shard over dp = world / {self.cp.world_size} with dp rank "
-                f"= rank // {self.cp.world_size}, not over every rank")
+                f"(data-parallel replica(s) {sorted(differ)}; each rank of a group must get the "
+                "same full batch, which cpattn.shard_batch splits): the data loader is not "
+                f"sharded over the {self._cp_dp_size} data-parallel ranks. The trainer's own "
+                "loaders are (get_train_dataloader / get_eval_dataloader); a custom loader "
+                f"must shard over dp = world / {self.cp.world_size} with dp rank = rank // "
+                f"{self.cp.world_size}, not over every rank")
 
     def _prepare_context_parallel_inputs(self, model, inputs: dict[str, Any]):
         """The Trainer's context-parallel seam, called with the full batch after the Trainer
@@ -429,6 +432,15 @@ def _refuse_accelerate_parallelism(config) -> None:
             "context parallelism itself (its size is the cp given to the trainer). Remove "
             "parallelism_config from TrainingArguments (and parallelism_config_cp_size from the "
             "accelerate config, PARALLELISM_CONFIG_CP_SIZE from the environment)")
+
+
+def _host_or_device() -> torch.device:
+    """Where the world group's collectives take tensors: the CPU with gloo (also in a
+    "cpu:gloo,cuda:nccl" group), else this rank's GPU."""
+    backend = str(dist.get_backend())
+    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _refuse_iterable(dataset) -> None:
