@@ -71,7 +71,7 @@ except ImportError as e:  # pragma: no cover - only without transformers
         "transformers); cpattn itself does not"
     ) from e
 
-__all__ = ["ContextParallelCache", "register"]
+__all__ = ["ContextParallelCache", "register", "registered"]
 
 def _expected_positions(cp: ContextParallel, local_len: int, docs: Optional[Documents],
                         device) -> torch.Tensor:
@@ -195,6 +195,7 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
             "config.use_cache = False) for training, and cache=ContextParallelCache(...) to "
             "generate"
         )
+    q, k, v = _autocast(q, k, v)
     tokens = docs.tokens if docs is not None else q.shape[1] * cp.world_size
     max_position = docs.max_position if docs is not None else tokens - 1
     chunk = attention_chunk(module)
@@ -210,6 +211,17 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
     del keywords["prefix_len"]  # (none: transformers has no prefix-LM keyword)
     out = cp.attention(q, k, v, documents=docs, **keywords)
     return out, None
+
+
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast (mixed-precision training: fp32 weights, bf16 / fp16 compute) q, k and v
+    arrive in different dtypes (RoPE keeps q and k in fp32); like SDPA under autocast, attention
+    runs in the autocast dtype."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def _chunked_ulysses(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -341,6 +353,12 @@ def _forget_settings() -> None:
     PENDING.clear()
     _CHECKED.clear()
     gc.collect()
+
+
+def registered(name: Optional[str]) -> Optional[ContextParallel]:
+    """The settings registered (by `register`) as the attention implementation `name`, or
+    None."""
+    return _SETTINGS.get(name)
 
 
 def register(cp: ContextParallel, name: str = "cpattn") -> str:
