@@ -141,7 +141,7 @@ def _run_case(cpattn, rank, world, call) -> dict:
         call()
         outcome, message = "no error", ""
     except (ValueError, RuntimeError) as e:
-        outcome, message = type(e).__name__, str(e).splitlines()[0][:160]
+        outcome, message = type(e).__name__, str(e)
     seconds = time.perf_counter() - start
     usable = _valid(cpattn, rank, world)
     return {"outcome": outcome, "message": message, "seconds": seconds, "usable": usable}
@@ -247,18 +247,21 @@ def _report(ranks, faults, args, crashed) -> None:
     w = args.world
 
     def summarise(section: str, expect_error: bool = True):
-        rows, stats = [], {"tried": 0, "errors": 0, "silent": 0, "hangs": 0, "broken": 0}
+        rows, stats = [], {"tried": 0, "errors": 0, "silent": 0, "hangs": 0, "broken": 0,
+                           "texts differ": 0}
         for name in ranks[0][section]:
             per = [r[section][name] for r in ranks]
             stats["tried"] += 1
             raised = all(p["outcome"] != "no error" for p in per)
             stats["errors"] += raised
             stats["silent"] += not raised
+            stats["texts differ"] += len({(p["outcome"], p["message"]) for p in per}) > 1
             slow = max(p["seconds"] for p in per)
             stats["hangs"] += slow >= TIMEOUT
             usable = all(p["usable"] for p in per)
             stats["broken"] += not usable
-            rows.append(f"| {name} | {per[0]['outcome']}: {per[0]['message'][:90]} | "
+            first_line = per[0]["message"].splitlines()[0] if per[0]["message"] else ""
+            rows.append(f"| {name} | {per[0]['outcome']}: {first_line[:90]} | "
                         f"{1e3 * slow:.1f} | {'yes' if usable else 'NO'} |")
         return rows, stats
 
@@ -272,7 +275,8 @@ def _report(ranks, faults, args, crashed) -> None:
         print("\n".join(rows))
         print(f"\n{section}: tried {s['tried']}, errors on every rank {s['errors']}, crashes "
               f"{int(crashed)}, hangs {s['hangs']}, silent (no error) {s['silent']}, group "
-              f"unusable afterwards {s['broken']}\n")
+              f"unusable afterwards {s['broken']}, error texts that differ between ranks "
+              f"{s['texts differ']}\n")
     print(f"| fault (rank {w - 1}) | rank | timeout (s) | error | time to error (s) |")
     print("|---|---|---|---|---|")
     for r, per in enumerate(faults):

@@ -50,8 +50,9 @@ def train_cp(args, device, dtype) -> list[float]:
     losses = []
     for step, batch in enumerate(batches(args, model.config.vocab_size, device)):
         local = cpattn.shard_batch(batch, cp)  # labels shifted globally, global position_ids
-        logits = forward(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-        loss = cpattn.cross_entropy(logits, local["shift_labels"], cp)  # global token mean
+        labels = local.pop("shift_labels")  # for cross_entropy: the model would shift them again
+        logits = forward(**local).logits  # the rest whole: tokens, positions, documents
+        loss = cpattn.cross_entropy(logits, labels, cp)  # global token mean
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

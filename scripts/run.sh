@@ -28,8 +28,9 @@ fi
 . .venv/bin/activate
 python -m pip install -q "$TORCH_SPEC" numpy pytest pytest-benchmark expecttest \
   "scikit-build-core>=0.10" ninja "cmake>=3.25"
-# The transformers integration's tests and example (cpattn itself does not need it).
-python -m pip install -q "transformers==5.24.0"
+# The transformers integration's tests and examples (cpattn itself does not need them); the
+# Trainer / SFTTrainer integration's: accelerate and TRL (TRL brings datasets).
+python -m pip install -q "transformers==5.24.0" "accelerate==1.16.0" "trl==1.16.0"
 python -m pip install -q "matplotlib==3.11.2"  # plots: python -m cpattn plan --plot, bench/
 python -m pip install -q "ruff==0.17.5"  # lint (pyproject.toml [tool.ruff]), in `test`
 echo "== building cpattn"

@@ -4,8 +4,11 @@ emulated ring (the group still works after an error)."""
 from __future__ import annotations
 
 import functools
+import time
 
+import pytest
 import torch
+import torch.distributed as dist
 
 import cpattn
 from cpattn.testing.emulation import ring_attention_emulated
@@ -34,3 +37,21 @@ def valid_call_matches(rank: int, world: int) -> None:
     shards, outs = emulated_ring(world)
     out = cpattn.ring_attention(*shards[rank], causal=True, timeout=TIMEOUT)
     assert torch.equal(out, outs[rank])
+
+
+def raises_same_everywhere(match: str, fn, *args, group=None, within: float = 1.0,
+                           **kwargs) -> str:
+    """fn(*args, **kwargs) raises a ValueError matching `match` within `within` seconds on this
+    rank, with the same text as on every other rank of `group` (every rank of it must call
+    this). Returns the text."""
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=match) as info:
+        fn(*args, **kwargs)
+    elapsed = time.monotonic() - start
+    assert elapsed < within, f"{match}: raised after {elapsed:.2f} s"
+    text = str(info.value)
+    texts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(texts, text, group=group)
+    assert all(t == text for t in texts), "the ranks raised different texts:\n" + "\n".join(
+        f"rank {r}: {t}" for r, t in enumerate(texts))
+    return text

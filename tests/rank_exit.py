@@ -1,9 +1,16 @@
 """One rank of a W = 2 job, launched as its own process by tests/test_exit.py: catches cpattn
 errors (the same bad input on every rank, ranks that disagree), destroys the group and checks that
 no gloo thread survived it; then, in a new group, catches an integration refusal and runs one
-training step of a tiny Llama under context parallelism, and exits through the normal
-interpreter shutdown (exit code 0)."""
+training step of a tiny Llama under context parallelism (the README's recipe), destroys the
+group, checks again that no gloo thread is left (the model's registered settings hold the group
+weakly), and exits through the normal interpreter shutdown (exit code 0).
 
+$RANK_EXIT_FAULT makes this rank fail on purpose, for the test's negative controls: "abort"
+on rank 1 (SIGABRT at exit, after everything passed: what gloo's threads did when they died in
+the interpreter's teardown), "thread" (every rank keeps a group alive past
+dist.destroy_process_group())."""
+
+import atexit
 import datetime
 import os
 
@@ -15,6 +22,14 @@ import cpattn
 
 def threads() -> int:
     return len(os.listdir("/proc/self/task"))
+
+
+def gloo_threads() -> list[str]:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return [n for n in names if "gloo" in n]
 
 
 def main() -> None:
@@ -60,9 +75,16 @@ def main() -> None:
         raise AssertionError("no error")
     except ValueError:
         pass
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-    cpattn.cross_entropy(logits, batch["shift_labels"], cp).backward()
+    labels = batch.pop("shift_labels")
+    logits = model(**batch).logits
+    cpattn.cross_entropy(logits, labels, cp).backward()
+    fault = os.environ.get("RANK_EXIT_FAULT")
+    kept = dist.new_group([0, 1]) if fault == "thread" else None  # noqa: F841
     dist.destroy_process_group()
+    left = gloo_threads()
+    assert not left, f"rank {rank}: gloo threads left after destroy_process_group(): {left}"
+    if fault == "abort" and rank == 1:
+        atexit.register(os.abort)
 
 
 if __name__ == "__main__":

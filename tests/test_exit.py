@@ -1,9 +1,12 @@
-"""A rank that caught cpattn errors and destroyed its group leaves no gloo thread behind, and its
-process exits 0 through the normal interpreter shutdown, every time (an error's traceback once
-kept the group alive through a reference cycle; gloo's threads then aborted the exit)."""
+"""A rank that caught cpattn errors, trained a step through the transformers integration and
+destroyed its group leaves no gloo thread behind, and its process exits 0 through the normal
+interpreter shutdown, every time. (Whatever kept a group alive past destroy_process_group() --
+an error's traceback in a reference cycle, the integration's registered settings -- left its gloo
+threads to die in the interpreter's teardown, which aborted about one exit in 15-70.)"""
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -13,17 +16,18 @@ import pytest
 pytest.importorskip("transformers")
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "rank_exit.py")
-LAUNCHES = int(os.environ.get("CPATTN_EXIT_LAUNCHES", "50"))
+LAUNCHES = int(os.environ.get("CPATTN_EXIT_LAUNCHES", "100"))  # 200 rank processes
 
 
-def _launch(tmp) -> list[tuple[int, str]]:
+def _launch(tmp, fault: str = "") -> list[tuple[int, str]]:
     """Both ranks of one job: (exit code, output) each; a rank still running after 120 s is
     killed (code None) and its output kept."""
     rendezvous = tempfile.mkdtemp(dir=tmp)
     env = {**os.environ, "RENDEZVOUS_DIR": rendezvous, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
     logs = [pathlib.Path(rendezvous) / f"rank{r}.log" for r in range(2)]
     outputs = [log.open("w") for log in logs]
-    ranks = [subprocess.Popen([sys.executable, SCRIPT], env={**env, "RANK": str(r)},
+    ranks = [subprocess.Popen([sys.executable, SCRIPT],
+                              env={**env, "RANK": str(r), "RANK_EXIT_FAULT": fault},
                               stdout=out, stderr=subprocess.STDOUT)
              for r, out in enumerate(outputs)]
     codes = []
@@ -39,10 +43,25 @@ def _launch(tmp) -> list[tuple[int, str]]:
     return [(code, log.read_text()) for code, log in zip(codes, logs)]
 
 
+def _failures(results, launch: int) -> list[str]:
+    return [f"launch {launch} rank {rank}: exit {code}\n{output[-2000:]}"
+            for rank, (code, output) in enumerate(results) if code != 0]
+
+
 def test_w2_step_exits_cleanly_every_time(tmp_path):
     failures = []
     for i in range(LAUNCHES):
-        for rank, (code, output) in enumerate(_launch(tmp_path)):
-            if code != 0:
-                failures.append(f"launch {i} rank {rank}: exit {code}\n{output[-2000:]}")
+        failures += _failures(_launch(tmp_path), i)
     assert not failures, f"{len(failures)} of {2 * LAUNCHES} ranks failed:\n" + failures[0]
+
+
+def test_the_check_catches_an_abort_and_a_group_left_alive(tmp_path):
+    """Negative controls: rank 1 aborting at exit (after every check passed), or the ranks
+    keeping a group alive past destroy_process_group(), is a failure of the loop's check."""
+    aborted = _launch(tmp_path, "abort")
+    assert [code for code, _ in aborted] == [0, -signal.SIGABRT], aborted
+    assert len(_failures(aborted, 0)) == 1
+    kept = _launch(tmp_path, "thread")
+    assert len(_failures(kept, 0)) == 2, kept
+    assert all("gloo threads left after destroy_process_group()" in output
+               for _, output in kept), kept[0][1][-2000:]

@@ -177,7 +177,7 @@ def _varlen_compile(rank, world):
         f(q, k, v, None, cu)
     torch._dynamo.reset()
     cu = [0, 5, 3, 24] if rank == 0 else [0, 5, 16, 24]  # invalid on rank 0 only
-    with pytest.raises(Exception, match=r"invalid on rank\(s\) 0 but not on rank\(s\) 1"):
+    with pytest.raises(Exception, match=r"invalid on rank\(s\) 0 \(.*rank\(s\) 0: ValueError"):
         f(q, k, v, None, cu)
     torch._dynamo.reset()
     with pytest.raises(Exception, match="cu_seqlens=.0, 5.0, 16, 24.: must hold ints only"):

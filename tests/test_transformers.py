@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 import cpattn  # noqa: E402
 
 from distributed import run_ranks  # noqa: E402
+from failure_cases import raises_same_everywhere  # noqa: E402
 from transformers_models import (  # noqa: E402
     assert_step_matches,
     cp_step,
@@ -88,9 +89,10 @@ def _dp_times_cp(rank, world):
             for layer in model.model.layers:
                 fully_shard(layer, mesh=dp_cp)
             forward = fully_shard(model, mesh=dp_cp)
-        logits = forward(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                         use_cache=False).logits
-        loss = cpattn.cross_entropy(logits, local["shift_labels"], cp, group=dp_cp.get_group())
+        inputs = dict(local)
+        labels = inputs.pop("shift_labels")  # the README's recipe
+        logits = forward(**inputs, use_cache=False).logits
+        loss = cpattn.cross_entropy(logits, labels, cp, group=dp_cp.get_group())
         loss.backward()
         grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
                  for n, p in model.named_parameters()}
@@ -222,10 +224,21 @@ def _hybrid_one_rank_refusal():
     mask = torch.ones_like(local["input_ids"])
     if dist.get_rank() == 3:
         mask[0, 1] = 0
-    _raises("invalid on rank", model, input_ids=local["input_ids"],
-            position_ids=local["position_ids"], use_cache=False, attention_mask=mask)
-    # Packed documents run under hybrid too: one step equals one process per document.
+    # the same text on all four ranks, which names rank 3 and its error
+    raises_same_everywhere(r"invalid on rank\(s\) 3 \(.*\)\. rank\(s\) 3: ValueError: .*padding",
+                           model, input_ids=local["input_ids"],
+                           position_ids=local["position_ids"], use_cache=False,
+                           attention_mask=mask)
     import test_transformers_models as models
+
+    # Llama 4's chunks past one chunk: refused under hybrid (ring, all-gather and Ulysses cut
+    # them), on every rank
+    chunked = tiny_model(models.model_config("llama4", attention_chunk_size=8),
+                         register(cp, "cpattn_hybrid_refusal"))
+    whole = {k: v for k, v in local.items() if k != "shift_labels"}
+    raises_same_everywhere("chunked attention.*'hybrid' runs only while", chunked, **whole,
+                           use_cache=False)
+    # Packed documents run under hybrid too: one step equals one process per document.
 
     llama, documents = models.model_config("llama"), models.packed(models.LENGTHS)
     assert_step_matches(models.reference(llama, documents, lengths=models.LENGTHS),

@@ -15,7 +15,6 @@ position ids; and the one-rank-only triggers (a padding mask whose zeros lie in 
 document boundary in one shard, local positions that are global on rank 0 only) raise on every
 rank within a second."""
 
-import time
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ import cpattn  # noqa: E402
 from cpattn.integrations.transformers import register  # noqa: E402
 
 from distributed import run_ranks  # noqa: E402
+from failure_cases import raises_same_everywhere  # noqa: E402
 from transformers_models import assert_step_matches  # noqa: E402
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -155,9 +155,9 @@ def cp_step(config, batch: dict, cp, aux=None, compile_backend=None,
     local = cpattn.shard_batch(batch, cp, **shard)
     if check is not None:
         check(local)
-    inputs = {k: v for k, v in local.items() if k != "shift_labels"}
-    out = forward(**inputs, **({"output_router_logits": True} if aux else {}))
-    loss = cpattn.cross_entropy(out.logits, local["shift_labels"], cp)
+    labels = local.pop("shift_labels")  # the README's recipe
+    out = forward(**local, **({"output_router_logits": True} if aux else {}))
+    loss = cpattn.cross_entropy(out.logits, labels, cp)
     if aux:
         loss = loss + aux * cpattn.load_balancing_loss(
             out.router_logits, cp, config.num_experts, config.num_experts_per_tok,
@@ -323,12 +323,10 @@ def _family_cases(cp):
 
 
 def _raises_everywhere(match: str, fn, *args, **kwargs) -> None:
-    """fn raises ValueError matching `match` on this rank, within a second (every rank runs it:
-    a rank that did not raise would leave the others waiting)."""
-    start = time.monotonic()
-    with pytest.raises(ValueError, match=match):
-        fn(*args, **kwargs)
-    assert time.monotonic() - start < 1.0, f"{match}: raised after {time.monotonic() - start} s"
+    """fn raises ValueError matching `match` on this rank within a second, with the same text as
+    on every other rank (every rank runs it: a rank that did not raise would leave the others
+    waiting)."""
+    raises_same_everywhere(match, fn, *args, **kwargs)
 
 
 def _refusals(cp):
@@ -353,11 +351,8 @@ def _refusals(cp):
                                               moe_intermediate_size=16, n_group=1,
                                               topk_group=1, index_n_heads=2,
                                               index_head_dim=16, index_topk=4), "indexer"),
-        # Llama 4 given the whole batch: chunks shorter than the sequence; temperature tuning
-        # at floor_scale 16 < 48 tokens (it changes the one-process loss: checked below)
-        # (the ring does not cut chunks: it refuses and names Ulysses)
-        "llama4 chunked": (model_config("llama4", attention_chunk_size=8),
-                           "chunked attention.*strategy='ulysses'"),
+        # Llama 4 given the whole batch: temperature tuning at floor_scale 16 < 48 tokens (it
+        # changes the one-process loss: checked below)
         "llama4 temperature": (model_config("llama4", floor_scale=16), "temperature tuning"),
     }
     tuned = reference(model_config("llama4", floor_scale=16), _sequences())[0]
@@ -378,7 +373,7 @@ def _refusals(cp):
     mask = torch.ones_like(local["input_ids"])
     if cp.rank == 1:
         mask[0, 2] = 0  # zeros in rank 1's shard only
-    one_rank = r"invalid on rank\(s\) 1 but not on rank\(s\) 0"  # (rank 1 adds its error)
+    one_rank = r"invalid on rank\(s\) 1 \(every rank .*\)\. rank\(s\) 1: ValueError: \S"
     _raises_everywhere(one_rank, model, input_ids=local["input_ids"],
                        position_ids=local["position_ids"], use_cache=False,
                        attention_mask=mask)
@@ -396,18 +391,20 @@ def _refusals(cp):
     _exact("llama after errors", model_config("llama"), _sequences(), cp)
 
 
-def _llama4_chunks(cp):
-    """Llama 4's chunked attention past one chunk (chunks of 8 in 48 tokens): exact with
-    Ulysses, which cuts the attention at every multiple of 8 of the documents' positions, for
-    sequences and for packed documents (chunks on positions within each document). Ablation:
-    chunks of 64 (the layer then attends causally over all 48)."""
+def _llama4_chunks(cp, **shard):
+    """Llama 4's chunked attention past one chunk (chunks of 8 in 48 tokens): exact for
+    sequences and for packed documents (chunks on positions within each document): Ulysses
+    cuts the attention at every multiple of 8 of the documents' positions, the ring and the
+    all-gather gather K and V and attend each local run of a chunk to its chunk's keys (a
+    chunk's keys on other ranks too: zigzag pieces of 6 tokens). Ablation: chunks of 64 (the
+    layer then attends causally over all 48). shard: shard_batch's keywords."""
     config = model_config("llama4", attention_chunk_size=8)
-    _exact(f"llama4 chunks {cp.strategy}", config, _sequences(), cp,
-           (model_config("llama4"), _sequences()))
+    what = f"llama4 chunks {cp.strategy} {cp.layout} {shard}"
+    _exact(what, config, _sequences(), cp, (model_config("llama4"), _sequences()))
     lengths = [20, 11, 17]  # every document longer than a chunk
     batch = packed(lengths)
-    assert_step_matches(reference(config, batch, lengths=lengths), cp_step(config, batch, cp),
-                        f"llama4 packed chunks {cp.strategy}")
+    assert_step_matches(reference(config, batch, lengths=lengths),
+                        cp_step(config, batch, cp, **shard), f"packed {what}")
 
 
 def _w2(rank, world):
@@ -415,7 +412,11 @@ def _w2(rank, world):
         cp = cpattn.ContextParallel(strategy=strategy)
         _packed_cases(cp)
     _family_cases(cpattn.ContextParallel())
-    _llama4_chunks(cpattn.ContextParallel(strategy="ulysses"))
+    for strategy in ("ulysses", "ring", "allgather"):
+        _llama4_chunks(cpattn.ContextParallel(strategy=strategy))
+    # the ring over contiguous shards, packed documents split per document
+    _llama4_chunks(cpattn.ContextParallel(strategy="ring", layout="contiguous"),
+                   documents="per-document")
     _refusals(cpattn.ContextParallel())
 
 

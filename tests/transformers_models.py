@@ -88,10 +88,10 @@ def cp_run(model, forward, batch: dict, cp: "cpattn.ContextParallel", loss_group
     """Loss and gradients (averaged over the loss group, as DDP would) of one step under CP."""
     model.zero_grad()
     local = cpattn.shard_batch(batch, cp)
-    logits = forward(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                     use_cache=False).logits
+    labels = local.pop("shift_labels")  # the README's recipe
+    logits = forward(**local, use_cache=False).logits
     group = loss_group if loss_group is not None else cp.group
-    loss = cpattn.cross_entropy(logits, local["shift_labels"], cp, group=group)
+    loss = cpattn.cross_entropy(logits, labels, cp, group=group)
     loss.backward()
     world = dist.get_world_size(group)
     grads = {}

@@ -9,9 +9,10 @@ Protocol (identical on every rank, so it never deadlocks on its own):
    full signature (every field name and value, byte strings such as cu_seqlens in full). Its
    size never depends on the function or the arguments, so different functions on different
    ranks meet in the same collective.
-2. Only if the headers differ: a second fixed-size exchange of (name hash, kind, value) per field,
-   from which every rank builds the same ValueError naming the function on each rank and the
-   fields that differ.
+2. Only if the headers differ: a second fixed-size exchange of (name hash, kind, value) per field
+   and, from a rank whose arguments failed validation, its error text (at most 1 KiB), from which
+   every rank builds the same ValueError: the function on each rank and the fields that differ,
+   or the ranks whose arguments are invalid and why.
 
 Modes (cpattn.set_rank_check, or $CPATTN_RANK_CHECK when never set): "always" checks every call;
 "once" checks each distinct (function, group, signature) once and then trusts it (later identical
@@ -62,6 +63,7 @@ _VERSION = 1
 _NAME_WORDS = 6  # function name: 48 bytes in the header (the digest covers the full name)
 _DIGEST_WORDS = 4  # 256-bit signature digest
 _DETAIL_FIELDS = 64  # fields reported in detail on a mismatch (the digest covers all of them)
+_REASON_WORDS = 256  # the failing ranks' errors travel in the detail exchange: 2 KiB at most
 _ONCE_CACHE_LIMIT = 4096  # signatures remembered in "once" mode (bounded: cu_seqlens vary)
 
 _INVALID = "invalid_arguments"  # agree_on's one field when a rank's arguments fail validation
@@ -237,44 +239,120 @@ def _name_of(header: torch.Tensor) -> str:
     return raw.rstrip(b"\0").decode(errors="replace")
 
 
+class InvalidOnSomeRanks(ValueError):
+    """Raised on every rank when the arguments failed validation on some ranks only (or on every
+    rank, differently). `errors` maps each failing global rank to its error's text; every rank
+    raises the same text. Raised inside a later agreement's check (hybrid's second stage), its
+    map travels on, so that the ranks of every group end up naming the same errors."""
+
+    def __init__(self, function_name: str, errors: dict[int, str]):
+        self.errors = dict(sorted(errors.items()))
+        by_error: dict[str, list[int]] = {}
+        for rank, error in self.errors.items():
+            by_error.setdefault(error, []).append(rank)
+        detail = "; ".join(f"rank(s) {_ranks(ranks)}: {error}"
+                           for error, ranks in by_error.items())
+        super().__init__(f"{function_name}: the arguments are invalid on rank(s) "
+                         f"{_ranks(list(self.errors))} (every rank must pass the same shapes and "
+                         f"options). {detail}")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """Ranks as runs: "0-3, 6"."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+_RECORD, _UNIT = "\x1e", "\x1f"  # separators of the errors' encoding (stripped from the texts)
+_SENDER = -1  # the rank of "this rank's own error": the same bytes on every rank that has it, so
+#               that one bad input everywhere agrees (and raises itself); the receiver fills it in
+
+
+def _encode_errors(errors: dict[int, str]) -> str:
+    """A rank -> error map as text: "rank<US>error" records separated by <RS>, within the
+    exchange's bound: each error cut to under half of it (so two always travel), and the records
+    that would pass the bound left out."""
+    budget = 8 * _REASON_WORDS
+    limit = budget // 2 - 16
+    records: list[str] = []
+    for rank, error in sorted(errors.items()):
+        error = error.replace(_RECORD, " ").replace(_UNIT, " ")
+        if len(error.encode()) > limit:
+            error = error.encode()[: limit - 3].decode(errors="ignore") + "..."
+        record = f"{'*' if rank == _SENDER else rank}{_UNIT}{error}"
+        if len(_RECORD.join([*records, record]).encode()) > budget:
+            break
+        records.append(record)
+    return _RECORD.join(records)
+
+
+def _decode_errors(text: str, sender: int) -> dict[int, str]:
+    errors = {}
+    for record in filter(None, text.split(_RECORD)):
+        rank, _, error = record.partition(_UNIT)
+        if rank == "*":
+            errors[sender] = error
+        elif rank.isdigit():
+            errors[int(rank)] = error
+    return errors
+
+
+def _errors_words(fields: Fields) -> list[int]:
+    """This rank's failing-ranks map (agree_on's one field when its check raised: its own error,
+    or the map of an earlier stage), as a length and UTF-8 bytes in _REASON_WORDS int64 words;
+    empty when its check passed."""
+    raw = str(next((v for n, v in fields if n == _INVALID), "")).encode()  # (within the bound)
+    padded = raw.ljust(8 * _REASON_WORDS, b"\0")
+    return [len(raw), *struct.unpack(f"<{_REASON_WORDS}q", padded)]
+
+
+def _errors_of(words: list[int], sender: int) -> dict[int, str]:
+    """The failing-ranks map that global rank `sender` sent (its own error named by its rank)."""
+    raw = struct.pack(f"<{_REASON_WORDS}q", *words[1:])[: words[0]]
+    return _decode_errors(raw.decode(errors="replace"), sender)
+
+
 def _mismatch_message(
     function_name: str,
     fields: Sequence[tuple[str, FieldValue]],
     headers: torch.Tensor,
     details: torch.Tensor,
-) -> str:
-    world = headers.shape[0]
+    global_ranks: Sequence[int],
+) -> ValueError:
     names = [_name_of(h) for h in headers]
     if len(set(names)) > 1:
-        calls = ", ".join(f"rank {r} called {n}" for r, n in enumerate(names))
-        return (f"{function_name}: ranks called different cpattn functions ({calls}); every rank "
-                "of the group must make the same cpattn calls in the same order")
-    # details[r] = [count, (name hash, kind, word) per field]
-    per_rank = []
-    for r in range(world):
-        n = int(details[r, 0])
-        triples = details[r, 1 : 1 + 3 * n].view(n, 3).tolist()
-        per_rank.append({h: (kind, word) for h, kind, word in triples})
-    invalid = [_INVALID_KEY in d for d in per_rank]
-    if any(invalid):  # some ranks failed validation, others did not: say so, not every field
-        bad = ", ".join(str(r) for r, b in enumerate(invalid) if b)
-        good = ", ".join(str(r) for r, b in enumerate(invalid) if not b)
-        return (f"{function_name}: the arguments are invalid on rank(s) {bad} but not on rank(s) "
-                f"{good}; every rank must pass the same shapes and options")
+        calls = ", ".join(f"rank {g} called {n}" for g, n in zip(global_ranks, names))
+        # (no function named first: the same text on every rank)
+        return ValueError(f"cpattn: ranks called different cpattn functions ({calls}); every "
+                          "rank of the group must make the same cpattn calls in the same order")
+    # details[r] = [count, (name hash, kind, word) per field, errors' length, errors' bytes]
+    per_rank, errors = [], {}
+    for row, sender in zip(details.tolist(), global_ranks):
+        n = row[0]
+        hashes, kinds, words = (row[i : i + 3 * n : 3] for i in (1, 2, 3))
+        per_rank.append({h: (kind, word) for h, kind, word in zip(hashes, kinds, words)})
+        errors.update(_errors_of(row[1 + 3 * _DETAIL_FIELDS :], sender))
+    if errors:  # some ranks failed validation: their errors, not every field
+        return InvalidOnSomeRanks(function_name, errors)
     shown = []
     for name, value in fields[:_DETAIL_FIELDS]:
         key = _hash63(name.encode())
         values = [d.get(key) for d in per_rank]
         if len(set(values)) > 1:
-            text = ", ".join(f"rank {r}=" + ("absent" if v is None else _show(*v, value))
-                             for r, v in enumerate(values))
+            text = ", ".join(f"rank {g}=" + ("absent" if v is None else _show(*v, value))
+                             for g, v in zip(global_ranks, values))
             shown.append((name, text))
     if not shown:
-        return (f"{function_name}: ranks disagree on the call's shapes or options (signature "
-                "digests differ beyond the fields reported in detail)")
-    return (f"{function_name}: ranks disagree on {', '.join(n for n, _ in shown)} ("
-            + "; ".join(f"{n}: {t}" for n, t in shown)
-            + "); every rank must pass the same shapes and options")
+        return ValueError(f"{function_name}: ranks disagree on the call's shapes or options "
+                          "(signature digests differ beyond the fields reported in detail)")
+    return ValueError(f"{function_name}: ranks disagree on {', '.join(n for n, _ in shown)} ("
+                      + "; ".join(f"{n}: {t}" for n, t in shown)
+                      + "); every rank must pass the same shapes and options")
 
 
 def agree(
@@ -337,13 +415,13 @@ def _agree_now(function_name: str, group, fields: Fields, timeout: float, mode: 
     if (headers != headers[0]).any():
         # Every rank saw the same headers, so every rank takes this branch: a second exchange.
         shown = fields[:_DETAIL_FIELDS]
-        detail = torch.zeros(1 + 3 * _DETAIL_FIELDS, dtype=torch.int64)
-        detail[0] = len(shown)
-        for i, (name, value) in enumerate(shown):
-            detail[1 + 3 * i : 4 + 3 * i] = torch.tensor(
-                [_hash63(name.encode()), _kind(value), _word(value)])
+        triples = [w for name, value in shown
+                   for w in (_hash63(name.encode()), _kind(value), _word(value))]
+        triples += [0] * (3 * (_DETAIL_FIELDS - len(shown)))
+        detail = torch.tensor([len(shown), *triples, *_errors_words(fields)], dtype=torch.int64)
         details = _exchange(detail, group, world, timeout, function_name)
-        raise ValueError(_mismatch_message(function_name, fields, headers, details))
+        global_ranks = dist.get_process_group_ranks(group)
+        raise _mismatch_message(function_name, fields, headers, details, global_ranks)
     if len(_checked) >= _ONCE_CACHE_LIMIT:
         _checked.clear()  # every rank clears at the same call: the caches stay identical
     _checked.add(key)
@@ -386,7 +464,8 @@ def agree_on(
     fields). If it raises ValueError, TypeError or RuntimeError (a C++ check), the ranks agree on
     that error instead: when
     every rank has it (the same bad input everywhere) every rank raises it; when only some do,
-    every rank raises the disagreement (chained to the local error). Either way no rank is left
+    every rank raises the same ValueError naming the failing ranks and carrying their errors'
+    text (chained to the local error where there is one). Either way no rank is left
     waiting in the call's first message. Returns check()'s checked arguments. every_call: as
     agree's.
     """
@@ -395,7 +474,10 @@ def agree_on(
         error = None
     except (ValueError, TypeError, RuntimeError) as e:
         # (not an f-string: dynamo keeps a formatted exception non-constant while tracing)
-        checked, fields, error = None, [(_INVALID, type(e).__name__ + ": " + str(e))], e
+        # This rank's own error, or the failing ranks of an earlier stage (hybrid)
+        errors = e.errors if isinstance(e, InvalidOnSomeRanks) else {
+            _SENDER: type(e).__name__ + ": " + str(e)}
+        checked, fields, error = None, [(_INVALID, _encode_errors(errors))], e
     try:
         agree(function_name, group, fields, timeout, every_call)
         if error is not None:
@@ -403,7 +485,7 @@ def agree_on(
     except ValueError as mismatch:
         if error is None or mismatch is error:
             raise
-        raise ValueError(f"{mismatch} (here: {error})") from error
+        raise mismatch from error  # the same text as on every other rank: it carries our error
     finally:
         # The error raised holds this frame in its traceback: a local referring back to it would
         # be a cycle that keeps every frame of the call (and the process group they hold) alive

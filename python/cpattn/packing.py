@@ -228,3 +228,31 @@ def _flash_boundaries(batch, bsz: int, seqlen: int, what: str) -> Optional[list[
         raise ValueError(f"{what}: cu_seq_lens_q {cu if len(cu) <= 16 else '...'} must run from 0 "
                          f"to the packed length {seqlen} of a batch of one row (got {bsz} rows)")
     return cu
+
+
+def check_seq_idx(batch: dict[str, Any], packing: Optional[Packing], key: str,
+                  what: str) -> None:
+    """TRL's padding-free `seq_idx` (batch, seqlen): each token's document index, for the short
+    convolutions of linear-attention layers. It is not passed on (the attention gets the
+    documents), so it must mark the same documents as the batch's positions, else ValueError."""
+    ids = batch[key]
+    bsz, seqlen = ids.shape[0], ids.shape[1]
+    seq_idx = torch.as_tensor(batch["seq_idx"]).cpu().to(torch.int64)
+    if seq_idx.dim() == 1:
+        seq_idx = seq_idx[None]
+    if tuple(seq_idx.shape) != (bsz, seqlen):
+        raise ValueError(f"{what}: seq_idx must be (batch, seqlen) = ({bsz}, {seqlen}), got "
+                         f"{tuple(seq_idx.shape)}")
+    if packing is None:  # rows of one document each
+        source = torch.arange(bsz * seqlen)
+        starts = torch.arange(0, bsz * seqlen, seqlen)
+    else:
+        source = packing.source
+        starts = torch.tensor(packing.docs.cu_seqlens[:-1], dtype=torch.int64)
+        starts = starts[torch.tensor(packing.docs.lengths, dtype=torch.int64) > 0]
+    flat, row = seq_idx.flatten()[source], source // seqlen
+    new = torch.ones(flat.numel(), dtype=torch.bool)  # a row's first token, or a new index
+    new[1:] = (flat.diff() != 0) | (row.diff() != 0)
+    if not torch.equal(new.nonzero().flatten(), starts):
+        raise ValueError(f"{what}: seq_idx marks other documents than the batch's position_ids "
+                         "/ cu_seq_lens_q: the two disagree on where documents start")

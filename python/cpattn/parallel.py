@@ -8,6 +8,7 @@ call itself (`attention`). The transformers integration, `cpattn.shard_batch` an
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -37,6 +38,32 @@ def _is_mesh(obj) -> bool:
     return hasattr(obj, "get_group") and hasattr(obj, "ndim")
 
 
+class _WeakGroup:
+    """A ContextParallel attribute that holds a process group by weak reference. The object
+    lives as long as its user (a model's registered attention keeps it until exit); the group
+    must not: torch.distributed holds every group until dist.destroy_process_group(), which then
+    frees it and joins its threads (gloo's), not the interpreter's teardown later."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        ref = obj.__dict__[self.slot]
+        if ref is None:
+            return None
+        group = ref()
+        if group is None:
+            raise RuntimeError(
+                f"cpattn.ContextParallel: its process group ({self.slot[1:]}) was destroyed "
+                "(dist.destroy_process_group()); make a ContextParallel of a live group")
+        return group
+
+    def __set__(self, obj, group) -> None:
+        obj.__dict__[self.slot] = None if group is None else weakref.ref(group)
+
+
 class ContextParallel:
     """Context-parallel settings: who shares a sequence, and how attention runs over it.
 
@@ -59,8 +86,13 @@ class ContextParallel:
         invariant: every attention call with invariant=True (results bitwise independent of the
             number of ranks: docs/invariance.md); default $CPATTN_INVARIANT.
 
-    Every rank of the group must make the same object (same strategy and layout).
+    Every rank of the group must make the same object (same strategy and layout). It holds its
+    groups by weak reference: it does not keep them alive past dist.destroy_process_group().
     """
+
+    group = _WeakGroup()
+    ring_group = _WeakGroup()
+    ulysses_group = _WeakGroup()
 
     def __init__(
         self,

@@ -15,7 +15,14 @@ import torch
 import torch.distributed as dist
 
 from cpattn.documents import shard_documents
-from cpattn.packing import FLASH_KEYS, KEYWORD, Documents, Packing, find_packing
+from cpattn.packing import (
+    FLASH_KEYS,
+    KEYWORD,
+    Documents,
+    Packing,
+    check_seq_idx,
+    find_packing,
+)
 from cpattn.parallel import PLAN_STRATEGIES, ContextParallel
 
 IGNORE_INDEX = -100
@@ -41,7 +48,8 @@ def shard_batch(
             (batch, seqlen) (the tokens themselves, as for transformers), "attention_mask"
             (batch, seqlen), "position_ids" (batch, seqlen), the packed-sequence keys of
             transformers' DataCollatorWithFlattening ("cu_seq_lens_q" / "_k", "max_length_q" /
-            "_k") and any other tensor with `seqlen` entries along `seq_dim`.
+            "_k"), TRL's padding-free "seq_idx" (checked against the documents, not passed on)
+            and any other tensor with `seqlen` entries along `seq_dim`.
         cp: the ContextParallel settings.
         ignore_index: label of positions without a target.
         documents: how packed documents are sharded: "plan" (cpattn.shard_documents: short
@@ -97,6 +105,10 @@ def shard_batch(
                          f"shape {tuple(labels.shape)}")
     shifted = None if labels is None else _shift(labels, seq_dim, ignore_index)
     packing = find_packing(batch, key, what) if seq_dim == 1 else None
+    if "seq_idx" in batch:
+        if seq_dim != 1:
+            raise ValueError(f"{what}: seq_idx needs seq_dim=1, got seq_dim={seq_dim}")
+        check_seq_idx(batch, packing, key, what)
     if packing is None and seq_dim != 1 and any(
             k in batch for k in ("position_ids", "attention_mask", *FLASH_KEYS)):
         raise ValueError(f"{what}: position_ids, attention_mask and packed-sequence keys need "
@@ -132,7 +144,7 @@ def shard_batch(
     return out
 
 
-_NOT_PASSED_ON = frozenset({"attention_mask", "position_ids", *FLASH_KEYS})
+_NOT_PASSED_ON = frozenset({"attention_mask", "position_ids", "seq_idx", *FLASH_KEYS})
 
 
 def _token_aligned(value, seq_dim: int, seqlen: int) -> bool:
@@ -238,41 +250,90 @@ def cross_entropy(
     *,
     group=None,
     ignore_index: int = IGNORE_INDEX,
+    num_items_in_batch=None,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean cross-entropy over the non-ignored tokens of every rank of the group.
+    """Cross-entropy over the non-ignored tokens of every rank of the group.
 
     Args:
         logits: (batch, seqlen / W, vocab), this rank's tokens.
         shift_labels: (batch, seqlen / W) from `shard_batch` (already shifted).
-        cp: the ContextParallel settings; without `group`, the mean runs over the ranks that
+        cp: the ContextParallel settings; without `group`, the loss runs over the ranks that
             share the sequence (for hybrid: the ring x Ulysses ranks).
-        group: the ranks whose tokens the mean runs over. Give the flattened data-parallel x
-            context-parallel group to average over the whole global batch. With cp, it must
-            hold every rank of cp's sequence (else ValueError).
+        group: the ranks whose tokens the loss runs over. Give the flattened data-parallel x
+            context-parallel group to take the whole global batch. With cp, it must hold every
+            rank of cp's sequence (else ValueError).
+        num_items_in_batch: the number of targets the mean divides by, counted by the caller
+            on the full batches before sharding (a positive int or a scalar tensor; transformers'
+            Trainer passes it as `num_items_in_batch`): over every rank's tokens and every
+            gradient-accumulation micro-batch, so that summing the micro-batches' losses gives
+            the exact token mean of the whole step. None (default): the group's targets of
+            this call, counted here.
+        label_smoothing: in [0, 1): each target's loss is (1 - e) * nll + e * the mean over the
+            vocabulary of -log p (torch's and transformers' LabelSmoother's definition).
+        reduction: "mean" (default; the sum divided by the number of targets) or "sum" (the
+            sum of the token losses of every rank of the group; with num_items_in_batch None).
 
     Returns the same scalar on every rank (float32; float64 for float64 logits): the sum of the
     token losses of all ranks divided by the number of non-ignored tokens of all ranks (not a
-    mean of per-rank means).
+    mean of per-rank means), or by num_items_in_batch; the sum with reduction="sum". All
+    targets ignored: 0 with zero gradients.
     Gradients: each rank's backward gives the gradient of this loss times the group size, so
     that averaging the parameter gradients over the group (what DDP and FSDP do over their
-    group) gives exactly the gradient of the global mean; see README "Training a transformers
+    group) gives exactly the gradient of the loss; see README "Training a transformers
     model with context parallelism".
     """
+    what = "cpattn.cross_entropy"
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"{what}: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if reduction == "sum" and num_items_in_batch is not None:
+        raise ValueError(f"{what}: num_items_in_batch is the divisor of reduction='mean'; "
+                         "reduction='sum' takes none")
     groups = _loss_groups(cp, group)
-    if logits.shape[:-1] != shift_labels.shape:
-        raise ValueError(
-            f"cpattn.cross_entropy: logits (batch, seqlen, vocab) and shift_labels "
-            f"(batch, seqlen) disagree: {tuple(logits.shape)} vs {tuple(shift_labels.shape)}"
-        )
-    token_loss = torch.nn.functional.cross_entropy(
-        logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32)),
-        shift_labels.flatten().to(logits.device), ignore_index=ignore_index, reduction="sum",
-    )
-    count = (shift_labels != ignore_index).sum().to(torch.float32)
+    token_loss = token_loss_sum(logits, shift_labels, ignore_index=ignore_index,
+                                label_smoothing=label_smoothing)
     total = _SumOverGroups.apply(token_loss, groups)
-    count = _sum(count.to(total.device), groups)
+    if reduction == "sum":
+        return total
+    if num_items_in_batch is None:
+        count = (shift_labels != ignore_index).sum().to(torch.float32)
+        count = _sum(count.to(total.device), groups)
+    else:
+        count = _items(num_items_in_batch, what).to(total.device, torch.float32)
     # All tokens ignored everywhere: 0 with zero gradients, not NaN.
     return total / count.clamp(min=1)
+
+
+def token_loss_sum(logits: torch.Tensor, shift_labels: torch.Tensor, *,
+                   ignore_index: int = IGNORE_INDEX, label_smoothing: float = 0.0
+                   ) -> torch.Tensor:
+    """The sum of this rank's token losses (no communication): logits (batch, local, vocab),
+    shift_labels (batch, local). float32 (float64 for float64 logits). The one definition of
+    the token loss (label smoothing included) behind cross_entropy and the trainers'."""
+    what = "cpattn.cross_entropy"
+    if logits.shape[:-1] != shift_labels.shape:
+        raise ValueError(
+            f"{what}: logits (batch, seqlen, vocab) and shift_labels "
+            f"(batch, seqlen) disagree: {tuple(logits.shape)} vs {tuple(shift_labels.shape)}"
+        )
+    if isinstance(label_smoothing, bool) or not (0.0 <= float(label_smoothing) < 1.0):
+        raise ValueError(f"{what}: label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32)),
+        shift_labels.flatten().to(logits.device), ignore_index=ignore_index, reduction="sum",
+        label_smoothing=float(label_smoothing),
+    )
+
+
+def _items(num_items_in_batch, what: str) -> torch.Tensor:
+    """num_items_in_batch as a scalar tensor, checked."""
+    n = num_items_in_batch
+    if isinstance(n, bool) or not isinstance(n, (int, float, torch.Tensor)) or (
+            isinstance(n, torch.Tensor) and n.numel() != 1):
+        raise ValueError(f"{what}: num_items_in_batch must be a number or a scalar tensor, got "
+                         f"{n!r}")
+    return torch.as_tensor(n).reshape(())
 
 
 def load_balancing_loss(router_logits, cp: ContextParallel, num_experts: int, top_k: int,

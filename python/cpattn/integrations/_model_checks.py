@@ -161,9 +161,9 @@ def check_layer(module: torch.nn.Module, tokens: int, max_position: int,
     if chunk is not None and max_position >= chunk and not chunks:
         raise ValueError(
             f"{WHAT}: layer {layer} uses chunked attention (attention_chunk_size={chunk}) and "
-            f"positions reach {max_position}: past one chunk only strategy 'ulysses' applies "
-            "the chunks exactly (ContextParallel(strategy='ulysses')); the ring and the "
-            "all-gather run only while every position is below the chunk size")
+            f"positions reach {max_position}: past one chunk, strategies 'ring', 'allgather' "
+            "and 'ulysses' apply the chunks exactly; 'hybrid' runs only while every position "
+            "is below the chunk size")
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         floor = getattr(module, "floor_scale", None)
         if floor is not None and tokens >= floor:

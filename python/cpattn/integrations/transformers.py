@@ -4,9 +4,9 @@
     name = cpattn.integrations.transformers.register(cp)         # "cpattn"
     model = AutoModelForCausalLM.from_config(config, attn_implementation=name)
     batch = cpattn.shard_batch({"input_ids": ids, "labels": ids}, cp)
-    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                   use_cache=False).logits
-    loss = cpattn.cross_entropy(logits, batch["shift_labels"], cp)
+    labels = batch.pop("shift_labels")        # for cross_entropy, not the model
+    logits = model(**batch, use_cache=False).logits
+    loss = cpattn.cross_entropy(logits, labels, cp)
 
 transformers calls the attention function with q / k / v as (batch, heads, seqlen, head_dim);
 cpattn works on (batch, seqlen, heads, head_dim): the function transposes views, never expands
@@ -45,6 +45,7 @@ import torch
 
 from cpattn._agreement import reads_on_host
 from cpattn._device import to_device
+from cpattn.attention import attention
 from cpattn.integrations import _hybrid
 from cpattn.integrations._generation import PENDING, ContextParallelCache
 from cpattn.integrations._keywords import WHAT, score_options, short
@@ -71,7 +72,7 @@ except ImportError as e:  # pragma: no cover - only without transformers
         "transformers); cpattn itself does not"
     ) from e
 
-__all__ = ["ContextParallelCache", "register"]
+__all__ = ["ContextParallelCache", "register", "registered"]
 
 def _expected_positions(cp: ContextParallel, local_len: int, docs: Optional[Documents],
                         device) -> torch.Tensor:
@@ -195,19 +196,33 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
             "config.use_cache = False) for training, and cache=ContextParallelCache(...) to "
             "generate"
         )
+    q, k, v = _autocast(q, k, v)
     tokens = docs.tokens if docs is not None else q.shape[1] * cp.world_size
     max_position = docs.max_position if docs is not None else tokens - 1
     chunk = attention_chunk(module)
-    chunked = chunk is not None and max_position >= chunk and cp.strategy == "ulysses"
+    chunked = chunk is not None and max_position >= chunk and cp.strategy != "hybrid"
     check_layer(module, tokens, max_position, chunks=chunked)
     _check_positions(cp, module, kwargs.get("position_ids"), q.shape[1], docs,
                      KEYWORD in kwargs)
-    if chunked:
+    if chunked and cp.strategy == "ulysses":
         return _chunked_ulysses(cp, q, k, v, opts, docs, chunk), None
+    if chunked:
+        return _chunked_gathered(cp, q, k, v, opts, docs, chunk), None
     keywords = opts.as_keywords()
     del keywords["prefix_len"]  # (none: transformers has no prefix-LM keyword)
     out = cp.attention(q, k, v, documents=docs, **keywords)
     return out, None
+
+
+def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast (mixed-precision training: fp32 weights, bf16 / fp16 compute) q, k and v
+    arrive in different dtypes (RoPE keeps q and k in fp32); like SDPA under autocast, attention
+    runs in the autocast dtype."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def _chunked_ulysses(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -230,6 +245,50 @@ def _chunked_ulysses(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: t
         attend_cu_seqlens=chunk_boundaries(lengths, starts, chunk), timeout=cp.timeout,
         **cp.with_mode(keywords))
     return out.view(batch, local, *out.shape[1:])
+
+
+def _chunked_gathered(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      opts: AttentionOptions, docs: Optional[Documents],
+                      chunk: int) -> torch.Tensor:
+    """Chunked attention (Llama 4) past one chunk under the ring or the all-gather, exactly: the
+    chunks are documents of `chunk` positions (of each document's own positions). K and V are
+    gathered whole (cp.unshard, whose backward returns each token's gradient to its owner); each
+    run of local queries at consecutive positions of one chunk attends the keys from its
+    chunk's start up to its own end (the local kernel, bottom-right aligned: every query at its
+    own position). Padding slots of a packed batch get 0. Costs the all-gather's memory: the
+    layer's whole K and V on every rank."""
+    if opts.invariant:
+        raise ValueError(f"{WHAT}: invariant=True with chunked attention past one chunk runs "
+                         "with strategy 'ulysses' only (ContextParallel(strategy='ulysses'))")
+    if docs is None:  # each row one sequence in the layout
+        total = q.shape[1] * cp.world_size
+        index = cp.positions(total).tolist()
+        cuts = chunk_boundaries((total,), (0,), chunk)
+    else:  # one packed row
+        index = cp.document_positions(docs)[0].tolist()
+        cuts = chunk_boundaries(docs.lengths, docs.starts, chunk)
+    k_all, v_all = (cp.unshard(t, documents=docs) for t in (k, v))
+    piece_start = {}  # packed index -> the start of its chunk piece
+    for start, end in zip(cuts, cuts[1:]):
+        piece_start.update(dict.fromkeys(range(start, end), start))
+    keywords = {**opts.as_keywords(), "causal": True}
+    del keywords["prefix_len"]  # (none: transformers has no prefix-LM keyword)
+    outs, t = [], 0
+    while t < len(index):  # local runs: consecutive packed indices in one piece, or padding
+        u = t + 1
+        if index[t] < 0:
+            while u < len(index) and index[u] < 0:
+                u += 1
+            outs.append(q.new_zeros(*q.shape[:1], u - t, *q.shape[2:3], *v.shape[3:]))
+        else:
+            while (u < len(index) and index[u] == index[u - 1] + 1
+                   and piece_start[index[u]] == piece_start[index[t]]):
+                u += 1
+            first, end = piece_start[index[t]], index[u - 1] + 1
+            outs.append(attention(q[:, t:u], k_all[:, first:end], v_all[:, first:end],
+                                  **keywords))
+        t = u
+    return torch.cat(outs, dim=1)
 
 
 def _calls_attention_interface(model_type: str) -> bool:
@@ -296,6 +355,12 @@ def _forget_settings() -> None:
     PENDING.clear()
     _CHECKED.clear()
     gc.collect()
+
+
+def registered(name: Optional[str]) -> Optional[ContextParallel]:
+    """The settings registered (by `register`) as the attention implementation `name`, or
+    None."""
+    return _SETTINGS.get(name)
 
 
 def register(cp: ContextParallel, name: str = "cpattn") -> str:
