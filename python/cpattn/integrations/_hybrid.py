@@ -372,7 +372,8 @@ def _adopt_existing() -> None:
 
     from transformers import PreTrainedModel
 
-    models = [o for o in gc.get_objects() if isinstance(o, PreTrainedModel)]
+    # (type(), not isinstance: that would read __class__ of every object, proxies included)
+    models = [o for o in gc.get_objects() if issubclass(type(o), PreTrainedModel)]
     for model in sorted(models, key=lambda m: sum(1 for _ in m.modules())):
         for module in model.modules():
             if type(module).__name__ in ADAPTERS and not hasattr(module, "_cpattn_config"):
