@@ -266,7 +266,7 @@ def main(argv=None) -> str:
     args = p.parse_args(argv)
     from cpattn.integrations import _hybrid
 
-    _hybrid.install(lambda name: None)  # (the originals, for the "own" column)
+    _hybrid.install()  # (the originals, for the "own" column)
     torch.set_num_threads(1)
     if args.quick:
         args.seqlens, args.worlds, args.reps = [128], [2], 1

@@ -180,7 +180,7 @@ def test_probe_refuses_a_changed_class():
     """One process: the equivalence check names the class and the transformers version."""
     import transformers
 
-    _hybrid.install(lambda name: None)
+    _hybrid.install()
     model = H.model(H.config("qwen3_5"), "eager")
     module = model.model.layers[0].linear_attn
     changed = copy.deepcopy(module)  # (probe() remembers each module's verdict)
@@ -209,7 +209,7 @@ def test_models_built_before_install_are_adopted():
         "model = H.model(H.config('qwen3_5'), 'eager')\n"
         "mixer = model.model.layers[0].linear_attn\n"
         "assert not hasattr(mixer, '_cpattn_config')\n"
-        "_hybrid.install(lambda name: None)\n"
+        "_hybrid.install()\n"
         "assert mixer._cpattn_config is model.model.config, mixer._cpattn_config\n"
         "assert _hybrid.probe('Qwen3_5GatedDeltaNet', mixer) == ''\n"
         "print('adopted')\n") % str(__import__("pathlib").Path(__file__).parent)

@@ -338,11 +338,13 @@ _MODULES: dict[int, weakref.ref] = {}  # id -> the mixer modules built since ins
 _DOCUMENTS: list = []  # shard_batch's documents of the base model forwards in progress
 
 
-def install(settings_of: Callable[[str], Optional[ContextParallel]]) -> None:
+def install(settings_of: Optional[Callable[[str], Optional[ContextParallel]]] = None) -> None:
     """Patches the supported mixer classes (idempotent). settings_of(attn_implementation) gives
-    the registered settings of a cpattn name, None for any other implementation."""
+    the registered settings of a cpattn name, None for any other implementation (register's;
+    None keeps the one installed, if any: without one every mixer runs its original forward)."""
     first = not ORIGINALS
-    _LOOKUP[:] = [settings_of]
+    if settings_of is not None:
+        _LOOKUP[:] = [settings_of]
     for model_type, (module_name, classes) in FAMILIES.items():
         try:
             module = importlib.import_module(f"transformers.models.{module_name}."
