@@ -1,15 +1,23 @@
+#include <array>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
 #include "cpattn/env.h"
 #include "cpu/kernels.h"
+#include "cpu/onednn_gemm.h"
 
 namespace cpattn::cpu {
 namespace {
 
 enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
-Isa detect() {
+struct IsaChoice {
+  Isa isa = Isa::kGeneric;
+  bool lowered = false;  // by CPATTN_CPU_ISA
+};
+
+IsaChoice detect() {
   Isa best = Isa::kGeneric;
 #if defined(__x86_64__)
   __builtin_cpu_init();
@@ -29,17 +37,148 @@ Isa detect() {
     if (!std::strcmp(want, "generic")) asked = Isa::kGeneric;
     if (!std::strcmp(want, "avx2")) asked = Isa::kAvx2;
     if (!std::strcmp(want, "avx512")) asked = Isa::kAvx512;
-    if (asked < best) best = asked;
+    if (asked < best) return {asked, true};
   }
-  return best;
+  return {best, false};
 }
 
-Isa isa() {
-  static const Isa chosen = detect();
+const IsaChoice& isa_choice() {
+  static const IsaChoice chosen = detect();
   return chosen;
+}
+Isa isa() { return isa_choice().isa; }
+
+// One instruction set's kernels (kernels_<isa>.cpp); no brgemm entry points below AVX-512.
+struct IsaKernels {
+  void (*fwd)(const FwdParams&);
+  void (*bwd)(const BwdParams&);
+  void (*fwd_brgemm)(const FwdParams&);
+  void (*bwd_brgemm)(const BwdParams&);
+  void (*round_split_sums)(uint16_t*, const uint16_t*, int64_t);
+  BackwardChunking (*backward_chunking)(const AttnShape&);
+};
+
+const IsaKernels& kernels() {
+  static const IsaKernels k = [] {
+    switch (isa()) {
+#define CPATTN_ISA_KERNELS(ns, brgemm_fwd, brgemm_bwd)                                       \
+  IsaKernels {                                                                               \
+    &ns::attention_fwd, &ns::attention_bwd, brgemm_fwd, brgemm_bwd, &ns::round_split_sums, \
+        &ns::backward_chunking                                                               \
+  }
+      case Isa::kAvx512Bf16:
+        return CPATTN_ISA_KERNELS(avx512bf16, &avx512bf16::attention_fwd_brgemm,
+                                  &avx512bf16::attention_bwd_brgemm);
+      case Isa::kAvx512:
+        return CPATTN_ISA_KERNELS(avx512, &avx512::attention_fwd_brgemm,
+                                  &avx512::attention_bwd_brgemm);
+      case Isa::kAvx2:
+        return CPATTN_ISA_KERNELS(avx2, nullptr, nullptr);
+      default:
+        return CPATTN_ISA_KERNELS(generic, nullptr, nullptr);
+#undef CPATTN_ISA_KERNELS
+    }
+  }();
+  return k;
+}
+
+// Whether oneDNN's brgemm runs the products of operands `o` here: the instruction set builds the
+// path, the build's torch has the products, mkldnn is on, and the probe passed (onednn_gemm.h).
+bool brgemm_runs(Operands o) {
+  if (!kernels().fwd_brgemm) return false;
+  return o == Operands::kBFloat16 ? onednn::runs_bf16() : onednn::runs_f32();
+}
+
+// Where brgemm is the default (measured: bench/RESULTS.md, "CPU GEMM paths"). bf16: on AMX
+// tiles, which the hand-written AVX512-BF16 micro-kernels cannot use. fp32: not on the CPUs
+// measured so far (AMD Zen 4: the micro-kernels are faster). A lowered CPATTN_CPU_ISA keeps the
+// micro-kernels, so that asking for an instruction set never runs oneDNN's wider code instead.
+bool brgemm_preferred(Operands o) {
+  if (isa_choice().lowered) return false;
+  return o == Operands::kBFloat16 && onednn::amx_usable();
+}
+
+bool always(Operands) { return true; }
+
+// A row of the table: the path, where it runs, and whether the automatic choice takes it.
+struct PathRow {
+  KernelPath path;
+  bool (*runs)(Operands);
+  bool (*preferred)(Operands);
+};
+
+constexpr int kBrgemmRow = 0, kMicroRow = 1, kRows = 2;
+
+// The table of kernel paths in order of preference; the last row runs everywhere.
+const std::array<PathRow, kRows>& paths() {
+  static const std::array<PathRow, kRows> table{{
+      {{"brgemm", kBrgemmRow, Packing::kBrgemm, kernels().fwd_brgemm, kernels().bwd_brgemm},
+       brgemm_runs,
+       brgemm_preferred},
+      {{"micro", kMicroRow, Packing::kMicro, kernels().fwd, kernels().bwd}, always, always},
+  }};
+  return table;
+}
+
+int choose(Operands o) {
+  const char* forced = env::cpu_gemm();
+  const bool force = forced && std::strcmp(forced, "auto") != 0 && forced[0] != '\0';
+  for (const PathRow& row : paths()) {
+    if (!row.runs(o)) continue;
+    if (force ? std::strcmp(row.path.name, forced) == 0 : row.preferred(o)) return row.path.index;
+  }
+  return kMicroRow;
+}
+
+std::array<std::atomic<int64_t>, kRows * 2 * 2> calls{};
+
+void count(int index, bool bf16, int pass) {
+  calls[(index * 2 + (bf16 ? 1 : 0)) * 2 + pass].fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace
+
+void KernelPath::fwd(const FwdParams& p) const {
+  count(index, p.q16 != nullptr, 0);
+  fwd_entry(p);
+}
+
+void KernelPath::bwd(const BwdParams& p) const {
+  count(index, p.q16 != nullptr, 1);
+  bwd_entry(p);
+}
+
+const KernelPath& kernel_path(Operands o, bool fixed_order) {
+  // -1: not chosen yet. Not chosen while mkldnn is off, so that switching it off before the
+  // first call does not keep brgemm away for the rest of the process.
+  static std::array<std::atomic<int>, 2> chosen{-1, -1};
+  std::atomic<int>& row = chosen[static_cast<int>(o)];
+  if (fixed_order || !onednn::mkldnn_enabled()) return micro_path();
+  if (row.load() < 0) row.store(choose(o));
+  const PathRow& r = paths()[row.load()];
+  return r.runs(o) ? r.path : micro_path();
+}
+
+const KernelPath& micro_path() { return paths()[kMicroRow].path; }
+
+std::string path_report(Operands o) {
+  const KernelPath& path = kernel_path(o);
+  std::string name = path.name;
+  if (path.index != kBrgemmRow) return name + "-" + active_isa();
+  if (o == Operands::kBFloat16) return name + (onednn::amx_usable() ? "-amx" : "-avx512bf16");
+  return name + "-avx512";  // oneDNN's fp32 kernels (the path needs AVX-512)
+}
+
+bool amx_usable() { return onednn::amx_usable(); }
+bool amx_on_cpu() { return onednn::amx_on_cpu(); }
+
+std::vector<int64_t> path_calls() {
+  std::vector<int64_t> out;
+  for (const auto& c : calls) out.push_back(c.load());
+  return out;
+}
+
+int64_t amx_tasks() { return onednn::amx_tasks(); }
 
 const char* active_isa() {
   switch (isa()) {
@@ -56,56 +195,12 @@ const char* active_isa() {
 
 bool has_bf16_dot() { return isa() == Isa::kAvx512Bf16; }
 
-void attention_fwd(const FwdParams& params) {
-  switch (isa()) {
-    case Isa::kAvx512Bf16:
-      return avx512bf16::attention_fwd(params);
-    case Isa::kAvx512:
-      return avx512::attention_fwd(params);
-    case Isa::kAvx2:
-      return avx2::attention_fwd(params);
-    default:
-      return generic::attention_fwd(params);
-  }
-}
-
-void attention_bwd(const BwdParams& params) {
-  switch (isa()) {
-    case Isa::kAvx512Bf16:
-      return avx512bf16::attention_bwd(params);
-    case Isa::kAvx512:
-      return avx512::attention_bwd(params);
-    case Isa::kAvx2:
-      return avx2::attention_bwd(params);
-    default:
-      return generic::attention_bwd(params);
-  }
-}
-
 void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n) {
-  switch (isa()) {
-    case Isa::kAvx512Bf16:
-      return avx512bf16::round_split_sums(high, low, n);
-    case Isa::kAvx512:
-      return avx512::round_split_sums(high, low, n);
-    case Isa::kAvx2:
-      return avx2::round_split_sums(high, low, n);
-    default:
-      return generic::round_split_sums(high, low, n);
-  }
+  kernels().round_split_sums(high, low, n);
 }
 
 BackwardChunking backward_chunking(const AttnShape& shape) {
-  switch (isa()) {
-    case Isa::kAvx512Bf16:
-      return avx512bf16::backward_chunking(shape);
-    case Isa::kAvx512:
-      return avx512::backward_chunking(shape);
-    case Isa::kAvx2:
-      return avx2::backward_chunking(shape);
-    default:
-      return generic::backward_chunking(shape);
-  }
+  return kernels().backward_chunking(shape);
 }
 
 }  // namespace cpattn::cpu
