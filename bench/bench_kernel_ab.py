@@ -6,10 +6,15 @@ process, so that drift in machine load hits both alike. Reports per case and bui
 median over the repeats of the median time of each process (backward: torch.autograd.grad on a
 graph built once, no forward inside; forward: under no_grad).
 
+A build may also set environment variables for its processes, `name=path,VAR=VALUE,...`: the
+same build on two kernel paths, for instance (CPATTN_CPU_GEMM, docs/environment.md).
+
 Example (the previous build installed with `pip install --no-deps --target /tmp/before .` from
 its checkout, this one in the venv):
   python bench/bench_kernel_ab.py --builds before=/tmp/before after=$(python -c \\
       "import cpattn, os; print(os.path.dirname(os.path.dirname(cpattn.__file__)))")
+  python bench/bench_kernel_ab.py --builds micro=$SITE,CPATTN_CPU_GEMM=micro \\
+      brgemm=$SITE,CPATTN_CPU_GEMM=brgemm
 """
 
 from __future__ import annotations
@@ -66,7 +71,8 @@ def _child(case: list, threads: int, calls: int, forward: bool) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--builds", nargs="+", default=[], help="name=path-of-the-installed-package")
+    p.add_argument("--builds", nargs="+", default=[],
+                   help="name=path-of-the-installed-package[,VAR=VALUE...]")
     p.add_argument("--cases", nargs="+", type=int, default=list(range(len(CASES))),
                    help="indices into CASES")
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
@@ -86,8 +92,10 @@ def main() -> None:
         for threads in a.threads:
             times: dict[str, list[float]] = {n: [] for n in builds}
             for _ in range(a.repeats):
-                for name, path in builds.items():
+                for name, spec in builds.items():
+                    path, *assignments = spec.split(",")
                     env = dict(os.environ, PYTHONPATH=path)
+                    env.update(kv.split("=", 1) for kv in assignments)
                     r = subprocess.run(
                         [sys.executable, __file__, "--calls", str(a.calls), "--pass", a.direction,
                          "--child", json.dumps([case, threads])],
