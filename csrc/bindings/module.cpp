@@ -25,7 +25,7 @@ PYBIND11_MODULE(_C, m) {
         return cpattn::cpu::path_report(bf16 ? Operands::kBFloat16 : Operands::kFloat32);
       },
       "How the CPU kernels run the products of inputs of this dtype (float32, float16, "
-      "bfloat16): micro-<isa>, brgemm-amx, brgemm-avx512bf16 or brgemm-avx512");
+      "bfloat16): micro-<isa>, brgemm-amx, brgemm-avx512bf16 or brgemm (fp32)");
   m.def("cpu_amx_on_cpu", &cpattn::cpu::amx_on_cpu, "Whether the CPU has AMX-BF16 tiles");
   m.def("cpu_amx_usable", &cpattn::cpu::amx_usable,
         "Whether oneDNN runs bf16 products on AMX tiles in this process");

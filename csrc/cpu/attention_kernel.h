@@ -753,8 +753,8 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block,
         AlignedArray<float> rows = aligned_array<float>(kBlockQ * dp);
         for (int64_t t = begin; t < end; ++t) {
           const int64_t split = t / (heads * blocks), bh = t / blocks % heads, j = t % blocks;
-          float* block = dq.get() + split * chunk_elems +
-                         (bh * packed.blocks_per_chunk + j) * kBlockQ * dp;
+          float* block =
+              dq.get() + split * chunk_elems + (bh * packed.blocks_per_chunk + j) * kBlockQ * dp;
           for (int64_t d = 0; d < dp; ++d)
             for (int64_t i = 0; i < kBlockQ; ++i) rows[i * dp + d] = block[d * kBlockQ + i];
           std::copy(rows.get(), rows.get() + kBlockQ * dp, block);

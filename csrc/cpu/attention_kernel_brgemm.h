@@ -118,7 +118,7 @@ inline void forward_blocks_brgemm(const FwdParams& p, int64_t b, int64_t h, int6
 template <typename T>
 struct BwdScratchBrgemm : BwdScratch {
   onednn::TaskGuard tiles;
-  AlignedArray<T> k_rows, v_rows, kt;    // the key block's K and V rows, and K^T (Dp x kBlockK)
+  AlignedArray<T> k_rows, v_rows, kt;  // the key block's K and V rows, and K^T (Dp x kBlockK)
   AlignedArray<uint16_t> p16, ds16, ds_pairs;  // bf16: P^T, dS^T, and dS^T as key pairs
   explicit BwdScratchBrgemm(const AttnShape& sh)
       : BwdScratch(sh),
@@ -172,8 +172,7 @@ inline bool backward_key_block_brgemm(const BwdParams& p, const PackedChunk<floa
         float* dpt = s.dpt.get();
 
         // P^T = exp2(K Q^T - lse); 0 for the rounded-up keys
-        brgemm(m, kBlockQ, dp, s.k_rows.get(), dp, packed.qt.at(slot), kBlockQ, st, kBlockQ,
-               false);
+        brgemm(m, kBlockQ, dp, s.k_rows.get(), dp, packed.qt.at(slot), kBlockQ, st, kBlockQ, false);
         if (modified) modify_scores(p.score, h, r0, c0, seen, 1.f, st, softcap_grad);
         if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
         for (int64_t c = 0; c < seen; ++c)
@@ -182,8 +181,7 @@ inline bool backward_key_block_brgemm(const BwdParams& p, const PackedChunk<floa
         std::fill(st + seen * kBlockQ, st + m * kBlockQ, 0.f);
         // dV += P^T dO
         if (p.dv.data)
-          brgemm(m, dvp, kBlockQ, st, kBlockQ, packed.do_rows.at(slot), dvp, s.dv.get(), dvp,
-                 true);
+          brgemm(m, dvp, kBlockQ, st, kBlockQ, packed.do_rows.at(slot), dvp, s.dv.get(), dvp, true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta), 0 for the rounded-up keys
         brgemm(m, kBlockQ, dvp, s.v_rows.get(), dvp, packed.dot.at(slot), kBlockQ, dpt, kBlockQ,
                false);
@@ -279,8 +277,7 @@ inline bool backward_key_block_brgemm_bf16(const BwdParams& p, const PackedChunk
 
         // P^T = exp2(scale K Q^T - lse), kept in fp32 for dS and in bf16 for dV; 0 for the
         // rounded-up keys
-        brgemm(m, kBlockQ, dp, s.k_rows.get(), dp, packed.qt.at(slot), kBlockQ, st, kBlockQ,
-               false);
+        brgemm(m, kBlockQ, dp, s.k_rows.get(), dp, packed.qt.at(slot), kBlockQ, st, kBlockQ, false);
         if (modified)
           modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, base2, st, softcap_grad);
         if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);

@@ -60,23 +60,23 @@ struct IsaKernels {
 
 const IsaKernels& kernels() {
   static const IsaKernels k = [] {
+    namespace a512b = avx512bf16;
+    namespace a512 = avx512;
     switch (isa()) {
-#define CPATTN_ISA_KERNELS(ns, brgemm_fwd, brgemm_bwd)                                       \
-  IsaKernels {                                                                               \
-    &ns::attention_fwd, &ns::attention_bwd, brgemm_fwd, brgemm_bwd, &ns::round_split_sums, \
-        &ns::backward_chunking                                                               \
-  }
       case Isa::kAvx512Bf16:
-        return CPATTN_ISA_KERNELS(avx512bf16, &avx512bf16::attention_fwd_brgemm,
-                                  &avx512bf16::attention_bwd_brgemm);
+        return IsaKernels{&a512b::attention_fwd,        &a512b::attention_bwd,
+                          &a512b::attention_fwd_brgemm, &a512b::attention_bwd_brgemm,
+                          &a512b::round_split_sums,     &a512b::backward_chunking};
       case Isa::kAvx512:
-        return CPATTN_ISA_KERNELS(avx512, &avx512::attention_fwd_brgemm,
-                                  &avx512::attention_bwd_brgemm);
+        return IsaKernels{&a512::attention_fwd,        &a512::attention_bwd,
+                          &a512::attention_fwd_brgemm, &a512::attention_bwd_brgemm,
+                          &a512::round_split_sums,     &a512::backward_chunking};
       case Isa::kAvx2:
-        return CPATTN_ISA_KERNELS(avx2, nullptr, nullptr);
+        return IsaKernels{&avx2::attention_fwd,    &avx2::attention_bwd,    nullptr, nullptr,
+                          &avx2::round_split_sums, &avx2::backward_chunking};
       default:
-        return CPATTN_ISA_KERNELS(generic, nullptr, nullptr);
-#undef CPATTN_ISA_KERNELS
+        return IsaKernels{&generic::attention_fwd,    &generic::attention_bwd,    nullptr, nullptr,
+                          &generic::round_split_sums, &generic::backward_chunking};
     }
   }();
   return k;
@@ -166,7 +166,7 @@ std::string path_report(Operands o) {
   std::string name = path.name;
   if (path.index != kBrgemmRow) return name + "-" + active_isa();
   if (o == Operands::kBFloat16) return name + (onednn::amx_usable() ? "-amx" : "-avx512bf16");
-  return name + "-avx512";  // oneDNN's fp32 kernels (the path needs AVX-512)
+  return name;  // fp32: oneDNN picks the instruction set of its kernels itself
 }
 
 bool amx_usable() { return onednn::amx_usable(); }

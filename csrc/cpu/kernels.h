@@ -45,7 +45,7 @@ const KernelPath& kernel_path(Operands o, bool fixed_order = false);
 const KernelPath& micro_path();
 
 // The path kernel_path(o) takes and how it runs, for cpattn.build_info(): "micro-<isa>",
-// "brgemm-amx", "brgemm-avx512bf16" (bf16 operands) or "brgemm-avx512" (fp32).
+// "brgemm-amx", "brgemm-avx512bf16" (bf16 operands) or "brgemm" (fp32).
 std::string path_report(Operands o);
 // Whether the bf16 products run on AMX tiles (oneDNN reaches AMX in this process), and whether
 // the CPU has AMX-BF16 at all.

@@ -7,8 +7,8 @@
 #include <c10/util/BFloat16.h>
 
 #include <atomic>
-#include <type_traits>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)

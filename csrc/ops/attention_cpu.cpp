@@ -156,8 +156,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
   } else {
     qp = pack(q, s.head_dim_padded);
     kp = pack(k, s.head_dim_padded);
-    vp = panels ? value_panels(v, s.head_dim_v_padded, at::kFloat)
-                : pack(v, s.head_dim_v_padded);
+    vp = panels ? value_panels(v, s.head_dim_v_padded, at::kFloat) : pack(v, s.head_dim_v_padded);
     p.q = qp.data_ptr<float>();
     p.k = kp.data_ptr<float>();
     (panels ? p.vt : p.v) = vp.data_ptr<float>();
@@ -213,8 +212,7 @@ bool backward_takes_bf16(const at::Tensor& q, const at::Tensor& dout) {
 
 // The kernel path of a backward (kernels.h).
 const cpu::KernelPath& backward_path(bool bf16, const AttnShape& s) {
-  return cpu::kernel_path(bf16 ? cpu::Operands::kBFloat16 : cpu::Operands::kFloat32,
-                          s.fixed_order);
+  return cpu::kernel_path(bf16 ? cpu::Operands::kBFloat16 : cpu::Operands::kFloat32, s.fixed_order);
 }
 
 }  // namespace
