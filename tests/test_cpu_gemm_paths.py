@@ -41,9 +41,9 @@ def cpu_flags() -> set[str]:
 
 FLAGS = cpu_flags()
 ISA = cpattn.build_info()["cpu_isa"]
-# Where the brgemm path is built (AVX-512 and up) and runs its bf16 products (oneDNN: AMX or
+# Where the brgemm path is built (AVX2 and up) and runs its bf16 products (oneDNN: AMX or
 # AVX512-BF16; the bf16 operands need the avx512bf16 kernels).
-BRGEMM_BUILT = ISA in ("avx512", "avx512bf16")
+BRGEMM_BUILT = ISA != "generic"
 BF16_BRGEMM = ISA == "avx512bf16" and bool({"amx_bf16", "avx512_bf16"} & FLAGS)
 
 # Runs in a fresh interpreter: the suite's conftest first (CPATTN_POISON=1, the testing ops), then
@@ -146,12 +146,13 @@ def test_build_info_reports_the_paths() -> None:
 
 @pytest.mark.parametrize("forced", ["brgemm", "micro"])
 def test_forced_path_runs_and_is_counted(forced: str, tmp_path: Path) -> None:
-    """CPATTN_CPU_GEMM takes the path where it runs (brgemm: AVX-512 and up; its bf16 products
+    """CPATTN_CPU_GEMM takes the path where it runs (brgemm: AVX2 and up; its bf16 products
     where oneDNN has AMX or AVX512-BF16 kernels); invariant mode and mkldnn switched off take the
     micro-kernels; results match the reference either way."""
     report = run_script(tmp_path, CPATTN_CPU_GEMM=forced)
     fp32 = "brgemm" if forced == "brgemm" and BRGEMM_BUILT else "micro"
-    bf16 = "brgemm" if forced == "brgemm" and (BF16_BRGEMM or ISA == "avx512") else "micro"
+    bf16_runs = BF16_BRGEMM or ISA in ("avx2", "avx512")  # (fp32 operands below avx512bf16)
+    bf16 = "brgemm" if forced == "brgemm" and bf16_runs else "micro"
     runs_on(report, "float32", fp32)
     runs_on(report, "bfloat16", bf16)
     names = {"micro": f"micro-{ISA}", "brgemm": "brgemm"}
@@ -179,14 +180,14 @@ def test_amx_path_is_taken_on_an_amx_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(ISA != "avx512bf16", reason="bf16 operands need the avx512bf16 kernels")
 @pytest.mark.parametrize("env", [{"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
-                                 {"CPATTN_CPU_ISA": "avx2"}], ids=["onednn_avx512", "isa_avx2"])
+                                 {"CPATTN_CPU_ISA": "generic"}], ids=["onednn_avx512", "generic"])
 def test_fallback_where_brgemm_cannot_run(env: dict, tmp_path: Path) -> None:
     """A CPU with neither AMX nor AVX512-BF16, as oneDNN sees it (its ISA capped: the bf16 probe
-    throws and is caught), keeps the bf16 micro-kernels while fp32 takes brgemm; below AVX-512
-    the path is not built and everything takes the micro-kernels."""
+    throws and is caught), keeps the bf16 micro-kernels while fp32 takes brgemm; below AVX2 the
+    path is not built and everything takes the micro-kernels."""
     report = run_script(tmp_path, CPATTN_CPU_GEMM="brgemm", **env)
     if "CPATTN_CPU_ISA" in env:
-        assert report["gemm"] == {d: "micro-avx2" for d in ("float32", "float16", "bfloat16")}
+        assert report["gemm"] == {d: "micro-generic" for d in ("float32", "float16", "bfloat16")}
         assert set(report["float32"]) == {"micro fp32 fwd", "micro fp32 bwd"}
         assert set(report["bfloat16"]) == {"micro fp32 fwd", "micro fp32 bwd"}
     else:

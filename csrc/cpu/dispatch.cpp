@@ -48,7 +48,7 @@ const IsaChoice& isa_choice() {
 }
 Isa isa() { return isa_choice().isa; }
 
-// One instruction set's kernels (kernels_<isa>.cpp); no brgemm entry points below AVX-512.
+// One instruction set's kernels (kernels_<isa>.cpp); no brgemm entry points below AVX2.
 struct IsaKernels {
   void (*fwd)(const FwdParams&);
   void (*bwd)(const BwdParams&);
@@ -72,8 +72,9 @@ const IsaKernels& kernels() {
                           &a512::attention_fwd_brgemm, &a512::attention_bwd_brgemm,
                           &a512::round_split_sums,     &a512::backward_chunking};
       case Isa::kAvx2:
-        return IsaKernels{&avx2::attention_fwd,    &avx2::attention_bwd,    nullptr, nullptr,
-                          &avx2::round_split_sums, &avx2::backward_chunking};
+        return IsaKernels{&avx2::attention_fwd,        &avx2::attention_bwd,
+                          &avx2::attention_fwd_brgemm, &avx2::attention_bwd_brgemm,
+                          &avx2::round_split_sums,     &avx2::backward_chunking};
       default:
         return IsaKernels{&generic::attention_fwd,    &generic::attention_bwd,    nullptr, nullptr,
                           &generic::round_split_sums, &generic::backward_chunking};

@@ -77,7 +77,7 @@ struct BackwardChunking {
 BackwardChunking backward_chunking(const AttnShape& shape);
 
 // Each instruction set's entry points (kernels_<isa>.cpp); the brgemm path's where its file
-// builds it (AVX-512 and up).
+// builds it (AVX2 and up).
 #define CPATTN_DECLARE_ISA(isa)                                          \
   namespace isa {                                                        \
   void attention_fwd(const FwdParams& params);                           \
