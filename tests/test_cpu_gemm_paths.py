@@ -144,15 +144,24 @@ def test_build_info_reports_the_paths() -> None:
         assert info["cpu_gemm"]["bfloat16"] == want
 
 
-@pytest.mark.parametrize("forced", ["brgemm", "micro"])
+def asked(forced: str, dtype: str) -> str:
+    """The path CPATTN_CPU_GEMM=forced names for dtype's operands (docs/environment.md)."""
+    if ":" not in forced:
+        return forced
+    operands = "bfloat16" if dtype == "bfloat16" and ISA == "avx512bf16" else "float32"
+    return dict(item.split(":") for item in forced.split(",")).get(operands, "auto")
+
+
+@pytest.mark.parametrize("forced", ["brgemm", "micro", "float32:micro,bfloat16:brgemm"])
 def test_forced_path_runs_and_is_counted(forced: str, tmp_path: Path) -> None:
     """CPATTN_CPU_GEMM takes the path where it runs (brgemm: AVX2 and up; its bf16 products
-    where oneDNN has AMX or AVX512-BF16 kernels); invariant mode and mkldnn switched off take the
-    micro-kernels; results match the reference either way."""
+    where oneDNN has AMX or AVX512-BF16 kernels), for all operands or per operand type;
+    invariant mode and mkldnn switched off take the micro-kernels; results match the reference
+    either way."""
     report = run_script(tmp_path, CPATTN_CPU_GEMM=forced)
-    fp32 = "brgemm" if forced == "brgemm" and BRGEMM_BUILT else "micro"
     bf16_runs = BF16_BRGEMM or ISA in ("avx2", "avx512")  # (fp32 operands below avx512bf16)
-    bf16 = "brgemm" if forced == "brgemm" and bf16_runs else "micro"
+    fp32 = "brgemm" if asked(forced, "float32") == "brgemm" and BRGEMM_BUILT else "micro"
+    bf16 = "brgemm" if asked(forced, "bfloat16") == "brgemm" and bf16_runs else "micro"
     runs_on(report, "float32", fp32)
     runs_on(report, "bfloat16", bf16)
     names = {"micro": f"micro-{ISA}", "brgemm": "brgemm"}
@@ -197,15 +206,17 @@ def test_fallback_where_brgemm_cannot_run(env: dict, tmp_path: Path) -> None:
         runs_on(report, "float32", "brgemm")
 
 
-@pytest.mark.parametrize("forced", ["brgemm", "micro"])
-def test_kernel_tests_on_the_other_path(forced: str) -> None:
-    """The kernel test files again with CPATTN_CPU_GEMM=forced, where that changes a dtype's
-    path from this process's (the default path is what the rest of the suite runs)."""
-    if forced == "brgemm" and not BRGEMM_BUILT:
-        pytest.skip(f"the brgemm path is not built for the {ISA} kernels (AVX-512 and up)")
+def test_kernel_tests_on_the_other_path() -> None:
+    """The kernel test files again with each operand type on the path this process does not
+    take (CPATTN_CPU_GEMM per operand type), where that path runs here: with the rest of the
+    suite on the default paths, every path that runs here is tested."""
     current = cpattn.build_info()["cpu_gemm"]
-    if all(p.startswith(forced) for p in current.values()):
-        pytest.skip(f"this process already takes the {forced} path for every dtype: {current}")
+    runs = {"float32": BRGEMM_BUILT, "bfloat16": BF16_BRGEMM}  # where brgemm could run
+    other = {d: "micro" if current[d].startswith("brgemm") else "brgemm" for d in runs}
+    changed = [d for d in runs if other[d] == "micro" or runs[d]]
+    if not changed:
+        pytest.skip(f"no other path runs here: {current} (ISA {ISA})")
+    forced = ",".join(f"{d}:{other[d]}" for d in runs)
     files = [str(TESTS_DIR / f) for f in KERNEL_TEST_FILES]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider",

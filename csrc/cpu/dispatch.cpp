@@ -2,6 +2,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "cpattn/env.h"
 #include "cpu/kernels.h"
@@ -121,12 +122,33 @@ const std::array<PathRow, kRows>& paths() {
   return table;
 }
 
+// The path CPATTN_CPU_GEMM asks for operands o: "brgemm" or "micro" for all of them, or per
+// operand type, "float32:micro,bfloat16:brgemm". Empty for auto, unset, a type not named or a
+// name that is no path (ignored, as CPATTN_CPU_ISA ignores what it does not know).
+std::string forced_path(Operands o) {
+  const char* v = env::cpu_gemm();
+  std::string value = v ? v : "";
+  if (value.find(':') != std::string::npos) {
+    const std::string key = (o == Operands::kBFloat16 ? "bfloat16:" : "float32:");
+    std::string named;
+    for (size_t at = 0; at < value.size();) {
+      const size_t end = std::min(value.find(',', at), value.size());
+      const std::string item = value.substr(at, end - at);
+      if (item.rfind(key, 0) == 0) named = item.substr(key.size());
+      at = end + 1;
+    }
+    value = named;
+  }
+  for (const PathRow& row : paths())
+    if (value == row.path.name) return value;
+  return "";
+}
+
 int choose(Operands o) {
-  const char* forced = env::cpu_gemm();
-  const bool force = forced && std::strcmp(forced, "auto") != 0 && forced[0] != '\0';
+  const std::string forced = forced_path(o);
   for (const PathRow& row : paths()) {
     if (!row.runs(o)) continue;
-    if (force ? std::strcmp(row.path.name, forced) == 0 : row.preferred(o)) return row.path.index;
+    if (forced.empty() ? row.preferred(o) : forced == row.path.name) return row.path.index;
   }
   return kMicroRow;
 }
