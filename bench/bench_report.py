@@ -9,27 +9,15 @@ import os
 import platform
 import shlex
 import sys
-import time
 
 import torch
 
 import cpattn
 from cpattn._flops import BACKWARD_FLOP_FACTOR
 from cpattn._layout import DTYPES
+from cpattn._machine import ceiling_dtype, cpu_model, gemm_ceiling  # noqa: F401 (re-exported)
 
 from attention_cases import Result
-
-
-def cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo (or platform's guess elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class Report:
@@ -39,7 +27,8 @@ class Report:
     def __init__(self, title: str, setup: str = "") -> None:
         self.lines = [f"# {title}, {datetime.date.today()}",
                       f"CPU: {cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}; "
-                      f"cpattn ISA {cpattn.build_info()['cpu_isa']}{setup}", ""]
+                      f"cpattn ISA {cpattn.build_info()['cpu_isa']}, GEMM path "
+                      f"{gemm_paths()}{setup}", ""]
 
     def __call__(self, line: str = "") -> None:
         print(line, flush=True)
@@ -49,6 +38,14 @@ class Report:
         if path:
             with open(path, "w") as f:
                 f.write("\n".join(self.lines) + "\n")
+
+
+def gemm_paths() -> str:
+    """How the CPU kernels run their products per dtype (build_info's cpu_gemm), and AMX."""
+    info = cpattn.build_info()
+    paths = ", ".join(f"{d} {p}" for d, p in info["cpu_gemm"].items())
+    amx = info["cpu_amx"]
+    return f"{paths} (AMX: on the CPU {amx['cpu']}, used {amx['usable']})"
 
 
 def sdpa_backend(dtype: torch.dtype) -> str:
@@ -64,33 +61,6 @@ def sdpa_backend(dtype: torch.dtype) -> str:
 
 def gflops(flops: float, seconds: float) -> float:
     return flops / seconds / 1e9
-
-
-_CEILINGS: dict[tuple[torch.dtype, int], float] = {}
-
-
-def ceiling_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype whose GEMM bounds attention in `dtype`: fp16 has no dot-product instruction on
-    these CPUs, so it runs as fp32 products (exact), and torch.mm in fp16 is no GEMM ceiling."""
-    return torch.float32 if dtype == torch.float16 else dtype
-
-
-def gemm_ceiling(dtype: torch.dtype, threads: int, size: int = 2048) -> float:
-    """GFLOP/s of torch.mm (size^3) in this dtype and thread count: the machine's practical
-    ceiling for the matrix products attention is made of. Measured once per (dtype, threads)."""
-    dtype = ceiling_dtype(dtype)
-    key = (dtype, threads)
-    if key not in _CEILINGS:
-        torch.set_num_threads(threads)
-        a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
-        torch.mm(a, b)
-        times = []
-        for _ in range(7):  # the best of several: a GEMM is as fast as the machine lets it be
-            start = time.perf_counter()
-            torch.mm(a, b)
-            times.append(time.perf_counter() - start)
-        _CEILINGS[key] = gflops(2 * size**3, min(times))
-    return _CEILINGS[key]
 
 
 TABLE_HEADER = (
@@ -130,7 +100,7 @@ def header_lines(args: argparse.Namespace, probe: dict[str, int] | None) -> list
         f"- CPU: {cpu_model()} ({os.cpu_count()} logical CPUs), {platform.machine()}",
         f"- torch {torch.__version__} (intra-op backend: {backend}), "
         + f"python {platform.python_version()}",
-        f"- cpattn {cpattn.__version__}, CPU ISA: {info['cpu_isa']}",
+        f"- cpattn {cpattn.__version__}, CPU ISA: {info['cpu_isa']}, GEMM path: {gemm_paths()}",
         f"- SDPA CPU backend: {sdpa}",
         f"- command: `{shlex.join(['python', *sys.argv])}`",
         "- method: forward = one call under no_grad; backward = torch.autograd.grad alone on a "

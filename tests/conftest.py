@@ -74,7 +74,8 @@ def op_options(
 @pytest.fixture
 def one_kv_head_per_backward_call():
     """The CPU backward in one kernel call per KV head wherever it packs operands or sums dK / dV
-    apart from the gradients (every bf16 call; fp32 with D or Dv not a multiple of 16)."""
+    apart from the gradients (bf16 calls with bf16 gradients, or on the micro-kernels' path;
+    fp32 with D or Dv not a multiple of 16)."""
     previous = torch.ops.cpattn_testing.set_cpu_backward_group_bytes(1)
     yield
     torch.ops.cpattn_testing.set_cpu_backward_group_bytes(previous)

@@ -103,6 +103,12 @@ def test_local_backward_allocates_what_the_model_says_for_its_groups(dtype, kv_h
     whole, whole_model = measured(), P.memory(p, "none", 1)["peak"]
     with group_budget(1):
         grouped, grouped_model = measured(), P.memory(p, "none", 1)["peak"]
-    assert grouped < whole and grouped_model < whole_model
+    # the groups save what a KV head's call allocates as tensors: its packing, which the brgemm
+    # path has none of for bf16 with D a multiple of 16 (its dK / dV sums are the kernel's own)
+    saves = grouped_model < whole_model
+    if not saves:
+        brgemm = cpattn.build_info()["cpu_gemm"]["bfloat16"].startswith("brgemm")
+        assert dtype == torch.bfloat16 and head_dim % 16 == 0 and brgemm
+    assert grouped < whole if saves else grouped == whole
     for got, model in ((whole, whole_model), (grouped, grouped_model)):
         assert abs(got - model) <= 0.02 * model, (got, model)

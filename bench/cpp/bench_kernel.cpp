@@ -1,5 +1,5 @@
 // Google Benchmark suite of the CPU attention kernel itself (no torch tensors, no op layer):
-// cpattn::cpu::attention_fwd / attention_bwd on packed fp32 (B, H, S, Dp) buffers.
+// the micro-kernel path (cpattn::cpu::micro_path()) on packed fp32 (B, H, S, Dp) buffers.
 //
 // Arguments: seqlen, head_dim, causal. Extra flags (after Google Benchmark's own):
 //   --heads=N    query heads, batch 1 (default 4; keep it a multiple of the thread count)
@@ -142,7 +142,7 @@ void BM_attention_fwd(benchmark::State& state) {
   Problem pb(state.range(0), state.range(1), state.range(2) != 0);
   const cpattn::FwdParams p = pb.fwd_params();
   for (auto _ : state) {
-    cpattn::cpu::attention_fwd(p);
+    cpattn::cpu::micro_path().fwd(p);
     benchmark::DoNotOptimize(pb.out.data());
     benchmark::ClobberMemory();
   }
@@ -151,11 +151,11 @@ void BM_attention_fwd(benchmark::State& state) {
 
 void BM_attention_bwd(benchmark::State& state) {
   Problem pb(state.range(0), state.range(1), state.range(2) != 0);
-  cpattn::cpu::attention_fwd(pb.fwd_params());
+  cpattn::cpu::micro_path().fwd(pb.fwd_params());
   pb.compute_delta();
   const cpattn::BwdParams p = pb.bwd_params();
   for (auto _ : state) {
-    cpattn::cpu::attention_bwd(p);  // writes dq, dk and dv in full
+    cpattn::cpu::micro_path().bwd(p);  // writes dq, dk and dv in full
     benchmark::DoNotOptimize(pb.dq.data());
     benchmark::DoNotOptimize(pb.dk.data());
     benchmark::ClobberMemory();

@@ -1,6 +1,9 @@
 // The Python module cpattn._C: importing it registers the ops (registration.cpp); it also
 // reports how it was built.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
 
 #include "cpu/kernels.h"
 
@@ -14,6 +17,18 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "cpattn compiled ops";
   m.def("cpu_isa", &cpattn::cpu::active_isa,
         "Instruction set of the CPU kernels: avx512, avx2 or generic");
+  m.def(
+      "cpu_gemm",
+      [](const std::string& dtype) {
+        using cpattn::cpu::Operands;
+        const bool bf16 = dtype == "bfloat16" && cpattn::cpu::has_bf16_dot();
+        return cpattn::cpu::path_report(bf16 ? Operands::kBFloat16 : Operands::kFloat32);
+      },
+      "How the CPU kernels run the products of inputs of this dtype (float32, float16, "
+      "bfloat16): micro-<isa>, brgemm-amx, brgemm-avx512bf16 or brgemm (fp32)");
+  m.def("cpu_amx_on_cpu", &cpattn::cpu::amx_on_cpu, "Whether the CPU has AMX-BF16 tiles");
+  m.def("cpu_amx_usable", &cpattn::cpu::amx_usable,
+        "Whether oneDNN runs bf16 products on AMX tiles in this process");
   m.def(
       "nccl_version",
       [] {

@@ -24,6 +24,7 @@ namespace CPATTN_CPU_ISA {
 
 constexpr int64_t kBlockQ = 64;   // queries per block: the lane dimension of S^T
 constexpr int64_t kBlockK = 128;  // keys per block
+static_assert(kBlockK == kValuePanelKeys, "the brgemm path's V panels are one key block wide");
 
 // Columns of the key block at c0 up to the last key that the query block sees (keys.last, from
 // Mask::key_span): on a causal diagonal the keys past it are masked for every row, so they are
@@ -256,14 +257,16 @@ struct FwdScratch {
         acc(aligned_array<float>(kMaxQueryBlocksPerTask * kBlockQ * sh.head_dim_v_padded)) {}
 };
 
-// The pass of query blocks [qb_begin, qb_end) of head h over the key blocks, shared by the fp32
-// and bf16 forwards: pack(j, r0, rows) prepares the group's query block j (rows r0..), and
+// The pass of query blocks [qb_begin, qb_end) of head h over the key blocks, shared by every
+// forward: pack(j, r0, rows) prepares the group's query block j (rows r0..), and
 // step(j, r0, rows, c0, cols, kind, state, acc, factor) adds key block [c0, c0 + cols) to its
 // row states and accumulator (kBlockQ x Dvp per query block, in `acc`); then the outputs are
-// written.
+// written. With `rows_buffer` (kBlockQ x Dvp) the accumulators are transposed, Dvp x kBlockQ
+// (the brgemm path's O^T), and turned into rows there first.
 template <typename Pack, typename Step>
 inline void forward_group(const FwdParams& p, int64_t b, int64_t h, int64_t qb_begin,
-                          int64_t qb_end, float* acc, Pack&& pack, Step&& step) {
+                          int64_t qb_end, float* acc, Pack&& pack, Step&& step,
+                          float* rows_buffer = nullptr) {
   const AttnShape& sh = p.shape;
   const int64_t acc_elems = kBlockQ * sh.head_dim_v_padded;
   OnlineSoftmaxRow state[kMaxQueryBlocksPerTask][kBlockQ];
@@ -284,9 +287,16 @@ inline void forward_group(const FwdParams& p, int64_t b, int64_t h, int64_t qb_b
       if (kind != BlockKind::kEmpty)
         step(j, r0, rows, c0, cols, kind, state[j], acc + j * acc_elems, factor);
     }
-  for (int64_t qb = qb_begin; qb < qb_end; ++qb)
-    write_output(p, b, h, qb * kBlockQ, rows_of(qb), state[qb - qb_begin],
-                 acc + (qb - qb_begin) * acc_elems);
+  const int64_t dvp = sh.head_dim_v_padded;
+  for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
+    const float* block = acc + (qb - qb_begin) * acc_elems;
+    if (rows_buffer) {
+      for (int64_t d = 0; d < dvp; ++d)
+        for (int64_t i = 0; i < kBlockQ; ++i) rows_buffer[i * dvp + d] = block[d * kBlockQ + i];
+      block = rows_buffer;
+    }
+    write_output(p, b, h, qb * kBlockQ, rows_of(qb), state[qb - qb_begin], block);
+  }
 }
 
 // Query blocks [qb_begin, qb_end) of head h of batch b, in one pass over the key blocks.
@@ -605,6 +615,9 @@ inline void pack_query_block(const BwdParams& p, int64_t b, int64_t h, int64_t r
     std::copy(q + i * qs.seq, q + i * qs.seq + dp, out.q_rows.at(slot) + i * dp);
     std::copy(dout + i * ds.seq, dout + i * ds.seq + dvp, out.do_rows.at(slot) + i * dvp);
   }
+  // zero rows past the last query: the brgemm path reduces over whole blocks (0 * NaN = NaN)
+  std::fill(out.q_rows.at(slot) + rows * dp, out.q_rows.at(slot) + kBlockQ * dp, 0.f);
+  std::fill(out.do_rows.at(slot) + rows * dvp, out.do_rows.at(slot) + kBlockQ * dvp, 0.f);
 }
 
 // One key block of kv head hk against the current chunk's query blocks (rows packed.q0 to q1):
@@ -676,8 +689,11 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
 // the first, give exactly the sums of one call (the rows of dQ and the keys of dK / dV may be
 // split anywhere: each row's, each key's sum is its own); the caller scales once at the end
 // (invariant mode's streamed backward: ops/invariant.cpp).
+// With dq_transposed, key_block adds dQ^T (Dp x kBlockQ per query block: the brgemm path's
+// form), turned into rows before the splits are summed; not under fixed_order.
 template <typename T, typename Scratch, typename Pack, typename KeyBlock>
-inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
+inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block,
+                            bool dq_transposed = false) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, group = sh.group_size();
   const int64_t rows_per_chunk = chunk_rows(sh);
@@ -732,6 +748,18 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block) {
       }
     });
     if (!p.dq.data) continue;  // no dQ wanted (invariant mode's key-side pass)
+    if (dq_transposed)
+      at::parallel_for(0, splits * heads * blocks, 1, [&](int64_t begin, int64_t end) {
+        AlignedArray<float> rows = aligned_array<float>(kBlockQ * dp);
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t split = t / (heads * blocks), bh = t / blocks % heads, j = t % blocks;
+          float* block =
+              dq.get() + split * chunk_elems + (bh * packed.blocks_per_chunk + j) * kBlockQ * dp;
+          for (int64_t d = 0; d < dp; ++d)
+            for (int64_t i = 0; i < kBlockQ; ++i) rows[i * dp + d] = block[d * kBlockQ + i];
+          std::copy(rows.get(), rows.get() + kBlockQ * dp, block);
+        }
+      });
     at::parallel_for(0, heads * (q1 - q0), 64, [&](int64_t begin, int64_t end) {
       const BshdStrides& o = p.dq.strides;
       for (int64_t r = begin; r < end; ++r) {

@@ -275,6 +275,12 @@ inline void pack_query_block_bf16(const BwdParams& p, int64_t b, int64_t h, int6
   pack_pairs_transposed(dout, ds.seq, rows, sh.head_dim_v, sh.head_dim_v_padded, out.dot.at(slot));
   pack_row_pairs(q, qs.seq, rows, sh.head_dim, sh.head_dim_padded, out.q_rows.at(slot));
   pack_row_pairs(dout, ds.seq, rows, sh.head_dim_v, sh.head_dim_v_padded, out.do_rows.at(slot));
+  // zero the row pairs past the last query: the brgemm path reduces over whole blocks
+  const int64_t written = (rows + 1) / 2 * 2;
+  std::fill(out.q_rows.at(slot) + written * sh.head_dim_padded,
+            out.q_rows.at(slot) + kBlockQ * sh.head_dim_padded, uint16_t{0});
+  std::fill(out.do_rows.at(slot) + written * sh.head_dim_v_padded,
+            out.do_rows.at(slot) + kBlockQ * sh.head_dim_v_padded, uint16_t{0});
 }
 
 // backward_key_block (attention_kernel.h) with the five products on bf16 operands.

@@ -9,6 +9,9 @@
 
 namespace cpattn {
 
+// Keys per panel of the brgemm path's transposed V (FwdParams::vt): the kernel's key block.
+constexpr int64_t kValuePanelKeys = 128;
+
 // Forward. Inputs are packed fp32, (batch, heads, seqlen, Dp) contiguous, zero beyond D.
 struct FwdParams : AttnScoring {  // score.sinks: applied to out and lse when rows are written
   AttnShape shape;
@@ -26,6 +29,11 @@ struct FwdParams : AttnScoring {  // score.sinks: applied to out and lse when ro
   BshdStrides q16_strides;
   const uint16_t* k16 = nullptr;
   const uint16_t* v16 = nullptr;
+  // The brgemm path (kernels.h Packing::kBrgemm) reads V transposed in panels instead of v / v16:
+  // (B, Hkv, ceil(Sk / kValuePanelKeys), Dvp, kValuePanelKeys), element (b, hk, key, d) at
+  // panel key / kValuePanelKeys, row d, column key % kValuePanelKeys; zero past Sk and beyond Dv.
+  const float* vt = nullptr;
+  const uint16_t* vt16 = nullptr;
 };
 
 // Backward from the *global* out / lse of each query row (delta = rowsum(dout * out)).
@@ -53,7 +61,7 @@ struct BwdParams : AttnScoring {  // score.sinks unused: the sink is already in 
   // given, strides q16_strides and dout16_strides; k16 (B, Sk, Hkv, Dp) and v16 (B, Sk, Hkv,
   // Dvp) by strides k16_strides and v16_strides (the caller's tensors when D = Dp, else copies
   // zero beyond D), and K again with key pairs interleaved, k16_pairs (B, Hkv, ceil(Sk / 2),
-  // Dp, 2), for dQ = dS K (none without dQ).
+  // Dp, 2), for dQ = dS K (none without dQ, and none on the brgemm path).
   const uint16_t* q16 = nullptr;
   BshdStrides q16_strides;
   const uint16_t* dout16 = nullptr;

@@ -56,6 +56,26 @@ at::Tensor pair_keys(const at::Tensor& t, int64_t dp) {
   return pairs;
 }
 
+// (B, Sk, Hkv, Dv) any dtype -> (B, Hkv, ceil(Sk / P), Dvp, P) in `dtype`, P = kValuePanelKeys:
+// V transposed in panels of P keys (zero past Sk and beyond Dv), the A operand of the brgemm
+// path's O^T += V^T P^T (cpu/params.h FwdParams::vt). One copy.
+at::Tensor value_panels(const at::Tensor& t, int64_t dvp, at::ScalarType dtype) {
+  constexpr int64_t P = kValuePanelKeys;
+  const int64_t B = t.size(0), S = t.size(1), H = t.size(2), D = t.size(3);
+  const int64_t full = S / P, tail = S % P;
+  at::Tensor panels = at::empty({B, H, full + (tail ? 1 : 0), dvp, P}, t.options().dtype(dtype));
+  if (dvp != D) panels.narrow(3, D, dvp - D).zero_();
+  // key s = j P + c lands in panels[b, h, j, d, c]
+  const at::Tensor dst = panels.narrow(3, 0, D).permute({0, 2, 4, 1, 3});  // (B, panels, P, H, D)
+  if (full) dst.narrow(1, 0, full).copy_(t.narrow(1, 0, full * P).unflatten(1, {full, P}));
+  if (tail) {
+    const at::Tensor last = dst.select(1, full);  // (B, P, H, D)
+    last.narrow(1, 0, tail).copy_(t.narrow(1, full * P, tail));
+    last.narrow(1, tail, P - tail).zero_();
+  }
+  return panels;
+}
+
 // The CPU kernels write their outputs in the dtype asked for (no conversion pass afterwards).
 BshdOutput output_of(const at::Tensor& t) {
   return {t.data_ptr(), strides_of(t), to_dtype(t.scalar_type())};
@@ -119,22 +139,27 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
   FwdParams p;
   p.shape = s;
   at::Tensor qp, kp, vp;
-  if (q.scalar_type() == at::kBFloat16 && cpu::has_bf16_dot()) {
+  const bool bf16 = q.scalar_type() == at::kBFloat16 && cpu::has_bf16_dot();
+  const cpu::KernelPath& path =
+      cpu::kernel_path(bf16 ? cpu::Operands::kBFloat16 : cpu::Operands::kFloat32, s.fixed_order);
+  const bool panels = path.packing == cpu::Packing::kBrgemm;  // V^T in panels, else V rows
+  if (bf16) {
     // bf16 dot products: operands stay bf16, Q is read in place; V gets its key pairs
-    // interleaved.
+    // interleaved (or is transposed in panels).
     kp = pack(k, s.head_dim_padded, at::kBFloat16);
-    vp = pair_keys(v, s.head_dim_v_padded);
+    vp = panels ? value_panels(v, s.head_dim_v_padded, at::kBFloat16)
+                : pair_keys(v, s.head_dim_v_padded);
     p.q16 = bf16_data(q);
     p.q16_strides = strides_of(q);
     p.k16 = bf16_data(kp);
-    p.v16 = bf16_data(vp);
+    (panels ? p.vt16 : p.v16) = bf16_data(vp);
   } else {
     qp = pack(q, s.head_dim_padded);
     kp = pack(k, s.head_dim_padded);
-    vp = pack(v, s.head_dim_v_padded);
+    vp = panels ? value_panels(v, s.head_dim_v_padded, at::kFloat) : pack(v, s.head_dim_v_padded);
     p.q = qp.data_ptr<float>();
     p.k = kp.data_ptr<float>();
-    p.v = vp.data_ptr<float>();
+    (panels ? p.vt : p.v) = vp.data_ptr<float>();
   }
   p.out = output_of(out);
   p.lse = lse.data_ptr<float>();
@@ -142,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
   p.mask = mask;
   at::Tensor slopes, sinks;  // kept alive for the kernel
   p.score = score_options(score, slopes, sinks);
-  cpu::attention_fwd(p);
+  path.fwd(p);
   return {out, lse};
 }
 
@@ -158,13 +183,14 @@ constexpr int64_t kBackwardGroupBytes = int64_t{8} << 20;
 std::atomic<int64_t> backward_group_bytes{kBackwardGroupBytes};  // tests lower it
 
 // Bytes one KV head (and its query heads) adds to a backward call beyond the gradients; the
-// operands' "in place" as read_in_place says for all of them (an upper bound otherwise).
+// operands' "in place" as read_in_place says for all of them (an upper bound otherwise); K's
+// key pairs where the kernel path takes them (bf16 micro-kernels).
 int64_t backward_bytes_per_kv_head(const AttnShape& s, bool bf16, bool operands_in_place,
-                                   at::ScalarType grad) {
+                                   bool key_pairs, at::ScalarType grad) {
   const int64_t dp = s.head_dim_padded, dvp = s.head_dim_v_padded, group = s.group_size();
   int64_t bytes = 0;
   if (bf16) {
-    bytes += 2 * s.batch * 2 * ((s.seqlen_k + 1) / 2) * dp;  // K's key pairs
+    if (key_pairs) bytes += 2 * s.batch * 2 * ((s.seqlen_k + 1) / 2) * dp;
     if (!operands_in_place) bytes += 2 * s.batch * s.seqlen_k * (dp + dvp);
   } else if (!operands_in_place) {
     bytes += 4 * s.batch * (dp + dvp) * (group * s.seqlen_q + s.seqlen_k);
@@ -184,6 +210,11 @@ bool backward_takes_bf16(const at::Tensor& q, const at::Tensor& dout) {
          cpu::has_bf16_dot();
 }
 
+// The kernel path of a backward (kernels.h).
+const cpu::KernelPath& backward_path(bool bf16, const AttnShape& s) {
+  return cpu::kernel_path(bf16 ? cpu::Operands::kBFloat16 : cpu::Operands::kFloat32, s.fixed_order);
+}
+
 }  // namespace
 
 int64_t cpu_backward_kv_heads_per_call(const at::Tensor& q, const at::Tensor& k,
@@ -195,7 +226,8 @@ int64_t cpu_backward_kv_heads_per_call(const at::Tensor& q, const at::Tensor& k,
       bf16 ? read_in_place(k, dp, at::kBFloat16) && read_in_place(v, dvp, at::kBFloat16)
            : read_in_place(q, dp) && read_in_place(k, dp) && read_in_place(v, dvp) &&
                  read_in_place(dout, dvp);
-  const int64_t per_head = backward_bytes_per_kv_head(s, bf16, in_place, grad);
+  const bool key_pairs = backward_path(bf16, s).packing == cpu::Packing::kMicro;
+  const int64_t per_head = backward_bytes_per_kv_head(s, bf16, in_place, key_pairs, grad);
   return per_head == 0 ? s.kv_heads
                        : std::clamp<int64_t>(backward_group_bytes.load() / per_head, 1, s.kv_heads);
 }
@@ -221,6 +253,8 @@ void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tens
   const int64_t kv_per_call = cpu_backward_kv_heads_per_call(q, k, v, dout, s, grad_type);
   at::Tensor slopes, sinks;
   const ScoreOptions all_heads = score_options(score, slopes, sinks);
+  const cpu::KernelPath& path = backward_path(bf16, s);
+  const bool key_pairs = path.packing == cpu::Packing::kMicro && dq.defined();  // for dQ = dS K
 
   for (int64_t kh0 = 0; kh0 < s.kv_heads; kh0 += kv_per_call) {
     AttnShape g = s;  // this group's heads
@@ -239,7 +273,7 @@ void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tens
       // when D = Dp.
       kp = operand(kv_heads(k), dp, at::kBFloat16);
       vp = operand(kv_heads(v), dvp, at::kBFloat16);
-      if (dq.defined()) k_pairs = pair_keys(kv_heads(k), dp);  // for dQ = dS K only
+      if (key_pairs) k_pairs = pair_keys(kv_heads(k), dp);
       p.q16 = bf16_data(q_g);
       p.q16_strides = strides_of(q_g);
       p.dout16 = bf16_data(dout_g);
@@ -248,7 +282,7 @@ void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tens
       p.v16 = bf16_data(vp);
       p.k16_strides = strides_of(kp);
       p.v16_strides = strides_of(vp);
-      p.k16_pairs = dq.defined() ? bf16_data(k_pairs) : nullptr;
+      p.k16_pairs = key_pairs ? bf16_data(k_pairs) : nullptr;
     } else {
       qp = operand(q_g, dp);
       kp = operand(kv_heads(k), dp);
@@ -277,7 +311,7 @@ void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tens
     p.score = all_heads;
     if (p.score.alibi_slopes) p.score.alibi_slopes += h0;
     p.score.sinks = nullptr;  // already in lse
-    cpu::attention_bwd(p);
+    path.bwd(p);
   }
 }
 

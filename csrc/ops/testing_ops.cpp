@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "comm/transport.h"
+#include "cpu/kernels.h"
 #include "ops/backend.h"
 #include "ops/checks.h"
 #include "ops/options.h"
@@ -154,7 +155,18 @@ void attention_bwd_add(const at::Tensor& dq, const std::optional<at::Tensor>& dq
                            std::nullopt, dq_low);
 }
 
+// The CPU kernels' calls per (path, operands, pass) since the process started (kernels.h
+// path_calls): which path ran.
+std::vector<int64_t> cpu_kernel_calls() { return cpu::path_calls(); }
+int64_t cpu_amx_tasks() { return cpu::amx_tasks(); }
+
 }  // namespace
+
+void impl_no_tensor_testing_ops(torch::Library& m) {
+  m.impl("set_cpu_backward_group_bytes", &exchange_cpu_backward_group_bytes);
+  m.impl("cpu_kernel_calls", &cpu_kernel_calls);
+  m.impl("cpu_amx_tasks", &cpu_amx_tasks);
+}
 
 void impl_testing_ops(torch::Library& m) {
   m.impl("ring_fwd_emulated", &ring_fwd_emulated);
@@ -194,11 +206,15 @@ TORCH_LIBRARY(cpattn_testing, m) {
       "Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float softmax_scale, "
       "bool causal) -> ()");
   m.def("round_split_(Tensor(a!) high, Tensor low) -> ()");
+  // CPU kernel calls per (path row brgemm / micro, operands fp32 / bf16, pass fwd / bwd),
+  // flattened in that order (cpu/kernels.h path_calls), and parallel tasks that used AMX tiles.
+  m.def("cpu_kernel_calls() -> int[]");
+  m.def("cpu_amx_tasks() -> int");
 }
 
 // No tensor argument to dispatch on.
 TORCH_LIBRARY_IMPL(cpattn_testing, CompositeExplicitAutograd, m) {
-  m.impl("set_cpu_backward_group_bytes", &cpattn::ops::exchange_cpu_backward_group_bytes);
+  cpattn::ops::impl_no_tensor_testing_ops(m);
 }
 
 TORCH_LIBRARY_IMPL(cpattn_testing, CPU, m) { cpattn::ops::impl_testing_ops(m); }

@@ -101,5 +101,9 @@ def build_info() -> dict:
         "cuda_arch_list": b.CUDA_ARCH_LIST if b.WITH_CUDA else "",
         "cuda_head_dims": getattr(b, "CUDA_HEAD_DIMS", "") if b.WITH_CUDA else "",
         "cpu_isa": _C.cpu_isa(),
+        # how the CPU kernels run their matrix products per input dtype (docs/environment.md,
+        # CPATTN_CPU_GEMM), and whether oneDNN's bf16 products run on AMX tiles
+        "cpu_gemm": {d: _C.cpu_gemm(d) for d in ("float32", "float16", "bfloat16")},
+        "cpu_amx": {"cpu": _C.cpu_amx_on_cpu(), "usable": _C.cpu_amx_usable()},
         "nccl_version": _C.nccl_version(),
     }

@@ -7,6 +7,7 @@
 """
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -16,59 +17,90 @@ import torch.nn.functional as F
 import cpattn
 from cpattn._flops import BACKWARD_FLOP_FACTOR, attention_flops
 from cpattn._layout import DTYPES, LAYOUTS
+from cpattn._machine import ceiling_dtype, cpu_model, gemm_ceiling
 from cpattn.testing.reference import reference_rows
 
 
-def _timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
+def _median_seconds(fns: dict, reps: int) -> dict:
+    """Median wall-clock seconds of each no-argument function over `reps` calls after one
+    warm-up call, the functions interleaved call by call (drift in load hits all alike)."""
+    for fn in fns.values():
+        fn()
+    times: dict = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def local(args: argparse.Namespace) -> int:
-    torch.manual_seed(0)
-    torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
+def _local_dtype(args: argparse.Namespace, name: str) -> bool:
+    """One dtype of `local`: its table; False when cpattn's error is beyond the tolerance."""
+    dtype = DTYPES[name]
     b, s, h, d = args.batch, args.seqlen, args.heads, args.head_dim
-    q, k, v = (torch.randn(b, s, h, d, dtype=dtype) for _ in range(3))
-    dout = torch.randn(b, s, h, d, dtype=dtype)
-    print(f"cpattn {cpattn.__version__} {cpattn.build_info()}")
-    print(f"attention on one device: batch {b}, seqlen {s}, heads {h}, head_dim {d}, {args.dtype}, "
-          f"causal={args.causal}, {args.threads} thread(s)")
-
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(b, s, h, d, generator=gen).to(dtype) for _ in range(4))
     qc, kc, vc = (t.clone().requires_grad_() for t in (q, k, v))
-    out, t_fwd = _timed(lambda: cpattn.attention(qc, kc, vc, causal=args.causal))
-    _, t_bwd = _timed(lambda: out.backward(dout))
-
     qt, kt, vt = (t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
-    ref, s_fwd = _timed(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal))
-    _, s_bwd = _timed(lambda: ref.backward(dout.transpose(1, 2)))
+    out = cpattn.attention(qc, kc, vc, causal=args.causal)
+    ref = F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
+    ours_grads = torch.autograd.grad(out, (qc, kc, vc), dout, retain_graph=True)
+    sdpa_grads = torch.autograd.grad(ref, (qt, kt, vt), dout.transpose(1, 2), retain_graph=True)
+
+    def forward(fn, inputs):
+        def call():
+            with torch.no_grad():
+                fn(*inputs)
+        return call
+
+    fwd = _median_seconds({
+        "cpattn": forward(lambda *t: cpattn.attention(*t, causal=args.causal), (q, k, v)),
+        "sdpa": forward(lambda *t: F.scaled_dot_product_attention(*t, is_causal=args.causal),
+                        (qt, kt, vt))}, args.reps)
+    bwd = _median_seconds({
+        "cpattn": lambda: torch.autograd.grad(out, (qc, kc, vc), dout, retain_graph=True),
+        "sdpa": lambda: torch.autograd.grad(ref, (qt, kt, vt), dout.transpose(1, 2),
+                                            retain_graph=True)}, args.reps)
 
     rows = torch.linspace(0, s - 1, steps=min(s, 64)).long()
     exact = reference_rows(q, k, v, rows, args.causal)
-    err = (out[:, rows].double() - exact).abs().max().item()
-    err_sdpa = (ref.transpose(1, 2)[:, rows].double() - exact).abs().max().item()
-    grad_diff = max(
-        (a.grad - bt.grad.transpose(1, 2)).abs().max().item()
-        for a, bt in ((qc, qt), (kc, kt), (vc, vt))
-    )
+    err = (out.detach()[:, rows].double() - exact).abs().max().item()
+    err_sdpa = (ref.detach().transpose(1, 2)[:, rows].double() - exact).abs().max().item()
+    grad_diff = max((a.float() - bt.float().transpose(1, 2)).abs().max().item()
+                    for a, bt in zip(ours_grads, sdpa_grads))
 
     flops = attention_flops(b, h, s, s, d, args.causal)
-    print()
+    ceiling = gemm_ceiling(dtype, args.threads)  # the same thread count
+    info = cpattn.build_info()
+    print(f"\n{name}, causal={args.causal}: cpattn's GEMM path {info['cpu_gemm'][name]}; "
+          f"GEMM ceiling (torch.mm 2048^3, {ceiling_dtype(dtype)}) {ceiling:.0f} GFLOP/s\n")
     print("| | cpattn | torch SDPA | speed-up |")
     print("|---|---|---|---|")
-    print(f"| forward (s) | {t_fwd:.3f} | {s_fwd:.3f} | {s_fwd / t_fwd:.2f}x |")
-    print(f"| backward (s) | {t_bwd:.3f} | {s_bwd:.3f} | {s_bwd / t_bwd:.2f}x |")
-    print(f"| forward GFLOP/s | {flops / t_fwd / 1e9:.1f} | {flops / s_fwd / 1e9:.1f} | |")
-    bwd_flops = BACKWARD_FLOP_FACTOR * flops
-    print(f"| backward GFLOP/s | {bwd_flops / t_bwd / 1e9:.1f} | {bwd_flops / s_bwd / 1e9:.1f} | |")
+    for label, t, f in (("forward", fwd, flops), ("backward", bwd, BACKWARD_FLOP_FACTOR * flops)):
+        ours, theirs = f / t["cpattn"] / 1e9, f / t["sdpa"] / 1e9
+        print(f"| {label} (s) | {t['cpattn']:.3f} | {t['sdpa']:.3f} | "
+              f"{t['sdpa'] / t['cpattn']:.2f}x |")
+        print(f"| {label} GFLOP/s | {ours:.1f} | {theirs:.1f} | |")
+        print(f"| {label}, of the GEMM ceiling | {ours / ceiling:.2f} | {theirs / ceiling:.2f} | |")
     print(f"| max error vs float64 (64 rows) | {err:.2e} | {err_sdpa:.2e} | |")
     print(f"\nmax |grad cpattn - grad SDPA| over q, k, v: {grad_diff:.2e}")
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     if err > tolerance:
         print(f"FAILED: error {err:.2e} above {tolerance:.0e}")
-        return 1
-    return 0
+        return False
+    return True
+
+
+def local(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    print(f"cpattn {cpattn.__version__} {cpattn.build_info()}")
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}")
+    print(f"attention on one device: batch {args.batch}, seqlen {args.seqlen}, heads {args.heads}, "
+          f"head_dim {args.head_dim}, {args.threads} thread(s); median of {args.reps} calls after "
+          "a warm-up, cpattn and SDPA interleaved")
+    ok = [_local_dtype(args, name) for name in args.dtype]
+    return 0 if all(ok) else 1
 
 
 def _count(text: str) -> int:
@@ -193,8 +225,10 @@ def main(argv=None) -> int:
     r.add_argument("--iters", type=_positive, default=2, help="timed forward+backward steps")
     p = sub.add_parser("local", help="attention on a long sequence vs torch SDPA")
     _shape_arguments(p, seqlen=8192)
-    p.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=list(DTYPES), nargs="+", default=["float32"],
+                   help="one table per dtype (default float32)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--reps", type=_positive, default=3, help="timed calls per median")
     _plan_arguments(sub.add_parser(
         "plan", help="which strategy for a problem and machine: the cost model's ranking"))
     from cpattn._generate_demo import add_arguments as _generate_arguments

@@ -20,6 +20,12 @@ inline bool poison_outputs() { return flag("CPATTN_POISON"); }
 // CPATTN_CPU_ISA=generic|avx2|avx512: lowers the CPU kernels' instruction set (never raises it).
 inline const char* cpu_isa() { return std::getenv("CPATTN_CPU_ISA"); }
 
+// CPATTN_CPU_GEMM=auto|brgemm|micro, or per operand type "float32:micro,bfloat16:brgemm": how
+// the CPU kernels run their matrix products (oneDNN's brgemm or the hand-written micro-kernels),
+// where the CPU and torch can; auto (or unset, or a type not named): the default of this CPU
+// kind (cpu/dispatch.cpp).
+inline const char* cpu_gemm() { return std::getenv("CPATTN_CPU_GEMM"); }
+
 // CPATTN_RING_TRANSPORT=c10d: CUDA ring shifts through the process group, not cpattn's NCCL.
 inline bool ring_transport_c10d() {
   const char* v = std::getenv("CPATTN_RING_TRANSPORT");

@@ -21,21 +21,37 @@ from typing import Optional
 
 import torch
 
-from cpattn._C import cpu_isa
+from cpattn._C import cpu_gemm, cpu_isa
 from cpattn.plan.model import DTYPE_BYTES, Problem
 from cpattn.plan.work import allgather_chunk, kv_heads_sent, tokens_per_rank
+
+
+@functools.lru_cache(maxsize=2)
+def _brgemm(bf16: bool) -> bool:
+    """Whether the CPU kernels take the brgemm path for these operands (bf16 through bf16 dot
+    products, else fp32), which packs V transposed in panels and no key pairs of K."""
+    return cpu_gemm("bfloat16" if bf16 else "float32").startswith("brgemm")
+
+
+def _value_rows(n: int, bf16: bool) -> int:
+    """Rows of V (of Dp values) as the forward kernel packs n keys (csrc/ops/attention_cpu.cpp):
+    n as they are (fp32 micro-kernels), key pairs (bf16 micro-kernels: n rounded up to even), or
+    transposed in panels of 128 keys (brgemm path)."""
+    if _brgemm(bf16):
+        return -(-n // 128) * 128
+    return 2 * -(-n // 2) if bf16 else n
 
 
 def _kernel_fwd(B: int, n: int, h: int, hkv: int, D: int, e: int, bf16: bool) -> int:
     """Bytes alive inside one local forward kernel call (cpattn.attention_fwd on CPU) over n query
     rows and n keys, fp32 output: the output and LSE, and the operand packing (csrc/ops/
-    attention_cpu.cpp pack / pair_keys): bf16 on a CPU with bf16 dot products keeps Q in place
-    and packs K, V and V's key pairs; otherwise Q, K and V are packed to fp32."""
+    attention_cpu.cpp pack / pair_keys / value_panels): bf16 on a CPU with bf16 dot products keeps
+    Q in place and packs K and V (_value_rows); otherwise Q, K and V are packed to fp32."""
     dp = -(-D // 16) * 16
     state = 4 * B * n * h * D + 4 * B * h * n
     if bf16:
-        return state + 2 * B * hkv * dp * (n + 2 * -(-n // 2))
-    return state + 4 * B * dp * (h * n + 2 * hkv * n)
+        return state + 2 * B * hkv * dp * (n + _value_rows(n, True))
+    return state + 4 * B * dp * (h * n + hkv * n + hkv * _value_rows(n, False))
 
 
 def _sum_bytes(grad: str, D: int) -> int:
@@ -63,7 +79,8 @@ def _kernel_bwd(B: int, n: int, h: int, hkv: int, D: int, dtype: str, grad: str,
     in `dtype` whose gradients are in dtype `grad`: delta, the LSE rows, the gradients it
     allocates (`new`: "qkv" all three; "kv" dk and dv only, dq added into an accumulator; ""
     none: the ring's sub-problems, csrc/ops/ring.cpp backward_step), and one group of KV heads'
-    (backward_sizes) packing (bf16: K's key pairs, and K and V unless D is a multiple of 16;
+    (backward_sizes) packing (bf16: K's key pairs on the micro-kernel path, and K and V unless
+    D is a multiple of 16;
     fp32 with D a multiple of 16: none, Q, K, V and dO are read in place; otherwise Q, K, V and
     dO in fp32) and, with batch > 1, its LSE and delta rows."""
     dp = -(-D // 16) * 16
@@ -76,7 +93,8 @@ def _kernel_bwd(B: int, n: int, h: int, hkv: int, D: int, dtype: str, grad: str,
     if B > 1 and c < hkv:
         rows += 4 * B * hc * n * 2
     if bf16:
-        return rows + 2 * B * c * dp * ((2 * n if dp != D else 0) + 2 * -(-n // 2))
+        pairs = 0 if _brgemm(True) else 2 * -(-n // 2)
+        return rows + 2 * B * c * dp * ((2 * n if dp != D else 0) + pairs)
     if e == 4 and dp == D:
         return rows
     return rows + 4 * B * dp * (2 * hc * n + 2 * c * n)
