@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Times the local CPU kernel's backward (or with --pass fwd its forward; cpattn.attention,
-causal unless --causal no) of two builds of cpattn in the same run: each build is an installed copy of the package
-(a directory to put on sys.path); the builds alternate repeat by repeat, each repeat a fresh
+"""Times the local CPU kernel's backward (or with --pass fwd its forward; cpattn.attention, causal
+unless --causal no) of two builds of cpattn in the same run: each build is an installed copy of the
+package (a directory to put on sys.path); the builds alternate repeat by repeat, each repeat a fresh
 process, so that drift in machine load hits both alike. Reports per case and build the min and
-median over the repeats of the median time of each process (backward: torch.autograd.grad on a
-graph built once, no forward inside; forward: under no_grad). --clock cpu times the process's
-CPU seconds instead of the wall clock: at one thread, the kernel's time without the waits that
-other processes on a shared machine add.
+median over the repeats of the median time of each process (backward: torch.autograd.grad on a graph
+built once, no forward inside; forward: under no_grad). --clock cpu times the process's CPU seconds
+instead of the wall clock: at one thread, the kernel's time without the waits that other processes
+on a shared machine add.
 
 A build may also set environment variables for its processes, `name=path,VAR=VALUE,...`: the
 same build on two kernel paths, for instance (CPATTN_CPU_GEMM, docs/environment.md).
