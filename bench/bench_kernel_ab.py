@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Times the local CPU kernel's backward (or with --pass fwd its forward; cpattn.attention, causal
-unless --causal no) of two builds of cpattn in the same run: each build is an installed copy of the
-package (a directory to put on sys.path); the builds alternate repeat by repeat, each repeat a fresh
-process, so that drift in machine load hits both alike. Reports per case and build the min and
-median over the repeats of the median time of each process (backward: torch.autograd.grad on a graph
-built once, no forward inside; forward: under no_grad). --clock cpu times the process's CPU seconds
-instead of the wall clock: at one thread, the kernel's time without the waits that other processes
-on a shared machine add.
+unless --causal no) of two builds of cpattn in the same run: each build is an installed copy of
+the package (a directory to put on sys.path); the builds alternate repeat by repeat, each repeat
+a fresh process, so that drift in machine load hits both alike. Reports per case and build the
+min and median over the repeats of the median time of each process (backward:
+torch.autograd.grad on a graph built once, no forward inside; forward: under no_grad). --clock
+cpu times the process's CPU seconds instead of the wall clock: at one thread, the kernel's time
+without the waits that other processes on a shared machine add.
 
-A build may also set environment variables for its processes, `name=path,VAR=VALUE,...`: the
-same build on two kernel paths, for instance (CPATTN_CPU_GEMM, docs/environment.md).
+A build may also set environment variables for its processes, `name=path,VAR=VALUE,...` (a
+value may hold commas: a part without "=" continues it): the same build on two kernel paths,
+for instance (CPATTN_CPU_GEMM, docs/environment.md).
 
 Example (the previous build installed with `pip install --no-deps --target /tmp/before .` from
 its checkout, this one in the venv):
@@ -102,9 +103,15 @@ def main() -> None:
             times: dict[str, list[float]] = {n: [] for n in builds}
             for _ in range(a.repeats):
                 for name, spec in builds.items():
-                    path, *assignments = spec.split(",")
+                    path, *items = spec.split(",")
                     env = dict(os.environ, PYTHONPATH=path)
-                    env.update(kv.split("=", 1) for kv in assignments)
+                    var = None
+                    for item in items:  # an item without "=" continues the previous value
+                        if "=" in item:
+                            var, value = item.split("=", 1)
+                            env[var] = value
+                        elif var:
+                            env[var] += "," + item
                     r = subprocess.run(
                         [sys.executable, __file__, "--calls", str(a.calls), "--pass", a.direction,
                          "--causal", a.causal, "--clock", a.clock,

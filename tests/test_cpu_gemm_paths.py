@@ -138,10 +138,13 @@ def test_build_info_reports_the_paths() -> None:
     assert set(amx) == {"cpu", "usable"} and all(isinstance(x, bool) for x in amx.values())
     assert amx["cpu"] == ("amx_bf16" in FLAGS)
     assert not amx["usable"] or amx["cpu"]
-    # the default: bf16 on AMX tiles where oneDNN can use them, else the micro-kernels
-    want = "brgemm-amx" if amx["usable"] and ISA == "avx512bf16" else f"micro-{ISA}"
-    if os.environ.get("CPATTN_CPU_GEMM", "auto") == "auto":
-        assert info["cpu_gemm"]["bfloat16"] == want
+    # the default: fp32 on brgemm wherever it runs (unless CPATTN_CPU_ISA lowered the kernels),
+    # bf16 on AMX tiles where oneDNN can use them, else the micro-kernels
+    if os.environ.get("CPATTN_CPU_GEMM", "auto") == "auto" and "CPATTN_CPU_ISA" not in os.environ:
+        fp32 = "brgemm" if BRGEMM_BUILT else f"micro-{ISA}"
+        bf16 = "brgemm-amx" if amx["usable"] and ISA == "avx512bf16" else f"micro-{ISA}"
+        assert info["cpu_gemm"] == {"float32": fp32, "float16": fp32,
+                                    "bfloat16": bf16 if ISA == "avx512bf16" else fp32}
 
 
 def asked(forced: str, dtype: str) -> str:

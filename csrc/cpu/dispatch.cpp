@@ -91,13 +91,15 @@ bool brgemm_runs(Operands o) {
   return o == Operands::kBFloat16 ? onednn::runs_bf16() : onednn::runs_f32();
 }
 
-// Where brgemm is the default (measured: bench/RESULTS.md, "CPU GEMM paths"). bf16: on AMX
-// tiles, which the hand-written AVX512-BF16 micro-kernels cannot use. fp32: not on the CPUs
-// measured so far (AMD Zen 4: the micro-kernels are faster). A lowered CPATTN_CPU_ISA keeps the
+// Where brgemm is the default (measured: bench/RESULTS.md, "CPU GEMM paths"). fp32: wherever it
+// runs (AMD Zen 4: as fast as the micro-kernels forward, 5-9 % faster backward; AVX2 kernels
+// with oneDNN capped at AVX2 on that CPU: 10-27 % faster). bf16: on AMX tiles, which the
+// hand-written micro-kernels cannot use; on AVX512-BF16 alone the micro-kernels stay (Zen 4:
+// within a few per cent of brgemm, mostly ahead). A lowered CPATTN_CPU_ISA keeps the
 // micro-kernels, so that asking for an instruction set never runs oneDNN's wider code instead.
 bool brgemm_preferred(Operands o) {
   if (isa_choice().lowered) return false;
-  return o == Operands::kBFloat16 && onednn::amx_usable();
+  return o == Operands::kFloat32 || onednn::amx_usable();
 }
 
 bool always(Operands) { return true; }
