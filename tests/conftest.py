@@ -21,11 +21,16 @@ import pytest
 import torch
 
 from cpattn.options import AttentionOptions  # noqa: E402
+from cpattn.testing.distributed import keep_ranks  # noqa: E402
 from cpattn.testing.emulation import load_ops  # noqa: E402
 
 # The test-only ops (torch.ops.cpattn_testing) live in a library of their own: load it for every
 # test module (and every spawned rank that imports one).
 load_ops()
+
+# The ranks of run_ranks are kept from test to test within a test file (one interpreter start per
+# file and world size, not per test); CPATTN_TEST_FRESH_RANKS=1 spawns them afresh for every call.
+keep_ranks(os.environ.get("CPATTN_TEST_FRESH_RANKS") != "1")
 
 Window = tuple[int, int]
 
