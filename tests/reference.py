@@ -3,15 +3,16 @@ the check of a sharded run against it."""
 
 import torch
 import torch.distributed as dist
+from tolerances import tolerance
 
 from cpattn.testing.reference import Window, reference_attention, visible_mask  # noqa: F401
 
 
 def compare_sharded(what: str, run, shard, unshard, positions, full: tuple, causal: bool, window,
-                    kwargs: dict, tol: float, grad_tol: float = 5.0) -> None:
-    """Runs `run` on the shards of the full (q, k, v, dout) and checks it against the reference:
-    out (to `tol`), LSE, dq / dk / dv and the sinks' gradient (summed over the ranks; to
-    grad_tol * tol, relative to the gradient's largest element); padding rows (positions -1)
+                    kwargs: dict, grad_factor: float = 5.0) -> None:
+    """Runs `run` on the shards of the full (q, k, v, dout) and checks it against the reference
+    within tolerances.tolerance (fp32 gradients: grad_factor times the fp32 bound): out, LSE,
+    dq / dk / dv and the sinks' gradient (summed over the ranks); padding rows (positions -1)
     must be exactly out 0 and LSE -inf (with sinks: the sink). Runs on every rank of a group.
     shard(t) / unshard(t, dim=1): the sharding of `run`; positions: this rank's (-1: padding)."""
     q, k, v, dout = full
@@ -23,6 +24,11 @@ def compare_sharded(what: str, run, shard, unshard, positions, full: tuple, caus
     ref_out, ref_lse = reference_attention(*ref_leaves, causal=causal, window=window,
                                            **ref_kwargs)
     ref_out.backward(dout.double())
+    expected = {"out": ref_out, "lse": ref_lse, "dq": ref_leaves[0].grad,
+                "dk": ref_leaves[1].grad, "dv": ref_leaves[2].grad}
+    if "sinks" in kwargs:
+        expected["dsinks"] = ref_kwargs["sinks"].grad
+    tol = tolerance(full, expected, grad_factor, causal=causal, window=window, **kwargs)
 
     shards = [shard(t).requires_grad_() for t in (q, k, v)]
     out, lse = run(*shards, causal=causal, window=window, return_lse=True, **kwargs)
@@ -36,23 +42,13 @@ def compare_sharded(what: str, run, shard, unshard, positions, full: tuple, caus
         assert bool((pad_lse == float("-inf")).all()), what
     out.backward(shard(dout))
 
-    torch.testing.assert_close(unshard(out.detach()).double(), ref_out.detach(), atol=tol,
-                               rtol=tol, msg=lambda m: f"out {what}: {m}")
-    full_lse = unshard(lse.detach(), 2)
-    finite = ref_lse.isfinite()
-    assert torch.equal(full_lse.isfinite(), finite), what
-    torch.testing.assert_close(full_lse[finite].double(), ref_lse.detach()[finite], atol=2e-5,
-                               rtol=2e-5, msg=lambda m: f"lse {what}: {m}")
-    pairs = [(name, unshard(s.grad), r) for name, s, r in zip("qkv", shards, ref_leaves)]
+    got = {"out": unshard(out.detach()), "lse": unshard(lse.detach(), 2)}
+    got.update((f"d{name}", unshard(s.grad)) for name, s in zip("qkv", shards))
     if "sinks" in kwargs:
-        dsinks = kwargs["sinks"].grad.clone()
-        dist.all_reduce(dsinks)  # the parameter-gradient reduction of a trainer
-        pairs.append(("sinks", dsinks, ref_kwargs["sinks"]))
-    for name, g, r in pairs:
-        scale = max(1.0, r.grad.abs().max().item())
-        torch.testing.assert_close(g.double(), r.grad, atol=grad_tol * tol * scale,
-                                   rtol=grad_tol * tol,
-                                   msg=lambda m: f"d{name} {what}: {m}")
+        got["dsinks"] = kwargs["sinks"].grad.clone()
+        dist.all_reduce(got["dsinks"])  # the parameter-gradient reduction of a trainer
+    for name, want in expected.items():
+        tol.check(name, got[name], want, what)
 
 
 def varlen_reference(q, k, v, dout, lengths, causal, window, sinks=None, softcap=0.0):

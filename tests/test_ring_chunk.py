@@ -14,8 +14,6 @@ import cpattn
 from distributed import run_ranks
 from reference import compare_sharded
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
-
 
 def _passes(rank: int, world: int) -> None:
     seqlen, h, hkv = 4 * world * 3, 6, 3
@@ -34,7 +32,7 @@ def _passes(rank: int, world: int) -> None:
                         functools.partial(cpattn.shard, layout=layout),
                         lambda t, dim=1: cpattn.unshard(t, layout=layout, dim=dim),
                         cpattn.positions(seqlen, layout=layout), full, True, (9, -1), kwargs,
-                        TOL[dtype], grad_tol=5.0 if dtype == torch.float32 else 1.0)
+                        grad_factor=5.0)
 
 
 @pytest.mark.parametrize("world", [2, 3])

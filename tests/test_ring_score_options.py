@@ -23,7 +23,6 @@ CASES = {
     "prefix_causal": (True, (-1, -1), {"prefix_len": 7}),
     "all": (True, (9, -1), {"sinks": True, "softcap": 3.0, "alibi_slopes": True, "prefix_len": 5}),
 }
-TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 
 def _draw(options: dict, heads: int) -> dict:
@@ -53,7 +52,7 @@ def _check(rank: int, world: int, strategy: str, dtypes: tuple, names: tuple = t
                         functools.partial(cpattn.shard, layout=layout),
                         lambda t, dim=1: cpattn.unshard(t, layout=layout, dim=dim),
                         cpattn.positions(seqlen, layout=layout), (q, k, v, dout), causal, window,
-                        kwargs, TOL[dtype], grad_tol=1.0)
+                        kwargs, grad_factor=1.0)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
@@ -158,7 +157,7 @@ def _ulysses_and_hybrid(rank: int, world: int, dtype: torch.dtype) -> None:
             run = functools.partial(cpattn.hybrid_attention, **kw)
         compare_sharded(f"{strategy} dv={dv} {dtype}", run, shard, unshard,
                         torch.zeros(seqlen // world, dtype=torch.int64), full, True, (11, -1),
-                        kwargs, TOL[dtype], grad_tol=5.0 if dtype == torch.float32 else 1.0)
+                        kwargs, grad_factor=5.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -260,7 +259,7 @@ def _prefix_per_sequence(rank: int, world: int) -> None:
                         functools.partial(cpattn.shard, layout=layout),
                         lambda t, dim=1: cpattn.unshard(t, layout=layout, dim=dim, seqlen=seqlen),
                         cpattn.positions(seqlen, layout=layout), full, True, (6, -1), kwargs,
-                        2e-5, grad_tol=5.0)
+                        grad_factor=5.0)
     q = torch.randn(2, 4, 2, 8)
     for prefix, match in [
         (torch.tensor([1, 2, 3]), r"prefix_len.shape=\(3,\): must be \(2,\): one prefix per "
