@@ -34,16 +34,6 @@ keep_ranks(os.environ.get("CPATTN_TEST_FRESH_RANKS") != "1")
 
 Window = tuple[int, int]
 
-# Unit roundoff of each dtype (half the distance from 1 to the next number).
-UNIT_ROUNDOFF = {
-    torch.float32: 2.0**-24,
-    torch.bfloat16: 2.0**-8,
-    torch.float16: 2.0**-11,
-}
-# Absolute error allowed for fp32 work on unit-normal inputs (relative to the size of the values).
-FP32_ATOL = 1e-4
-
-
 # ---------------------------------------------------------------------------------------------
 # Random inputs
 
@@ -119,6 +109,16 @@ def make_qkv(
 # Reference
 
 from reference import reference_attention, visible_mask  # noqa: E402,F401
+from tolerances import (  # noqa: E402,F401
+    UNIT_ROUNDOFF,
+    Tolerance,
+    assert_close_baseline,
+    assert_close_fp32,
+    assert_close_low_out,
+    assert_close_rounded,
+    dense_tolerance,
+    expected_of,
+)
 
 
 def reference_with_grads(
@@ -139,8 +139,8 @@ def reference_with_grads(
 def seeded_problem(seed: int, seqlen: int, heads: int, kv_heads: int, dtype: torch.dtype,
                    causal: bool, window: tuple[int, int]):
     """(q, k, v, dout) (2, seqlen, heads | kv_heads, 16) from torch.manual_seed(seed) (the same on
-    every rank), and the float64 reference: out, lse and the reference inputs, whose .grad holds
-    the gradients for dout."""
+    every rank), the float64 reference (out, lse and the reference inputs, whose .grad holds the
+    gradients for dout) and the run's Tolerance (tests/tolerances.py)."""
     torch.manual_seed(seed)
     q = torch.randn(2, seqlen, heads, 16).to(dtype)
     k, v = (torch.randn(2, seqlen, kv_heads, 16).to(dtype) for _ in range(2))
@@ -148,98 +148,16 @@ def seeded_problem(seed: int, seqlen: int, heads: int, kv_heads: int, dtype: tor
     ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_lse = reference_attention(*ref_inputs, causal=causal, window=window)
     ref_out.backward(dout.double())
-    return (q, k, v, dout), ref_out, ref_lse, ref_inputs
+    tol = dense_tolerance((q, k, v, dout),
+                          expected_of(ref_out, ref_lse, [t.grad for t in ref_inputs]),
+                          causal=causal, window=window)
+    return (q, k, v, dout), ref_out, ref_lse, ref_inputs, tol
 
 
-def assert_matches(what: str, out, lse, grads, ref_out, ref_lse, ref_grads, tol: float) -> None:
-    """out, lse and (dq, dk, dv) against the float64 reference within tol (gradients: tol scaled
-    by the reference gradient's magnitude); empty rows (lse -inf) must match exactly."""
-    torch.testing.assert_close(out.double(), ref_out.detach(), atol=tol, rtol=tol,
-                               msg=lambda m: f"out {what}: {m}")
-    finite = ref_lse.isfinite()
-    assert torch.equal(lse.isfinite(), finite), f"empty rows differ: {what}"
-    torch.testing.assert_close(lse[finite].double(), ref_lse.detach()[finite], atol=tol,
-                               rtol=tol, msg=lambda m: f"lse {what}: {m}")
-    for name, g, r in zip("qkv", grads, ref_grads):
-        scale = max(1.0, r.abs().max().item())
-        torch.testing.assert_close(g.double(), r, atol=tol * scale, rtol=tol,
-                                   msg=lambda m: f"d{name} {what}: {m}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Tolerances
-
-
-def fp32_atol(expected: torch.Tensor) -> float:
-    """fp32 absolute tolerance, relative to the size of the values (1e-4 for unit-sized ones)."""
-    finite = expected[torch.isfinite(expected)]
-    size = finite.abs().max().item() if finite.numel() else 0.0
-    return FP32_ATOL * max(1.0, size)
-
-
-def assert_close_fp32(actual: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
-    """actual (any float dtype) equals the float64 expected to fp32 accuracy; infs must match."""
-    a = actual.detach().double()
-    e = expected.detach().double()
-    assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    assert not torch.isnan(a).any(), f"{name}: NaN in result"
-    inf_e, inf_a = torch.isinf(e), torch.isinf(a)
-    assert torch.equal(inf_a, inf_e), f"{name}: inf positions differ"
-    assert torch.equal(a[inf_a], e[inf_e]), f"{name}: inf signs differ"
-    err = (a - e).masked_fill(inf_e, 0.0).abs().max().item() if a.numel() else 0.0
-    tol = fp32_atol(e)
-    assert err <= tol, f"{name}: max abs error {err:.3g} > {tol:.3g}"
-
-
-def assert_close_rounded(
-    actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str = ""
-) -> None:
-    """actual is expected computed in fp32 then rounded once to dtype: per element,
-    |actual - expected| <= 2 * u(dtype) * |expected| + fp32 tolerance (a 2x margin on rounding).
-    """
-    if dtype == torch.float32:
-        assert_close_fp32(actual, expected, name)
-        return
-    a = actual.detach().double()
-    e = expected.detach().double()
-    assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    assert torch.isfinite(a).all(), f"{name}: non-finite values in result"
-    bound = 2 * UNIT_ROUNDOFF[dtype] * e.abs() + fp32_atol(e)
-    excess = ((a - e).abs() - bound).max().item()
-    assert excess <= 0, f"{name}: error exceeds the rounding bound by {excess:.3g}"
-
-
-def assert_close_baseline(
-    actual: torch.Tensor,
-    expected: torch.Tensor,
-    baseline: torch.Tensor,
-    name: str = "",
-) -> None:
-    """actual's max error vs the float64 expected is at most twice that of torch's own
-    computation in the low dtype (baseline), plus a small slack (flash-attn's criterion).
-    """
-    a = actual.detach().double()
-    e = expected.detach().double()
-    assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-    assert torch.isfinite(a).all(), f"{name}: non-finite values in result"
-    err = (a - e).abs().max().item()
-    base_err = (baseline.detach().double() - e).abs().max().item()
-    tol = 2 * base_err + fp32_atol(e)
-    assert err <= tol, f"{name}: max error {err:.3g} > 2 * torch's {base_err:.3g} + slack"
-
-
-def assert_close_low_out(
-    actual: torch.Tensor,
-    expected: torch.Tensor,
-    baseline: torch.Tensor,
-    dtype: torch.dtype,
-    name: str = "out",
-) -> None:
-    """A forward output from bf16/fp16 inputs. fp16 (computed in fp32 from exactly upcast inputs)
-    must be within twice its rounding; bf16 may use bf16 dot products with the probabilities
-    rounded to bf16 (as flash-attn on GPUs), so it must be within 2x torch's own bf16 error
-    (baseline: the computation done in bf16), the rule of issue 7."""
-    if dtype == torch.bfloat16:
-        assert_close_baseline(actual, expected, baseline, name)
-    else:
-        assert_close_rounded(actual, expected, dtype, name)
+def assert_matches(what: str, out, lse, grads, ref_out, ref_lse, ref_grads,
+                   tol: Tolerance) -> None:
+    """out, lse and (dq, dk, dv) against the float64 reference within tol; empty rows (lse -inf)
+    must match exactly."""
+    got = expected_of(out, lse, grads)
+    for name, want in expected_of(ref_out, ref_lse, ref_grads).items():
+        tol.check(name, got[name], want, what)

@@ -3,9 +3,10 @@ the check of a sharded run against it."""
 
 import torch
 import torch.distributed as dist
-from tolerances import tolerance
 
 from cpattn.testing.reference import Window, reference_attention, visible_mask  # noqa: F401
+
+from tolerances import dense_tolerance, expected_of
 
 
 def compare_sharded(what: str, run, shard, unshard, positions, full: tuple, causal: bool, window,
@@ -24,11 +25,9 @@ def compare_sharded(what: str, run, shard, unshard, positions, full: tuple, caus
     ref_out, ref_lse = reference_attention(*ref_leaves, causal=causal, window=window,
                                            **ref_kwargs)
     ref_out.backward(dout.double())
-    expected = {"out": ref_out, "lse": ref_lse, "dq": ref_leaves[0].grad,
-                "dk": ref_leaves[1].grad, "dv": ref_leaves[2].grad}
-    if "sinks" in kwargs:
-        expected["dsinks"] = ref_kwargs["sinks"].grad
-    tol = tolerance(full, expected, grad_factor, causal=causal, window=window, **kwargs)
+    expected = expected_of(ref_out, ref_lse, [t.grad for t in ref_leaves],
+                           ref_kwargs["sinks"].grad if "sinks" in kwargs else None)
+    tol = dense_tolerance(full, expected, grad_factor, causal=causal, window=window, **kwargs)
 
     shards = [shard(t).requires_grad_() for t in (q, k, v)]
     out, lse = run(*shards, causal=causal, window=window, return_lse=True, **kwargs)

@@ -16,10 +16,10 @@ from cpattn import plan as P
 from conftest import assert_matches, seeded_problem
 from distributed import run_ranks
 from reference import reference_attention
+from tolerances import FP32
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/io"),
                                 reason="needs /proc/self/io to count bytes sent")
-TOL = 2e-5
 
 
 def _bytes_written() -> int:
@@ -104,7 +104,7 @@ def _auto_ring_cases(rank: int, world: int) -> None:
             (_machine(1e3, 0.0), "contiguous", False, (-1, -1)),
             (_machine(1e15, 1.0), "zigzag", False, (3, 7))]):
         P.set_machine(machine)
-        (q, k, v, dout), ref_out, ref_lse, ref_in = seeded_problem(n, 8 * world, 4, 2,
+        (q, k, v, dout), ref_out, ref_lse, ref_in, tol = seeded_problem(n, 8 * world, 4, 2,
                                                                    torch.float32, causal, window)
         results = {}
         for strategy in ("auto", "ring", "allgather"):
@@ -117,7 +117,7 @@ def _auto_ring_cases(rank: int, world: int) -> None:
                                  *(un(s.grad) for s in shards)]
             assert_matches(f"ring_attention {strategy} {layout} W={world}",
                            *results[strategy][:2], results[strategy][2:], ref_out, ref_lse,
-                           [r.grad for r in ref_in], TOL)
+                           [r.grad for r in ref_in], tol)
         opts = AttentionOptions.checked("ring_attention", q.shape[-1], causal=causal,
                                         window=window)
         named = auto_strategy(shards[0], shards[1], world, None, opts, layout, None, None, None,
@@ -150,7 +150,7 @@ def _auto_varlen_case(rank: int, world: int) -> None:
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         ref, _ = reference_attention(q[None, a:b].double(), k[None, a:b].double(),
                                      v[None, a:b].double(), causal=True, window=(-1, -1))
-        torch.testing.assert_close(outs["auto"][a:b].double(), ref[0], atol=TOL, rtol=TOL)
+        torch.testing.assert_close(outs["auto"][a:b].double(), ref[0], atol=FP32, rtol=FP32)
     assert any(torch.equal(outs["auto"], outs[s]) for s in ("ring", "allgather"))
     P.set_machine(None)
 
@@ -165,14 +165,14 @@ def _context_cases(rank: int, world: int) -> None:
              "hybrid 2x2/zigzag" if world == 4 else "ring/contiguous"]
     for n, name in enumerate(names):
         causal, window = [(True, (-1, -1)), (False, (4, 2))][n % 2]
-        (q, k, v, dout), ref_out, ref_lse, ref_in = seeded_problem(n, 16 * world, 4, 2,
+        (q, k, v, dout), ref_out, ref_lse, ref_in, tol = seeded_problem(n, 16 * world, 4, 2,
                                                                    torch.float32, causal, window)
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
         out, lse = cpattn.context_attention(*inputs, causal=causal, window=window,
                                             strategy=name, return_lse=True)
         out.backward(dout)
         assert_matches(f"context_attention {name} W={world}", out.detach(), lse.detach(),
-                       [t.grad for t in inputs], ref_out, ref_lse, [r.grad for r in ref_in], TOL)
+                       [t.grad for t in inputs], ref_out, ref_lse, [r.grad for r in ref_in], tol)
     P.set_machine(None)
 
 

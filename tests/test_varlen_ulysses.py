@@ -15,8 +15,8 @@ import cpattn.packing
 from conftest import assert_matches
 from distributed import run_ranks
 from reference import varlen_reference
+from tolerances import FIXED, fixed_tolerance
 
-TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 # (causal, window, softcap, sinks, Dv): the options on positions within each document
 CASES = [(True, (-1, -1), 0.0, False, 16), (True, (3, 0), 0.0, True, 16),
          (False, (2, 4), 2.0, False, 8), (False, (-1, -1), 0.0, True, 16)]
@@ -52,10 +52,10 @@ def test_attention_varlen_matches_reference():
             what = f"attention_varlen {causal} {window} {softcap} sinks={sinks} {dtype}"
             assert_matches(what, out.detach()[None], lse.detach()[None],
                            [t.grad[None] for t in ins], ref_out[None], ref_lse[None],
-                           [r[None] for r in ref_grads], TOL[dtype])
+                           [r[None] for r in ref_grads], fixed_tolerance(dtype))
             if s is not None:
-                assert torch.allclose(s_in.grad.double(), ref_ds, rtol=TOL[dtype],
-                                      atol=TOL[dtype] * ref_ds.abs().max()), what
+                assert torch.allclose(s_in.grad.double(), ref_ds, rtol=FIXED[dtype],
+                                      atol=FIXED[dtype] * ref_ds.abs().max()), what
     with pytest.raises(ValueError, match="must end at the"):
         cpattn.attention_varlen(q, k, v, [0, 3])
 
@@ -87,12 +87,12 @@ def _ulysses_cases(rank, world):
         what = f"ulysses varlen W={world} case {n} {dtype}"
         assert_matches(what, un(out.detach())[None], un(lse.detach(), 1)[None],
                        [un(t.grad)[None] for t in shards], ref_out[None], ref_lse[None],
-                       [r[None] for r in ref_grads], TOL[dtype])
+                       [r[None] for r in ref_grads], fixed_tolerance(dtype))
         if s is not None:  # each rank's share, summed over the group
             ds = s_in.grad.clone()
             dist.all_reduce(ds)
-            assert torch.allclose(ds.double(), ref_ds, rtol=TOL[dtype],
-                                  atol=TOL[dtype] * ref_ds.abs().max()), what
+            assert torch.allclose(ds.double(), ref_ds, rtol=FIXED[dtype],
+                                  atol=FIXED[dtype] * ref_ds.abs().max()), what
     # Ranks that disagree on the documents (same token counts) raise on every rank.
     t = torch.randn(4 * world, 2 * world, 16)
     cu = [0, 2 * world, 4 * world] if rank == 0 else [0, world, 4 * world]
@@ -134,16 +134,16 @@ def _hybrid_cases(rank, world):
         real = ~pad
         what = f"hybrid varlen case {n}"
         for got, want in ((out, ref_out), *zip((t.grad for t in shards), ref_grads)):
-            assert torch.allclose(got[real].double(), want[index[real]], rtol=TOL[dtype],
-                                  atol=TOL[dtype] * want.abs().max()), what
-        assert torch.allclose(lse[:, real].double(), ref_lse[:, index[real]], rtol=TOL[dtype],
-                              atol=TOL[dtype]), what
+            assert torch.allclose(got[real].double(), want[index[real]], rtol=FIXED[dtype],
+                                  atol=FIXED[dtype] * want.abs().max()), what
+        assert torch.allclose(lse[:, real].double(), ref_lse[:, index[real]], rtol=FIXED[dtype],
+                              atol=FIXED[dtype]), what
         # (each token's dk / dv live on its own rank: the shards' rows are the full gradient's)
         if s is not None:
             ds = s_in.grad.clone()
             dist.all_reduce(ds)
-            assert torch.allclose(ds.double(), ref_ds, rtol=TOL[dtype],
-                                  atol=TOL[dtype] * ref_ds.abs().max()), what
+            assert torch.allclose(ds.double(), ref_ds, rtol=FIXED[dtype],
+                                  atol=FIXED[dtype] * ref_ds.abs().max()), what
     # A shard of the wrong length raises on every rank (before any message).
     t = torch.randn(3, 4, 16)
     with pytest.raises(ValueError, match="q tokens"):
