@@ -281,8 +281,8 @@ def cross_entropy(
     targets ignored: 0 with zero gradients.
     Gradients: each rank's backward gives the gradient of this loss times the group size, so
     that averaging the parameter gradients over the group (what DDP and FSDP do over their
-    group) gives exactly the gradient of the loss; see README "Training a transformers
-    model with context parallelism".
+    group) gives exactly the gradient of the loss; see docs/transformers.md, "Gradient
+    reduction with data parallelism".
     """
     what = "cpattn.cross_entropy"
     if reduction not in ("mean", "sum"):
