@@ -7,8 +7,9 @@
 #include "ops/options.h"
 
 TORCH_LIBRARY(cpattn, m) {
-  // Every attention op ends with the attention options (ops/options.h kOptionsSchema),
-  // keyword-only; with_options appends them.
+  // Every attention op ends with the attention options (ops/options.h kOptionsSchema);
+  // with_options appends them. They are not keyword-only in the schema (no `*`): Python passes
+  // them by name (AttentionOptions.op_kwargs), the dispatcher may pass them positionally.
   using cpattn::ops::with_options;
   // The ops that talk to peers over cpattn's NCCL ring cannot be captured in a CUDA graph (its
   // watchdog queries events, and a captured send/recv would replay without it): tagged, so that

@@ -1,5 +1,6 @@
-// The device-generic attention ops: arguments checked once (checks.h), then the kernels of the
-// tensors' device (backend.h). Backend registry included.
+// The device-generic attention ops: arguments checked (checks.h), then the kernels of the tensors'
+// device (backend.h). Each *_scored entry checks its arguments on every call, also when a public op
+// or a driver (ring, invariant, inference) calls it per sub-problem. Backend registry included.
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>

@@ -1,5 +1,6 @@
 """The attention options, one object: what every public attention function takes besides its
-tensors and its process groups, validated once, agreed on by the ranks, passed to the ops.
+tensors and its process groups, keyword-only (`**options`), validated once here, agreed on by the
+ranks, passed to the ops (which check them again in C++).
 
 The C++ twin is csrc/ops/options.h (AttentionOptions, and the schema suffix every attention op
 ends with). Adding an option: docs/design.md, "Adding a score option".

@@ -6,7 +6,8 @@ collator's document boundaries (`cu_seq_lens_q` / `cu_seq_lens_k`, with
 `return_flash_attn_kwargs=True`), or when its `attention_mask` has padding (each row's real
 tokens are then one document: unpadding is exact, padding never is under context parallelism).
 `cpattn.shard_batch` shards such a batch with a document plan (`cpattn.shard_documents`: short
-documents whole on one rank, long ones split over every rank; strategies ring and allgather) or
+documents whole on one rank, heavy ones split over as few ranks as the balance needs, over every
+rank only where fewer do not balance; strategies ring and allgather) or
 per document (`cpattn.shard_varlen`'s layout: each document padded to the layout's granularity
 and split over every rank; Ulysses, hybrid, or documents="per-document") and hands the documents
 to the attention as the model keyword `cpattn_documents`.
@@ -34,7 +35,8 @@ class Documents:
     lengths: each document's number of tokens, in packed order.
     starts: each document's first position id (RoPE; 0 for the collators' batches).
     plan: how the documents are sharded: a cpattn.DocumentPlan of these lengths (documents
-    whole on one rank or split over every rank; ranks then hold different numbers of tokens),
+    whole on one rank or split over a subset of the ranks or over every rank; ranks then hold
+    different numbers of tokens),
     or None: per document (every document split over every rank, cpattn.shard_varlen's layout).
     Derived once (plain values, so that torch.compile reads them as constants): cu_seqlens
     (the boundaries, from 0), tokens (their sum), max_position (the largest position id; -1

@@ -53,10 +53,10 @@ def shard_batch(
         cp: the ContextParallel settings.
         ignore_index: label of positions without a target.
         documents: how packed documents are sharded: "plan" (cpattn.shard_documents: short
-            documents whole on one rank, without communication, long ones split over every
-            rank; strategies "ring" and "allgather"), "per-document" (every document split
-            over every rank, cpattn.shard_varlen's layout) or "auto" (default): "plan" for
-            ring and allgather, "per-document" for ulysses and hybrid.
+            documents whole on one rank, without communication, heavy ones split over as few
+            ranks as the balance needs; strategies "ring" and "allgather"), "per-document" (every
+            document split over every rank, cpattn.shard_varlen's layout) or "auto" (default):
+            "plan" for ring and allgather, "per-document" for ulysses and hybrid.
         causal, window, split: the plan's (cpattn.shard_documents): the mask whose attention
             work it balances (the model's: causal=True, full attention by default; window
             (left, right) as cpattn.attention's) and how it chooses the documents to split
@@ -281,8 +281,8 @@ def cross_entropy(
     targets ignored: 0 with zero gradients.
     Gradients: each rank's backward gives the gradient of this loss times the group size, so
     that averaging the parameter gradients over the group (what DDP and FSDP do over their
-    group) gives exactly the gradient of the loss; see README "Training a transformers
-    model with context parallelism".
+    group) gives exactly the gradient of the loss; see docs/transformers.md, "Gradient
+    reduction with data parallelism".
     """
     what = "cpattn.cross_entropy"
     if reduction not in ("mean", "sum"):
