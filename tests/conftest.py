@@ -161,3 +161,26 @@ def assert_matches(what: str, out, lse, grads, ref_out, ref_lse, ref_grads,
     got = expected_of(out, lse, grads)
     for name, want in expected_of(ref_out, ref_lse, ref_grads).items():
         tol.check(name, got[name], want, what)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which CPU kernels this run tested: a path the CPU lacks is not tested here (an AVX2-only
+# machine runs neither the AVX-512 nor the bf16-dot kernels), and the summary says so.
+
+
+def _cpu_paths() -> str:
+    import cpattn
+    from cpattn._machine import cpu_model
+
+    info = cpattn.build_info()
+    gemm = ", ".join(f"{dtype} {path}" for dtype, path in info["cpu_gemm"].items())
+    return (f"cpattn CPU kernels under test: instruction set {info['cpu_isa']}; GEMM paths "
+            f"{gemm}; AMX used: {info['cpu_amx']['usable']} (CPU: {cpu_model()})")
+
+
+def pytest_report_header(config) -> str:
+    return _cpu_paths()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    terminalreporter.write_line(_cpu_paths())
