@@ -3,7 +3,7 @@
 # cpattn, then runs what was asked.
 #   bash scripts/run.sh demo   the main job (python -m cpattn demo)
 #   bash scripts/run.sh test   every test: C++ header tests and the emulated CUDA kernels (ctest),
-#                              pytest, benchmark smoke runs, the CUDA flavour's build check,
+#                              pytest (and its tests marked slow), benchmark smoke runs, the CUDA flavour's build check,
 #                              the C++ format check (scripts/check_format.sh)
 #   bash scripts/run.sh bench  the benchmark table vs torch SDPA (bench/bench_attention.py)
 set -euo pipefail
@@ -60,6 +60,8 @@ case "${1:-}" in
     python -m pytest "$ROOT/bench" -q --benchmark-disable -p no:cacheprovider
     echo "== pytest"
     python -m pytest "$ROOT/tests" -q -p no:cacheprovider
+    echo "== pytest: the soak and sweep tests (marked slow)"
+    python -m pytest "$ROOT/tests" -q -p no:cacheprovider -m slow
     echo "== the one-shot GPU check, dry run on the CPU build (bench/gpu_check.sh --dry-run)"
     PYTHON=python bash "$ROOT/bench/gpu_check.sh" --dry-run "$ROOT/build/gpu_check_dry"
     echo "== CUDA flavour: compile, link, import, ptxas report (no GPU needed)"

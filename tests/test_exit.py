@@ -48,6 +48,7 @@ def _failures(results, launch: int) -> list[str]:
             for rank, (code, output) in enumerate(results) if code != 0]
 
 
+@pytest.mark.slow
 def test_w2_step_exits_cleanly_every_time(tmp_path):
     failures = []
     for i in range(LAUNCHES):
