@@ -3,8 +3,6 @@ check that they agree, and the interleaved timing of forward and backward."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -13,6 +11,7 @@ import torch.nn.functional as F
 
 import cpattn
 from cpattn._flops import attention_flops
+from cpattn._machine import interleaved_medians
 
 # A case passes when max|cpattn - sdpa| <= tolerance * max|sdpa|, for the output and for each
 # gradient. A wrong kernel (mask, scale, a missed block) is off by O(1) of that.
@@ -116,22 +115,6 @@ def check_case(case: Case, inputs: Sequence[torch.Tensor]) -> tuple[float, float
     tol = TOLERANCE[case.dtype]
     ok = all(rel <= tol for _, rel in diffs) and all(torch.isfinite(g).all() for g in got)
     return diffs[0][0], max(d for d, _ in diffs[1:]), ok
-
-
-def interleaved_medians(
-    fns: dict[str, Callable[[], object]], warmup: int, reps: int
-) -> dict[str, float]:
-    """Median wall-clock seconds per call of each function, calls interleaved round-robin."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def forward_call(impl: Attention, inputs: Sequence[torch.Tensor], causal: bool) -> Callable:

@@ -38,12 +38,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import platform
 import statistics
 import time
 
 import torch
 
+from cpattn._machine import cpu_model
 from cpattn.memory import counting
 from cpattn.mixers import build_plan, stacked
 from cpattn.plan.model import PRESETS
@@ -244,17 +244,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
@@ -277,7 +266,7 @@ def main(argv=None) -> str:
                 rows.append(run(kind, world, local, args.reps, args.quick))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
     report = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-              f"{cpu_name()}, torch {torch.__version__}, 1 thread\n\n{table(rows)}\n")
+              f"{cpu_model()}, torch {torch.__version__}, 1 thread\n\n{table(rows)}\n")
     print(report)
     if args.out:
         with open(args.out, "w") as f:

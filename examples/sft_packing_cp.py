@@ -9,25 +9,19 @@ ranks shares every packed batch, its documents split over the group. --check fin
 way in one process (rank 0 runs it as a subprocess: SDPA, per-device batch x the number of
 replicas) and exits 0 only when every step's logged loss matches (fp32: relative 1e-5; bf16 on
 GPUs: 2e-2).
+The context-parallel recipe and --check live in cp_training.py (shared with trainer_cp.py).
 """
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 
 import torch
-import torch.distributed as dist
+from cp_training import add_parallel_arguments, run
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 from trl import SFTConfig, SFTTrainer
 
 VOCAB = 256
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                      "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR",
-                      "MASTER_PORT")
 
 
 def make_tokenizer() -> PreTrainedTokenizerFast:
@@ -75,71 +69,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=2, help="packed rows per batch and replica")
     parser.add_argument("--max-length", type=int, default=128, help="tokens per packed row")
-    parser.add_argument("--cp-size", type=int, default=None, help="default: every rank")
-    parser.add_argument("--strategy", default="ring",
-                        choices=["ring", "allgather", "ulysses", "hybrid"])
-    parser.add_argument("--ulysses-size", type=int, default=None, help="for hybrid")
-    parser.add_argument("--output-dir", default="sft_packing_cp_output")
-    parser.add_argument("--check", action="store_true",
-                        help="also fine-tune in one process and compare the losses")
-    parser.add_argument("--reference", default=None, help=argparse.SUPPRESS)  # (--check's)
+    add_parallel_arguments(parser, "sft_packing_cp_output",
+                           "also fine-tune in one process and compare the losses")
     opts = parser.parse_args()
 
     data = pairs(opts.steps * opts.batch * 32)  # (enough rows for up to 8 replicas)
-    if opts.reference:  # one process, SDPA: the losses to compare with
-        dp = int(opts.reference.split(":")[0])
-        trainer = SFTTrainer(model=make_model("sdpa"), processing_class=make_tokenizer(),
-                             args=sft_config(opts, opts.batch * dp, opts.output_dir + "_ref"),
-                             train_dataset=data)
-        trainer.train()
-        with open(opts.reference.split(":", 1)[1], "w") as f:
-            json.dump([h["loss"] for h in trainer.state.log_history if "loss" in h], f)
-        return
-
-    import cpattn
-    from cpattn.integrations.trainer import ContextParallelSFTTrainer, context_parallel
-    from cpattn.integrations.transformers import register
-
-    # The recipe: SFTConfig starts torch.distributed; cp groups of cp_size ranks.
-    args = sft_config(opts, opts.batch, opts.output_dir)
-    cp = context_parallel(opts.cp_size or dist.get_world_size(), opts.strategy,
-                          ulysses_size=opts.ulysses_size)
-    model = make_model(register(cp))
-    trainer = ContextParallelSFTTrainer(cp, model=model, args=args, train_dataset=data,
-                                        processing_class=make_tokenizer())
-    trainer.train()
-
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    if args.process_index == 0:
-        print("losses per step:", " ".join(f"{x:.6f}" for x in losses), flush=True)
-    ok = torch.ones(1)
-    if opts.check:
-        if args.process_index == 0:
-            ok[0] = check(opts, losses, dist.get_world_size() // cp.world_size)
-        dist.broadcast(ok, 0)
-    cpattn.destroy_communicators()
-    dist.destroy_process_group()
-    sys.exit(0 if ok.item() else 1)
-
-
-def check(opts, losses: list, dp: int) -> bool:
-    """Rank 0: the reference in a subprocess of one process, then the comparison."""
-    path = os.path.join(os.path.abspath(opts.output_dir), "reference_losses.json")
-    os.makedirs(opts.output_dir, exist_ok=True)
-    env = {k: v for k, v in os.environ.items()
-           if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC")}
-    subprocess.run([sys.executable, __file__, *sys.argv[1:], "--reference", f"{dp}:{path}"],
-                   env=env, check=True)
-    with open(path) as f:
-        reference = json.load(f)
-    rtol = 2e-2 if torch.cuda.is_available() else 1e-5
-    bad = [(s, a, b) for s, (a, b) in enumerate(zip(losses, reference))
-           if abs(a - b) > rtol * abs(b)]
-    if bad or len(losses) != len(reference) or not losses:
-        print(f"check FAILED: context-parallel {losses} vs one process {reference}", flush=True)
-        return False
-    print(f"check passed: {len(losses)} steps within relative {rtol} of one process", flush=True)
-    return True
+    run(__file__, opts, make_model, sft_config, SFTTrainer,
+        train_dataset=data, processing_class=make_tokenizer())
 
 
 if __name__ == "__main__":

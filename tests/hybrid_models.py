@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 import cpattn
 
+from transformers_models import tiny_model
+
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -107,16 +109,7 @@ def config(kind: str, **overrides):
 
 def model(cfg, implementation: str):
     """The tiny model, fixed seed, weights x3 (logits with a real spread), eval mode."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(cfg, attn_implementation=implementation,
-                                         dtype=torch.float32)
-    with torch.no_grad():
-        for _, p in m.named_parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    return m.eval()
+    return tiny_model(cfg, implementation, weight_scale=3.0).eval()
 
 
 def sequences(rows: int = 2, seqlen: int = 48, seed: int = 1) -> dict:

@@ -50,19 +50,23 @@ def compare_sharded(what: str, run, shard, unshard, positions, full: tuple, caus
         tol.check(name, got[name], want, what)
 
 
-def varlen_reference(q, k, v, dout, lengths, causal, window, sinks=None, softcap=0.0):
+def varlen_reference(q, k, v, dout, lengths, causal, window, sinks=None, softcap=0.0,
+                     prefix_len=0, **options):
     """Packed documents (q (T, H, D), k / v (T, Hkv, D), dout (T, H, Dv)), each attending only
     to itself: float64 attention per document, concatenated. Returns out (T, H, Dv), lse (H, T),
-    [dq, dk, dv] and the sinks' gradient summed over the documents (None without sinks)."""
+    [dq, dk, dv] and the sinks' gradient summed over the documents (None without sinks).
+    prefix_len: one prefix for every document, or a tensor of one per document; options: the
+    rest of reference_attention's (scale, alibi_slopes), the same for every document."""
     outs, lses, grads = [], [], [[], [], []]
     s64 = None if sinks is None else sinks.detach().double().requires_grad_()
     start = 0
-    for n in lengths:
+    for d, n in enumerate(lengths):
         if n == 0:
             continue
         piece = [t[start:start + n].detach().double()[None].requires_grad_() for t in (q, k, v)]
+        prefix = int(prefix_len[d]) if isinstance(prefix_len, torch.Tensor) else prefix_len
         out, lse = reference_attention(*piece, causal=causal, window=window, sinks=s64,
-                                       softcap=softcap)
+                                       softcap=softcap, prefix_len=prefix, **options)
         out.backward(dout[start:start + n].double()[None])
         outs.append(out.detach()[0])
         lses.append(lse.detach()[0])

@@ -9,14 +9,8 @@ import torch
 import cpattn
 
 from attention_checks import FLOAT_DTYPES, check_against_reference, run_public
-from conftest import (
-    assert_close_fp32,
-    make_qkv,
-    op_options,
-    randn,
-    reference_attention,
-    reference_with_grads,
-)
+from conftest import assert_close_fp32, make_qkv, op_options, randn, reference_with_grads
+from reference import reference_attention
 
 ops = torch.ops.cpattn
 

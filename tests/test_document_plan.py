@@ -24,7 +24,7 @@ from cpattn import plan as P
 from conftest import assert_matches
 from distributed import run_ranks
 from failure_cases import raises_same_everywhere
-from reference import reference_attention
+from reference import varlen_reference
 from tolerances import FIXED, fixed_tolerance
 
 HEAD_DIM = 16
@@ -134,28 +134,11 @@ def _inputs(case: Case, lengths: list, seed: int):
 def doc_reference(q, k, v, dout, lengths, causal, window, kwargs):
     """float64 attention of each document on its own (positions within the document), every
     option; returns out (T, H, Dv), lse (H, T), [dq, dk, dv], dsinks (None without sinks)."""
-    sinks = kwargs.get("sinks")
-    s64 = None if sinks is None else sinks.detach().double().requires_grad_()
-    prefix = kwargs.get("prefix_len", 0)
-    outs, lses, grads = [], [], [[], [], []]
-    start = 0
-    for d, n in enumerate(lengths):
-        if n == 0:
-            continue
-        piece = [t[start:start + n].detach().double()[None].requires_grad_() for t in (q, k, v)]
-        p = int(prefix[d]) if isinstance(prefix, torch.Tensor) else prefix
-        out, lse = reference_attention(
-            *piece, causal=causal, window=window, scale=kwargs.get("softmax_scale"), sinks=s64,
-            softcap=kwargs.get("softcap", 0.0), alibi_slopes=kwargs.get("alibi_slopes"),
-            prefix_len=p)
-        out.backward(dout[start:start + n].double()[None])
-        outs.append(out.detach()[0])
-        lses.append(lse.detach()[0])
-        for g, t in zip(grads, piece):
-            g.append(t.grad[0])
-        start += n
-    return (torch.cat(outs), torch.cat(lses, 1), [torch.cat(g) for g in grads],
-            None if s64 is None else s64.grad)
+    return varlen_reference(q, k, v, dout, lengths, causal, window, sinks=kwargs.get("sinks"),
+                            softcap=kwargs.get("softcap", 0.0),
+                            prefix_len=kwargs.get("prefix_len", 0),
+                            scale=kwargs.get("softmax_scale"),
+                            alibi_slopes=kwargs.get("alibi_slopes"))
 
 
 def make_plan(case: Case, cu, world: int, kwargs: dict):

@@ -13,8 +13,8 @@ import torch.distributed as dist
 import cpattn
 from cpattn.documents import visible_pairs
 from cpattn.testing.distributed import run_ranks
-from cpattn.testing.reference import reference_attention
 
+from reference import varlen_reference
 from tolerances import FIXED_LOW, FP32
 
 # One mix with a document too heavy for one rank of three or four, so that some documents
@@ -32,29 +32,13 @@ def _cu(lengths):
 
 def _reference(q, k, v, dout, lengths, causal, window, kwargs, prefixes):
     """float64 attention of each document alone: out, lse, (dq, dk, dv), dsinks."""
-    sinks = kwargs.get("sinks")
-    s64 = None if sinks is None else sinks.detach().double().requires_grad_()
-    outs, lses, grads = [], [], [[], [], []]
-    start = 0
-    for d, n in enumerate(lengths):
-        if n == 0:
-            continue
-        piece = [t[start:start + n].detach().double()[None].requires_grad_() for t in (q, k, v)]
-        extra = {key: val for key, val in kwargs.items() if key != "sinks"}
-        if "alibi_slopes" in extra:
-            extra["alibi_slopes"] = extra["alibi_slopes"].double()
-        if "softmax_scale" in extra:
-            extra["scale"] = extra.pop("softmax_scale")
-        out, lse = reference_attention(*piece, causal=causal, window=window, sinks=s64,
-                                       prefix_len=int(prefixes[d]), **extra)
-        out.backward(dout[start:start + n].double()[None])
-        outs.append(out.detach()[0])
-        lses.append(lse.detach()[0])
-        for g, p in zip(grads, piece):
-            g.append(p.grad[0])
-        start += n
-    return (torch.cat(outs), torch.cat(lses, 1), [torch.cat(g) for g in grads],
-            None if s64 is None else s64.grad)
+    extra = {key: val for key, val in kwargs.items() if key != "sinks"}
+    if "alibi_slopes" in extra:
+        extra["alibi_slopes"] = extra["alibi_slopes"].double()
+    if "softmax_scale" in extra:
+        extra["scale"] = extra.pop("softmax_scale")
+    return varlen_reference(q, k, v, dout, lengths, causal, window, sinks=kwargs.get("sinks"),
+                            prefix_len=prefixes, **extra)
 
 
 CASES = [  # (dtype, heads / kv heads, causal, window, options, prefix, strategy)

@@ -9,15 +9,8 @@ import torch
 
 import cpattn
 
-from conftest import (
-    Window,
-    assert_close_fp32,
-    make_qkv,
-    op_options,
-    randn,
-    reference_attention,
-    reference_with_grads,
-)
+from conftest import assert_close_fp32, make_qkv, op_options, randn, reference_with_grads
+from reference import Window, reference_attention
 
 ops = torch.ops.cpattn
 NEG_INF = float("-inf")

@@ -124,12 +124,18 @@ def _check(runs, name: str, run: str = "main", **kw):
     return ref[name], got[name]
 
 
+def _check_with_ablation(runs, name: str, what: str):
+    """_check of the main run, and the ablation `what` (a mistake) changes its loss."""
+    ref, got = _check(runs, name)
+    assert_differs(got["ablation"]["loss"], ref["main"]["loss"], what)
+    return ref, got
+
+
 def test_rows_shuffled_accumulation(runs):
     """Rows with different target counts, shuffled, GA 2, ring (cp 2). Ablations: labels
     shifted per shard change the loss; the sampler left as accelerate deals it (different
     batches on the ranks of the CP group) raises on every rank."""
-    ref, got = _check(runs, "rows_ring")
-    assert_differs(got["ablation"]["loss"], ref["main"]["loss"], "labels shifted per shard")
+    _, got = _check_with_ablation(runs, "rows_ring", "labels shifted per shard")
     assert "were given different batches" in got["refused"], got["refused"]
     assert "dp rank = rank // 2" in got["refused"], got["refused"]
 
@@ -157,14 +163,12 @@ def test_packed_documents(runs):
 
 
 def test_label_smoothing(runs):
-    ref, got = _check(runs, "label_smoothing")
-    assert_differs(got["ablation"]["loss"], ref["main"]["loss"], "smoothing, labels per shard")
+    _check_with_ablation(runs, "label_smoothing", "smoothing, labels per shard")
 
 
 def test_moe_load_balancing_loss(runs):
     """Qwen3-MoE with router_aux_loss_coef: the load-balancing loss of the whole sequence."""
-    ref, got = _check(runs, "moe")
-    assert_differs(got["ablation"]["loss"], ref["main"]["loss"], "MoE loss per rank")
+    _check_with_ablation(runs, "moe", "MoE loss per rank")
 
 
 def test_evaluate_and_predict(runs):
@@ -204,13 +208,11 @@ def test_resume_and_checkpoint(runs, tmp_path):
 def test_sft_packing(runs):
     """SFTTrainer packing=True (padding-free, seq_idx), with eval; TRL's num_tokens counter.
     Ablation: the target count not divided by cp."""
-    ref, got = _check(runs, "sft_packing")
-    assert_differs(got["ablation"]["loss"], ref["main"]["loss"], "count not divided by cp")
+    _check_with_ablation(runs, "sft_packing", "count not divided by cp")
 
 
 def test_sft_completion_only(runs):
-    ref, got = _check(runs, "sft_completion_only")
-    assert_differs(got["ablation"]["loss"], ref["main"]["loss"], "completion, labels per shard")
+    _check_with_ablation(runs, "sft_completion_only", "completion, labels per shard")
 
 
 def test_cross_entropy_options_and_seq_idx(runs):
@@ -242,8 +244,7 @@ def test_refusals(runs):
 def test_dp_x_cp_accumulation(runs):
     """dp 2 x cp 2, GA 2, replicas with different target counts. Ablation: get_cp_size left
     at 1 (the count cp times too large)."""
-    ref, got = _check(runs, "dp_accumulation")
-    assert_differs(got["ablation"]["loss"], ref["main"]["loss"], "count not divided by cp")
+    _check_with_ablation(runs, "dp_accumulation", "count not divided by cp")
 
 
 def test_dp_x_cp_one_group_astray(runs):

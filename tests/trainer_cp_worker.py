@@ -327,18 +327,30 @@ def _loss_of(run: dict) -> dict:
     return {"loss": run["loss"]}
 
 
+def _with_ablation(ctx, run, mistake, base=None) -> dict:
+    """{"main": run(base)} and, with context parallelism, "ablation": the loss of
+    run(mistake(base)), the trainer class with a mistake that must change it."""
+    base = base or T.Trainer
+    out = {"main": run(base)}
+    if not ctx.reference:
+        out["ablation"] = _loss_of(run(mistake(base)))
+    return out
+
+
+def _rows_run(ctx, kind: str, n: int, **args):
+    """run(base) for _with_ablation: `kind` trained on rows(n) with ctx.args(**args)."""
+    def run(base):
+        return _train(ctx, kind, ctx.args(**args), rows(n), T.default_data_collator, base=base)
+    return run
+
+
 @scenario(world=2)
 def rows_ring(ctx):
     """Equal-length rows with different target counts, shuffled, GA 2 (cp 2, dp 1, ring)."""
-    args = lambda: ctx.args(dp=1, batch=2, gradient_accumulation_steps=2)  # noqa: E731
-    out = {"main": _train(ctx, "llama", args(), rows(12), T.default_data_collator)}
+    run = _rows_run(ctx, "llama", 12, dp=1, batch=2, gradient_accumulation_steps=2)
+    out = _with_ablation(ctx, run, _labels_shifted_per_shard)
     if not ctx.reference:
-        out["ablation"] = _loss_of(_train(ctx, "llama", args(), rows(12),
-                                          T.default_data_collator,
-                                          base=_labels_shifted_per_shard(T.Trainer)))
-        out["refused"] = raised(lambda: _train(ctx, "llama", args(), rows(12),
-                                               T.default_data_collator,
-                                               base=_not_resharded(T.Trainer)))
+        out["refused"] = raised(lambda: run(_not_resharded(T.Trainer)))
     return out
 
 
@@ -386,24 +398,14 @@ def packed(ctx):
 
 @scenario(world=2)
 def label_smoothing(ctx):
-    args = lambda: ctx.args(dp=1, batch=2, label_smoothing_factor=0.1)  # noqa: E731
-    out = {"main": _train(ctx, "llama", args(), rows(6), T.default_data_collator)}
-    if not ctx.reference:
-        out["ablation"] = _loss_of(_train(ctx, "llama", args(), rows(6),
-                                          T.default_data_collator,
-                                          base=_labels_shifted_per_shard(T.Trainer)))
-    return out
+    run = _rows_run(ctx, "llama", 6, dp=1, batch=2, label_smoothing_factor=0.1)
+    return _with_ablation(ctx, run, _labels_shifted_per_shard)
 
 
 @scenario(world=2)
 def moe(ctx):
     """Qwen3-MoE's load-balancing loss (router_aux_loss_coef 0.5) over the whole sequence."""
-    args = lambda: ctx.args(dp=1, batch=2)  # noqa: E731
-    out = {"main": _train(ctx, "qwen3_moe", args(), rows(6), T.default_data_collator)}
-    if not ctx.reference:
-        out["ablation"] = _loss_of(_train(ctx, "qwen3_moe", args(), rows(6),
-                                          T.default_data_collator, base=_local_aux(T.Trainer)))
-    return out
+    return _with_ablation(ctx, _rows_run(ctx, "qwen3_moe", 6, dp=1, batch=2), _local_aux)
 
 
 @scenario(world=2)
@@ -457,7 +459,7 @@ def sft_packing(ctx):
     from datasets import Dataset
     from trl import SFTTrainer
 
-    def run(base=SFTTrainer):
+    def run(base):
         args = ctx.args(dp=1, batch=2, sft=True, packing=True, max_length=40, eval_packing=True)
         trainer, capture = ctx.trainer(
             "qwen3", args, sft=True, base=base, processing_class=tokenizer(),
@@ -468,10 +470,7 @@ def sft_packing(ctx):
         return {**results(trainer, capture), "eval": evaluated,
                 "eval_every_rank": every_rank(evaluated)}
 
-    out = {"main": run()}
-    if not ctx.reference:
-        out["ablation"] = _loss_of(run(_count_not_divided(SFTTrainer)))
-    return out
+    return _with_ablation(ctx, run, _count_not_divided, SFTTrainer)
 
 
 def _completions(n: int, seed: int = 0) -> list[dict]:
@@ -492,7 +491,7 @@ def sft_completion_only(ctx):
     from datasets import Dataset
     from trl import SFTTrainer
 
-    def run(base=SFTTrainer):
+    def run(base):
         args = ctx.args(dp=1, batch=3, sft=True, completion_only_loss=True)
         trainer, capture = ctx.trainer("llama", args, sft=True, base=base,
                                        processing_class=tokenizer(),
@@ -500,10 +499,7 @@ def sft_completion_only(ctx):
         trainer.train()
         return results(trainer, capture)
 
-    out = {"main": run()}
-    if not ctx.reference:
-        out["ablation"] = _loss_of(run(_labels_shifted_per_shard(SFTTrainer)))
-    return out
+    return _with_ablation(ctx, run, _labels_shifted_per_shard, SFTTrainer)
 
 
 @scenario(world=2)
@@ -599,13 +595,8 @@ def refusals(ctx):
 @scenario(world=4)
 def dp_accumulation(ctx):
     """dp 2 x cp 2, GA 2, shuffled rows with different target counts per replica."""
-    args = lambda: ctx.args(dp=2, batch=1, gradient_accumulation_steps=2)  # noqa: E731
-    out = {"main": _train(ctx, "llama", args(), rows(16), T.default_data_collator)}
-    if not ctx.reference:
-        out["ablation"] = _loss_of(_train(ctx, "llama", args(), rows(16),
-                                          T.default_data_collator,
-                                          base=_count_not_divided(T.Trainer)))
-    return out
+    run = _rows_run(ctx, "llama", 16, dp=2, batch=1, gradient_accumulation_steps=2)
+    return _with_ablation(ctx, run, _count_not_divided)
 
 
 def _one_rank_astray(base):

@@ -40,7 +40,7 @@ def tiny_config(kind: str = "llama", **overrides):
     return LlamaConfig(**{**common, **overrides})
 
 
-def tiny_model(config, attn_implementation: str, seed: int = 0):
+def tiny_model(config, attn_implementation: str, seed: int = 0, weight_scale: float = 4.0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -50,7 +50,7 @@ def tiny_model(config, attn_implementation: str, seed: int = 0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
-                p.mul_(4.0)
+                p.mul_(weight_scale)
             elif name.endswith("sinks"):  # sink logits of the scores' size, so that they matter
                 p.normal_(0.0, 2.0)
     return model

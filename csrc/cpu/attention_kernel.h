@@ -258,23 +258,26 @@ struct FwdScratch {
 };
 
 // The pass of query blocks [qb_begin, qb_end) of head h over the key blocks, shared by every
-// forward: pack(j, r0, rows) prepares the group's query block j (rows r0..), and
-// step(j, r0, rows, c0, cols, kind, state, acc, factor) adds key block [c0, c0 + cols) to its
-// row states and accumulator (kBlockQ x Dvp per query block, in `acc`); then the outputs are
-// written. With `rows_buffer` (kBlockQ x Dvp) the accumulators are transposed, Dvp x kBlockQ
-// (the brgemm path's O^T), and turned into rows there first.
-template <typename Pack, typename Step>
+// forward: pack(p, b, h, r0, rows, qt) packs a query block (rows r0..) into its place qt in
+// s.qt (Dp x kBlockQ elements a block), and step(qt, r0, rows, c0, cols, kind, state, acc,
+// factor) adds key block [c0, c0 + cols) to the row states and accumulator of the query block
+// packed at qt (kBlockQ x Dvp per query block, in s.acc); then the outputs are written. With
+// `rows_buffer` (kBlockQ x Dvp) the accumulators are transposed, Dvp x kBlockQ (the brgemm
+// path's O^T), and turned into rows there first.
+template <typename Scratch, typename Pack, typename Step>
 inline void forward_group(const FwdParams& p, int64_t b, int64_t h, int64_t qb_begin,
-                          int64_t qb_end, float* acc, Pack&& pack, Step&& step,
+                          int64_t qb_end, Scratch& s, Pack&& pack, Step&& step,
                           float* rows_buffer = nullptr) {
   const AttnShape& sh = p.shape;
   const int64_t acc_elems = kBlockQ * sh.head_dim_v_padded;
+  float* acc = s.acc.get();
+  auto qt = [&](int64_t j) { return s.qt.get() + j * sh.head_dim_padded * kBlockQ; };
   OnlineSoftmaxRow state[kMaxQueryBlocksPerTask][kBlockQ];
   PosRange spans[kMaxQueryBlocksPerTask];
   alignas(64) float factor[kBlockQ];
   auto rows_of = [&](int64_t qb) { return std::min(kBlockQ, sh.seqlen_q - qb * kBlockQ); };
   for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
-    pack(qb - qb_begin, qb * kBlockQ, rows_of(qb));
+    pack(p, b, h, qb * kBlockQ, rows_of(qb), qt(qb - qb_begin));
     std::fill(acc + (qb - qb_begin) * acc_elems, acc + (qb - qb_begin + 1) * acc_elems, 0.f);
   }
   // Only the key blocks that some row of the group can see.
@@ -285,7 +288,7 @@ inline void forward_group(const FwdParams& p, int64_t b, int64_t h, int64_t qb_b
       const int64_t cols = visible_cols(spans[j], c0);
       const BlockKind kind = p.mask.classify(r0, r0 + rows, c0, c0 + cols);  // empty: cols <= 0
       if (kind != BlockKind::kEmpty)
-        step(j, r0, rows, c0, cols, kind, state[j], acc + j * acc_elems, factor);
+        step(qt(j), r0, rows, c0, cols, kind, state[j], acc + j * acc_elems, factor);
     }
   const int64_t dvp = sh.head_dim_v_padded;
   for (int64_t qb = qb_begin; qb < qb_end; ++qb) {
@@ -299,37 +302,47 @@ inline void forward_group(const FwdParams& p, int64_t b, int64_t h, int64_t qb_b
   }
 }
 
+// Q rows r0.. (`rows` of them) of head h of batch b (B, H, Sq, Dp), transposed into qt and
+// scaled to base-2 scores: the first product's operand for one query block.
+inline void pack_query_scaled(const FwdParams& p, int64_t b, int64_t h, int64_t r0, int64_t rows,
+                              float* qt) {
+  const AttnShape& sh = p.shape;
+  const int64_t dp = sh.head_dim_padded;
+  pack_transposed(p.q + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp, dp, rows, dp,
+                  p.softmax_scale * kLog2e, qt);
+}
+
+// A key block's scores in st (kBlockQ per key, base 2: Q was packed with the scale) modified,
+// masked and replaced by P, in place, through the online softmax.
+inline void scores_to_probs(const FwdParams& p, int64_t h, int64_t r0, int64_t rows, int64_t c0,
+                            int64_t cols, BlockKind kind, OnlineSoftmaxRow* state, float* factor,
+                            float* st) {
+  if (p.score.modifies_scores()) modify_scores(p.score, h, r0, c0, cols, 1.f, st, nullptr);
+  if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+  softmax_block(st, cols, 1.f, state, factor, [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
+    store(st + c * kBlockQ + i, p0);
+    if (c + 1 < cols) store(st + (c + 1) * kBlockQ + i, p1);
+  });
+}
+
 // Query blocks [qb_begin, qb_end) of head h of batch b, in one pass over the key blocks.
 inline void forward_blocks(const FwdParams& p, int64_t b, int64_t h, int64_t qb_begin,
                            int64_t qb_end, FwdScratch& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t hk = h / sh.group_size();
-  const bool modified = p.score.modifies_scores();
   const float* k = p.k + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
   const float* v = p.v + (b * sh.kv_heads + hk) * sh.seqlen_k * dvp;
-  auto qt = [&](int64_t j) { return s.qt.get() + j * dp * kBlockQ; };
-  forward_group(
-      p, b, h, qb_begin, qb_end, s.acc.get(),
-      [&](int64_t j, int64_t r0, int64_t rows) {
-        const float* q = p.q + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp;
-        pack_transposed(q, dp, rows, dp, p.softmax_scale * kLog2e, qt(j));
-      },
-      [&](int64_t j, int64_t r0, int64_t rows, int64_t c0, int64_t cols, BlockKind kind,
-          OnlineSoftmaxRow* state, float* acc, float* factor) {
-        float* st = s.st.get();
-        gemm(cols, kBlockQ, dp, k + c0 * dp, dp, 1, qt(j), kBlockQ, st, kBlockQ, false);
-        if (modified) modify_scores(p.score, h, r0, c0, cols, 1.f, st, nullptr);
-        if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-        // Q was packed with the scale, so the scores are already base 2; P replaces them in st.
-        softmax_block(st, cols, 1.f, state, factor,
-                      [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
-                        store(st + c * kBlockQ + i, p0);
-                        if (c + 1 < cols) store(st + (c + 1) * kBlockQ + i, p1);
-                      });
-        // O[rows x Dvp] = factor * O + P[rows x cols] V[cols x Dvp], P read from st transposed.
-        gemm(rows, dvp, cols, st, 1, kBlockQ, v + c0 * dvp, dvp, acc, dvp, true, factor);
-      });
+  forward_group(p, b, h, qb_begin, qb_end, s, pack_query_scaled,
+                [&](const float* qt, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
+                    BlockKind kind, OnlineSoftmaxRow* state, float* acc, float* factor) {
+                  float* st = s.st.get();
+                  gemm(cols, kBlockQ, dp, k + c0 * dp, dp, 1, qt, kBlockQ, st, kBlockQ, false);
+                  scores_to_probs(p, h, r0, rows, c0, cols, kind, state, factor, st);
+                  // O[rows x Dvp] = factor * O + P[rows x cols] V[cols x Dvp], P read from st
+                  // transposed.
+                  gemm(rows, dvp, cols, st, 1, kBlockQ, v + c0 * dvp, dvp, acc, dvp, true, factor);
+                });
 }
 
 inline void attention_fwd_impl(const FwdParams& p) {
@@ -620,6 +633,30 @@ inline void pack_query_block(const BwdParams& p, int64_t b, int64_t h, int64_t r
   std::fill(out.do_rows.at(slot) + rows * dvp, out.do_rows.at(slot) + kBlockQ * dvp, 0.f);
 }
 
+// P^T = exp2(S^T - lse) of a block's `seen` keys, in place in st (kBlockQ per key; reference:
+// the rows' lse): the scores (base 2: Q was packed with the scale) modified and masked first;
+// softcap_grad receives the softcap's derivative where there is one.
+inline void backward_probs(const BwdParams& p, int64_t h, int64_t r0, int64_t rows, int64_t c0,
+                           int64_t seen, BlockKind kind, float* softcap_grad,
+                           const float* reference, float* st) {
+  if (p.score.modifies_scores()) modify_scores(p.score, h, r0, c0, seen, 1.f, st, softcap_grad);
+  if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
+  for (int64_t c = 0; c < seen; ++c)
+    for (int64_t i = 0; i < kBlockQ; i += kLanes)
+      store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
+}
+
+// dS^T = P^T * (dP^T - delta) of a block's `seen` keys, in place in dpt (P^T in st), through the
+// softcap where there is one (softcap_grad: its derivative, else null).
+inline void score_grads(int64_t seen, const float* softcap_grad, const float* delta,
+                        const float* st, float* dpt) {
+  for (int64_t c = 0; c < seen; ++c)
+    for (int64_t i = 0; i < kBlockQ; i += kLanes)
+      store(dpt + c * kBlockQ + i,
+            load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
+  if (softcap_grad) apply_softcap_grad(seen, softcap_grad, dpt);
+}
+
 // One key block of kv head hk against the current chunk's query blocks (rows packed.q0 to q1):
 // the block's dK and dV contributions in s.dk and s.dv, and its dQ contributions added to
 // dq_chunk, (B H, chunk rows, Dp). Returns whether any query block of the chunk sees the keys.
@@ -628,7 +665,6 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
-  const bool modified = p.score.modifies_scores();
   float* softcap_grad = p.score.softcap > 0.f ? s.softcap_grad.get() : nullptr;
   const BshdStrides &ks = p.k_strides, &vs = p.v_strides;
   const float* k = p.k + b * ks.batch + c0 * ks.seq + hk * ks.head;
@@ -649,22 +685,14 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
 
         // P^T = exp2(K Q^T - lse)
         gemm(seen, kBlockQ, dp, k, ks.seq, 1, packed.qt.at(slot), kBlockQ, st, kBlockQ, false);
-        if (modified) modify_scores(p.score, h, r0, c0, seen, 1.f, st, softcap_grad);
-        if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
-        for (int64_t c = 0; c < seen; ++c)
-          for (int64_t i = 0; i < kBlockQ; i += kLanes)
-            store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
+        backward_probs(p, h, r0, rows, c0, seen, kind, softcap_grad, reference, st);
         // dV += P^T dO
         if (p.dv.data)
           gemm(seen, dvp, rows, st, kBlockQ, 1, packed.do_rows.at(slot), dvp, s.dv.get(), dvp,
                true);
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta)
         gemm(seen, kBlockQ, dvp, v, vs.seq, 1, packed.dot.at(slot), kBlockQ, dpt, kBlockQ, false);
-        for (int64_t c = 0; c < seen; ++c)
-          for (int64_t i = 0; i < kBlockQ; i += kLanes)
-            store(dpt + c * kBlockQ + i,
-                  load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
-        if (softcap_grad) apply_softcap_grad(seen, softcap_grad, dpt);
+        score_grads(seen, softcap_grad, delta, st, dpt);
         // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
         if (p.dk.data)
           gemm(seen, dp, rows, dpt, kBlockQ, 1, packed.q_rows.at(slot), dp, s.dk.get(), dp, true);

@@ -163,6 +163,30 @@ struct FwdScratchBf16 {
         acc(aligned_array<float>(kMaxQueryBlocksPerTask * kBlockQ * sh.head_dim_v_padded)) {}
 };
 
+// pack_query_scaled (attention_kernel.h) on bf16 operands: Q rows r0.. of head h of batch b as
+// pairs of dims, transposed, unscaled (the scale is applied to the scores).
+inline void pack_query_pairs(const FwdParams& p, int64_t b, int64_t h, int64_t r0, int64_t rows,
+                             uint16_t* qt) {
+  const BshdStrides& qs = p.q16_strides;
+  pack_pairs_transposed(p.q16 + b * qs.batch + r0 * qs.seq + h * qs.head, qs.seq, rows,
+                        p.shape.head_dim, p.shape.head_dim_padded, qt);
+}
+
+// scores_to_probs (attention_kernel.h) for unscaled scores: modified (to base 2) and masked in
+// st, then the online softmax's P stored as bf16 key pairs in pp.
+inline void scores_to_prob_pairs(const FwdParams& p, int64_t h, int64_t r0, int64_t rows,
+                                 int64_t c0, int64_t cols, BlockKind kind, OnlineSoftmaxRow* state,
+                                 float* factor, float* st, uint16_t* pp) {
+  const bool modified = p.score.modifies_scores();
+  const float scale = p.softmax_scale * kLog2e;
+  if (modified) modify_scores(p.score, h, r0, c0, cols, scale, st, nullptr);
+  if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
+  // modify_scores leaves base-2 logits, which the softmax then takes as they are
+  softmax_block(
+      st, cols, modified ? 1.f : scale, state, factor,
+      [&](int64_t c, int64_t i, vfloat p0, vfloat p1) { store_key_pair(pp, c, i, p0, p1); });
+}
+
 // forward_blocks (attention_kernel.h) with both products on bf16 operands.
 inline void forward_blocks_bf16(const FwdParams& p, int64_t b, int64_t h, int64_t qb_begin,
                                 int64_t qb_end, FwdScratchBf16& s) {
@@ -170,36 +194,21 @@ inline void forward_blocks_bf16(const FwdParams& p, int64_t b, int64_t h, int64_
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t hk = h / sh.group_size();
   const int64_t key_pairs = (sh.seqlen_k + 1) / 2;
-  const BshdStrides& qs = p.q16_strides;
   const uint16_t* k = p.k16 + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
   const uint16_t* v = p.v16 + (b * sh.kv_heads + hk) * key_pairs * dvp * 2;
-  const bool modified = p.score.modifies_scores();
-  const float scale = p.softmax_scale * kLog2e;
-  // modify_scores leaves base-2 logits, which the softmax then takes as they are
-  const float softmax_scale = modified ? 1.f : scale;
-  auto qt = [&](int64_t j) { return s.qt.get() + j * dp * kBlockQ; };
-  forward_group(
-      p, b, h, qb_begin, qb_end, s.acc.get(),
-      [&](int64_t j, int64_t r0, int64_t rows) {
-        pack_pairs_transposed(p.q16 + b * qs.batch + r0 * qs.seq + h * qs.head, qs.seq, rows,
-                              sh.head_dim, dp, qt(j));
-      },
-      [&](int64_t j, int64_t r0, int64_t rows, int64_t c0, int64_t cols, BlockKind kind,
-          OnlineSoftmaxRow* state, float* acc, float* factor) {
-        float* st = s.st.get();
-        uint16_t* pp = s.pp.get();
-        gemm_bf16(cols, kBlockQ, dp / 2, k + c0 * dp, dp, 2, qt(j), 2 * kBlockQ, st, kBlockQ,
-                  false);
-        if (modified) modify_scores(p.score, h, r0, c0, cols, scale, st, nullptr);
-        if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-        softmax_block(
-            st, cols, softmax_scale, state, factor,
-            [&](int64_t c, int64_t i, vfloat p0, vfloat p1) { store_key_pair(pp, c, i, p0, p1); });
-        // O[rows x Dvp] = factor * O + P[rows x cols] V[cols x Dvp]; c0 is even, so V's pairs
-        // start at c0 / 2.
-        gemm_bf16(rows, dvp, (cols + 1) / 2, pp, 2, 2 * kBlockQ, v + c0 * dvp, 2 * dvp, acc, dvp,
-                  true, factor);
-      });
+  forward_group(p, b, h, qb_begin, qb_end, s, pack_query_pairs,
+                [&](const uint16_t* qt, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
+                    BlockKind kind, OnlineSoftmaxRow* state, float* acc, float* factor) {
+                  float* st = s.st.get();
+                  uint16_t* pp = s.pp.get();
+                  gemm_bf16(cols, kBlockQ, dp / 2, k + c0 * dp, dp, 2, qt, 2 * kBlockQ, st, kBlockQ,
+                            false);
+                  scores_to_prob_pairs(p, h, r0, rows, c0, cols, kind, state, factor, st, pp);
+                  // O[rows x Dvp] = factor * O + P[rows x cols] V[cols x Dvp]; c0 is even, so V's
+                  // pairs start at c0 / 2.
+                  gemm_bf16(rows, dvp, (cols + 1) / 2, pp, 2, 2 * kBlockQ, v + c0 * dvp, 2 * dvp,
+                            acc, dvp, true, factor);
+                });
 }
 
 inline void attention_fwd_bf16_impl(const FwdParams& p) {
@@ -283,6 +292,49 @@ inline void pack_query_block_bf16(const BwdParams& p, int64_t b, int64_t h, int6
             out.do_rows.at(slot) + kBlockQ * sh.head_dim_v_padded, uint16_t{0});
 }
 
+// backward_probs (attention_kernel.h) for unscaled scores: P^T = exp2(scale S^T - lse) of a
+// block's `seen` keys, kept in fp32 in st (for dS) and in bf16 in p16 (for dV).
+inline void backward_probs_bf16(const BwdParams& p, int64_t h, int64_t r0, int64_t rows, int64_t c0,
+                                int64_t seen, BlockKind kind, float* softcap_grad,
+                                const float* reference, float* st, uint16_t* p16) {
+  const bool modified = p.score.modifies_scores();
+  const float base2 = p.softmax_scale * kLog2e;
+  if (modified) modify_scores(p.score, h, r0, c0, seen, base2, st, softcap_grad);
+  if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
+  // modify_scores leaves base-2 logits, which exp2 then takes as they are
+  const vfloat scale = broadcast(modified ? 1.f : base2);
+  for (int64_t c = 0; c < seen; ++c)
+    for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+      const int64_t e = c * kBlockQ + i;
+      const vfloat pr = exp2(load(st + e) * scale - load(reference + i));
+      store(st + e, pr);
+      store_bf16(p16 + e, pr);
+    }
+}
+
+// score_grads (attention_kernel.h) in bf16: dS^T = P^T * (dP^T - delta) of a block's `seen` keys,
+// as is (ds16, for dK) and as key pairs (ds_pairs, for dQ); the softcap's chain rule (where
+// softcap_grad is not null) folded into P, st, first.
+inline void score_grads_bf16(int64_t seen, const float* softcap_grad, const float* delta, float* st,
+                             const float* dpt, uint16_t* ds16, uint16_t* ds_pairs) {
+  if (softcap_grad) {
+    for (int64_t e = 0; e < seen * kBlockQ; e += kLanes)
+      store(st + e, load(st + e) * load(softcap_grad + e));
+  }
+  for (int64_t c = 0; c < seen; c += 2)
+    for (int64_t i = 0; i < kBlockQ; i += kLanes) {
+      const int64_t e = c * kBlockQ + i;
+      const vfloat ds0 = load(st + e) * (load(dpt + e) - load(delta + i));
+      store_bf16(ds16 + e, ds0);
+      vfloat ds1{};
+      if (c + 1 < seen) {
+        ds1 = load(st + e + kBlockQ) * (load(dpt + e + kBlockQ) - load(delta + i));
+        store_bf16(ds16 + e + kBlockQ, ds1);
+      }
+      store_key_pair(ds_pairs, c, i, ds0, ds1);
+    }
+}
+
 // backward_key_block (attention_kernel.h) with the five products on bf16 operands.
 inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16_t>& packed,
                                     int64_t b, int64_t hk, int64_t c0, int64_t q1, float* dq_chunk,
@@ -301,11 +353,7 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
   std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
   std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
   alignas(64) float reference[kBlockQ], delta[kBlockQ];
-  const bool modified = p.score.modifies_scores();
   float* softcap_grad = p.score.softcap > 0.f ? s.softcap_grad.get() : nullptr;
-  const float base2 = p.softmax_scale * kLog2e;
-  // modify_scores leaves base-2 logits, which exp2 then takes as they are
-  const vfloat scale = broadcast(modified ? 1.f : base2);
 
   return for_each_query_block(
       p, b, hk, c0, cols, packed.q0, q1,
@@ -322,16 +370,8 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
         // P^T = exp2(scale K Q^T - lse), kept in fp32 for dS and in bf16 for dV
         gemm_bf16(seen, kBlockQ, dp / 2, k, dp, 2, packed.qt.at(slot), 2 * kBlockQ, st, kBlockQ,
                   false);
-        if (modified)
-          modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, base2, st, softcap_grad);
-        if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
-        for (int64_t c = 0; c < seen; ++c)
-          for (int64_t i = 0; i < kBlockQ; i += kLanes) {
-            const int64_t e = c * kBlockQ + i;
-            const vfloat pr = exp2(load(st + e) * scale - load(reference + i));
-            store(st + e, pr);
-            store_bf16(p16 + e, pr);
-          }
+        backward_probs_bf16(p, head_of_row(sh, row_base), r0, rows, c0, seen, kind, softcap_grad,
+                            reference, st, p16);
         // dV += P^T dO
         if (p.dv.data)
           gemm_bf16(seen, dvp, row_pairs, p16, kBlockQ, 2, packed.do_rows.at(slot), 2 * dvp,
@@ -340,22 +380,7 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
         // (for dQ)
         gemm_bf16(seen, kBlockQ, dvp / 2, v, dvp, 2, packed.dot.at(slot), 2 * kBlockQ, dpt, kBlockQ,
                   false);
-        if (softcap_grad) {  // the chain rule through the softcap, folded into P for dS only
-          for (int64_t e = 0; e < seen * kBlockQ; e += kLanes)
-            store(st + e, load(st + e) * load(softcap_grad + e));
-        }
-        for (int64_t c = 0; c < seen; c += 2)
-          for (int64_t i = 0; i < kBlockQ; i += kLanes) {
-            const int64_t e = c * kBlockQ + i;
-            const vfloat ds0 = load(st + e) * (load(dpt + e) - load(delta + i));
-            store_bf16(ds16 + e, ds0);
-            vfloat ds1{};
-            if (c + 1 < seen) {
-              ds1 = load(st + e + kBlockQ) * (load(dpt + e + kBlockQ) - load(delta + i));
-              store_bf16(ds16 + e + kBlockQ, ds1);
-            }
-            store_key_pair(s.ds_pairs.get(), c, i, ds0, ds1);
-          }
+        score_grads_bf16(seen, softcap_grad, delta, st, dpt, ds16, s.ds_pairs.get());
         // dK += dS^T Q ; dQ += dS K   (softmax scale applied once at the end)
         if (p.dk.data)
           gemm_bf16(seen, dp, row_pairs, ds16, kBlockQ, 2, packed.q_rows.at(slot), 2 * dp,

@@ -83,29 +83,17 @@ inline void forward_blocks_brgemm(const FwdParams& p, int64_t b, int64_t h, int6
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t hk = h / sh.group_size(), panels = (sh.seqlen_k + kBlockK - 1) / kBlockK;
-  const bool modified = p.score.modifies_scores();
   const float* k = p.k + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
   const float* vt = p.vt + (b * sh.kv_heads + hk) * panels * dvp * kBlockK;
-  auto qt = [&](int64_t j) { return s.qt.get() + j * dp * kBlockQ; };
   forward_group(
-      p, b, h, qb_begin, qb_end, s.acc.get(),
-      [&](int64_t j, int64_t r0, int64_t rows) {
-        const float* q = p.q + ((b * sh.heads + h) * sh.seqlen_q + r0) * dp;
-        pack_transposed(q, dp, rows, dp, p.softmax_scale * kLog2e, qt(j));
-      },
-      [&](int64_t j, int64_t r0, int64_t rows, int64_t c0, int64_t cols, BlockKind kind,
+      p, b, h, qb_begin, qb_end, s, pack_query_scaled,
+      [&](const float* qt, int64_t r0, int64_t rows, int64_t c0, int64_t cols, BlockKind kind,
           OnlineSoftmaxRow* state, float* acc, float* factor) {
         const int64_t m = round_keys(cols);
         float* st = s.st.get();
-        brgemm(m, kBlockQ, dp, key_rows(k, sh.seqlen_k, dp, c0, cols, m, s.keys.get()), dp, qt(j),
+        brgemm(m, kBlockQ, dp, key_rows(k, sh.seqlen_k, dp, c0, cols, m, s.keys.get()), dp, qt,
                kBlockQ, st, kBlockQ, false);
-        if (modified) modify_scores(p.score, h, r0, c0, cols, 1.f, st, nullptr);
-        if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-        softmax_block(st, cols, 1.f, state, factor,
-                      [&](int64_t c, int64_t i, vfloat p0, vfloat p1) {
-                        store(st + c * kBlockQ + i, p0);
-                        if (c + 1 < cols) store(st + (c + 1) * kBlockQ + i, p1);
-                      });
+        scores_to_probs(p, h, r0, rows, c0, cols, kind, state, factor, st);
         std::fill(st + cols * kBlockQ, st + m * kBlockQ, 0.f);  // the rounded-up keys: P = 0
         // O^T = factor * O^T + V^T P^T
         scale_columns(acc, dvp, factor);
@@ -142,6 +130,22 @@ inline void load_key_block(const T* x, int64_t stride, int64_t cols, int64_t pad
     for (int64_t c = 0; c < padded; ++c) kt[d * kBlockK + c] = out[c * dim + d];
 }
 
+// The start of a key block's backward (k and v: the tensors, ks and vs: their strides): its K and
+// V rows loaded into s (K^T too where dQ is wanted), its dK and dV sums cleared.
+template <typename T>
+inline void load_key_block_pair(const BwdParams& p, const T* k, const BshdStrides& ks, const T* v,
+                                const BshdStrides& vs, int64_t b, int64_t hk, int64_t c0,
+                                int64_t cols, BwdScratchBrgemm<T>& s) {
+  const int64_t dp = p.shape.head_dim_padded, dvp = p.shape.head_dim_v_padded;
+  const int64_t padded = round_keys(cols);
+  load_key_block(k + b * ks.batch + c0 * ks.seq + hk * ks.head, ks.seq, cols, padded, dp,
+                 s.k_rows.get(), p.dq.data ? s.kt.get() : nullptr);
+  load_key_block(v + b * vs.batch + c0 * vs.seq + hk * vs.head, vs.seq, cols, padded, dvp,
+                 s.v_rows.get(), static_cast<T*>(nullptr));
+  std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
+  std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
+}
+
 // backward_key_block (attention_kernel.h) with the products through brgemm; dq_chunk's blocks
 // hold dQ^T (backward_chunks' dq_transposed).
 inline bool backward_key_block_brgemm(const BwdParams& p, const PackedChunk<float>& packed,
@@ -149,16 +153,9 @@ inline bool backward_key_block_brgemm(const BwdParams& p, const PackedChunk<floa
                                       float* dq_chunk, BwdScratchBrgemm<float>& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
-  const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0), padded = round_keys(cols);
-  const bool modified = p.score.modifies_scores();
+  const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
   float* softcap_grad = p.score.softcap > 0.f ? s.softcap_grad.get() : nullptr;
-  const BshdStrides &ks = p.k_strides, &vs = p.v_strides;
-  load_key_block(p.k + b * ks.batch + c0 * ks.seq + hk * ks.head, ks.seq, cols, padded, dp,
-                 s.k_rows.get(), p.dq.data ? s.kt.get() : nullptr);
-  load_key_block(p.v + b * vs.batch + c0 * vs.seq + hk * vs.head, vs.seq, cols, padded, dvp,
-                 s.v_rows.get(), static_cast<float*>(nullptr));
-  std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
-  std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
+  load_key_block_pair(p, p.k, p.k_strides, p.v, p.v_strides, b, hk, c0, cols, s);
   alignas(64) float reference[kBlockQ], delta[kBlockQ];
 
   return for_each_query_block(
@@ -173,11 +170,7 @@ inline bool backward_key_block_brgemm(const BwdParams& p, const PackedChunk<floa
 
         // P^T = exp2(K Q^T - lse); 0 for the rounded-up keys
         brgemm(m, kBlockQ, dp, s.k_rows.get(), dp, packed.qt.at(slot), kBlockQ, st, kBlockQ, false);
-        if (modified) modify_scores(p.score, h, r0, c0, seen, 1.f, st, softcap_grad);
-        if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
-        for (int64_t c = 0; c < seen; ++c)
-          for (int64_t i = 0; i < kBlockQ; i += kLanes)
-            store(st + c * kBlockQ + i, exp2(load(st + c * kBlockQ + i) - load(reference + i)));
+        backward_probs(p, h, r0, rows, c0, seen, kind, softcap_grad, reference, st);
         std::fill(st + seen * kBlockQ, st + m * kBlockQ, 0.f);
         // dV += P^T dO
         if (p.dv.data)
@@ -185,12 +178,8 @@ inline bool backward_key_block_brgemm(const BwdParams& p, const PackedChunk<floa
         // dP^T = V dO^T ; dS^T = P^T * (dP^T - delta), 0 for the rounded-up keys
         brgemm(m, kBlockQ, dvp, s.v_rows.get(), dvp, packed.dot.at(slot), kBlockQ, dpt, kBlockQ,
                false);
-        for (int64_t c = 0; c < seen; ++c)
-          for (int64_t i = 0; i < kBlockQ; i += kLanes)
-            store(dpt + c * kBlockQ + i,
-                  load(st + c * kBlockQ + i) * (load(dpt + c * kBlockQ + i) - load(delta + i)));
+        score_grads(seen, softcap_grad, delta, st, dpt);
         std::fill(dpt + seen * kBlockQ, dpt + m * kBlockQ, 0.f);
-        if (softcap_grad) apply_softcap_grad(seen, softcap_grad, dpt);
         // dK += dS^T Q ; dQ^T += K^T dS^T   (softmax scale applied once at the end)
         if (p.dk.data)
           brgemm(m, dp, kBlockQ, dpt, kBlockQ, packed.q_rows.at(slot), dp, s.dk.get(), dp, true);
@@ -206,32 +195,18 @@ inline void forward_blocks_brgemm_bf16(const FwdParams& p, int64_t b, int64_t h,
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t hk = h / sh.group_size(), panels = (sh.seqlen_k + kBlockK - 1) / kBlockK;
-  const BshdStrides& qs = p.q16_strides;
   const uint16_t* k = p.k16 + (b * sh.kv_heads + hk) * sh.seqlen_k * dp;
   const uint16_t* vt = p.vt16 + (b * sh.kv_heads + hk) * panels * dvp * kBlockK;
-  const bool modified = p.score.modifies_scores();
-  const float scale = p.softmax_scale * kLog2e;
-  // modify_scores leaves base-2 logits, which the softmax then takes as they are
-  const float softmax_scale = modified ? 1.f : scale;
-  auto qt = [&](int64_t j) { return s.qt.get() + j * dp * kBlockQ; };
   forward_group(
-      p, b, h, qb_begin, qb_end, s.acc.get(),
-      [&](int64_t j, int64_t r0, int64_t rows) {
-        pack_pairs_transposed(p.q16 + b * qs.batch + r0 * qs.seq + h * qs.head, qs.seq, rows,
-                              sh.head_dim, dp, qt(j));
-      },
-      [&](int64_t j, int64_t r0, int64_t rows, int64_t c0, int64_t cols, BlockKind kind,
+      p, b, h, qb_begin, qb_end, s, pack_query_pairs,
+      [&](const uint16_t* qt, int64_t r0, int64_t rows, int64_t c0, int64_t cols, BlockKind kind,
           OnlineSoftmaxRow* state, float* acc, float* factor) {
         const int64_t m = round_keys(cols);
         float* st = s.st.get();
         uint16_t* pp = s.pp.get();
-        brgemm(m, kBlockQ, dp, key_rows(k, sh.seqlen_k, dp, c0, cols, m, s.keys.get()), dp, qt(j),
+        brgemm(m, kBlockQ, dp, key_rows(k, sh.seqlen_k, dp, c0, cols, m, s.keys.get()), dp, qt,
                kBlockQ, st, kBlockQ, false);
-        if (modified) modify_scores(p.score, h, r0, c0, cols, scale, st, nullptr);
-        if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, cols, st);
-        softmax_block(
-            st, cols, softmax_scale, state, factor,
-            [&](int64_t c, int64_t i, vfloat p0, vfloat p1) { store_key_pair(pp, c, i, p0, p1); });
+        scores_to_prob_pairs(p, h, r0, rows, c0, cols, kind, state, factor, st, pp);
         // the rounded-up keys' pairs: P = 0
         std::fill(pp + (cols + 1) / 2 * 2 * kBlockQ, pp + m * kBlockQ, uint16_t{0});
         // O^T = factor * O^T + V^T P^T
@@ -248,20 +223,10 @@ inline bool backward_key_block_brgemm_bf16(const BwdParams& p, const PackedChunk
                                            float* dq_chunk, BwdScratchBrgemm<uint16_t>& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
-  const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0), padded = round_keys(cols);
-  const BshdStrides &ks = p.k16_strides, &vs = p.v16_strides;
-  load_key_block(p.k16 + b * ks.batch + c0 * ks.seq + hk * ks.head, ks.seq, cols, padded, dp,
-                 s.k_rows.get(), p.dq.data ? s.kt.get() : nullptr);
-  load_key_block(p.v16 + b * vs.batch + c0 * vs.seq + hk * vs.head, vs.seq, cols, padded, dvp,
-                 s.v_rows.get(), static_cast<uint16_t*>(nullptr));
-  std::fill(s.dk.get(), s.dk.get() + kBlockK * dp, 0.f);
-  std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
+  const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
+  load_key_block_pair(p, p.k16, p.k16_strides, p.v16, p.v16_strides, b, hk, c0, cols, s);
   alignas(64) float reference[kBlockQ], delta[kBlockQ];
-  const bool modified = p.score.modifies_scores();
   float* softcap_grad = p.score.softcap > 0.f ? s.softcap_grad.get() : nullptr;
-  const float base2 = p.softmax_scale * kLog2e;
-  // modify_scores leaves base-2 logits, which exp2 then takes as they are
-  const vfloat scale = broadcast(modified ? 1.f : base2);
 
   return for_each_query_block(
       p, b, hk, c0, cols, packed.q0, q1,
@@ -278,16 +243,8 @@ inline bool backward_key_block_brgemm_bf16(const BwdParams& p, const PackedChunk
         // P^T = exp2(scale K Q^T - lse), kept in fp32 for dS and in bf16 for dV; 0 for the
         // rounded-up keys
         brgemm(m, kBlockQ, dp, s.k_rows.get(), dp, packed.qt.at(slot), kBlockQ, st, kBlockQ, false);
-        if (modified)
-          modify_scores(p.score, head_of_row(sh, row_base), r0, c0, seen, base2, st, softcap_grad);
-        if (kind == BlockKind::kPartial) apply_mask(p.mask, r0, rows, c0, seen, st);
-        for (int64_t c = 0; c < seen; ++c)
-          for (int64_t i = 0; i < kBlockQ; i += kLanes) {
-            const int64_t e = c * kBlockQ + i;
-            const vfloat pr = exp2(load(st + e) * scale - load(reference + i));
-            store(st + e, pr);
-            store_bf16(p16 + e, pr);
-          }
+        backward_probs_bf16(p, head_of_row(sh, row_base), r0, rows, c0, seen, kind, softcap_grad,
+                            reference, st, p16);
         std::fill(p16 + seen * kBlockQ, p16 + m * kBlockQ, uint16_t{0});
         // dV += P^T dO
         if (p.dv.data)
@@ -297,22 +254,7 @@ inline bool backward_key_block_brgemm_bf16(const BwdParams& p, const PackedChunk
         // (for dQ^T), 0 for the rounded-up keys
         brgemm(m, kBlockQ, dvp, s.v_rows.get(), dvp, packed.dot.at(slot), kBlockQ, dpt, kBlockQ,
                false);
-        if (softcap_grad) {  // the chain rule through the softcap, folded into P for dS only
-          for (int64_t e = 0; e < seen * kBlockQ; e += kLanes)
-            store(st + e, load(st + e) * load(softcap_grad + e));
-        }
-        for (int64_t c = 0; c < seen; c += 2)
-          for (int64_t i = 0; i < kBlockQ; i += kLanes) {
-            const int64_t e = c * kBlockQ + i;
-            const vfloat ds0 = load(st + e) * (load(dpt + e) - load(delta + i));
-            store_bf16(ds16 + e, ds0);
-            vfloat ds1{};
-            if (c + 1 < seen) {
-              ds1 = load(st + e + kBlockQ) * (load(dpt + e + kBlockQ) - load(delta + i));
-              store_bf16(ds16 + e + kBlockQ, ds1);
-            }
-            store_key_pair(ds_pairs, c, i, ds0, ds1);
-          }
+        score_grads_bf16(seen, softcap_grad, delta, st, dpt, ds16, ds_pairs);
         std::fill(ds16 + seen * kBlockQ, ds16 + m * kBlockQ, uint16_t{0});
         std::fill(ds_pairs + (seen + 1) / 2 * 2 * kBlockQ, ds_pairs + m * kBlockQ, uint16_t{0});
         // dK += dS^T Q ; dQ^T += K^T dS^T   (softmax scale applied once at the end)

@@ -50,19 +50,22 @@ typedef int32_t vint __attribute__((vector_size(64)));
 typedef uint32_t vuint __attribute__((vector_size(64)));
 typedef uint16_t vbits16 __attribute__((vector_size(32)));  // 16 bf16 or fp16 bit patterns
 
-inline vfloat load(const float* p) {
-  vfloat v;
+// Unaligned loads and stores of either width (memcpy: no alignment or aliasing assumptions).
+template <typename V>
+inline V load_vector(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void store(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+template <typename V>
+inline void store_vector(float* p, V v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+inline vfloat load(const float* p) { return load_vector<vfloat>(p); }
+inline void store(float* p, vfloat v) { store_vector(p, v); }
 inline vfloat broadcast(float x) { return vfloat{} + x; }
-inline vnative load_native(const float* p) {
-  vnative v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store_native(float* p, vnative v) { std::memcpy(p, &v, sizeof(v)); }
+inline vnative load_native(const float* p) { return load_vector<vnative>(p); }
+inline void store_native(float* p, vnative v) { store_vector(p, v); }
 inline vnative broadcast_native(float x) { return vnative{} + x; }
 
 // The bf16 bits of x, rounded to nearest even; a NaN stays a (quiet) NaN.

@@ -7,9 +7,7 @@
 """
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -17,22 +15,8 @@ import torch.nn.functional as F
 import cpattn
 from cpattn._flops import BACKWARD_FLOP_FACTOR, attention_flops
 from cpattn._layout import DTYPES, LAYOUTS
-from cpattn._machine import ceiling_dtype, cpu_model, gemm_ceiling
+from cpattn._machine import ceiling_dtype, cpu_model, gemm_ceiling, interleaved_medians
 from cpattn.testing.reference import reference_rows
-
-
-def _median_seconds(fns: dict, reps: int) -> dict:
-    """Median wall-clock seconds of each no-argument function over `reps` calls after one
-    warm-up call, the functions interleaved call by call (drift in load hits all alike)."""
-    for fn in fns.values():
-        fn()
-    times: dict = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _local_dtype(args: argparse.Namespace, name: str) -> bool:
@@ -54,14 +38,14 @@ def _local_dtype(args: argparse.Namespace, name: str) -> bool:
                 fn(*inputs)
         return call
 
-    fwd = _median_seconds({
+    fwd = interleaved_medians({
         "cpattn": forward(lambda *t: cpattn.attention(*t, causal=args.causal), (q, k, v)),
         "sdpa": forward(lambda *t: F.scaled_dot_product_attention(*t, is_causal=args.causal),
-                        (qt, kt, vt))}, args.reps)
-    bwd = _median_seconds({
+                        (qt, kt, vt))}, 1, args.reps)
+    bwd = interleaved_medians({
         "cpattn": lambda: torch.autograd.grad(out, (qc, kc, vc), dout, retain_graph=True),
         "sdpa": lambda: torch.autograd.grad(ref, (qt, kt, vt), dout.transpose(1, 2),
-                                            retain_graph=True)}, args.reps)
+                                            retain_graph=True)}, 1, args.reps)
 
     rows = torch.linspace(0, s - 1, steps=min(s, 64)).long()
     exact = reference_rows(q, k, v, rows, args.causal)

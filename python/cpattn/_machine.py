@@ -1,10 +1,12 @@
-"""What a benchmark says about the machine it ran on: the CPU model and the GEMM ceiling, for
-bench/ and `python -m cpattn local` alike."""
+"""What a benchmark says about the machine it ran on: the CPU model, the GEMM ceiling and the
+interleaved timing of calls, for bench/ and `python -m cpattn local` alike."""
 
 from __future__ import annotations
 
 import platform
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -47,3 +49,19 @@ def gemm_ceiling(dtype: torch.dtype, threads: int, size: int = 2048) -> float:
             times.append(time.perf_counter() - start)
         _CEILINGS[key] = 2 * size**3 / min(times) / 1e9
     return _CEILINGS[key]
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], warmup: int, reps: int
+                        ) -> dict[str, float]:
+    """Median wall-clock seconds per call of each no-argument function over `reps` calls after
+    `warmup` ones, the functions interleaved call by call (drift in load hits all alike)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -16,28 +16,10 @@
 #include <vector>
 
 #include "cuda/decode_kernel.cuh"
+#include "host_elements.h"
 
 namespace cpattn::cuda {
 namespace {
-
-void launch(const LaunchShape& l, const std::function<void()>& body) {
-  emu::launch({l.grid[0], l.grid[1], l.grid[2]}, l.threads, l.smem_bytes, body);
-}
-
-template <typename Elem>
-struct Host;
-template <>
-struct Host<__nv_bfloat16> {
-  static __nv_bfloat16 enc(float x) { return __float2bfloat16_rn(x); }
-  static double dec(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static constexpr DType kType = DType::kBFloat16;
-};
-template <>
-struct Host<__half> {
-  static __half enc(float x) { return __float2half_rn(x); }
-  static double dec(__half x) { return __half2float(x); }
-  static constexpr DType kType = DType::kFloat16;
-};
 
 struct DecodeCase {
   int world, interleave, seqlen_q, heads, kv_heads;
@@ -120,23 +102,13 @@ void run_case(const DecodeCase& c, uint64_t seed) {
   constexpr int d = kHeadDim;
   SCOPED_TRACE(name_of(c, d, std::is_same_v<Elem, __nv_bfloat16>));
   std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::normal_distribution<float> nd;
   const int B = static_cast<int>(c.lens.size()), Sq = c.seqlen_q, H = c.heads, Hk = c.kv_heads;
   int64_t max_len = 1;
   for (int64_t l : c.lens) max_len = std::max(max_len, l);
-  auto random = [&](size_t n, std::vector<double>* values) {
-    std::vector<Elem> x(n);
-    values->resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      x[i] = Host<Elem>::enc(nd(rng));
-      (*values)[i] = Host<Elem>::dec(x[i]);
-    }
-    return x;
-  };
   std::vector<double> qd, kd, vd;
-  const std::vector<Elem> q = random(size_t(B) * Sq * H * d, &qd);
-  const std::vector<Elem> kg = random(size_t(B) * max_len * Hk * d, &kd);
-  const std::vector<Elem> vg = random(size_t(B) * max_len * Hk * d, &vd);
+  const std::vector<Elem> q = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &qd);
+  const std::vector<Elem> kg = random_elems<Elem>(size_t(B) * max_len * Hk * d, rng, &kd);
+  const std::vector<Elem> vg = random_elems<Elem>(size_t(B) * max_len * Hk * d, rng, &vd);
   std::vector<float> slopes(H);
   for (int h = 0; h < H; ++h) slopes[h] = c.alibi ? 0.05f * (h + 1) : 0.f;
   std::vector<double> ref_out, ref_lse;

@@ -35,6 +35,7 @@
 #include "cuda/bwd_kernel.cuh"
 #include "cuda/bwd_preprocess.cuh"
 #include "cuda/fwd_kernel.cuh"
+#include "host_elements.h"
 
 namespace cpattn::cuda {
 namespace {
@@ -43,20 +44,6 @@ constexpr int kD = 64, kHeads = 4, kKvHeads = 2;
 using FCfg = FwdConfigFor<kD>;  // 128 query rows x 64 keys
 using BCfg = BwdConfigFor<kD>;  // 128 keys x 64 query rows
 using QCfg = DqConfigFor<kD>;   // 64 query rows x 64 keys
-
-void launch(const LaunchShape& l, const std::function<void()>& body) {
-  emu::launch({l.grid[0], l.grid[1], l.grid[2]}, l.threads, l.smem_bytes, body);
-}
-
-template <typename Elem>
-Elem encode(float x) {
-  if constexpr (std::is_same_v<Elem, __nv_bfloat16>)
-    return __float2bfloat16_rn(x);
-  else
-    return __float2half_rn(x);
-}
-template <typename Elem>
-constexpr DType kDtype = std::is_same_v<Elem, __nv_bfloat16> ? DType::kBFloat16 : DType::kFloat16;
 
 // One sequence (batch 1): q, dout (S, H, D), k, v (S, Hkv, D), and the mask on global positions.
 template <typename Elem>
@@ -79,7 +66,7 @@ Problem<Elem> make_problem(int S, bool causal, int64_t wl, int64_t wr, uint32_t 
   std::normal_distribution<float> nd;
   auto fill = [&](std::vector<Elem>* x, size_t n) {
     x->resize(n);
-    for (Elem& e : *x) e = encode<Elem>(nd(rng));
+    for (Elem& e : *x) e = Host<Elem>::enc(nd(rng));
   };
   fill(&p.q, size_t(S) * kHeads * kD);
   fill(&p.k, size_t(S) * kKvHeads * kD);
@@ -106,7 +93,7 @@ Fwd forward(const Problem<Elem>& pb, int r0, int r1, int k0, int k1) {
         std::vector<float>(size_t(kHeads) * rows, NAN)};
   FwdParamsCuda fp;
   fp.shape = ShapeCuda{1, kHeads, kKvHeads, rows, k1 - k0, kD};
-  fp.dtype = kDtype<Elem>;
+  fp.dtype = Host<Elem>::kType;
   fp.q = pb.q.data() + size_t(r0) * kHeads * kD;
   fp.k = pb.k.data() + size_t(k0) * kKvHeads * kD;
   fp.v = pb.v.data() + size_t(k0) * kKvHeads * kD;
@@ -141,7 +128,7 @@ BwdParamsCuda bwd_params(const Problem<Elem>& pb, const Fwd& full, int r0, int r
   bp.mask.q_offset = r0;
   bp.mask.k_offset = k0;
   bp.shape = ShapeCuda{1, kHeads, kKvHeads, r1 - r0, k1 - k0, kD};
-  bp.dtype = kDtype<Elem>;
+  bp.dtype = Host<Elem>::kType;
   bp.q = pb.q.data() + size_t(r0) * kHeads * kD;
   bp.dout = pb.dout.data() + size_t(r0) * kHeads * kD;
   bp.k = pb.k.data() + size_t(k0) * kKvHeads * kD;

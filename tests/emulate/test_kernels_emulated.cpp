@@ -16,14 +16,10 @@
 #include "cuda/bwd_kernel.cuh"
 #include "cuda/bwd_preprocess.cuh"
 #include "cuda/fwd_kernel.cuh"
+#include "host_elements.h"
 
 namespace cpattn::cuda {
 namespace {
-
-// Runs body on the host emulation with the launch geometry the launchers use (kernel_config.h).
-void launch(const LaunchShape& l, const std::function<void()>& body) {
-  emu::launch({l.grid[0], l.grid[1], l.grid[2]}, l.threads, l.smem_bytes, body);
-}
 
 struct Case {
   int batch, seqlen_q, seqlen_k, heads, kv_heads;
@@ -71,21 +67,6 @@ std::string name_of(const Case& c, int d) {
      << c.window_right << ") off(" << c.q_offset << "," << c.k_offset << ")";
   return os.str();
 }
-
-template <typename Elem>
-struct Host;
-template <>
-struct Host<__nv_bfloat16> {
-  static __nv_bfloat16 enc(float x) { return __float2bfloat16_rn(x); }
-  static double dec(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static constexpr double kOutTol = 1e-2, kGradTol = 2e-2;
-};
-template <>
-struct Host<__half> {
-  static __half enc(float x) { return __float2half_rn(x); }
-  static double dec(__half x) { return __half2float(x); }
-  static constexpr double kOutTol = 2e-3, kGradTol = 4e-3;
-};
 
 double rel_err(const std::vector<double>& x, const std::vector<double>& ref) {
   double num = 0, den = 0;
@@ -180,18 +161,6 @@ Reference reference(const Case& c, int d, const std::vector<double>& q,
   return r;
 }
 
-template <typename Elem>
-std::vector<Elem> random_elems(size_t n, std::mt19937& rng, std::vector<double>* values) {
-  std::normal_distribution<float> nd;
-  std::vector<Elem> x(n);
-  values->resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    x[i] = Host<Elem>::enc(nd(rng));
-    (*values)[i] = Host<Elem>::dec(x[i]);
-  }
-  return x;
-}
-
 template <typename T>
 double as_double(T x) {
   if constexpr (std::is_same_v<T, float>)
@@ -216,6 +185,61 @@ void expect_close(const std::string& what, const std::vector<T>& got,
   const double err = rel_err(g, ref);
   EXPECT_LE(err, tol) << what << ": relative error";
 }
+
+// Random q, dout (B, Sq, H, d) and k, v (B, Sk, Hkv, d) of case c in Elem, drawn in that order,
+// and the exact values they hold (qd, kd, vd, dod) for the reference.
+template <typename Elem>
+struct RandomOperands {
+  std::vector<double> qd, kd, vd, dod;
+  std::vector<Elem> q, k, v, dout;
+  RandomOperands(const Case& c, int d, std::mt19937& rng)
+      : q(random_elems<Elem>(size_t(c.batch) * c.seqlen_q * c.heads * d, rng, &qd)),
+        k(random_elems<Elem>(size_t(c.batch) * c.seqlen_k * c.kv_heads * d, rng, &kd)),
+        v(random_elems<Elem>(size_t(c.batch) * c.seqlen_k * c.kv_heads * d, rng, &vd)),
+        dout(random_elems<Elem>(size_t(c.batch) * c.seqlen_q * c.heads * d, rng, &dod)) {}
+};
+
+// A backward's operands in bp, dense (q, dout (B, Sq, H, d), k, v (B, Sk, Hkv, d)), with case
+// c's shape, scale and mask and the score options sc.
+template <typename Elem>
+void set_dense_operands(BwdParamsCuda& bp, const Case& c, const Scores& sc, int d,
+                        const std::vector<Elem>& q, const std::vector<Elem>& k,
+                        const std::vector<Elem>& v, const std::vector<Elem>& dout) {
+  const int B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, H = c.heads, Hk = c.kv_heads;
+  bp.softmax_scale = c.scale;
+  bp.mask = mask_of(c, sc);
+  bp.score = sc.options();
+  bp.shape = ShapeCuda{B, H, Hk, Sq, Sk, d};
+  bp.q = q.data();
+  bp.k = k.data();
+  bp.v = v.data();
+  bp.dout = dout.data();
+  bp.q_strides = bp.dout_strides = {int64_t(Sq) * H * d, int64_t(H) * d, d};
+  bp.k_strides = bp.v_strides = {int64_t(Sk) * Hk * d, int64_t(Hk) * d, d};
+}
+
+// The forward's results a backward reads, set in bp (out: dense, `out_strides`; lse: natural
+// log, (B, H, Sq)), and the preprocess's workspace it writes: lse in base 2 and delta, Sq rounded
+// up to kBwdSeqRound rows per head, NaN-poisoned. bp.shape must be set first.
+struct BwdWorkspace {
+  int rounded;
+  std::vector<float> lse_log2, delta;
+  BwdWorkspace(BwdParamsCuda& bp, const void* out, const BshdStrides& out_strides, int d,
+               const float* lse)
+      : rounded((bp.shape.seqlen_q + kBwdSeqRound - 1) / kBwdSeqRound * kBwdSeqRound),
+        lse_log2(size_t(bp.shape.batch) * bp.shape.heads * rounded, NAN),
+        delta(lse_log2.size(), NAN) {
+    const int H = bp.shape.heads, Sq = bp.shape.seqlen_q;
+    bp.out = out;
+    bp.out_strides = out_strides;
+    bp.out_head_dim = d;
+    bp.lse = lse;
+    bp.lse_strides = {int64_t(H) * Sq, Sq, 1};
+    bp.seqlen_q_rounded = rounded;
+    bp.lse_log2 = lse_log2.data();
+    bp.delta = delta.data();
+  }
+};
 
 template <typename OutT>
 struct Grads {
@@ -277,22 +301,13 @@ Grads<OutT> run_backward(const BwdParamsCuda& in, const std::vector<OutT>& out,
                k_elems = size_t(B) * sh.seqlen_k * sh.kv_heads * d;
   const BshdStrides qs{int64_t(Sq) * H * d, int64_t(H) * d, d};
   const BshdStrides ks{int64_t(sh.seqlen_k) * sh.kv_heads * d, int64_t(sh.kv_heads) * d, d};
-  const int rounded = (Sq + kBwdSeqRound - 1) / kBwdSeqRound * kBwdSeqRound;
-  std::vector<float> lse_log2(size_t(B) * H * rounded, NAN), delta(lse_log2.size(), NAN);
-  std::vector<float> dq_accum(deterministic ? 0 : size_t(B) * H * rounded * d, 0.f);
+  BwdParamsCuda bp = in;
+  const BwdWorkspace workspace(bp, out.data(), qs, d, lse.data());
+  std::vector<float> dq_accum(deterministic ? 0 : size_t(B) * H * workspace.rounded * d, 0.f);
   const OutT nan_value = std::is_same_v<OutT, float> ? OutT(NAN) : OutT{0x7fff};
   // poisoned: an unwritten gradient fails
   Grads<OutT> g{std::vector<OutT>(q_elems, nan_value), std::vector<OutT>(k_elems, nan_value),
                 std::vector<OutT>(k_elems, nan_value)};
-  BwdParamsCuda bp = in;
-  bp.out = out.data();
-  bp.out_strides = qs;
-  bp.out_head_dim = d;
-  bp.lse = lse.data();
-  bp.lse_strides = {int64_t(H) * Sq, Sq, 1};
-  bp.seqlen_q_rounded = rounded;
-  bp.lse_log2 = lse_log2.data();
-  bp.delta = delta.data();
   bp.dq_accum = deterministic ? nullptr : dq_accum.data();
   bp.dq = g.dq.data();
   bp.dk = g.dk.data();
@@ -356,11 +371,7 @@ void run_case(const Case& c, uint64_t seed, const Options& opt = {}, const Score
   SCOPED_TRACE(what);
   std::mt19937 rng(static_cast<uint32_t>(seed));
   const int B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, H = c.heads, Hk = c.kv_heads;
-  std::vector<double> qd, kd, vd, dod;
-  auto q = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &qd);
-  auto k = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &kd);
-  auto v = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &vd);
-  auto dout = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &dod);
+  auto [qd, kd, vd, dod, q, k, v, dout] = RandomOperands<Elem>(c, d, rng);
   const int real_dim_v = opt.real_dim_v > 0 ? opt.real_dim_v : opt.real_dim;
   if (opt.real_dim > 0) {
     zero_pad_columns(&q, &qd, d, opt.real_dim);
@@ -734,16 +745,7 @@ void run_scored_backward(const Case& c, const Scores& sc, uint64_t seed, bool de
   const std::vector<float> lse(ref.lse.begin(), ref.lse.end());
 
   BwdParamsCuda in;
-  in.softmax_scale = c.scale;
-  in.mask = mask_of(c, sc);
-  in.score = sc.options();
-  in.shape = ShapeCuda{B, H, Hk, Sq, Sk, d};
-  in.q = q.data();
-  in.k = k.data();
-  in.v = v.data();
-  in.dout = dout.data();
-  in.q_strides = in.dout_strides = {int64_t(Sq) * H * d, int64_t(H) * d, d};
-  in.k_strides = in.v_strides = {int64_t(Sk) * Hk * d, int64_t(Hk) * d, d};
+  set_dense_operands(in, c, sc, d, q, k, v, dout);
   const auto [dq, dk, dv] =
       run_backward<kHeadDim, Elem, OutT>(in, out, lse, deterministic, head_splits);
   const double gt = Host<Elem>::kGradTol;
@@ -817,6 +819,12 @@ struct Accumulator {
   }
   int64_t row() const { return int64_t(heads) * cols + kAccPad; }
   BshdStrides strides() const { return {int64_t(S) * row(), row(), cols}; }
+  // Points one gradient of a backward's params (its data, strides and column count) here.
+  void attach(void** grad, BshdStrides* grad_strides, int* grad_cols) {
+    *grad = data.data();
+    *grad_strides = strides();
+    *grad_cols = cols;
+  }
   size_t at(int b, int s, int h, int e) const {
     return size_t((int64_t(b) * S + s) * row() + int64_t(h) * cols + e);
   }
@@ -857,11 +865,7 @@ void run_backward_add(const AddCase& a, uint64_t seed) {
                std::to_string(a.sc.prefix_end));
   std::mt19937 rng(static_cast<uint32_t>(seed));
   const int B = c.batch, Sq = c.seqlen_q, Sk = c.seqlen_k, H = c.heads, Hk = c.kv_heads;
-  std::vector<double> qd, kd, vd, dod;
-  auto q = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &qd);
-  auto k = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &kd);
-  auto v = random_elems<Elem>(size_t(B) * Sk * Hk * d, rng, &vd);
-  auto dout = random_elems<Elem>(size_t(B) * Sq * H * d, rng, &dod);
+  auto [qd, kd, vd, dod, q, k, v, dout] = RandomOperands<Elem>(c, d, rng);
   // The op layer zero-pads every operand up to the kernel's head dim. Here the padded columns of
   // dout and of q or k (by seed; the scores stay those of the real columns) keep random values,
   // so that the padded columns of dv and of dk or dq hold non-zero gradients: they must not land
@@ -873,43 +877,19 @@ void run_backward_add(const AddCase& a, uint64_t seed) {
   const std::vector<float> lse(ref.lse.begin(), ref.lse.end());
   Accumulator dq(B, Sq, H, dim, rng), dk(B, Sk, Hk, dim, rng), dv(B, Sk, Hk, dim_v, rng);
 
-  const int rounded = (Sq + kBwdSeqRound - 1) / kBwdSeqRound * kBwdSeqRound;
-  std::vector<float> lse_log2(size_t(B) * H * rounded, NAN), delta(lse_log2.size(), NAN);
   std::vector<float> dkv_partial(a.head_splits > 1 ? size_t(2) * a.head_splits * k.size() : 0, NAN);
   BwdParamsCuda bp;
-  bp.softmax_scale = c.scale;
+  set_dense_operands(bp, c, a.sc, d, q, k, v, dout);
   bp.scale_log2 = c.scale * 1.4426950408889634f;
-  bp.mask = mask_of(c, a.sc);
-  bp.score = a.sc.options();
-  bp.shape = ShapeCuda{B, H, Hk, Sq, Sk, d};
-  bp.q = q.data();
-  bp.k = k.data();
-  bp.v = v.data();
-  bp.dout = dout.data();
-  bp.q_strides = bp.dout_strides = {int64_t(Sq) * H * d, int64_t(H) * d, d};
-  bp.k_strides = bp.v_strides = {int64_t(Sk) * Hk * d, int64_t(Hk) * d, d};
   bp.out_dtype = DType::kFloat32;
-  bp.out = out.data();
-  bp.out_strides = bp.q_strides;
-  bp.out_head_dim = d;
-  bp.lse = lse.data();
-  bp.lse_strides = {int64_t(H) * Sq, Sq, 1};
-  bp.seqlen_q_rounded = rounded;
-  bp.lse_log2 = lse_log2.data();
-  bp.delta = delta.data();
+  const BwdWorkspace workspace(bp, out.data(), bp.q_strides, d, lse.data());
   bp.head_splits = a.head_splits;
   bp.dkv_partial = a.head_splits > 1 ? dkv_partial.data() : nullptr;
   bp.grad_dtype = DType::kFloat32;
   bp.accumulate = true;
-  bp.dq = dq.data.data();
-  bp.dk = dk.data.data();
-  bp.dv = dv.data.data();
-  bp.dq_strides = dq.strides();
-  bp.dk_strides = dk.strides();
-  bp.dv_strides = dv.strides();
-  bp.dq_cols = dim;
-  bp.dk_cols = dim;
-  bp.dv_cols = dim_v;
+  dq.attach(&bp.dq, &bp.dq_strides, &bp.dq_cols);
+  dk.attach(&bp.dk, &bp.dk_strides, &bp.dk_cols);
+  dv.attach(&bp.dv, &bp.dv_strides, &bp.dv_cols);
   bp.dq_accum = a.deterministic ? nullptr : dq.data.data();  // the atomics' target: dq itself
   emulate_bwd_launch<d, Elem, float, float>(bp);
   const double gt = Host<Elem>::kGradTol;

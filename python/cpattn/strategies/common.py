@@ -65,6 +65,24 @@ def forward_in_passes(q, k, group_size: int, attend: Callable
     return out, lse
 
 
+def backward_in_passes(q, k, v, group_size: int, backward: Callable
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv from backward(query heads, KV heads) -> (dq, dk, dv) of each pass over a head
+    group, written pass by pass (forward_in_passes' counterpart); with one pass, its results
+    themselves."""
+    passes = head_groups(q, k, group_size)
+    if len(passes) == 1:
+        return backward(*passes[0])
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for qh, kh in passes:
+        dq_c, dk_c, dv_c = backward(qh, kh)
+        dq[:, :, qh].copy_(dq_c)
+        dk[:, :, kh].copy_(dk_c)
+        dv[:, :, kh].copy_(dv_c)
+        del dq_c, dk_c, dv_c
+    return dq, dk, dv
+
+
 def sink_grad(ctx, index: int, sinks, dout, out, lse, dlse) -> Optional[torch.Tensor]:
     """The gradient of the sinks (the autograd input at `index`) from this rank's rows: its
     share, like any parameter gradient under context parallelism (the usual gradient all-reduce

@@ -20,7 +20,7 @@ from cpattn import comm
 from cpattn._autograd import once_differentiable
 from cpattn._layout import LAYOUTS
 from cpattn._validation import error
-from cpattn.strategies.common import forward_in_passes, head_groups, input_grads
+from cpattn.strategies.common import backward_in_passes, forward_in_passes, input_grads
 
 
 def check_invariant_call(what: str, q: torch.Tensor) -> None:
@@ -353,16 +353,13 @@ class InvariantAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         options, group, rank, world, layout_code, seqlen, group_size, docs, lengths = ctx.args
         dout = dout.contiguous()
-        passes = head_groups(q, k, group_size)
-        if len(passes) > 1:  # written pass by pass (one pass: the op's results themselves)
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dsinks = None if sinks is None else torch.empty(sinks.shape, dtype=torch.float32,
                                                         device=sinks.device)
 
         def streamed(tensors):  # every rank's tokens of a head group, a part at a time
             return stream_global(tensors, 1, group, rank, world, layout_code, lengths)
 
-        for qh, kh in passes:
+        def backward_pass(qh, kh):  # (dsinks: written here, pass by pass)
             o = options.for_heads(qh)
             dout_h, q_h, out_h, lse_h, k_h, v_h = (
                 t.contiguous() for t in (dout[:, :, qh], q[:, :, qh], out[:, :, qh], lse[:, qh],
@@ -401,13 +398,9 @@ class InvariantAttention(torch.autograd.Function):
                     lse_all, shifted_all, o.sinks, *rest)
             if dsinks is not None:
                 dsinks[qh].copy_(dsinks_c)
-            if len(passes) == 1:
-                dq, dk, dv = dq_c, dk_c, dv_c
-                break
-            dq[:, :, qh].copy_(dq_c)
-            dk[:, :, kh].copy_(dk_c)
-            dv[:, :, kh].copy_(dv_c)
-            del dq_c, dk_c, dv_c
+            return dq_c, dk_c, dv_c
+
+        dq, dk, dv = backward_in_passes(q, k, v, group_size, backward_pass)
         if dsinks is not None:
             dsinks = dsinks.to(sinks.dtype) if ctx.needs_input_grad[3] else None
         return input_grads(ctx, dq, dk, dv, dsinks)

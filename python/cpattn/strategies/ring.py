@@ -30,9 +30,9 @@ from cpattn.options import AttentionOptions
 from cpattn.sharding import group_info
 from cpattn.strategies.allgather import GatheredAttention, SubsetGathered, default_head_group
 from cpattn.strategies.common import (
+    backward_in_passes,
     checked_call,
     forward_in_passes,
-    head_groups,
     input_grads,
     needs_grad,
     sink_grad,
@@ -67,22 +67,15 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         options, group_name, layout_code, timeout, docs, group_size = ctx.args
         dout = dout.contiguous()
-        passes = head_groups(q, k, group_size)
-        if len(passes) > 1:  # written pass by pass
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for qh, kh in passes:
-            dq_c, dk_c, dv_c = torch.ops.cpattn.ring_bwd(
-                dout if len(passes) == 1 else dout[:, :, qh].contiguous(), q[:, :, qh],
-                k[:, :, kh], v[:, :, kh], out[:, :, qh], lse[:, qh], group_name, layout_code,
-                timeout, docs, None if dlse is None else dlse[:, qh],
-                **options.for_heads(qh).op_kwargs())
-            if len(passes) == 1:
-                dq, dk, dv = dq_c, dk_c, dv_c
-                break
-            dq[:, :, qh].copy_(dq_c)
-            dk[:, :, kh].copy_(dk_c)
-            dv[:, :, kh].copy_(dv_c)
-            del dq_c, dk_c, dv_c
+        one = group_size >= k.shape[2]
+
+        def backward_pass(qh, kh):
+            return torch.ops.cpattn.ring_bwd(
+                dout if one else dout[:, :, qh].contiguous(), q[:, :, qh], k[:, :, kh],
+                v[:, :, kh], out[:, :, qh], lse[:, qh], group_name, layout_code, timeout, docs,
+                None if dlse is None else dlse[:, qh], **options.for_heads(qh).op_kwargs())
+
+        dq, dk, dv = backward_in_passes(q, k, v, group_size, backward_pass)
         return input_grads(ctx, dq, dk, dv, sink_grad(ctx, 3, sinks, dout, out, lse, dlse))
 
 
