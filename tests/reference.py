@@ -51,23 +51,26 @@ def compare_sharded(what: str, run, shard, unshard, positions, full: tuple, caus
 
 
 def varlen_reference(q, k, v, dout, lengths, causal, window, sinks=None, softcap=0.0,
-                     prefix_len=0, **options):
+                     prefix_len=0, compute_dtype=torch.float64, **options):
     """Packed documents (q (T, H, D), k / v (T, Hkv, D), dout (T, H, Dv)), each attending only
     to itself: float64 attention per document, concatenated. Returns out (T, H, Dv), lse (H, T),
     [dq, dk, dv] and the sinks' gradient summed over the documents (None without sinks).
     prefix_len: one prefix for every document, or a tensor of one per document; options: the
-    rest of reference_attention's (scale, alibi_slopes), the same for every document."""
+    rest of reference_attention's (scale, alibi_slopes), the same for every document.
+    compute_dtype: a low dtype measures torch's own error in it (tests/tolerances.py)."""
     outs, lses, grads = [], [], [[], [], []]
-    s64 = None if sinks is None else sinks.detach().double().requires_grad_()
+    s64 = None if sinks is None else sinks.detach().to(compute_dtype).requires_grad_()
     start = 0
     for d, n in enumerate(lengths):
         if n == 0:
             continue
-        piece = [t[start:start + n].detach().double()[None].requires_grad_() for t in (q, k, v)]
+        piece = [t[start:start + n].detach().to(compute_dtype)[None].requires_grad_()
+                 for t in (q, k, v)]
         prefix = int(prefix_len[d]) if isinstance(prefix_len, torch.Tensor) else prefix_len
         out, lse = reference_attention(*piece, causal=causal, window=window, sinks=s64,
-                                       softcap=softcap, prefix_len=prefix, **options)
-        out.backward(dout[start:start + n].double()[None])
+                                       softcap=softcap, prefix_len=prefix,
+                                       compute_dtype=compute_dtype, **options)
+        out.backward(dout[start:start + n].to(compute_dtype)[None])
         outs.append(out.detach()[0])
         lses.append(lse.detach()[0])
         for g, p in zip(grads, piece):

@@ -12,18 +12,27 @@ import torch.distributed as dist
 import cpattn
 import cpattn.packing
 
-from conftest import assert_matches
 from distributed import run_ranks
 from reference import varlen_reference
-from tolerances import FIXED, fixed_tolerance
+from tolerances import FP32, expected_of, tolerance
 
 # (causal, window, softcap, sinks, Dv): the options on positions within each document
 CASES = [(True, (-1, -1), 0.0, False, 16), (True, (3, 0), 0.0, True, 16),
          (False, (2, 4), 2.0, False, 8), (False, (-1, -1), 0.0, True, 16)]
 
 
-def _reference(q, k, v, dout, sinks, lengths, causal, window, softcap):
-    return varlen_reference(q, k, v, dout, lengths, causal, window, sinks, softcap)
+def _check(what, got, q, k, v, dout, sinks, lengths, causal, window, softcap):
+    """got (out, lse, [dq, dk, dv], dsinks or None) against the per-document float64 reference,
+    within tests/tolerances.py's bounds (bf16: from torch's own bf16 run of the documents)."""
+    args = (q, k, v, dout, lengths, causal, window, sinks, softcap)
+    expected = expected_of(*varlen_reference(*args))
+    low = None
+    if q.dtype != torch.float32:
+        low = expected_of(*varlen_reference(*args, compute_dtype=q.dtype))
+    tol = tolerance(expected, low)
+    got = expected_of(*got)
+    for name, want in expected.items():
+        tol.check(name, got[name], want, what)
 
 
 def _problem(seed, lengths, heads, kv_heads, dv, dtype, sinks):
@@ -47,15 +56,9 @@ def test_attention_varlen_matches_reference():
             out, lse = cpattn.attention_varlen(*ins, cu, causal=causal, window=window,
                                                softcap=softcap, sinks=s_in, return_lse=True)
             out.backward(dout)
-            ref_out, ref_lse, ref_grads, ref_ds = _reference(q, k, v, dout, s, lengths, causal,
-                                                             window, softcap)
             what = f"attention_varlen {causal} {window} {softcap} sinks={sinks} {dtype}"
-            assert_matches(what, out.detach()[None], lse.detach()[None],
-                           [t.grad[None] for t in ins], ref_out[None], ref_lse[None],
-                           [r[None] for r in ref_grads], fixed_tolerance(dtype))
-            if s is not None:
-                assert torch.allclose(s_in.grad.double(), ref_ds, rtol=FIXED[dtype],
-                                      atol=FIXED[dtype] * ref_ds.abs().max()), what
+            _check(what, (out, lse, [t.grad for t in ins], None if s is None else s_in.grad),
+                   q, k, v, dout, s, lengths, causal, window, softcap)
     with pytest.raises(ValueError, match="must end at the"):
         cpattn.attention_varlen(q, k, v, [0, 3])
 
@@ -82,17 +85,13 @@ def _ulysses_cases(rank, world):
         assert torch.equal(lse[:, pad], torch.as_tensor(pad_lse).expand_as(lse[:, pad])), "lse"
         out.backward(cpattn.shard_varlen(dout, cu, layout="contiguous"))
         un = lambda t, d=0: cpattn.unshard_varlen(t, cu, layout="contiguous", dim=d)  # noqa: E731
-        ref_out, ref_lse, ref_grads, ref_ds = _reference(q, k, v, dout, s, lengths, causal,
-                                                         window, softcap)
         what = f"ulysses varlen W={world} case {n} {dtype}"
-        assert_matches(what, un(out.detach())[None], un(lse.detach(), 1)[None],
-                       [un(t.grad)[None] for t in shards], ref_out[None], ref_lse[None],
-                       [r[None] for r in ref_grads], fixed_tolerance(dtype))
+        ds = None
         if s is not None:  # each rank's share, summed over the group
             ds = s_in.grad.clone()
             dist.all_reduce(ds)
-            assert torch.allclose(ds.double(), ref_ds, rtol=FIXED[dtype],
-                                  atol=FIXED[dtype] * ref_ds.abs().max()), what
+        _check(what, (un(out.detach()), un(lse.detach(), 1), [un(t.grad) for t in shards], ds),
+               q, k, v, dout, s, lengths, causal, window, softcap)
     # Ranks that disagree on the documents (same token counts) raise on every rank.
     t = torch.randn(4 * world, 2 * world, 16)
     cu = [0, 2 * world, 4 * world] if rank == 0 else [0, world, 4 * world]
@@ -110,10 +109,10 @@ def _hybrid_cases(rank, world):
 
     cp = cpattn.ContextParallel(init_device_mesh("cpu", (2, 2)), strategy="hybrid")
     for n, (causal, window, softcap, sinks, dv) in enumerate(CASES):
-        dtype = torch.float32
         lengths = [1, 0, 9, 4, 6]  # per-document zigzag over the 2 ring ranks pads 1, 9 and 6
         cu = torch.tensor([0, *lengths]).cumsum(0).tolist()
-        q, k, v, dout, s = _problem(300 + n, lengths, 4, 2 if n % 2 else 1, dv, dtype, sinks)
+        q, k, v, dout, s = _problem(300 + n, lengths, 4, 2 if n % 2 else 1, dv, torch.float32,
+                                    sinks)
         docs = cpattn.packing.Documents(tuple(lengths), (0,) * len(lengths))
         index, _ = cp.document_positions(docs)
 
@@ -129,21 +128,21 @@ def _hybrid_cases(rank, world):
         pad = index < 0
         assert (out[pad] == 0).all(), "padding rows"
         out.backward(local(dout))
-        ref_out, ref_lse, ref_grads, ref_ds = _reference(q, k, v, dout, s, lengths, causal,
-                                                         window, softcap)
+        ref_out, ref_lse, ref_grads, ref_ds = varlen_reference(q, k, v, dout, lengths, causal,
+                                                               window, s, softcap)
         real = ~pad
         what = f"hybrid varlen case {n}"
         for got, want in ((out, ref_out), *zip((t.grad for t in shards), ref_grads)):
-            assert torch.allclose(got[real].double(), want[index[real]], rtol=FIXED[dtype],
-                                  atol=FIXED[dtype] * want.abs().max()), what
-        assert torch.allclose(lse[:, real].double(), ref_lse[:, index[real]], rtol=FIXED[dtype],
-                              atol=FIXED[dtype]), what
+            assert torch.allclose(got[real].double(), want[index[real]], rtol=FP32,
+                                  atol=FP32 * want.abs().max()), what
+        assert torch.allclose(lse[:, real].double(), ref_lse[:, index[real]], rtol=FP32,
+                              atol=FP32), what
         # (each token's dk / dv live on its own rank: the shards' rows are the full gradient's)
         if s is not None:
             ds = s_in.grad.clone()
             dist.all_reduce(ds)
-            assert torch.allclose(ds.double(), ref_ds, rtol=FIXED[dtype],
-                                  atol=FIXED[dtype] * ref_ds.abs().max()), what
+            assert torch.allclose(ds.double(), ref_ds, rtol=FP32,
+                                  atol=FP32 * ref_ds.abs().max()), what
     # A shard of the wrong length raises on every rank (before any message).
     t = torch.randn(3, 4, 16)
     with pytest.raises(ValueError, match="q tokens"):
