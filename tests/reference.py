@@ -17,17 +17,13 @@ def compare_sharded(what: str, run, shard, unshard, positions, full: tuple, caus
     must be exactly out 0 and LSE -inf (with sinks: the sink). Runs on every rank of a group.
     shard(t) / unshard(t, dim=1): the sharding of `run`; positions: this rank's (-1: padding)."""
     q, k, v, dout = full
-    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_kwargs = dict(kwargs)
     if "sinks" in kwargs:
         kwargs = dict(kwargs, sinks=kwargs["sinks"].clone().requires_grad_())
-        ref_kwargs["sinks"] = kwargs["sinks"].detach().double().requires_grad_()
-    ref_out, ref_lse = reference_attention(*ref_leaves, causal=causal, window=window,
-                                           **ref_kwargs)
-    ref_out.backward(dout.double())
-    expected = expected_of(ref_out, ref_lse, [t.grad for t in ref_leaves],
-                           ref_kwargs["sinks"].grad if "sinks" in kwargs else None)
-    tol = dense_tolerance(full, expected, grad_factor, causal=causal, window=window, **kwargs)
+    # The reference once, on rank 0, sent to the others (every rank holds the same full inputs).
+    box = [_expected_and_tolerance(full, causal, window, kwargs, grad_factor)
+           if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    expected, tol = box[0]
 
     shards = [shard(t).requires_grad_() for t in (q, k, v)]
     out, lse = run(*shards, causal=causal, window=window, return_lse=True, **kwargs)
@@ -48,6 +44,26 @@ def compare_sharded(what: str, run, shard, unshard, positions, full: tuple, caus
         dist.all_reduce(got["dsinks"])  # the parameter-gradient reduction of a trainer
     for name, want in expected.items():
         tol.check(name, got[name], want, what)
+
+
+def _expected_and_tolerance(full: tuple, causal: bool, window, kwargs: dict,
+                            grad_factor: float) -> tuple:
+    """compare_sharded's float64 results by name, and the tolerance they get."""
+    q, k, v, dout = full
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_kwargs = dict(kwargs)
+    if "sinks" in kwargs:
+        ref_kwargs["sinks"] = kwargs["sinks"].detach().double().requires_grad_()
+    ref_out, ref_lse = reference_attention(*ref_leaves, causal=causal, window=window,
+                                           **ref_kwargs)
+    ref_out.backward(dout.double())
+    expected = expected_of(ref_out.detach(), ref_lse.detach(), [t.grad for t in ref_leaves],
+                           ref_kwargs["sinks"].grad if "sinks" in kwargs else None)
+    low_options = dict(kwargs)
+    if "sinks" in kwargs:
+        low_options["sinks"] = kwargs["sinks"].detach()
+    return expected, dense_tolerance(full, expected, grad_factor, causal=causal, window=window,
+                                     **low_options)
 
 
 def varlen_reference(q, k, v, dout, lengths, causal, window, sinks=None, softcap=0.0,
