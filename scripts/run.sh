@@ -59,7 +59,7 @@ case "${1:-}" in
     echo "== benchmark suite (smoke run)"
     python -m pytest "$ROOT/bench" -q --benchmark-disable -p no:cacheprovider
     echo "== pytest"
-    python -m pytest "$ROOT/tests" -q -p no:cacheprovider
+    python -m pytest "$ROOT/tests" -q -p no:cacheprovider --durations=20
     echo "== pytest: the soak and sweep tests (marked slow)"
     python -m pytest "$ROOT/tests" -q -p no:cacheprovider -m slow
     echo "== the one-shot GPU check, dry run on the CPU build (bench/gpu_check.sh --dry-run)"
