@@ -141,7 +141,7 @@ def _cpp_files(path: str, build: pathlib.Path) -> list[str]:
     without, with_call = runs
     crossed = set()
     for name, lines in with_call.items():
-        if "/csrc/" not in name:
+        if "/csrc/" not in name or "site-packages" in name:  # (torch's own csrc headers)
             continue
         base = without.get(name, {})
         if any(n > base.get(ln, 0) for ln, n in lines.items()):
