@@ -23,20 +23,34 @@ def _inputs(seed: int, world: int = 2):
 
 def test_gathered_ops_fakes_match():
     q, kv_all = _inputs(0)
+    k_all, v_all = kv_all[..., :16], kv_all[..., 16:]  # views of one gathered buffer
     layout = 1
     opts = dict(softmax_scale=0.25, causal=True, window_left=3, window_right=-1)
-    torch.library.opcheck(ops.gathered_fwd, (q, kv_all, 1, layout), opts, test_utils=TESTS)
-    out, lse = ops.gathered_fwd(q, kv_all, 1, layout, **opts)
+    torch.library.opcheck(ops.gathered_fwd, (q, k_all, v_all, 1, layout), opts, test_utils=TESTS)
+    out, lse = ops.gathered_fwd(q, k_all, v_all, 1, layout, **opts)
     dout = torch.randn_like(out)
-    torch.library.opcheck(ops.gathered_bwd, (dout, q, kv_all, out, lse, 1, layout), opts,
+    torch.library.opcheck(ops.gathered_bwd, (dout, q, k_all, v_all, out, lse, 1, layout), opts,
                           test_utils=TESTS)
-    torch.library.opcheck(ops.gathered_fwd, (q.bfloat16(), kv_all.bfloat16(), 0, layout), opts,
+    torch.library.opcheck(ops.gathered_fwd,
+                          (q.bfloat16(), k_all.bfloat16(), v_all.bfloat16(), 0, layout), opts,
                           test_utils=TESTS)
     score = dict(opts, softcap=2.0, alibi_slopes=torch.rand(4), prefix_len=3)
-    torch.library.opcheck(ops.gathered_fwd, (q, kv_all, 1, layout),
+    torch.library.opcheck(ops.gathered_fwd, (q, k_all, v_all, 1, layout),
                           {**score, "sinks": torch.randn(4)}, test_utils=TESTS)
-    torch.library.opcheck(ops.gathered_bwd, (dout, q, kv_all, out, lse, 1, layout), score,
+    torch.library.opcheck(ops.gathered_bwd, (dout, q, k_all, v_all, out, lse, 1, layout), score,
                           test_utils=TESTS)
+
+
+def test_attention_varlen_ops_fakes_match():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 12, 4, 16, generator=g)
+    k, v = torch.randn(1, 12, 2, 16, generator=g), torch.randn(1, 12, 2, 8, generator=g)
+    docs = torch.tensor([5, 0, 7])
+    opts = dict(softmax_scale=0.25, causal=True, window_left=3, window_right=-1)
+    torch.library.opcheck(ops.attention_varlen_fwd, (q, k, v, docs), opts, test_utils=TESTS)
+    out, lse = ops.attention_varlen_fwd(q, k, v, docs, **opts)
+    torch.library.opcheck(ops.attention_varlen_bwd, (torch.randn_like(out), q, k, v, out, lse,
+                                                     docs), opts, test_utils=TESTS)
 
 
 def test_positions_fakes_match():

@@ -16,7 +16,8 @@ from cpattn.testing.emulation import ring_attention_emulated
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ATTENTION_OPS = ("attention_fwd", "attention_bwd", "attention_bwd_in_dout", "ring_fwd",
-                 "ring_bwd", "gathered_fwd", "gathered_bwd", "cache_attention_fwd", "prefill_fwd")
+                 "ring_bwd", "gathered_fwd", "gathered_bwd", "attention_varlen_fwd",
+                 "attention_varlen_bwd", "cache_attention_fwd", "prefill_fwd")
 
 
 def _schema_names(op) -> list[str]:

@@ -5,7 +5,9 @@
 
 #include <string>
 
+#include "cpattn/mask.h"
 #include "cpu/kernels.h"
+#include "ops/checks.h"
 
 #ifdef CPATTN_WITH_CUDA
 namespace cpattn::comm {
@@ -15,6 +17,9 @@ int nccl_version();
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "cpattn compiled ops";
+  // The limits the op layer checks, read by python/cpattn/_validation.py (defined once, here).
+  m.attr("MAX_HEAD_DIM") = cpattn::ops::kMaxHeadDim;
+  m.attr("UNBOUNDED_POSITION") = cpattn::kUnbounded;  // a window side this large: unbounded
   m.def("cpu_isa", &cpattn::cpu::active_isa,
         "Instruction set of the CPU kernels: avx512, avx2 or generic");
   m.def(

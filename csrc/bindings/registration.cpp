@@ -54,15 +54,27 @@ TORCH_LIBRARY(cpattn, m) {
                      "int layout, float timeout_s, Tensor? doc_lengths=None, Tensor? dlse=None",
                      "(Tensor dq, Tensor dk, Tensor dv)"),
         talks_to_peers);
-  // The same steps against K/V already all-gathered: kv_all (W, B, S_local, Hkv, D + Dv).
+  // The same steps against K/V already all-gathered: k_all (W, B, S_local, Hkv, D), v_all
+  // (W, B, S_local, Hkv, Dv); the backward's fp32 dK and dV side by side, (W, B, S_local, Hkv,
+  // D + Dv), for one reduce-scatter.
+  m.def(
+      with_options("gathered_fwd(Tensor q, Tensor k_all, Tensor v_all, int rank, int layout, "
+                   "Tensor? doc_lengths=None, Tensor? sinks=None",
+                   "(Tensor out, Tensor lse)"));
   m.def(with_options(
-      "gathered_fwd(Tensor q, Tensor kv_all, int rank, int layout, Tensor? doc_lengths=None, "
-      "Tensor? sinks=None",
+      "gathered_bwd(Tensor dout, Tensor q, Tensor k_all, Tensor v_all, Tensor out, Tensor lse, "
+      "int rank, int layout, Tensor? doc_lengths=None, Tensor? dlse=None",
+      "(Tensor dq, Tensor dkv_all)"));
+  // Local attention over packed documents (cpattn.attention_varlen): q (1, T, H, D), k, v
+  // (1, T, Hkv, D | Dv), doc_lengths as the ring ops' (the documents' lengths, summing to T, and
+  // optionally as a second row their prefixes); no communication.
+  m.def(with_options(
+      "attention_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor doc_lengths, Tensor? sinks=None",
       "(Tensor out, Tensor lse)"));
   m.def(with_options(
-      "gathered_bwd(Tensor dout, Tensor q, Tensor kv_all, Tensor out, Tensor lse, int rank, "
-      "int layout, Tensor? doc_lengths=None, Tensor? dlse=None",
-      "(Tensor dq, Tensor dkv_all)"));
+      "attention_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor doc_lengths, Tensor? dlse=None",
+      "(Tensor dq, Tensor dk, Tensor dv)"));
   // Invariant mode (ops/invariant.cpp): what one process computes for this rank's rows and keys.
   // The forward from k, v of every rank in global order; the backward of one process, or over W
   // ranks streamed into fp32 running sums, a part of every rank's tokens at a time; the sinks'
@@ -103,6 +115,10 @@ TORCH_LIBRARY(cpattn, m) {
       "invariant_merge(Tensor outs, Tensor lses, int[] tiles, Tensor? sinks=None, "
       "ScalarType? out_dtype=None) -> (Tensor out, Tensor lse)");
   m.def("layout_positions(int seqlen, int world, int rank, int layout) -> Tensor");
+  // Packed documents as ring_attention_varlen shards them (cpattn/layout.h document_shard):
+  // (D, 3) int64, per document its padded length, where it starts in the padded packed sequence
+  // and where its part starts in every rank's shard.
+  m.def("document_shards(int[] lengths, int world, int layout) -> Tensor");
   // The cost model's view of the schedule: (world, world, 3) work per (rank, step).
   m.def(
       "schedule_work(int seqlen, int world, int layout, bool causal, int window_left, "
@@ -112,6 +128,10 @@ TORCH_LIBRARY(cpattn, m) {
   m.def(
       "cpu_backward_sizes(int batch, int seqlen_q, int seqlen_k, int heads, int kv_heads, "
       "int head_dim, ScalarType input_dtype, ScalarType grad_dtype) -> int[]");
+  // The cost model's count of visible keys per query of a document (cpattn/mask.h).
+  m.def(
+      "visible_keys(Tensor positions, int num_keys, bool causal, int window_left, "
+      "int window_right, int prefix_len) -> Tensor");
   m.def("ring_stats() -> Tensor");
   m.def("destroy_communicators() -> int");
   m.def("release_buffers() -> int");

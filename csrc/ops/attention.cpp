@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <map>
 #include <sstream>
 #include <string>
@@ -56,9 +57,12 @@ std::pair<Mask, ScoreArgs> public_options(const at::Tensor& q, const at::Tensor&
   return {m, a};
 }
 
+std::atomic<int64_t> checks_run{0};  // attention_checks_run
+
 // The checks of both passes; the shape of q, k, v.
 AttnShape check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                double softmax_scale, const Mask& mask, const ScoreArgs& score) {
+  checks_run.fetch_add(1, std::memory_order_relaxed);
   AttnShape s = check_qkv(q, k, v);
   check_mask_args(softmax_scale, mask.window_left, mask.window_right);
   check_positions(mask.q_offset, s.seqlen_q, mask.k_offset, s.seqlen_k);
@@ -167,6 +171,18 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_scored(const at::Tensor& q, con
   return backend_for(q.device()).fwd(q, k, v, s, softmax_scale, mask, score, dtype);
 }
 
+std::tuple<at::Tensor, at::Tensor> attention_fwd_unchecked(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v,
+                                                           double softmax_scale, const Mask& mask,
+                                                           const ScoreArgs& score,
+                                                           at::ScalarType out_dtype) {
+  AttnShape s = attn_shape(q, k, v);
+  s.fixed_order = score.fixed_order;
+  return backend_for(q.device()).fwd(q, k, v, s, softmax_scale, mask, score, out_dtype);
+}
+
+int64_t attention_checks_run() { return checks_run.load(std::memory_order_relaxed); }
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_scored(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, double softmax_scale, const Mask& mask,
@@ -231,6 +247,19 @@ void attention_bwd_add_scored(const at::Tensor& dq, const at::Tensor& dk, const 
                     dq_low->sizes() == dq.sizes() && dq_low->strides() == dq.strides(),
                 "cpattn: split dQ sums need int16 low halves of dq's shape and strides on a "
                 "backend that adds into them");
+  attention_bwd_add_unchecked(dq, dk, dv, dout, q, k, v, out, lse, softmax_scale, mask, score, dlse,
+                              dq_low);
+}
+
+void attention_bwd_add_unchecked(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                                 const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                 double softmax_scale, const Mask& mask, const ScoreArgs& score,
+                                 const std::optional<at::Tensor>& dlse,
+                                 const std::optional<at::Tensor>& dq_low) {
+  AttnShape s = attn_shape(q, k, v);
+  s.fixed_order = score.fixed_order;
+  const bool split = dq_low.has_value();
   const Backend& backend = backend_for(q.device());
   if (backend.bwd_add) {
     backend.bwd_add(dq, split ? *dq_low : at::Tensor(), dk, dv, dout, q, k, v, out, lse, dlse, s,

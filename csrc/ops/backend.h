@@ -1,10 +1,10 @@
 // The kernels of one device type behind the device-generic ops, extension-cpp style: each backend
 // file (attention_cpu.cpp, attention_cuda.cpp) registers its kernels here and its ops with
 // TORCH_LIBRARY_IMPL for its dispatch key; the ops check their arguments (checks.h) and call
-// backend_for(device). The checks are not run once per call: the ring driver checks its call
-// (check_ring_args), then every sub-problem of every step goes through attention_fwd_scored or
-// attention_bwd_add_scored (ops.h), which check their own arguments again. No device branches in
-// the ops.
+// backend_for(device). The checks run once per call: the ring driver checks its call
+// (check_ring_args, check_kernel_args), then every sub-problem of every step goes through
+// attention_fwd_unchecked or attention_bwd_add_unchecked (ops.h), which do not check again. No
+// device branches in the ops.
 #pragma once
 
 #include <ATen/core/Tensor.h>

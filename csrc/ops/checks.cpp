@@ -62,6 +62,10 @@ AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
               "cpattn: q, k and v must be on the same device, got ", q.device(), ", ", k.device(),
               " and ", v.device());
   backend_for(q.device());  // raises for a device without kernels in this build
+  return attn_shape(q, k, v);
+}
+
+AttnShape attn_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   AttnShape s;
   s.batch = q.size(0);
   s.seqlen_q = q.size(1);

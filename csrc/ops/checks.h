@@ -25,6 +25,8 @@ void check_bshd(const at::Tensor& t, const char* name);
 
 // q, k, v of one attention call (dims, dtypes, devices, head counts); their shape.
 AttnShape check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+// Their shape only, for tensors already checked (check_qkv) or runs of tokens of such tensors.
+AttnShape attn_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
 // The window sides (>= 0, or -1 for unbounded) and softmax_scale (finite and > 0 in fp32).
 void check_mask_args(double softmax_scale, int64_t window_left, int64_t window_right);

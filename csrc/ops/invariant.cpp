@@ -64,25 +64,24 @@ std::vector<Piece> rank_pieces(const RingOptions& o, int64_t world, int64_t rank
   }
   const std::vector<int64_t> lengths =
       o.doc_lengths.empty() ? std::vector<int64_t>{seqlen} : o.doc_lengths;
-  const int64_t granularity = layout_granularity(o.layout, world);
   int64_t global_begin = 0;
   for (size_t d = 0; d < lengths.size(); ++d) {
-    const int64_t padded = o.doc_lengths.empty()
-                               ? local_k * world
-                               : (lengths[d] + granularity - 1) / granularity * granularity;
+    DocumentShard doc = document_shard(o.layout, lengths[d], world, rank, global_begin);
+    if (o.doc_lengths.empty()) {  // one sequence: the shards' length, whatever it pads to
+      doc.padded = local_k * world;
+      doc.runs = shard_runs(o.layout, doc.padded, world, rank);
+    }
+    if (world == 1) doc.runs = ShardRuns{1, {{doc.local_begin, doc.padded, 0, 1}, {0, 0, 0, 1}}};
     Mask m = global;
     if (!o.doc_prefix_lens.empty())
       m.prefix_end = o.doc_prefix_lens[d] > 0 ? o.doc_prefix_lens[d] : -kUnbounded;
-    const ShardRuns s = world == 1 ? ShardRuns{1, {{0, padded, 0, 1}, {0, 0, 0, 1}}}
-                                   : shard_runs(o.layout, padded, world, rank);
-    for (int i = 0; i < s.count; ++i) {
-      Run run = s.runs[i];
-      run.local_begin += global_begin / world;
+    for (int i = 0; i < doc.runs.count; ++i) {
+      Run run = doc.runs.runs[i];
       run.length = run_length_below(run, lengths[d]);
       m.q_offset = run.global_begin;
       if (run.length > 0) pieces.push_back({run, global_begin, lengths[d], m});
     }
-    global_begin += padded;
+    global_begin += doc.padded;
   }
   return pieces;
 }
@@ -119,11 +118,11 @@ InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at
               ": k and v must hold the ", world, " ranks' shards of ", local, " tokens, got ",
               keys);
   if (documents) {
-    const int64_t g = layout_granularity(o.layout, world);
-    int64_t total = 0;
-    for (int64_t n : o.doc_lengths) total += (n + g - 1) / g * g;
+    const int64_t total = padded_documents_length(
+        o.layout, o.doc_lengths.data(), static_cast<int64_t>(o.doc_lengths.size()), world);
     TORCH_CHECK(total == keys, "cpattn.", fn, ": with these documents (each padded to a ",
-                "multiple of ", g, ") the sequence holds ", total, " tokens, k and v ", keys);
+                "multiple of ", layout_granularity(o.layout, world), ") the sequence holds ", total,
+                " tokens, k and v ", keys);
   } else {
     TORCH_CHECK(world == 1 || o.layout != Layout::kZigzag || local % 2 == 0, "cpattn.", fn,
                 ": the zigzag layout holds two equal chunks per rank, so the local sequence "

@@ -55,6 +55,24 @@ void attention_bwd_add_scored(const at::Tensor& dq, const at::Tensor& dk, const 
                               double softmax_scale, const Mask& mask, const ScoreArgs& score,
                               const std::optional<at::Tensor>& dlse,
                               const std::optional<at::Tensor>& dq_low = std::nullopt);
+// attention_fwd_scored and attention_bwd_add_scored without their checks, for a driver that
+// checked its whole call once before (ring.cpp: check_ring_args and check_ring_bwd_args): its
+// sub-problems are runs of tokens of those tensors at positions within the checked sequence, so
+// every check would pass again. The checks run once per call, not once per sub-problem.
+std::tuple<at::Tensor, at::Tensor> attention_fwd_unchecked(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v,
+                                                           double softmax_scale, const Mask& mask,
+                                                           const ScoreArgs& score,
+                                                           at::ScalarType out_dtype);
+void attention_bwd_add_unchecked(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                                 const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                 double softmax_scale, const Mask& mask, const ScoreArgs& score,
+                                 const std::optional<at::Tensor>& dlse,
+                                 const std::optional<at::Tensor>& dq_low);
+// How many times the checks of one local attention call (check_attention_args) have run in this
+// process: the test that the ring's sub-problems skip them reads it (cpattn_testing).
+int64_t attention_checks_run();
 // Whether the backend of `device` adds into split sums and rounds them (round_split_).
 bool split_sums_supported(const c10::Device& device);
 // Rounds split fp32 sums to the nearest bf16, in place in `high` (bf16); low int16, both

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cpattn/layout.h"
+#include "cpattn/mask.h"
 #include "cpattn/work.h"
 #include "cpu/kernels.h"
 #include "ops/backend.h"
@@ -65,6 +66,28 @@ at::Tensor schedule_work(int64_t seqlen, int64_t world, int64_t layout, bool cau
   return out;
 }
 
+// (N,) int64: how many keys of a document of num_keys tokens each query at positions (N,) int64
+// (positions within the document) sees, by the mask rule of cpattn/mask.h.
+at::Tensor visible_keys(const at::Tensor& positions, int64_t num_keys, bool causal,
+                        int64_t window_left, int64_t window_right, int64_t prefix_len) {
+  TORCH_CHECK(positions.dim() == 1 && positions.device().is_cpu(),
+              "cpattn.visible_keys: positions must be a 1-D CPU tensor, got ", positions.sizes(),
+              " on ", positions.device());
+  TORCH_CHECK(window_left >= -1 && window_right >= -1 && prefix_len >= 0 && num_keys >= 0,
+              "cpattn.visible_keys: window sides must be >= -1 and prefix_len, num_keys >= 0");
+  Mask m;
+  m.causal = causal;
+  m.window_left = normalized_window(window_left);
+  m.window_right = normalized_window(window_right);
+  if (prefix_len > 0) m.prefix_end = prefix_len;
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  at::Tensor count = at::empty({pos.size(0)}, at::kLong);
+  const int64_t* p = pos.data_ptr<int64_t>();
+  int64_t* c = count.data_ptr<int64_t>();
+  for (int64_t r = 0; r < pos.size(0); ++r) c[r] = m.visible_key_count(p[r], num_keys);
+  return count;
+}
+
 // [KV heads per kernel call, key splits, query rows per chunk] of the CPU backward over
 // contiguous q, k, v and dout in `input_dtype` with gradients in `grad_dtype`, as the backward
 // decides them (attention_cpu.cpp, under the byte budget the process runs with; the kernels of
@@ -109,4 +132,5 @@ std::vector<int64_t> cpu_backward_sizes(int64_t batch, int64_t seqlen_q, int64_t
 TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("schedule_work", &cpattn::ops::schedule_work);
   m.impl("cpu_backward_sizes", &cpattn::ops::cpu_backward_sizes);
+  m.impl("visible_keys", &cpattn::ops::visible_keys);
 }

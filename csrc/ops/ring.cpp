@@ -63,9 +63,23 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                 local);
 }
 
-// The all-gather path's shards hold K and V side by side along the head dim, (B, L, Hkv, D + Dv)
-// (python/cpattn/strategies/allgather.py gather_kv): the keys and values of one whose keys have
-// head dim d.
+// What the kernels need of a call's tensors (q, the K/V shard as the ring holds it, and for the
+// backward dout, out, lse, dlse), checked once per call before any message: every sub-problem is
+// a run of tokens of these tensors (or of received shards like k, v), so the kernels are called
+// through the unchecked entries (ops.h attention_fwd_unchecked), not checked again per
+// sub-problem. Without local tokens there is no sub-problem to check for.
+void check_kernel_args(const at::Tensor& q, const KvPair& shard) {
+  if (q.size(1) > 0) check_qkv(q, shard.k, shard.v);
+}
+void check_kernel_args(const at::Tensor& q, const KvPair& shard, const at::Tensor& dout,
+                       const at::Tensor& out, const at::Tensor& lse,
+                       const std::optional<at::Tensor>& dlse) {
+  if (q.size(1) == 0) return;
+  check_bwd_args(dout, q, out, lse, dlse, at::kFloat, check_qkv(q, shard.k, shard.v));
+}
+
+// The all-gather backward's dK/dV sums of a shard lie side by side along the head dim,
+// (B, L, Hkv, D + Dv), so that one reduce-scatter sends them: those of keys of head dim d.
 KvPair split_kv(const at::Tensor& kv, int64_t d) {
   return {kv.narrow(-1, 0, d), kv.narrow(-1, d, kv.size(-1) - d)};
 }
@@ -97,11 +111,19 @@ std::vector<SubProblem> sub_problems(const RingOptions& o, int64_t local_len, in
   return items;
 }
 
-// The score options of a sub-problem: ALiBi on the runs' global positions (the sub-problem's
-// mask may use shifted local positions, the striped layout), never the sinks (they join once,
-// after the last merge: finish_forward).
-ScoreArgs sub_problem_score(const RingOptions& o, const SubProblem& sp) {
+// The score options of every sub-problem of a call, made once per call (after its checks): the
+// ALiBi slopes in fp32, as the kernels read them; never the sinks (they join once, after the
+// last merge: finish_forward).
+ScoreArgs ring_score_args(const RingOptions& o) {
   ScoreArgs a = score_args(o);
+  if (a.alibi_slopes) a.alibi_slopes = a.alibi_slopes->to(at::kFloat).contiguous();
+  return a;
+}
+
+// The score options of a sub-problem: ALiBi on the runs' global positions (the sub-problem's
+// mask may use shifted local positions, the striped layout).
+ScoreArgs sub_problem_score(const ScoreArgs& call, const SubProblem& sp) {
+  ScoreArgs a = call;
   a.alibi_q_begin = sp.q.global_begin;
   a.alibi_k_begin = sp.k.global_begin;
   a.alibi_stride = sp.q.global_stride;
@@ -111,11 +133,12 @@ ScoreArgs sub_problem_score(const RingOptions& o, const SubProblem& sp) {
 // One step of the forward pass: every sub-problem against the K/V shard `kv`, merged into the
 // running fp32 (out, lse).
 void forward_step(const at::Tensor& q, const KvPair& kv, const std::vector<SubProblem>& items,
-                  const RingOptions& o, const at::Tensor& out, const at::Tensor& lse) {
+                  const RingOptions& o, const ScoreArgs& score, const at::Tensor& out,
+                  const at::Tensor& lse) {
   for (const SubProblem& sp : items) {
     auto [part_out, part_lse] =
-        attention_fwd_scored(rows(q, sp.q), rows(kv.k, sp.k), rows(kv.v, sp.k), o.softmax_scale,
-                             sp.mask, sub_problem_score(o, sp), at::kFloat);
+        attention_fwd_unchecked(rows(q, sp.q), rows(kv.k, sp.k), rows(kv.v, sp.k), o.softmax_scale,
+                                sp.mask, sub_problem_score(score, sp), at::kFloat);
     merge_into(rows(out, sp.q), lse_rows(lse, sp.q), part_out, part_lse);
   }
 }
@@ -157,16 +180,16 @@ struct DqSums {
 void backward_step(const at::Tensor& dout, const at::Tensor& q, const KvPair& kv,
                    const at::Tensor& out, const at::Tensor& lse,
                    const std::optional<at::Tensor>& dlse, const std::vector<SubProblem>& items,
-                   const RingOptions& o, const DqSums& dq, const KvPair& dkv,
-                   const std::function<void()>& before_add = {}) {
+                   const RingOptions& o, const ScoreArgs& score, const DqSums& dq,
+                   const KvPair& dkv, const std::function<void()>& before_add = {}) {
   bool arrived = !before_add;
   for (const SubProblem& sp : items) {
     const at::Tensor dk = rows(dkv.k, sp.k), dv = rows(dkv.v, sp.k);
     const auto add_into = [&](const at::Tensor& dk_target, const at::Tensor& dv_target) {
-      attention_bwd_add_scored(
+      attention_bwd_add_unchecked(
           rows(dq.sums, sp.q), dk_target, dv_target, rows(dout, sp.q), rows(q, sp.q),
           rows(kv.k, sp.k), rows(kv.v, sp.k), rows(out, sp.q), lse_rows(lse, sp.q), o.softmax_scale,
-          sp.mask, sub_problem_score(o, sp),
+          sp.mask, sub_problem_score(score, sp),
           dlse ? std::optional<at::Tensor>(lse_rows(*dlse, sp.q)) : std::nullopt,
           dq.low_rows(sp.q));
     };
@@ -360,12 +383,13 @@ namespace {
 
 void check_local_length(const at::Tensor& q, const RingOptions& o, int64_t world) {
   if (o.doc_lengths.empty()) return;
-  const int64_t g = layout_granularity(o.layout, world);
-  int64_t local = 0;
-  for (int64_t n : o.doc_lengths) local += (n + g - 1) / g * g / world;
+  const int64_t local = padded_documents_length(o.layout, o.doc_lengths.data(),
+                                                static_cast<int64_t>(o.doc_lengths.size()), world) /
+                        world;
   TORCH_CHECK(q.size(1) == local, "cpattn: with these documents every rank holds ", local,
-              " tokens (each document padded to a multiple of ", g, ", split over ", world,
-              " ranks), got ", q.size(1));
+              " tokens (each document padded to a multiple of ",
+              layout_granularity(o.layout, world), ", split over ", world, " ranks), got ",
+              q.size(1));
 }
 
 }  // namespace
@@ -376,10 +400,12 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
   const int64_t world = transport.world(), rank = transport.rank();
   check_ring_args(q, k, v, o);
   check_local_length(q, o, world);
+  KvRing kv(k, v, world);
+  check_kernel_args(q, kv.at_step(0));
+  const ScoreArgs score = ring_score_args(o);
   auto [out, lse] = new_state(q, v.size(3));
   RingStats& stats = last_stats[0];
   stats = {};
-  KvRing kv(k, v, world);
   for (int64_t step = 0; step < world; ++step) {
     const KvPair& cur = kv.at_step(step);
     Shifts shifts;
@@ -387,7 +413,7 @@ std::tuple<at::Tensor, at::Tensor> ring_forward(const at::Tensor& q, const at::T
     const auto compute_start = Clock::now();
     computing_while_shifting({&shifts}, [&] {
       if (visit) visit(ring_source(rank, step, world), cur.k, cur.v);
-      forward_step(q, cur, sub_problems(o, q.size(1), world, rank, step), o, out, lse);
+      forward_step(q, cur, sub_problems(o, q.size(1), world, rank, step), o, score, out, lse);
     });
     stats.compute_s += seconds_since(compute_start);
     const auto wait_start = Clock::now();
@@ -405,6 +431,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   const int64_t world = transport.world(), rank = transport.rank();
   check_ring_args(q, k, v, o);
   check_local_length(q, o, world);
+  KvRing kv(k, v, world);
+  check_kernel_args(q, kv.at_step(0), dout, out, lse, dlse);
+  const ScoreArgs score = ring_score_args(o);
   DqSums dq(q);
 
   // K/V go round as in the forward pass. The fp32 dK/dV accumulator of each shard follows it one
@@ -413,7 +442,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
   // contributions straight into it once it has arrived (the first kernel runs during the
   // transfer), and the two buffers swap roles.
   // Each accumulator pair is one buffer, so it travels as one message.
-  KvRing kv(k, v, world);
   const auto f32 = k.options().dtype(at::kFloat);
   KvBuffer acc = kv_buffer(BufferCache::kGradKv0, k, v, f32);
   KvBuffer incoming;
@@ -437,7 +465,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
         acc_wait += seconds_since(wait_start);
       };
       backward_step(dout, q, kv.at_step(step), out, lse, dlse,
-                    sub_problems(o, q.size(1), world, rank, step), o, dq, target,
+                    sub_problems(o, q.size(1), world, rank, step), o, score, dq, target,
                     step > 0 ? std::function<void()>(wait_for_acc) : std::function<void()>());
     });
     stats.compute_s += seconds_since(compute_start) - acc_wait;
@@ -479,47 +507,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
 
 namespace {
 
-void check_gathered_args(const at::Tensor& q, const at::Tensor& kv_all, int64_t rank,
-                         const RingOptions& o) {
-  TORCH_CHECK(kv_all.dim() == 5 && q.dim() == 4 && kv_all.size(4) > q.size(3),
-              "cpattn: kv_all must be (world, batch, seqlen_local, kv_heads, head_dim + "
-              "v_head_dim) for q (batch, seqlen_local, heads, head_dim), got ",
-              kv_all.sizes(), " and ", q.sizes());
-  const int64_t world = kv_all.size(0);
+void check_gathered_args(const at::Tensor& q, const at::Tensor& k_all, const at::Tensor& v_all,
+                         int64_t rank, const RingOptions& o) {
+  TORCH_CHECK(k_all.dim() == 5 && v_all.dim() == 5 && q.dim() == 4 &&
+                  k_all.sizes().slice(0, 4) == v_all.sizes().slice(0, 4),
+              "cpattn: k_all and v_all must be (world, batch, seqlen_local, kv_heads, head_dim) "
+              "and (..., v_head_dim) for q (batch, seqlen_local, heads, head_dim), got ",
+              k_all.sizes(), ", ", v_all.sizes(), " and ", q.sizes());
+  const int64_t world = k_all.size(0);
   check_rank(rank, world);
-  const KvPair shard = split_kv(kv_all[0], q.size(3));
-  check_ring_args(q, shard.k, shard.v, o);
+  check_ring_args(q, k_all[0], v_all[0], o);
   check_local_length(q, o, world);
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> gathered_forward(const at::Tensor& q, const at::Tensor& kv_all,
-                                                    int64_t rank, const RingOptions& o) {
-  check_gathered_args(q, kv_all, rank, o);
-  const int64_t world = kv_all.size(0);
-  const int64_t d = q.size(3);
-  auto [out, lse] = new_state(q, kv_all.size(4) - d);
+std::tuple<at::Tensor, at::Tensor> gathered_forward(const at::Tensor& q, const at::Tensor& k_all,
+                                                    const at::Tensor& v_all, int64_t rank,
+                                                    const RingOptions& o) {
+  check_gathered_args(q, k_all, v_all, rank, o);
+  const int64_t world = k_all.size(0);
+  check_kernel_args(q, {k_all[0], v_all[0]});
+  const ScoreArgs score = ring_score_args(o);
+  auto [out, lse] = new_state(q, v_all.size(4));
   for (int64_t step = 0; step < world; ++step) {
-    forward_step(q, split_kv(kv_all[ring_source(rank, step, world)], d),
-                 sub_problems(o, q.size(1), world, rank, step), o, out, lse);
+    const int64_t source = ring_source(rank, step, world);
+    forward_step(q, {k_all[source], v_all[source]}, sub_problems(o, q.size(1), world, rank, step),
+                 o, score, out, lse);
   }
   return finish_forward(q, out, lse, o);
 }
 
 std::tuple<at::Tensor, at::Tensor> gathered_backward(const at::Tensor& dout, const at::Tensor& q,
-                                                     const at::Tensor& kv_all,
-                                                     const at::Tensor& out, const at::Tensor& lse,
+                                                     const at::Tensor& k_all,
+                                                     const at::Tensor& v_all, const at::Tensor& out,
+                                                     const at::Tensor& lse,
                                                      const std::optional<at::Tensor>& dlse,
                                                      int64_t rank, const RingOptions& o) {
-  check_gathered_args(q, kv_all, rank, o);
-  const int64_t world = kv_all.size(0);
+  check_gathered_args(q, k_all, v_all, rank, o);
+  const int64_t world = k_all.size(0);
+  check_kernel_args(q, {k_all[0], v_all[0]}, dout, out, lse, dlse);
+  const ScoreArgs score = ring_score_args(o);
   DqSums dq(q);
-  at::Tensor dkv_all = at::zeros(kv_all.sizes(), kv_all.options().dtype(at::kFloat));
+  at::Tensor dkv_all =
+      at::zeros({world, k_all.size(1), k_all.size(2), k_all.size(3), k_all.size(4) + v_all.size(4)},
+                k_all.options().dtype(at::kFloat));
   for (int64_t step = 0; step < world; ++step) {
     const int64_t source = ring_source(rank, step, world);
-    backward_step(dout, q, split_kv(kv_all[source], q.size(3)), out, lse, dlse,
-                  sub_problems(o, q.size(1), world, rank, step), o, dq,
+    backward_step(dout, q, {k_all[source], v_all[source]}, out, lse, dlse,
+                  sub_problems(o, q.size(1), world, rank, step), o, score, dq,
                   split_kv(dkv_all[source], q.size(3)));
   }
   // dkv_all[s] holds this rank's contribution to shard s; a reduce-scatter sums them.

@@ -56,15 +56,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     comm::Transport& transport, const RingOptions& options);
 
-// The ring's steps against K/V shards already gathered on this rank: kv_all is
-// (W, B, S_local, Hkv, D + Dv), every rank's k and v concatenated along the head dim, rank this
-// rank's index. The backward returns dq and this rank's fp32 contributions to every shard's dK/dV,
-// packed as kv_all, to be reduce-scattered.
-std::tuple<at::Tensor, at::Tensor> gathered_forward(const at::Tensor& q, const at::Tensor& kv_all,
-                                                    int64_t rank, const RingOptions& options);
+// The ring's steps against K/V shards already gathered on this rank: k_all (W, B, S_local, Hkv,
+// D) and v_all (W, B, S_local, Hkv, Dv), every rank's k and v in rank order (views of one
+// gathered buffer are fine: only the head dim must be contiguous), rank this rank's index. The
+// backward returns dq and this rank's fp32 contributions to every shard's dK/dV, as one tensor
+// (W, B, S_local, Hkv, D + Dv) (dK then dV along the head dim) to be reduce-scattered at once.
+std::tuple<at::Tensor, at::Tensor> gathered_forward(const at::Tensor& q, const at::Tensor& k_all,
+                                                    const at::Tensor& v_all, int64_t rank,
+                                                    const RingOptions& options);
 std::tuple<at::Tensor, at::Tensor> gathered_backward(const at::Tensor& dout, const at::Tensor& q,
-                                                     const at::Tensor& kv_all,
-                                                     const at::Tensor& out, const at::Tensor& lse,
+                                                     const at::Tensor& k_all,
+                                                     const at::Tensor& v_all, const at::Tensor& out,
+                                                     const at::Tensor& lse,
                                                      const std::optional<at::Tensor>& dlse,
                                                      int64_t rank, const RingOptions& options);
 

@@ -57,23 +57,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
   return result;
 }
 
-std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::Tensor& kv_all,
-                                                int64_t rank, int64_t layout,
+std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::Tensor& k_all,
+                                                const at::Tensor& v_all, int64_t rank,
+                                                int64_t layout,
                                                 const std::optional<at::Tensor>& doc_lengths,
                                                 const std::optional<at::Tensor>& sinks,
                                                 CPATTN_OPTION_PARAMS) {
-  return gathered_forward(q, kv_all, rank,
+  return gathered_forward(q, k_all, v_all, rank,
                           make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, sinks));
 }
 
 std::tuple<at::Tensor, at::Tensor> gathered_bwd(const at::Tensor& dout, const at::Tensor& q,
-                                                const at::Tensor& kv_all, const at::Tensor& out,
-                                                const at::Tensor& lse, int64_t rank, int64_t layout,
+                                                const at::Tensor& k_all, const at::Tensor& v_all,
+                                                const at::Tensor& out, const at::Tensor& lse,
+                                                int64_t rank, int64_t layout,
                                                 const std::optional<at::Tensor>& doc_lengths,
                                                 const std::optional<at::Tensor>& dlse,
                                                 CPATTN_OPTION_PARAMS) {
-  return gathered_backward(dout, q, kv_all, out, lse, dlse, rank,
+  return gathered_backward(dout, q, k_all, v_all, out, lse, dlse, rank,
                            make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, std::nullopt));
+}
+
+// Attention over packed documents held whole by this process (cpattn.attention_varlen): the
+// gathered steps over one rank, whose one shard is the whole sequence (contiguous layout: no
+// padding), k and v as they are.
+std::tuple<at::Tensor, at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, const at::Tensor& doc_lengths,
+                                              const std::optional<at::Tensor>& sinks,
+                                              CPATTN_OPTION_PARAMS) {
+  return gathered_forward(
+      q, k.unsqueeze(0), v.unsqueeze(0), 0,
+      make_ring_options(CPATTN_OPTIONS, static_cast<int64_t>(Layout::kContiguous), doc_lengths,
+                        sinks));
+}
+
+// Its backward: dq, dk, dv in the inputs' dtypes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& doc_lengths,
+    const std::optional<at::Tensor>& dlse, CPATTN_OPTION_PARAMS) {
+  auto [dq, dkv] =
+      gathered_backward(dout, q, k.unsqueeze(0), v.unsqueeze(0), out, lse, dlse, 0,
+                        make_ring_options(CPATTN_OPTIONS, static_cast<int64_t>(Layout::kContiguous),
+                                          doc_lengths, std::nullopt));
+  const int64_t d = k.size(3);
+  return {dq, dkv[0].narrow(-1, 0, d).to(k.scalar_type()).contiguous(),
+          dkv[0].narrow(-1, d, dkv.size(-1) - d).to(v.scalar_type()).contiguous()};
 }
 
 // float64 (fwd compute, fwd wait, bwd compute, bwd wait) of the last ring calls on this thread.
@@ -108,6 +137,26 @@ at::Tensor layout_positions(int64_t seqlen, int64_t world, int64_t rank, int64_t
   return pos;
 }
 
+// (D, 3) int64: each document's padded length, its start in the padded packed sequence and in
+// every rank's shard (cpattn/layout.h document_shard, the one home of the rule).
+at::Tensor document_shards(at::IntArrayRef lengths, int64_t world, int64_t layout) {
+  const Layout l = checked_layout(layout);
+  TORCH_CHECK(world >= 1, "cpattn: world must be >= 1, got ", world);
+  const int64_t docs = static_cast<int64_t>(lengths.size());
+  at::Tensor result = at::empty({docs, 3}, at::kLong);
+  int64_t* row = result.data_ptr<int64_t>();
+  int64_t global_begin = 0;
+  for (int64_t d = 0; d < docs; ++d, row += 3) {
+    TORCH_CHECK(lengths[d] >= 0, "cpattn: document lengths must be >= 0, got ", lengths[d]);
+    const DocumentShard doc = document_shard(l, lengths[d], world, 0, global_begin);
+    row[0] = doc.padded;
+    row[1] = doc.global_begin;
+    row[2] = doc.local_begin;
+    global_begin += doc.padded;
+  }
+  return result;
+}
+
 double group_timeout(c10::string_view group_name) {
   return comm::group_timeout_seconds(std::string(group_name));
 }
@@ -119,6 +168,8 @@ void impl_ring_ops(torch::Library& m) {
   m.impl("ring_bwd", &ring_bwd);
   m.impl("gathered_fwd", &gathered_fwd);
   m.impl("gathered_bwd", &gathered_bwd);
+  m.impl("attention_varlen_fwd", &varlen_fwd);
+  m.impl("attention_varlen_bwd", &varlen_bwd);
 }
 
 }  // namespace cpattn::ops
@@ -126,6 +177,7 @@ void impl_ring_ops(torch::Library& m) {
 // No tensor argument to dispatch on.
 TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("layout_positions", &cpattn::ops::layout_positions);
+  m.impl("document_shards", &cpattn::ops::document_shards);
   m.impl("ring_stats", &cpattn::ops::ring_stats);
   m.impl("destroy_communicators", &cpattn::ops::destroy_communicators);
   m.impl("release_buffers", &cpattn::ops::release_buffers);

@@ -159,6 +159,7 @@ void attention_bwd_add(const at::Tensor& dq, const std::optional<at::Tensor>& dq
 // path_calls): which path ran.
 std::vector<int64_t> cpu_kernel_calls() { return cpu::path_calls(); }
 int64_t cpu_amx_tasks() { return cpu::amx_tasks(); }
+int64_t checks_run() { return attention_checks_run(); }
 
 }  // namespace
 
@@ -166,6 +167,7 @@ void impl_no_tensor_testing_ops(torch::Library& m) {
   m.impl("set_cpu_backward_group_bytes", &exchange_cpu_backward_group_bytes);
   m.impl("cpu_kernel_calls", &cpu_kernel_calls);
   m.impl("cpu_amx_tasks", &cpu_amx_tasks);
+  m.impl("attention_checks_run", &checks_run);
 }
 
 void impl_testing_ops(torch::Library& m) {
@@ -210,6 +212,9 @@ TORCH_LIBRARY(cpattn_testing, m) {
   // flattened in that order (cpu/kernels.h path_calls), and parallel tasks that used AMX tiles.
   m.def("cpu_kernel_calls() -> int[]");
   m.def("cpu_amx_tasks() -> int");
+  // How many local attention calls' arguments have been checked (ops.h attention_checks_run):
+  // the ring checks once per call, not once per sub-problem.
+  m.def("attention_checks_run() -> int");
 }
 
 // No tensor argument to dispatch on.

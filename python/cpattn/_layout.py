@@ -62,18 +62,31 @@ def shard_positions(seqlen: int, layout: str, world: int, rank: int) -> torch.Te
     return pos if padded == seqlen else torch.where(pos < seqlen, pos, -1)
 
 
+@torch._dynamo.assume_constant_result  # compiled: run while tracing, its result a constant
+def document_shards(lengths, code: int, world: int) -> tuple[tuple[int, int, int], ...]:
+    """Packed documents as ring_attention_varlen shards them, each padded to the layout's
+    granularity and sharded on its own: per document of `lengths` (ints), (its padded length,
+    where it starts in the padded packed sequence, where its part starts in every rank's shard).
+    The rule is the header core's (cpattn/layout.h document_shard), through the op
+    document_shards; `code` a layout code (LAYOUTS)."""
+    rows = torch.ops.cpattn.document_shards([int(n) for n in lengths], world, code)
+    return tuple(tuple(row) for row in rows.tolist())
+
+
 def document_positions(docs: torch.Tensor, layout: str, world: int, rank: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Varlen sharding (each document padded to the granularity and sharded on its own), for
-    `rank`'s local tokens: (index into the packed global sequence or -1 for padding, position
-    within its document or -1). docs: int64 document lengths (D,)."""
-    layout_code(layout)  # an unknown layout raises even when every document is empty
+    """Varlen sharding (each document padded to the granularity and sharded on its own:
+    document_shards), for `rank`'s local tokens: (index into the packed global sequence or -1
+    for padding, position within its document or -1). docs: int64 document lengths (D,)."""
+    code = layout_code(layout)  # an unknown layout raises even when every document is empty
+    lengths = docs.tolist()
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), docs.cumsum(0)])
     index, within = [], []
-    for d, n in enumerate(docs.tolist()):
+    for d, (n, (padded, _, _)) in enumerate(zip(lengths, document_shards(lengths, code, world))):
         if n == 0:
             continue
-        pos = shard_positions(n, layout, world, rank)
+        pos = torch.ops.cpattn.layout_positions(padded, world, rank, code)
+        pos = torch.where(pos < n, pos, -1)
         index.append(torch.where(pos >= 0, starts[d] + pos, -1))
         within.append(pos)
     if not index:

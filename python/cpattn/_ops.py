@@ -127,20 +127,40 @@ def _ring_bwd_fake(dout, q, k, v, out, lse, group_name, layout, timeout_s, doc_l
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.register_fake("cpattn::visible_keys")
+def _visible_keys_fake(positions, num_keys, causal, window_left, window_right, prefix_len):
+    return positions.new_empty(positions.shape, dtype=torch.int64)
+
+
 @torch.library.register_fake("cpattn::gathered_fwd")
-def _gathered_fwd_fake(q, kv_all, rank, layout, doc_lengths=None, sinks=None, *options,
+def _gathered_fwd_fake(q, k_all, v_all, rank, layout, doc_lengths=None, sinks=None, *options,
                        **named_options):
-    _check_same_device("q and kv_all", q, kv_all)
-    b, s, h, d = q.shape  # kv_all (W, B, S, Hkv, D + Dv)
-    return (q.new_empty((b, s, h, kv_all.shape[-1] - d)),
+    _check_same_device("q, k_all and v_all", q, k_all, v_all)
+    b, s, h, _ = q.shape  # k_all (W, B, S, Hkv, D), v_all (W, B, S, Hkv, Dv)
+    return (q.new_empty((b, s, h, v_all.shape[-1])),
             q.new_empty((b, h, s), dtype=torch.float32))
 
 
 @torch.library.register_fake("cpattn::gathered_bwd")
-def _gathered_bwd_fake(dout, q, kv_all, out, lse, rank, layout, doc_lengths=None, dlse=None,
-                       *options, **named_options):
-    _check_same_device("dout, q, kv_all, out and lse", dout, q, kv_all, out, lse)
-    return q.new_empty(q.shape), kv_all.new_empty(kv_all.shape, dtype=torch.float32)
+def _gathered_bwd_fake(dout, q, k_all, v_all, out, lse, rank, layout, doc_lengths=None,
+                       dlse=None, *options, **named_options):
+    _check_same_device("dout, q, k_all, v_all, out and lse", dout, q, k_all, v_all, out, lse)
+    dkv_all = (*k_all.shape[:-1], k_all.shape[-1] + v_all.shape[-1])  # dK, dV side by side
+    return q.new_empty(q.shape), k_all.new_empty(dkv_all, dtype=torch.float32)
+
+
+@torch.library.register_fake("cpattn::attention_varlen_fwd")
+def _attention_varlen_fwd_fake(q, k, v, doc_lengths, sinks=None, *options, **named_options):
+    _check_same_device("q, k and v", q, k, v)
+    b, s, h, _ = q.shape
+    return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.register_fake("cpattn::attention_varlen_bwd")
+def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, doc_lengths, dlse=None, *options,
+                               **named_options):
+    _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("cpattn::invariant_fwd")

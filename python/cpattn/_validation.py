@@ -18,14 +18,17 @@ import torch
 
 from cpattn import _env
 
+# The limits are defined once, in C++, and read here: MAX_HEAD_DIM the CPU kernels' head dim
+# limit (kMaxHeadDim in csrc/ops/checks.h); MAX_POSITION (kUnbounded in cpattn/mask.h, 2^61 - 1):
+# window sizes at or beyond it reach past any sequence cpattn can index, "unbounded" (-1), and
+# positions stay below it, so that position +- window never overflows int64.
+from cpattn._C import MAX_HEAD_DIM
+from cpattn._C import UNBOUNDED_POSITION as MAX_POSITION
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The devices the public functions take. tests/test_hot_path.py adds "meta" as a stand-in for a
 # GPU whose values the host cannot read (any read of them raises).
 DEVICE_TYPES = ("cpu", "cuda")
-MAX_HEAD_DIM = 256  # the CPU kernels' limit (kMaxHeadDim in csrc/ops/checks.h)
-# Window sizes at or beyond this reach past any sequence cpattn can index: "unbounded" (-1).
-# Positions stay below it too, so that position +- window never overflows int64 (cpattn/mask.h).
-MAX_POSITION = 2**61 - 1
 
 
 def error(what: str, arg: str, value, rule: str) -> ValueError:

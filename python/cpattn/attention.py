@@ -74,14 +74,13 @@ def merge_state_(
 
 
 class LocalDocuments(torch.autograd.Function):
-    """Attention over packed documents held whole by this process: the all-gather strategy's
-    kernels on a "group" of one rank (contiguous layout: no padding)."""
+    """Attention over packed documents held whole by this process (the op attention_varlen_fwd:
+    the all-gather strategy's steps over one rank, no padding)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, docs, options):
-        kv_all = torch.cat([k, v], dim=-1)[None]  # (1, B, T, Hkv, D + Dv)
-        out, lse = torch.ops.cpattn.gathered_fwd(q, kv_all, 0, LAYOUTS["contiguous"], docs, sinks,
-                                                 **options.op_kwargs())
+        out, lse = torch.ops.cpattn.attention_varlen_fwd(q, k, v, docs, sinks,
+                                                         **options.op_kwargs())
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.docs, ctx.options = docs, options
         return out, lse
@@ -91,11 +90,8 @@ class LocalDocuments(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dkv_all = torch.ops.cpattn.gathered_bwd(
-            dout, q, torch.cat([k, v], dim=-1)[None], out, lse, 0, LAYOUTS["contiguous"],
-            ctx.docs, dlse, **ctx.options.op_kwargs())
-        d = k.shape[-1]
-        dk, dv = dkv_all[0, ..., :d].to(k.dtype), dkv_all[0, ..., d:].to(v.dtype)
+        dq, dk, dv = torch.ops.cpattn.attention_varlen_bwd(dout, q, k, v, out, lse, ctx.docs,
+                                                           dlse, **ctx.options.op_kwargs())
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             dsinks = torch.ops.cpattn.sink_bwd(dout, out, lse, sinks, dlse).to(sinks.dtype)

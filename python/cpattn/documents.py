@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn._agreement import digest_ints
-from cpattn._layout import LAYOUTS, round_up, shard_positions
+from cpattn._layout import LAYOUTS, document_shards, shard_positions
 from cpattn._validation import check_choice, check_cu_seqlens, check_int, check_window, error
 
 # split=: "balanced" splits only the documents it must for the work to balance within
@@ -39,20 +39,9 @@ def visible_pairs(positions: torch.Tensor, length: int, causal: bool, window: tu
                   prefix: int) -> torch.Tensor:
     """The keys each query at `positions` (within a document of `length` tokens) sees: the
     mask rule of csrc/include/cpattn/mask.h (j < prefix, or j in [i - left, i] / [i - left,
-    i + right]), counted per query (int64)."""
-    i = positions.to(torch.int64)
+    i + right]), counted per query (int64) by the header itself (op visible_keys)."""
     left, right = window
-    lo = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
-    hi = torch.full_like(i, length - 1)
-    if causal:
-        hi = torch.minimum(hi, i)
-    if right >= 0:
-        hi = torch.minimum(hi, i + right)
-    count = (hi - lo + 1).clamp(min=0)
-    p = min(prefix, length)
-    if p > 0:  # prefix keys outside the interval join it
-        count = count + p - (torch.minimum(hi, torch.full_like(i, p - 1)) - lo + 1).clamp(min=0)
-    return count
+    return torch.ops.cpattn.visible_keys(positions, length, causal, left, right, prefix)
 
 
 @dataclass(frozen=True)
@@ -187,9 +176,11 @@ class DocumentPlan:
                 f"{self.balance:.3f}")
 
 
+@functools.lru_cache(maxsize=65536)
 def _shard_length(n: int, layout: str, members: int) -> int:
-    """Tokens per member of a document of n tokens split over `members` ranks (padded)."""
-    return round_up(n, 2 * members if layout == "zigzag" else members) // members
+    """Tokens per member of a document of n tokens split over `members` ranks (padded as
+    ring_attention_varlen pads it: _layout.document_shards)."""
+    return document_shards([n], LAYOUTS[layout], members)[0][0] // members
 
 
 @functools.lru_cache(maxsize=256)

@@ -46,6 +46,44 @@ CPATTN_HOST_DEVICE ShardRuns shard_runs(Layout layout, int64_t seqlen, int64_t w
   }
 }
 
+// Packed documents (ring_attention_varlen's sharding): each document is padded to a multiple of
+// the layout granularity and sharded on its own; a rank's shard is its part of document 0, then
+// of document 1, ... The one home of this rule: the ring schedule (schedule.h), the ring and
+// invariant ops and, through the op document_shards, Python (cpattn/_layout.py).
+CPATTN_HOST_DEVICE int64_t padded_document_length(Layout layout, int64_t length, int64_t world) {
+  const int64_t granularity = layout_granularity(layout, world);
+  return (length + granularity - 1) / granularity * granularity;
+}
+
+// One document of the packed sequence as `rank` holds it.
+struct DocumentShard {
+  int64_t padded;        // its length padded to the granularity
+  int64_t global_begin;  // where it starts in the padded packed sequence
+  int64_t local_begin;   // where its part starts in every rank's shard (global_begin / world)
+  ShardRuns runs;  // rank's runs of it: local_begin in the shard, global_begin in the document
+};
+
+// The document of `length` tokens that starts at `global_begin` of the padded packed sequence
+// (the previous document's global_begin + padded; 0 for the first).
+CPATTN_HOST_DEVICE DocumentShard document_shard(Layout layout, int64_t length, int64_t world,
+                                                int64_t rank, int64_t global_begin) {
+  DocumentShard d;
+  d.padded = padded_document_length(layout, length, world);
+  d.global_begin = global_begin;
+  d.local_begin = global_begin / world;
+  d.runs = shard_runs(layout, d.padded, world, rank);
+  for (int i = 0; i < d.runs.count; ++i) d.runs.runs[i].local_begin += d.local_begin;
+  return d;
+}
+
+// The padded packed sequence's length: every document padded as document_shard pads it.
+CPATTN_HOST_DEVICE int64_t padded_documents_length(Layout layout, const int64_t* lengths,
+                                                   int64_t num_docs, int64_t world) {
+  int64_t total = 0;
+  for (int64_t d = 0; d < num_docs; ++d) total += padded_document_length(layout, lengths[d], world);
+  return total;
+}
+
 // Global position of local token l of `rank`.
 CPATTN_HOST_DEVICE int64_t global_position(Layout layout, int64_t seqlen, int64_t world,
                                            int64_t rank, int64_t l) {

@@ -77,6 +77,19 @@ struct Mask {
   CPATTN_HOST_DEVICE bool visible(int64_t r, int64_t c) const {
     return visible_pos(q_offset + r, k_offset + c);
   }
+  // How many of the keys at positions [0, num_keys) query position i sees: its interval, and
+  // the prefix keys outside it (the cost model's count, op visible_keys).
+  CPATTN_HOST_DEVICE int64_t visible_key_count(int64_t i, int64_t num_keys) const {
+    const int64_t lo = first_key(i) > 0 ? first_key(i) : 0;
+    const int64_t hi = last_key(i) < num_keys - 1 ? last_key(i) : num_keys - 1;
+    int64_t count = hi >= lo ? hi - lo + 1 : 0;
+    const int64_t prefix = prefix_end < num_keys ? prefix_end : num_keys;  // keys [0, prefix)
+    if (prefix > 0) {
+      const int64_t shared_hi = hi < prefix - 1 ? hi : prefix - 1;  // prefix keys in [lo, hi]
+      count += prefix - (shared_hi >= lo ? shared_hi - lo + 1 : 0);
+    }
+    return count;
+  }
 
   // Local key columns that some query row in [r0, r1) sees, clipped to [0, num_keys): from the
   // first to the last such column (with a prefix it may hold columns between the prefix and the

@@ -119,25 +119,24 @@ template <typename Emit>
 void schedule_step_varlen(Layout layout, const int64_t* lengths, int64_t num_docs, int64_t world,
                           int64_t rank, int64_t step, const Mask& global, Emit&& emit,
                           const int64_t* prefix_lens = nullptr) {
-  const int64_t granularity = layout_granularity(layout, world);
-  int64_t offset = 0;  // where the document starts in every rank's shard
+  int64_t global_begin = 0;
   for (int64_t d = 0; d < num_docs; ++d) {
-    const int64_t padded = (lengths[d] + granularity - 1) / granularity * granularity;
-    if (padded == 0) continue;
+    const DocumentShard doc = document_shard(layout, lengths[d], world, rank, global_begin);
+    global_begin += doc.padded;
+    if (doc.padded == 0) continue;
     Mask doc_mask = global;
     if (prefix_lens != nullptr)
       doc_mask.prefix_end = prefix_lens[d] > 0 ? prefix_lens[d] : -kUnbounded;
-    const StepSchedule sched = schedule_step(layout, padded, world, rank, step, doc_mask);
+    const StepSchedule sched = schedule_step(layout, doc.padded, world, rank, step, doc_mask);
     for (int i = 0; i < sched.count; ++i) {
       SubProblem sp = sched.items[i];
       sp.q.length = run_length_below(sp.q, lengths[d]);
       sp.k.length = run_length_below(sp.k, lengths[d]);
       if (sp.mask.classify(0, sp.q.length, 0, sp.k.length) == BlockKind::kEmpty) continue;
-      sp.q.local_begin += offset;
-      sp.k.local_begin += offset;
+      sp.q.local_begin += doc.local_begin;
+      sp.k.local_begin += doc.local_begin;
       emit(sp);
     }
-    offset += padded / world;
   }
 }
 

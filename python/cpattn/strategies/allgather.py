@@ -20,6 +20,13 @@ def gather_kv(k, v, group, world):
     return kv_all.view(world, *kv.shape)
 
 
+def split_kv(kv_all: torch.Tensor, k: torch.Tensor) -> tuple:
+    """The gathered K and V (views) of kv_all (W, B, S, Hkv, D + Dv), the ops' k_all and v_all:
+    they travel as one buffer, D = k's head dim."""
+    d = k.shape[-1]
+    return kv_all[..., :d], kv_all[..., d:]
+
+
 def default_head_group(kv_heads: int, world: int) -> int:
     """KV heads per gather by default: kv_heads / (4 W), at least one, so a gathered head group
     (its K and V over the whole sequence) is at most a quarter of this rank's own K and V shards
@@ -35,8 +42,8 @@ class GatheredAttention(torch.autograd.Function):
         def attend(qh, kh):  # the gathered head group is freed on return, before the next gather
             kv_all = gather_kv(k[:, :, kh], v[:, :, kh], group, world)
             o = options.for_heads(qh)
-            return torch.ops.cpattn.gathered_fwd(q[:, :, qh], kv_all, rank, layout_code, docs,
-                                                 o.sinks, **o.op_kwargs())
+            return torch.ops.cpattn.gathered_fwd(q[:, :, qh], *split_kv(kv_all, k), rank,
+                                                 layout_code, docs, o.sinks, **o.op_kwargs())
 
         out, lse = forward_in_passes(q, k, group_size, attend)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -56,8 +63,8 @@ class GatheredAttention(torch.autograd.Function):
         for qh, kh in head_groups(q, k, group_size):
             kv_all = gather_kv(k[:, :, kh], v[:, :, kh], group, world)  # gathered again: bounded
             dq_c, dkv_all = torch.ops.cpattn.gathered_bwd(
-                dout[:, :, qh] if one else dout[:, :, qh].contiguous(), q[:, :, qh], kv_all,
-                out[:, :, qh], lse[:, qh], rank, layout_code, docs,
+                dout[:, :, qh] if one else dout[:, :, qh].contiguous(), q[:, :, qh],
+                *split_kv(kv_all, k), out[:, :, qh], lse[:, qh], rank, layout_code, docs,
                 None if dlse is None else dlse[:, qh], **options.for_heads(qh).op_kwargs())
             del kv_all
             dkv = dkv_all.new_empty(dkv_all.shape[1:])
@@ -127,8 +134,8 @@ class SubsetGathered(torch.autograd.Function):
         del recv
         outs, lses = [], []
         for (_, _, mine, off, n), kv_all, doc in zip(pieces, gathered, docs):
-            o, s = torch.ops.cpattn.gathered_fwd(q[:, off:off + n], kv_all, mine, layout_code,
-                                                 doc, sinks, **options.op_kwargs())
+            o, s = torch.ops.cpattn.gathered_fwd(q[:, off:off + n], *split_kv(kv_all, k), mine,
+                                                 layout_code, doc, sinks, **options.op_kwargs())
             outs.append(o)
             lses.append(s)
         if outs:
@@ -153,7 +160,7 @@ class SubsetGathered(torch.autograd.Function):
         dkv_alls = []
         for (_, _, mine, off, n), kv_all, doc in zip(pieces, gathered, docs):
             dq_p, dkv_all = torch.ops.cpattn.gathered_bwd(
-                dout[:, off:off + n].contiguous(), q[:, off:off + n], kv_all,
+                dout[:, off:off + n].contiguous(), q[:, off:off + n], *split_kv(kv_all, k),
                 out[:, off:off + n], lse[:, :, off:off + n].contiguous(), mine, layout_code, doc,
                 None if dlse is None else dlse[:, :, off:off + n].contiguous(),
                 **options.op_kwargs())

@@ -10,7 +10,6 @@ its memory per rank does not grow with W. Striped shards are moved to the contig
 first. cpattn.attention(invariant=True) is the same computation over one
 rank: the reference. docs/invariance.md."""
 
-from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 from cpattn import comm
 from cpattn._autograd import once_differentiable
-from cpattn._layout import LAYOUTS
+from cpattn._layout import LAYOUTS, document_shards
 from cpattn._validation import error
 from cpattn.strategies.common import backward_in_passes, forward_in_passes, input_grads
 
@@ -31,11 +30,19 @@ def check_invariant_call(what: str, q: torch.Tensor) -> None:
                     f"emulation only), got q on {q.device}")
 
 
+def _shards(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> list:
+    """Per packed document of `docs` (padded length, start in the padded sequence, start in every
+    rank's shard), as ring_attention_varlen shards them (_layout.document_shards), or with docs
+    None the sequence's: one of W `local` tokens."""
+    if docs is None:
+        return [(local * world, 0, 0)]
+    return list(document_shards(docs, layout_code, world))
+
+
 def _padded(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> list:
     """The lengths of the packed documents `docs` each padded to the layout's granularity (as
     ring_attention_varlen shards them), or with docs None the sequence's: W `local` tokens."""
-    granularity = 2 * world if layout_code == LAYOUTS["zigzag"] else world
-    return [local * world] if docs is None else [-(-n // granularity) * granularity for n in docs]
+    return [padded for padded, _, _ in _shards(layout_code, world, local, docs)]
 
 
 def _positions(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> list:
@@ -43,8 +50,8 @@ def _positions(layout_code: int, world: int, local: int, docs: Optional[tuple]) 
     torch.ops.cpattn.layout_positions). docs: packed documents' lengths, each padded to the
     layout's granularity and sharded on its own (ring_attention_varlen), or None: one
     sequence."""
-    padded = _padded(layout_code, world, local, docs)
-    return [[g + p for g, n in zip(accumulate([0, *padded]), padded) if n
+    shards = _shards(layout_code, world, local, docs)
+    return [[g + p for n, g, _ in shards if n
              for p in torch.ops.cpattn.layout_positions(n, world, r, layout_code).tolist()]
             for r in range(world)]
 
@@ -61,7 +68,7 @@ def _runs(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> tu
     key = (layout_code, world, local, docs)
     if key not in _RUNS:
         pos = _positions(layout_code, world, local, docs)
-        doc_starts = set(accumulate(n // world for n in _padded(layout_code, world, local, docs)))
+        doc_starts = {begin for _, _, begin in _shards(layout_code, world, local, docs)}
         cuts = sorted({i for p in pos for i in range(1, local) if p[i] != p[i - 1] + 1}
                       | (doc_starts - {0}) | {local})
         _RUNS[key] = tuple(tuple((b, e - b, p[b]) for b, e in zip([0, *cuts], cuts) if e > b)
@@ -181,7 +188,7 @@ def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_
     step = max(align, _STREAM_BYTES // token_bytes)  # tokens per piece
     order = sorted((g + i, r, b + i, min(step, n - i)) for r in range(world)
                    for b, n, g in runs[r] for i in range(0, n, step))
-    doc_starts = list(accumulate([0, *_padded(layout_code, world, local, docs)]))[:-1]
+    doc_starts = [begin for _, begin, _ in _shards(layout_code, world, local, docs)]
 
     def receive(piece):  # start the owner's broadcasts of one piece of every tensor
         _, owner, begin, n = piece

@@ -77,8 +77,8 @@ def ring_attention_emulated(
         return list(outs), list(lses)
     world = len(q)
     if strategy == "allgather":
-        kv_all = torch.stack([torch.cat([kr, vr], dim=-1) for kr, vr in zip(k, v)])
-        results = [torch.ops.cpattn.gathered_fwd(q[r], kv_all, r, LAYOUTS[layout],
+        k_all, v_all = torch.stack(k), torch.stack(v)
+        results = [torch.ops.cpattn.gathered_fwd(q[r], k_all, v_all, r, LAYOUTS[layout],
                                                  **opts.op_kwargs())
                    for r in range(world)]
         return [o for o, _ in results], [lse for _, lse in results]

@@ -30,6 +30,8 @@ def visible_mask(
     prefix_len: int = 0,
 ) -> torch.Tensor:
     """Bool (Sq, Sk): True where local key c is visible to local query r."""
+    # Deliberately a copy of the rule (csrc/include/cpattn/mask.h is its home): a test oracle
+    # must not share the code it checks, so this one is written from docs/design.md alone.
     i = torch.arange(seqlen_q, dtype=torch.int64)[:, None] + q_offset
     j = torch.arange(seqlen_k, dtype=torch.int64)[None, :] + k_offset
     left, right = window

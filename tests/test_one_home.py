@@ -1,0 +1,141 @@
+"""Rules that live once, in C++, reached from Python through ops (issue 48): the per-document
+padded sharding (layout.h document_shard), the visible-key count (mask.h), the op layer's limits;
+and the ring's argument checks, run once per call rather than once per sub-problem."""
+
+import random
+
+import pytest
+import torch
+
+from cpattn._layout import LAYOUTS, document_positions, document_shards
+from cpattn._validation import MAX_HEAD_DIM, MAX_POSITION
+from cpattn.documents import visible_pairs
+from cpattn.testing.emulation import load_ops
+
+
+def _padded_sharding_formula(lengths, layout: str, world: int) -> list:
+    """The formula Python used to repeat: each document rounded up to the granularity (2W for
+    zigzag, else W), its start the sum of the padded lengths before it, its shard's start that
+    divided by W."""
+    g = 2 * world if layout == "zigzag" else world
+    rows, begin = [], 0
+    for n in lengths:
+        padded = -(-n // g) * g
+        rows.append((padded, begin, begin // world))
+        begin += padded
+    return rows
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_document_shards_agree_with_the_formula(layout, world):
+    rng = random.Random(world * 10 + LAYOUTS[layout])
+    for _ in range(20):
+        lengths = [rng.choice([0, 1, rng.randrange(1, 40), rng.randrange(1, 3000)])
+                   for _ in range(rng.randrange(0, 9))]
+        assert list(document_shards(lengths, LAYOUTS[layout], world)) == \
+            _padded_sharding_formula(lengths, layout, world)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_document_positions_cover_each_document_once(layout):
+    lengths = torch.tensor([5, 0, 13, 1, 24])
+    world = 3
+    index = torch.cat([document_positions(lengths, layout, world, r)[0] for r in range(world)])
+    assert sorted(index[index >= 0].tolist()) == list(range(int(lengths.sum())))
+    padded = sum(p for p, _, _ in document_shards(lengths.tolist(), LAYOUTS[layout], world))
+    assert index.numel() == padded
+
+
+def test_document_shards_refuse_bad_arguments():
+    with pytest.raises(RuntimeError, match="document lengths must be >= 0"):
+        document_shards([3, -1], LAYOUTS["zigzag"], 2)
+    with pytest.raises(RuntimeError, match="layout code"):
+        document_shards([3], 7, 2)
+
+
+def _visible_count_formula(positions, length, causal, window, prefix):
+    """The count documents.py used to derive itself: per query, its interval clipped to the
+    document, and the prefix keys outside it."""
+    i = positions.to(torch.int64)
+    left, right = window
+    lo = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+    hi = torch.full_like(i, length - 1)
+    if causal:
+        hi = torch.minimum(hi, i)
+    if right >= 0:
+        hi = torch.minimum(hi, i + right)
+    count = (hi - lo + 1).clamp(min=0)
+    p = min(prefix, length)
+    if p > 0:
+        count = count + p - (torch.minimum(hi, torch.full_like(i, p - 1)) - lo + 1).clamp(min=0)
+    return count
+
+
+def test_visible_keys_agree_with_the_formula_and_the_mask():
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randrange(1, 60)
+        causal = rng.random() < 0.5
+        window = tuple(rng.choice([-1, 0, rng.randrange(0, 70)]) for _ in range(2))
+        prefix = rng.choice([0, rng.randrange(0, 70)])
+        pos = torch.randperm(n)[:rng.randrange(1, n + 1)]
+        got = visible_pairs(pos, n, causal, window, prefix)
+        assert torch.equal(got, _visible_count_formula(pos, n, causal, window, prefix))
+        # and by brute force over the pairs (docs/design.md's rule)
+        i, j = pos[:, None], torch.arange(n)[None, :]
+        seen = torch.ones(i.shape[0], n, dtype=torch.bool)
+        if causal:
+            seen &= j <= i
+        if window[0] >= 0:
+            seen &= j >= i - window[0]
+        if window[1] >= 0:
+            seen &= j <= i + window[1]
+        assert torch.equal(got, (seen | (j < prefix)).sum(1))
+
+
+def test_limits_come_from_the_op_layer():
+    assert MAX_HEAD_DIM == 256
+    assert MAX_POSITION == 2**61 - 1
+    q = torch.randn(1, 4, 2, MAX_HEAD_DIM + 1)
+    with pytest.raises(RuntimeError, match=f"supported: 1 to {MAX_HEAD_DIM}"):
+        torch.ops.cpattn.attention_fwd(q, q, q, softmax_scale=0.1)
+
+
+def _checks_run() -> int:
+    load_ops()
+    return torch.ops.cpattn_testing.attention_checks_run()
+
+
+def test_local_attention_checks_its_arguments():
+    q = torch.randn(1, 8, 2, 16)
+    before = _checks_run()
+    torch.ops.cpattn.attention_fwd(q, q, q, softmax_scale=0.25)
+    assert _checks_run() == before + 1
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_ring_sub_problems_are_not_checked_again(layout):
+    # W = 3 zigzag: every rank runs several kernel calls per step, forward and backward; the
+    # ring checked its call once (check_ring_args, check_kernel_args), so the per-call checks of
+    # local attention (check_attention_args) never run
+    world = 3
+    g = torch.Generator().manual_seed(1)
+    shards = [[torch.randn(1, 12, 4, 16, generator=g) for _ in range(world)] for _ in range(3)]
+    q, k, v = shards
+    opts = dict(softmax_scale=0.25, causal=True, window_left=-1, window_right=-1)
+    load_ops()
+    before = _checks_run()
+    outs, lses = torch.ops.cpattn_testing.ring_fwd_emulated(q, k, v, LAYOUTS[layout], **opts)
+    dout = [torch.randn_like(o) for o in outs]
+    torch.ops.cpattn_testing.ring_bwd_emulated(dout, q, k, v, outs, lses, LAYOUTS[layout], **opts)
+    k_all, v_all = torch.stack(k), torch.stack(v)
+    for r in range(world):
+        out, lse = torch.ops.cpattn.gathered_fwd(q[r], k_all, v_all, r, LAYOUTS[layout], **opts)
+        torch.ops.cpattn.gathered_bwd(dout[r], q[r], k_all, v_all, out, lse, r, LAYOUTS[layout],
+                                      **opts)
+    assert _checks_run() == before
+    # and still checked once at the entry: a bad call raises before any kernel
+    with pytest.raises(RuntimeError, match="same dtype"):
+        torch.ops.cpattn.gathered_fwd(q[0], k_all.bfloat16(), v_all.bfloat16(), 0, LAYOUTS[layout],
+                                      **opts)
