@@ -148,9 +148,9 @@ class ContextParallelCache(Cache):
     """
 
     def __init__(self, cp: ContextParallel, config, capacity: int, *, interleave: int = 1):
-        if cp.strategy == "hybrid":
+        if len(cp.groups) > 1:
             raise ValueError(f"{WHAT}: ContextParallelCache needs a single process group; "
-                             "strategy 'hybrid' has two")
+                             f"strategy {cp.strategy!r} has two")
         if getattr(config.get_text_config(), "kv_lora_rank", None):
             raise ValueError(
                 f"{WHAT}: the {config.model_type!r} model uses multi-head latent attention: it "

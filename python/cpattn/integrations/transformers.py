@@ -199,7 +199,7 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
     tokens = docs.tokens if docs is not None else q.shape[1] * cp.world_size
     max_position = docs.max_position if docs is not None else tokens - 1
     chunk = attention_chunk(module)
-    chunked = chunk is not None and max_position >= chunk and cp.strategy != "hybrid"
+    chunked = chunk is not None and max_position >= chunk and len(cp.groups) == 1
     check_layer(module, tokens, max_position, chunks=chunked)
     _check_positions(cp, module, kwargs.get("position_ids"), q.shape[1], docs,
                      KEYWORD in kwargs)
