@@ -1,5 +1,7 @@
 """The package's modules import each other without cycles (also through function-level
-imports), and the command-line demos stay out of the import graph of `import cpattn`."""
+imports), its layers point one way (local attention and the planner below the strategies, the
+strategies below ContextParallel and the integrations), and the command-line demos stay out of
+the import graph of `import cpattn`."""
 
 from __future__ import annotations
 
@@ -86,6 +88,73 @@ def test_demos_are_not_imported_by_the_library():
     graph = import_graph()
     library = reachable(graph, "cpattn") - DEMOS
     assert not any(graph[m] & DEMOS for m in library), {m: graph[m] & DEMOS for m in library}
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers point one way (docs/design.md, "Layout of the source"): each rule names the modules
+# (a name and everything under it) that must not reach, through imports at any depth, another
+# set of modules.
+
+
+def _under(module: str, names: tuple) -> bool:
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
+LAYER_RULES = [
+    # local attention, the options, the layouts and the planner: below every strategy
+    (("cpattn.attention", "cpattn._layout", "cpattn._ops", "cpattn.options",
+      "cpattn._validation", "cpattn._agreement", "cpattn.sharding", "cpattn.comm",
+      "cpattn.max_logits", "cpattn.packing", "cpattn.documents", "cpattn.kv_cache",
+      "cpattn.plan"),
+     ("cpattn.strategies",)),
+    # the strategies: below the settings object, the whole-sequence entry and the integrations
+    (("cpattn.strategies",),
+     ("cpattn.parallel", "cpattn.context_attention", "cpattn.training", "cpattn.mixers",
+      "cpattn.integrations", "cpattn.testing")),
+    # the planner: below everything that runs attention over ranks
+    (("cpattn.plan",),
+     ("cpattn.parallel", "cpattn.context_attention", "cpattn.training", "cpattn.integrations")),
+    # the integrations: the top, imported by nothing else of the library
+    (("cpattn.attention", "cpattn.strategies", "cpattn.parallel", "cpattn.context_attention",
+      "cpattn.inference", "cpattn.training", "cpattn.mixers", "cpattn.plan", "cpattn.testing",
+      *sorted(DEMOS)),
+     ("cpattn.integrations",)),
+]
+# Edges the rules let through for now, each with why: local attention's invariant mode lives in
+# strategies/invariant.py until it moves below the strategies (the package cpattn.invariant).
+PENDING = {("cpattn.attention", "cpattn.strategies.invariant")}
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """'module -> module it must not reach (through ...)' for every rule broken in graph."""
+    allowed = {m: {t for t in e if (m, t) not in PENDING} for m, e in graph.items()}
+    found = []
+    for lower, upper in LAYER_RULES:
+        for module in sorted(m for m in graph if _under(m, lower)):
+            for target in sorted(reachable(allowed, module)):
+                if _under(target, upper) and not _under(target, lower):
+                    found.append(f"{module} -> {target}")
+    return found
+
+
+def test_layers_point_one_way():
+    graph = import_graph()
+    stale = [edge for edge in PENDING if edge[1] not in graph.get(edge[0], set())]
+    assert not stale, f"PENDING holds edges no module has any more, drop them: {stale}"
+    found = layer_violations(graph)
+    assert not found, "imports against the layering:\n" + "\n".join(found)
+
+
+def test_layer_rules_catch_a_wrong_import():
+    """The rules can fail: the planner importing a strategy (as plan/work.py once imported
+    strategies/allgather.py), local attention importing one, a strategy importing the
+    integrations are each reported."""
+    for module, target in (("cpattn.plan.work", "cpattn.strategies.allgather"),
+                           ("cpattn.attention", "cpattn.strategies.ring"),
+                           ("cpattn.strategies.ring", "cpattn.integrations.transformers")):
+        graph = import_graph()
+        graph[module] = graph[module] | {target}
+        assert f"{module} -> {target}" in layer_violations(graph), (module, target)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -109,3 +109,11 @@ def kv_heads_for_ranks(heads: int, kv_heads: int, world: int) -> Optional[int]:
         return group // per_rank
     # otherwise one KV head per query head (group size 1)
     return group
+
+
+def default_head_group(kv_heads: int, world: int) -> int:
+    """KV heads per gather of the all-gather strategy by default: kv_heads / (4 W), at least one,
+    so a gathered head group (its K and V over the whole sequence) is at most a quarter of this
+    rank's own K and V shards and the memory per rank falls as 1/W. Here, below the strategies,
+    because the planner models that default too."""
+    return max(1, kv_heads // (4 * world))

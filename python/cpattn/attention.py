@@ -110,6 +110,15 @@ def attention_varlen(
     what = "cpattn.attention_varlen"
     check_qkv(what, q, k, v, varlen=True, v_head_dim_free=True)
     opts = AttentionOptions.checked(what, q.shape[-1], {"prefix_len": 0}, **options)
+    out, lse = varlen_attention(q, k, v, cu_seqlens, opts)
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
+                     opts: AttentionOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_varlen's out and lse with options checked already: its tensors' and options'
+    checks are the caller's (attention_varlen's, or Ulysses' at its public boundary)."""
+    what = "cpattn.attention_varlen"
     docs, tokens, _ = document_lengths(what, cu_seqlens)
     if tokens != q.shape[0]:
         raise error(what, "cu_seqlens", f"[..., {tokens}]", f"must end at the {q.shape[0]} "
@@ -118,6 +127,6 @@ def attention_varlen(
         check_invariant_call(what, q)
         out, lse = InvariantAttention.apply(q[None], k[None], v[None], opts.sinks, opts, None, 0,
                                             1, LAYOUTS["contiguous"], tokens, k.shape[1], docs)
-        return (out[0], lse[0]) if return_lse else out[0]
+        return out[0], lse[0]
     out, lse = LocalDocuments.apply(q[None], k[None], v[None], opts.sinks, docs, opts)
-    return (out[0], lse[0]) if return_lse else out[0]
+    return out[0], lse[0]

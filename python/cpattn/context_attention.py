@@ -5,7 +5,6 @@ parallelism at all) chosen by the cost model (cpattn.plan), and strategy="auto" 
 from typing import Optional, Union
 
 import torch
-import torch.distributed as dist
 
 from cpattn import plan as _plan
 from cpattn._agreement import agree_on
@@ -13,11 +12,10 @@ from cpattn._device import to_device
 from cpattn._layout import DTYPE_NAMES
 from cpattn._validation import check_timeout, error
 from cpattn.attention import attention
-from cpattn.sharding import group_info, hybrid_positions, positions, unshard
+from cpattn.parallel import ContextParallel
+from cpattn.sharding import group_info, unshard
 from cpattn.strategies.common import checked_call, needs_grad
-from cpattn.strategies.hybrid import hybrid_attention
-from cpattn.strategies.ring import ring_attention
-from cpattn.strategies.ulysses import ulysses_attention
+from cpattn.strategies.registry import STRATEGIES as REGISTRY
 
 
 class _Split(torch.autograd.Function):
@@ -49,23 +47,6 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad):
         index, dim = ctx.args
         return grad.index_select(dim, index.to(grad.device)), None, None, None, None
-
-
-_HYBRID_GROUPS: dict = {}
-
-
-def _hybrid_groups(group, u: int):
-    """(ulysses_group, ring_group) of this rank: U consecutive ranks of `group`, and the ranks
-    U apart. Made once per (group, U), by the members of each new group only."""
-    key = (group.group_name, u)
-    if key not in _HYBRID_GROUPS:
-        ranks = dist.get_process_group_ranks(group)
-        me = dist.get_rank(group)
-        i, j = divmod(me, u)
-        ulysses = dist.new_group(ranks[i * u:(i + 1) * u], use_local_synchronization=True)
-        ring = dist.new_group(ranks[j::u], use_local_synchronization=True)
-        _HYBRID_GROUPS[key] = (ulysses, ring)
-    return _HYBRID_GROUPS[key]
 
 
 _MODELLED = ("causal", "softmax_scale", "window")  # the options taken (others: TypeError)
@@ -112,29 +93,23 @@ def context_attention(
         chosen = named[0]
 
     opts = dict(causal=causal, softmax_scale=scale, window=window, return_lse=True)
-    if chosen.strategy == "none":
+    if chosen.strategy == "none":  # no context parallelism
         out, lse = attention(q, k, v, **opts)
     else:
+        cp = _settings(chosen, group, timeout)
         seqlen = q.shape[1]
-        if chosen.strategy == "hybrid":
-            u_group, r_group = _hybrid_groups(group, chosen.ulysses)
-            index = hybrid_positions(seqlen, ulysses_group=u_group, ring_group=r_group,
-                                     layout=chosen.layout)
-        else:
-            layout = "contiguous" if chosen.strategy == "ulysses" else chosen.layout
-            index = positions(seqlen, group=group, layout=layout)
+        index = cp.positions(seqlen)
         shards = [_Split.apply(t, index, group, 1) for t in (q, k, v)]
-        if chosen.strategy == "ulysses":
-            out, lse = ulysses_attention(*shards, group=group, timeout=timeout, **opts)
-        elif chosen.strategy == "hybrid":
-            out, lse = hybrid_attention(*shards, ulysses_group=u_group, ring_group=r_group,
-                                        layout=chosen.layout, timeout=timeout, **opts)
-        else:
-            # KV heads per gather, or per pass of the ring
-            name = "ring_chunk" if chosen.strategy == "ring" else "allgather_chunk"
-            out, lse = ring_attention(*shards, group=group, layout=chosen.layout,
-                                      strategy=chosen.strategy, timeout=timeout,
-                                      **{name: chosen.chunk or None}, **opts)
+        out, lse = cp.attention(*shards, **opts)
         out = _Gather.apply(out, index, seqlen, group, 1)
         lse = _Gather.apply(lse, index, seqlen, group, 2)
     return (out, lse) if return_lse else out
+
+
+def _settings(chosen: _plan.Candidate, group, timeout: Optional[float]) -> ContextParallel:
+    """The ContextParallel settings that run the planner's candidate over `group`: its strategy,
+    layout and groups, and its KV heads per pass or per gather (chunk)."""
+    spec = REGISTRY[chosen.strategy]
+    chunks = {} if spec.chunk_option is None else {spec.chunk_option: chosen.chunk or None}
+    return ContextParallel(spec.split_group(group, chosen), strategy=chosen.strategy,
+                           layout=chosen.layout, timeout=timeout, **chunks)

@@ -48,13 +48,16 @@ class AttentionOptions:
 
     @classmethod
     def checked(cls, what: str, head_dim: int, fixed: Optional[dict] = None, *,
-                only: Optional[tuple] = None, **options) -> AttentionOptions:
+                only: Optional[tuple] = None, prefix_per_row: bool = False,
+                **options) -> AttentionOptions:
         """The options (keyword arguments of NAMES) of a call of `what` on heads of head_dim,
         each checked (the shapes, dtypes and devices of the per-head tensors are checked in
         C++, against q). `fixed`: options `what` does not let the caller choose, with their one
         value (e.g. {"causal": True}: given otherwise, TypeError). `only`: the options `what`
         takes; any other given a value but its default raises TypeError (so that an option added
-        later is refused there, not dropped)."""
+        later is refused there, not dropped). prefix_per_row: prefix_len is a tensor of one
+        prefix per sequence or document, which the caller checks and applies; the object holds
+        0."""
         fixed = fixed or {}
         for name, value in options.items():
             if name not in NAMES:
@@ -65,7 +68,10 @@ class AttentionOptions:
             if only is not None and name not in only and not _same(value, _DEFAULTS[name]):
                 raise TypeError(f"{what}: takes no {name} (its attention options are "
                                 f"{', '.join(only)}), got {value!r}")
-        return cls._checked(what, head_dim, **{**options, **fixed})
+        given = {**options, **fixed}
+        if prefix_per_row:
+            given["prefix_len"] = 0
+        return cls._checked(what, head_dim, **given)
 
     @classmethod
     def _checked(cls, what: str, head_dim: int, *, causal=False, softmax_scale=None,

@@ -12,30 +12,16 @@ import weakref
 from typing import Optional, Union
 
 import torch
-import torch.distributed as dist
 
-from cpattn._layout import LAYOUTS, granularity
+from cpattn._layout import LAYOUTS
 from cpattn.packing import Documents
-from cpattn.sharding import (
-    group_info,
-    hybrid_positions,
-    positions,
-    shard,
-    unshard,
-    unshard_varlen,
-)
-from cpattn.strategies.hybrid import hybrid_attention, hybrid_attention_varlen
-from cpattn.strategies.ring import ring_attention, ring_attention_varlen
-from cpattn.strategies.ulysses import ulysses_attention, ulysses_attention_varlen
+from cpattn.sharding import shard, unshard
+from cpattn.strategies.base import Strategy
+from cpattn.strategies.registry import PLAN_STRATEGIES
+from cpattn.strategies.registry import STRATEGIES as _REGISTRY
 
-# The strategies a ContextParallel runs.
-STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
-# Those that run packed documents sharded by a DocumentPlan (shard_batch's default for them).
-PLAN_STRATEGIES = ("ring", "allgather")
-
-
-def _is_mesh(obj) -> bool:
-    return hasattr(obj, "get_group") and hasattr(obj, "ndim")
+# The strategies a ContextParallel runs (the registry's names).
+STRATEGIES = tuple(_REGISTRY)
 
 
 class _WeakGroup:
@@ -113,43 +99,31 @@ class ContextParallel:
             raise ValueError(
                 f"cpattn.ContextParallel: strategy must be one of {STRATEGIES}, got {strategy!r}"
             )
+        spec = _REGISTRY[strategy]
         if layout is None:
-            layout = "contiguous" if strategy == "ulysses" else "zigzag"
+            layout = spec.default_layout
         if layout not in LAYOUTS:
             raise ValueError(
                 f"cpattn.ContextParallel: layout must be one of {sorted(LAYOUTS)}, got {layout!r}"
             )
-        if strategy == "ulysses" and layout != "contiguous":
-            raise ValueError(
-                "cpattn.ContextParallel: strategy 'ulysses' shards the sequence contiguously: "
-                f"layout must be 'contiguous', got {layout!r}"
-            )
+        spec.check_layout("cpattn.ContextParallel", layout)
         self.strategy, self.layout = strategy, layout
         self.allgather_chunk, self.ring_chunk, self.timeout = allgather_chunk, ring_chunk, timeout
-        self.ring_group = self.ulysses_group = None
-        if strategy == "hybrid":
-            if _is_mesh(group) and group.ndim == 2:
-                self.ring_group, self.ulysses_group = group.get_group(0), group.get_group(1)
-            elif isinstance(group, (tuple, list)) and len(group) == 2:
-                self.ring_group, self.ulysses_group = group
-            else:
-                raise ValueError(
-                    "cpattn.ContextParallel: strategy 'hybrid' needs group = a 2-D DeviceMesh "
-                    f"(ring, ulysses) or a pair (ring_group, ulysses_group), got {group!r}"
-                )
-            self.group = None  # the sequence spans both groups; see `rank` / `world_size`
-            _, r_rank, r_world = group_info(self.ring_group)
-            _, u_rank, u_world = group_info(self.ulysses_group)
-            self.rank, self.world_size = r_rank * u_world + u_rank, r_world * u_world
-        else:
-            if _is_mesh(group):
-                if group.ndim != 1:
-                    raise ValueError(
-                        f"cpattn.ContextParallel: strategy {strategy!r} needs a 1-D DeviceMesh, "
-                        f"got {group.ndim} dims (use mesh['cp'] for the context-parallel dim)"
-                    )
-                group = group.get_group()
-            self.group, self.rank, self.world_size = group_info(group)
+        # group None for hybrid: the sequence spans both groups (see `rank` / `world_size`)
+        self.group, self.ring_group, self.ulysses_group = spec.groups("cpattn.ContextParallel",
+                                                                      group)
+        self.rank, self.world_size = spec.rank_and_world(self)
+
+    @property
+    def spec(self) -> Strategy:
+        """This object's entry of the strategy registry (cpattn.strategies.registry)."""
+        return _REGISTRY[self.strategy]
+
+    @property
+    def groups(self) -> tuple:
+        """The process groups the sequence spans: (group,), or for hybrid (ulysses_group,
+        ring_group)."""
+        return self.spec.sequence_groups(self)
 
     def with_mode(self, options: dict) -> dict:
         """The attention options of a call made for this object (also by the integrations'
@@ -165,10 +139,7 @@ class ContextParallel:
     def granularity(self) -> int:
         """Sequence lengths must be a multiple of this (2W for zigzag, W otherwise; for hybrid
         the ring's granularity times the Ulysses size)."""
-        if self.strategy == "hybrid":
-            return (granularity(self.layout, dist.get_world_size(self.ring_group))
-                    * dist.get_world_size(self.ulysses_group))
-        return granularity(self.layout, self.world_size)
+        return self.spec.granularity(self)
 
     def check_seqlen(self, seqlen: int, what: str) -> None:
         """Raises ValueError naming `what` unless seqlen splits evenly under this layout."""
@@ -182,12 +153,7 @@ class ContextParallel:
     def positions(self, seqlen: int, device: Optional[torch.device] = None) -> torch.Tensor:
         """Global positions (int64, (seqlen / W,)) of this rank's tokens, in local order."""
         self.check_seqlen(seqlen, "cpattn.ContextParallel.positions")
-        if self.strategy == "hybrid":
-            return hybrid_positions(seqlen, ulysses_group=self.ulysses_group,
-                                    ring_group=self.ring_group, layout=self.layout,
-                                    device=device)
-        return positions(seqlen, layout=self.layout, rank=self.rank,
-                         world_size=self.world_size, device=device)
+        return self.spec.positions(self, seqlen, device)
 
     def document_positions(self, documents: Documents) -> tuple[torch.Tensor, torch.Tensor]:
         """For this rank's local tokens of packed documents (shard_batch's sharding: with a
@@ -197,16 +163,11 @@ class ContextParallel:
         if documents.plan is not None:
             self._check_plan(documents.plan, "cpattn.ContextParallel.document_positions")
             return documents.plan_positions(self.rank)
-        if self.strategy == "hybrid":
-            return documents.local_positions(
-                self.layout, dist.get_world_size(self.ring_group),
-                dist.get_rank(self.ring_group), dist.get_world_size(self.ulysses_group),
-                dist.get_rank(self.ulysses_group))
-        return documents.local_positions(self.layout, self.world_size, self.rank)
+        return self.spec.document_positions(self, documents)
 
     def _check_plan(self, plan, what: str) -> None:
         """A DocumentPlan (from shard_batch) must fit these settings (the same on every rank)."""
-        if self.strategy not in PLAN_STRATEGIES:
+        if not self.spec.runs_document_plans:
             raise ValueError(f"{what}: packed documents sharded by a DocumentPlan run with "
                              f"strategies {PLAN_STRATEGIES}, not {self.strategy!r} (shard the "
                              "batch with these settings: cpattn.shard_batch(batch, cp))")
@@ -231,11 +192,7 @@ class ContextParallel:
             if documents.plan is not None:
                 self._check_plan(documents.plan, what)
                 return documents.plan.unshard(x_local, group=self.group, dim=dim)
-            if self.strategy == "hybrid":
-                raise ValueError(f"{what}: packed documents under hybrid: gather "
-                                 "document_positions' tokens yourself")
-            return unshard_varlen(x_local, list(documents.cu_seqlens), group=self.group,
-                                  layout=self.layout, dim=dim)
+            return self.spec.unshard_documents(self, x_local, documents, dim, what)
         seqlen = x_local.shape[dim] * self.world_size
         return unshard(x_local, group=self.group, dim=dim, seqlen=seqlen,
                        index=self.positions(seqlen))
@@ -270,35 +227,14 @@ class ContextParallel:
                 raise ValueError("cpattn.ContextParallel.attention: packed documents are one "
                                  f"row, got a batch of {q.shape[0]}")
             if documents.plan is not None:
-                plan = documents.plan
-                self._check_plan(plan, "cpattn.ContextParallel.attention")
-                result = ring_attention_varlen(
-                    q[0], k[0], v[0], plan, group=self.group, layout=self.layout,
-                    strategy=self.strategy, allgather_chunk=self.allgather_chunk,
-                    ring_chunk=self.ring_chunk, **common)
-            elif self.strategy == "ulysses":
-                result = ulysses_attention_varlen(q[0], k[0], v[0], documents.cu_seqlens,
-                                                  group=self.group, **common)
-            elif self.strategy == "hybrid":
-                result = hybrid_attention_varlen(
-                    q[0], k[0], v[0], documents.cu_seqlens, ulysses_group=self.ulysses_group,
-                    ring_group=self.ring_group, layout=self.layout, **common)
-            else:
-                result = ring_attention_varlen(
-                    q[0], k[0], v[0], documents.cu_seqlens, group=self.group,
-                    layout=self.layout, strategy=self.strategy,
-                    allgather_chunk=self.allgather_chunk, ring_chunk=self.ring_chunk, **common)
+                self._check_plan(documents.plan, "cpattn.ContextParallel.attention")
+            result = self.spec.attend_varlen(
+                self, q[0], k[0], v[0],
+                documents.plan if documents.plan is not None else documents.cu_seqlens,
+                **common)
             if not isinstance(result, tuple):
                 return result[None]
             out, *rest = result  # (lse (H, T) -> (1, H, T); the max logits stay (H,))
             return (out[None], *(t[None] for t in rest[:int(return_lse)]),
                     *rest[int(return_lse):])
-        if self.strategy in ("ring", "allgather"):
-            return ring_attention(q, k, v, group=self.group, layout=self.layout,
-                                  strategy=self.strategy, allgather_chunk=self.allgather_chunk,
-                                  ring_chunk=self.ring_chunk,
-                                  **common)
-        if self.strategy == "ulysses":
-            return ulysses_attention(q, k, v, group=self.group, **common)
-        return hybrid_attention(q, k, v, ulysses_group=self.ulysses_group,
-                                ring_group=self.ring_group, layout=self.layout, **common)
+        return self.spec.attend(self, q, k, v, **common)

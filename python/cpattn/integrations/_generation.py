@@ -59,11 +59,11 @@ class ShardedLayer(CacheLayerMixin):
         if not opts.causal:
             raise ValueError(f"{WHAT}: ContextParallelCache supports causal attention only (a "
                              "decoder's); got causal=False")
-        options = self.cp.with_mode({**opts.as_keywords(), "timeout": self.cp.timeout})
-        del options["causal"]  # (prefill and decode are causal: checked above)
         chunk = attention_chunk(module)
         if chunk is not None and past + q.shape[1] > chunk:
-            return self._attend_chunked(q, k, v, options, chunk)
+            return self._attend_chunked(q, k, v, opts, chunk)
+        # (causal=True: checked above; prefill and decode are causal)
+        options = self.cp.with_mode(opts.as_keywords())
         cp, shard = self.cp, self.shard
         n = q.shape[1]
         lead = n - n % cp.granularity
@@ -74,36 +74,36 @@ class ShardedLayer(CacheLayerMixin):
             index = cp.positions(lead, device=q.device)
             qs, ks, vs = (t[:, :lead].index_select(1, index).contiguous() for t in (q, k, v))
             out = prefill_attention(qs, ks, vs, shard, group=cp.group, layout=cp.layout,
-                                    **options)
+                                    timeout=cp.timeout, **options)
             outs.append(cp.unshard(out))
         if n > lead:
             shard.append(k[:, lead:].contiguous(), v[:, lead:].contiguous())
             outs.append(decode_attention(q[:, lead:].contiguous(), shard, group=cp.group,
-                                         **options))
+                                         timeout=cp.timeout, **options))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _attend_chunked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        options: dict, chunk: int) -> torch.Tensor:
+                        opts: AttentionOptions, chunk: int) -> torch.Tensor:
         """attend() for chunked attention (Llama 4) past one chunk: each query sees the keys of
         its chunk only. The prompt (every rank holds all of it) attends locally in chunks, its
         K/V stored on their owners; each later token is a decode over the sharded cache with
         the window back to its chunk's start."""
         past, (batch, n) = self.get_seq_length(), q.shape[:2]
-        shard, window = self.shard, options.pop("window")
-        timeout = options.pop("timeout")
+        shard, window, cp = self.shard, opts.window, self.cp
         if past == 0:
             shard.append(k.contiguous(), v.contiguous())
             out = attention_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1),
                                    chunk_boundaries((n,) * batch, (0,) * batch, chunk),
-                                   causal=True, window=window, **options)
+                                   **cp.with_mode(opts.as_keywords()))
             return out.view(batch, n, *out.shape[1:])
         outs = []
         for i in range(n):
             position = past + i
             left = position % chunk if window[0] < 0 else min(position % chunk, window[0])
             shard.append(k[:, i:i + 1].contiguous(), v[:, i:i + 1].contiguous())
-            outs.append(decode_attention(q[:, i:i + 1].contiguous(), shard, group=self.cp.group,
-                                         window=(left, -1), timeout=timeout, **options))
+            outs.append(decode_attention(
+                q[:, i:i + 1].contiguous(), shard, group=cp.group, timeout=cp.timeout,
+                **cp.with_mode(opts.replace(window=(left, -1)).as_keywords())))
         return torch.cat(outs, dim=1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -148,9 +148,9 @@ class ContextParallelCache(Cache):
     """
 
     def __init__(self, cp: ContextParallel, config, capacity: int, *, interleave: int = 1):
-        if cp.strategy == "hybrid":
+        if len(cp.groups) > 1:
             raise ValueError(f"{WHAT}: ContextParallelCache needs a single process group; "
-                             "strategy 'hybrid' has two")
+                             f"strategy {cp.strategy!r} has two")
         if getattr(config.get_text_config(), "kv_lora_rank", None):
             raise ValueError(
                 f"{WHAT}: the {config.model_type!r} model uses multi-head latent attention: it "

@@ -490,9 +490,8 @@ def _sharded_forward(cp: ContextParallel, name: str, module, hidden_states, args
 def _agree(cp: ContextParallel, check: Callable[[], tuple[Any, list]]) -> MixerPlan:
     """check() (the arguments and their fields) agreed over cp's ranks: for hybrid over its
     Ulysses groups, then its ring groups (an error in one Ulysses group raises in all)."""
-    timeout = check_timeout(WHAT, cp.timeout, cp.ring_group if cp.strategy == "hybrid"
-                            else cp.group)
-    if cp.strategy != "hybrid":
+    timeout = check_timeout(WHAT, cp.timeout, cp.groups[-1])  # (hybrid: the ring's)
+    if len(cp.groups) == 1:
         return agree_on(WHAT, cp.group, timeout, check)
     failure: list = []
     try:

@@ -186,7 +186,7 @@ def agree(cp, what: str, check: Callable[[], None]) -> None:
         check()
         return None, []
 
-    if cp.strategy != "hybrid":
+    if len(cp.groups) == 1:
         agree_on(what, cp.group, timeout, validated, every_call=True)
         return
     failures = []  # this Ulysses group's error (every rank of it has the same)

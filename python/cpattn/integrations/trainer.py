@@ -104,18 +104,13 @@ def context_parallel(cp_size: int, strategy: str = "ring", *, ulysses_size: Opti
     return ContextParallel(mesh["cp"], strategy=strategy, **options)
 
 
-def _sequence_groups(cp: ContextParallel) -> tuple:
-    """The groups whose product is cp's group of ranks (for hybrid: Ulysses, then ring)."""
-    return (cp.ulysses_group, cp.ring_group) if cp.strategy == "hybrid" else (cp.group,)
-
-
 def _data_parallel(cp: ContextParallel) -> tuple[int, int]:
     """(dp rank, dp size) of this rank; cp's ranks must be a block of consecutive ranks
     (context_parallel's), else ValueError (the same on every rank)."""
     world, rank, size = dist.get_world_size(), dist.get_rank(), cp.world_size
     start = rank - cp.rank
     block = set(range(start, start + size))
-    members = set().union(*(dist.get_process_group_ranks(g) for g in _sequence_groups(cp)))
+    members = set().union(*(dist.get_process_group_ranks(g) for g in cp.groups))
     if world % size or start % size or not members <= block:
         raise ValueError(f"{WHAT}: the context-parallel group must be {size} consecutive ranks "
                          f"starting at a multiple of {size} (this rank {rank} is in "
@@ -363,7 +358,7 @@ class ContextParallelMixin:
                 else:
                     loss = self.compute_loss(model, dict(local), num_items_in_batch=count)
                 loss = loss.detach().mean()
-                for group in _sequence_groups(self.cp):
+                for group in self.cp.groups:
                     dist.all_reduce(loss, group=group)
                 loss = loss / self.cp.world_size
             if not prediction_loss_only and logits is None:
@@ -473,7 +468,7 @@ def _gather_sequence(cp: ContextParallel, x: torch.Tensor, index: torch.Tensor
     its tokens' places in the sequence (-1: padding slot): (values (batch, n, ...), places
     (n,)) of every real token, in rank order. Ranks may hold different numbers of tokens."""
     values, places = x, index
-    for group in _sequence_groups(cp):  # for hybrid: Ulysses, then ring (cp.rank's order)
+    for group in cp.groups:  # for hybrid: Ulysses, then ring (cp.rank's order)
         size = dist.get_world_size(group)
         counts = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(size)]
         dist.all_gather(counts, torch.tensor([places.numel()], device=x.device), group=group)

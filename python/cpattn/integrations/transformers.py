@@ -146,8 +146,7 @@ def _assert_on_every_rank(cp: ContextParallel, failed: torch.Tensor, message: st
     import torch.distributed._functional_collectives as funcol
 
     flag = failed.to(torch.int32).reshape(1)
-    groups = (cp.ulysses_group, cp.ring_group) if cp.strategy == "hybrid" else (cp.group,)
-    for group in groups:
+    for group in cp.groups:
         flag = funcol.all_reduce(flag, "max", group)
     torch._assert_async(flag[0] == 0, message)
 
@@ -200,7 +199,7 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
     tokens = docs.tokens if docs is not None else q.shape[1] * cp.world_size
     max_position = docs.max_position if docs is not None else tokens - 1
     chunk = attention_chunk(module)
-    chunked = chunk is not None and max_position >= chunk and cp.strategy != "hybrid"
+    chunked = chunk is not None and max_position >= chunk and len(cp.groups) == 1
     check_layer(module, tokens, max_position, chunks=chunked)
     _check_positions(cp, module, kwargs.get("position_ids"), q.shape[1], docs,
                      KEYWORD in kwargs)
@@ -208,9 +207,7 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
         return _chunked_ulysses(cp, q, k, v, opts, docs, chunk), None
     if chunked:
         return _chunked_gathered(cp, q, k, v, opts, docs, chunk), None
-    keywords = opts.as_keywords()
-    del keywords["prefix_len"]  # (none: transformers has no prefix-LM keyword)
-    out = cp.attention(q, k, v, documents=docs, **keywords)
+    out = cp.attention(q, k, v, documents=docs, **opts.as_keywords())
     return out, None
 
 
@@ -238,12 +235,10 @@ def _chunked_ulysses(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: t
     bounds = [0]
     for n in lengths:
         bounds.append(bounds[-1] + n)
-    keywords = opts.as_keywords()
-    del keywords["prefix_len"]  # (none: transformers has no prefix-LM keyword)
     out = ulysses_attention_varlen(
         q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), bounds, group=cp.group,
         attend_cu_seqlens=chunk_boundaries(lengths, starts, chunk), timeout=cp.timeout,
-        **cp.with_mode(keywords))
+        **cp.with_mode(opts.as_keywords()))
     return out.view(batch, local, *out.shape[1:])
 
 
@@ -271,8 +266,7 @@ def _chunked_gathered(cp: ContextParallel, q: torch.Tensor, k: torch.Tensor, v: 
     piece_start = {}  # packed index -> the start of its chunk piece
     for start, end in zip(cuts, cuts[1:]):
         piece_start.update(dict.fromkeys(range(start, end), start))
-    keywords = {**opts.as_keywords(), "causal": True}
-    del keywords["prefix_len"]  # (none: transformers has no prefix-LM keyword)
+    keywords = opts.replace(causal=True).as_keywords()
     outs, t = [], 0
     while t < len(index):  # local runs: consecutive packed indices in one piece, or padding
         u = t + 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -142,115 +142,167 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
     whole gathered / reduced buffer (NCCL's do not). Gloo frees that copy, and the buffer an
     all-to-all sends, on its own thread, racing the caller: it may still be alive in the next
     phase (not counted in the phases: "gloo_late")."""
-    B, H, Hkv, D, e = p.batch, p.heads, p.kv_heads, p.head_dim, p.elem
-    train = p.mode == "train"
-    W = world
-    L = tokens_per_rank(p, W, layout) if strategy in ("ring", "allgather") else p.seqlen // W
-    Q, K = B * L * H * D, B * L * Hkv * D  # elements of this rank's q and of its k (or v)
-    lse = 4 * B * H * L
-    bf = p.dtype == "bfloat16" and _bf16_dot()
-    cast = e != 4  # fp32 state converted to the input dtype at the end
+    model = MEMORY_MODELS.get(strategy)
+    if model is None:
+        raise ValueError(f"cpattn.plan.memory: unknown strategy {strategy!r}")
+    return model(p, world, layout, chunk, gloo)
+
+
+class _Rank(NamedTuple):
+    """What every memory model starts from: the problem's sizes on one of W ranks holding L
+    tokens each; Q, K: elements of this rank's q and of its k (or v)."""
+
+    B: int
+    H: int
+    Hkv: int
+    D: int
+    e: int
+    train: bool
+    W: int
+    L: int
+    Q: int
+    K: int
+    lse: int
+    bf: bool  # bf16 through bf16 dot products (the kernels' packing differs)
+    cast: bool  # fp32 state converted to the input dtype at the end
     # bf16: dQ's fp32 sums kept split, high halves in the bf16 result and low halves beside,
     # rounded in place (csrc/ops/ring.cpp DqSums): no bf16 copy of an fp32 dQ
-    split_dq = p.dtype == "bfloat16"
-    ph: dict = {}
-    if strategy == "ring" and chunk and chunk < Hkv:
+    split_dq: bool
+
+
+def _rank(p: Problem, world: int, L: int) -> _Rank:
+    B, H, Hkv, D, e = p.batch, p.heads, p.kv_heads, p.head_dim, p.elem
+    return _Rank(B, H, Hkv, D, e, p.mode == "train", world, L, B * L * H * D, B * L * Hkv * D,
+                 4 * B * H * L, p.dtype == "bfloat16" and _bf16_dot(), e != 4,
+                 p.dtype == "bfloat16")
+
+
+def _memory_none(p: Problem, world: int, layout: str, chunk: Optional[int], gloo: bool) -> dict:
+    """cpattn.attention on the whole sequence (one rank: no all-to-all)."""
+    return _memory_local({}, p.batch, p.seqlen, p.heads, p.kv_heads, p.head_dim, p.elem,
+                         p.mode == "train", p.dtype == "bfloat16" and _bf16_dot(), p.dtype)
+
+
+def _memory_ring(p: Problem, world: int, layout: str, chunk: Optional[int], gloo: bool) -> dict:
+    """The ring (csrc/ops/ring.cpp); with chunk < kv heads in passes (_memory_ring_passes)."""
+    if chunk and chunk < p.kv_heads:
         return _memory_ring_passes(p, world, layout, chunk)
-    if strategy == "none" or (strategy == "ulysses" and W == 1):  # one rank: no all-to-all
-        return _memory_local(ph, B, p.seqlen, H, Hkv, D, e, train, bf, p.dtype)
-    if strategy == "ring":
-        n = L // 2 if layout == "zigzag" else L  # sub-problems: runs of the local shard
-        recv = min(W - 1, 2) * 2 * K * e  # K/V receive buffers (cached)
-        ph["fwd: kernel step"] = 4 * Q + lse + recv + _kernel_fwd(B, n, H, Hkv, D, e, bf)
-        ph["fwd: cast out"] = 4 * Q + lse + recv + cast * Q * e
-        kept = Q * e + recv
-        if train:
-            acc = (2 if W > 1 else 1) * 2 * K * 4  # fp32 dK/dV accumulators (cached)
-            base = kept + lse + 4 * Q + acc  # out and LSE saved, fp32 dq
-            # the kernels add into dq and the accumulators; a step after the first adds its first
-            # sub-problem's dK/dV into temporaries while the accumulator is in flight
-            ph["bwd: kernel step"] = base + _kernel_bwd(B, n, H, Hkv, D, p.dtype, "float32", bf,
-                                                        "kv" if W > 1 else "")
-            # the gradients: cast from the fp32 dq and accumulators (split dq: rounded in place,
-            # its low halves freed first); in fp32, dq itself and the last hop's (or at W = 1 a
-            # copy's) new dk, dv
-            grads = ((0 if split_dq else Q) + 2 * K) * e if cast else 2 * K * 4
-            ph["bwd: gradients"] = base - split_dq * 2 * Q + grads
-            kept = recv + acc + (Q + 2 * K) * e  # the graph freed: gradients and cached buffers
-        scratch = train and _kernel_bwd_scratch(B, n, H, Hkv, D, p.dtype, "float32", bf)
-        return _result(ph, kept, scratch)
-    if strategy == "allgather":
-        c = chunk or allgather_chunk(Hkv, W)
-        one = c >= Hkv
-        c = min(c, Hkv)
-        hq = c * (H // Hkv)
-        Qc, Kc = B * L * hq * D, B * L * c * D
-        n = L // 2 if layout == "zigzag" else L
-        sc = 2 * Kc * e  # one rank's stacked K/V chunk
-        out_all = 0 if one else Q * e + lse  # the result, written chunk by chunk
-        tmp = W if gloo else 0  # gloo's copy of the gathered / reduced buffer
-        ph["fwd: gather"] = out_all + (W + 1 + tmp) * sc
-        ph["fwd: kernel step"] = (out_all + W * sc + 4 * Qc + 4 * B * hq * L
-                                  + _kernel_fwd(B, n, hq, c, D, e, bf))
-        ph["fwd: cast out"] = out_all + W * sc + 4 * Qc + 4 * B * hq * L + cast * Qc * e
-        kept = Q * e
-        late = tmp * sc  # gloo's copies, which may outlive their phase
-        if train:
-            grads = 0 if one else (Q + 2 * K) * e  # written chunk by chunk
-            dout_c = 0 if one else Qc * e  # the chunk's dout heads, made contiguous
-            base = kept + lse + grads
-            dkv_all = W * 2 * Kc * 4
-            ph["bwd: gather"] = base + (W + 1 + tmp) * sc
-            ph["bwd: kernel step"] = (base + W * sc + dout_c + 4 * Qc + dkv_all
-                                      + _kernel_bwd(B, n, hq, c, D, p.dtype, "float32", bf, ""))
-            ph["bwd: cast dq"] = (base + W * sc + dout_c + 4 * Qc + dkv_all
-                                  + (cast and not split_dq) * Qc * e)
-            dq_c = Qc * (e if cast else 4)
-            ph["bwd: reduce-scatter"] = base + dq_c + (1 + bool(gloo)) * dkv_all + 2 * Kc * 4
-            late = max(late, bool(gloo) * dkv_all)
-            ph["bwd: cast dk dv"] = base + dq_c + 2 * Kc * 4 + one * 2 * Kc * e
-            kept = (Q + 2 * K) * e
-        scratch = train and _kernel_bwd_scratch(B, n, hq, c, D, p.dtype, "float32", bf)
-        return _result(ph, kept, scratch, late)
-    if strategy == "ulysses":
-        hs = kv_heads_sent(H, Hkv, W)  # KV heads each rank sends (GQA: replicated)
-        Ks = B * L * hs * D
-        S, h, hk = L * W, H // W, hs // W  # after the all-to-all: the whole sequence, H/W heads
-        rep = 2 * Ks * e if hs != Hkv else 0  # replicated K, V before the all-to-all
-        # an all-to-all of x: a copy in rank order (none for the sequence dim at batch 1) and
-        # the receive buffer, which the result is a view of (a copy for the head dim)
-        ph["fwd: all-to-all q"] = rep + 2 * Q * e
-        held = Q * e + 2 * Ks * e  # q, k, v by heads (saved for the backward)
-        ph["fwd: all-to-all k, v"] = rep + held + Ks * e
-        lse_h = 4 * B * h * S
-        ph["fwd: kernel"] = held + Q * e + _kernel_fwd(B, S, h, hk, D, e, bf) - 4 * Q  # out in e
-        back = Q * e * (1 if B == 1 else 2)  # out by heads -> by sequence: receive, concatenate
-        ph["fwd: all-to-all out"] = held + Q * e + lse_h + back + Q * e
-        kept = Q * e
-        if train:
-            # q, k, v by heads, the LSE by heads and by sequence, out by sequence only (the
-            # backward sends rowsum(dout * out) by heads: ulysses._LocalAcrossHeads)
-            saved = held + 2 * lse_h + Q * e
-            ph["bwd: all-to-all dout"] = saved + 2 * Q * e
-            # + the row dots by heads and their negation (the op's dlse - row_dot); dq is written
-            # over dout by heads (attention_bwd_in_dout)
-            ph["bwd: kernel"] = (saved + Q * e + 2 * lse_h
-                                 + _kernel_bwd(B, S, h, hk, D, p.dtype, p.dtype, bf, "kv"))
-            grads_h = (Q + 2 * Ks) * e
-            # Once the kernel's autograd node has run, its saved tensors are freed: out (the
-            # caller's) and the gradients by heads remain. The engine sends dv, dk, then dq (the
-            # forward's order reversed), each by heads freed once sent.
-            ph["bwd: all-to-all dk, dv"] = Q * e + grads_h + back * Ks // Q
-            ph["bwd: all-to-all dq"] = 2 * Q * e + 2 * Ks * e + back
-            if hs != Hkv:  # summed back over the replicas (index_select's backward)
-                ph["bwd: unreplicate"] = 2 * Q * e + 2 * Ks * e + 2 * K * e
-            kept = (Q + 2 * K) * e
-        # gloo: the copy of q (dout) in rank order for the all-to-all to heads may be freed by
-        # gloo's thread after the next phase has begun
-        late = Q * e if gloo and W > 1 else 0
-        scratch = train and _kernel_bwd_scratch(B, S, h, hk, D, p.dtype, p.dtype, bf)
-        return _result(ph, kept, scratch, late)
-    raise ValueError(f"cpattn.plan.memory: unknown strategy {strategy!r}")
+    B, H, Hkv, D, e, train, W, L, Q, K, lse, bf, cast, split_dq = _rank(
+        p, world, tokens_per_rank(p, world, layout))
+    ph: dict = {}
+    n = L // 2 if layout == "zigzag" else L  # sub-problems: runs of the local shard
+    recv = min(W - 1, 2) * 2 * K * e  # K/V receive buffers (cached)
+    ph["fwd: kernel step"] = 4 * Q + lse + recv + _kernel_fwd(B, n, H, Hkv, D, e, bf)
+    ph["fwd: cast out"] = 4 * Q + lse + recv + cast * Q * e
+    kept = Q * e + recv
+    if train:
+        acc = (2 if W > 1 else 1) * 2 * K * 4  # fp32 dK/dV accumulators (cached)
+        base = kept + lse + 4 * Q + acc  # out and LSE saved, fp32 dq
+        # the kernels add into dq and the accumulators; a step after the first adds its first
+        # sub-problem's dK/dV into temporaries while the accumulator is in flight
+        ph["bwd: kernel step"] = base + _kernel_bwd(B, n, H, Hkv, D, p.dtype, "float32", bf,
+                                                    "kv" if W > 1 else "")
+        # the gradients: cast from the fp32 dq and accumulators (split dq: rounded in place,
+        # its low halves freed first); in fp32, dq itself and the last hop's (or at W = 1 a
+        # copy's) new dk, dv
+        grads = ((0 if split_dq else Q) + 2 * K) * e if cast else 2 * K * 4
+        ph["bwd: gradients"] = base - split_dq * 2 * Q + grads
+        kept = recv + acc + (Q + 2 * K) * e  # the graph freed: gradients and cached buffers
+    scratch = train and _kernel_bwd_scratch(B, n, H, Hkv, D, p.dtype, "float32", bf)
+    return _result(ph, kept, scratch)
+
+
+def _memory_allgather(p: Problem, world: int, layout: str, chunk: Optional[int],
+                      gloo: bool) -> dict:
+    """The all-gather of K/V, chunk KV heads at a time (strategies/allgather.py)."""
+    B, H, Hkv, D, e, train, W, L, Q, K, lse, bf, cast, split_dq = _rank(
+        p, world, tokens_per_rank(p, world, layout))
+    ph: dict = {}
+    c = chunk or allgather_chunk(Hkv, W)
+    one = c >= Hkv
+    c = min(c, Hkv)
+    hq = c * (H // Hkv)
+    Qc, Kc = B * L * hq * D, B * L * c * D
+    n = L // 2 if layout == "zigzag" else L
+    sc = 2 * Kc * e  # one rank's stacked K/V chunk
+    out_all = 0 if one else Q * e + lse  # the result, written chunk by chunk
+    tmp = W if gloo else 0  # gloo's copy of the gathered / reduced buffer
+    ph["fwd: gather"] = out_all + (W + 1 + tmp) * sc
+    ph["fwd: kernel step"] = (out_all + W * sc + 4 * Qc + 4 * B * hq * L
+                              + _kernel_fwd(B, n, hq, c, D, e, bf))
+    ph["fwd: cast out"] = out_all + W * sc + 4 * Qc + 4 * B * hq * L + cast * Qc * e
+    kept = Q * e
+    late = tmp * sc  # gloo's copies, which may outlive their phase
+    if train:
+        grads = 0 if one else (Q + 2 * K) * e  # written chunk by chunk
+        dout_c = 0 if one else Qc * e  # the chunk's dout heads, made contiguous
+        base = kept + lse + grads
+        dkv_all = W * 2 * Kc * 4
+        ph["bwd: gather"] = base + (W + 1 + tmp) * sc
+        ph["bwd: kernel step"] = (base + W * sc + dout_c + 4 * Qc + dkv_all
+                                  + _kernel_bwd(B, n, hq, c, D, p.dtype, "float32", bf, ""))
+        ph["bwd: cast dq"] = (base + W * sc + dout_c + 4 * Qc + dkv_all
+                              + (cast and not split_dq) * Qc * e)
+        dq_c = Qc * (e if cast else 4)
+        ph["bwd: reduce-scatter"] = base + dq_c + (1 + bool(gloo)) * dkv_all + 2 * Kc * 4
+        late = max(late, bool(gloo) * dkv_all)
+        ph["bwd: cast dk dv"] = base + dq_c + 2 * Kc * 4 + one * 2 * Kc * e
+        kept = (Q + 2 * K) * e
+    scratch = train and _kernel_bwd_scratch(B, n, hq, c, D, p.dtype, "float32", bf)
+    return _result(ph, kept, scratch, late)
+
+
+def _memory_ulysses(p: Problem, world: int, layout: str, chunk: Optional[int],
+                    gloo: bool) -> dict:
+    """Ulysses' all-to-alls around the local kernel (strategies/ulysses.py)."""
+    if world == 1:  # one rank: no all-to-all
+        return _memory_none(p, world, layout, chunk, gloo)
+    B, H, Hkv, D, e, train, W, L, Q, K, lse, bf, cast, split_dq = _rank(
+        p, world, p.seqlen // world)
+    ph: dict = {}
+    hs = kv_heads_sent(H, Hkv, W)  # KV heads each rank sends (GQA: replicated)
+    Ks = B * L * hs * D
+    S, h, hk = L * W, H // W, hs // W  # after the all-to-all: the whole sequence, H/W heads
+    rep = 2 * Ks * e if hs != Hkv else 0  # replicated K, V before the all-to-all
+    # an all-to-all of x: a copy in rank order (none for the sequence dim at batch 1) and
+    # the receive buffer, which the result is a view of (a copy for the head dim)
+    ph["fwd: all-to-all q"] = rep + 2 * Q * e
+    held = Q * e + 2 * Ks * e  # q, k, v by heads (saved for the backward)
+    ph["fwd: all-to-all k, v"] = rep + held + Ks * e
+    lse_h = 4 * B * h * S
+    ph["fwd: kernel"] = held + Q * e + _kernel_fwd(B, S, h, hk, D, e, bf) - 4 * Q  # out in e
+    back = Q * e * (1 if B == 1 else 2)  # out by heads -> by sequence: receive, concatenate
+    ph["fwd: all-to-all out"] = held + Q * e + lse_h + back + Q * e
+    kept = Q * e
+    if train:
+        # q, k, v by heads, the LSE by heads and by sequence, out by sequence only (the
+        # backward sends rowsum(dout * out) by heads: ulysses._LocalAcrossHeads)
+        saved = held + 2 * lse_h + Q * e
+        ph["bwd: all-to-all dout"] = saved + 2 * Q * e
+        # + the row dots by heads and their negation (the op's dlse - row_dot); dq is written
+        # over dout by heads (attention_bwd_in_dout)
+        ph["bwd: kernel"] = (saved + Q * e + 2 * lse_h
+                             + _kernel_bwd(B, S, h, hk, D, p.dtype, p.dtype, bf, "kv"))
+        grads_h = (Q + 2 * Ks) * e
+        # Once the kernel's autograd node has run, its saved tensors are freed: out (the
+        # caller's) and the gradients by heads remain. The engine sends dv, dk, then dq (the
+        # forward's order reversed), each by heads freed once sent.
+        ph["bwd: all-to-all dk, dv"] = Q * e + grads_h + back * Ks // Q
+        ph["bwd: all-to-all dq"] = 2 * Q * e + 2 * Ks * e + back
+        if hs != Hkv:  # summed back over the replicas (index_select's backward)
+            ph["bwd: unreplicate"] = 2 * Q * e + 2 * Ks * e + 2 * K * e
+        kept = (Q + 2 * K) * e
+    # gloo: the copy of q (dout) in rank order for the all-to-all to heads may be freed by
+    # gloo's thread after the next phase has begun
+    late = Q * e if gloo and W > 1 else 0
+    scratch = train and _kernel_bwd_scratch(B, S, h, hk, D, p.dtype, p.dtype, bf)
+    return _result(ph, kept, scratch, late)
+
+
+# The memory model of each way to run attention: the strategies' (cpattn.strategies.registry
+# points at them) and "none", cpattn.attention on one rank.
+MEMORY_MODELS = {"none": _memory_none, "ring": _memory_ring, "allgather": _memory_allgather,
+                 "ulysses": _memory_ulysses}
 
 
 def _memory_ring_passes(p: Problem, world: int, layout: str, chunk: int) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Optional, Sequence
 
 from cpattn._flops import attention_flops
@@ -120,95 +121,142 @@ def _agreement(m: Machine, world: int) -> float:
 
 
 def _predict_one(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction:
-    pred = _predict_strategy(p, m, world, c)
-    if c.strategy in ("ring", "allgather", "ulysses", "hybrid") and world > 1:
-        check = _agreement(m, c.ulysses if c.strategy == "hybrid" else world)
-        if c.strategy == "hybrid":
-            check += _agreement(m, world)  # and the ring's, across
+    model = TIME_MODELS.get(c.strategy)
+    if model is None:
+        raise ValueError(f"cpattn.plan: unknown strategy {c.strategy!r}")
+    pred = model.time(p, m, world, c)
+    if world > 1 and model.checks is not None:
+        check = sum(_agreement(m, span) for span in model.checks(c, world))
         pred.time += check
         pred.exposed_comm += check
     return pred
 
 
-def _predict_strategy(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction:
+def _time_none(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction:
+    """One rank computes everything, no communication."""
+    H, Hkv = p.heads, p.kv_heads
+    r = _ring(p, m, 1, "contiguous", H, Hkv, m.intra)
+    time_ = r["fwd"] + r.get("bwd", 0.0)
+    peak = input_bytes(p, 1) + memory(p, "none", 1)["peak"]
+    return Prediction(c, time_, r["compute"], 0.0, 0.0, peak)
+
+
+def _time_ring(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction:
+    """The ring, in passes of c.chunk KV heads (ring_chunk), each a ring."""
+    H, Hkv = p.heads, p.kv_heads
+    link = m.link(world)
+    peak = input_bytes(p, world) + memory(p, c.strategy, world, c.layout, c.chunk)["peak"]
+    passes = math.ceil(Hkv / c.chunk) if 0 < c.chunk < Hkv else 1
+    r = _ring(p, m, world, c.layout, H // Hkv * min(c.chunk or Hkv, Hkv),
+              min(c.chunk or Hkv, Hkv), link)
+    time_ = passes * (r["fwd"] + r.get("bwd", 0.0))
+    return Prediction(c, time_, passes * r["compute"], passes * r["exposed"],
+                      passes * r["sent"], peak)
+
+
+def _time_allgather(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction:
+    """K/V all-gathered c.chunk KV heads at a time, not overlapped; the backward gathers again
+    and reduce-scatters fp32 dK/dV."""
+    H, Hkv = p.heads, p.kv_heads
+    train = p.mode == "train"
+    link = m.link(world)
+    peak = input_bytes(p, world) + memory(p, c.strategy, world, c.layout, c.chunk)["peak"]
+    r = _ring(p, m, world, c.layout, H, Hkv, link)
+    chunks = math.ceil(Hkv / c.chunk)
+    fwd_c = compute_steps(p, m, world, c.layout, H).sum(1).amax().item()
+    kv_chunk = r["kv"] / Hkv * c.chunk
+    gather = chunks * _collective_time(m, "all_gather", link, (world - 1) * kv_chunk, world)
+    copies = world * r["kv"] / m.mem_bandwidth
+    compute = fwd_c + world * r["state"] * 3 / m.mem_bandwidth
+    time_, exposed, sent = compute + gather + copies, gather, (world - 1) * r["kv"]
+    if train:
+        bwd_c = compute_steps(p, m, world, c.layout, H, backward=True).sum(1).amax().item()
+        acc_chunk = r["acc"] / Hkv * c.chunk
+        rs = chunks * _collective_time(m, "reduce_scatter", link, (world - 1) * acc_chunk,
+                                       world, m.reduce_scatter_factor)
+        exposed += gather + rs
+        compute += bwd_c
+        time_ += bwd_c + gather + rs + copies + 2 * world * r["acc"] / m.mem_bandwidth
+        sent += (world - 1) * (r["kv"] + r["acc"] * m.reduce_scatter_factor)
+    return Prediction(c, time_, compute, exposed, sent, peak)
+
+
+def _time_across_heads(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction:
+    """Ulysses (c.ring 1) and the hybrid: the all-to-alls over c.ulysses ranks around the local
+    kernel, or around the ring over c.ring ranks."""
     e, B, D, H, Hkv = p.elem, p.batch, p.head_dim, p.heads, p.kv_heads
     train = p.mode == "train"
     full_q = B * p.seqlen * H * D * e
-    full_kv = 2 * B * p.seqlen * Hkv * D * e
-    if c.strategy == "none":
-        r = _ring(p, m, 1, "contiguous", H, Hkv, m.intra)
-        time_ = r["fwd"] + r.get("bwd", 0.0)
-        peak = input_bytes(p, 1) + memory(p, "none", 1)["peak"]
-        return Prediction(c, time_, r["compute"], 0.0, 0.0, peak)
-    if c.strategy in ("ring", "allgather"):
-        link = m.link(world)
-        peak = input_bytes(p, world) + memory(p, c.strategy, world, c.layout, c.chunk)["peak"]
-        if c.strategy == "ring":  # in passes of c.chunk KV heads (ring_chunk), each a ring
-            passes = math.ceil(Hkv / c.chunk) if 0 < c.chunk < Hkv else 1
-            r = _ring(p, m, world, c.layout, H // Hkv * min(c.chunk or Hkv, Hkv),
-                      min(c.chunk or Hkv, Hkv), link)
-            time_ = passes * (r["fwd"] + r.get("bwd", 0.0))
-            return Prediction(c, time_, passes * r["compute"], passes * r["exposed"],
-                              passes * r["sent"], peak)
-        r = _ring(p, m, world, c.layout, H, Hkv, link)
-        chunks = math.ceil(Hkv / c.chunk)
-        fwd_c = compute_steps(p, m, world, c.layout, H).sum(1).amax().item()
-        kv_chunk = r["kv"] / Hkv * c.chunk
-        gather = chunks * _collective_time(m, "all_gather", link, (world - 1) * kv_chunk, world)
-        copies = world * r["kv"] / m.mem_bandwidth
-        compute = fwd_c + world * r["state"] * 3 / m.mem_bandwidth
-        time_, exposed, sent = compute + gather + copies, gather, (world - 1) * r["kv"]
+    u, rr = c.ulysses, c.ring
+    kv_sent = kv_heads_sent(H, Hkv, u)
+    q_rank = full_q / world  # this rank's q shard (also out, dout, dq)
+    kv_rank = 2 * B * (p.seqlen // world) * kv_sent * D * e
+    a2a = lambda total: _all_to_all_time(m, total, u, u)  # noqa: E731
+    comm = 2 * a2a(q_rank) + a2a(kv_rank)  # q and out, k and v
+    sent = (u - 1) / u * (2 * q_rank + kv_rank)
+    if rr == 1:
+        steps = compute_steps(p, m, 1, "contiguous", H // u)
+        compute = steps.sum().item() + 3 * B * p.seqlen * H // u * D * 4 / m.mem_bandwidth
         if train:
-            bwd_c = compute_steps(p, m, world, c.layout, H, backward=True).sum(1).amax().item()
-            acc_chunk = r["acc"] / Hkv * c.chunk
-            rs = chunks * _collective_time(m, "reduce_scatter", link, (world - 1) * acc_chunk,
-                                           world, m.reduce_scatter_factor)
-            exposed += gather + rs
-            compute += bwd_c
-            time_ += bwd_c + gather + rs + copies + 2 * world * r["acc"] / m.mem_bandwidth
-            sent += (world - 1) * (r["kv"] + r["acc"] * m.reduce_scatter_factor)
-        return Prediction(c, time_, compute, exposed, sent, peak)
-    if c.strategy in ("ulysses", "hybrid"):
-        u, rr = c.ulysses, c.ring
-        kv_sent = kv_heads_sent(H, Hkv, u)
-        q_rank = full_q / world  # this rank's q shard (also out, dout, dq)
-        kv_rank = 2 * B * (p.seqlen // world) * kv_sent * D * e
-        a2a = lambda total: _all_to_all_time(m, total, u, u)  # noqa: E731
-        comm = 2 * a2a(q_rank) + a2a(kv_rank)  # q and out, k and v
-        sent = (u - 1) / u * (2 * q_rank + kv_rank)
-        if rr == 1:
-            steps = compute_steps(p, m, 1, "contiguous", H // u)
-            compute = steps.sum().item() + 3 * B * p.seqlen * H // u * D * 4 / m.mem_bandwidth
-            if train:
-                compute += compute_steps(p, m, 1, "contiguous", H // u, backward=True).sum().item()
-            inner, ring_exposed, ring_sent = compute, 0.0, 0.0
-        else:
-            r = _ring(p, m, rr, c.layout, H // u, kv_sent // u, m.link(world), seqlen=p.seqlen)
-            inner = r["fwd"] + r.get("bwd", 0.0)
-            compute, ring_exposed, ring_sent = r["compute"], r["exposed"], r["sent"]
-        if train:
-            comm += 2 * a2a(q_rank) + a2a(kv_rank)  # dout and dq, dk and dv
-            sent += (u - 1) / u * (2 * q_rank + kv_rank)
-        time_ = inner + comm
-        if rr == 1:
-            peak = input_bytes(p, world) + memory(p, "ulysses", u)["peak"]
-        else:  # the Ulysses all-to-alls over U, then the ring over R on q, k, v by heads
-            by_heads = dataclasses.replace(p, heads=H // u, kv_heads=max(1, kv_sent // u))
-            ring = memory(by_heads, "ring", rr, c.layout)["peak"]
-            held = (q_rank + kv_rank) * (2 if train else 1) + q_rank  # + out by sequence
-            peak = input_bytes(p, world) + held + ring
-        return Prediction(c, time_, compute, comm + ring_exposed, sent + ring_sent, peak)
-    if c.strategy == "sharded-cache":
-        # decode: each rank reads its 1/W of the cache; W partial (out, lse) are all-gathered.
-        sq = p.decode_tokens
-        reads = full_kv / world
-        flops = attention_flops(B, H, sq, p.seqlen / world, D) / m.flops(p.dtype, False)
-        compute = max(flops, reads / m.mem_bandwidth) + m.call_overhead
-        part = B * sq * H * (D + 1) * 4
-        comm = _all_gather_time(m.link(world), part, world)
-        return Prediction(c, compute + comm, compute, comm, (world - 1) * part,
-                          reads + world * part)
-    raise ValueError(f"cpattn.plan: unknown strategy {c.strategy!r}")
+            compute += compute_steps(p, m, 1, "contiguous", H // u, backward=True).sum().item()
+        inner, ring_exposed, ring_sent = compute, 0.0, 0.0
+    else:
+        r = _ring(p, m, rr, c.layout, H // u, kv_sent // u, m.link(world), seqlen=p.seqlen)
+        inner = r["fwd"] + r.get("bwd", 0.0)
+        compute, ring_exposed, ring_sent = r["compute"], r["exposed"], r["sent"]
+    if train:
+        comm += 2 * a2a(q_rank) + a2a(kv_rank)  # dout and dq, dk and dv
+        sent += (u - 1) / u * (2 * q_rank + kv_rank)
+    time_ = inner + comm
+    if rr == 1:
+        peak = input_bytes(p, world) + memory(p, "ulysses", u)["peak"]
+    else:  # the Ulysses all-to-alls over U, then the ring over R on q, k, v by heads
+        by_heads = dataclasses.replace(p, heads=H // u, kv_heads=max(1, kv_sent // u))
+        ring = memory(by_heads, "ring", rr, c.layout)["peak"]
+        held = (q_rank + kv_rank) * (2 if train else 1) + q_rank  # + out by sequence
+        peak = input_bytes(p, world) + held + ring
+    return Prediction(c, time_, compute, comm + ring_exposed, sent + ring_sent, peak)
+
+
+def _time_sharded_cache(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction:
+    """Decode: each rank reads its 1/W of the cache; W partial (out, lse) are all-gathered."""
+    B, D, H = p.batch, p.head_dim, p.heads
+    full_kv = 2 * B * p.seqlen * p.kv_heads * D * p.elem
+    sq = p.decode_tokens
+    reads = full_kv / world
+    flops = attention_flops(B, H, sq, p.seqlen / world, D) / m.flops(p.dtype, False)
+    compute = max(flops, reads / m.mem_bandwidth) + m.call_overhead
+    part = B * sq * H * (D + 1) * 4
+    comm = _all_gather_time(m.link(world), part, world)
+    return Prediction(c, compute + comm, compute, comm, (world - 1) * part,
+                      reads + world * part)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeModel:
+    """The time model of one way to run attention: time(p, m, world, candidate) -> Prediction,
+    and checks(candidate, world) -> the spans of the rank-agreement checks a call starts with
+    (None: no communication, no check)."""
+
+    time: Callable[[Problem, Machine, int, Candidate], Prediction]
+    checks: Optional[Callable[[Candidate, int], tuple]] = None
+
+
+def _one_check(c: Candidate, world: int) -> tuple:
+    return (world,)
+
+
+# The time model of each way to run attention: the strategies' (cpattn.strategies.registry
+# points at them), "none" (cpattn.attention on one rank) and decode's "sharded-cache".
+TIME_MODELS = {
+    "none": TimeModel(_time_none),
+    "ring": TimeModel(_time_ring, _one_check),
+    "allgather": TimeModel(_time_allgather, _one_check),
+    "ulysses": TimeModel(_time_across_heads, _one_check),
+    # the check over Ulysses, then the ring's, across
+    "hybrid": TimeModel(_time_across_heads, lambda c, world: (c.ulysses, world)),
+    "sharded-cache": TimeModel(_time_sharded_cache),
+}
 
 
 def candidates(p: Problem, world: int, layouts: Sequence[str] = ("zigzag", "contiguous",

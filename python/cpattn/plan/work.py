@@ -10,9 +10,8 @@ from typing import Optional
 
 import torch
 
-from cpattn._layout import LAYOUTS, granularity, kv_heads_for_ranks, round_up
+from cpattn._layout import LAYOUTS, default_head_group, granularity, kv_heads_for_ranks, round_up
 from cpattn.plan.model import Machine, Problem
-from cpattn.strategies.allgather import default_head_group
 
 
 @functools.lru_cache(maxsize=4096)

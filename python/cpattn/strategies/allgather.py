@@ -27,13 +27,6 @@ def split_kv(kv_all: torch.Tensor, k: torch.Tensor) -> tuple:
     return kv_all[..., :d], kv_all[..., d:]
 
 
-def default_head_group(kv_heads: int, world: int) -> int:
-    """KV heads per gather by default: kv_heads / (4 W), at least one, so a gathered head group
-    (its K and V over the whole sequence) is at most a quarter of this rank's own K and V shards
-    and the memory per rank falls as 1/W."""
-    return max(1, kv_heads // (4 * world))
-
-
 class GatheredAttention(torch.autograd.Function):
     """apply(q, k, v, sinks, options, group, rank, world, layout_code, doc_lengths, group_size)."""
 

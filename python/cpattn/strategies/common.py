@@ -2,7 +2,7 @@
 the ranks agree on), head groups (the KV heads one pass handles), and autograd plumbing."""
 
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -12,18 +12,20 @@ from cpattn._validation import check_choice, check_qkv
 from cpattn.options import AttentionOptions
 
 
-def checked_call(what: str, q, k, v, options: dict, layout: str = "contiguous",
-                 varlen: bool = False, fixed: Optional[dict] = None,
-                 only: Optional[tuple] = None, empty_tokens: bool = False
-                 ) -> tuple[AttentionOptions, Fields]:
-    """The tensors and options of a call of `what` checked: its AttentionOptions (from the
-    keyword arguments `options`; `fixed` / `only`: as AttentionOptions.checked), and the
-    fields every rank must agree on (shapes, dtypes, layout, options). empty_tokens: as
-    check_qkv's."""
+def checked_call(what: str, q, k, v, options: Union[dict, AttentionOptions],
+                 layout: str = "contiguous", varlen: bool = False, fixed: Optional[dict] = None,
+                 only: Optional[tuple] = None, empty_tokens: bool = False,
+                 prefix_per_row: bool = False) -> tuple[AttentionOptions, Fields]:
+    """The tensors and options of a call of `what` checked: its AttentionOptions, and the
+    fields every rank must agree on (shapes, dtypes, layout, options). `options`: the keyword
+    arguments of a public call, checked here (`fixed` / `only` / `prefix_per_row`: as
+    AttentionOptions.checked), or the AttentionOptions of an inner call, checked already at
+    the public boundary (the hybrid's ring). empty_tokens: as check_qkv's."""
     check_qkv(what, q, k, v, varlen=varlen, v_head_dim_free=True,  # v: its own head dim Dv
               empty_tokens=empty_tokens)
     check_choice(what, "layout", layout, tuple(LAYOUTS))
-    opts = AttentionOptions.checked(what, q.shape[-1], fixed, only=only, **options)
+    opts = options if isinstance(options, AttentionOptions) else AttentionOptions.checked(
+        what, q.shape[-1], fixed, only=only, prefix_per_row=prefix_per_row, **options)
     dims = ("tokens", "heads", "head_dim") if varlen else ("batch", "seqlen", "heads", "head_dim")
     fields = [*tensor_fields("q", q, dims), *tensor_fields("k", k, dims),
               *tensor_fields("v", v, dims), ("layout", layout), *opts.agreement_fields()]
@@ -95,3 +97,4 @@ def sink_grad(ctx, index: int, sinks, dout, out, lse, dlse) -> Optional[torch.Te
 def input_grads(ctx, *grads) -> tuple:
     """An autograd Function's backward result: `grads` for its first inputs, None for the rest."""
     return (*grads, *([None] * (len(ctx.needs_input_grad) - len(grads))))
+

@@ -5,18 +5,18 @@ runs across the ring group on those heads; the all-to-all brings the output back
 cpattn.hybrid_positions (sequences), ContextParallel.document_positions (packed documents).
 """
 
-import functools
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn._layout import padded_length, round_up
+from cpattn._layout import granularity, padded_length, round_up
 from cpattn._validation import check_timeout, document_lengths, error
 from cpattn.max_logits import returned
-from cpattn.sharding import hybrid_ring_shard
-from cpattn.strategies.ring import ring_attention, ring_attention_varlen
+from cpattn.sharding import group_info, hybrid_positions, hybrid_ring_shard
+from cpattn.strategies.base import Strategy
+from cpattn.strategies.ring import context_parallel
 from cpattn.strategies.ulysses import across_heads, boundaries, max_logits_field
 
 
@@ -53,22 +53,21 @@ def hybrid_attention(
         raise ValueError("cpattn.hybrid_attention: give ulysses_group and ring_group, or a 2D mesh")
     what = "cpattn.hybrid_attention"
     timeout = check_timeout(what, timeout, ring_group, ulysses_group)
-    ring = functools.partial(ring_attention, group=ring_group, layout=layout, timeout=timeout)
     r_world, u_world = dist.get_world_size(ring_group), dist.get_world_size(ulysses_group)
 
     maxima = []  # the ring's max logits of this rank's heads (over the whole sequence)
 
     def attend(qh, kh, vh, n, mine):  # this rank's ring shard, padded for the ring only
-        out, lse, *best = ring(qh, kh, vh, seqlen=n, return_lse=True,
-                               return_max_logits=return_max_logits, **mine.as_keywords())
+        out, lse, *best = context_parallel(
+            "cpattn.ring_attention", qh, kh, vh, ring_group, layout, timeout, "ring", None,
+            None, mine, seqlen=n, return_max_logits=return_max_logits)
         maxima.extend(best)
         return out, lse
 
-    result = across_heads(what, q, k, v, ulysses_group, timeout, attend, return_lse, options,
-                          layout=layout, seqlen=seqlen,
-                          rows=lambda n: hybrid_ring_shard(n, layout, r_world, u_world)[::-1],
-                          fields_of=max_logits_field(what, return_max_logits))
-    out, lse = result if return_lse else (result, None)
+    _, out, lse = across_heads(
+        what, q, k, v, ulysses_group, timeout, attend, return_lse, options, layout=layout,
+        seqlen=seqlen, rows=lambda n: hybrid_ring_shard(n, layout, r_world, u_world)[::-1],
+        fields_of=max_logits_field(what, return_max_logits))
     return _with_heads_maxima(out, lse, maxima, ulysses_group)
 
 
@@ -106,17 +105,84 @@ def hybrid_attention_varlen(
 
     maxima = []
 
-    def attend(qh, kh, vh, n, mine):  # qh: this rank's ring shard
-        keywords = mine.as_keywords()
-        del keywords["prefix_len"]  # (0: fixed above)
-        out, lse, *best = ring_attention_varlen(
-            qh[0], kh[0], vh[0], cu_seqlens, group=ring_group, layout=layout, timeout=timeout,
-            return_lse=True, return_max_logits=return_max_logits, **keywords)
+    def attend(qh, kh, vh, n, mine):  # qh: this rank's ring shard; out, lse (1, ...)
+        out, lse, *best = context_parallel(
+            "cpattn.ring_attention_varlen", qh[0], kh[0], vh[0], ring_group, layout, timeout,
+            "ring", None, cu_seqlens, mine, return_max_logits=return_max_logits)
         maxima.extend(best)
-        return out[None], lse[None]
+        return out, lse
 
-    result = across_heads(what, q[None], k[None], v[None], ulysses_group, timeout, attend,
-                          return_lse, options, seqlen=1, layout=layout, fields_of=fields_of,
-                          rows=rows, fixed={"prefix_len": 0})
-    out, lse = result if return_lse else (result, None)
+    _, out, lse = across_heads(what, q[None], k[None], v[None], ulysses_group, timeout, attend,
+                               return_lse, options, seqlen=1, layout=layout,
+                               fields_of=fields_of, rows=rows, fixed={"prefix_len": 0})
     return _with_heads_maxima(out[0], None if lse is None else lse[0], maxima, ulysses_group)
+
+
+_SPLIT_GROUPS: dict = {}  # (group name, U) -> (ring group, Ulysses group)
+
+
+class HybridStrategy(Strategy):
+    """The hybrid's entry: two process groups (the ring's and Ulysses'), the sequence sharded
+    over the ring by the layout, each ring shard cut in U contiguous parts."""
+
+    def split_group(self, group, candidate) -> tuple:
+        """(ring_group, ulysses_group) of this rank: the ranks candidate.ulysses apart in
+        `group`, and candidate.ulysses consecutive ones. Made once per (group, U), by the members
+        of each new group only."""
+        u = candidate.ulysses
+        key = (group.group_name, u)
+        if key not in _SPLIT_GROUPS:
+            ranks = dist.get_process_group_ranks(group)
+            i, j = divmod(dist.get_rank(group), u)
+            ulysses = dist.new_group(ranks[i * u:(i + 1) * u], use_local_synchronization=True)
+            ring = dist.new_group(ranks[j::u], use_local_synchronization=True)
+            _SPLIT_GROUPS[key] = (ring, ulysses)
+        return _SPLIT_GROUPS[key]
+
+    def groups(self, what: str, group) -> tuple:
+        if hasattr(group, "get_group") and getattr(group, "ndim", None) == 2:  # a 2-D mesh
+            return None, group.get_group(0), group.get_group(1)
+        if isinstance(group, (tuple, list)) and len(group) == 2:
+            return None, *group
+        raise ValueError(
+            f"{what}: strategy {self.name!r} needs group = a 2-D DeviceMesh "
+            f"(ring, ulysses) or a pair (ring_group, ulysses_group), got {group!r}"
+        )
+
+    def sequence_groups(self, cp) -> tuple:
+        return (cp.ulysses_group, cp.ring_group)
+
+    def rank_and_world(self, cp) -> tuple[int, int]:
+        _, r_rank, r_world = group_info(cp.ring_group)
+        _, u_rank, u_world = group_info(cp.ulysses_group)
+        return r_rank * u_world + u_rank, r_world * u_world
+
+    def granularity(self, cp) -> int:
+        return (granularity(cp.layout, dist.get_world_size(cp.ring_group))
+                * dist.get_world_size(cp.ulysses_group))
+
+    def positions(self, cp, seqlen: int, device) -> torch.Tensor:
+        return hybrid_positions(seqlen, ulysses_group=cp.ulysses_group,
+                                ring_group=cp.ring_group, layout=cp.layout, device=device)
+
+    def document_positions(self, cp, documents) -> tuple[torch.Tensor, torch.Tensor]:
+        return documents.local_positions(
+            cp.layout, dist.get_world_size(cp.ring_group), dist.get_rank(cp.ring_group),
+            dist.get_world_size(cp.ulysses_group), dist.get_rank(cp.ulysses_group))
+
+    def unshard_documents(self, cp, x_local, documents, dim: int, what: str) -> torch.Tensor:
+        raise ValueError(f"{what}: packed documents under hybrid: gather "
+                         "document_positions' tokens yourself")
+
+
+def _attend(cp, q, k, v, **call):
+    return hybrid_attention(q, k, v, ulysses_group=cp.ulysses_group, ring_group=cp.ring_group,
+                            layout=cp.layout, **call)
+
+
+def _attend_varlen(cp, q, k, v, cu_seqlens, **call):
+    return hybrid_attention_varlen(q, k, v, cu_seqlens, ulysses_group=cp.ulysses_group,
+                                   ring_group=cp.ring_group, layout=cp.layout, **call)
+
+
+HYBRID = HybridStrategy("hybrid", _attend, _attend_varlen)

@@ -6,6 +6,7 @@ while the current step computes; results are merged in float32 with their log-su
 driver, the schedule and the layouts live in C++ (csrc/ops/ring.cpp, csrc/include/cpattn/).
 """
 
+from collections.abc import Callable
 from typing import Optional, Union
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from cpattn import plan
 from cpattn._agreement import agree_on, digest_ints
 from cpattn._autograd import once_differentiable
-from cpattn._layout import DTYPE_NAMES, LAYOUTS, padded_length
+from cpattn._layout import DTYPE_NAMES, LAYOUTS, default_head_group, padded_length
 from cpattn._validation import (
     check_bool,
     check_choice,
@@ -28,7 +29,8 @@ from cpattn.documents import DocumentPlan
 from cpattn.max_logits import document_placement, global_max_logits, returned, sequence_placement
 from cpattn.options import AttentionOptions
 from cpattn.sharding import group_info
-from cpattn.strategies.allgather import GatheredAttention, SubsetGathered, default_head_group
+from cpattn.strategies.allgather import GatheredAttention, SubsetGathered
+from cpattn.strategies.base import Strategy
 from cpattn.strategies.common import (
     backward_in_passes,
     checked_call,
@@ -38,9 +40,6 @@ from cpattn.strategies.common import (
     sink_grad,
 )
 from cpattn.strategies.invariant import check_invariant_call, invariant_attention
-
-# The strategies ring_attention runs (ContextParallel has its own list: parallel.STRATEGIES).
-RING_ATTENTION_STRATEGIES = ("ring", "allgather", "auto")
 
 
 class RingAttention(torch.autograd.Function):
@@ -79,6 +78,58 @@ class RingAttention(torch.autograd.Function):
         return input_grads(ctx, dq, dk, dv, sink_grad(ctx, 3, sinks, dout, out, lse, dlse))
 
 
+class RingFamily(Strategy):
+    """The two strategies ring_attention runs (its `strategy` argument): the ring and the
+    all-gather. chunk_option: the argument that sets its KV heads per pass (or per gather);
+    run(...): one call of its autograd Function over this rank's (1 or B, L, H, D) shards."""
+
+    def __init__(self, name: str, chunk_option: str, run: Callable) -> None:
+        super().__init__(name, _attend, _attend_varlen, runs_document_plans=True)
+        self.chunk_option, self.run = chunk_option, run
+
+
+def _attend(cp, q, k, v, **call):
+    return ring_attention(q, k, v, group=cp.group, layout=cp.layout, strategy=cp.strategy,
+                          allgather_chunk=cp.allgather_chunk, ring_chunk=cp.ring_chunk, **call)
+
+
+def _attend_varlen(cp, q, k, v, documents, **call):
+    return ring_attention_varlen(q, k, v, documents, group=cp.group, layout=cp.layout,
+                                 strategy=cp.strategy, allgather_chunk=cp.allgather_chunk,
+                                 ring_chunk=cp.ring_chunk, **call)
+
+
+def _run_ring(q, k, v, opts, group, rank, world, layout, timeout, docs, per_pass):
+    return RingAttention.apply(q, k, v, opts.sinks, opts, group.group_name, LAYOUTS[layout],
+                               timeout, docs, per_pass or k.shape[2])
+
+
+def _run_gathered(q, k, v, opts, group, rank, world, layout, timeout, docs, per_gather):
+    return GatheredAttention.apply(q, k, v, opts.sinks, opts, group, rank, world,
+                                   LAYOUTS[layout], docs,
+                                   per_gather or default_head_group(k.shape[2], world))
+
+
+RING = RingFamily("ring", "ring_chunk", _run_ring)
+ALLGATHER = RingFamily("allgather", "allgather_chunk", _run_gathered)
+# ring_attention's strategies by name, and the values of its `strategy` argument ("auto": the
+# cost model picks one per problem)
+RUNS = {s.name: s for s in (RING, ALLGATHER)}
+RING_ATTENTION_STRATEGIES = (*RUNS, "auto")
+
+
+def _run_of(strategy: str, allgather_chunk: Optional[int], ring_chunk: Optional[int],
+            choose: Callable[[], plan.Candidate]) -> tuple[RingFamily, Optional[int]]:
+    """The strategy that runs and its KV heads per pass (or per gather; None: its default):
+    `strategy`'s, or for "auto" the candidate choose() picks."""
+    if strategy == "auto":
+        chosen = choose()
+        return RUNS[chosen.strategy], chosen.chunk or None
+    given = RUNS[strategy]
+    return given, {"allgather_chunk": allgather_chunk,
+                   "ring_chunk": ring_chunk}[given.chunk_option]
+
+
 def auto_strategy(q, k, world: int, group, opts: AttentionOptions, layout: str, docs,
                   allgather_chunk: Optional[int], ring_chunk: Optional[int], what: str
                   ) -> plan.Candidate:
@@ -92,28 +143,29 @@ def auto_strategy(q, k, world: int, group, opts: AttentionOptions, layout: str, 
         documents=None if docs is None else tuple(docs.tolist()),
         mode="train" if needs_grad(q, k) else "forward")
     chunk = allgather_chunk or default_head_group(k.shape[2], world)
-    cands = [plan.Candidate("ring", layout, chunk=ring_chunk or 0),
-             plan.Candidate("allgather", layout, chunk=chunk)]
+    cands = [plan.Candidate(RING.name, layout, chunk=ring_chunk or 0),
+             plan.Candidate(ALLGATHER.name, layout, chunk=chunk)]
     return plan.choose(p, world, cands, group, what).candidate
 
 
 def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_chunk,
-                     cu_seqlens, options: dict, seqlen=None, ring_chunk=None,
-                     return_max_logits=False):
+                     cu_seqlens, options: Union[dict, AttentionOptions], seqlen=None,
+                     ring_chunk=None, return_max_logits=False):
     """Shared by ring_attention and ring_attention_varlen (cu_seqlens given: q, k, v are 3-D):
     validation and the agreement check, then the strategy. `options`: the attention options'
-    keyword arguments (prefix_len may be a tensor: a prefix per sequence or document). Returns
+    keyword arguments (prefix_len may be a tensor: a prefix per sequence or document), or the
+    AttentionOptions of an inner call, checked already (the hybrid's ring). Returns
     4-D out and lse, and with return_max_logits each head's largest logit (cpattn.max_logits).
     `seqlen` (ring_attention): the real length of a sequence padded to the layout's granularity,
     handled as one document of that length."""
     group, rank, world = group_info(group)
     timeout = check_timeout(what, timeout, group)
-    prefix = options.get("prefix_len", 0)
+    prefix = options.get("prefix_len", 0) if isinstance(options, dict) else options.prefix_len
     per_sequence = isinstance(prefix, torch.Tensor)
 
     def check():
-        opts, fields = checked_call(what, q, k, v, {**options, "prefix_len": 0} if per_sequence
-                                    else options, layout, varlen=cu_seqlens is not None)
+        opts, fields = checked_call(what, q, k, v, options, layout, varlen=cu_seqlens is not None,
+                                    prefix_per_row=per_sequence)
         check_choice(what, "strategy", strategy, RING_ATTENTION_STRATEGIES)
         chunk, r_chunk = (None if c is None else check_int(what, name, c, minimum=1)
                           for name, c in (("allgather_chunk", allgather_chunk),
@@ -135,7 +187,7 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
             prefix_docs = check_prefix_per_document(what, prefix, docs,
                                                     unit="sequence of the batch")
             fields += [("prefix_per_sequence", digest_ints(prefix_docs))]
-        if r_chunk is not None and strategy == "allgather":  # never ignored: it saves memory
+        if r_chunk is not None and strategy == ALLGATHER.name:  # never ignored: saves memory
             raise error(what, "ring_chunk", r_chunk, 'sets the passes of strategy "ring" (or '
                         '"auto"); the all-gather takes allgather_chunk')
         fields += [("strategy", strategy), ("allgather_chunk", chunk), ("ring_chunk", r_chunk)]
@@ -183,20 +235,10 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
             chunk or ring_chunk or default_head_group(k.shape[2], world),
             docs if packed else None)
     else:
-        if strategy == "auto":
-            chosen = auto_strategy(q, k, world, group, opts, layout, docs, chunk, ring_chunk,
-                                   what)
-            strategy = chosen.strategy
-            if strategy == "ring":
-                ring_chunk = chosen.chunk or None
-        if strategy == "ring":
-            out, lse = RingAttention.apply(q, k, v, opts.sinks, opts, group.group_name,
-                                           LAYOUTS[layout], timeout, docs,
-                                           ring_chunk or k.shape[2])
-        else:
-            out, lse = GatheredAttention.apply(q, k, v, opts.sinks, opts, group, rank, world,
-                                               LAYOUTS[layout], docs,
-                                               chunk or default_head_group(k.shape[2], world))
+        chosen, per_pass = _run_of(strategy, chunk, ring_chunk, lambda: auto_strategy(
+            q, k, world, group, opts, layout, docs, chunk, ring_chunk, what))
+        out, lse = chosen.run(q, k, v, opts, group, rank, world, layout, timeout, docs,
+                              per_pass)
     if cu_seqlens is None and prefix_docs is not None:  # back to (B, L, ..) and (B, H, L)
         out = out.view(batch, -1, *out.shape[2:])
         lse = lse.view(lse.shape[1], batch, -1).transpose(0, 1)
@@ -229,9 +271,9 @@ def _plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, 
                         f"ranks; the group has {world}")
         if layout != plan.layout:
             raise error(what, "layout", layout, f"differs from the plan's {plan.layout!r}")
-        opts, fields = checked_call(what, q, k, v, {**options, "prefix_len": 0}
-                                    if isinstance(prefix, torch.Tensor) else options,
-                                    plan.layout, varlen=True, empty_tokens=True)
+        opts, fields = checked_call(what, q, k, v, options, plan.layout, varlen=True,
+                                    empty_tokens=True,
+                                    prefix_per_row=isinstance(prefix, torch.Tensor))
         if opts.invariant:  # a plan computes documents on rank subsets: their sums W-dependent
             raise error(what, "invariant", True, "is not supported over a DocumentPlan: pass "
                         "cu_seqlens (every document sharded over every rank) for packed "
@@ -249,7 +291,7 @@ def _plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, 
         chunk, r_chunk = (None if c is None else check_int(what, name, c, minimum=1)
                           for name, c in (("allgather_chunk", allgather_chunk),
                                           ("ring_chunk", ring_chunk)))
-        if r_chunk is not None and strategy == "allgather":
+        if r_chunk is not None and strategy == ALLGATHER.name:
             raise error(what, "ring_chunk", r_chunk, 'sets the passes of strategy "ring" (or '
                         '"auto"); the all-gather takes allgather_chunk')
         prefixes = None if not isinstance(prefix, torch.Tensor) else \
@@ -269,21 +311,12 @@ def _plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, 
     if plan.full_split:  # split over every rank: the ring or the all-gather
         docs = _documents(plan, plan.full_split, prefixes)
         qs, ks, vs = q[None, :n], k[None, :n], v[None, :n]
-        chosen = strategy
-        if strategy == "auto":  # the faster for these documents alone
-            c = auto_strategy(qs, ks, world, group, opts, plan.layout, docs.view(-1, len(
-                plan.full_split))[0], chunk, ring_chunk, what)
-            chosen = c.strategy
-            if chosen == "ring":
-                ring_chunk = c.chunk or None
-        if chosen == "ring":
-            parts.append(RingAttention.apply(qs, ks, vs, opts.sinks, opts, group.group_name,
-                                             LAYOUTS[plan.layout], timeout, docs,
-                                             ring_chunk or k.shape[1]))
-        else:
-            parts.append(GatheredAttention.apply(qs, ks, vs, opts.sinks, opts, group, rank,
-                                                 world, LAYOUTS[plan.layout], docs,
-                                                 chunk or default_head_group(k.shape[1], world)))
+        chosen, per_pass = _run_of(  # "auto": the faster for these documents alone
+            strategy, chunk, ring_chunk, lambda: auto_strategy(
+                qs, ks, world, group, opts, plan.layout,
+                docs.view(-1, len(plan.full_split))[0], chunk, ring_chunk, what))
+        parts.append(chosen.run(qs, ks, vs, opts, group, rank, world, plan.layout, timeout,
+                                docs, per_pass))
     if len(plan.full_split) < len(plan.split):  # split over subsets: every rank takes part
         pieces = plan.subset_pieces(rank)
         docs = [_documents(plan, (d,), prefixes) for d, *_ in pieces]

@@ -19,11 +19,12 @@ from cpattn._autograd import once_differentiable
 from cpattn._device import to_device
 from cpattn._layout import LAYOUTS, kv_heads_for_ranks, padded_length
 from cpattn._validation import check_bool, check_int, check_timeout, document_lengths, error
-from cpattn.attention import attention_varlen
+from cpattn.attention import varlen_attention
 from cpattn.max_logits import document_placement, global_max_logits, returned, sequence_placement
 from cpattn.options import AttentionOptions
 from cpattn.packing import gathered_order
 from cpattn.sharding import group_info
+from cpattn.strategies.base import Strategy
 from cpattn.strategies.common import checked_call, input_grads
 from cpattn.strategies.invariant import InvariantAttention, check_invariant_call
 
@@ -129,7 +130,8 @@ def across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Att
                  fields_of: Optional[Callable[[], list]] = None,
                  fixed: Optional[dict] = None):
     """The Ulysses steps of ulysses_attention and the hybrid: validation and the agreement check
-    over `group`, the all-to-all to head shards, attend(qh, kh, vh, n, options) -> (out_h, lse_h)
+    over `group` (returns the checked options, out and, with return_lse, the LSE, else None),
+    the all-to-all to head shards, attend(qh, kh, vh, n, options) -> (out_h, lse_h)
     on this rank's heads (the options' per-head tensors sliced to them) for a sequence of n real
     tokens, and the all-to-all back. attend None: cpattn.attention, with the all-to-all back in
     the same autograd node (_LocalAcrossHeads).
@@ -171,13 +173,13 @@ def across_heads(what: str, q, k, v, group, timeout: float, attend: Optional[Att
                                             LAYOUTS["contiguous"], qh.shape[1], kh.shape[2], None)
     if attend is None:
         out, lse = _LocalAcrossHeads.apply(qh, kh, vh, opts.sinks, real, group, mine)
-        return (out, lse) if return_lse else out
+        return opts, out, lse if return_lse else None
     out_h, lse_h = attend(qh[:, :real], kh[:, :real], vh[:, :real], n, mine)
     out_h, lse_h = pad_rows(out_h, lse_h, qh.shape[1], mine.sinks)
     out = comm.all_to_all(out_h, scatter_dim=1, gather_dim=2, group=group)
     if not return_lse:
-        return out
-    return out, comm.all_to_all(lse_h, scatter_dim=2, gather_dim=1, group=group)
+        return opts, out, None
+    return opts, out, comm.all_to_all(lse_h, scatter_dim=2, gather_dim=1, group=group)
 
 
 def max_logits_field(what: str, return_max_logits) -> Callable[[], list]:
@@ -217,17 +219,15 @@ def ulysses_attention(
     what = "cpattn.ulysses_attention"
     group, _, world = group_info(group)
     timeout = check_timeout(what, timeout, group)
-    result = across_heads(what, q, k, v, group, timeout, None, return_lse,
-                          options, seqlen=seqlen,
-                          rows=lambda n: (padded_length(n, "contiguous", world), n),
-                          fields_of=max_logits_field(what, return_max_logits))
+    opts, out, lse = across_heads(what, q, k, v, group, timeout, None, return_lse,
+                                  options, seqlen=seqlen,
+                                  rows=lambda n: (padded_length(n, "contiguous", world), n),
+                                  fields_of=max_logits_field(what, return_max_logits))
     max_logits = []
     if return_max_logits:
         n = q.shape[1] * world if seqlen is None else seqlen
-        opts = AttentionOptions.checked(what, q.shape[-1], **options)
         max_logits = [global_max_logits(q, k, group, sequence_placement(n, "contiguous", world),
                                         opts)]
-    out, lse = result if return_lse else (result, None)
     return returned(out, lse, max_logits)
 
 
@@ -275,10 +275,7 @@ def ulysses_attention_varlen(
         cu = boundaries(cu_seqlens)
         lengths = tuple(b - a for a, b in zip(cu[:-1], cu[1:]))
         order = to_device(gathered_order(lengths, "contiguous", world), qh.device)  # row of p
-        keywords = mine.as_keywords()
-        del keywords["prefix_len"]  # (0: fixed above)
-        out_p, lse_p = attention_varlen(qh[0, order], kh[0, order], vh[0, order], pieces,
-                                        return_lse=True, **keywords)
+        out_p, lse_p = varlen_attention(qh[0, order], kh[0, order], vh[0, order], pieces, mine)
         out = out_p.new_zeros((qh.shape[1], *out_p.shape[1:])).index_copy(0, order, out_p)
         empty = (lse_p.new_full((lse_p.shape[0], qh.shape[1]), float("-inf"))
                  if mine.sinks is None else
@@ -286,14 +283,25 @@ def ulysses_attention_varlen(
         return out[None], empty.index_copy(1, order, lse_p)[None]
 
     timeout = check_timeout(what, timeout, group)
-    result = across_heads(what, q[None], k[None], v[None], group, timeout,
-                          attend, return_lse, options, seqlen=None, rows=lambda n: (n, n),
-                          fields_of=fields_of, fixed={"prefix_len": 0})
+    opts, out, lse = across_heads(what, q[None], k[None], v[None], group, timeout,
+                                  attend, return_lse, options, seqlen=None,
+                                  rows=lambda n: (n, n), fields_of=fields_of,
+                                  fixed={"prefix_len": 0})
     max_logits = []
     if return_max_logits:
         docs, _, _ = document_lengths(what, cu_seqlens)
         placement = document_placement(docs, "contiguous", world)
-        opts = AttentionOptions.checked(what, q.shape[-1], {"prefix_len": 0}, **options)
         max_logits = [global_max_logits(q[None], k[None], group, placement, opts)]
-    out, lse = result if return_lse else (result, None)
     return returned(out[0], None if lse is None else lse[0], max_logits)
+
+
+def _attend(cp, q, k, v, **call):
+    return ulysses_attention(q, k, v, group=cp.group, **call)
+
+
+def _attend_varlen(cp, q, k, v, cu_seqlens, **call):
+    return ulysses_attention_varlen(q, k, v, cu_seqlens, group=cp.group, **call)
+
+
+ULYSSES = Strategy("ulysses", _attend, _attend_varlen, layouts=("contiguous",),
+                   layout_rule="shards the sequence contiguously")
