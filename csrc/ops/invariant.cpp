@@ -1,7 +1,7 @@
 // Invariant mode (invariant=True): results that do not depend on the number of ranks, the layout
 // or the strategy, bit for bit. Each rank computes exactly what one process computes for its own
 // query rows (out, lse, dQ) and its own keys (dK, dV): the operands it needs are gathered in
-// global order (python/cpattn/strategies/invariant.py) and every sum runs in an order fixed by
+// global order (python/cpattn/invariant/) and every sum runs in an order fixed by
 // global positions alone. The forward cuts each row's keys (those of its document, with packed
 // documents) into tiles from key 0 and merges the tiles' partial results by the tile tree
 // (cpattn/invariant.h); the kernels treat every query row alike. The backward runs with
@@ -432,7 +432,7 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
 // and end at multiples of kInvariantChunk): a rank adds its rows' dQ terms against a part of the
 // keys to its running sums as invariant_bwd_part does, and returns the dK / dV terms of each of
 // its chunks of kInvariantChunk rows against the part separately (a plane per chunk), for the
-// keys' owner to add in global order of the chunks (python/cpattn/strategies/invariant.py). A
+// keys' owner to add in global order of the chunks (python/cpattn/invariant/). A
 // chunk's plane is exactly the part that one process's call adds to the sums for these rows
 // (backward_chunks: the chunks' dK / dV parts are added one after another), so the owner's
 // additions give the same sums.

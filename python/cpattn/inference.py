@@ -147,7 +147,7 @@ def _check_invariant_cache(what: str, q: torch.Tensor, cache: KVCacheShard) -> N
         raise error(what, "invariant", True, f"needs a cache whose blocks are whole key tiles of "
                     f"the invariant forward: KVCacheShard(interleave=a multiple of {tile}), got "
                     f"interleave {cache.interleave}")
-    from cpattn.strategies.invariant import check_invariant_call
+    from cpattn.invariant import check_invariant_call
 
     check_invariant_call(what, q)
 
@@ -185,7 +185,7 @@ def _merge_blocks(parts: torch.Tensor, cache: KVCacheShard, sinks, dtype) -> tup
 def _invariant_prefill(q, k, v, cache, group, rank, world, layout, n, timeout, opts, what):
     """prefill_attention(invariant=True): the chunk's K/V gathered and stored by their owners,
     then every rank's blocks for all the chunk's queries, sent to the ranks holding them."""
-    from cpattn.strategies.invariant import gather_global
+    from cpattn.invariant import gather_global
 
     code = LAYOUTS[layout]
     start = cache.lengths.tolist()
