@@ -557,8 +557,8 @@ def _streamed_parts(rank: int, world: int) -> None:
     continue), with runs that do and do not end at such a multiple, broadcast whole or in pieces
     of one chunk; and with such pieces the results stay bitwise those of one process."""
     from cpattn._layout import LAYOUTS
-    from cpattn.invariant import autograd as invariant
-    from cpattn.invariant.autograd import _padded, gather_global, stream_global
+    from cpattn.invariant import global_order as invariant
+    from cpattn.invariant.global_order import _padded, gather_global, stream_global
 
     chunk = torch.ops.cpattn.invariant_chunk()
     group = dist.group.WORLD
