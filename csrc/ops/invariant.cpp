@@ -258,7 +258,9 @@ at::Tensor invariant_sink_bwd(const at::Tensor& lse_all, const at::Tensor& shift
 // One process: dq, dk, dv of every row and key (k, v every key; q's rows may be fewer, bottom-right
 // aligned without documents) in the inputs' dtypes, padding rows and keys 0; and with sinks their
 // gradient (H,) fp32 (else an empty tensor). Each document's rows against its keys in one call
-// (AttnShape::fixed_order); over W ranks the same sums are streamed (invariant_bwd_part).
+// into fp32 running sums (AttnShape::fixed_order): the one backward algorithm, whose sums over W
+// ranks are streamed a part at a time (invariant_bwd_part) or computed once per block
+// (invariant_bwd_rows).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
@@ -267,20 +269,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
   const InvariantCall c = check_invariant_args("invariant_bwd", q, k, v, q.size(1), k.size(1), 0, 1,
                                                layout, seqlen, doc_lengths, CPATTN_OPTIONS);
   check_per_head("invariant_bwd", "sinks", sinks, q.size(2), q.device());
-  // One piece over every row and key: its gradients are the outputs, not copied into zeroed ones
-  // (padding and several pieces).
-  const bool whole = c.pieces.size() == 1 && c.pieces[0].rows.length == q.size(1) &&
-                     c.pieces[0].doc_length == k.size(1);
-  at::Tensor dq, dk, dv;
-  if (!whole)
-    std::tie(dq, dk, dv) = std::tuple(at::zeros_like(q), at::zeros_like(k), at::zeros_like(v));
-  // all's tokens [begin, begin + part's) are part
-  const auto put = [&](at::Tensor& all, const at::Tensor& part, int64_t begin) {
-    if (whole)
-      all = part;
-    else
-      all.narrow(1, begin, part.size(1)).copy_(part);
-  };
+  // The streamed backward's algorithm (invariant_bwd_part) over one part, every row and key:
+  // fp32 running sums from zeros (padding rows and keys stay 0), scaled and rounded once at the
+  // end as python/cpattn/invariant/autograd.py finishes them.
+  const auto f32 = q.options().dtype(at::kFloat);
+  const at::Tensor dq_sum = at::zeros(q.sizes(), f32), dk_sum = at::zeros(k.sizes(), f32),
+                   dv_sum = at::zeros(v.sizes(), f32);
   std::vector<at::Tensor> dout_rows, out_rows, lse_rows, dlse_rows;
   for (const Piece& p : c.pieces) {
     const auto mine = [&](const at::Tensor& t, int64_t dim) {
@@ -289,19 +283,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const auto doc = [&](const at::Tensor& t) { return t.narrow(1, p.doc_begin, p.doc_length); };
     const std::optional<at::Tensor> dlse_p =
         dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt;
-    const auto [dq_p, dk_p, dv_p] = attention_bwd_scored(
-        mine(dout, 1), mine(q, 1), doc(k), doc(v), mine(out, 1), mine(lse, 2).contiguous(),
-        softmax_scale, p.mask, fixed_order_score(c.options, p.mask, std::nullopt), std::nullopt,
-        dlse_p);
-    put(dq, dq_p, p.rows.local_begin);
-    put(dk, dk_p, p.doc_begin);
-    put(dv, dv_p, p.doc_begin);
+    attention_bwd_add_scored(mine(dq_sum, 1), doc(dk_sum), doc(dv_sum), mine(dout, 1), mine(q, 1),
+                             doc(k), doc(v), mine(out, 1), mine(lse, 2).contiguous(), softmax_scale,
+                             p.mask, fixed_order_score(c.options, p.mask, std::nullopt), dlse_p);
     dout_rows.push_back(mine(dout, 1));
     out_rows.push_back(mine(out, 1));
     lse_rows.push_back(mine(lse, 2));
     if (dlse_p) dlse_rows.push_back(*dlse_p);
   }
-  if (!sinks) return {dq, dk, dv, at::empty({0}, q.options().dtype(at::kFloat))};
+  const at::Tensor dq = dq_sum.mul_(softmax_scale).to(q.scalar_type()),
+                   dk = dk_sum.mul_(softmax_scale).to(k.scalar_type()),
+                   dv = dv_sum.to(v.scalar_type());
+  if (!sinks) return {dq, dk, dv, at::empty({0}, f32)};
   return {dq, dk, dv,
           backend_for(q.device())
               .sink_bwd(at::cat(dout_rows, 1), at::cat(out_rows, 1), at::cat(lse_rows, 2),

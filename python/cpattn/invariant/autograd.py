@@ -117,8 +117,8 @@ def _backward_once(sums: tuple, mine: tuple, k: torch.Tensor, v: torch.Tensor, g
 
 def _finished(grad_sum: torch.Tensor, softmax_scale: float, dtype: torch.dtype) -> torch.Tensor:
     """A streamed gradient's fp32 sum, scaled once and rounded to the gradient's dtype: the
-    multiply in fp32 (the scale rounded to fp32 first) and round to nearest even, as the kernels
-    write a whole call's gradients."""
+    multiply in fp32 (the scale rounded to fp32 first) and round to nearest even, as one
+    process's sums are finished (op invariant_bwd)."""
     return grad_sum.mul_(softmax_scale).to(dtype)
 
 
@@ -166,11 +166,12 @@ class InvariantAttention(torch.autograd.Function):
                 t.contiguous() for t in (dout[:, :, qh], q[:, :, qh], out[:, :, qh], lse[:, qh],
                                          k[:, :, kh], v[:, :, kh]))
             dlse_h = None if dlse is None else dlse[:, qh].contiguous()
-            if world == 1:  # one call: dQ, dK and dV
+            # One algorithm: fp32 running sums in global order, scaled and cast once at the end
+            if world == 1:  # the sums of one part, every token: dQ, dK and dV in one call
                 dq_c, dk_c, dv_c, dsinks_c = torch.ops.cpattn.invariant_bwd(
                     dout_h, q_h, k_h, v_h, out_h, lse_h, dlse_h, o.sinks, layout_code, seqlen,
                     docs, **o.op_kwargs())
-            else:  # the same sums streamed: fp32 running sums, scaled and cast once at the end
+            else:  # the same sums over W ranks: computed once per block, or streamed
                 rest = (rank, world, layout_code, seqlen, docs)
                 # dlse - rowsum(dout * out) of these rows: what the kernels need of out and
                 # dlse (here, and on the other ranks)
