@@ -557,8 +557,8 @@ def _streamed_parts(rank: int, world: int) -> None:
     continue), with runs that do and do not end at such a multiple, broadcast whole or in pieces
     of one chunk; and with such pieces the results stay bitwise those of one process."""
     from cpattn._layout import LAYOUTS
-    from cpattn.strategies import invariant
-    from cpattn.strategies.invariant import _padded, gather_global, stream_global
+    from cpattn.invariant import global_order as invariant
+    from cpattn.invariant.global_order import _padded, gather_global, stream_global
 
     chunk = torch.ops.cpattn.invariant_chunk()
     group = dist.group.WORLD
@@ -650,7 +650,7 @@ def test_bitwise_blocks_computed_once(world, layout, seqlen, dtype, names) -> No
     each block once, on its rows' rank, and the keys' owner adds the dK / dV planes of the
     chunks in global order (_backward_once); bitwise."""
     from cpattn._layout import LAYOUTS
-    from cpattn.strategies.invariant import _computed_once
+    from cpattn.invariant.autograd import _computed_once
 
     code = LAYOUTS["contiguous" if layout == "striped" else layout]
     assert _computed_once(code, world, seqlen // world, None)

@@ -4,6 +4,8 @@
 #include <pybind11/stl.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cpattn/mask.h"
 #include "cpu/kernels.h"
@@ -21,12 +23,26 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_HEAD_DIM") = cpattn::ops::kMaxHeadDim;
   m.attr("UNBOUNDED_POSITION") = cpattn::kUnbounded;  // a window side this large: unbounded
   m.def("cpu_isa", &cpattn::cpu::active_isa,
-        "Instruction set of the CPU kernels: avx512, avx2 or generic");
+        "Instruction set the CPU kernels run with (the first of cpu_isa_paths() this CPU "
+        "supports, or a later one that CPATTN_CPU_ISA names)");
+  m.def(
+      "cpu_isa_paths",
+      [] {
+        std::vector<std::pair<std::string, std::string>> rows;
+        for (const cpattn::cpu::IsaPath& p : cpattn::cpu::isa_paths())
+          rows.emplace_back(p.name, p.packing == cpattn::cpu::OperandPacking::kBf16Pairs
+                                        ? "bfloat16"
+                                        : "float32");
+        return rows;
+      },
+      "The CPU kernels' instruction sets in order of preference: (name, the operand type "
+      "bfloat16 inputs take: bfloat16 through bf16 dot products, or float32)");
   m.def(
       "cpu_gemm",
       [](const std::string& dtype) {
         using cpattn::cpu::Operands;
-        const bool bf16 = dtype == "bfloat16" && cpattn::cpu::has_bf16_dot();
+        const bool bf16 = dtype == "bfloat16" && cpattn::cpu::active_isa_path().packing ==
+                                                     cpattn::cpu::OperandPacking::kBf16Pairs;
         return cpattn::cpu::path_report(bf16 ? Operands::kBFloat16 : Operands::kFloat32);
       },
       "How the CPU kernels run the products of inputs of this dtype (float32, float16, "

@@ -710,13 +710,13 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
 // the chunk's packed blocks, splits x the chunk's dQ, and the sums when not in place. dQ may be
 // dO itself (same strides): a chunk's dO rows are read when packed, before its dQ rows are
 // written, and never again (attention_bwd_in_dout).
-// Under fixed_order with accumulate, dq, dk and dv are fp32 running sums, unscaled, that the
-// call continues: each chunk's dQ starts from dq's rows, each chunk's dK / dV part is added to
-// the sums, and nothing is scaled. So calls over consecutive parts of the keys (dQ) or of the
-// queries (dK, dV), each starting at a multiple of kFixedChunkRows (a multiple of kBlockK) from
-// the first, give exactly the sums of one call (the rows of dQ and the keys of dK / dV may be
-// split anywhere: each row's, each key's sum is its own); the caller scales once at the end
-// (invariant mode's streamed backward: ops/invariant.cpp).
+// Under fixed_order (invariant mode: the one flag it sets) dq, dk and dv are fp32 running sums,
+// unscaled, that the call continues: each chunk's dQ starts from dq's rows, each chunk's dK / dV
+// part is added to the sums, and nothing is scaled. So calls over consecutive parts of the keys
+// (dQ) or of the queries (dK, dV), each starting at a multiple of kFixedChunkRows (a multiple of
+// kBlockK) from the first, give exactly the sums of one call (the rows of dQ and the keys of dK /
+// dV may be split anywhere: each row's, each key's sum is its own); the caller scales once at the
+// end (invariant mode's backward: ops/invariant.cpp).
 // With dq_transposed, key_block adds dQ^T (Dp x kBlockQ per query block: the brgemm path's
 // form), turned into rows before the splits are summed; not under fixed_order.
 template <typename T, typename Scratch, typename Pack, typename KeyBlock>
@@ -730,7 +730,7 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block,
   const int64_t chunk_elems = heads * rows_per_chunk * dp;
   PackedChunk<T> packed(sh, rows_per_chunk);
   AlignedArray<float> dq = aligned_array<float>(max_splits * chunk_elems);
-  const bool resume = sh.fixed_order && p.accumulate;
+  const bool resume = sh.fixed_order;  // running sums (params.h AttnShape::fixed_order)
   const KeyGradSums dk(sh, p.dk, sh.head_dim, dp, p.softmax_scale, p.accumulate, resume),
       dv(sh, p.dv, sh.head_dim_v, sh.head_dim_v_padded, 1.f, p.accumulate, resume);
   for (int64_t q0 = 0; q0 < sh.seqlen_q; q0 += rows_per_chunk) {
@@ -775,7 +775,7 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block,
         }
       }
     });
-    if (!p.dq.data) continue;  // no dQ wanted (invariant mode's key-side pass)
+    if (!p.dq.data) continue;  // no dQ wanted
     if (dq_transposed)
       at::parallel_for(0, splits * heads * blocks, 1, [&](int64_t begin, int64_t end) {
         AlignedArray<float> rows = aligned_array<float>(kBlockQ * dp);

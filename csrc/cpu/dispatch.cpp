@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "cpattn/env.h"
 #include "cpu/kernels.h"
@@ -11,43 +12,34 @@
 namespace cpattn::cpu {
 namespace {
 
-enum class Isa { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
-
-struct IsaChoice {
-  Isa isa = Isa::kGeneric;
-  bool lowered = false;  // by CPATTN_CPU_ISA
-};
-
-IsaChoice detect() {
-  Isa best = Isa::kGeneric;
+// What the CPU supports, for the rows of the table below. Every instruction set above generic is
+// built with -mavx2 -mfma -mf16c, so each row's predicate includes the one below it.
+bool cpu_has_avx2() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  // every variant above generic is built with -mavx2 -mfma -mf16c
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
-    best = Isa::kAvx2;
-  if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    best = Isa::kAvx512;
-  if (best == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16")) best = Isa::kAvx512Bf16;
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#else
+  return false;
 #endif
-  // CPATTN_CPU_ISA can only lower the choice: asking for more than the CPU has would crash.
-  if (const char* want = env::cpu_isa()) {
-    Isa asked = best;
-    if (!std::strcmp(want, "generic")) asked = Isa::kGeneric;
-    if (!std::strcmp(want, "avx2")) asked = Isa::kAvx2;
-    if (!std::strcmp(want, "avx512")) asked = Isa::kAvx512;
-    if (asked < best) return {asked, true};
-  }
-  return {best, false};
 }
-
-const IsaChoice& isa_choice() {
-  static const IsaChoice chosen = detect();
-  return chosen;
+bool cpu_has_avx512() {
+#if defined(__x86_64__)
+  return cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
 }
-Isa isa() { return isa_choice().isa; }
+bool cpu_has_avx512bf16() {
+#if defined(__x86_64__)
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+bool cpu_has_anything() { return true; }
 
 // One instruction set's kernels (kernels_<isa>.cpp); no brgemm entry points below AVX2.
 struct IsaKernels {
@@ -59,30 +51,60 @@ struct IsaKernels {
   BackwardChunking (*backward_chunking)(const AttnShape&);
 };
 
-const IsaKernels& kernels() {
-  static const IsaKernels k = [] {
-    namespace a512b = avx512bf16;
-    namespace a512 = avx512;
-    switch (isa()) {
-      case Isa::kAvx512Bf16:
-        return IsaKernels{&a512b::attention_fwd,        &a512b::attention_bwd,
-                          &a512b::attention_fwd_brgemm, &a512b::attention_bwd_brgemm,
-                          &a512b::round_split_sums,     &a512b::backward_chunking};
-      case Isa::kAvx512:
-        return IsaKernels{&a512::attention_fwd,        &a512::attention_bwd,
-                          &a512::attention_fwd_brgemm, &a512::attention_bwd_brgemm,
-                          &a512::round_split_sums,     &a512::backward_chunking};
-      case Isa::kAvx2:
-        return IsaKernels{&avx2::attention_fwd,        &avx2::attention_bwd,
-                          &avx2::attention_fwd_brgemm, &avx2::attention_bwd_brgemm,
-                          &avx2::round_split_sums,     &avx2::backward_chunking};
-      default:
-        return IsaKernels{&generic::attention_fwd,    &generic::attention_bwd,    nullptr, nullptr,
-                          &generic::round_split_sums, &generic::backward_chunking};
-    }
-  }();
-  return k;
+#define CPATTN_ISA_KERNELS(isa)                                                     \
+  IsaKernels {                                                                      \
+    &isa::attention_fwd, &isa::attention_bwd, &isa::attention_fwd_brgemm,           \
+        &isa::attention_bwd_brgemm, &isa::round_split_sums, &isa::backward_chunking \
+  }
+
+// A row of the table of instruction sets: its name and operand packing (IsaPath), whether this
+// CPU runs it, and its kernels.
+struct IsaRow {
+  IsaPath path;
+  bool (*supported)();
+  IsaKernels kernels;
+};
+
+// The instruction sets in order of preference; the last row runs everywhere. A new instruction
+// set: a kernels_<isa>.cpp (its entry points, CPATTN_DECLARE_ISA in kernels.h) and a row here.
+const std::array<IsaRow, 4>& isa_rows() {
+  static const std::array<IsaRow, 4> table{{
+      {{"avx512bf16", OperandPacking::kBf16Pairs},
+       cpu_has_avx512bf16,
+       CPATTN_ISA_KERNELS(avx512bf16)},
+      {{"avx512", OperandPacking::kFloat32}, cpu_has_avx512, CPATTN_ISA_KERNELS(avx512)},
+      {{"avx2", OperandPacking::kFloat32}, cpu_has_avx2, CPATTN_ISA_KERNELS(avx2)},
+      {{"generic", OperandPacking::kFloat32},
+       cpu_has_anything,
+       {&generic::attention_fwd, &generic::attention_bwd, nullptr, nullptr,
+        &generic::round_split_sums, &generic::backward_chunking}},
+  }};
+  return table;
 }
+#undef CPATTN_ISA_KERNELS
+
+struct IsaChoice {
+  size_t row = 0;        // of isa_rows()
+  bool lowered = false;  // by CPATTN_CPU_ISA
+};
+
+// The first row this CPU supports; CPATTN_CPU_ISA may name a later one (it can only lower the
+// choice: asking for more than the CPU has would crash; a name that is no row is ignored).
+IsaChoice detect() {
+  const auto& rows = isa_rows();
+  size_t best = 0;
+  while (!rows[best].supported()) ++best;
+  if (const char* want = env::cpu_isa())
+    for (size_t r = best + 1; r < rows.size(); ++r)
+      if (!std::strcmp(want, rows[r].path.name)) return {r, true};
+  return {best, false};
+}
+
+const IsaChoice& isa_choice() {
+  static const IsaChoice chosen = detect();
+  return chosen;
+}
+const IsaKernels& kernels() { return isa_rows()[isa_choice().row].kernels; }
 
 // Whether oneDNN's brgemm runs the products of operands `o` here: the instruction set builds the
 // path, the build's torch has the products, mkldnn is on, and the probe passed (onednn_gemm.h).
@@ -205,20 +227,15 @@ std::vector<int64_t> path_calls() {
 
 int64_t amx_tasks() { return onednn::amx_tasks(); }
 
-const char* active_isa() {
-  switch (isa()) {
-    case Isa::kAvx512Bf16:
-      return "avx512bf16";
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx2:
-      return "avx2";
-    default:
-      return "generic";
-  }
-}
+const char* active_isa() { return active_isa_path().name; }
 
-bool has_bf16_dot() { return isa() == Isa::kAvx512Bf16; }
+const IsaPath& active_isa_path() { return isa_rows()[isa_choice().row].path; }
+
+std::vector<IsaPath> isa_paths() {
+  std::vector<IsaPath> out;
+  for (const IsaRow& row : isa_rows()) out.push_back(row.path);
+  return out;
+}
 
 void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n) {
   kernels().round_split_sums(high, low, n);

@@ -12,8 +12,8 @@
 
 namespace cpattn::cpu {
 
-// The kernels' operand type: bf16 where the CPU has bf16 dot products (has_bf16_dot()) and the
-// inputs are bf16; fp32 otherwise (fp32 and fp16 inputs, and bf16 without bf16 dot products).
+// The kernels' operand type: bf16 where the instruction set's packing is kBf16Pairs and the
+// inputs are bf16; fp32 otherwise (fp32 and fp16 inputs, and bf16 on the other instruction sets).
 enum class Operands { kFloat32 = 0, kBFloat16 = 1 };
 
 // How the op layer packs a call's operands for a path (params.h says where each goes):
@@ -60,12 +60,24 @@ int64_t amx_tasks();
 // Rounds n split fp32 sums (BwdParams::dq_low) to the nearest bf16, in place in `high`.
 void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n);
 
-// The instruction set the kernels run with: "avx512bf16", "avx512", "avx2" or "generic". The
-// environment variable CPATTN_CPU_ISA may ask for a lower one (tests use it to cover every path).
-const char* active_isa();
+// How an instruction set's kernels take bf16 inputs: as fp32 operands like every other input
+// (kFloat32), or as bf16 operands through bf16 dot products (kBf16Pairs: FwdParams::q16...,
+// params.h; V of the forward and K of the backward's dQ with key pairs interleaved).
+enum class OperandPacking { kFloat32, kBf16Pairs };
 
-// Whether the kernels take bf16 operands (FwdParams::q16...): AVX-512 with bf16 dot products.
-bool has_bf16_dot();
+// A row of the table of instruction sets (dispatch.cpp, in order of preference): "avx512bf16",
+// "avx512", "avx2", "generic".
+struct IsaPath {
+  const char* name;
+  OperandPacking packing;
+};
+
+// The instruction set the kernels run with: the first row of the table this CPU supports. The
+// environment variable CPATTN_CPU_ISA may name a later one (tests use it to cover every path).
+const IsaPath& active_isa_path();
+const char* active_isa();  // its name
+// Every row, in order of preference (for cpattn.build_info()).
+std::vector<IsaPath> isa_paths();
 
 // How the backward of a call of shape `shape` cuts its work (attention_kernel.h): the splits of
 // the key blocks per (batch, kv head) pair, each with its own dQ buffer, and the query rows per

@@ -20,10 +20,10 @@ struct FwdParams : AttnScoring {  // score.sinks: applied to out and lse when ro
   const float* v = nullptr;  // (B, Hkv, Sk, Dvp)
   BshdOutput out;            // (B, Sq, H, Dv), fully written
   float* lse = nullptr;      // (B, H, Sq) contiguous, natural log
-  // bf16 operands instead of q/k/v, for CPUs with bf16 dot products (cpu::has_bf16_dot()):
-  // q16 (B, Sq, H, D) as given, strides q16_strides; k16 (B, Hkv, Sk, Dp); v16
-  // (B, Hkv, Sk2, Dp, 2) with Sk2 = ceil(Sk / 2): V with key pairs interleaved (keys 2j and
-  // 2j+1 side by side, a zero key past the end), Dvp in place of Dp. (K is packed so that a
+  // bf16 operands instead of q/k/v, where the instruction set packs them so (kernels.h
+  // OperandPacking::kBf16Pairs): q16 (B, Sq, H, D) as given, strides q16_strides; k16 (B, Hkv,
+  // Sk, Dp); v16 (B, Hkv, Sk2, Dp, 2) with Sk2 = ceil(Sk / 2): V with key pairs interleaved (keys
+  // 2j and 2j+1 side by side, a zero key past the end), Dvp in place of Dp. (K is packed so that a
   // block's keys are contiguous: in place, its rows lie H D apart.)
   const uint16_t* q16 = nullptr;
   BshdStrides q16_strides;
@@ -57,8 +57,8 @@ struct BwdParams : AttnScoring {  // score.sinks unused: the sink is already in 
   // With accumulate, dq may be bf16: the high halves of fp32 sums whose low halves dq_low holds
   // at the same offsets (vec.h join_halves), rounded by round_split_sums at the end.
   uint16_t* dq_low = nullptr;
-  // bf16 operands instead of q/k/v/dout (cpu::has_bf16_dot()): q16 and dout16 (B, Sq, H, D) as
-  // given, strides q16_strides and dout16_strides; k16 (B, Sk, Hkv, Dp) and v16 (B, Sk, Hkv,
+  // bf16 operands instead of q/k/v/dout (OperandPacking::kBf16Pairs): q16 and dout16 (B, Sq, H, D)
+  // as given, strides q16_strides and dout16_strides; k16 (B, Sk, Hkv, Dp) and v16 (B, Sk, Hkv,
   // Dvp) by strides k16_strides and v16_strides (the caller's tensors when D = Dp, else copies
   // zero beyond D), and K again with key pairs interleaved, k16_pairs (B, Hkv, ceil(Sk / 2),
   // Dp, 2), for dQ = dS K (none without dQ, and none on the brgemm path).

@@ -139,7 +139,8 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
   FwdParams p;
   p.shape = s;
   at::Tensor qp, kp, vp;
-  const bool bf16 = q.scalar_type() == at::kBFloat16 && cpu::has_bf16_dot();
+  const bool bf16 = q.scalar_type() == at::kBFloat16 &&
+                    cpu::active_isa_path().packing == cpu::OperandPacking::kBf16Pairs;
   const cpu::KernelPath& path =
       cpu::kernel_path(bf16 ? cpu::Operands::kBFloat16 : cpu::Operands::kFloat32, s.fixed_order);
   const bool panels = path.packing == cpu::Packing::kBrgemm;  // V^T in panels, else V rows
@@ -207,7 +208,7 @@ int64_t backward_bytes_per_kv_head(const AttnShape& s, bool bf16, bool operands_
 // Whether the backward takes bf16 operands through bf16 dot products.
 bool backward_takes_bf16(const at::Tensor& q, const at::Tensor& dout) {
   return q.scalar_type() == at::kBFloat16 && dout.scalar_type() == at::kBFloat16 &&
-         cpu::has_bf16_dot();
+         cpu::active_isa_path().packing == cpu::OperandPacking::kBf16Pairs;
 }
 
 // The kernel path of a backward (kernels.h).

@@ -1,7 +1,7 @@
 // Invariant mode (invariant=True): results that do not depend on the number of ranks, the layout
 // or the strategy, bit for bit. Each rank computes exactly what one process computes for its own
 // query rows (out, lse, dQ) and its own keys (dK, dV): the operands it needs are gathered in
-// global order (python/cpattn/strategies/invariant.py) and every sum runs in an order fixed by
+// global order (python/cpattn/invariant/) and every sum runs in an order fixed by
 // global positions alone. The forward cuts each row's keys (those of its document, with packed
 // documents) into tiles from key 0 and merges the tiles' partial results by the tile tree
 // (cpattn/invariant.h); the kernels treat every query row alike. The backward runs with
@@ -257,7 +257,9 @@ at::Tensor invariant_sink_bwd(const at::Tensor& lse_all, const at::Tensor& shift
 // One process: dq, dk, dv of every row and key (k, v every key; q's rows may be fewer, bottom-right
 // aligned without documents) in the inputs' dtypes, padding rows and keys 0; and with sinks their
 // gradient (H,) fp32 (else an empty tensor). Each document's rows against its keys in one call
-// (AttnShape::fixed_order); over W ranks the same sums are streamed (invariant_bwd_part).
+// into fp32 running sums (AttnShape::fixed_order): the one backward algorithm, whose sums over W
+// ranks are streamed a part at a time (invariant_bwd_part) or computed once per block
+// (invariant_bwd_rows).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
@@ -266,20 +268,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
   const InvariantCall c = check_invariant_args("invariant_bwd", q, k, v, q.size(1), k.size(1), 0, 1,
                                                layout, seqlen, doc_lengths, CPATTN_OPTIONS);
   check_per_head("invariant_bwd", "sinks", sinks, q.size(2), q.device());
-  // One piece over every row and key: its gradients are the outputs, not copied into zeroed ones
-  // (padding and several pieces).
-  const bool whole = c.pieces.size() == 1 && c.pieces[0].rows.length == q.size(1) &&
-                     c.pieces[0].doc_length == k.size(1);
-  at::Tensor dq, dk, dv;
-  if (!whole)
-    std::tie(dq, dk, dv) = std::tuple(at::zeros_like(q), at::zeros_like(k), at::zeros_like(v));
-  // all's tokens [begin, begin + part's) are part
-  const auto put = [&](at::Tensor& all, const at::Tensor& part, int64_t begin) {
-    if (whole)
-      all = part;
-    else
-      all.narrow(1, begin, part.size(1)).copy_(part);
-  };
+  // The streamed backward's algorithm (invariant_bwd_part) over one part, every row and key:
+  // fp32 running sums from zeros (padding rows and keys stay 0), scaled and rounded once at the
+  // end as python/cpattn/invariant/autograd.py finishes them.
+  const auto f32 = q.options().dtype(at::kFloat);
+  const at::Tensor dq_sum = at::zeros(q.sizes(), f32), dk_sum = at::zeros(k.sizes(), f32),
+                   dv_sum = at::zeros(v.sizes(), f32);
   std::vector<at::Tensor> dout_rows, out_rows, lse_rows, dlse_rows;
   for (const Piece& p : c.pieces) {
     const auto mine = [&](const at::Tensor& t, int64_t dim) {
@@ -288,19 +282,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const auto doc = [&](const at::Tensor& t) { return t.narrow(1, p.doc_begin, p.doc_length); };
     const std::optional<at::Tensor> dlse_p =
         dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt;
-    const auto [dq_p, dk_p, dv_p] = attention_bwd_scored(
-        mine(dout, 1), mine(q, 1), doc(k), doc(v), mine(out, 1), mine(lse, 2).contiguous(),
-        softmax_scale, p.mask, fixed_order_score(c.options, p.mask, std::nullopt), std::nullopt,
-        dlse_p);
-    put(dq, dq_p, p.rows.local_begin);
-    put(dk, dk_p, p.doc_begin);
-    put(dv, dv_p, p.doc_begin);
+    attention_bwd_add_scored(mine(dq_sum, 1), doc(dk_sum), doc(dv_sum), mine(dout, 1), mine(q, 1),
+                             doc(k), doc(v), mine(out, 1), mine(lse, 2).contiguous(), softmax_scale,
+                             p.mask, fixed_order_score(c.options, p.mask, std::nullopt), dlse_p);
     dout_rows.push_back(mine(dout, 1));
     out_rows.push_back(mine(out, 1));
     lse_rows.push_back(mine(lse, 2));
     if (dlse_p) dlse_rows.push_back(*dlse_p);
   }
-  if (!sinks) return {dq, dk, dv, at::empty({0}, q.options().dtype(at::kFloat))};
+  const at::Tensor dq = dq_sum.mul_(softmax_scale).to(q.scalar_type()),
+                   dk = dk_sum.mul_(softmax_scale).to(k.scalar_type()),
+                   dv = dv_sum.to(v.scalar_type());
+  if (!sinks) return {dq, dk, dv, at::empty({0}, f32)};
   return {dq, dk, dv,
           backend_for(q.device())
               .sink_bwd(at::cat(dout_rows, 1), at::cat(out_rows, 1), at::cat(lse_rows, 2),
@@ -431,7 +424,7 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
 // and end at multiples of kInvariantChunk): a rank adds its rows' dQ terms against a part of the
 // keys to its running sums as invariant_bwd_part does, and returns the dK / dV terms of each of
 // its chunks of kInvariantChunk rows against the part separately (a plane per chunk), for the
-// keys' owner to add in global order of the chunks (python/cpattn/strategies/invariant.py). A
+// keys' owner to add in global order of the chunks (python/cpattn/invariant/). A
 // chunk's plane is exactly the part that one process's call adds to the sums for these rows
 // (backward_chunks: the chunks' dK / dV parts are added one after another), so the owner's
 // additions give the same sums.

@@ -100,7 +100,10 @@ def build_info() -> dict:
         "with_cuda": b.WITH_CUDA,
         "cuda_arch_list": b.CUDA_ARCH_LIST if b.WITH_CUDA else "",
         "cuda_head_dims": getattr(b, "CUDA_HEAD_DIMS", "") if b.WITH_CUDA else "",
+        # the CPU kernels' instruction set, and every one in order of preference with the
+        # operand type its kernels take bfloat16 inputs as (csrc/cpu/dispatch.cpp)
         "cpu_isa": _C.cpu_isa(),
+        "cpu_isa_paths": [{"name": n, "bfloat16_operands": t} for n, t in _C.cpu_isa_paths()],
         # how the CPU kernels run their matrix products per input dtype (docs/environment.md,
         # CPATTN_CPU_GEMM), and whether oneDNN's bf16 products run on AMX tiles
         "cpu_gemm": {d: _C.cpu_gemm(d) for d in ("float32", "float16", "bfloat16")},

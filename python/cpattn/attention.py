@@ -7,8 +7,8 @@ import torch
 from cpattn._autograd import once_differentiable
 from cpattn._layout import LAYOUTS
 from cpattn._validation import check_qkv, document_lengths, error
+from cpattn.invariant import InvariantAttention, check_invariant_call
 from cpattn.options import AttentionOptions
-from cpattn.strategies.invariant import InvariantAttention, check_invariant_call
 
 
 def attention(

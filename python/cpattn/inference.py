@@ -31,6 +31,8 @@ from cpattn._validation import (
     error,
 )
 from cpattn.comm import all_gather_flat
+from cpattn.invariant import kv_cache as invariant_cache
+from cpattn.invariant.global_order import gather_global
 from cpattn.kv_cache import KVCacheShard, check_cache_type
 from cpattn.options import AttentionOptions
 from cpattn.sharding import group_info, positions
@@ -136,62 +138,16 @@ def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
 
 
 # ---------------------------------------------------------------------------------------------
-# Invariant mode (invariant=True): every row the bits of the training forward over the whole
-# sequence (docs/invariance.md). The cache's blocks of `interleave` tokens are aligned blocks of
-# the forward's key tiles (csrc/include/cpattn/invariant.h): each rank computes its blocks'
-# partial results, the blocks' results merge in the tile tree's order wherever the rows live.
-
-def _check_invariant_cache(what: str, q: torch.Tensor, cache: KVCacheShard) -> None:
-    tile = ops.invariant_tile()
-    if cache.interleave % tile:
-        raise error(what, "invariant", True, f"needs a cache whose blocks are whole key tiles of "
-                    f"the invariant forward: KVCacheShard(interleave=a multiple of {tile}), got "
-                    f"interleave {cache.interleave}")
-    from cpattn.strategies.invariant import check_invariant_call
-
-    check_invariant_call(what, q)
-
-
-def _owned_blocks(q: torch.Tensor, cache: KVCacheShard, q_begin: list, opts) -> torch.Tensor:
-    """The partial results of query rows q (B, R, H, D) (sequence b's first at position
-    q_begin[b]) over each cache block this rank owns, in slot order: (blocks, B, R, H, D + 1),
-    out and lse packed ((0, -inf) where a sequence has no such block)."""
-    block, world = cache.interleave, cache.world_size
-    lengths = cache.lengths.tolist()
-    slots = -(-max(-(-n // block) for n in lengths) // world)  # blocks per rank, at most
-    b, r, h, d = q.shape
-    parts = q.new_zeros((slots, b, r, h, d + 1), dtype=torch.float32)
-    parts[..., -1] = float("-inf")
-    for i, n in enumerate(lengths):
-        for slot, j in enumerate(range(cache.rank, -(-n // block), world)):
-            keys = slice(slot * block, slot * block + min(block, n - j * block))
-            out, lse = ops.invariant_partial(q[i:i + 1], cache.k[i:i + 1, keys],
-                                             cache.v[i:i + 1, keys], q_begin[i], j * block,
-                                             **opts.op_kwargs())
-            parts[slot, i] = _pack(out, lse)[0]
-    return parts
-
-
-def _merge_blocks(parts: torch.Tensor, cache: KVCacheShard, sinks, dtype) -> tuple:
-    """parts (W, slots, ...): every rank's blocks (rank s's slot j is block j W + s) -> merged in
-    the tile tree's order, the sinks joined, out cast to dtype."""
-    tiles_per_block = cache.interleave // ops.invariant_tile()
-    parts = parts.transpose(0, 1).flatten(0, 1)  # block order
-    outs, lses = parts[..., :-1], parts[..., -1].transpose(2, 3)
-    return ops.invariant_merge(outs.contiguous(), lses.contiguous(),
-                               [j * tiles_per_block for j in range(parts.shape[0])], sinks, dtype)
-
+# Invariant mode (invariant=True): the cache's blocks of key tiles (cpattn/invariant/kv_cache.py).
 
 def _invariant_prefill(q, k, v, cache, group, rank, world, layout, n, timeout, opts, what):
     """prefill_attention(invariant=True): the chunk's K/V gathered and stored by their owners,
     then every rank's blocks for all the chunk's queries, sent to the ranks holding them."""
-    from cpattn.strategies.invariant import gather_global
-
     code = LAYOUTS[layout]
     start = cache.lengths.tolist()
     k_all, v_all, q_all = (t[:, :n] for t in gather_global([k, v, q], 1, group, rank, world, code))
     cache.append(k_all, v_all)
-    parts = _owned_blocks(q_all, cache, start, opts)  # (slots, B, n, H, D + 1)
+    parts = invariant_cache.owned_blocks(q_all, cache, start, opts)  # (slots, B, n, H, D + 1)
     # each rank's rows, in its layout order (padding rows: empty)
     index = torch.cat([positions(n, layout=layout, rank=r, world_size=world)
                        for r in range(world)])
@@ -199,7 +155,8 @@ def _invariant_prefill(q, k, v, cache, group, rank, world, layout, n, timeout, o
     parts[:, :, -1, :, -1] = float("-inf")
     send = parts.index_select(2, torch.where(index < 0, n, index))
     send = send.unflatten(2, (world, q.shape[1])).permute(2, 0, 1, 3, 4, 5).contiguous()
-    out, lse = _merge_blocks(_all_to_all(send, group, timeout, what), cache, opts.sinks, q.dtype)
+    recv = _all_to_all(send, group, timeout, what)
+    out, lse = invariant_cache.merge_blocks(recv, cache, opts.sinks, q.dtype)
     return out, lse
 
 
@@ -260,7 +217,7 @@ def prefill_attention(
                         f"{padded_length(n, layout, world) // world} tokens under the {layout} "
                         f"layout over {world} ranks, not {q.shape[1]}")
         if opts.invariant:
-            _check_invariant_cache(what, q, cache)
+            invariant_cache.check_cache(what, q, cache)
         # the ring runs on positions within the chunk: the prefix's end relative to it
         ring_prefix = (prefix - cache.lengths).clamp(min=0).unique().tolist() if prefix else [0]
         if len(ring_prefix) > 1 and not opts.invariant:
@@ -371,7 +328,7 @@ def decode_attention(
         check_cache_type(cache, what)
         opts = _causal_options(what, q, options)
         if opts.invariant:
-            _check_invariant_cache(what, q, cache)
+            invariant_cache.check_cache(what, q, cache)
         return opts, [*tensor_fields("q", q), ("comm", comm), *cache.agreement_fields(rank),
                       *opts.agreement_fields()]
 
@@ -394,7 +351,7 @@ def decode_attention(
         )
 
     if opts.invariant:  # every rank's blocks, merged in the tile tree's order
-        parts = _owned_blocks(q, cache, (cache.lengths - sq).tolist(), opts)
+        parts = invariant_cache.owned_blocks(q, cache, (cache.lengths - sq).tolist(), opts)
         if world == 1:
             parts = parts[None]
         elif comm == "all_gather":
@@ -404,7 +361,7 @@ def decode_attention(
             parts = _all_to_all(send, group, timeout, what)
             if sinks is not None:
                 sinks = sinks[rank * h // world:(rank + 1) * h // world]
-        out, lse = _merge_blocks(parts, cache, sinks, q.dtype)
+        out, lse = invariant_cache.merge_blocks(parts, cache, sinks, q.dtype)
         return (out, lse) if return_lse else out
     po, pl = ops.cache_attention_fwd(
         q, cache.k, cache.v, cache.lengths, cache.lengths - sq, rank, world, cache.interleave,

@@ -22,9 +22,10 @@ struct AttnShape {
   int64_t head_dim_padded = 0;    // Dp >= D, the row length of the packed fp32 operands
   int64_t head_dim_v = 0;         // Dv of v, out and dout (MLA-style models: Dv != D)
   int64_t head_dim_v_padded = 0;  // Dvp >= Dv, likewise
-  // Invariant mode (ops/invariant.cpp): every sum of the backward runs in an order fixed by global
-  // positions alone, never by the call's sizes (CPU: one key split, query chunks of a fixed size;
-  // CUDA: the deterministic dQ pass, one head split in the dK/dV pass).
+  // Invariant mode (ops/invariant.cpp), the one flag it sets: every sum of the backward runs in
+  // an order fixed by global positions alone, never by the call's sizes (CPU: the micro-kernels,
+  // one key split, query chunks of a fixed size, and dq, dk, dv fp32 running sums that the call
+  // continues, unscaled; CUDA: the deterministic dQ pass, one head split in the dK/dV pass).
   bool fixed_order = false;
 
   int64_t group_size() const { return heads / kv_heads; }

@@ -121,7 +121,10 @@ def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, dtype: str, gr
 @functools.lru_cache(maxsize=1)
 def _bf16_dot() -> bool:
     """Whether this CPU's kernel takes bf16 through bf16 dot products (its packing differs)."""
-    return cpu_isa() == "avx512bf16"
+    from cpattn import build_info  # the running instruction set's row says how bf16 is packed
+
+    return next(p["bfloat16_operands"] for p in build_info()["cpu_isa_paths"]
+                if p["name"] == cpu_isa()) == "bfloat16"
 
 
 def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",

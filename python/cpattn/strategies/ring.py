@@ -26,6 +26,7 @@ from cpattn._validation import (
 )
 from cpattn.attention import LocalDocuments
 from cpattn.documents import DocumentPlan
+from cpattn.invariant import check_invariant_call, invariant_attention
 from cpattn.max_logits import document_placement, global_max_logits, returned, sequence_placement
 from cpattn.options import AttentionOptions
 from cpattn.sharding import group_info
@@ -39,7 +40,6 @@ from cpattn.strategies.common import (
     needs_grad,
     sink_grad,
 )
-from cpattn.strategies.invariant import check_invariant_call, invariant_attention
 
 
 class RingAttention(torch.autograd.Function):

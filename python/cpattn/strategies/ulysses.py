@@ -20,13 +20,13 @@ from cpattn._device import to_device
 from cpattn._layout import LAYOUTS, kv_heads_for_ranks, padded_length
 from cpattn._validation import check_bool, check_int, check_timeout, document_lengths, error
 from cpattn.attention import varlen_attention
+from cpattn.invariant import InvariantAttention, check_invariant_call
 from cpattn.max_logits import document_placement, global_max_logits, returned, sequence_placement
 from cpattn.options import AttentionOptions
 from cpattn.packing import gathered_order
 from cpattn.sharding import group_info
 from cpattn.strategies.base import Strategy
 from cpattn.strategies.common import checked_call, input_grads
-from cpattn.strategies.invariant import InvariantAttention, check_invariant_call
 
 
 def scatter_heads(q, k, v, group):
