@@ -10,11 +10,12 @@ from cpattn import plan as _plan
 from cpattn._agreement import agree_on
 from cpattn._device import to_device
 from cpattn._layout import DTYPE_NAMES
+from cpattn._passes import needs_grad
 from cpattn._validation import check_timeout, error
 from cpattn.attention import attention
 from cpattn.parallel import ContextParallel
 from cpattn.sharding import group_info, unshard
-from cpattn.strategies.common import checked_call, needs_grad
+from cpattn.strategies.common import checked_call
 from cpattn.strategies.registry import STRATEGIES as REGISTRY
 
 

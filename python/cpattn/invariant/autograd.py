@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from cpattn._autograd import once_differentiable
 from cpattn._layout import LAYOUTS
+from cpattn._passes import backward_in_passes, forward_in_passes, input_grads
 from cpattn.invariant.global_order import Relayout, gather_global, global_runs, stream_global
-from cpattn.strategies.common import backward_in_passes, forward_in_passes, input_grads
 
 
 def _computed_once(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> bool:

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from cpattn import comm
 from cpattn._autograd import once_differentiable
-from cpattn.strategies.common import forward_in_passes, head_groups, input_grads, sink_grad
+from cpattn._passes import forward_in_passes, head_groups, input_grads, sink_grad
 
 
 def gather_kv(k, v, group, world):

@@ -15,6 +15,7 @@ from cpattn import plan
 from cpattn._agreement import agree_on, digest_ints
 from cpattn._autograd import once_differentiable
 from cpattn._layout import DTYPE_NAMES, LAYOUTS, default_head_group, padded_length
+from cpattn._passes import backward_in_passes, forward_in_passes, input_grads, needs_grad, sink_grad
 from cpattn._validation import (
     check_bool,
     check_choice,
@@ -32,14 +33,7 @@ from cpattn.options import AttentionOptions
 from cpattn.sharding import group_info
 from cpattn.strategies.allgather import GatheredAttention, SubsetGathered
 from cpattn.strategies.base import Strategy
-from cpattn.strategies.common import (
-    backward_in_passes,
-    checked_call,
-    forward_in_passes,
-    input_grads,
-    needs_grad,
-    sink_grad,
-)
+from cpattn.strategies.common import checked_call
 
 
 class RingAttention(torch.autograd.Function):
