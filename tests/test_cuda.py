@@ -36,8 +36,9 @@ def test_cuda_ops_registered_in_cuda_builds() -> None:
     if not cpattn.build_info()["with_cuda"]:
         pytest.skip("CPU build")
     for op in ("attention_fwd", "attention_bwd", "merge_state_", "ring_fwd", "ring_bwd",
-               "gathered_fwd", "gathered_bwd", "merge_attention_states",
-               "merge_attention_states_bwd", "cache_store_", "cache_attention_fwd", "prefill_fwd",
+               "gathered_fwd", "gathered_bwd", "attention_varlen_fwd", "attention_varlen_bwd",
+               "merge_attention_states", "merge_attention_states_bwd", "cache_store_",
+               "cache_attention_fwd", "prefill_fwd",
                "testing::ring_fwd_emulated", "testing::ring_bwd_emulated", "testing::ring_shift"):
         name = f"cpattn_{op}" if op.startswith("testing::") else f"cpattn::{op}"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), op

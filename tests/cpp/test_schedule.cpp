@@ -169,5 +169,33 @@ TEST(Layout, ZigzagHoldsChunksRAnd2WMinus1MinusR) {
   }
 }
 
+// Packed documents: each padded to the granularity, one after the other; every rank's runs of a
+// document are that rank's shard of it, moved to where the document starts in the shard.
+TEST(Layout, DocumentShardsPadAndFollowEachOther) {
+  const int64_t lengths[] = {5, 0, 13, 1, 24, 7};
+  for (Layout layout : {Layout::kContiguous, Layout::kZigzag, Layout::kStriped})
+    for (int64_t world = 1; world <= 8; ++world) {
+      const int64_t g = layout_granularity(layout, world);
+      int64_t begin = 0;
+      for (int64_t n : lengths)
+        for (int64_t rank = 0; rank < world; ++rank) {
+          const DocumentShard d = document_shard(layout, n, world, rank, begin);
+          ASSERT_EQ(d.padded, (n + g - 1) / g * g);
+          ASSERT_EQ(d.padded % g, 0);
+          ASSERT_EQ(d.global_begin, begin);
+          ASSERT_EQ(d.local_begin, begin / world);
+          const ShardRuns plain = shard_runs(layout, d.padded, world, rank);
+          ASSERT_EQ(d.runs.count, plain.count);
+          for (int i = 0; i < plain.count; ++i) {
+            EXPECT_EQ(d.runs.runs[i].local_begin, plain.runs[i].local_begin + begin / world);
+            EXPECT_EQ(d.runs.runs[i].global_begin, plain.runs[i].global_begin);
+            EXPECT_EQ(d.runs.runs[i].length, plain.runs[i].length);
+          }
+          if (rank + 1 == world) begin += d.padded;
+        }
+      EXPECT_EQ(padded_documents_length(layout, lengths, 6, world), begin);
+    }
+}
+
 }  // namespace
 }  // namespace cpattn
