@@ -102,7 +102,7 @@ def _under(module: str, names: tuple) -> bool:
 
 LAYER_RULES = [
     # local attention, the options, the layouts and the planner: below every strategy
-    (("cpattn.attention", "cpattn.invariant", "cpattn._passes", "cpattn._layout", "cpattn._ops",
+    (("cpattn.attention", "cpattn.invariant", "cpattn._layout", "cpattn._ops",
       "cpattn.options", "cpattn._validation", "cpattn._agreement", "cpattn.sharding", "cpattn.comm",
       "cpattn.max_logits", "cpattn.packing", "cpattn.documents", "cpattn.kv_cache",
       "cpattn.plan"),

@@ -15,6 +15,7 @@ import operator
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from cpattn import _env
 
@@ -274,3 +275,16 @@ def check_prefix_per_document(what: str, prefix_len, doc_lengths: torch.Tensor,
         raise error(what, f"prefix_len[{d}]", int(prefix[d]),
                     f"must be between 0 and the {unit.split()[0]}'s length {int(doc_lengths[d])}")
     return prefix
+
+
+def group_info(group) -> tuple:
+    """(group, this rank in it, its size); the default group for None. Raises when
+    torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "cpattn: context parallelism needs torch.distributed to be initialised "
+            "(dist.init_process_group), or use "
+            "cpattn.testing.emulation.ring_attention_emulated for one process"
+        )
+    group = group if group is not None else dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)

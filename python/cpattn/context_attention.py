@@ -8,13 +8,13 @@ import torch
 
 from cpattn import plan as _plan
 from cpattn._agreement import agree_on
+from cpattn._autograd import needs_grad
 from cpattn._device import to_device
 from cpattn._layout import DTYPE_NAMES
-from cpattn._passes import needs_grad
-from cpattn._validation import check_timeout, error
+from cpattn._validation import check_timeout, error, group_info
 from cpattn.attention import attention
 from cpattn.parallel import ContextParallel
-from cpattn.sharding import group_info, unshard
+from cpattn.sharding import unshard
 from cpattn.strategies.common import checked_call
 from cpattn.strategies.registry import STRATEGIES as REGISTRY
 

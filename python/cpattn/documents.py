@@ -26,7 +26,14 @@ import torch.distributed as dist
 
 from cpattn._agreement import digest_ints
 from cpattn._layout import LAYOUTS, document_shards, shard_positions
-from cpattn._validation import check_choice, check_cu_seqlens, check_int, check_window, error
+from cpattn._validation import (
+    check_choice,
+    check_cu_seqlens,
+    check_int,
+    check_window,
+    error,
+    group_info,
+)
 
 # split=: "balanced" splits only the documents it must for the work to balance within
 # `tolerance`; "all" splits every document (per-document zigzag, ring_attention_varlen's
@@ -139,7 +146,7 @@ class DocumentPlan:
     def unshard(self, x_local: torch.Tensor, *, group=None, dim: int = 0) -> torch.Tensor:
         """All-gathers every rank's tokens back into the packed sequence (padding dropped).
         Differentiable (a token's gradient is the sum of the ranks' gradients of it)."""
-        from cpattn.sharding import group_info, unshard_by
+        from cpattn.sharding import unshard_by
 
         what = "cpattn.DocumentPlan.unshard"
         _, rank, world = group_info(group)
@@ -358,7 +365,6 @@ def shard_documents(cu_seqlens, *, world_size: Optional[int] = None, group=None,
     what = "cpattn.shard_documents"
     lengths = tuple(int(n) for n in check_cu_seqlens(what, cu_seqlens).diff().tolist())
     if world_size is None:
-        from cpattn.sharding import group_info
         _, _, world_size = group_info(group)
     world = check_int(what, "world_size", world_size, minimum=1)
     check_choice(what, "layout", layout, tuple(LAYOUTS))

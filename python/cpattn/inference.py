@@ -29,13 +29,14 @@ from cpattn._validation import (
     check_tensor,
     check_timeout,
     error,
+    group_info,
 )
 from cpattn.comm import all_gather_flat
 from cpattn.invariant import kv_cache as invariant_cache
 from cpattn.invariant.global_order import gather_global
 from cpattn.kv_cache import KVCacheShard, check_cache_type
 from cpattn.options import AttentionOptions
-from cpattn.sharding import group_info, positions
+from cpattn.sharding import positions
 
 ops = torch.ops.cpattn
 COMMS = ("all_gather", "reduce_scatter")

@@ -98,10 +98,3 @@ def document_placement(docs: torch.Tensor, layout: str, world: int) -> Placement
         return within, torch.where(index >= 0, doc, -1)
 
     return placement
-
-
-def returned(out: torch.Tensor, lse, max_logits: list):
-    """What an attention function returns: out, then the LSE (when asked: not None), then the
-    max logits (when asked: a list of one): out alone, or a tuple."""
-    extra = ([] if lse is None else [lse]) + max_logits
-    return (out, *extra) if extra else out

@@ -14,18 +14,14 @@ from cpattn._agreement import Fields, agree_on, digest_ints, tensor_fields
 from cpattn._autograd import once_differentiable
 from cpattn._device import to_device
 from cpattn._layout import LAYOUTS, document_positions, padded_length, round_up, shard_positions
-from cpattn._validation import check_choice, check_cu_seqlens, check_int, check_timeout, error
-
-
-def group_info(group) -> tuple:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "cpattn: context parallelism needs torch.distributed to be initialised "
-            "(dist.init_process_group), or use "
-            "cpattn.testing.emulation.ring_attention_emulated for one process"
-        )
-    group = group if group is not None else dist.group.WORLD
-    return group, dist.get_rank(group), dist.get_world_size(group)
+from cpattn._validation import (
+    check_choice,
+    check_cu_seqlens,
+    check_int,
+    check_timeout,
+    error,
+    group_info,
+)
 
 
 def rank_and_world(group, rank: Optional[int], world_size: Optional[int]) -> tuple[int, int]:

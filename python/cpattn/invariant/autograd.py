@@ -15,9 +15,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cpattn._autograd import once_differentiable
+from cpattn._autograd import backward_in_passes, forward_in_passes, input_grads, once_differentiable
 from cpattn._layout import LAYOUTS
-from cpattn._passes import backward_in_passes, forward_in_passes, input_grads
 from cpattn.invariant.global_order import Relayout, gather_global, global_runs, stream_global
 
 

@@ -7,8 +7,13 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn._autograd import once_differentiable
-from cpattn._passes import forward_in_passes, head_groups, input_grads, sink_grad
+from cpattn._autograd import (
+    forward_in_passes,
+    head_groups,
+    input_grads,
+    once_differentiable,
+    sink_grad,
+)
 
 
 def gather_kv(k, v, group, world):

@@ -1,7 +1,9 @@
 """What every strategy shares: the checks of a call's tensors and options (one list of fields
-the ranks agree on). Head groups and the autograd plumbing of passes: cpattn._passes."""
+the ranks agree on) and what a call returns. Head groups and passes: cpattn._autograd."""
 
 from typing import Optional, Union
+
+import torch
 
 from cpattn._agreement import Fields, tensor_fields
 from cpattn._layout import LAYOUTS
@@ -27,3 +29,10 @@ def checked_call(what: str, q, k, v, options: Union[dict, AttentionOptions],
     fields = [*tensor_fields("q", q, dims), *tensor_fields("k", k, dims),
               *tensor_fields("v", v, dims), ("layout", layout), *opts.agreement_fields()]
     return opts, fields
+
+
+def returned(out: torch.Tensor, lse, max_logits: list):
+    """What an attention function returns: out, then the LSE (when asked: not None), then the
+    max logits (when asked: a list of one): out alone, or a tuple."""
+    extra = ([] if lse is None else [lse]) + max_logits
+    return (out, *extra) if extra else out

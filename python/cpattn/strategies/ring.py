@@ -13,9 +13,15 @@ import torch
 
 from cpattn import plan
 from cpattn._agreement import agree_on, digest_ints
-from cpattn._autograd import once_differentiable
+from cpattn._autograd import (
+    backward_in_passes,
+    forward_in_passes,
+    input_grads,
+    needs_grad,
+    once_differentiable,
+    sink_grad,
+)
 from cpattn._layout import DTYPE_NAMES, LAYOUTS, default_head_group, padded_length
-from cpattn._passes import backward_in_passes, forward_in_passes, input_grads, needs_grad, sink_grad
 from cpattn._validation import (
     check_bool,
     check_choice,
@@ -24,16 +30,16 @@ from cpattn._validation import (
     check_timeout,
     document_lengths,
     error,
+    group_info,
 )
 from cpattn.attention import LocalDocuments
 from cpattn.documents import DocumentPlan
 from cpattn.invariant import check_invariant_call, invariant_attention
-from cpattn.max_logits import document_placement, global_max_logits, returned, sequence_placement
+from cpattn.max_logits import document_placement, global_max_logits, sequence_placement
 from cpattn.options import AttentionOptions
-from cpattn.sharding import group_info
 from cpattn.strategies.allgather import GatheredAttention, SubsetGathered
 from cpattn.strategies.base import Strategy
-from cpattn.strategies.common import checked_call
+from cpattn.strategies.common import checked_call, returned
 
 
 class RingAttention(torch.autograd.Function):

@@ -15,19 +15,24 @@ import torch.distributed as dist
 
 from cpattn import comm
 from cpattn._agreement import agree_on
-from cpattn._autograd import once_differentiable
+from cpattn._autograd import input_grads, once_differentiable
 from cpattn._device import to_device
 from cpattn._layout import LAYOUTS, kv_heads_for_ranks, padded_length
-from cpattn._passes import input_grads
-from cpattn._validation import check_bool, check_int, check_timeout, document_lengths, error
+from cpattn._validation import (
+    check_bool,
+    check_int,
+    check_timeout,
+    document_lengths,
+    error,
+    group_info,
+)
 from cpattn.attention import varlen_attention
 from cpattn.invariant import InvariantAttention, check_invariant_call
-from cpattn.max_logits import document_placement, global_max_logits, returned, sequence_placement
+from cpattn.max_logits import document_placement, global_max_logits, sequence_placement
 from cpattn.options import AttentionOptions
 from cpattn.packing import gathered_order
-from cpattn.sharding import group_info
 from cpattn.strategies.base import Strategy
-from cpattn.strategies.common import checked_call
+from cpattn.strategies.common import checked_call, returned
 
 
 def scatter_heads(q, k, v, group):
