@@ -34,7 +34,7 @@ from cpattn._validation import (
 from cpattn.comm import all_gather_flat
 from cpattn.invariant import kv_cache as invariant_cache
 from cpattn.invariant.global_order import gather_global
-from cpattn.kv_cache import KVCacheShard, check_cache_type
+from cpattn.kv_cache import KVCacheShard, check_cache_type, pack_partial, unpack_partials
 from cpattn.options import AttentionOptions
 from cpattn.sharding import positions
 
@@ -78,16 +78,6 @@ def _wait(work, on_host: bool, timeout: float, what: str) -> None:
         work.wait()
     elif not work.wait(timeout=datetime.timedelta(seconds=timeout)):
         raise RuntimeError(f"{what}: peers did not answer within {timeout} s")
-
-
-def _pack(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """(B, S, H, D) fp32 and (B, H, S) -> one (B, S, H, D + 1) message."""
-    return torch.cat([out, lse.transpose(1, 2).unsqueeze(-1)], dim=-1)
-
-
-def _unpack(msg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, B, S, H, D + 1) -> outs (N, B, S, H, D), lses (N, B, H, S)."""
-    return msg[..., :-1], msg[..., -1].transpose(2, 3).contiguous()
 
 
 def _all_gather(msg: torch.Tensor, group, world: int, timeout: float, what: str) -> torch.Tensor:
@@ -255,9 +245,10 @@ def prefill_attention(
             q_all.index_select(1, order.argsort()), cache.k, cache.v, start, start, rank, world,
             cache.interleave, torch.float32, **opts.op_kwargs())
         po, pl = po.index_select(1, order), pl.index_select(2, order)
-        msg = _pack(po, pl).view(q.shape[0], world, q.shape[1], q.shape[2], q.shape[3] + 1)
+        msg = pack_partial(po, pl).view(q.shape[0], world, q.shape[1], q.shape[2],
+                                        q.shape[3] + 1)
         recv = _all_to_all(msg.transpose(0, 1).contiguous(), group, timeout, what)
-        parts_out, parts_lse = _unpack(recv)
+        parts_out, parts_lse = unpack_partials(recv)
     # the ring on positions within the chunk: ALiBi depends on position differences only
     ring_out, ring_lse = ops.prefill_fwd(
         q, k, v, cache.k, cache.v, start, group.group_name, LAYOUTS[layout], cache.interleave,
@@ -370,12 +361,13 @@ def decode_attention(
     if world == 1:
         out, lse = po, pl
     elif comm == "all_gather":
-        outs, lses = _unpack(_all_gather(_pack(po, pl), group, world, timeout, what))
+        outs, lses = unpack_partials(_all_gather(pack_partial(po, pl), group, world, timeout,
+                                                 what))
         out, lse = merge_attention_states(outs, lses, out_dtype=torch.float32)
     else:
-        msg = _pack(po, pl).view(b, sq, world, h // world, d + 1)
-        outs, lses = _unpack(_all_to_all(msg.permute(2, 0, 1, 3, 4).contiguous(), group, timeout,
-                                         what))
+        msg = pack_partial(po, pl).view(b, sq, world, h // world, d + 1)
+        outs, lses = unpack_partials(_all_to_all(msg.permute(2, 0, 1, 3, 4).contiguous(), group,
+                                                 timeout, what))
         out, lse = merge_attention_states(outs, lses, out_dtype=torch.float32)
         if sinks is not None:
             sinks = sinks[rank * h // world:(rank + 1) * h // world]

@@ -205,3 +205,15 @@ class KVCacheShard:
 def check_cache_type(cache, what: str) -> None:
     if not isinstance(cache, KVCacheShard):
         raise error(what, "cache", cache, "must be a cpattn.KVCacheShard")
+
+
+# The partial results' messages of prefill and decode (inference.py, invariant/kv_cache.py): out
+# and lse of a block of rows travel as one tensor.
+def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """(B, S, H, D) fp32 and (B, H, S) -> one (B, S, H, D + 1) message."""
+    return torch.cat([out, lse.transpose(1, 2).unsqueeze(-1)], dim=-1)
+
+
+def unpack_partials(msg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, B, S, H, D + 1) -> outs (N, B, S, H, D), lses (N, B, H, S)."""
+    return msg[..., :-1], msg[..., -1].transpose(2, 3).contiguous()

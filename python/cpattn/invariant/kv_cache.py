@@ -9,7 +9,7 @@ import torch
 
 from cpattn._validation import error
 from cpattn.invariant.checks import check_invariant_call
-from cpattn.kv_cache import KVCacheShard
+from cpattn.kv_cache import KVCacheShard, pack_partial
 
 ops = torch.ops.cpattn
 
@@ -28,8 +28,6 @@ def owned_blocks(q: torch.Tensor, cache: KVCacheShard, q_begin: list, opts) -> t
     """The partial results of query rows q (B, R, H, D) (sequence b's first at position
     q_begin[b]) over each cache block this rank owns, in slot order: (blocks, B, R, H, D + 1),
     out and lse packed as inference's messages ((0, -inf) where a sequence has no such block)."""
-    from cpattn.inference import _pack  # the messages' format (inference imports this module)
-
     block, world = cache.interleave, cache.world_size
     lengths = cache.lengths.tolist()
     slots = -(-max(-(-n // block) for n in lengths) // world)  # blocks per rank, at most
@@ -42,7 +40,7 @@ def owned_blocks(q: torch.Tensor, cache: KVCacheShard, q_begin: list, opts) -> t
             out, lse = ops.invariant_partial(q[i:i + 1], cache.k[i:i + 1, keys],
                                              cache.v[i:i + 1, keys], q_begin[i], j * block,
                                              **opts.op_kwargs())
-            parts[slot, i] = _pack(out, lse)[0]
+            parts[slot, i] = pack_partial(out, lse)[0]
     return parts
 
 

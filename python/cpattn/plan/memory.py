@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from cpattn._C import cpu_gemm, cpu_isa
+from cpattn._C import cpu_gemm, cpu_isa, cpu_isa_paths
 from cpattn.plan.model import DTYPE_BYTES, Problem
 from cpattn.plan.work import allgather_chunk, kv_heads_sent, tokens_per_rank
 
@@ -121,10 +121,8 @@ def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, dtype: str, gr
 @functools.lru_cache(maxsize=1)
 def _bf16_dot() -> bool:
     """Whether this CPU's kernel takes bf16 through bf16 dot products (its packing differs)."""
-    from cpattn import build_info  # the running instruction set's row says how bf16 is packed
-
-    return next(p["bfloat16_operands"] for p in build_info()["cpu_isa_paths"]
-                if p["name"] == cpu_isa()) == "bfloat16"
+    # the running instruction set's row (cpattn.build_info()["cpu_isa_paths"]) says how
+    return dict(cpu_isa_paths())[cpu_isa()] == "bfloat16"
 
 
 def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
