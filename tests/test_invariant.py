@@ -6,7 +6,6 @@ reference; a negative control shows the default mode differs with W (so the test
 what invariant=True does not cover raises on every rank."""
 
 import functools
-from itertools import accumulate
 
 import pytest
 import torch
@@ -558,7 +557,7 @@ def _streamed_parts(rank: int, world: int) -> None:
     of one chunk; and with such pieces the results stay bitwise those of one process."""
     from cpattn._layout import LAYOUTS
     from cpattn.invariant import global_order as invariant
-    from cpattn.invariant.global_order import _padded, gather_global, stream_global
+    from cpattn.invariant.global_order import _shards, gather_global, stream_global
 
     chunk = torch.ops.cpattn.invariant_chunk()
     group = dist.group.WORLD
@@ -568,10 +567,11 @@ def _streamed_parts(rank: int, world: int) -> None:
     for layout, docs, piece_bytes in cases:
         invariant._STREAM_BYTES = piece_bytes
         code = LAYOUTS[layout]
-        local = 2 * 3 * 100 if docs is None else sum(_padded(code, world, 0, docs)) // world
+        local = 2 * 3 * 100 if docs is None else sum(
+            n for n, _, _ in _shards(code, world, 0, docs)) // world
         t = torch.randn(2, local, 3, 4) + rank
         whole, = gather_global([t], 1, group, rank, world, code, docs)
-        starts = list(accumulate([0, *_padded(code, world, local, docs)]))[:-1]
+        starts = [begin for _, begin, _ in _shards(code, world, local, docs)]
         end = 0
         for begin, (part,) in stream_global([t], 1, group, rank, world, code, docs):
             assert begin == end and torch.equal(part, whole.narrow(1, begin, part.shape[1]))
