@@ -45,7 +45,7 @@ import torch
 
 from cpattn._machine import cpu_model
 from cpattn.memory import counting
-from cpattn.mixers import build_plan, stacked
+from cpattn.mixers import build_piece_map, stacked
 from cpattn.plan.model import PRESETS
 
 KINDS = ("gdn", "mamba2", "conv", "lightning")
@@ -102,7 +102,7 @@ def layer(kind: str, split: int = 1, small: bool = False):
     raise ValueError(kind)
 
 
-def _call(kind, module, name, x, plan, rank, exchange, own: bool = False):
+def _call(kind, module, name, x, piece_map, rank, exchange, own: bool = False):
     from cpattn.integrations import _hybrid
 
     if own:
@@ -111,7 +111,7 @@ def _call(kind, module, name, x, plan, rank, exchange, own: bool = False):
             else {}
         out = forward(module, x, **extra)
     else:
-        out = _hybrid.ADAPTERS[name](module, x, _hybrid.Mixing(plan, rank, exchange, 1))
+        out = _hybrid.ADAPTERS[name](module, x, _hybrid.Mixing(piece_map, rank, exchange, 1))
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -132,11 +132,11 @@ def timed(fn, reps: int, warmup: bool = True) -> tuple[float, int]:
     return statistics.median(times), peak
 
 
-def fwd_bwd(kind, module, name, x, plan, rank, exchange, own=False):
+def fwd_bwd(kind, module, name, x, piece_map, rank, exchange, own=False):
     def run():
         module.zero_grad(set_to_none=True)
         xi = x.detach().requires_grad_(True)
-        out = _call(kind, module, name, xi, plan, rank, exchange, own)
+        out = _call(kind, module, name, xi, piece_map, rank, exchange, own)
         out.backward(torch.ones_like(out))
     return run
 
@@ -146,16 +146,16 @@ def zeros_exchange(world: int):
     return lambda t: torch.zeros((world, *t.shape), dtype=t.dtype)
 
 
-def exchanged_bytes(plan, rank: int, width: int, conv: int, state: tuple) -> int:
+def exchanged_bytes(piece_map, rank: int, width: int, conv: int, state: tuple) -> int:
     """Bytes rank receives per layer, forward + backward: the halo rows of the conv inputs and
     the summaries (M, S), from the W - 1 other ranks, each way."""
-    from cpattn.mixers.plan import MixerPlan
+    from cpattn.mixers.pieces import PieceMap
 
-    assert isinstance(plan, MixerPlan)
-    rows = len(plan.halo(rank, conv - 1)[0]) if conv > 1 else 0
+    assert isinstance(piece_map, PieceMap)
+    rows = len(piece_map.halo(rank, conv - 1)[0]) if conv > 1 else 0
     m_size, s_size = state
-    per_rank = rows * width * 4 + plan.slots * (m_size + s_size) * 4
-    return 2 * (plan.world - 1) * per_rank
+    per_rank = rows * width * 4 + piece_map.slots * (m_size + s_size) * 4
+    return 2 * (piece_map.world - 1) * per_rank
 
 
 def state_sizes(kind: str, module) -> tuple[int, int]:
@@ -187,22 +187,23 @@ def run(kind: str, world: int, local: int, reps: int, small: bool) -> dict:
     total = world * local
     gen = torch.Generator().manual_seed(0)
     x_all = torch.randn(1, total, hidden, generator=gen)
-    one_plan = build_plan([torch.arange(total)], (0, total))
-    t_one, mem_one = timed(fwd_bwd(kind, module, name, x_all, one_plan, 0, stacked), reps)
-    t_own = timed(fwd_bwd(kind, module, name, x_all, one_plan, 0, stacked, own=True), 1,
+    one_piece_map = build_piece_map([torch.arange(total)], (0, total))
+    t_one, mem_one = timed(fwd_bwd(kind, module, name, x_all, one_piece_map, 0, stacked), reps)
+    t_own = timed(fwd_bwd(kind, module, name, x_all, one_piece_map, 0, stacked, own=True), 1,
                   warmup=False)[0] if total <= OWN_UP_TO else None  # (reference: one call)
-    # The busiest zigzag rank: rank 1 (its two chunks both have neighbours; rank W-1 for W = 2).
+    # The busiest zigzag rank: rank 1 (its two zigzag segments both have neighbours; rank W-1
+    # for W = 2).
     indices = [shard_positions(total, "zigzag", world, r) for r in range(world)]
-    plan = build_plan(indices, (0, total))
+    piece_map = build_piece_map(indices, (0, total))
     rank = 1 if world > 2 else world - 1
     x_local = x_all[:, indices[rank]]
-    t_rank, mem_rank = timed(fwd_bwd(kind, module, name, x_local, plan, rank,
+    t_rank, mem_rank = timed(fwd_bwd(kind, module, name, x_local, piece_map, rank,
                                      zeros_exchange(world)), reps)
     # The same tokens as a sequence of their own (no halo, no scan): what cpattn adds.
-    alone = build_plan([torch.arange(local)], (0, local))
+    alone = build_piece_map([torch.arange(local)], (0, local))
     t_alone, _ = timed(fwd_bwd(kind, module, name, x_local, alone, 0, stacked), reps)
     kernel, channels = conv_info(kind, module)
-    nbytes = exchanged_bytes(plan, rank, channels, kernel, state_sizes(kind, module))
+    nbytes = exchanged_bytes(piece_map, rank, channels, kernel, state_sizes(kind, module))
     messages = 2 * (2 if kernel > 1 else 1) * (world - 1)  # (gloo: one per peer per collective)
     comm = LINK.time(nbytes, messages)
     # The head split: H / W heads over the whole sequence (conv: its compute is all per token).
@@ -210,7 +211,7 @@ def run(kind: str, world: int, local: int, reps: int, small: bool) -> dict:
         t_a2a = t_one / world
     else:
         split, _, _, _ = layer(kind, split=world, small=small)
-        t_a2a, _ = timed(fwd_bwd(kind, split, name, x_all, one_plan, 0, stacked), reps)
+        t_a2a, _ = timed(fwd_bwd(kind, split, name, x_all, one_piece_map, 0, stacked), reps)
     a2a_bytes = 2 * 2 * (world - 1) * local * (width_in + width_out) * 4 // world
     a2a_comm = LINK.time(a2a_bytes, 2 * 2 * (world - 1))
     gather_bytes = 2 * (world - 1) * local * hidden * 4

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from cpattn._layout import document_positions, shard_positions
 from cpattn.documents import shard_documents
-from cpattn.mixers import build_plan, state_scan
+from cpattn.mixers import build_piece_map, state_scan
 from cpattn.mixers.kernels import delta_rule_summary, read_entry, scalar_decay, selective_scan
 from cpattn.mixers.primitives import from_pieces, piece_mask, to_pieces
 
@@ -75,14 +75,14 @@ def sharding(kind: str, world: int, lengths: tuple, layout: str = "zigzag"):
     if kind == "per-document":
         docs = torch.tensor(lengths)
         return [document_positions(docs, layout, world, r)[0] for r in range(world)], tuple(cu)
-    plan = shard_documents(torch.tensor(cu), world_size=world, layout=layout, split="balanced")
-    return [plan.positions(r)[0] for r in range(world)], tuple(cu)
+    piece_map = shard_documents(torch.tensor(cu), world_size=world, layout=layout, split="balanced")
+    return [piece_map.positions(r)[0] for r in range(world)], tuple(cu)
 
 
 def sharded_problem(kind: str, world: int, lengths: tuple, layout: str = "zigzag"):
-    """(mixer plan, per-rank indices, bounds)."""
+    """(piece map, per-rank indices, bounds)."""
     indices, bounds = sharding(kind, world, lengths, layout)
-    return build_plan(indices, bounds), indices, bounds
+    return build_piece_map(indices, bounds), indices, bounds
 
 
 def take(x: torch.Tensor, index: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -111,32 +111,32 @@ def problem(gen, batch, total, heads=2, dk=3, dv=4, dtype=torch.float64):
         x=rand(batch, total, heads * 2, dk), c=rand(batch, total, dk))
 
 
-def scan_on_rank(kind, p, plan, index, rank, exchange, chunk):
+def scan_on_rank(kind, p, piece_map, index, rank, exchange, block):
     """The recurrence `kind` ("scalar", "matrix", "diagonal") on rank's tokens of the global
     problem p (index: rank's global indices; None: p holds rank's tokens already): local kernel
     per piece, state scan, entry read. Returns local outputs."""
     local = {name: t if index is None or name == "A" else take(t, index)
              for name, t in p.items()}
-    rows = {name: to_pieces(t, plan, rank).flatten(0, 1) for name, t in local.items()
+    rows = {name: to_pieces(t, piece_map, rank).flatten(0, 1) for name, t in local.items()
             if name != "A"}
-    batch, n = p["q"].shape[0], len(plan.pieces[rank])
-    mask = piece_mask(plan, rank).repeat(batch, 1)
+    batch, n = p["q"].shape[0], len(piece_map.pieces[rank])
+    mask = piece_mask(piece_map, rank).repeat(batch, 1)
     if kind == "diagonal":
         bx = rows["x"] * rows["dt"][..., None]
         _, s, m = selective_scan(rows["dt"], p["A"], bx, rows["c"], mask)
-        entry = state_scan(m.unflatten(0, (batch, n)), s.unflatten(0, (batch, n)), plan, rank,
+        entry = state_scan(m.unflatten(0, (batch, n)), s.unflatten(0, (batch, n)), piece_map, rank,
                            "diagonal", exchange)
         y, _, _ = selective_scan(rows["dt"], p["A"], bx, rows["c"], mask, entry.flatten(0, 1))
     else:
         if kind == "scalar":
-            y0, pm, m, s = scalar_decay(rows["q"], rows["k"], rows["v"], rows["a"], mask, chunk)
+            y0, pm, m, s = scalar_decay(rows["q"], rows["k"], rows["v"], rows["a"], mask, block)
         else:
             y0, pm, m, s = delta_rule_summary(rows["q"], unit_keys(rows["k"]), rows["v"],
-                                              rows["a"], rows["beta"], mask, chunk)
+                                              rows["a"], rows["beta"], mask, block)
         unflat = [t.unflatten(0, (batch, n)) for t in (y0, pm, m, s)]
-        entry = state_scan(unflat[2], unflat[3], plan, rank, kind, exchange)
+        entry = state_scan(unflat[2], unflat[3], piece_map, rank, kind, exchange)
         y = (unflat[0] + read_entry(unflat[1], entry)).flatten(0, 1)
-    return from_pieces(y.unflatten(0, (batch, n)), plan, rank)
+    return from_pieces(y.unflatten(0, (batch, n)), piece_map, rank)
 
 
 def reference(kind, p, bounds):

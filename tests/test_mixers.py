@@ -2,7 +2,7 @@
 against float64 token-by-token recurrences: the local kernels and their summaries, the fold's
 associativity, gradcheck of the convolution halo and the state scan, and exactness on the
 layouts cpattn shards with: contiguous, zigzag, per-document and document plans, pieces shorter
-than the halo and than the chunk, a document over three or more ranks, a rank holding only
+than the halo and than the scan block, a document over three or more ranks, a rank holding only
 document starts. Real gloo ranks: tests/test_mixers_distributed.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpattn.mixers import build_plan, causal_conv, compose, state_scan
+from cpattn.mixers import build_piece_map, causal_conv, compose, state_scan
 from cpattn.mixers.kernels import delta_rule_summary, read_entry, scalar_decay, selective_scan
 from cpattn.testing.mixers import emulate
 
@@ -34,40 +34,41 @@ def _rand(gen, *shape, scale=1.0):
     return torch.randn(*shape, generator=gen, dtype=F64) * scale
 
 
-# --- plans --------------------------------------------------------------------------------------
+# --- piece maps ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_plan_chains(world):
     """Contiguous: one piece per rank, chain in rank order; zigzag: fronts ascending then backs
-    descending (the middle rank's two chunks one piece); document plans tile every document."""
+    descending (the middle rank's two zigzag segments one piece); document plans tile every
+    document."""
     total = 8 * world
-    plan, _, _ = sharded_problem("sequence", world, (total,), "contiguous")
-    assert plan.chain(0) == tuple((r, 0) for r in range(world))
-    assert plan.slots == 1 and plan.predecessors(0) == ((),)
-    plan, _, _ = sharded_problem("sequence", world, (total,), "zigzag")
+    piece_map, _, _ = sharded_problem("sequence", world, (total,), "contiguous")
+    assert piece_map.chain(0) == tuple((r, 0) for r in range(world))
+    assert piece_map.slots == 1 and piece_map.predecessors(0) == ((),)
+    piece_map, _, _ = sharded_problem("sequence", world, (total,), "zigzag")
     fronts = [(r, 0) for r in range(world - 1)] + [(world - 1, 0)]
     backs = [(r, 1) for r in reversed(range(world - 1))]
-    assert plan.chain(0) == tuple(fronts + backs)
-    assert len(plan.pieces[world - 1]) == 1
+    assert piece_map.chain(0) == tuple(fronts + backs)
+    assert len(piece_map.pieces[world - 1]) == 1
     lengths = (3, 40, 1, 2, 17, 5)
     for kind in ("per-document", "plan"):
-        plan, _, bounds = sharded_problem(kind, world, lengths)
+        piece_map, _, bounds = sharded_problem(kind, world, lengths)
         assert bounds[-1] == sum(lengths)
         for d, n in enumerate(lengths):
-            assert sum(plan.pieces[r][j].length for r, j in plan.chain(d)) == n
+            assert sum(piece_map.pieces[r][j].length for r, j in piece_map.chain(d)) == n
 
 
 def test_plan_refuses_a_bad_tiling():
     with pytest.raises(RuntimeError, match="do not tile"):
-        build_plan([torch.tensor([0, 1, 2]), torch.tensor([2, 3])], (0, 4))
+        build_piece_map([torch.tensor([0, 1, 2]), torch.tensor([2, 3])], (0, 4))
     with pytest.raises(RuntimeError, match="held up to"):
-        build_plan([torch.tensor([0, 1]), torch.tensor([-1])], (0, 3))
+        build_piece_map([torch.tensor([0, 1]), torch.tensor([-1])], (0, 3))
 
 
 # --- local kernels ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("chunk", [4, 64])
-def test_kernels_and_summaries_match_the_token_loop(gen, chunk):
+@pytest.mark.parametrize("block", [4, 64])
+def test_kernels_and_summaries_match_the_token_loop(gen, block):
     """Each kernel from zero, its entry map from a random entry state and its summary (the state
     at the row's end) equal the float64 token loop, rows of different lengths (masked ends)."""
     p = problem(gen, 3, 11)
@@ -75,8 +76,8 @@ def test_kernels_and_summaries_match_the_token_loop(gen, chunk):
     mask = torch.arange(11)[None] < torch.tensor(lengths)[:, None]
     k = unit_keys(p["k"])
     entry = _rand(gen, 3, 2, 3, 4)
-    y0, pm, m, s = scalar_decay(p["q"], p["k"], p["v"], p["a"], mask, chunk)
-    y1, pd, md, sd = delta_rule_summary(p["q"], k, p["v"], p["a"], p["beta"], mask, chunk)
+    y0, pm, m, s = scalar_decay(p["q"], p["k"], p["v"], p["a"], mask, block)
+    y1, pd, md, sd = delta_rule_summary(p["q"], k, p["v"], p["a"], p["beta"], mask, block)
     for row, n in enumerate(lengths):
         ref, ref_s = scalar_decay_loop(p["q"][row, :n], p["k"][row, :n], p["v"][row, :n],
                                        p["a"][row, :n], entry[row])
@@ -138,10 +139,10 @@ CASES = [  # (sharding, world, document lengths, layout)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-W{c[1]}-{c[3]}")
 def test_sharded_conv_and_scans_are_exact(gen, case):
     """Every rank's outputs (conv with a 4-tap kernel: halo 3; the three recurrences with
-    chunk 4, so that pieces are longer and shorter than a chunk) equal the float64 per-document
-    reference, batch 2 rows sharded alike (packed documents: 1 row)."""
+    scan blocks of 4, so that pieces are longer and shorter than a block) equal the float64
+    per-document reference, batch 2 rows sharded alike (packed documents: 1 row)."""
     sharding, world, lengths, layout = case
-    plan, indices, bounds = sharded_problem(sharding, world, lengths, layout)
+    piece_map, indices, bounds = sharded_problem(sharding, world, lengths, layout)
     batch = 2 if sharding == "sequence" else 1
     p = problem(gen, batch, bounds[-1])
     x = _rand(gen, batch, bounds[-1], 5)
@@ -151,9 +152,9 @@ def test_sharded_conv_and_scans_are_exact(gen, case):
 
     def rank_fn(rank, exchange):
         index = indices[rank]
-        out = {"conv": causal_conv(take(x, index), weight, bias, plan, rank, exchange)}
+        out = {"conv": causal_conv(take(x, index), weight, bias, piece_map, rank, exchange)}
         for kind in refs:
-            out[kind] = scan_on_rank(kind, p, plan, index, rank, exchange, chunk=4)
+            out[kind] = scan_on_rank(kind, p, piece_map, index, rank, exchange, block=4)
         return out
 
     for rank, out in enumerate(emulate(world, rank_fn)):
@@ -176,8 +177,8 @@ def test_rank_with_only_document_starts_takes_part(gen):
     indices = [torch.tensor([0, 1, 2, 3, 4]), torch.tensor([5, 6, 7, 8]),
                torch.tensor([9, 10, 11, 12])]
     bounds = (0, 2, 5, 13)  # documents [0, 2), [2, 5) on rank 0; [5, 13) over ranks 1 and 2
-    plan = build_plan(indices, bounds)
-    assert all(plan.starts_document(0)) and plan.predecessors(0) == ((), ())
+    piece_map = build_piece_map(indices, bounds)
+    assert all(piece_map.starts_document(0)) and piece_map.predecessors(0) == ((), ())
     calls = [0] * 3
     p = problem(gen, 1, 13)
     for t in p.values():
@@ -189,8 +190,8 @@ def test_rank_with_only_document_starts_takes_part(gen):
         def counted(t):
             calls[rank] += 1
             return exchange(t)
-        conv = causal_conv(take(x, indices[rank]), weight, None, plan, rank, counted)
-        return conv, scan_on_rank("matrix", p, plan, indices[rank], rank, counted, chunk=4)
+        conv = causal_conv(take(x, indices[rank]), weight, None, piece_map, rank, counted)
+        return conv, scan_on_rank("matrix", p, piece_map, indices[rank], rank, counted, block=4)
 
     outs = emulate(3, rank_fn)
     assert calls == [2, 2, 2]  # halo and summaries, on every rank
@@ -203,8 +204,8 @@ def test_rank_with_only_document_starts_takes_part(gen):
     assert x.grad is not None and bool(x.grad.abs().sum() > 0)
     # Entry states are exactly zero at document starts, whatever the others publish.
     summaries = [(_rand(gen, 1, len(ps), 2, 3, 3), _rand(gen, 1, len(ps), 2, 3, 4))
-                 for ps in plan.pieces]
-    entries = emulate(3, lambda r, ex: state_scan(*summaries[r], plan, r, "matrix", ex))
+                 for ps in piece_map.pieces]
+    entries = emulate(3, lambda r, ex: state_scan(*summaries[r], piece_map, r, "matrix", ex))
     assert bool((entries[0] == 0).all()) and bool((entries[1][:, 0] == 0).all())
     assert not bool((entries[2] == 0).all())
 
@@ -215,14 +216,14 @@ def test_rank_without_tokens(gen):
     indices = [torch.tensor([0, 1, 2, 3, 4, 5]), torch.tensor([], dtype=torch.int64),
                torch.tensor([6, 7, 8])]
     bounds = (0, 4, 9)
-    plan = build_plan(indices, bounds)
+    piece_map = build_piece_map(indices, bounds)
     p = problem(gen, 1, 9)
     x, weight = _rand(gen, 1, 9, 3), _rand(gen, 3, 3)
 
     def rank_fn(rank, exchange):
-        out = {"conv": causal_conv(take(x, indices[rank]), weight, None, plan, rank, exchange)}
+        out = {"conv": causal_conv(take(x, indices[rank]), weight, None, piece_map, rank, exchange)}
         for kind in ("scalar", "matrix", "diagonal"):
-            out[kind] = scan_on_rank(kind, p, plan, indices[rank], rank, exchange, chunk=4)
+            out[kind] = scan_on_rank(kind, p, piece_map, indices[rank], rank, exchange, block=4)
         return out
 
     outs = emulate(3, rank_fn)
@@ -238,24 +239,24 @@ def test_rank_without_tokens(gen):
 def test_gradcheck_conv_halo_and_state_scan(gen):
     """torch.autograd.gradcheck of the sharded conv (inputs, weight, bias) and of the state scan
     (summaries of every kind) over 3 emulated zigzag ranks with two documents, float64."""
-    plan, indices, bounds = sharded_problem("per-document", 3, (7, 11), "zigzag")
+    piece_map, indices, bounds = sharded_problem("per-document", 3, (7, 11), "zigzag")
     x = _rand(gen, 1, bounds[-1], 2).requires_grad_(True)
     weight = _rand(gen, 2, 3).requires_grad_(True)
     bias = _rand(gen, 2).requires_grad_(True)
 
     def conv(x, weight, bias):
-        outs = emulate(3, lambda r, ex: causal_conv(take(x, indices[r]), weight, bias, plan, r,
+        outs = emulate(3, lambda r, ex: causal_conv(take(x, indices[r]), weight, bias, piece_map, r,
                                                      ex))
         return torch.cat(outs, 1)
 
     assert torch.autograd.gradcheck(conv, (x, weight, bias), fast_mode=True)
-    counts = [len(ps) for ps in plan.pieces]
+    counts = [len(ps) for ps in piece_map.pieces]
     for kind, m_shape in (("scalar", (2,)), ("diagonal", (2, 2, 3)), ("matrix", (2, 2, 2))):
         ms = [(_rand(gen, 1, n, *m_shape) * 0.5).requires_grad_(True) for n in counts]
         ss = [_rand(gen, 1, n, 2, 2, 3).requires_grad_(True) for n in counts]
 
         def scan(*tensors):
-            outs = emulate(3, lambda r, ex: state_scan(tensors[r], tensors[3 + r], plan, r,
+            outs = emulate(3, lambda r, ex: state_scan(tensors[r], tensors[3 + r], piece_map, r,
                                                         kind, ex))
             return torch.cat([o.flatten() for o in outs])
 
@@ -264,5 +265,5 @@ def test_gradcheck_conv_halo_and_state_scan(gen):
 
 def test_striped_is_a_piece_per_token():
     """The striped layout makes every token a piece (what the integration refuses)."""
-    plan, _, _ = sharded_problem("sequence", 2, (16,), "striped")
-    assert [len(ps) for ps in plan.pieces] == [8, 8]
+    piece_map, _, _ = sharded_problem("sequence", 2, (16,), "striped")
+    assert [len(ps) for ps in piece_map.pieces] == [8, 8]

@@ -1,5 +1,5 @@
 """The mixer primitives on real gloo ranks (W = 2, 3, 4, one spawn each): the convolution halo and
-the three kinds of state scan, forward and backward, on the plan and exchange of a
+the three kinds of state scan, forward and backward, on the piece map and exchange of a
 cpattn.ContextParallel (contiguous and zigzag sequences, a document plan, per-document packing,
 and at W = 4 the 2 x 2 hybrid mesh), against the float64 reference computed by every rank over
 the whole sequence: outputs, every local input's gradient and the shared parameters' (summed
@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn.mixers import causal_conv
-from cpattn.mixers.sharded import exchange_of, plan_of
+from cpattn.mixers.sharded import exchange_of, piece_map_of
 from cpattn.packing import Documents
 
 from distributed import run_ranks
@@ -34,7 +34,7 @@ def _case(name: str, cp: cpattn.ContextParallel, docs) -> None:
     else:
         index = cp.document_positions(docs)[0]
         bounds, batch = docs.cu_seqlens, 1
-    plan = plan_of(cp, index.numel(), docs)
+    piece_map = piece_map_of(cp, index.numel(), docs)
     exchange = exchange_of(cp)
     gen = torch.Generator().manual_seed(7)  # the same global problem on every rank
     p = problem(gen, batch, total)
@@ -55,9 +55,9 @@ def _case(name: str, cp: cpattn.ContextParallel, docs) -> None:
     local = {n: take(t, index).requires_grad_(True) if n != "A" else t.clone().requires_grad_()
              for n, t in p.items()}
     x_local = take(x, index).requires_grad_(True)
-    outs = {"conv": causal_conv(x_local, weight, bias, plan, cp.rank, exchange)}
+    outs = {"conv": causal_conv(x_local, weight, bias, piece_map, cp.rank, exchange)}
     for kind in ("scalar", "matrix", "diagonal"):
-        outs[kind] = scan_on_rank(kind, {**local}, plan, None, cp.rank, exchange, chunk=4)
+        outs[kind] = scan_on_rank(kind, {**local}, piece_map, None, cp.rank, exchange, block=4)
     sum((outs[k] * take(douts[k], index)).sum() for k in outs).backward()
     for k in outs:
         torch.testing.assert_close(outs[k], take(refs[k].detach(), index), atol=1e-9,
@@ -98,12 +98,13 @@ def _checks(rank: int, world: int) -> None:
     for name, cp, docs in cases:
         _case(name, cp, docs)
     if world == 4:  # the plan leaves rank 3 only whole documents: it joined every collective
-        plan = plan_of(cases[2][1], cases[2][2].plan.tokens[rank], cases[2][2])
-        assert all(plan.starts_document(3)) and not plan.published(3) and plan.slots > 0
+        piece_map = piece_map_of(cases[2][1], cases[2][2].plan.tokens[rank], cases[2][2])
+        assert (all(piece_map.starts_document(3)) and not piece_map.published(3)
+                and piece_map.slots > 0)
     for settings, match in ((dict(layout="striped"), "striped layout"),
                             (dict(invariant=True), "invariant mode")):
         with pytest.raises(ValueError, match=match):
-            plan_of(cpattn.ContextParallel(**settings), 8)
+            piece_map_of(cpattn.ContextParallel(**settings), 8)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

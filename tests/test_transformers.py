@@ -64,9 +64,10 @@ def _training_matches(world: int, group=None) -> None:
 
 
 def _dp_times_cp(rank, world):
-    """The README's recipe: dp = 2 replicas x cp = 2 ranks, gradients averaged over the flattened
-    mesh by DDP or FSDP2, loss over the flattened group: exactly the gradient of the mean over
-    the global batch (the replicas' batches have different numbers of real targets)."""
+    """The recipe of docs/transformers.md, "Gradient reduction with data parallelism": dp = 2
+    replicas x cp = 2 ranks, gradients averaged over the flattened mesh by DDP or FSDP2, loss
+    over the flattened group: exactly the gradient of the mean over the global batch (the
+    replicas' batches have different numbers of real targets)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP

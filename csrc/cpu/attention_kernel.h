@@ -216,7 +216,7 @@ inline int64_t query_blocks_per_task(const AttnShape& sh, int64_t element_bytes)
 }
 
 // Runs the forward: blocks(b, h, qb_begin, qb_end, scratch) for every group of query blocks, in
-// parallel, with one Scratch per parallel chunk.
+// parallel, with one Scratch per parallel task.
 template <typename Scratch, typename Blocks>
 inline void for_each_query_group(const FwdParams& p, int64_t element_bytes, Blocks&& blocks) {
   const AttnShape& sh = p.shape;
@@ -374,8 +374,8 @@ inline void apply_softcap_grad(int64_t cols, const float* softcap_grad, float* d
     store(dst + e, load(dst + e) * load(softcap_grad + e));
 }
 
-// How many ranges the key blocks that a query chunk sees are split into per (batch, kv head)
-// pair. A task per (pair, range) adds its dQ into a chunk-sized fp32 buffer of its range; with
+// How many ranges the key blocks that a row band sees are split into per (batch, kv head)
+// pair. A task per (pair, range) adds its dQ into a band-sized fp32 buffer of its range; with
 // few pairs (small batch, MQA) the ranges keep the threads busy. The choice depends on the shape
 // only, never on the thread count, so results are the same bits with any number of threads.
 inline int64_t key_splits(const AttnShape& sh) {
@@ -385,63 +385,63 @@ inline int64_t key_splits(const AttnShape& sh) {
   return (kTargetTasks + pairs - 1) / pairs;
 }
 
-// The backward runs over chunks of query rows, one chunk after another (backward_chunks below):
-// the packed query blocks and the dQ buffers are a chunk's size, whatever the sequence length.
-// Rows per chunk: at most kMaxChunkRows, and at most kChunkElemBudget query elements over all
-// B H heads (the chunk's packed blocks hold B H x rows x Dp of each operand: the ring's many-head
-// calls stay lean), divided by half the key splits beyond two (each split holds a chunk of dQ:
+// The backward runs over bands of query rows, one band after another (backward_row_bands below):
+// the packed query blocks and the dQ buffers are a band's size, whatever the sequence length.
+// Rows per band: at most kMaxBandRows, and at most kBandElemBudget query elements over all
+// B H heads (the band's packed blocks hold B H x rows x Dp of each operand: the ring's many-head
+// calls stay lean), divided by half the key splits beyond two (each split holds a band of dQ:
 // with one or two pairs, GQA, the splits' buffers would outweigh the packed blocks), at least
 // kBlockQ, a multiple of it; a function of the shape only.
-constexpr int64_t kMaxChunkRows = 512;
-constexpr int64_t kChunkElemBudget = 2048 * 128;
+constexpr int64_t kMaxBandRows = 512;
+constexpr int64_t kBandElemBudget = 2048 * 128;
 
-// Under fixed_order, chunks of kFixedChunkRows from query row 0: dK and dV sum the chunks' parts
+// Under fixed_order, bands of kFixedBandRows from query row 0: dK and dV sum the bands' parts
 // in an order that depends on the query rows' positions only.
-constexpr int64_t kFixedChunkRows = kInvariantChunk;
-static_assert(kFixedChunkRows % kBlockQ == 0 && kFixedChunkRows % kBlockK == 0);
+constexpr int64_t kFixedBandRows = kInvariantChunk;
+static_assert(kFixedBandRows % kBlockQ == 0 && kFixedBandRows % kBlockK == 0);
 
-inline int64_t chunk_rows(const AttnShape& sh) {
+inline int64_t band_rows(const AttnShape& sh) {
   const int64_t rows_needed = (sh.seqlen_q + kBlockQ - 1) / kBlockQ * kBlockQ;
-  if (sh.fixed_order) return std::min(kFixedChunkRows, rows_needed);
+  if (sh.fixed_order) return std::min(kFixedBandRows, rows_needed);
   const int64_t split_share = std::max<int64_t>(1, key_splits(sh) / 2);
-  const int64_t by_budget = kChunkElemBudget /
+  const int64_t by_budget = kBandElemBudget /
                             (sh.batch * sh.heads * sh.head_dim_padded * split_share) / kBlockQ *
                             kBlockQ;
-  const int64_t rows = std::clamp(by_budget, kBlockQ, kMaxChunkRows);
+  const int64_t rows = std::clamp(by_budget, kBlockQ, kMaxBandRows);
   return std::min(rows, rows_needed);
 }
 
-// The query blocks of a query-shaped operand for one chunk of query rows of every (batch, head),
-// kBlockQ * dim_padded elements per block (Dp for q, Dvp for dout), packed once per chunk: a
+// The query blocks of a query-shaped operand for one band of query rows of every (batch, head),
+// kBlockQ * dim_padded elements per block (Dp for q, Dvp for dout), packed once per band: a
 // backward task visits each of them once per key block, so packing there would repeat the work.
 template <typename T>
-struct ChunkQueryBlocks {
+struct BandQueryBlocks {
   int64_t block_elems;
   AlignedArray<T> data;
-  ChunkQueryBlocks(const AttnShape& sh, int64_t dim_padded, int64_t rows_per_chunk)
+  BandQueryBlocks(const AttnShape& sh, int64_t dim_padded, int64_t rows_per_band)
       : block_elems(kBlockQ * dim_padded),
-        data(aligned_array<T>(sh.batch * sh.heads * rows_per_chunk * dim_padded)) {}
+        data(aligned_array<T>(sh.batch * sh.heads * rows_per_band * dim_padded)) {}
   T* at(int64_t slot) { return data.get() + slot * block_elems; }
   const T* at(int64_t slot) const { return data.get() + slot * block_elems; }
 };
 
-// The backward's B operands of the current chunk's query blocks: Q^T and dO^T, Q and dO as rows
+// The backward's B operands of the current band's query blocks: Q^T and dO^T, Q and dO as rows
 // (fp32: Q^T scaled to base-2 scores, rows contiguous; bf16: d pairs and row pairs). Block j of
-// the chunk of head b * H + h sits in slot (b * H + h) * blocks_per_chunk + j.
+// the band of head b * H + h sits in slot (b * H + h) * blocks_per_band + j.
 template <typename T>
-struct PackedChunk {
-  int64_t q0 = 0;  // the chunk's first query row
-  int64_t blocks_per_chunk;
-  ChunkQueryBlocks<T> qt, dot, q_rows, do_rows;
-  PackedChunk(const AttnShape& sh, int64_t rows_per_chunk)
-      : blocks_per_chunk(rows_per_chunk / kBlockQ),
-        qt(sh, sh.head_dim_padded, rows_per_chunk),
-        dot(sh, sh.head_dim_v_padded, rows_per_chunk),
-        q_rows(sh, sh.head_dim_padded, rows_per_chunk),
-        do_rows(sh, sh.head_dim_v_padded, rows_per_chunk) {}
+struct PackedBand {
+  int64_t q0 = 0;  // the band's first query row
+  int64_t blocks_per_band;
+  BandQueryBlocks<T> qt, dot, q_rows, do_rows;
+  PackedBand(const AttnShape& sh, int64_t rows_per_band)
+      : blocks_per_band(rows_per_band / kBlockQ),
+        qt(sh, sh.head_dim_padded, rows_per_band),
+        dot(sh, sh.head_dim_v_padded, rows_per_band),
+        q_rows(sh, sh.head_dim_padded, rows_per_band),
+        do_rows(sh, sh.head_dim_v_padded, rows_per_band) {}
   // The slot of the block of query rows r0.. of the head whose first global row is row_base.
   int64_t slot(const AttnShape& sh, int64_t row_base, int64_t r0) const {
-    return row_base / sh.seqlen_q * blocks_per_chunk + (r0 - q0) / kBlockQ;
+    return row_base / sh.seqlen_q * blocks_per_band + (r0 - q0) / kBlockQ;
   }
 };
 
@@ -484,7 +484,7 @@ inline bool for_each_query_block(const BwdParams& p, int64_t b, int64_t hk, int6
   return visited;
 }
 
-// The fp32 sums of dK (or dV) over the query chunks, one row of dim_padded values per (batch,
+// The fp32 sums of dK (or dV) over the row bands, one row of dim_padded values per (batch,
 // key, kv head), zero at first, times `factor` in the end. Where they live depends on the output
 // (D = dim_padded for the first two):
 // - fp32: the output itself (no copy: the ring's case, and fp32 Ulysses); with `accumulate`
@@ -493,7 +493,7 @@ inline bool for_each_query_block(const BwdParams& p, int64_t b, int64_t hk, int6
 //   low 16 bits in a (B, Sk, Hkv, dim_padded) buffer of their own: the same fp32 sums, the same
 //   bits, in half the bytes of an fp32 buffer; rounded to nearest into the output at the end;
 // - otherwise a (B, Sk, Hkv, dim_padded) fp32 buffer of their own.
-// With `resume` (a fixed-order call continuing fp32 running sums: backward_chunks) factor is 1
+// With `resume` (a fixed-order call continuing fp32 running sums: backward_row_bands) factor is 1
 // and the sums start from the output's values; a buffer of their own is copied back.
 struct KeyGradSums {
   enum class Storage { kOutput, kSplit, kOwn, kNone };  // kNone: no output (not wanted)
@@ -613,11 +613,11 @@ struct KeyGradSums {
   }
 };
 
-// Packs query block `slot` of the fp32 chunk from rows r0.. (`rows` of them) of head h of batch
+// Packs query block `slot` of the fp32 band from rows r0.. (`rows` of them) of head h of batch
 // b: Q^T scaled to base-2 scores, dO^T, and Q and dO as contiguous rows (read in place, their
 // rows are H D apart: at power-of-two strides the products' row loads conflict in the cache).
 inline void pack_query_block(const BwdParams& p, int64_t b, int64_t h, int64_t r0, int64_t rows,
-                             int64_t slot, PackedChunk<float>& out) {
+                             int64_t slot, PackedBand<float>& out) {
   const int64_t dp = p.shape.head_dim_padded, dvp = p.shape.head_dim_v_padded;
   const BshdStrides &qs = p.q_strides, &ds = p.dout_strides;
   const float* q = p.q + b * qs.batch + r0 * qs.seq + h * qs.head;
@@ -657,11 +657,11 @@ inline void score_grads(int64_t seen, const float* softcap_grad, const float* de
   if (softcap_grad) apply_softcap_grad(seen, softcap_grad, dpt);
 }
 
-// One key block of kv head hk against the current chunk's query blocks (rows packed.q0 to q1):
+// One key block of kv head hk against the current band's query blocks (rows packed.q0 to q1):
 // the block's dK and dV contributions in s.dk and s.dv, and its dQ contributions added to
-// dq_chunk, (B H, chunk rows, Dp). Returns whether any query block of the chunk sees the keys.
-inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& packed, int64_t b,
-                               int64_t hk, int64_t c0, int64_t q1, float* dq_chunk, BwdScratch& s) {
+// dq_band, (B H, band rows, Dp). Returns whether any query block of the band sees the keys.
+inline bool backward_key_block(const BwdParams& p, const PackedBand<float>& packed, int64_t b,
+                               int64_t hk, int64_t c0, int64_t q1, float* dq_band, BwdScratch& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -678,7 +678,7 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
       [&](int64_t row_base, int64_t r0, int64_t rows, int64_t seen, BlockKind kind) {
         const int64_t h = head_of_row(sh, row_base);
         const int64_t slot = packed.slot(sh, row_base, r0);
-        float* dq = dq_chunk + slot * kBlockQ * dp;
+        float* dq = dq_band + slot * kBlockQ * dp;
         load_row_stats(p, row_base + r0, rows, reference, delta);
         float* st = s.st.get();
         float* dpt = s.dpt.get();
@@ -700,48 +700,48 @@ inline bool backward_key_block(const BwdParams& p, const PackedChunk<float>& pac
       });
 }
 
-// The backward, one chunk of query rows after another. Per chunk: (1) pack(p, b, h, r0, rows,
-// slot, packed) packs the chunk's query blocks of every head; (2) a task per (batch, kv head)
-// pair and split of the key blocks that the chunk sees runs key_block(p, packed, b, hk, c0, q1,
+// The backward, one band of query rows after another. Per band: (1) pack(p, b, h, r0, rows,
+// slot, packed) packs the band's query blocks of every head; (2) a task per (batch, kv head)
+// pair and split of the key blocks that the band sees runs key_block(p, packed, b, hk, c0, q1,
 // dq, scratch) on each of its key blocks, adding dQ into its split's buffer and the block's dK /
 // dV into their sums; (3) the splits' dQ are summed in split order and written. Then dK and dV
-// are written. Every key block of a chunk is one task's and the chunks run in order, so every
+// are written. Every key block of a band is one task's and the bands run in order, so every
 // sum has a fixed order: the same bits with any number of threads. Memory beyond the outputs:
-// the chunk's packed blocks, splits x the chunk's dQ, and the sums when not in place. dQ may be
-// dO itself (same strides): a chunk's dO rows are read when packed, before its dQ rows are
+// the band's packed blocks, splits x the band's dQ, and the sums when not in place. dQ may be
+// dO itself (same strides): a band's dO rows are read when packed, before its dQ rows are
 // written, and never again (attention_bwd_in_dout).
 // Under fixed_order (invariant mode: the one flag it sets) dq, dk and dv are fp32 running sums,
-// unscaled, that the call continues: each chunk's dQ starts from dq's rows, each chunk's dK / dV
+// unscaled, that the call continues: each band's dQ starts from dq's rows, each band's dK / dV
 // part is added to the sums, and nothing is scaled. So calls over consecutive parts of the keys
-// (dQ) or of the queries (dK, dV), each starting at a multiple of kFixedChunkRows (a multiple of
+// (dQ) or of the queries (dK, dV), each starting at a multiple of kFixedBandRows (a multiple of
 // kBlockK) from the first, give exactly the sums of one call (the rows of dQ and the keys of dK /
 // dV may be split anywhere: each row's, each key's sum is its own); the caller scales once at the
 // end (invariant mode's backward: ops/invariant.cpp).
 // With dq_transposed, key_block adds dQ^T (Dp x kBlockQ per query block: the brgemm path's
 // form), turned into rows before the splits are summed; not under fixed_order.
 template <typename T, typename Scratch, typename Pack, typename KeyBlock>
-inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block,
-                            bool dq_transposed = false) {
+inline void backward_row_bands(const BwdParams& p, Pack pack, KeyBlock key_block,
+                               bool dq_transposed = false) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, group = sh.group_size();
-  const int64_t rows_per_chunk = chunk_rows(sh);
+  const int64_t rows_per_band = band_rows(sh);
   const int64_t heads = sh.batch * sh.heads, pairs = sh.batch * sh.kv_heads;
   const int64_t max_splits = key_splits(sh);
-  const int64_t chunk_elems = heads * rows_per_chunk * dp;
-  PackedChunk<T> packed(sh, rows_per_chunk);
-  AlignedArray<float> dq = aligned_array<float>(max_splits * chunk_elems);
+  const int64_t band_elems = heads * rows_per_band * dp;
+  PackedBand<T> packed(sh, rows_per_band);
+  AlignedArray<float> dq = aligned_array<float>(max_splits * band_elems);
   const bool resume = sh.fixed_order;  // running sums (params.h AttnShape::fixed_order)
   const KeyGradSums dk(sh, p.dk, sh.head_dim, dp, p.softmax_scale, p.accumulate, resume),
       dv(sh, p.dv, sh.head_dim_v, sh.head_dim_v_padded, 1.f, p.accumulate, resume);
-  for (int64_t q0 = 0; q0 < sh.seqlen_q; q0 += rows_per_chunk) {
-    const int64_t q1 = std::min(sh.seqlen_q, q0 + rows_per_chunk);
+  for (int64_t q0 = 0; q0 < sh.seqlen_q; q0 += rows_per_band) {
+    const int64_t q1 = std::min(sh.seqlen_q, q0 + rows_per_band);
     const int64_t blocks = (q1 - q0 + kBlockQ - 1) / kBlockQ;
     packed.q0 = q0;
     at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t bh = t / blocks, j = t % blocks, r0 = q0 + j * kBlockQ;
         pack(p, bh / sh.heads, bh % sh.heads, r0, std::min(kBlockQ, q1 - r0),
-             bh * packed.blocks_per_chunk + j, packed);
+             bh * packed.blocks_per_band + j, packed);
       }
     });
     const PosRange keys = p.mask.key_span(q0, q1, sh.seqlen_k);
@@ -756,15 +756,15 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block,
       for (int64_t t; (t = next_task.fetch_add(1)) < pairs * splits;) {
         const int64_t pair = t / splits, split = t % splits;
         const int64_t b = pair / sh.kv_heads, hk = pair % sh.kv_heads;
-        float* dq_split = dq.get() + split * chunk_elems;
-        float* own = dq_split + (b * sh.heads + hk * group) * rows_per_chunk * dp;
-        std::fill(own, own + group * rows_per_chunk * dp, 0.f);
-        if (resume && p.dq.data)  // the running sums of the chunk's rows (one split)
+        float* dq_split = dq.get() + split * band_elems;
+        float* own = dq_split + (b * sh.heads + hk * group) * rows_per_band * dp;
+        std::fill(own, own + group * rows_per_band * dp, 0.f);
+        if (resume && p.dq.data)  // the running sums of the band's rows (one split)
           for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
             for (int64_t i = 0; i < q1 - q0; ++i) {
               const float* src = static_cast<const float*>(p.dq.data) + b * p.dq.strides.batch +
                                  (q0 + i) * p.dq.strides.seq + h * p.dq.strides.head;
-              std::copy(src, src + sh.head_dim, own + ((h - hk * group) * rows_per_chunk + i) * dp);
+              std::copy(src, src + sh.head_dim, own + ((h - hk * group) * rows_per_band + i) * dp);
             }
         // every splits-th key block: a causal diagonal's partly masked blocks spread over splits
         for (int64_t kb = kb_first + split; kb < kb_first + kb_count; kb += splits) {
@@ -782,7 +782,7 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block,
         for (int64_t t = begin; t < end; ++t) {
           const int64_t split = t / (heads * blocks), bh = t / blocks % heads, j = t % blocks;
           float* block =
-              dq.get() + split * chunk_elems + (bh * packed.blocks_per_chunk + j) * kBlockQ * dp;
+              dq.get() + split * band_elems + (bh * packed.blocks_per_band + j) * kBlockQ * dp;
           for (int64_t d = 0; d < dp; ++d)
             for (int64_t i = 0; i < kBlockQ; ++i) rows[i * dp + d] = block[d * kBlockQ + i];
           std::copy(rows.get(), rows.get() + kBlockQ * dp, block);
@@ -792,9 +792,9 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block,
       const BshdStrides& o = p.dq.strides;
       for (int64_t r = begin; r < end; ++r) {
         const int64_t bh = r / (q1 - q0), i = r % (q1 - q0);
-        float* row = dq.get() + (bh * rows_per_chunk + i) * dp;
+        float* row = dq.get() + (bh * rows_per_band + i) * dp;
         for (int64_t split = 1; split < splits; ++split)
-          for (int64_t d = 0; d < dp; ++d) row[d] += row[split * chunk_elems + d];
+          for (int64_t d = 0; d < dp; ++d) row[d] += row[split * band_elems + d];
         const int64_t offset = bh / sh.heads * o.batch + (q0 + i) * o.seq + bh % sh.heads * o.head;
         if (resume)
           write_row(p.dq, offset, row, 1.f, sh.head_dim);
@@ -810,7 +810,7 @@ inline void backward_chunks(const BwdParams& p, Pack pack, KeyBlock key_block,
 }
 
 inline void attention_bwd_impl(const BwdParams& p) {
-  backward_chunks<float, BwdScratch>(p, pack_query_block, backward_key_block);
+  backward_row_bands<float, BwdScratch>(p, pack_query_block, backward_key_block);
 }
 
 }  // namespace CPATTN_CPU_ISA

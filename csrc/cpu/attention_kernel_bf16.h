@@ -261,7 +261,7 @@ struct BwdScratchBf16 : BwdScratch {
 
 // The rows of a key block, `stride` apart, as contiguous rows of `dim` values in `out`; the rows
 // themselves when they already are. Read in place, K and V rows are H D values apart, and rows
-// at such strides meet in a few L1 sets while every query block of the chunk reuses them.
+// at such strides meet in a few L1 sets while every query block of the band reuses them.
 inline const uint16_t* block_rows(const uint16_t* x, int64_t stride, int64_t rows, int64_t dim,
                                   uint16_t* out) {
   if (stride == dim) return x;
@@ -272,10 +272,10 @@ inline const uint16_t* block_rows(const uint16_t* x, int64_t stride, int64_t row
   return out;
 }
 
-// Packs query block `slot` of the bf16 chunk from rows r0.. (`rows` of them) of head h of batch
+// Packs query block `slot` of the bf16 band from rows r0.. (`rows` of them) of head h of batch
 // b: Q^T and dO^T as d pairs, Q and dO as row pairs.
 inline void pack_query_block_bf16(const BwdParams& p, int64_t b, int64_t h, int64_t r0,
-                                  int64_t rows, int64_t slot, PackedChunk<uint16_t>& out) {
+                                  int64_t rows, int64_t slot, PackedBand<uint16_t>& out) {
   const AttnShape& sh = p.shape;
   const BshdStrides &qs = p.q16_strides, &ds = p.dout16_strides;
   const uint16_t* q = p.q16 + b * qs.batch + r0 * qs.seq + h * qs.head;
@@ -336,8 +336,8 @@ inline void score_grads_bf16(int64_t seen, const float* softcap_grad, const floa
 }
 
 // backward_key_block (attention_kernel.h) with the five products on bf16 operands.
-inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16_t>& packed,
-                                    int64_t b, int64_t hk, int64_t c0, int64_t q1, float* dq_chunk,
+inline bool backward_key_block_bf16(const BwdParams& p, const PackedBand<uint16_t>& packed,
+                                    int64_t b, int64_t hk, int64_t c0, int64_t q1, float* dq_band,
                                     BwdScratchBf16& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
@@ -359,7 +359,7 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
       p, b, hk, c0, cols, packed.q0, q1,
       [&](int64_t row_base, int64_t r0, int64_t rows, int64_t seen, BlockKind kind) {
         const int64_t slot = packed.slot(sh, row_base, r0);
-        float* dq = dq_chunk + slot * kBlockQ * dp;
+        float* dq = dq_band + slot * kBlockQ * dp;
         load_row_stats(p, row_base + r0, rows, reference, delta);
         const int64_t row_pairs = (rows + 1) / 2;
         float* st = s.st.get();
@@ -392,7 +392,7 @@ inline bool backward_key_block_bf16(const BwdParams& p, const PackedChunk<uint16
 }
 
 inline void attention_bwd_bf16_impl(const BwdParams& p) {
-  backward_chunks<uint16_t, BwdScratchBf16>(p, pack_query_block_bf16, backward_key_block_bf16);
+  backward_row_bands<uint16_t, BwdScratchBf16>(p, pack_query_block_bf16, backward_key_block_bf16);
 }
 
 }  // namespace CPATTN_CPU_ISA

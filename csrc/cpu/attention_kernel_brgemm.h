@@ -8,7 +8,7 @@
 //                                    one key block packed once per call (FwdParams::vt / vt16),
 //                                    P^T the softmax's own block (fp32, or bf16 key pairs)
 //   backward  S^T, dV += P^T dO, dP^T = V dO^T, dK += dS^T Q   as before
-//             dQ^T += K^T dS^T       K^T of the key block transposed once per task and chunk
+//             dQ^T += K^T dS^T       K^T of the key block transposed once per task and band
 // Key counts of a block are rounded up to kKeyRound over zeroed operands, so that each thread
 // generates a handful of kernel shapes, and query blocks are reduced over whole (zero-padded)
 // blocks. Every parallel task holds an onednn::TaskGuard (tile state released at both ends).
@@ -146,11 +146,11 @@ inline void load_key_block_pair(const BwdParams& p, const T* k, const BshdStride
   std::fill(s.dv.get(), s.dv.get() + kBlockK * dvp, 0.f);
 }
 
-// backward_key_block (attention_kernel.h) with the products through brgemm; dq_chunk's blocks
-// hold dQ^T (backward_chunks' dq_transposed).
-inline bool backward_key_block_brgemm(const BwdParams& p, const PackedChunk<float>& packed,
-                                      int64_t b, int64_t hk, int64_t c0, int64_t q1,
-                                      float* dq_chunk, BwdScratchBrgemm<float>& s) {
+// backward_key_block (attention_kernel.h) with the products through brgemm; dq_band's blocks
+// hold dQ^T (backward_row_bands' dq_transposed).
+inline bool backward_key_block_brgemm(const BwdParams& p, const PackedBand<float>& packed,
+                                      int64_t b, int64_t hk, int64_t c0, int64_t q1, float* dq_band,
+                                      BwdScratchBrgemm<float>& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -163,7 +163,7 @@ inline bool backward_key_block_brgemm(const BwdParams& p, const PackedChunk<floa
       [&](int64_t row_base, int64_t r0, int64_t rows, int64_t seen, BlockKind kind) {
         const int64_t h = head_of_row(sh, row_base);
         const int64_t slot = packed.slot(sh, row_base, r0), m = round_keys(seen);
-        float* dq = dq_chunk + slot * kBlockQ * dp;
+        float* dq = dq_band + slot * kBlockQ * dp;
         load_row_stats(p, row_base + r0, rows, reference, delta);
         float* st = s.st.get();
         float* dpt = s.dpt.get();
@@ -218,9 +218,9 @@ inline void forward_blocks_brgemm_bf16(const FwdParams& p, int64_t b, int64_t h,
 }
 
 // backward_key_block_bf16 (attention_kernel_bf16.h) with the products through brgemm.
-inline bool backward_key_block_brgemm_bf16(const BwdParams& p, const PackedChunk<uint16_t>& packed,
+inline bool backward_key_block_brgemm_bf16(const BwdParams& p, const PackedBand<uint16_t>& packed,
                                            int64_t b, int64_t hk, int64_t c0, int64_t q1,
-                                           float* dq_chunk, BwdScratchBrgemm<uint16_t>& s) {
+                                           float* dq_band, BwdScratchBrgemm<uint16_t>& s) {
   const AttnShape& sh = p.shape;
   const int64_t dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
   const int64_t cols = std::min(kBlockK, sh.seqlen_k - c0);
@@ -232,7 +232,7 @@ inline bool backward_key_block_brgemm_bf16(const BwdParams& p, const PackedChunk
       p, b, hk, c0, cols, packed.q0, q1,
       [&](int64_t row_base, int64_t r0, int64_t rows, int64_t seen, BlockKind kind) {
         const int64_t slot = packed.slot(sh, row_base, r0), m = round_keys(seen);
-        float* dq = dq_chunk + slot * kBlockQ * dp;
+        float* dq = dq_band + slot * kBlockQ * dp;
         load_row_stats(p, row_base + r0, rows, reference, delta);
         float* st = s.st.get();
         float* dpt = s.dpt.get();
@@ -288,11 +288,11 @@ inline void attention_fwd_brgemm_impl(const FwdParams& p) {
 inline void attention_bwd_brgemm_impl(const BwdParams& p) {
 #ifdef CPATTN_CPU_BF16_DOT
   if (p.q16)
-    return backward_chunks<uint16_t, BwdScratchBrgemm<uint16_t>>(
+    return backward_row_bands<uint16_t, BwdScratchBrgemm<uint16_t>>(
         p, pack_query_block_bf16, backward_key_block_brgemm_bf16, /*dq_transposed=*/true);
 #endif
-  backward_chunks<float, BwdScratchBrgemm<float>>(p, pack_query_block, backward_key_block_brgemm,
-                                                  /*dq_transposed=*/true);
+  backward_row_bands<float, BwdScratchBrgemm<float>>(p, pack_query_block, backward_key_block_brgemm,
+                                                     /*dq_transposed=*/true);
 }
 
 }  // namespace CPATTN_CPU_ISA

@@ -48,13 +48,13 @@ struct IsaKernels {
   void (*fwd_brgemm)(const FwdParams&);
   void (*bwd_brgemm)(const BwdParams&);
   void (*round_split_sums)(uint16_t*, const uint16_t*, int64_t);
-  BackwardChunking (*backward_chunking)(const AttnShape&);
+  BackwardBands (*backward_bands)(const AttnShape&);
 };
 
-#define CPATTN_ISA_KERNELS(isa)                                                     \
-  IsaKernels {                                                                      \
-    &isa::attention_fwd, &isa::attention_bwd, &isa::attention_fwd_brgemm,           \
-        &isa::attention_bwd_brgemm, &isa::round_split_sums, &isa::backward_chunking \
+#define CPATTN_ISA_KERNELS(isa)                                                  \
+  IsaKernels {                                                                   \
+    &isa::attention_fwd, &isa::attention_bwd, &isa::attention_fwd_brgemm,        \
+        &isa::attention_bwd_brgemm, &isa::round_split_sums, &isa::backward_bands \
   }
 
 // A row of the table of instruction sets: its name and operand packing (IsaPath), whether this
@@ -77,7 +77,7 @@ const std::array<IsaRow, 4>& isa_rows() {
       {{"generic", OperandPacking::kFloat32},
        cpu_has_anything,
        {&generic::attention_fwd, &generic::attention_bwd, nullptr, nullptr,
-        &generic::round_split_sums, &generic::backward_chunking}},
+        &generic::round_split_sums, &generic::backward_bands}},
   }};
   return table;
 }
@@ -241,8 +241,6 @@ void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n) {
   kernels().round_split_sums(high, low, n);
 }
 
-BackwardChunking backward_chunking(const AttnShape& shape) {
-  return kernels().backward_chunking(shape);
-}
+BackwardBands backward_bands(const AttnShape& shape) { return kernels().backward_bands(shape); }
 
 }  // namespace cpattn::cpu

@@ -81,12 +81,12 @@ std::vector<IsaPath> isa_paths();
 
 // How the backward of a call of shape `shape` cuts its work (attention_kernel.h): the splits of
 // the key blocks per (batch, kv head) pair, each with its own dQ buffer, and the query rows per
-// chunk. For the cost model's memory figures (cpattn.plan).
-struct BackwardChunking {
+// band. For the cost model's memory figures (cpattn.plan).
+struct BackwardBands {
   int64_t key_splits = 0;
-  int64_t chunk_rows = 0;
+  int64_t band_rows = 0;
 };
-BackwardChunking backward_chunking(const AttnShape& shape);
+BackwardBands backward_bands(const AttnShape& shape);
 
 // Each instruction set's entry points (kernels_<isa>.cpp); the brgemm path's where its file
 // builds it (AVX2 and up).
@@ -97,7 +97,7 @@ BackwardChunking backward_chunking(const AttnShape& shape);
   void attention_fwd_brgemm(const FwdParams& params);                    \
   void attention_bwd_brgemm(const BwdParams& params);                    \
   void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n); \
-  BackwardChunking backward_chunking(const AttnShape& shape);            \
+  BackwardBands backward_bands(const AttnShape& shape);                  \
   }
 CPATTN_DECLARE_ISA(avx512bf16)
 CPATTN_DECLARE_ISA(avx512)

@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(Cfg::kThreads)
   const int split = blockIdx.x, b = blockIdx.z;
   const int hk = blockIdx.y / p.row_groups, row0 = (blockIdx.y % p.row_groups) * kRows;
   const int group = p.heads / p.kv_heads, Sq = p.seqlen_q;
-  const int rows_here = min(kRows, group * Sq - row0);  // >= 1 (plan_decode's row groups)
+  const int rows_here = min(kRows, group * Sq - row0);  // >= 1 (choose_decode_grid's row groups)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 
   // Block row r is row row0 + r of the kv head: query head hk * G + (row0 + r) / Sq, query row

@@ -41,15 +41,15 @@ struct Dispatch {
      ...);
     return result;
   }
-  static DecodePlan decode_plan(int head_dim, int batch, int kv_heads, int rows, int64_t slots,
+  static DecodeGrid decode_grid(int head_dim, int batch, int kv_heads, int rows, int64_t slots,
                                 int64_t target_blocks) {
-    DecodePlan plan;
-    ((head_dim == kDims
-          ? (plan = plan_decode<DecodeConfig<kDims>>(batch, kv_heads, rows, slots, target_blocks),
-             true)
-          : false) ||
+    DecodeGrid grid;
+    ((head_dim == kDims ? (grid = choose_decode_grid<DecodeConfig<kDims>>(batch, kv_heads, rows,
+                                                                          slots, target_blocks),
+                           true)
+                        : false) ||
      ...);
-    return plan;
+    return grid;
   }
   static int bwd(const BwdParamsCuda& p, void* stream) {
     int result = kErrNoKernel;
@@ -81,9 +81,9 @@ int run_fwd(const FwdParamsCuda& p, void* stream) {
   }
 }
 
-DecodePlan decode_plan(int head_dim, int batch, int kv_heads, int rows_per_kv_head, int64_t slots,
+DecodeGrid decode_grid(int head_dim, int batch, int kv_heads, int rows_per_kv_head, int64_t slots,
                        int64_t target_blocks) {
-  return Dispatch<DType::kBFloat16, CPATTN_HEAD_DIMS>::decode_plan(
+  return Dispatch<DType::kBFloat16, CPATTN_HEAD_DIMS>::decode_grid(
       head_dim, batch, kv_heads, rows_per_kv_head, slots, target_blocks);
 }
 

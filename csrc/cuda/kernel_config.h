@@ -147,23 +147,24 @@ struct DecodeConfig {
   static_assert(kWarps * kRows * (kHeadDim + 1) * 4 <= kTileBytes, "warp partials fit the tiles");
 };
 
-// The split / row-group plan of a decode launch (cuda/params.h DecodePlan), from shapes only:
+// The split / row-group grid of a decode launch (cuda/params.h DecodeGrid), from shapes only:
 // `rows` query rows per kv head, `slots` cache slots per sequence on this rank.
 template <typename Cfg>
-DecodePlan plan_decode(int batch, int kv_heads, int rows, int64_t slots, int64_t target_blocks) {
-  DecodePlan plan;
-  plan.row_groups = (rows + Cfg::kRows - 1) / Cfg::kRows;
-  if (plan.row_groups > Cfg::kMaxRowGroups) return {};
-  if (plan.row_groups < 1) plan.row_groups = 1;
+DecodeGrid choose_decode_grid(int batch, int kv_heads, int rows, int64_t slots,
+                              int64_t target_blocks) {
+  DecodeGrid grid;
+  grid.row_groups = (rows + Cfg::kRows - 1) / Cfg::kRows;
+  if (grid.row_groups > Cfg::kMaxRowGroups) return {};
+  if (grid.row_groups < 1) grid.row_groups = 1;
   const int64_t tiles = slots > 0 ? (slots + Cfg::kBlockN - 1) / Cfg::kBlockN : 1;
-  const int64_t per_split = int64_t(batch) * kv_heads * plan.row_groups;
+  const int64_t per_split = int64_t(batch) * kv_heads * grid.row_groups;
   int64_t splits = (target_blocks + per_split - 1) / (per_split > 0 ? per_split : 1);
   splits = splits < 1 ? 1 : splits > tiles ? tiles : splits;
   splits = splits > Cfg::kMaxSplits ? Cfg::kMaxSplits : splits;
   const int64_t tiles_per_split = (tiles + splits - 1) / splits;
-  plan.split_slots = tiles_per_split * Cfg::kBlockN;
-  plan.splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
-  return plan;
+  grid.split_slots = tiles_per_split * Cfg::kBlockN;
+  grid.splits = static_cast<int>((tiles + tiles_per_split - 1) / tiles_per_split);
+  return grid;
 }
 
 // How a kernel is launched: grid, threads per block and dynamic shared memory, derived once from
@@ -211,7 +212,7 @@ inline LaunchShape preprocess_launch(const ShapeCuda& s, int seqlen_q_rounded) {
           0};
 }
 
-// Decode: the split kernel's grid (decode_plan), then the merge's, one warp per (batch, query
+// Decode: the split kernel's grid (decode_grid), then the merge's, one warp per (batch, query
 // row, head) row with the splits' weights in shared memory.
 template <typename Cfg>
 LaunchShape decode_launch(const DecodeParamsCuda& p) {

@@ -337,8 +337,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   return {dq, dk, dv};
 }
 
-// dQ over dout: backward_chunks reads a chunk's dO rows (packing them) before it writes the
-// chunk's dQ rows, and never again; the fp32 path's copy of dO, where it makes one, is read only.
+// dQ over dout: backward_row_bands reads a band's dO rows (packing them) before it writes the
+// band's dQ rows, and never again; the fp32 path's copy of dO, where it makes one, is read only.
 std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,

@@ -369,7 +369,7 @@ at::Tensor row_dot_cuda(const at::Tensor& a, const at::Tensor& b) {
 
 // The batched split-KV decode (cuda/decode_kernel.cuh) for the cases it serves: a compiled head
 // dim (the cache is never padded or copied), a kernel_readable cache, few query rows per kv head
-// (decode_plan). lens and q_start go to the device in one pinned, non-blocking copy (no sync);
+// (decode_grid). lens and q_start go to the device in one pinned, non-blocking copy (no sync);
 // the number of splits comes from the shapes and the SM count only.
 std::optional<std::tuple<at::Tensor, at::Tensor>> cache_decode_cuda(
     const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -390,10 +390,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> cache_decode_cuda(
     return std::nullopt;
   const c10::cuda::CUDAGuard guard(q_in.device());
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const cuda::DecodePlan plan =
-      cuda::decode_plan(static_cast<int>(D), static_cast<int>(B), static_cast<int>(Hkv),
+  const cuda::DecodeGrid grid =
+      cuda::decode_grid(static_cast<int>(D), static_cast<int>(B), static_cast<int>(Hkv),
                         static_cast<int>((H / Hkv) * Sq), slots, 4 * sms);
-  if (plan.splits == 0 || Hkv * plan.row_groups > 65535) return std::nullopt;
+  if (grid.splits == 0 || Hkv * grid.row_groups > 65535) return std::nullopt;
 
   const at::Tensor q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
   const auto f32 = q.options().dtype(at::kFloat);
@@ -403,8 +403,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> cache_decode_cuda(
   // The caching host allocator keeps `host` until the copy has run (it records the stream).
   const at::Tensor positions = at::empty({2, B}, q.options().dtype(at::kLong));
   positions.copy_(host, /*non_blocking=*/true);
-  const at::Tensor part_out = at::empty({plan.splits, B, Sq, H, D}, f32);
-  const at::Tensor part_lse = at::empty({plan.splits, B, H, Sq}, f32);
+  const at::Tensor part_out = at::empty({grid.splits, B, Sq, H, D}, f32);
+  const at::Tensor part_lse = at::empty({grid.splits, B, H, Sq}, f32);
   const at::Tensor out = at::empty({B, Sq, H, D}, f32);
   const at::Tensor lse = at::empty({B, H, Sq}, f32);
 
@@ -427,9 +427,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> cache_decode_cuda(
   p.q_start = p.cache_lens + B;
   p.sharding = sharding;
   p.rank = rank;
-  p.splits = plan.splits;
-  p.split_slots = plan.split_slots;
-  p.row_groups = plan.row_groups;
+  p.splits = grid.splits;
+  p.split_slots = grid.split_slots;
+  p.row_groups = grid.row_groups;
   p.part_out = part_out.data_ptr<float>();
   p.part_lse = part_lse.data_ptr<float>();
   p.out = out.data_ptr<float>();

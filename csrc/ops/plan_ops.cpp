@@ -88,7 +88,7 @@ at::Tensor visible_keys(const at::Tensor& positions, int64_t num_keys, bool caus
   return count;
 }
 
-// [KV heads per kernel call, key splits, query rows per chunk] of the CPU backward over
+// [KV heads per kernel call, key splits, query rows per band] of the CPU backward over
 // contiguous q, k, v and dout in `input_dtype` with gradients in `grad_dtype`, as the backward
 // decides them (attention_cpu.cpp, under the byte budget the process runs with; the kernels of
 // the instruction set it runs with, for one call's heads).
@@ -121,8 +121,8 @@ std::vector<int64_t> cpu_backward_sizes(int64_t batch, int64_t seqlen_q, int64_t
   AttnShape call = s;
   call.kv_heads = kv_per_call;
   call.heads = kv_per_call * s.group_size();
-  const cpu::BackwardChunking chunking = cpu::backward_chunking(call);
-  return {kv_per_call, chunking.key_splits, chunking.chunk_rows};
+  const cpu::BackwardBands bands = cpu::backward_bands(call);
+  return {kv_per_call, bands.key_splits, bands.band_rows};
 }
 
 }  // namespace

@@ -27,7 +27,7 @@ def layout_code(layout: str) -> int:
 
 def granularity(layout: str, world: int) -> int:
     """Global lengths split evenly under `layout` over `world` ranks are multiples of this:
-    2W for zigzag (2W chunks), W otherwise (layout.h layout_granularity)."""
+    2W for zigzag (2W segments), W otherwise (layout.h layout_granularity)."""
     return (2 if layout_code(layout) == LAYOUTS["zigzag"] else 1) * world
 
 

@@ -54,11 +54,11 @@ def all_to_all_raw(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) ->
     if world == 1:
         return x
     _check_divisible(x, scatter_dim, world, "all_to_all")
-    # (W, chunk): one copy, none when the chunks already lie in rank order (the sequence dim of
+    # (W, part): one copy, none when the parts already lie in rank order (the sequence dim of
     # a batch-1 tensor); the result is a view of what was received where the layout allows it
     # (the sequence dim of a batch-1 tensor), else the one copy of the concatenation.
-    chunks = x.unflatten(scatter_dim, (world, x.shape[scatter_dim] // world))
-    send = chunks.movedim(scatter_dim, 0).contiguous()
+    parts = x.unflatten(scatter_dim, (world, x.shape[scatter_dim] // world))
+    send = parts.movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
     return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
@@ -96,15 +96,15 @@ def all_gather(x: torch.Tensor, dim: int = 1, group: Optional[dist.ProcessGroup]
 
 
 def reduce_scatter(x: torch.Tensor, dim: int = 1, group: Optional[dist.ProcessGroup] = None):
-    """Sums x over the ranks and keeps this rank's chunk along `dim`. Backward: all-gather."""
+    """Sums x over the ranks and keeps this rank's part along `dim`. Backward: all-gather."""
     return _GatherOrScatter.apply(x, dim, group, False)
 
 
 def all_to_all(
     x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Optional[dist.ProcessGroup] = None
 ):
-    """Splits x into W chunks along scatter_dim, sends chunk i to rank i, and concatenates the
-    received chunks along gather_dim (rank order). E.g. (B, S/W, H, D) -> (B, S, H/W, D) with
+    """Splits x into W parts along scatter_dim, sends part i to rank i, and concatenates the
+    received parts along gather_dim (rank order). E.g. (B, S/W, H, D) -> (B, S, H/W, D) with
     scatter_dim=2, gather_dim=1 (Ulysses)."""
     return _AllToAll.apply(x, scatter_dim, gather_dim, group)
 

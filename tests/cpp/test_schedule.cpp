@@ -161,11 +161,11 @@ TEST(Layout, PositionsArePermutation) {
 }
 
 TEST(Layout, ZigzagHoldsChunksRAnd2WMinus1MinusR) {
-  const int64_t world = 4, seqlen = 32, chunk = 4;
+  const int64_t world = 4, seqlen = 32, segment = 4;
   for (int64_t r = 0; r < world; ++r) {
-    EXPECT_EQ(global_position(Layout::kZigzag, seqlen, world, r, 0), r * chunk);
-    EXPECT_EQ(global_position(Layout::kZigzag, seqlen, world, r, chunk),
-              (2 * world - 1 - r) * chunk);
+    EXPECT_EQ(global_position(Layout::kZigzag, seqlen, world, r, 0), r * segment);
+    EXPECT_EQ(global_position(Layout::kZigzag, seqlen, world, r, segment),
+              (2 * world - 1 - r) * segment);
   }
 }
 

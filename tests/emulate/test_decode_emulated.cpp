@@ -156,15 +156,15 @@ void run_case(const DecodeCase& c, uint64_t seed) {
     p.sharding = sharding;
     p.rank = rank;
     // A large target: one tile per split, so that the long sequence spans several splits.
-    const DecodePlan plan = plan_decode<Cfg>(B, Hk, (H / Hk) * Sq, slots, 1 << 20);
-    ASSERT_GT(plan.splits, 0);
-    ASSERT_GE(plan.splits * plan.split_slots, slots);
-    p.splits = plan.splits;
-    p.split_slots = plan.split_slots;
-    p.row_groups = plan.row_groups;
+    const DecodeGrid grid = choose_decode_grid<Cfg>(B, Hk, (H / Hk) * Sq, slots, 1 << 20);
+    ASSERT_GT(grid.splits, 0);
+    ASSERT_GE(grid.splits * grid.split_slots, slots);
+    p.splits = grid.splits;
+    p.split_slots = grid.split_slots;
+    p.row_groups = grid.row_groups;
     const float nan = std::numeric_limits<float>::quiet_NaN();
-    std::vector<float> part_out(size_t(plan.splits) * rows * d, nan),
-        part_lse(size_t(plan.splits) * rows, nan), out(size_t(rows) * d, nan), lse(rows, nan);
+    std::vector<float> part_out(size_t(grid.splits) * rows * d, nan),
+        part_lse(size_t(grid.splits) * rows, nan), out(size_t(rows) * d, nan), lse(rows, nan);
     p.part_out = part_out.data();
     p.part_lse = part_lse.data();
     p.out = out.data();
@@ -292,16 +292,17 @@ TEST(EmulatedDecode, RowGroups) {
 TEST(EmulatedDecode, PlanFromShapes) {
   using Cfg = DecodeConfig<128>;
   // One sequence, one kv head, a long shard: splits fill the target, each a whole number of tiles.
-  DecodePlan p = plan_decode<Cfg>(1, 8, 8, 131072, 132 * 4);
+  DecodeGrid p = choose_decode_grid<Cfg>(1, 8, 8, 131072, 132 * 4);
   EXPECT_EQ(p.row_groups, 1);
   EXPECT_GE(p.splits * 8, 132 * 4 * 0.9);
   EXPECT_EQ(p.split_slots % Cfg::kBlockN, 0);
   EXPECT_GE(p.splits * p.split_slots, 131072);
   // A large batch fills the GPU without splitting; an empty cache still gets one split.
-  EXPECT_EQ(plan_decode<Cfg>(256, 8, 8, 4096, 528).splits, 1);
-  EXPECT_EQ(plan_decode<Cfg>(1, 1, 1, 0, 528).splits, 1);
-  // Too many query rows per kv head for the decode kernel: no plan (the op falls back).
-  EXPECT_EQ(plan_decode<Cfg>(1, 1, Cfg::kRows * Cfg::kMaxRowGroups + 1, 4096, 528).splits, 0);
+  EXPECT_EQ(choose_decode_grid<Cfg>(256, 8, 8, 4096, 528).splits, 1);
+  EXPECT_EQ(choose_decode_grid<Cfg>(1, 1, 1, 0, 528).splits, 1);
+  // Too many query rows per kv head for the decode kernel: no grid (the op falls back).
+  EXPECT_EQ(choose_decode_grid<Cfg>(1, 1, Cfg::kRows * Cfg::kMaxRowGroups + 1, 4096, 528).splits,
+            0);
 }
 
 }  // namespace

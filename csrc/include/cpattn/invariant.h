@@ -18,7 +18,7 @@ namespace cpattn {
 
 constexpr int64_t kInvariantTile = 1024;  // keys per tile (a multiple of every kernel's key block)
 
-// Query rows per chunk of the backward's fixed-order dK / dV sums (from a document's row 0), a
+// Query rows per row band of the backward's fixed-order dK / dV sums (from a document's row 0), a
 // multiple of every kernel's key block. The streamed backward's parts of the queries (dK, dV)
 // and of the keys (dQ) start at multiples of it, so the kernels' sums continue across parts.
 constexpr int64_t kInvariantChunk = 1024;

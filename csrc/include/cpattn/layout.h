@@ -1,6 +1,6 @@
 // How a global sequence of S tokens is split over W ranks, as runs of global positions.
 //   contiguous: rank r holds [r*S/W, (r+1)*S/W).
-//   zigzag:     S is cut into 2W chunks; rank r holds chunk r, then chunk 2W-1-r.
+//   zigzag:     S is cut into 2W segments; rank r holds segment r, then segment 2W-1-r.
 //   striped:    rank r holds tokens r, r+W, r+2W, ...
 // Local token l of a run sits at global position global_begin + (l - local_begin) * global_stride.
 #pragma once
@@ -36,8 +36,10 @@ CPATTN_HOST_DEVICE ShardRuns shard_runs(Layout layout, int64_t seqlen, int64_t w
   const int64_t local = seqlen / world;
   switch (layout) {
     case Layout::kZigzag: {
-      const int64_t chunk = local / 2;
-      return {2, {{0, chunk, rank * chunk, 1}, {chunk, chunk, (2 * world - 1 - rank) * chunk, 1}}};
+      const int64_t segment = local / 2;
+      return {2,
+              {{0, segment, rank * segment, 1},
+               {segment, segment, (2 * world - 1 - rank) * segment, 1}}};
     }
     case Layout::kStriped:
       return {1, {{0, local, rank, world}, {0, 0, 0, 1}}};

@@ -7,7 +7,7 @@
 // bidirectional attention inside the prompt) is off by default (prefix_end = -kUnbounded: local
 // masks may hold negative positions, so 0 would not do).
 // Local query row r sits at global position q_offset + r; local key column c at k_offset + c.
-// A ring step, a zigzag chunk or bottom-right alignment is only a choice of the two offsets.
+// A ring step, a zigzag segment or bottom-right alignment is only a choice of the two offsets.
 //
 // Without a prefix, the visible keys of each query form an interval [first_key(i), last_key(i)]
 // that is never empty on the unbounded position line, and both its ends grow by one per query

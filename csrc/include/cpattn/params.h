@@ -24,7 +24,7 @@ struct AttnShape {
   int64_t head_dim_v_padded = 0;  // Dvp >= Dv, likewise
   // Invariant mode (ops/invariant.cpp), the one flag it sets: every sum of the backward runs in
   // an order fixed by global positions alone, never by the call's sizes (CPU: the micro-kernels,
-  // one key split, query chunks of a fixed size, and dq, dk, dv fp32 running sums that the call
+  // one key split, row bands of a fixed size, and dq, dk, dv fp32 running sums that the call
   // continues, unscaled; CUDA: the deterministic dQ pass, one head split in the dK/dV pass).
   bool fixed_order = false;
 

@@ -5,8 +5,8 @@ made exact on cpattn's shards.
 `install()` (called by `register`) replaces the forward of every supported mixer class of
 transformers with one that, for a model whose attention implementation is a registered cpattn
 name, runs the class's *adapter*: pure torch on the module's own parameters, projections, norms
-and gates, with the convolution halo and the state scan of cpattn.mixers over the model's plan of
-pieces (from the positions shard_batch gave). Any other model runs the original forward.
+and gates, with the convolution halo and the state scan of cpattn.mixers over the model's piece
+map (from the positions shard_batch gave). Any other model runs the original forward.
 
 Each module is checked once, before its first sharded step, against its own forward on a small
 random input in one process (the adapter on emulated pieces of it: out of order, shorter than the
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from cpattn._agreement import agree_on
 from cpattn._validation import check_timeout
-from cpattn.mixers import MixerPlan, build_plan, causal_conv, stacked, state_scan
+from cpattn.mixers import PieceMap, build_piece_map, causal_conv, stacked, state_scan
 from cpattn.mixers.exchange import Exchange
 from cpattn.mixers.kernels import (
     delta_rule,
@@ -46,7 +46,7 @@ from cpattn.mixers.kernels import (
     selective_scan,
 )
 from cpattn.mixers.primitives import from_pieces, piece_mask, to_pieces
-from cpattn.mixers.sharded import check_settings, exchange_of, plan_of
+from cpattn.mixers.sharded import check_settings, exchange_of, piece_map_of
 from cpattn.packing import KEYWORD, Documents
 from cpattn.parallel import ContextParallel
 
@@ -57,43 +57,43 @@ WHAT = "cpattn.integrations.transformers"
 
 @dataclass(frozen=True)
 class Mixing:
-    """What an adapter needs: this rank's plan of pieces, its rank and the exchange. Local
+    """What an adapter needs: this rank's piece map, its rank and the exchange. Local
     tensors (B, L, ...) become piece rows (B n, longest, ...) and back."""
 
-    plan: MixerPlan
+    piece_map: PieceMap
     rank: int
     exchange: Exchange
     batch: int
 
     @property
     def pieces(self) -> int:
-        return len(self.plan.pieces[self.rank])
+        return len(self.piece_map.pieces[self.rank])
 
     @property
     def alone(self) -> bool:
         """No piece of any rank continues a document of another piece: every entry state is
         zero (one process, documents that are all whole), so no summary is needed."""
-        return self.plan.slots == 0
+        return self.piece_map.slots == 0
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return to_pieces(x, self.plan, self.rank).flatten(0, 1)
+        return to_pieces(x, self.piece_map, self.rank).flatten(0, 1)
 
     def local(self, y: torch.Tensor) -> torch.Tensor:
-        return from_pieces(y.unflatten(0, (self.batch, self.pieces)), self.plan, self.rank)
+        return from_pieces(y.unflatten(0, (self.batch, self.pieces)), self.piece_map, self.rank)
 
     def mask(self, device) -> torch.Tensor:
-        return piece_mask(self.plan, self.rank, device).repeat(self.batch, 1)
+        return piece_mask(self.piece_map, self.rank, device).repeat(self.batch, 1)
 
     def conv(self, x: torch.Tensor, conv1d: torch.nn.Conv1d) -> torch.Tensor:
         """The module's depthwise causal convolution of x (B, L, C), no activation."""
-        return causal_conv(x, conv1d.weight[:, 0], conv1d.bias, self.plan, self.rank,
+        return causal_conv(x, conv1d.weight[:, 0], conv1d.bias, self.piece_map, self.rank,
                            self.exchange)
 
     def entry(self, m: torch.Tensor, s: torch.Tensor, kind: str) -> torch.Tensor:
         """Entry states (B n, ...) of the piece rows from their summaries (B n, ...)."""
         def unflat(t):
             return t.unflatten(0, (self.batch, self.pieces))
-        return state_scan(unflat(m), unflat(s), self.plan, self.rank, kind,
+        return state_scan(unflat(m), unflat(s), self.piece_map, self.rank, kind,
                           self.exchange).flatten(0, 1)
 
 
@@ -468,26 +468,27 @@ def _sharded_forward(cp: ContextParallel, name: str, module, hidden_states, args
         if docs is not None and hidden_states.shape[0] != 1:
             raise ValueError(f"{WHAT}: packed documents are one row, got a batch of "
                              f"{hidden_states.shape[0]}")
-        plan = plan_of(cp, local, docs)
-        if plan.local_len[cp.rank] != local:
+        piece_map = piece_map_of(cp, local, docs)
+        if piece_map.local_len[cp.rank] != local:
             raise ValueError(f"{WHAT}: {name} got {local} tokens; this rank holds "
-                             f"{plan.local_len[cp.rank]} of the batch (pass shard_batch's tokens)")
+                             f"{piece_map.local_len[cp.rank]} of the batch "
+                             "(pass shard_batch's tokens)")
         verdict = _verdict(name, id(module))
         if verdict:
             raise ValueError(verdict)
         # (not the local length: under a document plan the ranks hold different numbers)
-        return plan, [("mixer", name), ("plan", plan.signature),
+        return piece_map, [("mixer", name), ("piece map", piece_map.signature),
                       ("hidden_states.batch", hidden_states.shape[0]),
                       ("hidden_states.hidden", hidden_states.shape[-1]),
                       ("hidden_states.dtype", hidden_states.dtype),
                       ("hidden_states.device", hidden_states.device.type)]
 
-    plan = _agree(cp, check)
-    mix = Mixing(plan, cp.rank, exchange_of(cp), hidden_states.shape[0])
+    piece_map = _agree(cp, check)
+    mix = Mixing(piece_map, cp.rank, exchange_of(cp), hidden_states.shape[0])
     return ADAPTERS[name](module, hidden_states, mix)
 
 
-def _agree(cp: ContextParallel, check: Callable[[], tuple[Any, list]]) -> MixerPlan:
+def _agree(cp: ContextParallel, check: Callable[[], tuple[Any, list]]) -> PieceMap:
     """check() (the arguments and their fields) agreed over cp's ranks: for hybrid over its
     Ulysses groups, then its ring groups (an error in one Ulysses group raises in all)."""
     timeout = check_timeout(WHAT, cp.timeout, cp.groups[-1])  # (hybrid: the ring's)
@@ -563,8 +564,8 @@ def _probe(name: str, module) -> str:
     # One rank holds the pieces out of order: [2, 72), [0, 2), [72, total).
     a, b, _ = lengths
     order = torch.cat([torch.arange(b, b + a), torch.arange(0, b), torch.arange(a + b, total)])
-    plan = build_plan([order], (0, total))
-    mix = Mixing(plan, 0, stacked, 2)
+    piece_map = build_piece_map([order], (0, total))
+    mix = Mixing(piece_map, 0, stacked, 2)
     try:
         with torch.no_grad():
             kwargs = {"position_embeddings": None, "attention_mask": None} \

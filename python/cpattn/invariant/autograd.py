@@ -22,8 +22,8 @@ from cpattn.invariant.global_order import Relayout, gather_global, global_runs, 
 
 def _computed_once(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> bool:
     """Whether the backward can compute each block once (_backward_once): without documents,
-    every rank's runs start and end at multiples of invariant_chunk() (so each chunk of rows is
-    one rank's), not compiled (its point-to-point messages are not traced)."""
+    every rank's runs start and end at multiples of invariant_chunk() (so each row band is one
+    rank's), not compiled (its point-to-point messages are not traced)."""
     if world == 1 or docs is not None or torch.compiler.is_compiling():
         return False
     align = torch.ops.cpattn.invariant_chunk()
@@ -43,23 +43,24 @@ def _backward_once(sums: tuple, mine: tuple, k: torch.Tensor, v: torch.Tensor, g
     dk_sum, dv_sum), each block of rows against keys computed once, on the rows' rank. Every
     rank's K and V stream in global order (stream_global), in parts of invariant_chunk() keys;
     per part each rank adds its rows' dQ terms (invariant_bwd_rows, as invariant_bwd_part does)
-    and computes the dK / dV terms of each of its chunks of rows that sees the part, a plane
-    each; the part's owner receives the planes (one message per run of a rank's chunks, one
-    message at a time, so that one is alive) and adds them in global order of the chunks: the
+    and computes the dK / dV terms of each of its row bands (invariant_chunk() rows) that sees
+    the part, a plane each; the part's owner receives the planes (one message per run of a
+    rank's bands, one message at a time, so that one is alive) and adds them in global order of
+    the bands: the
     order in which one process's kernel adds them. mine: this rank's dout, q, lse and shifted."""
     dq_sum, dk_sum, dv_sum = sums
     align = torch.ops.cpattn.invariant_chunk()
     local, d = k.shape[1], k.shape[3]
     runs = global_runs(layout_code, world, local, None)
-    # every rank's chunks of rows in global order: (global begin, rank, local chunk index)
-    chunks = sorted((g + i, r, (b + i) // align) for r in range(world) for b, n, g in runs[r]
+    # every rank's row bands in global order: (global begin, rank, local band index)
+    bands = sorted((g + i, r, (b + i) // align) for r in range(world) for b, n, g in runs[r]
                     for i in range(0, n, align))
     in_flight: list = []  # (part, this rank's sends, or a part it owns: its planes to add)
 
     def settle(last: int) -> None:  # completes the sends and additions of parts up to `last`
         while in_flight and in_flight[0][0] <= last:
             _, works, additions, _ = in_flight.pop(0)
-            for dk_keys, dv_keys, planes in additions:  # in global order of the chunks
+            for dk_keys, dv_keys, planes in additions:  # in global order of the bands
                 if isinstance(planes, tuple):  # another rank's: received now, one at a time
                     source, count, tag = planes
                     planes = dk_keys.new_empty((count, *dk_keys.shape[:3], d + dv_keys.shape[3]))
@@ -80,15 +81,15 @@ def _backward_once(sums: tuple, mine: tuple, k: torch.Tensor, v: torch.Tensor, g
             step += 1
             seen = torch.ops.cpattn.invariant_chunks_seen(local, start, n, world, layout_code,
                                                           seqlen, None, **op_kwargs).tolist()
-            # the chunks that see the part, in global order, as runs of one rank's chunks
-            segments: list = []
-            for _, r, j in chunks:
+            # the bands that see the part, in global order, as runs of one rank's bands
+            band_runs: list = []
+            for _, r, j in bands:
                 if seen[r][j]:
-                    if segments and segments[-1][0] == r:
-                        segments[-1][1].append(j)
+                    if band_runs and band_runs[-1][0] == r:
+                        band_runs[-1][1].append(j)
                     else:
-                        segments.append((r, [j]))
-            own = [j for r, js in segments if r == rank for j in js]
+                        band_runs.append((r, [j]))
+            own = [j for r, js in band_runs if r == rank for j in js]
             planes = dq_sum.new_zeros((len(own), k.shape[0], n, *k.shape[2:3], d + v.shape[3]))
             if own:
                 torch.ops.cpattn.invariant_bwd_rows(
@@ -97,8 +98,8 @@ def _backward_once(sums: tuple, mine: tuple, k: torch.Tensor, v: torch.Tensor, g
                     seqlen, None, **op_kwargs)
             works, additions, i = [], [], 0
             keys = [s.narrow(1, owner_begin + offset, n) for s in (dk_sum, dv_sum)]
-            for t, (r, js) in enumerate(segments):
-                tag = step * 4096 + t  # the same on both sides: the part and the segment
+            for t, (r, js) in enumerate(band_runs):
+                tag = step * 4096 + t  # the same on both sides: the part and the run of bands
                 if r == rank:
                     mine_now = planes[i:i + len(js)]
                     i += len(js)
@@ -192,7 +193,7 @@ class InvariantAttention(torch.autograd.Function):
                         torch.ops.cpattn.invariant_bwd_part(
                             dq_sum, dk_sum, dv_sum, *mine, *parts, lse_all.narrow(2, begin, n),
                             shifted_all.narrow(2, begin, n), begin, *rest, **o.op_kwargs())
-                        del parts  # freed before the stream receives the next piece
+                        del parts  # freed before the stream receives the next broadcast
                 dq_c = _finished(dq_sum, o.softmax_scale, q.dtype)
                 dk_c, dv_c = _finished(dk_sum, o.softmax_scale, k.dtype), dv_sum.to(v.dtype)
                 dsinks_c = None if o.sinks is None else torch.ops.cpattn.invariant_sink_bwd(

@@ -39,7 +39,7 @@ _RUNS: dict = {}  # global_runs' results by arguments
 def global_runs(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> tuple:
     """Per rank, (local begin, length, global begin) of each run of consecutive positions of its
     shard of `local` tokens (_positions), cut at the same local indices on every rank (zigzag's
-    last rank holds two chunks that follow each other, cut like the others'; documents at their
+    last rank holds two segments that follow each other, cut like the others'; documents at their
     starts), so that the ranks' j-th runs have one length."""
     key = (layout_code, world, local, docs)
     if key not in _RUNS:
@@ -101,8 +101,8 @@ def gather_global(tensors: list, dim: int, group, rank: int, world: int, layout_
     """Every rank's shard of each of `tensors` (its tokens along `dim`, in the layout's order;
     with docs, the packed documents' shards) in global order: each tensor's shape with W times
     the tokens along `dim`. Stored sequence-major, so that the ranks' runs of positions that
-    follow each other in rank order (contiguous; zigzag's first chunks) are gathered in place,
-    all in flight at once; other runs (zigzag's second chunks, in reverse rank order) through a
+    follow each other in rank order (contiguous; zigzag's first segments) are gathered in place,
+    all in flight at once; other runs (zigzag's second segments, in reverse rank order) through a
     buffer, one at a time (a buffer is the size of the result's run). Not compiled: traced
     collectives are waited for one by one. With one rank, the tensors themselves."""
     if world == 1:
@@ -136,10 +136,10 @@ def gather_global(tensors: list, dim: int, group, rank: int, world: int, layout_
     return outs
 
 
-# Bytes (of all the tensors) per piece of stream_global: two pieces alive bound its memory (the
-# caller's part and the next piece, in flight; the caller drops its part before asking for the
-# next).
-# Fewer, larger pieces cost less: each part's kernel calls pack this rank's rows again.
+# Bytes (of all the tensors) per broadcast of stream_global: two alive bound its memory (the
+# caller's part and the next broadcast, in flight; the caller drops its part before asking for
+# the next).
+# Fewer, larger broadcasts cost less: each part's kernel calls pack this rank's rows again.
 _STREAM_BYTES = 8 << 20
 
 
@@ -148,10 +148,10 @@ def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_
     """Every rank's shards of `tensors` (their tokens along `dim`, as gather_global) in global
     order, a part at a time: yields (begin, parts), the tokens [begin, begin + n) of each. Each
     part starts a document (the sequence) or a multiple of invariant_chunk() tokens into it, so
-    the kernels' fixed-order sums continue across parts; it is at most one piece of a rank's
-    run plus fewer than invariant_chunk() tokens carried from the piece before. Each run is
-    broadcast by its owner in pieces of about _STREAM_BYTES (one broadcast per tensor: the
-    owner's are views), the next piece while the caller works on the current part. Compiled
+    the kernels' fixed-order sums continue across parts; it is at most one broadcast of a rank's
+    run plus fewer than invariant_chunk() tokens carried from the broadcast before. Each run is
+    broadcast by its owner in broadcasts of about _STREAM_BYTES (one per tensor: the owner's
+    are views), the next one while the caller works on the current part. Compiled
     (traced collectives have no broadcast): one part, every token (gather_global)."""
     if torch.compiler.is_compiling():
         yield 0, gather_global(tensors, dim, group, rank, world, layout_code, docs)
@@ -161,13 +161,13 @@ def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_
     sources = [t.movedim(dim, 0) for t in tensors]
     runs = global_runs(layout_code, world, local, docs)
     token_bytes = sum(s[0].numel() * s.element_size() for s in sources)
-    step = max(align, _STREAM_BYTES // token_bytes)  # tokens per piece
+    step = max(align, _STREAM_BYTES // token_bytes)  # tokens per broadcast
     order = sorted((g + i, r, b + i, min(step, n - i)) for r in range(world)
                    for b, n, g in runs[r] for i in range(0, n, step))
     doc_starts = [begin for _, begin, _ in _shards(layout_code, world, local, docs)]
 
-    def receive(piece):  # start the owner's broadcasts of one piece of every tensor
-        _, owner, begin, n = piece
+    def receive(sent):  # start the owner's broadcasts of one stretch of every tensor
+        _, owner, begin, n = sent
         bufs = [src.narrow(0, begin, n).contiguous() if owner == rank else
                 src.new_empty((n, *src.shape[1:])) for src in sources]
         root = dist.get_global_rank(group, owner)
@@ -178,13 +178,13 @@ def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_
 
     carry, carry_begin = None, 0
     pending = receive(order[0])
-    for i, piece in enumerate(order):
+    for i, sent in enumerate(order):
         bufs, works = pending
         if i + 1 < len(order):
             pending = receive(order[i + 1])
         for w in works:
             w.wait()
-        begin = piece[0]
+        begin = sent[0]
         if carry is not None and begin in doc_starts:  # a document ends with the carried tokens
             yield carry_begin, as_parts(carry)
             carry = None

@@ -15,21 +15,21 @@ from __future__ import annotations
 import torch
 
 
-def _chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """(N, L, ...) -> (N, L / chunk, chunk, ...), zero-padded at the end (to one chunk at least:
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """(N, L, ...) -> (N, L / block, block, ...), zero-padded at the end (to one block at least:
     a rank without tokens still runs the same steps)."""
-    pad = -x.shape[1] % chunk if x.shape[1] else chunk
+    pad = -x.shape[1] % block if x.shape[1] else block
     if pad:
         x = torch.cat([x, x.new_zeros((x.shape[0], pad, *x.shape[2:]))], 1)
-    return x.reshape(x.shape[0], x.shape[1] // chunk, chunk, *x.shape[2:])
+    return x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:])
 
 
-def _tril(chunk: int, device, diagonal: int = 0) -> torch.Tensor:
-    return torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril(diagonal)
+def _tril(block: int, device, diagonal: int = 0) -> torch.Tensor:
+    return torch.ones(block, block, dtype=torch.bool, device=device).tril(diagonal)
 
 
 def scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                 mask: torch.Tensor, chunk: int = 64):
+                 mask: torch.Tensor, block: int = 64):
     """S_t = exp(a_t) S_{t-1} + k_t v_t^T, y_t = S_t^T q_t, per head (Mamba-2's SSD, lightning).
 
     q, k (N, L, H, K), v (N, L, H, V), log_decay a (N, L, H) <= 0, mask (N, L).
@@ -40,18 +40,18 @@ def scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: t
     k = k * keep[..., None]
     total = torch.cumsum(a, 1)  # (N, L, H)
     p = q * total.exp()[..., None]
-    qc, kc, vc, ac = (_chunks(t, chunk) for t in (q, k, v, a))
-    g = torch.cumsum(ac, 2)  # (N, C, c, H): decay from the chunk's start
+    qc, kc, vc, ac = (_blocks(t, block) for t in (q, k, v, a))
+    g = torch.cumsum(ac, 2)  # (N, C, c, H): decay from the block's start
     diff = g[:, :, :, None, :] - g[:, :, None, :, :]  # (N, C, i, j, H)
-    lower = _tril(chunk, q.device)[None, None, :, :, None]
+    lower = _tril(block, q.device)[None, None, :, :, None]
     weights = diff.masked_fill(~lower, float("-inf")).exp()
     scores = torch.einsum("ncihk,ncjhk->ncijh", qc, kc) * weights
     y = torch.einsum("ncijh,ncjhv->ncihv", scores, vc)
-    # Each chunk's own contribution to the state at its end, and its decay.
+    # Each block's own contribution to the state at its end, and its decay.
     to_end = (g[:, :, -1:, :] - g).exp()
     own = torch.einsum("ncjhk,ncjhv->nchkv", kc * to_end[..., None], vc)
     decay = g[:, :, -1].exp()  # (N, C, H)
-    # (unbind, not [:, c]: the backward of one select per chunk writes a whole zero gradient)
+    # (unbind, not [:, c]: the backward of one select per block writes a whole zero gradient)
     starts, state = [], q.new_zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]))
     for d, o in zip(decay.unbind(1), own.unbind(1)):
         starts.append(state)
@@ -63,24 +63,24 @@ def scalar_decay(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: t
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-               beta: torch.Tensor, initial: torch.Tensor | None = None, chunk: int = 64):
+               beta: torch.Tensor, initial: torch.Tensor | None = None, block: int = 64):
     """The gated delta rule: S_t = exp(a_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,
-    y_t = S_t^T q_t, chunk by chunk (the WY / UT form).
+    y_t = S_t^T q_t, block by block (the WY / UT form).
 
     q, k (N, L, H, K) (already normalised and scaled), v (N, L, H, V), log_decay a (N, L, H),
     beta b (N, L, H); initial (N, H, K, V) or None (zero). Returns y (N, L, H, V), S_L."""
     n, length, heads, dk = k.shape
-    qc, kc, vc, ac, bc = (_chunks(t, chunk) for t in (q, k, v, log_decay, beta))
+    qc, kc, vc, ac, bc = (_blocks(t, block) for t in (q, k, v, log_decay, beta))
     g = torch.cumsum(ac, 2)  # (N, C, c, H)
     # to head-major (N, H, C, c, ...)
     qc, kc, vc = (t.permute(0, 3, 1, 2, 4) for t in (qc, kc, vc))
     g, bc = g.permute(0, 3, 1, 2), bc.permute(0, 3, 1, 2)
     diff = g[..., :, None] - g[..., None, :]  # (N, H, C, i, j)
-    lower = _tril(chunk, q.device)
+    lower = _tril(block, q.device)
     decay_ij = diff.masked_fill(~lower, float("-inf")).exp()
     kk = kc @ kc.transpose(-1, -2)
-    system = (bc[..., None] * kk * decay_ij).masked_fill(~_tril(chunk, q.device, -1), 0.0)
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    system = (bc[..., None] * kk * decay_ij).masked_fill(~_tril(block, q.device, -1), 0.0)
+    eye = torch.eye(block, dtype=q.dtype, device=q.device)
     system = system + eye
     u = torch.linalg.solve_triangular(system, bc[..., None] * vc, upper=False,
                                       unitriangular=True)
@@ -103,13 +103,13 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: tor
 
 def delta_rule_summary(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        log_decay: torch.Tensor, beta: torch.Tensor, mask: torch.Tensor,
-                       chunk: int = 64):
+                       block: int = 64):
     """delta_rule from a zero state with its entry map and summary, in one pass: the state is
     widened by K columns that start as the identity and receive no values, so they carry the
     transition M (K x K) and their outputs are the entry map. Returns y (N, L, H, V),
     P (N, L, H, K), M (N, H, K, K), S (N, H, K, V)."""
     keep = mask[..., None].to(q.dtype)
-    return _widened(lambda *a: delta_rule(*a, chunk), q, k, v, log_decay * keep, beta * keep)
+    return _widened(lambda *a: delta_rule(*a, block), q, k, v, log_decay * keep, beta * keep)
 
 
 def kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,

@@ -10,8 +10,8 @@
 
 Both run in two phases around one exchange (`..._publish`, then `..._take` on the gathered
 tensor), so one process can play W ranks (cpattn.mixers.exchange). Every rank calls the exchange
-whenever any rank needs it (the plan is the same everywhere), and keeps the gathered tensor in its
-autograd graph even when none of its pieces reads it, so every rank also takes part in the
+whenever any rank needs it (the piece map is the same everywhere), and keeps the gathered tensor
+in its autograd graph even when none of its pieces reads it, so every rank also takes part in the
 backward's reduce-scatter.
 
 Shapes: local tensors are (B, L, ...) for this rank's L tokens (B rows sharded alike, or one row
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.mixers.exchange import Exchange
-from cpattn.mixers.plan import MixerPlan
+from cpattn.mixers.pieces import PieceMap
 
 KINDS = ("scalar", "diagonal", "matrix")  # M: broadcast over the state / elementwise / M @ S
 
@@ -40,27 +40,27 @@ def _pick(x: torch.Tensor, rows, dim: int) -> torch.Tensor:
     return torch.cat([x, zero], dim).index_select(dim, _index(rows, x.device))
 
 
-def to_pieces(x: torch.Tensor, plan: MixerPlan, rank: int) -> torch.Tensor:
+def to_pieces(x: torch.Tensor, piece_map: PieceMap, rank: int) -> torch.Tensor:
     """Local (B, L, ...) -> piece rows (B, n, longest, ...), zero past a piece's end."""
-    n, longest = len(plan.pieces[rank]), plan.longest(rank)
-    if plan.uniform(rank):
+    n, longest = len(piece_map.pieces[rank]), piece_map.longest(rank)
+    if piece_map.uniform(rank):
         return x.reshape(x.shape[0], n, longest, *x.shape[2:])
-    rows, _ = plan.piece_rows(rank)
+    rows, _ = piece_map.piece_rows(rank)
     return _pick(x, rows, 1).reshape(x.shape[0], n, longest, *x.shape[2:])
 
 
-def from_pieces(y: torch.Tensor, plan: MixerPlan, rank: int) -> torch.Tensor:
+def from_pieces(y: torch.Tensor, piece_map: PieceMap, rank: int) -> torch.Tensor:
     """Piece rows (B, n, longest, ...) -> local (B, L, ...), zero at padding tokens."""
-    if plan.uniform(rank):
-        return y.reshape(y.shape[0], plan.local_len[rank], *y.shape[3:])
-    _, slots = plan.piece_rows(rank)
+    if piece_map.uniform(rank):
+        return y.reshape(y.shape[0], piece_map.local_len[rank], *y.shape[3:])
+    _, slots = piece_map.piece_rows(rank)
     return _pick(y.flatten(1, 2), slots, 1)
 
 
-def piece_mask(plan: MixerPlan, rank: int, device=None) -> torch.Tensor:
+def piece_mask(piece_map: PieceMap, rank: int, device=None) -> torch.Tensor:
     """(n, longest) bool: which row slots hold a token."""
-    lengths = plan.lengths(rank)
-    n, longest = len(lengths), plan.longest(rank)
+    lengths = piece_map.lengths(rank)
+    n, longest = len(lengths), piece_map.longest(rank)
     lengths = _index(lengths, device)
     return torch.arange(longest, device=device)[None, :] < lengths[:, None] if n else \
         torch.zeros((0, longest), dtype=torch.bool, device=device)
@@ -68,17 +68,17 @@ def piece_mask(plan: MixerPlan, rank: int, device=None) -> torch.Tensor:
 
 # --- the convolution halo --------------------------------------------------------------------
 
-def halo_publish(x: torch.Tensor, plan: MixerPlan, rank: int, width: int) -> torch.Tensor:
+def halo_publish(x: torch.Tensor, piece_map: PieceMap, rank: int, width: int) -> torch.Tensor:
     """(rows, B, ...): the local tokens of x (B, L, ...) that some piece reads as its halo."""
-    mine, _ = plan.halo(rank, width)
-    rows = tuple(plan.local_len[rank] if i < 0 else i for i in mine)
+    mine, _ = piece_map.halo(rank, width)
+    rows = tuple(piece_map.local_len[rank] if i < 0 else i for i in mine)
     return _pick(x, rows, 1).transpose(0, 1)
 
 
-def halo_take(gathered: torch.Tensor, plan: MixerPlan, rank: int, width: int) -> torch.Tensor:
+def halo_take(gathered: torch.Tensor, piece_map: PieceMap, rank: int, width: int) -> torch.Tensor:
     """(B, n, width, ...): each piece's halo (oldest first) from every rank's published rows
     gathered (W, rows, B, ...)."""
-    _, sources = plan.halo(rank, width)
+    _, sources = piece_map.halo(rank, width)
     flat = gathered.flatten(0, 1)
     n = len(sources)
     picked = _pick(flat, tuple(s for src in sources for s in src), 0)
@@ -86,30 +86,30 @@ def halo_take(gathered: torch.Tensor, plan: MixerPlan, rank: int, width: int) ->
     return halo + 0 * gathered.sum()  # (in every rank's graph: every rank joins the backward)
 
 
-def conv_halo(x: torch.Tensor, plan: MixerPlan, rank: int, width: int,
+def conv_halo(x: torch.Tensor, piece_map: PieceMap, rank: int, width: int,
               exchange: Exchange) -> torch.Tensor:
     """(B, n, width, ...): the `width` inputs before each of rank's pieces in its document (zero
     before the document's start) of the sharded x (B, L, ...). Differentiable."""
-    _, sources = plan.halo(rank, width)
-    if width == 0 or not any(len(plan.halo(r, width)[0]) for r in range(plan.world)):
+    _, sources = piece_map.halo(rank, width)
+    if width == 0 or not any(len(piece_map.halo(r, width)[0]) for r in range(piece_map.world)):
         return x.new_zeros((x.shape[0], len(sources), width, *x.shape[2:]))
-    return halo_take(exchange(halo_publish(x, plan, rank, width)), plan, rank, width)
+    return halo_take(exchange(halo_publish(x, piece_map, rank, width)), piece_map, rank, width)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias, plan: MixerPlan, rank: int,
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias, piece_map: PieceMap, rank: int,
                 exchange: Exchange) -> torch.Tensor:
     """The causal depthwise convolution of the sharded x (B, L, C) with weight (C, k) and bias
     (C,) or None, each document from zero history: (B, L, C), zero at padding tokens, in x's
     dtype (computed in the weight's, as nn.Conv1d)."""
     width = weight.shape[-1] - 1
-    halo = conv_halo(x, plan, rank, width, exchange)  # (B, n, k-1, C)
-    rows = to_pieces(x, plan, rank)  # (B, n, longest, C)
+    halo = conv_halo(x, piece_map, rank, width, exchange)  # (B, n, k-1, C)
+    rows = to_pieces(x, piece_map, rank)  # (B, n, longest, C)
     b, n, longest, c = rows.shape
     if n == 0:  # a rank without tokens (a document plan): nothing to convolve
         return x.new_zeros(x.shape) + 0 * halo.sum()
     seq = torch.cat([halo, rows], 2).flatten(0, 1).transpose(1, 2).to(weight.dtype)
     out = F.conv1d(seq, weight[:, None, :], bias, groups=c)  # (B n, C, longest)
-    return from_pieces(out.transpose(1, 2).reshape(b, n, longest, c), plan, rank).to(x.dtype)
+    return from_pieces(out.transpose(1, 2).reshape(b, n, longest, c), piece_map, rank).to(x.dtype)
 
 
 # --- the state scan --------------------------------------------------------------------------
@@ -134,27 +134,28 @@ def compose(kind: str, second: tuple, first: tuple) -> tuple:
     return m, apply_transition(kind, m2, b1) + b2
 
 
-def summary_publish(m: torch.Tensor, s: torch.Tensor, plan: MixerPlan, rank: int) -> torch.Tensor:
+def summary_publish(m: torch.Tensor, s: torch.Tensor, piece_map: PieceMap,
+                    rank: int) -> torch.Tensor:
     """(slots, B, |M| + |S|): the flattened summaries (M, B) of rank's pieces whose documents
     continue elsewhere (m (B, n, ...), s (B, n, ...)), zero in unused slots."""
     batch = s.shape[0]
     flat = torch.cat([m.flatten(2), s.flatten(2)], 2)  # (B, n, |M| + |S|)
-    mine = plan.published(rank)
-    rows = mine + (len(plan.pieces[rank]),) * (plan.slots - len(mine))
-    return _pick(flat, rows, 1).transpose(0, 1).reshape(plan.slots, batch, -1)
+    mine = piece_map.published(rank)
+    rows = mine + (len(piece_map.pieces[rank]),) * (piece_map.slots - len(mine))
+    return _pick(flat, rows, 1).transpose(0, 1).reshape(piece_map.slots, batch, -1)
 
 
-def fold_take(gathered: torch.Tensor, plan: MixerPlan, rank: int, kind: str,
+def fold_take(gathered: torch.Tensor, piece_map: PieceMap, rank: int, kind: str,
               m_shape: tuple, s_shape: tuple) -> torch.Tensor:
     """(B, n, *s_shape): each of rank's pieces' entry state, the fold in global order of the
     gathered summaries (W, slots, B, |M| + |S|) of the pieces before it (M of shape m_shape,
     B of shape s_shape, per row)."""
-    steps = plan.fold_steps(rank)  # the identity first (0 stays 0), then the chain in order
+    steps = piece_map.fold_steps(rank)  # the identity first (0 stays 0), then the chain in order
     flat = gathered.flatten(0, 1)  # (W slots, B, |M| + |S|)
     batch, m_size = flat.shape[1], 1
     for d in m_shape:
         m_size *= d
-    n = len(plan.pieces[rank])
+    n = len(piece_map.pieces[rank])
     state = flat.new_zeros((batch, n, *s_shape))
     if steps:
         identity = _identity(kind, m_shape, flat)  # (|M|,)
@@ -176,7 +177,7 @@ def _identity(kind: str, m_shape: tuple, like: torch.Tensor) -> torch.Tensor:
     return like.new_ones(m_shape).flatten()
 
 
-def state_scan(m: torch.Tensor, s: torch.Tensor, plan: MixerPlan, rank: int, kind: str,
+def state_scan(m: torch.Tensor, s: torch.Tensor, piece_map: PieceMap, rank: int, kind: str,
                exchange: Exchange) -> torch.Tensor:
     """Entry states (B, n, ...) of rank's pieces given their summaries: m (B, n, ...) the
     transition of each piece (`kind`: "scalar" (B, n, H), "diagonal" like s, "matrix"
@@ -185,7 +186,7 @@ def state_scan(m: torch.Tensor, s: torch.Tensor, plan: MixerPlan, rank: int, kin
     if kind not in KINDS:
         raise ValueError(f"cpattn.mixers.state_scan: kind={kind!r}: must be one of {KINDS}")
     m_shape, s_shape = tuple(m.shape[2:]), tuple(s.shape[2:])
-    if plan.slots == 0:  # no document continues on another piece anywhere: nothing to exchange
+    if piece_map.slots == 0:  # no document continues on another piece anywhere: nothing to exchange
         return s.new_zeros(s.shape)
-    gathered = exchange(summary_publish(m, s, plan, rank))
-    return fold_take(gathered, plan, rank, kind, m_shape, s_shape)
+    gathered = exchange(summary_publish(m, s, piece_map, rank))
+    return fold_take(gathered, piece_map, rank, kind, m_shape, s_shape)

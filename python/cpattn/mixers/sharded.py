@@ -1,4 +1,4 @@
-"""The mixer plan and exchange of a cpattn.ContextParallel: the tokens each rank holds under its
+"""The piece map and exchange of a cpattn.ContextParallel: the tokens each rank holds under its
 settings (sequences sharded by cpattn.positions' layout, the hybrid mesh's, or packed documents
 from cpattn.shard_batch: a DocumentPlan or per document), from the functions that shard them."""
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from cpattn._layout import shard_positions
 from cpattn.mixers.exchange import Exchange, group_exchange
-from cpattn.mixers.plan import MixerPlan, build_plan
+from cpattn.mixers.pieces import PieceMap, build_piece_map
 from cpattn.packing import Documents
 from cpattn.parallel import ContextParallel
 from cpattn.sharding import hybrid_shard_positions
@@ -44,32 +44,34 @@ def _mesh(cp: ContextParallel) -> tuple:
     return (cp.strategy, cp.layout, cp.world_size, cp.world_size, 1)
 
 
-def plan_of(cp: ContextParallel, local_len: int, documents: Optional[Documents] = None
-            ) -> MixerPlan:
-    """The plan of cp's ranks holding `local_len` tokens each of rows of local_len * W tokens
+def piece_map_of(cp: ContextParallel, local_len: int,
+                 documents: Optional[Documents] = None) -> PieceMap:
+    """The piece map of cp's ranks holding `local_len` tokens each of rows of local_len * W tokens
     (documents None), or shard_batch's tokens of these packed documents."""
     check_settings(cp)
-    # Under torch.compile the plan is built while dynamo traces, and the graph reads it from
-    # _PLANS (a global: dynamo can guard on it; an object a constant function returns it cannot).
-    return _PLANS[_plan_key(_mesh(cp), local_len, documents)]
+    # Under torch.compile the piece map is built while dynamo traces, and the graph reads it from
+    # _PIECE_MAPS (a global: dynamo can guard on it; an object a constant function returns it
+    # cannot).
+    return _PIECE_MAPS[_piece_map_key(_mesh(cp), local_len, documents)]
 
 
-_PLANS: dict[bytes, MixerPlan] = {}  # signature -> plan, the latest 256 (packed batches vary)
+# signature -> piece map, the latest 256 (packed batches vary)
+_PIECE_MAPS: dict[bytes, PieceMap] = {}
 
 
 @torch._dynamo.assume_constant_result
-def _plan_key(mesh: tuple, local_len: int, documents: Optional[Documents]) -> bytes:
-    """The signature of _cached_plan's plan, which is then in _PLANS."""
-    plan = _cached_plan(mesh, local_len, documents)
-    _PLANS.pop(plan.signature, None)
-    _PLANS[plan.signature] = plan  # (the most recent last)
-    while len(_PLANS) > 256:
-        del _PLANS[next(iter(_PLANS))]
-    return plan.signature
+def _piece_map_key(mesh: tuple, local_len: int, documents: Optional[Documents]) -> bytes:
+    """The signature of _cached_piece_map's piece map, which is then in _PIECE_MAPS."""
+    piece_map = _cached_piece_map(mesh, local_len, documents)
+    _PIECE_MAPS.pop(piece_map.signature, None)
+    _PIECE_MAPS[piece_map.signature] = piece_map  # (the most recent last)
+    while len(_PIECE_MAPS) > 256:
+        del _PIECE_MAPS[next(iter(_PIECE_MAPS))]
+    return piece_map.signature
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_plan(mesh: tuple, local_len: int, documents: Optional[Documents]) -> MixerPlan:
+def _cached_piece_map(mesh: tuple, local_len: int, documents: Optional[Documents]) -> PieceMap:
     strategy, layout, world, r_world, u_world = mesh
     indices = []
     for rank in range(world):
@@ -85,7 +87,7 @@ def _cached_plan(mesh: tuple, local_len: int, documents: Optional[Documents]) ->
             index = shard_positions(local_len * world, layout, world, rank)
         indices.append(index)
     bounds = documents.cu_seqlens if documents is not None else (0, local_len * world)
-    return build_plan(indices, bounds)
+    return build_piece_map(indices, bounds)
 
 
 def exchange_of(cp: ContextParallel) -> Exchange:

@@ -39,7 +39,7 @@ def hybrid_attention(
     Alternatively `mesh`: a 2D DeviceMesh whose dim 0 is the ring and dim 1 is Ulysses.
     Sharding (see cpattn.hybrid_positions / hybrid_shard): the sequence is split over the R ring
     ranks by `layout`; the rank at ring index i and Ulysses index u holds the u-th contiguous
-    sub-chunk of ring shard i. H % U == 0. Either group may have size 1.
+    sub-part of ring shard i. H % U == 0. Either group may have size 1.
     **options: the attention options, as ulysses_attention (per-head ones sliced to the rank's
     heads, then as ring_attention across the ring). v may have its own head dim.
     seqlen: the global sequence length, for any length (default: W times the shard length):

@@ -4,15 +4,15 @@ A *piece* is a maximal run of a rank's local tokens whose global indices are con
 in one document. A document's pieces, sorted by their first global index, form its *chain*: the
 convolution halo of a piece comes from the tokens just before it in its chain, its entry state
 from the fold of the summaries of the pieces before it. Which rank holds a piece does not matter,
-so one plan serves every layout cpattn shards with (contiguous, zigzag, document plans, the hybrid
-mesh, padding) as long as a rank's tokens form few runs (striped makes every token a piece and is
-refused by the integration).
+so one piece map serves every layout cpattn shards with (contiguous, zigzag, document plans, the
+hybrid mesh, padding) as long as a rank's tokens form few runs (striped makes every token a piece
+and is refused by the integration).
 
-The plan is built from what cpattn already computes: every rank's global indices (cpattn.positions,
-DocumentPlan.positions, Documents.local_positions; -1 for padding) and the documents' boundaries.
-It is a pure function of them, the same on every rank, and hashable: cached, and under
-torch.compile its queries are constants (computed in Python while dynamo traces). Ranks are
-numbered as the exchange orders them (cpattn.ContextParallel.rank).
+The piece map is built from what cpattn already computes: every rank's global indices
+(cpattn.positions, DocumentPlan.positions, Documents.local_positions; -1 for padding) and the
+documents' boundaries. It is a pure function of them, the same on every rank, and hashable:
+cached, and under torch.compile its queries are constants (computed in Python while dynamo
+traces). Ranks are numbered as the exchange orders them (cpattn.ContextParallel.rank).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from cpattn._agreement import digest_ints
 
 class Piece(NamedTuple):
     """A run of a rank's tokens: its first local index, length, document and first global index.
-    (A tuple: the plan stays a constant that torch.compile can hold.)"""
+    (A tuple: the piece map stays a constant that torch.compile can hold.)"""
 
     local: int
     length: int
@@ -38,7 +38,7 @@ class Piece(NamedTuple):
     start: int
 
 
-class MixerPlan(NamedTuple):
+class PieceMap(NamedTuple):
     """pieces[r]: rank r's pieces in local order; local_len[r]: its number of local tokens
     (padding included); bounds: the documents' boundaries in the global index (from 0). (A
     tuple of ints: torch.compile holds it as a constant.)"""
@@ -49,8 +49,8 @@ class MixerPlan(NamedTuple):
     local_len: tuple
     signature: bytes
 
-    def __repr__(self) -> str:  # (short: the plan is a key of caches and appears in errors)
-        return (f"MixerPlan(world={self.world}, documents={len(self.bounds) - 1}, "
+    def __repr__(self) -> str:  # (short: the piece map is a key of caches and appears in errors)
+        return (f"PieceMap(world={self.world}, documents={len(self.bounds) - 1}, "
                 f"pieces={[len(p) for p in self.pieces]})")
 
     # --- local token <-> piece rows -------------------------------------------------------------
@@ -122,8 +122,8 @@ def _constant(fn):
     return torch._dynamo.assume_constant_result(constant)
 
 
-def build_plan(indices: Sequence[torch.Tensor], bounds: Sequence[int]) -> MixerPlan:
-    """The plan of W ranks holding the global indices indices[r] (int64, -1 for padding) of
+def build_piece_map(indices: Sequence[torch.Tensor], bounds: Sequence[int]) -> PieceMap:
+    """The piece map of W ranks holding the global indices indices[r] (int64, -1 for padding) of
     documents with these boundaries. Raises RuntimeError unless every token of every document is
     held exactly once (a layout bug, never a user error)."""
     idx = tuple(tuple(int(i) for i in torch.as_tensor(t).tolist()) for t in indices)
@@ -131,7 +131,7 @@ def build_plan(indices: Sequence[torch.Tensor], bounds: Sequence[int]) -> MixerP
 
 
 @functools.lru_cache(maxsize=128)
-def _build(indices: tuple, bounds: tuple) -> MixerPlan:
+def _build(indices: tuple, bounds: tuple) -> PieceMap:
     cu = torch.tensor(bounds, dtype=torch.int64)
     pieces, held = [], 0
     for idx in indices:
@@ -170,39 +170,39 @@ def _build(indices: tuple, bounds: tuple) -> MixerPlan:
     for ps, idx in zip(pieces, indices):
         flat += [-1, len(idx)] + [v for p in ps for v in (p.local, p.length, p.doc, p.start)]
     signature = hashlib.sha256(digest_ints(flat)).digest()
-    return MixerPlan(len(indices), bounds, tuple(pieces), tuple(len(i) for i in indices),
+    return PieceMap(len(indices), bounds, tuple(pieces), tuple(len(i) for i in indices),
                      signature)
 
 
 @_constant
-def _longest(plan: MixerPlan, rank: int) -> int:
-    return max((p.length for p in plan.pieces[rank]), default=0)
+def _longest(piece_map: PieceMap, rank: int) -> int:
+    return max((p.length for p in piece_map.pieces[rank]), default=0)
 
 
 @_constant
-def _lengths(plan: MixerPlan, rank: int) -> tuple[int, ...]:
-    return tuple(p.length for p in plan.pieces[rank])
+def _lengths(piece_map: PieceMap, rank: int) -> tuple[int, ...]:
+    return tuple(p.length for p in piece_map.pieces[rank])
 
 
 @_constant
-def _uniform(plan: MixerPlan, rank: int) -> bool:
-    ps = plan.pieces[rank]
+def _uniform(piece_map: PieceMap, rank: int) -> bool:
+    ps = piece_map.pieces[rank]
     if not ps:
-        return plan.local_len[rank] == 0
+        return piece_map.local_len[rank] == 0
     n = ps[0].length
     return all(p.length == n and p.local == i * n for i, p in enumerate(ps)) and \
-        n * len(ps) == plan.local_len[rank]
+        n * len(ps) == piece_map.local_len[rank]
 
 
 @_constant
-def _starts_document(plan: MixerPlan, rank: int) -> tuple[bool, ...]:
-    return tuple(p.start == plan.bounds[p.doc] for p in plan.pieces[rank])
+def _starts_document(piece_map: PieceMap, rank: int) -> tuple[bool, ...]:
+    return tuple(p.start == piece_map.bounds[p.doc] for p in piece_map.pieces[rank])
 
 
 @_constant
-def _piece_rows(plan: MixerPlan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    ps, local = plan.pieces[rank], plan.local_len[rank]
-    longest = plan.longest(rank)
+def _piece_rows(piece_map: PieceMap, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    ps, local = piece_map.pieces[rank], piece_map.local_len[rank]
+    longest = piece_map.longest(rank)
     rows = [local] * (len(ps) * longest)
     slot = [len(ps) * longest] * local
     for j, p in enumerate(ps):
@@ -213,58 +213,59 @@ def _piece_rows(plan: MixerPlan, rank: int) -> tuple[tuple[int, ...], tuple[int,
 
 
 @_constant
-def _chains(plan: MixerPlan) -> tuple:
-    chains = [[] for _ in range(len(plan.bounds) - 1)]
-    for r, ps in enumerate(plan.pieces):
+def _chains(piece_map: PieceMap) -> tuple:
+    chains = [[] for _ in range(len(piece_map.bounds) - 1)]
+    for r, ps in enumerate(piece_map.pieces):
         for j, p in enumerate(ps):
             chains[p.doc].append((p.start, r, j))
     return tuple(tuple((r, j) for _, r, j in sorted(c)) for c in chains)
 
 
 @_constant
-def _published(plan: MixerPlan, rank: int) -> tuple[int, ...]:
-    return tuple(j for j, p in enumerate(plan.pieces[rank]) if plan.chain(p.doc)[-1] != (rank, j))
+def _published(piece_map: PieceMap, rank: int) -> tuple[int, ...]:
+    return tuple(j for j, p in enumerate(piece_map.pieces[rank])
+                 if piece_map.chain(p.doc)[-1] != (rank, j))
 
 
 @_constant
-def _slots(plan: MixerPlan) -> int:
-    return max((len(_published(plan, r)) for r in range(plan.world)), default=0)
+def _slots(piece_map: PieceMap) -> int:
+    return max((len(_published(piece_map, r)) for r in range(piece_map.world)), default=0)
 
 
 @_constant
-def _predecessors(plan: MixerPlan, rank: int) -> tuple[tuple[int, ...], ...]:
-    slots = _slots(plan)
+def _predecessors(piece_map: PieceMap, rank: int) -> tuple[tuple[int, ...], ...]:
+    slots = _slots(piece_map)
     slot_of = {}
-    for r in range(plan.world):
-        for s, j in enumerate(plan.published(r)):
+    for r in range(piece_map.world):
+        for s, j in enumerate(piece_map.published(r)):
             slot_of[(r, j)] = r * slots + s
     out = []
-    for j, p in enumerate(plan.pieces[rank]):
-        chain = plan.chain(p.doc)
+    for j, p in enumerate(piece_map.pieces[rank]):
+        chain = piece_map.chain(p.doc)
         out.append(tuple(slot_of[c] for c in chain[:chain.index((rank, j))]))
     return tuple(out)
 
 
 @_constant
-def _fold_steps(plan: MixerPlan, rank: int) -> tuple[tuple[int, ...], ...]:
-    preds = _predecessors(plan, rank)
+def _fold_steps(piece_map: PieceMap, rank: int) -> tuple[tuple[int, ...], ...]:
+    preds = _predecessors(piece_map, rank)
     steps = max((len(p) for p in preds), default=0)
-    pad = plan.world * _slots(plan)
+    pad = piece_map.world * _slots(piece_map)
     ids = [(pad,) * (steps - len(p)) + p for p in preds]
     return tuple(tuple(i[t] for i in ids) for t in range(steps))
 
 
 @functools.lru_cache(maxsize=512)
-def _halo_rows(plan: MixerPlan, width: int) -> tuple:
+def _halo_rows(piece_map: PieceMap, width: int) -> tuple:
     """(per rank: the local tokens it publishes, sorted; for each global index a piece reads
     before its start: (its rank, its local index))."""
-    runs = sorted((p.start, r, p) for r, ps in enumerate(plan.pieces) for p in ps)
+    runs = sorted((p.start, r, p) for r, ps in enumerate(piece_map.pieces) for p in ps)
     starts = [s for s, _, _ in runs]
     owner = {}
-    needed = [set() for _ in range(plan.world)]
-    for ps in plan.pieces:
+    needed = [set() for _ in range(piece_map.world)]
+    for ps in piece_map.pieces:
         for p in ps:
-            for g in range(max(plan.bounds[p.doc], p.start - width), p.start):
+            for g in range(max(piece_map.bounds[p.doc], p.start - width), p.start):
                 _, r, q = runs[bisect.bisect_right(starts, g) - 1]
                 owner[g] = (r, q.local + g - q.start)
                 needed[r].add(owner[g][1])
@@ -272,14 +273,14 @@ def _halo_rows(plan: MixerPlan, width: int) -> tuple:
 
 
 @_constant
-def _halo(plan: MixerPlan, rank: int, width: int):
-    publish, owner = _halo_rows(plan, width)
+def _halo(piece_map: PieceMap, rank: int, width: int):
+    publish, owner = _halo_rows(piece_map, width)
     rows = max((len(p) for p in publish), default=0)
     row_of = {(r, i): r * rows + k for r, pub in enumerate(publish) for k, i in enumerate(pub)}
-    zero = plan.world * rows
+    zero = piece_map.world * rows
     sources = []
-    for p in plan.pieces[rank]:
-        first = plan.bounds[p.doc]
+    for p in piece_map.pieces[rank]:
+        first = piece_map.bounds[p.doc]
         sources.append(tuple(row_of[owner[g]] if g >= first else zero
                              for g in range(p.start - width, p.start)))
     mine = publish[rank] + (-1,) * (rows - len(publish[rank]))
