@@ -89,12 +89,14 @@ std::vector<Piece> rank_pieces(const RingOptions& o, int64_t world, int64_t rank
 // Checks before any kernel runs; every rank passes the same values (agreed on in Python). q
 // (B, R, H, D) and k, v (B, N, Hkv, D / Dv) some of the call's rows and keys (their shapes beyond
 // the tokens are checked); this rank holds `local` tokens of the sequence's `keys` (with one rank:
-// q's rows may be fewer than the keys); doc_lengths as ring_fwd's (the documents' lengths, and as
-// a second row their prefixes), or none: one sequence of `seqlen` real tokens.
+// q's rows may be fewer than the keys); doc_lengths and doc_prefix_lens as ring_fwd's (the
+// documents' lengths; their prefixes, or none), or no documents: one sequence of `seqlen` real
+// tokens.
 InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at::Tensor& k,
                                    const at::Tensor& v, int64_t local, int64_t keys, int64_t rank,
                                    int64_t world, int64_t layout, int64_t seqlen,
                                    const std::optional<at::Tensor>& doc_lengths,
+                                   const std::optional<at::Tensor>& doc_prefix_lens,
                                    const AttentionOptions& options) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
                   k.sizes().slice(0, 3) == v.sizes().slice(0, 3) && k.size(0) == q.size(0) &&
@@ -109,7 +111,8 @@ InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at
               q.device());
   check_rank(rank, world);
   check_options(fn, options, q.size(2), q.device());
-  const RingOptions o = make_ring_options(options, layout, doc_lengths, std::nullopt);
+  const RingOptions o =
+      make_ring_options(options, layout, doc_lengths, doc_prefix_lens, std::nullopt);
   TORCH_CHECK(world == 1 || o.layout != Layout::kStriped, "cpattn.", fn,
               ": takes contiguous or zigzag shards (runs of consecutive positions; the Python "
               "side moves striped shards to the contiguous layout first)");
@@ -199,10 +202,12 @@ std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::
                                                  const at::Tensor& v, int64_t rank, int64_t world,
                                                  int64_t layout, int64_t seqlen,
                                                  const std::optional<at::Tensor>& doc_lengths,
+                                                 const std::optional<at::Tensor>& doc_prefix_lens,
                                                  const std::optional<at::Tensor>& sinks,
                                                  CPATTN_OPTION_PARAMS) {
-  const InvariantCall c = check_invariant_args("invariant_fwd", q, k, v, q.size(1), k.size(1), rank,
-                                               world, layout, seqlen, doc_lengths, CPATTN_OPTIONS);
+  const InvariantCall c =
+      check_invariant_args("invariant_fwd", q, k, v, q.size(1), k.size(1), rank, world, layout,
+                           seqlen, doc_lengths, doc_prefix_lens, CPATTN_OPTIONS);
   check_per_head("invariant_fwd", "sinks", sinks, q.size(2), q.device());
   // Padding rows: out 0, lse -inf (with a sink: the sink), as the ring gives them.
   Partial result = empty_partial(q, v.size(3));
@@ -238,7 +243,8 @@ at::Tensor invariant_sink_bwd(const at::Tensor& lse_all, const at::Tensor& shift
   const auto f32 = lse_all.options();
   if (rank != 0) return at::zeros({heads}, f32);
   const int64_t local = lse_all.size(2) / world;
-  const RingOptions o = make_ring_options(AttentionOptions{}, layout, doc_lengths, std::nullopt);
+  const RingOptions o =
+      make_ring_options(AttentionOptions{}, layout, doc_lengths, std::nullopt, std::nullopt);
   std::vector<at::Tensor> zero_cols, lses, shifted;
   int64_t last_doc = -1;
   for (const Piece& p : rank_pieces(o, world, 0, local, local, seqlen)) {  // rank 0: every doc
@@ -264,9 +270,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     const std::optional<at::Tensor>& sinks, int64_t layout, int64_t seqlen,
-    const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
-  const InvariantCall c = check_invariant_args("invariant_bwd", q, k, v, q.size(1), k.size(1), 0, 1,
-                                               layout, seqlen, doc_lengths, CPATTN_OPTIONS);
+    const std::optional<at::Tensor>& doc_lengths, const std::optional<at::Tensor>& doc_prefix_lens,
+    CPATTN_OPTION_PARAMS) {
+  const InvariantCall c =
+      check_invariant_args("invariant_bwd", q, k, v, q.size(1), k.size(1), 0, 1, layout, seqlen,
+                           doc_lengths, doc_prefix_lens, CPATTN_OPTIONS);
   check_per_head("invariant_bwd", "sinks", sinks, q.size(2), q.device());
   // The streamed backward's algorithm (invariant_bwd_part) over one part, every row and key:
   // fp32 running sums from zeros (padding rows and keys stay 0), scaled and rounded once at the
@@ -349,13 +357,15 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
                         const at::Tensor& v_part, const at::Tensor& lse_part,
                         const at::Tensor& shifted_part, int64_t part_begin, int64_t rank,
                         int64_t world, int64_t layout, int64_t seqlen,
-                        const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
+                        const std::optional<at::Tensor>& doc_lengths,
+                        const std::optional<at::Tensor>& doc_prefix_lens, CPATTN_OPTION_PARAMS) {
   constexpr const char* fn = "invariant_bwd_part";
   const int64_t local = q.size(1), keys = local * world, n = q_part.size(1);
-  const InvariantCall c = check_invariant_args(fn, q, k, v, local, keys, rank, world, layout,
-                                               seqlen, doc_lengths, CPATTN_OPTIONS);
+  const InvariantCall c =
+      check_invariant_args(fn, q, k, v, local, keys, rank, world, layout, seqlen, doc_lengths,
+                           doc_prefix_lens, CPATTN_OPTIONS);
   check_invariant_args(fn, q_part, k_part, v_part, local, keys, rank, world, layout, seqlen,
-                       doc_lengths, CPATTN_OPTIONS);
+                       doc_lengths, doc_prefix_lens, CPATTN_OPTIONS);
   TORCH_CHECK(
       k.size(1) == local && k_part.size(1) == n && part_begin >= 0 && part_begin + n <= keys,
       "cpattn.", fn, ": k, v must be this rank's shard of ", local, " tokens and the part [",
@@ -469,8 +479,10 @@ std::optional<ChunkBlock> chunk_block(const char* fn, const std::vector<Piece>& 
 at::Tensor invariant_chunks_seen(int64_t local, int64_t part_begin, int64_t n, int64_t world,
                                  int64_t layout, int64_t seqlen,
                                  const std::optional<at::Tensor>& doc_lengths,
+                                 const std::optional<at::Tensor>& doc_prefix_lens,
                                  CPATTN_OPTION_PARAMS) {
-  const RingOptions o = make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, std::nullopt);
+  const RingOptions o =
+      make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, doc_prefix_lens, std::nullopt);
   const int64_t chunks = (local + kInvariantChunk - 1) / kInvariantChunk;
   at::Tensor seen = at::zeros({world, chunks}, at::kBool);
   for (int64_t r = 0; r < world; ++r) {
@@ -493,11 +505,12 @@ void invariant_bwd_rows(const at::Tensor& dq_sum, const at::Tensor& planes, cons
                         const at::Tensor& lse, const at::Tensor& shifted, at::IntArrayRef chunks,
                         int64_t part_begin, int64_t rank, int64_t world, int64_t layout,
                         int64_t seqlen, const std::optional<at::Tensor>& doc_lengths,
-                        CPATTN_OPTION_PARAMS) {
+                        const std::optional<at::Tensor>& doc_prefix_lens, CPATTN_OPTION_PARAMS) {
   constexpr const char* fn = "invariant_bwd_rows";
   const int64_t local = q.size(1), keys = local * world, n = k_part.size(1);
-  const InvariantCall c = check_invariant_args(fn, q, k_part, v_part, local, keys, rank, world,
-                                               layout, seqlen, doc_lengths, CPATTN_OPTIONS);
+  const InvariantCall c =
+      check_invariant_args(fn, q, k_part, v_part, local, keys, rank, world, layout, seqlen,
+                           doc_lengths, doc_prefix_lens, CPATTN_OPTIONS);
   const int64_t d = k_part.size(3), dv = v_part.size(3);
   TORCH_CHECK(part_begin >= 0 && part_begin + n <= keys && part_begin % kInvariantChunk == 0,
               "cpattn.", fn, ": the part [", part_begin, ", ", part_begin + n,
