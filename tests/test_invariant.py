@@ -558,7 +558,10 @@ def _streamed_parts(rank: int, world: int) -> None:
     of one chunk; and with such pieces the results stay bitwise those of one process."""
     from cpattn._layout import LAYOUTS
     from cpattn.invariant import global_order as invariant
-    from cpattn.invariant.global_order import _padded, gather_global, stream_global
+    from cpattn.invariant.global_order import _shards, gather_global, stream_global
+
+    def _padded(code, world, local, docs):  # each document's padded length (or the sequence's)
+        return [padded for padded, _, _ in _shards(code, world, local, docs)]
 
     chunk = torch.ops.cpattn.invariant_chunk()
     group = dist.group.WORLD
