@@ -162,3 +162,28 @@ def test_documents_and_their_prefixes_are_two_op_arguments():
         torch.ops.cpattn.attention_varlen_fwd(q, k, v, docs, prefixes, prefix_len=1, **opts)
     with pytest.raises(RuntimeError, match="document prefix lengths must be >= 0"):
         torch.ops.cpattn.attention_varlen_fwd(q, k, v, docs, torch.tensor([-1, 0]), **opts)
+
+
+def test_invariant_tiles_are_not_checked_again():
+    # invariant mode calls a kernel per tile of invariant_tile() keys (forward) and per document
+    # (backward); each op checks its call once at its entry (invariant.cpp check_tile_args), so
+    # the per-call checks of local attention (check_attention_args) run once per op call: here
+    # one forward and one backward, whatever the number of tiles and documents
+    import cpattn
+
+    tile = torch.ops.cpattn.invariant_tile()
+    g = torch.Generator().manual_seed(4)
+    n = 3 * tile + 5  # four tiles of keys
+    q, k, v = (torch.randn(1, n, 2, 16, generator=g, requires_grad=True) for _ in range(3))
+    load_ops()
+    before = _checks_run()
+    out = cpattn.attention(q, k, v, causal=True, softmax_scale=0.25, invariant=True)
+    assert _checks_run() == before + 1
+    out.sum().backward()
+    assert _checks_run() == before + 2
+    cu_seqlens = torch.tensor([0, tile + 3, 2 * tile, n], dtype=torch.int32)  # three documents
+    before = _checks_run()
+    out = cpattn.attention_varlen(q[0], k[0], v[0], cu_seqlens, causal=True, softmax_scale=0.25,
+                                  invariant=True)
+    out.sum().backward()
+    assert _checks_run() == before + 2

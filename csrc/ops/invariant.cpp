@@ -148,6 +148,34 @@ ScoreArgs fixed_order_score(const AttentionOptions& o, const Mask& m,
   return a;
 }
 
+// What the kernel calls of an invariant op would check on each tile or piece (the checked
+// entries attention_fwd_scored / attention_bwd_add_scored), once at the op's entry: every call
+// is a run of rows of q against a run of keys of k, v, at positions within the call's and with
+// its options, so the kernels are called through the unchecked entries (ops.h), as the ring's
+// sub-problems are. rows_at: the global position of q's first row; keys_at: k's. Nothing to check
+// without rows or keys (no kernel call).
+std::optional<AttnShape> check_tile_args(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, double softmax_scale,
+                                         const AttentionOptions& options, int64_t rows_at,
+                                         int64_t keys_at) {
+  if (q.size(1) == 0 || k.size(1) == 0) return std::nullopt;
+  Mask whole = global_mask(options);
+  whole.q_offset = rows_at;
+  whole.k_offset = keys_at;
+  return check_attention_args(q, k, v, softmax_scale, whole,
+                              fixed_order_score(options, whole, std::nullopt));
+}
+
+// With the backward's: dout, out (undefined: its rowsum term folded into dlse), lse, dlse.
+void check_tile_args(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                     const std::optional<at::Tensor>& dlse, double softmax_scale,
+                     const AttentionOptions& options, int64_t rows_at, int64_t keys_at) {
+  const std::optional<AttnShape> s =
+      check_tile_args(q, k, v, softmax_scale, options, rows_at, keys_at);
+  if (s) check_bwd_args(dout, q, out, lse, dlse, at::kFloat, *s);
+}
+
 // A partial result: out (B, R, H, Dv) and lse (B, H, R), float32.
 using Partial = std::pair<at::Tensor, at::Tensor>;
 
@@ -186,8 +214,8 @@ Partial tile_tree_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       ScoreArgs a = score;
       a.alibi_q_begin += r0;
       a.alibi_k_begin += t0;
-      auto [o, l] = attention_fwd_scored(q_rows, k.narrow(1, t0, cols), v.narrow(1, t0, cols),
-                                         softmax_scale, m, a, at::kFloat);
+      auto [o, l] = attention_fwd_unchecked(q_rows, k.narrow(1, t0, cols), v.narrow(1, t0, cols),
+                                            softmax_scale, m, a, at::kFloat);
       tree.push(first_tile + t0 / kInvariantTile, {std::move(o), std::move(l)});
     }
     if (tree.empty()) continue;
@@ -209,6 +237,8 @@ std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::
       check_invariant_args("invariant_fwd", q, k, v, q.size(1), k.size(1), rank, world, layout,
                            seqlen, doc_lengths, doc_prefix_lens, CPATTN_OPTIONS);
   check_per_head("invariant_fwd", "sinks", sinks, q.size(2), q.device());
+  const int64_t keys = k.size(1);  // positions: the rows and keys end the sequence
+  check_tile_args(q, k, v, softmax_scale, c.options, keys - q.size(1), 0);
   // Padding rows: out 0, lse -inf (with a sink: the sink), as the ring gives them.
   Partial result = empty_partial(q, v.size(3));
   for (const Piece& p : c.pieces) {
@@ -276,6 +306,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
       check_invariant_args("invariant_bwd", q, k, v, q.size(1), k.size(1), 0, 1, layout, seqlen,
                            doc_lengths, doc_prefix_lens, CPATTN_OPTIONS);
   check_per_head("invariant_bwd", "sinks", sinks, q.size(2), q.device());
+  check_tile_args(dout, q, k, v, out, lse, dlse, softmax_scale, c.options, k.size(1) - q.size(1),
+                  0);
   // The streamed backward's algorithm (invariant_bwd_part) over one part, every row and key:
   // fp32 running sums from zeros (padding rows and keys stay 0), scaled and rounded once at the
   // end as python/cpattn/invariant/autograd.py finishes them.
@@ -290,9 +322,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const auto doc = [&](const at::Tensor& t) { return t.narrow(1, p.doc_begin, p.doc_length); };
     const std::optional<at::Tensor> dlse_p =
         dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt;
-    attention_bwd_add_scored(mine(dq_sum, 1), doc(dk_sum), doc(dv_sum), mine(dout, 1), mine(q, 1),
-                             doc(k), doc(v), mine(out, 1), mine(lse, 2).contiguous(), softmax_scale,
-                             p.mask, fixed_order_score(c.options, p.mask, std::nullopt), dlse_p);
+    attention_bwd_add_unchecked(
+        mine(dq_sum, 1), doc(dk_sum), doc(dv_sum), mine(dout, 1), mine(q, 1), doc(k), doc(v),
+        mine(out, 1), mine(lse, 2).contiguous(), softmax_scale, p.mask,
+        fixed_order_score(c.options, p.mask, std::nullopt), dlse_p, std::nullopt);
     dout_rows.push_back(mine(dout, 1));
     out_rows.push_back(mine(out, 1));
     lse_rows.push_back(mine(lse, 2));
@@ -375,6 +408,11 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
   check_running_sum(fn, "dk_sum", dk_sum, k);
   check_running_sum(fn, "dv_sum", dv_sum, v);
   const at::Tensor none;
+  // this rank's rows against the part's keys (dQ), the part's rows against this rank's keys
+  check_tile_args(dout, q, k_part, v_part, none, lse, shifted, softmax_scale, c.options,
+                  keys - local, keys - n);
+  check_tile_args(dout_part, q_part, k, v, none, lse_part, shifted_part, softmax_scale, c.options,
+                  keys - n, keys - local);
   for (const Piece& p : c.pieces) {
     const PartInDoc part = part_in_doc(fn, p, part_begin, n);
     if (part.length == 0) continue;
@@ -399,9 +437,9 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
       if (q_r.size(1) == 0 || k_c.size(1) == 0 ||
           m.classify(0, q_r.size(1), 0, k_c.size(1)) == BlockKind::kEmpty)
         return;
-      attention_bwd_add_scored(dq, dk, dv, dout_r, q_r, k_c, v_c, at::Tensor(), lse_r.contiguous(),
-                               softmax_scale, m, fixed_order_score(c.options, m, std::nullopt),
-                               shifted_r.contiguous());
+      attention_bwd_add_unchecked(
+          dq, dk, dv, dout_r, q_r, k_c, v_c, at::Tensor(), lse_r.contiguous(), softmax_scale, m,
+          fixed_order_score(c.options, m, std::nullopt), shifted_r.contiguous(), std::nullopt);
     };
     // This piece's rows [x, y) against the part's keys: dQ.
     const auto dq_terms = [&](int64_t x, int64_t y) {
@@ -525,6 +563,8 @@ void invariant_bwd_rows(const at::Tensor& dq_sum, const at::Tensor& planes, cons
               "head_dim + v_head_dim), contiguous, one per chunk: got ", planes.sizes(), " for ",
               chunks.size(), " chunks");
   check_running_sum(fn, "dq_sum", dq_sum, q);
+  check_tile_args(dout, q, k_part, v_part, at::Tensor(), lse, shifted, softmax_scale, c.options,
+                  keys - local, keys - n);
   for (size_t i = 0; i < chunks.size(); ++i) {
     const std::optional<ChunkBlock> b = chunk_block(fn, c.pieces, chunks[i], part_begin, n);
     TORCH_CHECK(b.has_value(), "cpattn.", fn, ": chunk ", chunks[i],
@@ -537,11 +577,11 @@ void invariant_bwd_rows(const at::Tensor& dq_sum, const at::Tensor& planes, cons
       return t.narrow(1, b->part.part_offset, b->part.length);
     };
     const at::Tensor plane = keys_of(planes[i]);
-    attention_bwd_add_scored(mine(dq_sum, 1), plane.narrow(3, 0, d), plane.narrow(3, d, dv),
-                             mine(dout, 1), mine(q, 1), keys_of(k_part), keys_of(v_part),
-                             at::Tensor(), mine(lse, 2).contiguous(), softmax_scale, b->mask,
-                             fixed_order_score(c.options, b->mask, std::nullopt),
-                             mine(shifted, 2).contiguous());
+    attention_bwd_add_unchecked(mine(dq_sum, 1), plane.narrow(3, 0, d), plane.narrow(3, d, dv),
+                                mine(dout, 1), mine(q, 1), keys_of(k_part), keys_of(v_part),
+                                at::Tensor(), mine(lse, 2).contiguous(), softmax_scale, b->mask,
+                                fixed_order_score(c.options, b->mask, std::nullopt),
+                                mine(shifted, 2).contiguous(), std::nullopt);
   }
 }
 
@@ -570,6 +610,7 @@ std::tuple<at::Tensor, at::Tensor> invariant_partial(const at::Tensor& q, const 
   Mask m = global_mask(o);
   m.q_offset = q_begin;
   m.k_offset = k_begin;
+  check_tile_args(q, k, v, softmax_scale, o, q_begin, k_begin);
   const auto [out, lse] = tile_tree_fwd(
       q, k, v, softmax_scale, m, fixed_order_score(o, m, std::nullopt), k_begin / kInvariantTile);
   return {out, lse};
