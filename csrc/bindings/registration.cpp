@@ -137,6 +137,11 @@ TORCH_LIBRARY(cpattn, m) {
   m.def(
       "cpu_backward_sizes(int batch, int seqlen_q, int seqlen_k, int heads, int kv_heads, "
       "int head_dim, ScalarType input_dtype, ScalarType grad_dtype) -> int[]");
+  // ... and the bytes of the buffers one such kernel call allocates beyond its tensors (the
+  // packed chunk of query rows, the dQ per key split, the dK / dV sums), all threads together.
+  m.def(
+      "cpu_backward_buffer_bytes(int batch, int seqlen_q, int seqlen_k, int heads, int kv_heads, "
+      "int head_dim, ScalarType input_dtype, ScalarType grad_dtype) -> int");
   // The cost model's count of visible keys per query of a document (cpattn/mask.h).
   m.def(
       "visible_keys(Tensor positions, int num_keys, bool causal, int window_left, "

@@ -48,7 +48,7 @@ struct IsaKernels {
   void (*fwd_brgemm)(const FwdParams&);
   void (*bwd_brgemm)(const BwdParams&);
   void (*round_split_sums)(uint16_t*, const uint16_t*, int64_t);
-  BackwardChunking (*backward_chunking)(const AttnShape&);
+  BackwardChunking (*backward_chunking)(const AttnShape&, int64_t, DType);
 };
 
 #define CPATTN_ISA_KERNELS(isa)                                                     \
@@ -241,8 +241,8 @@ void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n) {
   kernels().round_split_sums(high, low, n);
 }
 
-BackwardChunking backward_chunking(const AttnShape& shape) {
-  return kernels().backward_chunking(shape);
+BackwardChunking backward_chunking(const AttnShape& shape, int64_t operand_bytes, DType grad) {
+  return kernels().backward_chunking(shape, operand_bytes, grad);
 }
 
 }  // namespace cpattn::cpu
