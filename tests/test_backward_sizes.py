@@ -112,3 +112,34 @@ def test_local_backward_allocates_what_the_model_says_for_its_groups(dtype, kv_h
     assert grouped < whole if saves else grouped == whole
     for got, model in ((whole, whole_model), (grouped, grouped_model)):
         assert abs(got - model) <= 0.02 * model, (got, model)
+
+
+def _buffer_bytes_formula(B, n, h, hkv, D, dtype, grad) -> int:
+    """The formula cpattn.plan.memory used to repeat for the kernel's buffers (one call of a
+    group of KV heads): the chunk's query rows packed (Q^T, dO^T, Q, dO: 16 bytes a value in
+    fp32, 8 in bf16), its fp32 dQ per key split, and the dK / dV sums beyond the gradients (none
+    in fp32 gradients, low halves beside bf16 ones, fp32 sums otherwise or with D not a multiple
+    of 16)."""
+    from cpattn.plan.memory import _bf16_dot
+
+    c, splits, rows = sizes(B, n, n, h, hkv, D, dtype, grad)
+    h, hkv = h // hkv * c, c
+    dp = -(-D // 16) * 16
+    bf16 = dtype == torch.bfloat16 and _bf16_dot()
+    per_value = 4 if D % 16 else {torch.float32: 0, torch.bfloat16: 2}.get(grad, 4)
+    return ((8 if bf16 else 16) * B * h * rows * dp + splits * 4 * B * h * rows * dp
+            + per_value * B * n * hkv * 2 * dp)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_buffer_bytes_are_the_kernels_own(shape):
+    # the op reads the sizes the kernel allocates by (attention_kernel.h backward_buffer_bytes);
+    # they are what the memory model's formula used to re-derive, on every dtype pair
+    B, S, H, Hkv, D = shape
+    for dtype in DTYPES:
+        for grad in DTYPES:
+            got = torch.ops.cpattn.cpu_backward_buffer_bytes(B, S, S, H, Hkv, D, dtype, grad)
+            assert got == _buffer_bytes_formula(B, S, H, Hkv, D, dtype, grad), (dtype, grad)
+    with pytest.raises(RuntimeError, match="cpu_backward_buffer_bytes: heads must be"):
+        torch.ops.cpattn.cpu_backward_buffer_bytes(1, 8, 8, 3, 2, 16, torch.float32,
+                                                   torch.float32)

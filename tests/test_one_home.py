@@ -1,6 +1,7 @@
 """Rules that live once, in C++, reached from Python through ops (issue 48): the per-document
 padded sharding (layout.h document_shard), the visible-key count (mask.h), the op layer's limits;
-and the ring's argument checks, run once per call rather than once per sub-problem."""
+and the ring's argument checks, run once per call rather than once per sub-problem; packed
+documents' lengths and prefixes as two op arguments."""
 
 import random
 
@@ -139,3 +140,50 @@ def test_ring_sub_problems_are_not_checked_again(layout):
     with pytest.raises(RuntimeError, match="same dtype"):
         torch.ops.cpattn.gathered_fwd(q[0], k_all.bfloat16(), v_all.bfloat16(), 0, LAYOUTS[layout],
                                       **opts)
+
+
+def test_documents_and_their_prefixes_are_two_op_arguments():
+    # the ops take the documents' lengths (doc_lengths) and their prefixes (doc_prefix_lens) as
+    # two (D,) arguments: each document attends as a sequence of its own with its prefix
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 12, 2, 16, generator=g) for _ in range(3))
+    docs, prefixes = torch.tensor([5, 7]), torch.tensor([2, 0])
+    opts = dict(softmax_scale=0.25, causal=True)
+    out, lse = torch.ops.cpattn.attention_varlen_fwd(q, k, v, docs, prefixes, **opts)
+    for a, b, p in ((0, 5, 2), (5, 12, 0)):
+        want, want_lse = torch.ops.cpattn.attention_fwd(q[:, a:b], k[:, a:b], v[:, a:b],
+                                                        prefix_len=p, **opts)
+        torch.testing.assert_close(out[:, a:b], want)
+        torch.testing.assert_close(lse[..., a:b], want_lse)
+    with pytest.raises(RuntimeError, match="doc_prefix_lens must be a \\(D,\\) int64 tensor, one "
+                       "prefix per document of doc_lengths \\(2\\)"):
+        torch.ops.cpattn.attention_varlen_fwd(q, k, v, docs, torch.tensor([1]), **opts)
+    with pytest.raises(RuntimeError, match="give prefix_len or a prefix per document, not both"):
+        torch.ops.cpattn.attention_varlen_fwd(q, k, v, docs, prefixes, prefix_len=1, **opts)
+    with pytest.raises(RuntimeError, match="document prefix lengths must be >= 0"):
+        torch.ops.cpattn.attention_varlen_fwd(q, k, v, docs, torch.tensor([-1, 0]), **opts)
+
+
+def test_invariant_tiles_are_not_checked_again():
+    # invariant mode calls a kernel per tile of invariant_tile() keys (forward) and per document
+    # (backward); each op checks its call once at its entry (invariant.cpp check_tile_args), so
+    # the per-call checks of local attention (check_attention_args) run once per op call: here
+    # one forward and one backward, whatever the number of tiles and documents
+    import cpattn
+
+    tile = torch.ops.cpattn.invariant_tile()
+    g = torch.Generator().manual_seed(4)
+    n = 3 * tile + 5  # four tiles of keys
+    q, k, v = (torch.randn(1, n, 2, 16, generator=g, requires_grad=True) for _ in range(3))
+    load_ops()
+    before = _checks_run()
+    out = cpattn.attention(q, k, v, causal=True, softmax_scale=0.25, invariant=True)
+    assert _checks_run() == before + 1
+    out.sum().backward()
+    assert _checks_run() == before + 2
+    cu_seqlens = torch.tensor([0, tile + 3, 2 * tile, n], dtype=torch.int32)  # three documents
+    before = _checks_run()
+    out = cpattn.attention_varlen(q[0], k[0], v[0], cu_seqlens, causal=True, softmax_scale=0.25,
+                                  invariant=True)
+    out.sum().backward()
+    assert _checks_run() == before + 2

@@ -42,16 +42,18 @@ TORCH_LIBRARY(cpattn, m) {
   m.def("row_dot(Tensor a, Tensor b) -> Tensor");
   m.def("merge_state_(Tensor(a!) out, Tensor(b!) lse, Tensor part_out, Tensor part_lse) -> ()");
   // Ring attention over the process group registered as group_name; layout: 0 contiguous,
-  // 1 zigzag, 2 striped. doc_lengths: (D,) packed documents' lengths, or (2, D) with each
-  // document's prefix-LM length as the second row.
+  // 1 zigzag, 2 striped. doc_lengths: (D,) packed documents' lengths; doc_prefix_lens: (D,) each
+  // document's prefix-LM length (a prefix per document), or none.
   m.def(with_options(
             "ring_fwd(Tensor q, Tensor k, Tensor v, str group_name, int layout, float timeout_s, "
-            "Tensor? doc_lengths=None, Tensor? sinks=None",
+            "Tensor? doc_lengths=None, "
+            "Tensor? doc_prefix_lens=None, Tensor? sinks=None",
             "(Tensor out, Tensor lse)"),
         talks_to_peers);
   m.def(with_options("ring_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                      "str group_name, "
-                     "int layout, float timeout_s, Tensor? doc_lengths=None, Tensor? dlse=None",
+                     "int layout, float timeout_s, Tensor? doc_lengths=None, "
+                     "Tensor? doc_prefix_lens=None, Tensor? dlse=None",
                      "(Tensor dq, Tensor dk, Tensor dv)"),
         talks_to_peers);
   // The same steps against K/V already all-gathered: k_all (W, B, S_local, Hkv, D), v_all
@@ -59,21 +61,24 @@ TORCH_LIBRARY(cpattn, m) {
   // D + Dv), for one reduce-scatter.
   m.def(
       with_options("gathered_fwd(Tensor q, Tensor k_all, Tensor v_all, int rank, int layout, "
-                   "Tensor? doc_lengths=None, Tensor? sinks=None",
+                   "Tensor? doc_lengths=None, "
+                   "Tensor? doc_prefix_lens=None, Tensor? sinks=None",
                    "(Tensor out, Tensor lse)"));
   m.def(with_options(
       "gathered_bwd(Tensor dout, Tensor q, Tensor k_all, Tensor v_all, Tensor out, Tensor lse, "
-      "int rank, int layout, Tensor? doc_lengths=None, Tensor? dlse=None",
+      "int rank, int layout, Tensor? doc_lengths=None, "
+      "Tensor? doc_prefix_lens=None, Tensor? dlse=None",
       "(Tensor dq, Tensor dkv_all)"));
   // Local attention over packed documents (cpattn.attention_varlen): q (1, T, H, D), k, v
-  // (1, T, Hkv, D | Dv), doc_lengths as the ring ops' (the documents' lengths, summing to T, and
-  // optionally as a second row their prefixes); no communication.
-  m.def(with_options(
-      "attention_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor doc_lengths, Tensor? sinks=None",
-      "(Tensor out, Tensor lse)"));
+  // (1, T, Hkv, D | Dv), doc_lengths and doc_prefix_lens as the ring ops' (the documents' lengths
+  // summing to T; their prefixes, or none); no communication.
+  m.def(
+      with_options("attention_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor doc_lengths, "
+                   "Tensor? doc_prefix_lens=None, Tensor? sinks=None",
+                   "(Tensor out, Tensor lse)"));
   m.def(with_options(
       "attention_varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor doc_lengths, Tensor? dlse=None",
+      "Tensor doc_lengths, Tensor? doc_prefix_lens=None, Tensor? dlse=None",
       "(Tensor dq, Tensor dk, Tensor dv)"));
   // Invariant mode (ops/invariant.cpp): what one process computes for this rank's rows and keys.
   // The forward from k, v of every rank in global order; the backward of one process, or over W
@@ -81,26 +86,30 @@ TORCH_LIBRARY(cpattn, m) {
   // gradient from every rank's lse and dlse - row_dot.
   m.def(with_options(
       "invariant_fwd(Tensor q, Tensor k, Tensor v, int rank, int world, int layout, int seqlen, "
-      "Tensor? doc_lengths=None, Tensor? sinks=None",
+      "Tensor? doc_lengths=None, "
+      "Tensor? doc_prefix_lens=None, Tensor? sinks=None",
       "(Tensor out, Tensor lse)"));
   m.def(with_options(
       "invariant_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor? dlse, Tensor? sinks, int layout, int seqlen, Tensor? doc_lengths=None",
+      "Tensor? dlse, Tensor? sinks, int layout, int seqlen, Tensor? doc_lengths=None, "
+      "Tensor? doc_prefix_lens=None",
       "(Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)"));
   m.def(with_options(
       "invariant_bwd_part(Tensor(a!) dq_sum, Tensor(b!) dk_sum, Tensor(c!) dv_sum, Tensor dout, "
       "Tensor q, Tensor k, Tensor v, Tensor lse, Tensor shifted, Tensor dout_part, "
       "Tensor q_part, Tensor k_part, Tensor v_part, Tensor lse_part, Tensor shifted_part, "
-      "int part_begin, int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None",
+      "int part_begin, int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None, "
+      "Tensor? doc_prefix_lens=None",
       "()"));
   m.def(with_options(
       "invariant_bwd_rows(Tensor(a!) dq_sum, Tensor(b!) planes, Tensor dout, Tensor q, "
       "Tensor k_part, Tensor v_part, Tensor lse, Tensor shifted, int[] chunks, int part_begin, "
-      "int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None",
+      "int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None, "
+      "Tensor? doc_prefix_lens=None",
       "()"));
   m.def(with_options(
       "invariant_chunks_seen(int local, int part_begin, int n, int world, int layout, int seqlen, "
-      "Tensor? doc_lengths=None",
+      "Tensor? doc_lengths=None, Tensor? doc_prefix_lens=None",
       "Tensor"));
   m.def(
       "invariant_sink_bwd(Tensor lse_all, Tensor shifted_all, Tensor sinks, int rank, int world, "
@@ -128,6 +137,11 @@ TORCH_LIBRARY(cpattn, m) {
   m.def(
       "cpu_backward_sizes(int batch, int seqlen_q, int seqlen_k, int heads, int kv_heads, "
       "int head_dim, ScalarType input_dtype, ScalarType grad_dtype) -> int[]");
+  // ... and the bytes of the buffers one such kernel call allocates beyond its tensors (the
+  // packed chunk of query rows, the dQ per key split, the dK / dV sums), all threads together.
+  m.def(
+      "cpu_backward_buffer_bytes(int batch, int seqlen_q, int seqlen_k, int heads, int kv_heads, "
+      "int head_dim, ScalarType input_dtype, ScalarType grad_dtype) -> int");
   // The cost model's count of visible keys per query of a document (cpattn/mask.h).
   m.def(
       "visible_keys(Tensor positions, int num_keys, bool causal, int window_left, "

@@ -414,13 +414,19 @@ inline int64_t band_rows(const AttnShape& sh) {
 // The query blocks of a query-shaped operand for one band of query rows of every (batch, head),
 // kBlockQ * dim_padded elements per block (Dp for q, Dvp for dout), packed once per band: a
 // backward task visits each of them once per key block, so packing there would repeat the work.
+// Elements of a band of rows_per_band query rows of every (batch, head), dim_padded each: a
+// packed operand's band (BandQueryBlocks), a key split's dQ buffer (backward_row_bands).
+inline int64_t band_elems(const AttnShape& sh, int64_t dim_padded, int64_t rows_per_band) {
+  return sh.batch * sh.heads * rows_per_band * dim_padded;
+}
+
 template <typename T>
 struct BandQueryBlocks {
   int64_t block_elems;
   AlignedArray<T> data;
   BandQueryBlocks(const AttnShape& sh, int64_t dim_padded, int64_t rows_per_band)
       : block_elems(kBlockQ * dim_padded),
-        data(aligned_array<T>(sh.batch * sh.heads * rows_per_band * dim_padded)) {}
+        data(aligned_array<T>(band_elems(sh, dim_padded, rows_per_band))) {}
   T* at(int64_t slot) { return data.get() + slot * block_elems; }
   const T* at(int64_t slot) const { return data.get() + slot * block_elems; }
 };
@@ -505,6 +511,19 @@ struct KeyGradSums {
   int64_t seqlen_k, kv_heads, dim_padded;
   float factor;
   bool accumulate, resume;
+  // Where the sums of a gradient (wanted or not) of `dim` values (padded) in `type` are kept.
+  static Storage storage_for(bool wanted, int64_t dim, int64_t padded, DType type) {
+    return !wanted                    ? Storage::kNone
+           : dim != padded            ? Storage::kOwn
+           : type == DType::kFloat32  ? Storage::kOutput
+           : type == DType::kBFloat16 ? Storage::kSplit
+                                      : Storage::kOwn;
+  }
+  // Bytes per padded value that a storage allocates beyond the gradient: fp32 sums of their own,
+  // or the low halves of split sums.
+  static int64_t bytes_per_value(Storage storage) {
+    return storage == Storage::kOwn ? 4 : storage == Storage::kSplit ? 2 : 0;
+  }
   KeyGradSums(const AttnShape& sh, const BshdOutput& out, int64_t dim, int64_t padded,
               float factor_, bool accumulate_, bool resume_)
       : seqlen_k(sh.seqlen_k),
@@ -514,11 +533,7 @@ struct KeyGradSums {
         accumulate(accumulate_ || resume_),
         resume(resume_) {
     const int64_t rows = sh.batch * sh.seqlen_k * sh.kv_heads;
-    storage = out.data == nullptr            ? Storage::kNone
-              : dim != padded                ? Storage::kOwn
-              : out.type == DType::kFloat32  ? Storage::kOutput
-              : out.type == DType::kBFloat16 ? Storage::kSplit
-                                             : Storage::kOwn;
+    storage = storage_for(out.data != nullptr, dim, padded, out.type);
     if (storage == Storage::kOwn) {
       own = aligned_array<float>(rows * padded);
       data = own.get();
@@ -700,6 +715,25 @@ inline bool backward_key_block(const BwdParams& p, const PackedBand<float>& pack
       });
 }
 
+// The bytes backward_row_bands allocates for a call of shape sh whose operands are packed in
+// elements of operand_bytes (bf16: 2, else 4) and whose dK and dV are wanted in grad: one
+// band of query rows of every head packed (PackedBand: Q^T, dO^T, Q and dO rows), the band's
+// fp32 dQ per key split, and the dK and dV sums beyond the gradients (KeyGradSums), all threads
+// together; the per-thread Scratch blocks (about 0.2-0.3 MiB each) aside. The allocations take
+// their sizes from the same functions; the memory model reads these bytes (cpattn.plan, through
+// the op cpu_backward_buffer_bytes).
+inline int64_t backward_buffer_bytes(const AttnShape& sh, int64_t operand_bytes, DType grad) {
+  const int64_t rows = band_rows(sh), dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
+  const int64_t packed =
+      2 * operand_bytes * (band_elems(sh, dp, rows) + band_elems(sh, dvp, rows));
+  const int64_t dq = 4 * key_splits(sh) * band_elems(sh, dp, rows);
+  const auto sums = [&](int64_t dim, int64_t padded) {
+    return KeyGradSums::bytes_per_value(KeyGradSums::storage_for(true, dim, padded, grad)) *
+           sh.batch * sh.seqlen_k * sh.kv_heads * padded;
+  };
+  return packed + dq + sums(sh.head_dim, dp) + sums(sh.head_dim_v, dvp);
+}
+
 // The backward, one band of query rows after another. Per band: (1) pack(p, b, h, r0, rows,
 // slot, packed) packs the band's query blocks of every head; (2) a task per (batch, kv head)
 // pair and split of the key blocks that the band sees runs key_block(p, packed, b, hk, c0, q1,
@@ -727,9 +761,9 @@ inline void backward_row_bands(const BwdParams& p, Pack pack, KeyBlock key_block
   const int64_t rows_per_band = band_rows(sh);
   const int64_t heads = sh.batch * sh.heads, pairs = sh.batch * sh.kv_heads;
   const int64_t max_splits = key_splits(sh);
-  const int64_t band_elems = heads * rows_per_band * dp;
+  const int64_t band_size = band_elems(sh, dp, rows_per_band);
   PackedBand<T> packed(sh, rows_per_band);
-  AlignedArray<float> dq = aligned_array<float>(max_splits * band_elems);
+  AlignedArray<float> dq = aligned_array<float>(max_splits * band_size);
   const bool resume = sh.fixed_order;  // running sums (params.h AttnShape::fixed_order)
   const KeyGradSums dk(sh, p.dk, sh.head_dim, dp, p.softmax_scale, p.accumulate, resume),
       dv(sh, p.dv, sh.head_dim_v, sh.head_dim_v_padded, 1.f, p.accumulate, resume);
@@ -756,7 +790,7 @@ inline void backward_row_bands(const BwdParams& p, Pack pack, KeyBlock key_block
       for (int64_t t; (t = next_task.fetch_add(1)) < pairs * splits;) {
         const int64_t pair = t / splits, split = t % splits;
         const int64_t b = pair / sh.kv_heads, hk = pair % sh.kv_heads;
-        float* dq_split = dq.get() + split * band_elems;
+        float* dq_split = dq.get() + split * band_size;
         float* own = dq_split + (b * sh.heads + hk * group) * rows_per_band * dp;
         std::fill(own, own + group * rows_per_band * dp, 0.f);
         if (resume && p.dq.data)  // the running sums of the band's rows (one split)
@@ -782,7 +816,7 @@ inline void backward_row_bands(const BwdParams& p, Pack pack, KeyBlock key_block
         for (int64_t t = begin; t < end; ++t) {
           const int64_t split = t / (heads * blocks), bh = t / blocks % heads, j = t % blocks;
           float* block =
-              dq.get() + split * band_elems + (bh * packed.blocks_per_band + j) * kBlockQ * dp;
+              dq.get() + split * band_size + (bh * packed.blocks_per_band + j) * kBlockQ * dp;
           for (int64_t d = 0; d < dp; ++d)
             for (int64_t i = 0; i < kBlockQ; ++i) rows[i * dp + d] = block[d * kBlockQ + i];
           std::copy(rows.get(), rows.get() + kBlockQ * dp, block);
@@ -794,7 +828,7 @@ inline void backward_row_bands(const BwdParams& p, Pack pack, KeyBlock key_block
         const int64_t bh = r / (q1 - q0), i = r % (q1 - q0);
         float* row = dq.get() + (bh * rows_per_band + i) * dp;
         for (int64_t split = 1; split < splits; ++split)
-          for (int64_t d = 0; d < dp; ++d) row[d] += row[split * band_elems + d];
+          for (int64_t d = 0; d < dp; ++d) row[d] += row[split * band_size + d];
         const int64_t offset = bh / sh.heads * o.batch + (q0 + i) * o.seq + bh % sh.heads * o.head;
         if (resume)
           write_row(p.dq, offset, row, 1.f, sh.head_dim);

@@ -48,7 +48,7 @@ struct IsaKernels {
   void (*fwd_brgemm)(const FwdParams&);
   void (*bwd_brgemm)(const BwdParams&);
   void (*round_split_sums)(uint16_t*, const uint16_t*, int64_t);
-  BackwardBands (*backward_bands)(const AttnShape&);
+  BackwardBands (*backward_bands)(const AttnShape&, int64_t, DType);
 };
 
 #define CPATTN_ISA_KERNELS(isa)                                                  \
@@ -241,6 +241,8 @@ void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n) {
   kernels().round_split_sums(high, low, n);
 }
 
-BackwardBands backward_bands(const AttnShape& shape) { return kernels().backward_bands(shape); }
+BackwardBands backward_bands(const AttnShape& shape, int64_t operand_bytes, DType grad) {
+  return kernels().backward_bands(shape, operand_bytes, grad);
+}
 
 }  // namespace cpattn::cpu

@@ -31,7 +31,7 @@ void attention_bwd_brgemm(const BwdParams& params) { attention_bwd_brgemm_impl(p
 void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n) {
   round_split_sums_impl(high, low, n);
 }
-BackwardBands backward_bands(const AttnShape& shape) {
-  return {key_splits(shape), band_rows(shape)};
+BackwardBands backward_bands(const AttnShape& shape, int64_t operand_bytes, DType grad) {
+  return {key_splits(shape), band_rows(shape), backward_buffer_bytes(shape, operand_bytes, grad)};
 }
 }  // namespace cpattn::cpu::CPATTN_CPU_ISA

@@ -80,24 +80,26 @@ const char* active_isa();  // its name
 std::vector<IsaPath> isa_paths();
 
 // How the backward of a call of shape `shape` cuts its work (attention_kernel.h): the splits of
-// the key blocks per (batch, kv head) pair, each with its own dQ buffer, and the query rows per
-// band. For the cost model's memory figures (cpattn.plan).
+// the key blocks per (batch, kv head) pair, each with its own dQ buffer, the query rows per
+// band, and the bytes of its buffers (backward_buffer_bytes) with operands packed in elements of
+// operand_bytes and dK, dV wanted in `grad`. For the cost model's memory figures (cpattn.plan).
 struct BackwardBands {
   int64_t key_splits = 0;
   int64_t band_rows = 0;
+  int64_t buffer_bytes = 0;
 };
-BackwardBands backward_bands(const AttnShape& shape);
+BackwardBands backward_bands(const AttnShape& shape, int64_t operand_bytes, DType grad);
 
 // Each instruction set's entry points (kernels_<isa>.cpp); the brgemm path's where its file
 // builds it (AVX2 and up).
-#define CPATTN_DECLARE_ISA(isa)                                          \
-  namespace isa {                                                        \
-  void attention_fwd(const FwdParams& params);                           \
-  void attention_bwd(const BwdParams& params);                           \
-  void attention_fwd_brgemm(const FwdParams& params);                    \
-  void attention_bwd_brgemm(const BwdParams& params);                    \
-  void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n); \
-  BackwardBands backward_bands(const AttnShape& shape);                  \
+#define CPATTN_DECLARE_ISA(isa)                                                                  \
+  namespace isa {                                                                                \
+  void attention_fwd(const FwdParams& params);                                                   \
+  void attention_bwd(const BwdParams& params);                                                   \
+  void attention_fwd_brgemm(const FwdParams& params);                                            \
+  void attention_bwd_brgemm(const BwdParams& params);                                            \
+  void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n);                         \
+  BackwardBands backward_bands(const AttnShape& shape, int64_t operand_bytes, DType grad); \
   }
 CPATTN_DECLARE_ISA(avx512bf16)
 CPATTN_DECLARE_ISA(avx512)

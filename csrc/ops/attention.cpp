@@ -57,20 +57,6 @@ std::pair<Mask, ScoreArgs> public_options(const at::Tensor& q, const at::Tensor&
   return {m, a};
 }
 
-std::atomic<int64_t> checks_run{0};  // attention_checks_run
-
-// The checks of both passes; the shape of q, k, v.
-AttnShape check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               double softmax_scale, const Mask& mask, const ScoreArgs& score) {
-  checks_run.fetch_add(1, std::memory_order_relaxed);
-  AttnShape s = check_qkv(q, k, v);
-  check_mask_args(softmax_scale, mask.window_left, mask.window_right);
-  check_positions(mask.q_offset, s.seqlen_q, mask.k_offset, s.seqlen_k);
-  check_score_args("attention", score, s.heads, q.device());
-  s.fixed_order = score.fixed_order;
-  return s;
-}
-
 std::tuple<at::Tensor, at::Tensor> attention_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<int64_t> q_offset,
     std::optional<int64_t> k_offset, std::optional<at::ScalarType> out_dtype,
@@ -143,6 +129,21 @@ void merge_state_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor
 }
 
 }  // namespace
+
+namespace {
+std::atomic<int64_t> checks_run{0};  // attention_checks_run
+}  // namespace
+
+AttnShape check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               double softmax_scale, const Mask& mask, const ScoreArgs& score) {
+  checks_run.fetch_add(1, std::memory_order_relaxed);
+  AttnShape s = check_qkv(q, k, v);
+  check_mask_args(softmax_scale, mask.window_left, mask.window_right);
+  check_positions(mask.q_offset, s.seqlen_q, mask.k_offset, s.seqlen_k);
+  check_score_args("attention", score, s.heads, q.device());
+  s.fixed_order = score.fixed_order;
+  return s;
+}
 
 bool register_backend(c10::DeviceType type, const Backend& backend) {
   backends()[type] = backend;

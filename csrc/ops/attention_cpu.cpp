@@ -205,12 +205,6 @@ int64_t backward_bytes_per_kv_head(const AttnShape& s, bool bf16, bool operands_
   return bytes;
 }
 
-// Whether the backward takes bf16 operands through bf16 dot products.
-bool backward_takes_bf16(const at::Tensor& q, const at::Tensor& dout) {
-  return q.scalar_type() == at::kBFloat16 && dout.scalar_type() == at::kBFloat16 &&
-         cpu::active_isa_path().packing == cpu::OperandPacking::kBf16Pairs;
-}
-
 // The kernel path of a backward (kernels.h).
 const cpu::KernelPath& backward_path(bool bf16, const AttnShape& s) {
   return cpu::kernel_path(bf16 ? cpu::Operands::kBFloat16 : cpu::Operands::kFloat32, s.fixed_order);
@@ -218,11 +212,16 @@ const cpu::KernelPath& backward_path(bool bf16, const AttnShape& s) {
 
 }  // namespace
 
+bool cpu_backward_takes_bf16(const at::Tensor& q, const at::Tensor& dout) {
+  return q.scalar_type() == at::kBFloat16 && dout.scalar_type() == at::kBFloat16 &&
+         cpu::active_isa_path().packing == cpu::OperandPacking::kBf16Pairs;
+}
+
 int64_t cpu_backward_kv_heads_per_call(const at::Tensor& q, const at::Tensor& k,
                                        const at::Tensor& v, const at::Tensor& dout,
                                        const AttnShape& s, at::ScalarType grad) {
   const int64_t dp = s.head_dim_padded, dvp = s.head_dim_v_padded;
-  const bool bf16 = backward_takes_bf16(q, dout);
+  const bool bf16 = cpu_backward_takes_bf16(q, dout);
   const bool in_place =
       bf16 ? read_in_place(k, dp, at::kBFloat16) && read_in_place(v, dvp, at::kBFloat16)
            : read_in_place(q, dp) && read_in_place(k, dp) && read_in_place(v, dvp) &&
@@ -247,7 +246,7 @@ void backward_cpu(const at::Tensor& dq, const at::Tensor& dq_low, const at::Tens
   // delta = rowsum(dout * out) per query row, over the global output.
   at::Tensor delta = row_delta(dout, out, s);
   if (dlse && dlse->defined()) delta.sub_(dlse->to(at::kFloat));
-  const bool bf16 = backward_takes_bf16(q, dout);
+  const bool bf16 = cpu_backward_takes_bf16(q, dout);
   // dk and dv: fp32 where dq is split sums
   // undefined dq, or dk and dv: not wanted (the kernels skip their products)
   const at::ScalarType grad_type = (dk.defined() ? dk : dq).scalar_type();

@@ -89,6 +89,10 @@ inline BshdStrides strides_of(const at::Tensor& t) {
 // it, returns the previous one. For tests, which lower it to run every head group's path.
 int64_t exchange_cpu_backward_group_bytes(int64_t bytes);
 
+// Whether the CPU backward takes these bf16 operands through bf16 dot products (packed in bf16;
+// otherwise in fp32).
+bool cpu_backward_takes_bf16(const at::Tensor& q, const at::Tensor& dout);
+
 // KV heads per kernel call of the CPU backward (attention_cpu.cpp backward_cpu) on these operands
 // (their dtypes and strides decide its packing; meta tensors will do) with gradients dk, dv in
 // `grad`: as many as fit the byte budget above, at least one.

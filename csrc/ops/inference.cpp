@@ -353,7 +353,8 @@ std::tuple<at::Tensor, at::Tensor> prefill_fwd(
   check_cache(k_cache, v_cache);
   check_tokens(k, v, k_cache);
   check_mask_args(softmax_scale, window_left, window_right);
-  RingOptions o = make_ring_options(CPATTN_OPTIONS, layout, std::nullopt, std::nullopt);
+  RingOptions o =
+      make_ring_options(CPATTN_OPTIONS, layout, std::nullopt, std::nullopt, std::nullopt);
   o.out_dtype = at::kFloat;  // merged with the cached part before the one cast
   const std::vector<int64_t> start = per_sequence(cache_lens, k_cache.size(0), "cache_lens");
   const int64_t chunk = k.size(1) * world;

@@ -89,12 +89,14 @@ std::vector<Piece> rank_pieces(const RingOptions& o, int64_t world, int64_t rank
 // Checks before any kernel runs; every rank passes the same values (agreed on in Python). q
 // (B, R, H, D) and k, v (B, N, Hkv, D / Dv) some of the call's rows and keys (their shapes beyond
 // the tokens are checked); this rank holds `local` tokens of the sequence's `keys` (with one rank:
-// q's rows may be fewer than the keys); doc_lengths as ring_fwd's (the documents' lengths, and as
-// a second row their prefixes), or none: one sequence of `seqlen` real tokens.
+// q's rows may be fewer than the keys); doc_lengths and doc_prefix_lens as ring_fwd's (the
+// documents' lengths; their prefixes, or none), or no documents: one sequence of `seqlen` real
+// tokens.
 InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at::Tensor& k,
                                    const at::Tensor& v, int64_t local, int64_t keys, int64_t rank,
                                    int64_t world, int64_t layout, int64_t seqlen,
                                    const std::optional<at::Tensor>& doc_lengths,
+                                   const std::optional<at::Tensor>& doc_prefix_lens,
                                    const AttentionOptions& options) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
                   k.sizes().slice(0, 3) == v.sizes().slice(0, 3) && k.size(0) == q.size(0) &&
@@ -109,7 +111,8 @@ InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at
               q.device());
   check_rank(rank, world);
   check_options(fn, options, q.size(2), q.device());
-  const RingOptions o = make_ring_options(options, layout, doc_lengths, std::nullopt);
+  const RingOptions o =
+      make_ring_options(options, layout, doc_lengths, doc_prefix_lens, std::nullopt);
   TORCH_CHECK(world == 1 || o.layout != Layout::kStriped, "cpattn.", fn,
               ": takes contiguous or zigzag shards (runs of consecutive positions; the Python "
               "side moves striped shards to the contiguous layout first)");
@@ -143,6 +146,34 @@ ScoreArgs fixed_order_score(const AttentionOptions& o, const Mask& m,
   a.alibi_k_begin = m.k_offset;
   a.fixed_order = true;
   return a;
+}
+
+// What the kernel calls of an invariant op would check on each tile or piece (the checked
+// entries attention_fwd_scored / attention_bwd_add_scored), once at the op's entry: every call
+// is a run of rows of q against a run of keys of k, v, at positions within the call's and with
+// its options, so the kernels are called through the unchecked entries (ops.h), as the ring's
+// sub-problems are. rows_at: the global position of q's first row; keys_at: k's. Nothing to check
+// without rows or keys (no kernel call).
+std::optional<AttnShape> check_tile_args(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v, double softmax_scale,
+                                         const AttentionOptions& options, int64_t rows_at,
+                                         int64_t keys_at) {
+  if (q.size(1) == 0 || k.size(1) == 0) return std::nullopt;
+  Mask whole = global_mask(options);
+  whole.q_offset = rows_at;
+  whole.k_offset = keys_at;
+  return check_attention_args(q, k, v, softmax_scale, whole,
+                              fixed_order_score(options, whole, std::nullopt));
+}
+
+// With the backward's: dout, out (undefined: its rowsum term folded into dlse), lse, dlse.
+void check_tile_args(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                     const std::optional<at::Tensor>& dlse, double softmax_scale,
+                     const AttentionOptions& options, int64_t rows_at, int64_t keys_at) {
+  const std::optional<AttnShape> s =
+      check_tile_args(q, k, v, softmax_scale, options, rows_at, keys_at);
+  if (s) check_bwd_args(dout, q, out, lse, dlse, at::kFloat, *s);
 }
 
 // A partial result: out (B, R, H, Dv) and lse (B, H, R), float32.
@@ -183,8 +214,8 @@ Partial tile_tree_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       ScoreArgs a = score;
       a.alibi_q_begin += r0;
       a.alibi_k_begin += t0;
-      auto [o, l] = attention_fwd_scored(q_rows, k.narrow(1, t0, cols), v.narrow(1, t0, cols),
-                                         softmax_scale, m, a, at::kFloat);
+      auto [o, l] = attention_fwd_unchecked(q_rows, k.narrow(1, t0, cols), v.narrow(1, t0, cols),
+                                            softmax_scale, m, a, at::kFloat);
       tree.push(first_tile + t0 / kInvariantTile, {std::move(o), std::move(l)});
     }
     if (tree.empty()) continue;
@@ -199,11 +230,15 @@ std::tuple<at::Tensor, at::Tensor> invariant_fwd(const at::Tensor& q, const at::
                                                  const at::Tensor& v, int64_t rank, int64_t world,
                                                  int64_t layout, int64_t seqlen,
                                                  const std::optional<at::Tensor>& doc_lengths,
+                                                 const std::optional<at::Tensor>& doc_prefix_lens,
                                                  const std::optional<at::Tensor>& sinks,
                                                  CPATTN_OPTION_PARAMS) {
-  const InvariantCall c = check_invariant_args("invariant_fwd", q, k, v, q.size(1), k.size(1), rank,
-                                               world, layout, seqlen, doc_lengths, CPATTN_OPTIONS);
+  const InvariantCall c =
+      check_invariant_args("invariant_fwd", q, k, v, q.size(1), k.size(1), rank, world, layout,
+                           seqlen, doc_lengths, doc_prefix_lens, CPATTN_OPTIONS);
   check_per_head("invariant_fwd", "sinks", sinks, q.size(2), q.device());
+  const int64_t keys = k.size(1);  // positions: the rows and keys end the sequence
+  check_tile_args(q, k, v, softmax_scale, c.options, keys - q.size(1), 0);
   // Padding rows: out 0, lse -inf (with a sink: the sink), as the ring gives them.
   Partial result = empty_partial(q, v.size(3));
   for (const Piece& p : c.pieces) {
@@ -238,7 +273,8 @@ at::Tensor invariant_sink_bwd(const at::Tensor& lse_all, const at::Tensor& shift
   const auto f32 = lse_all.options();
   if (rank != 0) return at::zeros({heads}, f32);
   const int64_t local = lse_all.size(2) / world;
-  const RingOptions o = make_ring_options(AttentionOptions{}, layout, doc_lengths, std::nullopt);
+  const RingOptions o =
+      make_ring_options(AttentionOptions{}, layout, doc_lengths, std::nullopt, std::nullopt);
   std::vector<at::Tensor> zero_cols, lses, shifted;
   int64_t last_doc = -1;
   for (const Piece& p : rank_pieces(o, world, 0, local, local, seqlen)) {  // rank 0: every doc
@@ -264,10 +300,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     const std::optional<at::Tensor>& sinks, int64_t layout, int64_t seqlen,
-    const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
-  const InvariantCall c = check_invariant_args("invariant_bwd", q, k, v, q.size(1), k.size(1), 0, 1,
-                                               layout, seqlen, doc_lengths, CPATTN_OPTIONS);
+    const std::optional<at::Tensor>& doc_lengths, const std::optional<at::Tensor>& doc_prefix_lens,
+    CPATTN_OPTION_PARAMS) {
+  const InvariantCall c =
+      check_invariant_args("invariant_bwd", q, k, v, q.size(1), k.size(1), 0, 1, layout, seqlen,
+                           doc_lengths, doc_prefix_lens, CPATTN_OPTIONS);
   check_per_head("invariant_bwd", "sinks", sinks, q.size(2), q.device());
+  check_tile_args(dout, q, k, v, out, lse, dlse, softmax_scale, c.options, k.size(1) - q.size(1),
+                  0);
   // The streamed backward's algorithm (invariant_bwd_part) over one part, every row and key:
   // fp32 running sums from zeros (padding rows and keys stay 0), scaled and rounded once at the
   // end as python/cpattn/invariant/autograd.py finishes them.
@@ -282,9 +322,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
     const auto doc = [&](const at::Tensor& t) { return t.narrow(1, p.doc_begin, p.doc_length); };
     const std::optional<at::Tensor> dlse_p =
         dlse ? std::optional(mine(*dlse, 2).contiguous()) : std::nullopt;
-    attention_bwd_add_scored(mine(dq_sum, 1), doc(dk_sum), doc(dv_sum), mine(dout, 1), mine(q, 1),
-                             doc(k), doc(v), mine(out, 1), mine(lse, 2).contiguous(), softmax_scale,
-                             p.mask, fixed_order_score(c.options, p.mask, std::nullopt), dlse_p);
+    attention_bwd_add_unchecked(
+        mine(dq_sum, 1), doc(dk_sum), doc(dv_sum), mine(dout, 1), mine(q, 1), doc(k), doc(v),
+        mine(out, 1), mine(lse, 2).contiguous(), softmax_scale, p.mask,
+        fixed_order_score(c.options, p.mask, std::nullopt), dlse_p, std::nullopt);
     dout_rows.push_back(mine(dout, 1));
     out_rows.push_back(mine(out, 1));
     lse_rows.push_back(mine(lse, 2));
@@ -349,13 +390,15 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
                         const at::Tensor& v_part, const at::Tensor& lse_part,
                         const at::Tensor& shifted_part, int64_t part_begin, int64_t rank,
                         int64_t world, int64_t layout, int64_t seqlen,
-                        const std::optional<at::Tensor>& doc_lengths, CPATTN_OPTION_PARAMS) {
+                        const std::optional<at::Tensor>& doc_lengths,
+                        const std::optional<at::Tensor>& doc_prefix_lens, CPATTN_OPTION_PARAMS) {
   constexpr const char* fn = "invariant_bwd_part";
   const int64_t local = q.size(1), keys = local * world, n = q_part.size(1);
-  const InvariantCall c = check_invariant_args(fn, q, k, v, local, keys, rank, world, layout,
-                                               seqlen, doc_lengths, CPATTN_OPTIONS);
+  const InvariantCall c =
+      check_invariant_args(fn, q, k, v, local, keys, rank, world, layout, seqlen, doc_lengths,
+                           doc_prefix_lens, CPATTN_OPTIONS);
   check_invariant_args(fn, q_part, k_part, v_part, local, keys, rank, world, layout, seqlen,
-                       doc_lengths, CPATTN_OPTIONS);
+                       doc_lengths, doc_prefix_lens, CPATTN_OPTIONS);
   TORCH_CHECK(
       k.size(1) == local && k_part.size(1) == n && part_begin >= 0 && part_begin + n <= keys,
       "cpattn.", fn, ": k, v must be this rank's shard of ", local, " tokens and the part [",
@@ -365,6 +408,11 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
   check_running_sum(fn, "dk_sum", dk_sum, k);
   check_running_sum(fn, "dv_sum", dv_sum, v);
   const at::Tensor none;
+  // this rank's rows against the part's keys (dQ), the part's rows against this rank's keys
+  check_tile_args(dout, q, k_part, v_part, none, lse, shifted, softmax_scale, c.options,
+                  keys - local, keys - n);
+  check_tile_args(dout_part, q_part, k, v, none, lse_part, shifted_part, softmax_scale, c.options,
+                  keys - n, keys - local);
   for (const Piece& p : c.pieces) {
     const PartInDoc part = part_in_doc(fn, p, part_begin, n);
     if (part.length == 0) continue;
@@ -389,9 +437,9 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
       if (q_r.size(1) == 0 || k_c.size(1) == 0 ||
           m.classify(0, q_r.size(1), 0, k_c.size(1)) == BlockKind::kEmpty)
         return;
-      attention_bwd_add_scored(dq, dk, dv, dout_r, q_r, k_c, v_c, at::Tensor(), lse_r.contiguous(),
-                               softmax_scale, m, fixed_order_score(c.options, m, std::nullopt),
-                               shifted_r.contiguous());
+      attention_bwd_add_unchecked(
+          dq, dk, dv, dout_r, q_r, k_c, v_c, at::Tensor(), lse_r.contiguous(), softmax_scale, m,
+          fixed_order_score(c.options, m, std::nullopt), shifted_r.contiguous(), std::nullopt);
     };
     // This piece's rows [x, y) against the part's keys: dQ.
     const auto dq_terms = [&](int64_t x, int64_t y) {
@@ -426,7 +474,7 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
 // its chunks of kInvariantChunk rows against the part separately (a plane per chunk), for the
 // keys' owner to add in global order of the chunks (python/cpattn/invariant/). A
 // chunk's plane is exactly the part that one process's call adds to the sums for these rows
-// (backward_chunks: the chunks' dK / dV parts are added one after another), so the owner's
+// (backward_row_bands: the bands' dK / dV parts are added one after another), so the owner's
 // additions give the same sums.
 
 // Chunk `chunk` (its rows from local row chunk * kInvariantChunk) of a rank's pieces against the
@@ -469,8 +517,10 @@ std::optional<ChunkBlock> chunk_block(const char* fn, const std::vector<Piece>& 
 at::Tensor invariant_chunks_seen(int64_t local, int64_t part_begin, int64_t n, int64_t world,
                                  int64_t layout, int64_t seqlen,
                                  const std::optional<at::Tensor>& doc_lengths,
+                                 const std::optional<at::Tensor>& doc_prefix_lens,
                                  CPATTN_OPTION_PARAMS) {
-  const RingOptions o = make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, std::nullopt);
+  const RingOptions o =
+      make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, doc_prefix_lens, std::nullopt);
   const int64_t chunks = (local + kInvariantChunk - 1) / kInvariantChunk;
   at::Tensor seen = at::zeros({world, chunks}, at::kBool);
   for (int64_t r = 0; r < world; ++r) {
@@ -493,11 +543,12 @@ void invariant_bwd_rows(const at::Tensor& dq_sum, const at::Tensor& planes, cons
                         const at::Tensor& lse, const at::Tensor& shifted, at::IntArrayRef chunks,
                         int64_t part_begin, int64_t rank, int64_t world, int64_t layout,
                         int64_t seqlen, const std::optional<at::Tensor>& doc_lengths,
-                        CPATTN_OPTION_PARAMS) {
+                        const std::optional<at::Tensor>& doc_prefix_lens, CPATTN_OPTION_PARAMS) {
   constexpr const char* fn = "invariant_bwd_rows";
   const int64_t local = q.size(1), keys = local * world, n = k_part.size(1);
-  const InvariantCall c = check_invariant_args(fn, q, k_part, v_part, local, keys, rank, world,
-                                               layout, seqlen, doc_lengths, CPATTN_OPTIONS);
+  const InvariantCall c =
+      check_invariant_args(fn, q, k_part, v_part, local, keys, rank, world, layout, seqlen,
+                           doc_lengths, doc_prefix_lens, CPATTN_OPTIONS);
   const int64_t d = k_part.size(3), dv = v_part.size(3);
   TORCH_CHECK(part_begin >= 0 && part_begin + n <= keys && part_begin % kInvariantChunk == 0,
               "cpattn.", fn, ": the part [", part_begin, ", ", part_begin + n,
@@ -512,6 +563,8 @@ void invariant_bwd_rows(const at::Tensor& dq_sum, const at::Tensor& planes, cons
               "head_dim + v_head_dim), contiguous, one per chunk: got ", planes.sizes(), " for ",
               chunks.size(), " chunks");
   check_running_sum(fn, "dq_sum", dq_sum, q);
+  check_tile_args(dout, q, k_part, v_part, at::Tensor(), lse, shifted, softmax_scale, c.options,
+                  keys - local, keys - n);
   for (size_t i = 0; i < chunks.size(); ++i) {
     const std::optional<ChunkBlock> b = chunk_block(fn, c.pieces, chunks[i], part_begin, n);
     TORCH_CHECK(b.has_value(), "cpattn.", fn, ": chunk ", chunks[i],
@@ -524,11 +577,11 @@ void invariant_bwd_rows(const at::Tensor& dq_sum, const at::Tensor& planes, cons
       return t.narrow(1, b->part.part_offset, b->part.length);
     };
     const at::Tensor plane = keys_of(planes[i]);
-    attention_bwd_add_scored(mine(dq_sum, 1), plane.narrow(3, 0, d), plane.narrow(3, d, dv),
-                             mine(dout, 1), mine(q, 1), keys_of(k_part), keys_of(v_part),
-                             at::Tensor(), mine(lse, 2).contiguous(), softmax_scale, b->mask,
-                             fixed_order_score(c.options, b->mask, std::nullopt),
-                             mine(shifted, 2).contiguous());
+    attention_bwd_add_unchecked(mine(dq_sum, 1), plane.narrow(3, 0, d), plane.narrow(3, d, dv),
+                                mine(dout, 1), mine(q, 1), keys_of(k_part), keys_of(v_part),
+                                at::Tensor(), mine(lse, 2).contiguous(), softmax_scale, b->mask,
+                                fixed_order_score(c.options, b->mask, std::nullopt),
+                                mine(shifted, 2).contiguous(), std::nullopt);
   }
 }
 
@@ -557,6 +610,7 @@ std::tuple<at::Tensor, at::Tensor> invariant_partial(const at::Tensor& q, const 
   Mask m = global_mask(o);
   m.q_offset = q_begin;
   m.k_offset = k_begin;
+  check_tile_args(q, k, v, softmax_scale, o, q_begin, k_begin);
   const auto [out, lse] = tile_tree_fwd(
       q, k, v, softmax_scale, m, fixed_order_score(o, m, std::nullopt), k_begin / kInvariantTile);
   return {out, lse};

@@ -56,9 +56,10 @@ void attention_bwd_add_scored(const at::Tensor& dq, const at::Tensor& dk, const 
                               const std::optional<at::Tensor>& dlse,
                               const std::optional<at::Tensor>& dq_low = std::nullopt);
 // attention_fwd_scored and attention_bwd_add_scored without their checks, for a driver that
-// checked its whole call once before (ring.cpp: check_ring_args and check_ring_bwd_args): its
-// sub-problems are runs of tokens of those tensors at positions within the checked sequence, so
-// every check would pass again. The checks run once per call, not once per sub-problem.
+// checked its whole call once before (ring.cpp: check_ring_args and check_kernel_args;
+// invariant.cpp: check_tile_args): its sub-problems are runs of tokens of those tensors at
+// positions within the checked sequence, so every check would pass again. The checks run once per
+// call, not once per sub-problem.
 std::tuple<at::Tensor, at::Tensor> attention_fwd_unchecked(const at::Tensor& q, const at::Tensor& k,
                                                            const at::Tensor& v,
                                                            double softmax_scale, const Mask& mask,
@@ -70,6 +71,11 @@ void attention_bwd_add_unchecked(const at::Tensor& dq, const at::Tensor& dk, con
                                  double softmax_scale, const Mask& mask, const ScoreArgs& score,
                                  const std::optional<at::Tensor>& dlse,
                                  const std::optional<at::Tensor>& dq_low);
+// The checks of one local attention call, of both passes (what attention_fwd_scored and the
+// backward entries check first); the shape of q, k, v. A driver that checks its whole call once
+// (invariant.cpp) calls it at its entry, then the unchecked entries per sub-problem.
+AttnShape check_attention_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               double softmax_scale, const Mask& mask, const ScoreArgs& score);
 // How many times the checks of one local attention call (check_attention_args) have run in this
 // process: the test that the ring's sub-problems skip them reads it (cpattn_testing).
 int64_t attention_checks_run();

@@ -92,18 +92,22 @@ at::Tensor visible_keys(const at::Tensor& positions, int64_t num_keys, bool caus
 // contiguous q, k, v and dout in `input_dtype` with gradients in `grad_dtype`, as the backward
 // decides them (attention_cpu.cpp, under the byte budget the process runs with; the kernels of
 // the instruction set it runs with, for one call's heads).
-std::vector<int64_t> cpu_backward_sizes(int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
-                                        int64_t heads, int64_t kv_heads, int64_t head_dim,
-                                        at::ScalarType input_dtype, at::ScalarType grad_dtype) {
-  TORCH_CHECK(batch > 0 && seqlen_q > 0 && seqlen_k > 0 && head_dim > 0,
-              "cpattn.cpu_backward_sizes: batch, seqlen_q, seqlen_k and head_dim must be > 0, got ",
-              batch, ", ", seqlen_q, ", ", seqlen_k, " and ", head_dim);
-  TORCH_CHECK(kv_heads > 0 && heads > 0 && heads % kv_heads == 0,
-              "cpattn.cpu_backward_sizes: heads must be a positive multiple of kv_heads, got ",
-              heads, " and ", kv_heads);
-  TORCH_CHECK(is_float_type(input_dtype) && is_float_type(grad_dtype),
-              "cpattn.cpu_backward_sizes: input_dtype and grad_dtype must be float32, bfloat16 "
-              "or float16, got ",
+// One kernel call of the CPU backward over a shape in input_dtype with gradients in grad_dtype:
+// its KV heads and how it cuts its work (kernels.h BackwardBands, with its buffers' bytes).
+struct BackwardCall {
+  int64_t kv_heads;
+  cpu::BackwardBands bands;
+};
+BackwardCall cpu_backward_call(const char* fn, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
+                               int64_t heads, int64_t kv_heads, int64_t head_dim,
+                               at::ScalarType input_dtype, at::ScalarType grad_dtype) {
+  TORCH_CHECK(batch > 0 && seqlen_q > 0 && seqlen_k > 0 && head_dim > 0, "cpattn.", fn,
+              ": batch, seqlen_q, seqlen_k and head_dim must be > 0, got ", batch, ", ", seqlen_q,
+              ", ", seqlen_k, " and ", head_dim);
+  TORCH_CHECK(kv_heads > 0 && heads > 0 && heads % kv_heads == 0, "cpattn.", fn,
+              ": heads must be a positive multiple of kv_heads, got ", heads, " and ", kv_heads);
+  TORCH_CHECK(is_float_type(input_dtype) && is_float_type(grad_dtype), "cpattn.", fn,
+              ": input_dtype and grad_dtype must be float32, bfloat16 or float16, got ",
               input_dtype, " and ", grad_dtype);
   AttnShape s;  // as check_qkv makes it
   s.batch = batch;
@@ -121,8 +125,26 @@ std::vector<int64_t> cpu_backward_sizes(int64_t batch, int64_t seqlen_q, int64_t
   AttnShape call = s;
   call.kv_heads = kv_per_call;
   call.heads = kv_per_call * s.group_size();
-  const cpu::BackwardBands bands = cpu::backward_bands(call);
-  return {kv_per_call, bands.key_splits, bands.band_rows};
+  return {kv_per_call, cpu::backward_bands(call, cpu_backward_takes_bf16(q, q) ? 2 : 4,
+                                              to_dtype(grad_dtype))};
+}
+
+std::vector<int64_t> cpu_backward_sizes(int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
+                                        int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                        at::ScalarType input_dtype, at::ScalarType grad_dtype) {
+  const BackwardCall c = cpu_backward_call("cpu_backward_sizes", batch, seqlen_q, seqlen_k, heads,
+                                           kv_heads, head_dim, input_dtype, grad_dtype);
+  return {c.kv_heads, c.bands.key_splits, c.bands.band_rows};
+}
+
+// The bytes of the buffers one such call allocates beyond its tensors, all threads together
+// (attention_kernel.h backward_buffer_bytes: the allocations' own sizes).
+int64_t cpu_backward_buffer_bytes(int64_t batch, int64_t seqlen_q, int64_t seqlen_k, int64_t heads,
+                                  int64_t kv_heads, int64_t head_dim, at::ScalarType input_dtype,
+                                  at::ScalarType grad_dtype) {
+  return cpu_backward_call("cpu_backward_buffer_bytes", batch, seqlen_q, seqlen_k, heads, kv_heads,
+                           head_dim, input_dtype, grad_dtype)
+      .bands.buffer_bytes;
 }
 
 }  // namespace
@@ -132,5 +154,6 @@ std::vector<int64_t> cpu_backward_sizes(int64_t batch, int64_t seqlen_q, int64_t
 TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("schedule_work", &cpattn::ops::schedule_work);
   m.impl("cpu_backward_sizes", &cpattn::ops::cpu_backward_sizes);
+  m.impl("cpu_backward_buffer_bytes", &cpattn::ops::cpu_backward_buffer_bytes);
   m.impl("visible_keys", &cpattn::ops::visible_keys);
 }

@@ -349,6 +349,7 @@ const RingStats* last_ring_stats() { return last_stats; }
 
 RingOptions make_ring_options(const AttentionOptions& options, int64_t layout,
                               const std::optional<at::Tensor>& doc_lengths,
+                              const std::optional<at::Tensor>& doc_prefix_lens,
                               const std::optional<at::Tensor>& sinks) {
   RingOptions o;
   static_cast<AttentionOptions&>(o) = options;
@@ -358,23 +359,29 @@ RingOptions make_ring_options(const AttentionOptions& options, int64_t layout,
   TORCH_CHECK(o.prefix_len >= 0, "cpattn.ring_attention: prefix_len must be >= 0 (0: none), got ",
               o.prefix_len);
   o.sinks = sinks;
+  const bool prefixes = doc_prefix_lens && doc_prefix_lens->defined();
   if (doc_lengths && doc_lengths->defined()) {
-    const int64_t dims = doc_lengths->dim();
-    TORCH_CHECK((dims == 1 || (dims == 2 && doc_lengths->size(0) == 2)) &&
-                    doc_lengths->scalar_type() == at::kLong,
-                "cpattn: doc_lengths must be a (D,) or (2, D) int64 tensor, got ",
-                doc_lengths->sizes(), " ", doc_lengths->scalar_type());
+    TORCH_CHECK(doc_lengths->dim() == 1 && doc_lengths->scalar_type() == at::kLong,
+                "cpattn: doc_lengths must be a (D,) int64 tensor, got ", doc_lengths->sizes(), " ",
+                doc_lengths->scalar_type());
     const at::Tensor l = doc_lengths->cpu().contiguous();
-    const int64_t docs = l.size(-1);
-    o.doc_lengths.assign(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + docs);
+    o.doc_lengths.assign(l.data_ptr<int64_t>(), l.data_ptr<int64_t>() + l.numel());
     for (int64_t n : o.doc_lengths)
       TORCH_CHECK(n >= 0, "cpattn: document lengths must be >= 0, got ", n);
-    if (dims == 2) {
-      TORCH_CHECK(o.prefix_len == 0, "cpattn: give prefix_len or a prefix per document, not both");
-      o.doc_prefix_lens.assign(l.data_ptr<int64_t>() + docs, l.data_ptr<int64_t>() + 2 * docs);
-      for (int64_t p : o.doc_prefix_lens)
-        TORCH_CHECK(p >= 0, "cpattn: document prefix lengths must be >= 0, got ", p);
-    }
+  }
+  if (prefixes) {
+    TORCH_CHECK(doc_prefix_lens->dim() == 1 && doc_prefix_lens->scalar_type() == at::kLong &&
+                    doc_prefix_lens->size(0) == static_cast<int64_t>(o.doc_lengths.size()) &&
+                    !o.doc_lengths.empty(),
+                "cpattn: doc_prefix_lens must be a (D,) int64 tensor, one prefix per document of "
+                "doc_lengths (",
+                o.doc_lengths.size(), "), got ", doc_prefix_lens->sizes(), " ",
+                doc_prefix_lens->scalar_type());
+    TORCH_CHECK(o.prefix_len == 0, "cpattn: give prefix_len or a prefix per document, not both");
+    const at::Tensor p = doc_prefix_lens->cpu().contiguous();
+    o.doc_prefix_lens.assign(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + p.numel());
+    for (int64_t n : o.doc_prefix_lens)
+      TORCH_CHECK(n >= 0, "cpattn: document prefix lengths must be >= 0, got ", n);
   }
   return o;
 }

@@ -31,10 +31,11 @@ struct RingOptions : AttentionOptions {
   // sub-problem come from its runs).
   std::optional<at::Tensor> sinks;
 };
-// doc_lengths: (D,) int64 document lengths, or (2, D): the lengths and each document's prefix-LM
-// length (a prefix per document, ring_attention_varlen).
+// doc_lengths: (D,) int64 document lengths; doc_prefix_lens: (D,) int64 each document's prefix-LM
+// length (a prefix per document, ring_attention_varlen), or none.
 RingOptions make_ring_options(const AttentionOptions& options, int64_t layout,
                               const std::optional<at::Tensor>& doc_lengths,
+                              const std::optional<at::Tensor>& doc_prefix_lens,
                               const std::optional<at::Tensor>& sinks);
 
 // Called with each K/V shard the ring brings to this rank: its source rank, k and v

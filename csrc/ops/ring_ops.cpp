@@ -36,11 +36,13 @@ std::tuple<at::Tensor, at::Tensor> ring_fwd(const at::Tensor& q, const at::Tenso
                                             const at::Tensor& v, c10::string_view group_name,
                                             int64_t layout, double timeout_s,
                                             const std::optional<at::Tensor>& doc_lengths,
+                                            const std::optional<at::Tensor>& doc_prefix_lens,
                                             const std::optional<at::Tensor>& sinks,
                                             CPATTN_OPTION_PARAMS) {
   auto transport = group_transport(q, group_name, timeout_s);
-  auto result = ring_forward(q, k, v, *transport,
-                             make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, sinks));
+  auto result =
+      ring_forward(q, k, v, *transport,
+                   make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, doc_prefix_lens, sinks));
   transport->finish();
   return result;
 }
@@ -49,10 +51,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, c10::string_view group_name, int64_t layout,
     double timeout_s, const std::optional<at::Tensor>& doc_lengths,
-    const std::optional<at::Tensor>& dlse, CPATTN_OPTION_PARAMS) {
+    const std::optional<at::Tensor>& doc_prefix_lens, const std::optional<at::Tensor>& dlse,
+    CPATTN_OPTION_PARAMS) {
   auto transport = group_transport(q, group_name, timeout_s);
-  auto result = ring_backward(dout, q, k, v, out, lse, dlse, *transport,
-                              make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, std::nullopt));
+  auto result = ring_backward(
+      dout, q, k, v, out, lse, dlse, *transport,
+      make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, doc_prefix_lens, std::nullopt));
   transport->finish();
   return result;
 }
@@ -61,21 +65,22 @@ std::tuple<at::Tensor, at::Tensor> gathered_fwd(const at::Tensor& q, const at::T
                                                 const at::Tensor& v_all, int64_t rank,
                                                 int64_t layout,
                                                 const std::optional<at::Tensor>& doc_lengths,
+                                                const std::optional<at::Tensor>& doc_prefix_lens,
                                                 const std::optional<at::Tensor>& sinks,
                                                 CPATTN_OPTION_PARAMS) {
-  return gathered_forward(q, k_all, v_all, rank,
-                          make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, sinks));
+  return gathered_forward(
+      q, k_all, v_all, rank,
+      make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, doc_prefix_lens, sinks));
 }
 
-std::tuple<at::Tensor, at::Tensor> gathered_bwd(const at::Tensor& dout, const at::Tensor& q,
-                                                const at::Tensor& k_all, const at::Tensor& v_all,
-                                                const at::Tensor& out, const at::Tensor& lse,
-                                                int64_t rank, int64_t layout,
-                                                const std::optional<at::Tensor>& doc_lengths,
-                                                const std::optional<at::Tensor>& dlse,
-                                                CPATTN_OPTION_PARAMS) {
-  return gathered_backward(dout, q, k_all, v_all, out, lse, dlse, rank,
-                           make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, std::nullopt));
+std::tuple<at::Tensor, at::Tensor> gathered_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k_all, const at::Tensor& v_all,
+    const at::Tensor& out, const at::Tensor& lse, int64_t rank, int64_t layout,
+    const std::optional<at::Tensor>& doc_lengths, const std::optional<at::Tensor>& doc_prefix_lens,
+    const std::optional<at::Tensor>& dlse, CPATTN_OPTION_PARAMS) {
+  return gathered_backward(
+      dout, q, k_all, v_all, out, lse, dlse, rank,
+      make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, doc_prefix_lens, std::nullopt));
 }
 
 // Attention over packed documents held whole by this process (cpattn.attention_varlen): the
@@ -83,23 +88,25 @@ std::tuple<at::Tensor, at::Tensor> gathered_bwd(const at::Tensor& dout, const at
 // padding), k and v as they are.
 std::tuple<at::Tensor, at::Tensor> varlen_fwd(const at::Tensor& q, const at::Tensor& k,
                                               const at::Tensor& v, const at::Tensor& doc_lengths,
+                                              const std::optional<at::Tensor>& doc_prefix_lens,
                                               const std::optional<at::Tensor>& sinks,
                                               CPATTN_OPTION_PARAMS) {
   return gathered_forward(
       q, k.unsqueeze(0), v.unsqueeze(0), 0,
       make_ring_options(CPATTN_OPTIONS, static_cast<int64_t>(Layout::kContiguous), doc_lengths,
-                        sinks));
+                        doc_prefix_lens, sinks));
 }
 
 // Its backward: dq, dk, dv in the inputs' dtypes.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& doc_lengths,
-    const std::optional<at::Tensor>& dlse, CPATTN_OPTION_PARAMS) {
+    const std::optional<at::Tensor>& doc_prefix_lens, const std::optional<at::Tensor>& dlse,
+    CPATTN_OPTION_PARAMS) {
   auto [dq, dkv] =
       gathered_backward(dout, q, k.unsqueeze(0), v.unsqueeze(0), out, lse, dlse, 0,
                         make_ring_options(CPATTN_OPTIONS, static_cast<int64_t>(Layout::kContiguous),
-                                          doc_lengths, std::nullopt));
+                                          doc_lengths, doc_prefix_lens, std::nullopt));
   const int64_t d = k.size(3);
   return {dq, dkv[0].narrow(-1, 0, d).to(k.scalar_type()).contiguous(),
           dkv[0].narrow(-1, d, dkv.size(-1) - d).to(v.scalar_type()).contiguous()};

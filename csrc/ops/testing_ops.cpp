@@ -64,7 +64,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> ring_fwd_emulated(
   TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size(),
               "cpattn: emulated ring needs one q, k and v per rank, got ", q.size(), ", ", k.size(),
               ", ", v.size());
-  const RingOptions o = make_ring_options(CPATTN_OPTIONS, layout, std::nullopt, std::nullopt);
+  const RingOptions o =
+      make_ring_options(CPATTN_OPTIONS, layout, std::nullopt, std::nullopt, std::nullopt);
   std::vector<at::Tensor> outs(world), lses(world);
   run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
     std::tie(outs[r], lses[r]) = ring_forward(q[r], k[r], v[r], t, o);
@@ -80,7 +81,8 @@ ring_bwd_emulated(at::TensorList dout, at::TensorList q, at::TensorList k, at::T
   TORCH_CHECK(world >= 1 && k.size() == q.size() && v.size() == q.size() &&
                   dout.size() == q.size() && out.size() == q.size() && lse.size() == q.size(),
               "cpattn: emulated ring backward needs one of each tensor per rank");
-  const RingOptions o = make_ring_options(CPATTN_OPTIONS, layout, std::nullopt, std::nullopt);
+  const RingOptions o =
+      make_ring_options(CPATTN_OPTIONS, layout, std::nullopt, std::nullopt, std::nullopt);
   std::vector<at::Tensor> dq(world), dk(world), dv(world);
   run_emulated(world, q[0], [&](int64_t r, comm::Transport& t) {
     std::tie(dq[r], dk[r], dv[r]) =
@@ -95,7 +97,8 @@ at::Tensor ring_loopback_timing(const at::Tensor& q, const at::Tensor& k, const 
                                 CPATTN_OPTION_PARAMS) {
   check_rank(rank, world);
   auto transport = comm::make_loopback_transport(rank, world);
-  const RingOptions o = make_ring_options(CPATTN_OPTIONS, layout, std::nullopt, std::nullopt);
+  const RingOptions o =
+      make_ring_options(CPATTN_OPTIONS, layout, std::nullopt, std::nullopt, std::nullopt);
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   auto [out, lse] = ring_forward(q, k, v, *transport, o);

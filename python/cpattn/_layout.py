@@ -7,7 +7,7 @@ and the codes below are its `Layout` enum. Any length: a sequence whose length i
 of the layout's granularity is padded at its end; padding slots have position -1.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -16,6 +16,20 @@ LAYOUTS = {"contiguous": 0, "zigzag": 1, "striped": 2}
 # The float dtypes cpattn computes in, by the names the cost model and the benchmarks use.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class PackedDocuments(NamedTuple):
+    """Packed documents as the ops take them (their arguments doc_lengths, doc_prefix_lens): the
+    documents' lengths, (D,) int64, and with a prefix-LM per document the prefixes' lengths, (D,)
+    int64 (None: no prefix per document)."""
+
+    lengths: torch.Tensor
+    prefixes: Optional[torch.Tensor] = None
+
+
+def doc_args(docs: Optional[PackedDocuments]) -> tuple:
+    """The ops' (doc_lengths, doc_prefix_lens) of `docs` (None: one sequence, no documents)."""
+    return (None, None) if docs is None else (docs.lengths, docs.prefixes)
 
 
 def layout_code(layout: str) -> int:

@@ -113,8 +113,8 @@ refuse_double_backward("cpattn::attention_bwd", "cpattn.attention")
 
 
 @torch.library.register_fake("cpattn::ring_fwd")
-def _ring_fwd_fake(q, k, v, group_name, layout, timeout_s, doc_lengths=None, sinks=None,
-                   *options, **named_options):
+def _ring_fwd_fake(q, k, v, group_name, layout, timeout_s, doc_lengths=None,
+                   doc_prefix_lens=None, sinks=None, *options, **named_options):
     _check_same_device("q, k and v", q, k, v)
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
@@ -122,7 +122,7 @@ def _ring_fwd_fake(q, k, v, group_name, layout, timeout_s, doc_lengths=None, sin
 
 @torch.library.register_fake("cpattn::ring_bwd")
 def _ring_bwd_fake(dout, q, k, v, out, lse, group_name, layout, timeout_s, doc_lengths=None,
-                   dlse=None, *options, **named_options):
+                   doc_prefix_lens=None, dlse=None, *options, **named_options):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -133,8 +133,8 @@ def _visible_keys_fake(positions, num_keys, causal, window_left, window_right, p
 
 
 @torch.library.register_fake("cpattn::gathered_fwd")
-def _gathered_fwd_fake(q, k_all, v_all, rank, layout, doc_lengths=None, sinks=None, *options,
-                       **named_options):
+def _gathered_fwd_fake(q, k_all, v_all, rank, layout, doc_lengths=None, doc_prefix_lens=None,
+                       sinks=None, *options, **named_options):
     _check_same_device("q, k_all and v_all", q, k_all, v_all)
     b, s, h, _ = q.shape  # k_all (W, B, S, Hkv, D), v_all (W, B, S, Hkv, Dv)
     return (q.new_empty((b, s, h, v_all.shape[-1])),
@@ -143,29 +143,31 @@ def _gathered_fwd_fake(q, k_all, v_all, rank, layout, doc_lengths=None, sinks=No
 
 @torch.library.register_fake("cpattn::gathered_bwd")
 def _gathered_bwd_fake(dout, q, k_all, v_all, out, lse, rank, layout, doc_lengths=None,
-                       dlse=None, *options, **named_options):
+                       doc_prefix_lens=None, dlse=None, *options, **named_options):
     _check_same_device("dout, q, k_all, v_all, out and lse", dout, q, k_all, v_all, out, lse)
     dkv_all = (*k_all.shape[:-1], k_all.shape[-1] + v_all.shape[-1])  # dK, dV side by side
     return q.new_empty(q.shape), k_all.new_empty(dkv_all, dtype=torch.float32)
 
 
 @torch.library.register_fake("cpattn::attention_varlen_fwd")
-def _attention_varlen_fwd_fake(q, k, v, doc_lengths, sinks=None, *options, **named_options):
+def _attention_varlen_fwd_fake(q, k, v, doc_lengths, doc_prefix_lens=None, sinks=None, *options,
+                               **named_options):
     _check_same_device("q, k and v", q, k, v)
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.register_fake("cpattn::attention_varlen_bwd")
-def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, doc_lengths, dlse=None, *options,
+def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, doc_lengths, doc_prefix_lens=None,
+                               dlse=None, *options,
                                **named_options):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("cpattn::invariant_fwd")
-def _invariant_fwd_fake(q, k, v, rank, world, layout, seqlen, doc_lengths=None, sinks=None,
-                        *options, **named_options):
+def _invariant_fwd_fake(q, k, v, rank, world, layout, seqlen, doc_lengths=None,
+                        doc_prefix_lens=None, sinks=None, *options, **named_options):
     _check_same_device("q, k and v", q, k, v)
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
@@ -173,7 +175,7 @@ def _invariant_fwd_fake(q, k, v, rank, world, layout, seqlen, doc_lengths=None, 
 
 @torch.library.register_fake("cpattn::invariant_bwd")
 def _invariant_bwd_fake(dout, q, k, v, out, lse, dlse, sinks, layout, seqlen, doc_lengths=None,
-                        *options, **named_options):
+                        doc_prefix_lens=None, *options, **named_options):
     _check_same_device("dout, q, k, v, out and lse", dout, q, k, v, out, lse)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty((q.shape[2] if sinks is not None else 0,), dtype=torch.float32))

@@ -5,7 +5,7 @@ from typing import Union
 import torch
 
 from cpattn._autograd import once_differentiable
-from cpattn._layout import LAYOUTS
+from cpattn._layout import LAYOUTS, PackedDocuments, doc_args
 from cpattn._validation import check_qkv, document_lengths, error
 from cpattn.invariant import InvariantAttention, check_invariant_call
 from cpattn.options import AttentionOptions
@@ -75,11 +75,11 @@ def merge_state_(
 
 class LocalDocuments(torch.autograd.Function):
     """Attention over packed documents held whole by this process (the op attention_varlen_fwd:
-    the all-gather strategy's steps over one rank, no padding)."""
+    the all-gather strategy's steps over one rank, no padding); docs a PackedDocuments."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, docs, options):
-        out, lse = torch.ops.cpattn.attention_varlen_fwd(q, k, v, docs, sinks,
+        out, lse = torch.ops.cpattn.attention_varlen_fwd(q, k, v, *doc_args(docs), sinks,
                                                          **options.op_kwargs())
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.docs, ctx.options = docs, options
@@ -90,8 +90,9 @@ class LocalDocuments(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = torch.ops.cpattn.attention_varlen_bwd(dout, q, k, v, out, lse, ctx.docs,
-                                                           dlse, **ctx.options.op_kwargs())
+        dq, dk, dv = torch.ops.cpattn.attention_varlen_bwd(dout, q, k, v, out, lse,
+                                                           *doc_args(ctx.docs), dlse,
+                                                           **ctx.options.op_kwargs())
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             dsinks = torch.ops.cpattn.sink_bwd(dout, out, lse, sinks, dlse).to(sinks.dtype)
@@ -126,7 +127,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if opts.invariant:  # the one-rank case of ring_attention_varlen(invariant=True)
         check_invariant_call(what, q)
         out, lse = InvariantAttention.apply(q[None], k[None], v[None], opts.sinks, opts, None, 0,
-                                            1, LAYOUTS["contiguous"], tokens, k.shape[1], docs)
+                                            1, LAYOUTS["contiguous"], tokens, k.shape[1],
+                                            PackedDocuments(docs))
         return out[0], lse[0]
-    out, lse = LocalDocuments.apply(q[None], k[None], v[None], opts.sinks, docs, opts)
+    out, lse = LocalDocuments.apply(q[None], k[None], v[None], opts.sinks,
+                                    PackedDocuments(docs), opts)
     return out[0], lse[0]

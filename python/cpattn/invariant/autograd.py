@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn._autograd import backward_in_passes, forward_in_passes, input_grads, once_differentiable
-from cpattn._layout import LAYOUTS
+from cpattn._layout import LAYOUTS, PackedDocuments, doc_args
 from cpattn.invariant.global_order import Relayout, gather_global, global_runs, stream_global
 
 
@@ -127,20 +127,20 @@ class InvariantAttention(torch.autograd.Function):
     q (B, L, H, D), k / v (B, L, Hkv, D / Dv) this rank's shards (with one rank the whole
     sequence; q may then be shorter, bottom-right aligned), seqlen the real global length (the
     shards' tokens past it are padding), group_size the KV heads gathered at a time; docs None
-    or packed documents (batch 1) as ring_attention_varlen shards them: their lengths (D,), or
-    (2, D) with each one's prefix as the second row (seqlen is then unused)."""
+    or packed documents (batch 1) as ring_attention_varlen shards them, a PackedDocuments (their
+    lengths and prefixes; seqlen is then unused)."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, options, group, rank, world, layout_code, seqlen,
                 group_size, docs):
-        lengths = None if docs is None else tuple(docs.view(-1, docs.shape[-1])[0].tolist())
+        lengths = None if docs is None else tuple(docs.lengths.tolist())
 
         def attend(qh, kh):  # the gathered head group is freed on return, before the next one
             o = options.for_heads(qh)
             k_all, v_all = gather_global([k[:, :, kh], v[:, :, kh]], 1, group, rank, world,
                                          layout_code, lengths)
             return torch.ops.cpattn.invariant_fwd(q[:, :, qh], k_all, v_all, rank, world,
-                                                  layout_code, seqlen, docs, o.sinks,
+                                                  layout_code, seqlen, *doc_args(docs), o.sinks,
                                                   **o.op_kwargs())
 
         out, lse = forward_in_passes(q, k, group_size, attend)
@@ -170,9 +170,9 @@ class InvariantAttention(torch.autograd.Function):
             if world == 1:  # the sums of one part, every token: dQ, dK and dV in one call
                 dq_c, dk_c, dv_c, dsinks_c = torch.ops.cpattn.invariant_bwd(
                     dout_h, q_h, k_h, v_h, out_h, lse_h, dlse_h, o.sinks, layout_code, seqlen,
-                    docs, **o.op_kwargs())
+                    *doc_args(docs), **o.op_kwargs())
             else:  # the same sums over W ranks: computed once per block, or streamed
-                rest = (rank, world, layout_code, seqlen, docs)
+                rest = (rank, world, layout_code, seqlen)
                 # dlse - rowsum(dout * out) of these rows: what the kernels need of out and
                 # dlse (here, and on the other ranks)
                 dot = torch.ops.cpattn.row_dot(dout_h, out_h)
@@ -192,12 +192,14 @@ class InvariantAttention(torch.autograd.Function):
                         n = parts[0].shape[1]
                         torch.ops.cpattn.invariant_bwd_part(
                             dq_sum, dk_sum, dv_sum, *mine, *parts, lse_all.narrow(2, begin, n),
-                            shifted_all.narrow(2, begin, n), begin, *rest, **o.op_kwargs())
+                            shifted_all.narrow(2, begin, n), begin, *rest, *doc_args(docs),
+                            **o.op_kwargs())
                         del parts  # freed before the stream receives the next broadcast
                 dq_c = _finished(dq_sum, o.softmax_scale, q.dtype)
                 dk_c, dv_c = _finished(dk_sum, o.softmax_scale, k.dtype), dv_sum.to(v.dtype)
                 dsinks_c = None if o.sinks is None else torch.ops.cpattn.invariant_sink_bwd(
-                    lse_all, shifted_all, o.sinks, *rest)
+                    lse_all, shifted_all, o.sinks, *rest,
+                    None if docs is None else docs.lengths)
             if dsinks is not None:
                 dsinks[qh].copy_(dsinks_c)
             return dq_c, dk_c, dv_c
@@ -209,13 +211,13 @@ class InvariantAttention(torch.autograd.Function):
 
 
 def invariant_attention(q, k, v, options, group, rank: int, world: int, layout_code: int,
-                        seqlen: int, group_size: int, docs: Optional[torch.Tensor]):
+                        seqlen: int, group_size: int, docs: Optional[PackedDocuments]):
     """InvariantAttention of this rank's shards in any layout: striped shards (not runs of
     consecutive positions) are moved to the contiguous layout and the results back."""
     if world == 1 or layout_code != LAYOUTS["striped"]:
         return InvariantAttention.apply(q, k, v, options.sinks, options, group, rank, world,
                                         layout_code, seqlen, group_size, docs)
-    lengths = None if docs is None else tuple(docs.view(-1, docs.shape[-1])[0].tolist())
+    lengths = None if docs is None else tuple(docs.lengths.tolist())
     moves = (group, rank, world, LAYOUTS["striped"], LAYOUTS["contiguous"], lengths)
     back = (*moves[:3], moves[4], moves[3], lengths)
     q, k, v = (Relayout.apply(t, 1, *moves) for t in (q, k, v))

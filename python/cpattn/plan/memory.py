@@ -6,8 +6,8 @@ peak is the largest phase. Counted: every at::Tensor a call allocates on top of 
 v and, for the backward, the gradient of out): outputs, fp32 state, saved tensors, the ring's
 buffers, packing copies, conversions. Not counted: the CPU kernels' own buffers (malloc'd: the
 "scratch" of the result, the backward's chunk buffers and, unless summed in place, fp32 dK / dV
-sums, _kernel_bwd_scratch) and Python objects. CUDA kernels pack nothing (their transients are
-the sub-problem outputs only), so this is an upper bound there.
+sums, _kernel_bwd_scratch, as the kernel sizes them) and Python objects. CUDA kernels pack
+nothing (their transients are the sub-problem outputs only), so this is an upper bound there.
 
 The CPU backward's grouping of KV heads and its chunk sizes are what the kernel itself decides
 (torch.ops.cpattn.cpu_backward_sizes), under the byte budget the process runs with.
@@ -54,20 +54,11 @@ def _kernel_fwd(B: int, n: int, h: int, hkv: int, D: int, e: int, bf16: bool) ->
     return state + 4 * B * dp * (h * n + hkv * n + hkv * _value_rows(n, False))
 
 
-def _sum_bytes(grad: str, D: int) -> int:
-    """Bytes per dK / dV value that the backward kernel sums in beyond the gradient
-    (csrc/cpu/attention_kernel.h KeyGradSums): none in fp32 gradients, the low halves of the fp32
-    sums beside bf16 ones, whole fp32 sums otherwise (and whenever D is not a multiple of 16)."""
-    if D % 16:
-        return 4
-    return {"float32": 0, "bfloat16": 2}.get(grad, 4)
-
-
 def backward_sizes(B: int, n: int, h: int, hkv: int, D: int, dtype: str, grad: str) -> tuple:
     """(KV heads per call, key splits, query rows per chunk) of the CPU backward kernel over n
     query rows and n keys of contiguous inputs in `dtype` with gradients in `grad`, as the
     kernel decides them (csrc/ops/attention_cpu.cpp groups, csrc/cpu/attention_kernel.h
-    key_splits / chunk_rows for a group's heads)."""
+    key_splits / band_rows for a group's heads)."""
     sizes = torch.ops.cpattn.cpu_backward_sizes(B, n, n, h, hkv, D, getattr(torch, dtype),
                                                 getattr(torch, grad))
     return tuple(sizes)
@@ -100,22 +91,16 @@ def _kernel_bwd(B: int, n: int, h: int, hkv: int, D: int, dtype: str, grad: str,
     return rows + 4 * B * dp * (2 * hc * n + 2 * c * n)
 
 
-def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, dtype: str, grad: str,
-                        bf16: bool) -> int:
-    """The backward kernel's own buffers (malloc'd, not tensors; csrc/cpu/attention_kernel.h
-    backward_chunks), all threads together, for n query rows and n keys of inputs in `dtype`
-    whose gradients are written in dtype `grad`, in one call of a group of KV heads
-    (backward_sizes): one chunk of query rows of every head packed (Q^T, dO^T and Q, dO as rows:
-    16 bytes per element in fp32, 8 in bf16), the chunk's fp32 dQ per split of the key blocks,
-    and the dK and dV sums beyond the gradients (_sum_bytes). Per-thread blocks of about
-    0.2-0.3 MiB are not counted."""
-    c, splits, rows = backward_sizes(B, n, h, hkv, D, dtype, grad)
-    h, hkv = h // hkv * c, c
-    dp = -(-D // 16) * 16
-    packed = (8 if bf16 else 16) * B * h * rows * dp
-    dq = splits * 4 * B * h * rows * dp
-    sums = _sum_bytes(grad, D) * B * n * hkv * 2 * dp
-    return packed + dq + sums
+def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, dtype: str, grad: str) -> int:
+    """The backward kernel's own buffers (malloc'd, not tensors), all threads together, for n
+    query rows and n keys of inputs in `dtype` whose gradients are written in dtype `grad`, in
+    one call of a group of KV heads (backward_sizes), as the kernel sizes them
+    (torch.ops.cpattn.cpu_backward_buffer_bytes; csrc/cpu/attention_kernel.h
+    backward_buffer_bytes): one chunk of query rows of every head packed, the chunk's fp32 dQ per
+    split of the key blocks, and the dK and dV sums beyond the gradients. Per-thread blocks of
+    about 0.2-0.3 MiB are not counted."""
+    return torch.ops.cpattn.cpu_backward_buffer_bytes(B, n, n, h, hkv, D, getattr(torch, dtype),
+                                                      getattr(torch, grad))
 
 
 @functools.lru_cache(maxsize=1)
@@ -209,7 +194,7 @@ def _memory_ring(p: Problem, world: int, layout: str, chunk: Optional[int], gloo
         grads = ((0 if split_dq else Q) + 2 * K) * e if cast else 2 * K * 4
         ph["bwd: gradients"] = base - split_dq * 2 * Q + grads
         kept = recv + acc + (Q + 2 * K) * e  # the graph freed: gradients and cached buffers
-    scratch = train and _kernel_bwd_scratch(B, n, H, Hkv, D, p.dtype, "float32", bf)
+    scratch = train and _kernel_bwd_scratch(B, n, H, Hkv, D, p.dtype, "float32")
     return _result(ph, kept, scratch)
 
 
@@ -249,7 +234,7 @@ def _memory_allgather(p: Problem, world: int, layout: str, chunk: Optional[int],
         late = max(late, bool(gloo) * dkv_all)
         ph["bwd: cast dk dv"] = base + dq_c + 2 * Kc * 4 + one * 2 * Kc * e
         kept = (Q + 2 * K) * e
-    scratch = train and _kernel_bwd_scratch(B, n, hq, c, D, p.dtype, "float32", bf)
+    scratch = train and _kernel_bwd_scratch(B, n, hq, c, D, p.dtype, "float32")
     return _result(ph, kept, scratch, late)
 
 
@@ -296,7 +281,7 @@ def _memory_ulysses(p: Problem, world: int, layout: str, chunk: Optional[int],
     # gloo: the copy of q (dout) in rank order for the all-to-all to heads may be freed by
     # gloo's thread after the next phase has begun
     late = Q * e if gloo and W > 1 else 0
-    scratch = train and _kernel_bwd_scratch(B, S, h, hk, D, p.dtype, p.dtype, bf)
+    scratch = train and _kernel_bwd_scratch(B, S, h, hk, D, p.dtype, p.dtype)
     return _result(ph, kept, scratch, late)
 
 
@@ -339,7 +324,7 @@ def _memory_local(ph: dict, B, S, H, Hkv, D, e, train, bf, dtype) -> dict:
     if train:
         ph["bwd: kernel"] = kept + lse + _kernel_bwd(B, S, H, Hkv, D, dtype, dtype, bf)
         kept = (Q + 2 * K) * e
-    return _result(ph, kept, train and _kernel_bwd_scratch(B, S, H, Hkv, D, dtype, dtype, bf))
+    return _result(ph, kept, train and _kernel_bwd_scratch(B, S, H, Hkv, D, dtype, dtype))
 
 
 def _result(phases: dict, kept: int, scratch: int, gloo_late: int = 0) -> dict:

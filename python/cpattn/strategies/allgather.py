@@ -14,6 +14,7 @@ from cpattn._autograd import (
     once_differentiable,
     sink_grad,
 )
+from cpattn._layout import doc_args
 
 
 def gather_kv(k, v, group, world):
@@ -33,7 +34,8 @@ def split_kv(kv_all: torch.Tensor, k: torch.Tensor) -> tuple:
 
 
 class GatheredAttention(torch.autograd.Function):
-    """apply(q, k, v, sinks, options, group, rank, world, layout_code, doc_lengths, group_size)."""
+    """apply(q, k, v, sinks, options, group, rank, world, layout_code, docs, group_size): docs a
+    PackedDocuments or None."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, options, group, rank, world, layout_code, docs, group_size):
@@ -41,7 +43,8 @@ class GatheredAttention(torch.autograd.Function):
             kv_all = gather_kv(k[:, :, kh], v[:, :, kh], group, world)
             o = options.for_heads(qh)
             return torch.ops.cpattn.gathered_fwd(q[:, :, qh], *split_kv(kv_all, k), rank,
-                                                 layout_code, docs, o.sinks, **o.op_kwargs())
+                                                 layout_code, *doc_args(docs), o.sinks,
+                                                 **o.op_kwargs())
 
         out, lse = forward_in_passes(q, k, group_size, attend)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -62,8 +65,9 @@ class GatheredAttention(torch.autograd.Function):
             kv_all = gather_kv(k[:, :, kh], v[:, :, kh], group, world)  # gathered again: bounded
             dq_c, dkv_all = torch.ops.cpattn.gathered_bwd(
                 dout[:, :, qh] if one else dout[:, :, qh].contiguous(), q[:, :, qh],
-                *split_kv(kv_all, k), out[:, :, qh], lse[:, qh], rank, layout_code, docs,
-                None if dlse is None else dlse[:, qh], **options.for_heads(qh).op_kwargs())
+                *split_kv(kv_all, k), out[:, :, qh], lse[:, qh], rank, layout_code,
+                *doc_args(docs), None if dlse is None else dlse[:, qh],
+                **options.for_heads(qh).op_kwargs())
             del kv_all
             dkv = dkv_all.new_empty(dkv_all.shape[1:])
             comm.reduce_scatter_flat(dkv, dkv_all.view(-1, *dkv_all.shape[2:]), group=group)
@@ -98,7 +102,8 @@ class SubsetGathered(torch.autograd.Function):
     group calls it (a rank without such a document sends and receives nothing).
     apply(q, k, v, sinks, options, group, layout_code, pieces, docs): q (1, T, H, D) the
     rank's shards of those documents, one after the other; pieces: DocumentPlan.subset_pieces;
-    docs: each piece's documents argument (its length, and its prefix as a second row)."""
+    docs: each piece's document as the ops take it (a PackedDocuments: its length, and its
+    prefix if any)."""
 
     @staticmethod
     def _peers(pieces, rank: int, world: int):
@@ -133,7 +138,8 @@ class SubsetGathered(torch.autograd.Function):
         outs, lses = [], []
         for (_, _, mine, off, n), kv_all, doc in zip(pieces, gathered, docs):
             o, s = torch.ops.cpattn.gathered_fwd(q[:, off:off + n], *split_kv(kv_all, k), mine,
-                                                 layout_code, doc, sinks, **options.op_kwargs())
+                                                 layout_code, *doc_args(doc), sinks,
+                                                 **options.op_kwargs())
             outs.append(o)
             lses.append(s)
         if outs:
@@ -159,7 +165,8 @@ class SubsetGathered(torch.autograd.Function):
         for (_, _, mine, off, n), kv_all, doc in zip(pieces, gathered, docs):
             dq_p, dkv_all = torch.ops.cpattn.gathered_bwd(
                 dout[:, off:off + n].contiguous(), q[:, off:off + n], *split_kv(kv_all, k),
-                out[:, off:off + n], lse[:, :, off:off + n].contiguous(), mine, layout_code, doc,
+                out[:, off:off + n], lse[:, :, off:off + n].contiguous(), mine, layout_code,
+                *doc_args(doc),
                 None if dlse is None else dlse[:, :, off:off + n].contiguous(),
                 **options.op_kwargs())
             dq[:, off:off + n].copy_(dq_p)

@@ -21,7 +21,14 @@ from cpattn._autograd import (
     once_differentiable,
     sink_grad,
 )
-from cpattn._layout import DTYPE_NAMES, LAYOUTS, default_head_group, padded_length
+from cpattn._layout import (
+    DTYPE_NAMES,
+    LAYOUTS,
+    PackedDocuments,
+    default_head_group,
+    doc_args,
+    padded_length,
+)
 from cpattn._validation import (
     check_bool,
     check_choice,
@@ -46,14 +53,16 @@ class RingAttention(torch.autograd.Function):
     """The ring (csrc/ops/ring.cpp), in one pass over every head or, with group_size < kv heads,
     one pass per head group of group_size KV heads (and their query heads): each pass holds the
     fp32 state and the ring buffers of its heads only, and writes its part of the results.
-    apply(q, k, v, sinks, options, group_name, layout_code, timeout, doc_lengths, group_size)."""
+    apply(q, k, v, sinks, options, group_name, layout_code, timeout, docs, group_size): docs
+    a PackedDocuments or None."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, options, group_name, layout_code, timeout, docs, group_size):
         def attend(qh, kh):
             o = options.for_heads(qh)
             return torch.ops.cpattn.ring_fwd(q[:, :, qh], k[:, :, kh], v[:, :, kh], group_name,
-                                             layout_code, timeout, docs, o.sinks, **o.op_kwargs())
+                                             layout_code, timeout, *doc_args(docs), o.sinks,
+                                             **o.op_kwargs())
 
         out, lse = forward_in_passes(q, k, group_size, attend)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -71,8 +80,9 @@ class RingAttention(torch.autograd.Function):
         def backward_pass(qh, kh):
             return torch.ops.cpattn.ring_bwd(
                 dout if one else dout[:, :, qh].contiguous(), q[:, :, qh], k[:, :, kh],
-                v[:, :, kh], out[:, :, qh], lse[:, qh], group_name, layout_code, timeout, docs,
-                None if dlse is None else dlse[:, qh], **options.for_heads(qh).op_kwargs())
+                v[:, :, kh], out[:, :, qh], lse[:, qh], group_name, layout_code, timeout,
+                *doc_args(docs), None if dlse is None else dlse[:, qh],
+                **options.for_heads(qh).op_kwargs())
 
         dq, dk, dv = backward_in_passes(q, k, v, group_size, backward_pass)
         return input_grads(ctx, dq, dk, dv, sink_grad(ctx, 3, sinks, dout, out, lse, dlse))
@@ -140,7 +150,7 @@ def auto_strategy(q, k, world: int, group, opts: AttentionOptions, layout: str, 
     p = plan.Problem(
         seqlen=q.shape[1] * world, heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[3],
         batch=q.shape[0], dtype=DTYPE_NAMES[q.dtype], causal=opts.causal, window=opts.window,
-        documents=None if docs is None else tuple(docs.tolist()),
+        documents=None if docs is None else tuple(docs.lengths.tolist()),
         mode="train" if needs_grad(q, k) else "forward")
     chunk = allgather_chunk or default_head_group(k.shape[2], world)
     cands = [plan.Candidate(RING.name, layout, chunk=ring_chunk or 0),
@@ -226,8 +236,8 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
     elif prefix_docs is not None:  # the batch as packed documents: (B, L, ..) -> (1, B L, ..)
         batch = q.shape[0]
         q, k, v = (t.flatten(0, 1)[None] for t in (q, k, v))
-    if prefix_docs is not None:  # the ops take the prefixes as a second row of the documents
-        docs = torch.stack([docs, prefix_docs])
+    if docs is not None:  # as the ops take them: the lengths, and the prefixes if any
+        docs = PackedDocuments(docs, prefix_docs)
     if opts.invariant:  # the strategy changes no bit: one computation for all of them
         out, lse = invariant_attention(
             q, k, v, opts, group, rank, world, LAYOUTS[layout],
@@ -251,10 +261,10 @@ def context_parallel(what, q, k, v, group, layout, timeout, strategy, allgather_
 
 
 def _documents(plan: DocumentPlan, docs: tuple, prefix: Optional[torch.Tensor]):
-    """The ops' documents argument for the documents `docs`: their lengths, and with a prefix
-    per document, the prefixes as a second row."""
+    """The documents `docs` of the plan as the ops take them: their lengths, and with a prefix
+    per document, the prefixes."""
     lengths = torch.tensor([plan.lengths[d] for d in docs], dtype=torch.int64)
-    return lengths if prefix is None else torch.stack([lengths, prefix[list(docs)]])
+    return PackedDocuments(lengths, None if prefix is None else prefix[list(docs)])
 
 
 def _plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, allgather_chunk,
@@ -314,7 +324,7 @@ def _plan_attention(what, q, k, v, plan: DocumentPlan, group, layout, strategy, 
         chosen, per_pass = _run_of(  # "auto": the faster for these documents alone
             strategy, chunk, ring_chunk, lambda: auto_strategy(
                 qs, ks, world, group, opts, plan.layout,
-                docs.view(-1, len(plan.full_split))[0], chunk, ring_chunk, what))
+                docs, chunk, ring_chunk, what))
         parts.append(chosen.run(qs, ks, vs, opts, group, rank, world, plan.layout, timeout,
                                 docs, per_pass))
     if len(plan.full_split) < len(plan.split):  # split over subsets: every rank takes part
