@@ -724,8 +724,7 @@ inline bool backward_key_block(const BwdParams& p, const PackedBand<float>& pack
 // the op cpu_backward_buffer_bytes).
 inline int64_t backward_buffer_bytes(const AttnShape& sh, int64_t operand_bytes, DType grad) {
   const int64_t rows = band_rows(sh), dp = sh.head_dim_padded, dvp = sh.head_dim_v_padded;
-  const int64_t packed =
-      2 * operand_bytes * (band_elems(sh, dp, rows) + band_elems(sh, dvp, rows));
+  const int64_t packed = 2 * operand_bytes * (band_elems(sh, dp, rows) + band_elems(sh, dvp, rows));
   const int64_t dq = 4 * key_splits(sh) * band_elems(sh, dp, rows);
   const auto sums = [&](int64_t dim, int64_t padded) {
     return KeyGradSums::bytes_per_value(KeyGradSums::storage_for(true, dim, padded, grad)) *

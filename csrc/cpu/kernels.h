@@ -92,13 +92,13 @@ BackwardBands backward_bands(const AttnShape& shape, int64_t operand_bytes, DTyp
 
 // Each instruction set's entry points (kernels_<isa>.cpp); the brgemm path's where its file
 // builds it (AVX2 and up).
-#define CPATTN_DECLARE_ISA(isa)                                                                  \
-  namespace isa {                                                                                \
-  void attention_fwd(const FwdParams& params);                                                   \
-  void attention_bwd(const BwdParams& params);                                                   \
-  void attention_fwd_brgemm(const FwdParams& params);                                            \
-  void attention_bwd_brgemm(const BwdParams& params);                                            \
-  void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n);                         \
+#define CPATTN_DECLARE_ISA(isa)                                                            \
+  namespace isa {                                                                          \
+  void attention_fwd(const FwdParams& params);                                             \
+  void attention_bwd(const BwdParams& params);                                             \
+  void attention_fwd_brgemm(const FwdParams& params);                                      \
+  void attention_bwd_brgemm(const BwdParams& params);                                      \
+  void round_split_sums(uint16_t* high, const uint16_t* low, int64_t n);                   \
   BackwardBands backward_bands(const AttnShape& shape, int64_t operand_bytes, DType grad); \
   }
 CPATTN_DECLARE_ISA(avx512bf16)

@@ -125,8 +125,8 @@ BackwardCall cpu_backward_call(const char* fn, int64_t batch, int64_t seqlen_q, 
   AttnShape call = s;
   call.kv_heads = kv_per_call;
   call.heads = kv_per_call * s.group_size();
-  return {kv_per_call, cpu::backward_bands(call, cpu_backward_takes_bf16(q, q) ? 2 : 4,
-                                              to_dtype(grad_dtype))};
+  return {kv_per_call,
+          cpu::backward_bands(call, cpu_backward_takes_bf16(q, q) ? 2 : 4, to_dtype(grad_dtype))};
 }
 
 std::vector<int64_t> cpu_backward_sizes(int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
