@@ -223,7 +223,7 @@ def _check_bad_inputs(rank: int, world: int) -> None:
             valid_call_matches(rank, world)  # the group is usable after each error
     # The ring's local-length rule is checked in C++ before its first message.
     odd = torch.randn(1, 7, 2, 16)
-    with pytest.raises(RuntimeError, match="zigzag layout holds two equal chunks"):
+    with pytest.raises(RuntimeError, match="zigzag layout holds two equal segments"):
         cpattn.ring_attention(odd, odd, odd, timeout=TIMEOUT)
 
     x = torch.randn(8 // world * 2, 2, 16)

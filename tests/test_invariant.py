@@ -552,14 +552,14 @@ def test_tile_tree_blocks_merge_like_tiles() -> None:
 
 def _streamed_parts(rank: int, world: int) -> None:
     """The backward's streamed parts: in global order they are gather_global's tokens, and each
-    starts a document or a multiple of invariant_chunk() into it (where the kernels' sums can
+    starts a document or a multiple of invariant_row_band() into it (where the kernels' sums can
     continue), with runs that do and do not end at such a multiple, broadcast whole or in pieces
     of one chunk; and with such pieces the results stay bitwise those of one process."""
     from cpattn._layout import LAYOUTS
     from cpattn.invariant import global_order as invariant
     from cpattn.invariant.global_order import _shards, gather_global, stream_global
 
-    chunk = torch.ops.cpattn.invariant_chunk()
+    chunk = torch.ops.cpattn.invariant_row_band()
     group = dist.group.WORLD
     cases = [(layout, docs, piece_bytes) for piece_bytes in (invariant._STREAM_BYTES, 1)
              for layout, docs in (("zigzag", None), ("contiguous", None),
@@ -604,7 +604,7 @@ def test_bitwise_head_dim_not_a_multiple_of_16() -> None:
 
 
 def test_streamed_part_not_on_a_chunk_boundary_raises() -> None:
-    """A part that starts inside a document off a multiple of invariant_chunk() would continue
+    """A part that starts inside a document off a multiple of invariant_row_band() would continue
     the kernels' sums out of order: refused."""
     from cpattn._layout import LAYOUTS
 
@@ -646,7 +646,7 @@ def test_compile_fullgraph() -> None:
     (4, "zigzag", 8192, torch.bfloat16, ("causal", "all")),
     (2, "striped", 4096, torch.float32, ("all",))])
 def test_bitwise_blocks_computed_once(world, layout, seqlen, dtype, names) -> None:
-    """Shards whose runs start and end at multiples of invariant_chunk(): the backward computes
+    """Shards whose runs start and end at multiples of invariant_row_band(): the backward computes
     each block once, on its rows' rank, and the keys' owner adds the dK / dV planes of the
     chunks in global order (_backward_once); bitwise."""
     from cpattn._layout import LAYOUTS

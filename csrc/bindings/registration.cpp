@@ -103,12 +103,12 @@ TORCH_LIBRARY(cpattn, m) {
       "()"));
   m.def(with_options(
       "invariant_bwd_rows(Tensor(a!) dq_sum, Tensor(b!) planes, Tensor dout, Tensor q, "
-      "Tensor k_part, Tensor v_part, Tensor lse, Tensor shifted, int[] chunks, int part_begin, "
+      "Tensor k_part, Tensor v_part, Tensor lse, Tensor shifted, int[] bands, int part_begin, "
       "int rank, int world, int layout, int seqlen, Tensor? doc_lengths=None, "
       "Tensor? doc_prefix_lens=None",
       "()"));
   m.def(with_options(
-      "invariant_chunks_seen(int local, int part_begin, int n, int world, int layout, int seqlen, "
+      "invariant_bands_seen(int local, int part_begin, int n, int world, int layout, int seqlen, "
       "Tensor? doc_lengths=None, Tensor? doc_prefix_lens=None",
       "Tensor"));
   m.def(
@@ -117,7 +117,7 @@ TORCH_LIBRARY(cpattn, m) {
   // Invariant mode over a KV cache: the keys per tile (cpattn/invariant.h), one block of tiles'
   // partial result, the blocks' tree merge.
   m.def("invariant_tile() -> int");
-  m.def("invariant_chunk() -> int");  // the streamed backward's parts start at its multiples
+  m.def("invariant_row_band() -> int");  // the streamed backward's parts start at its multiples
   m.def(with_options("invariant_partial(Tensor q, Tensor k, Tensor v, int q_begin, int k_begin",
                      "(Tensor out, Tensor lse)"));
   m.def(
@@ -133,12 +133,12 @@ TORCH_LIBRARY(cpattn, m) {
       "schedule_work(int seqlen, int world, int layout, bool causal, int window_left, "
       "int window_right, int block_m, int block_n, Tensor? doc_lengths=None) -> Tensor");
   // The cost model's view of the CPU backward: [KV heads per kernel call, key splits, query rows
-  // per chunk] for a shape, dtype and gradient dtype.
+  // per band] for a shape, dtype and gradient dtype.
   m.def(
       "cpu_backward_sizes(int batch, int seqlen_q, int seqlen_k, int heads, int kv_heads, "
       "int head_dim, ScalarType input_dtype, ScalarType grad_dtype) -> int[]");
   // ... and the bytes of the buffers one such kernel call allocates beyond its tensors (the
-  // packed chunk of query rows, the dQ per key split, the dK / dV sums), all threads together.
+  // packed band of query rows, the dQ per key split, the dK / dV sums), all threads together.
   m.def(
       "cpu_backward_buffer_bytes(int batch, int seqlen_q, int seqlen_k, int heads, int kv_heads, "
       "int head_dim, ScalarType input_dtype, ScalarType grad_dtype) -> int");

@@ -397,7 +397,7 @@ constexpr int64_t kBandElemBudget = 2048 * 128;
 
 // Under fixed_order, bands of kFixedBandRows from query row 0: dK and dV sum the bands' parts
 // in an order that depends on the query rows' positions only.
-constexpr int64_t kFixedBandRows = kInvariantChunk;
+constexpr int64_t kFixedBandRows = kInvariantRowBand;
 static_assert(kFixedBandRows % kBlockQ == 0 && kFixedBandRows % kBlockK == 0);
 
 inline int64_t band_rows(const AttnShape& sh) {

@@ -5,7 +5,7 @@
 // global positions alone. The forward cuts each row's keys (those of its document, with packed
 // documents) into tiles from key 0 and merges the tiles' partial results by the tile tree
 // (cpattn/invariant.h); the kernels treat every query row alike. The backward runs with
-// AttnShape::fixed_order (one key split, query chunks of a fixed size from row 0) and needs only
+// AttnShape::fixed_order (one key split, query row bands of a fixed size from row 0) and needs only
 // the final out and lse; over W ranks its operands stream in global order, a part at a time, into
 // fp32 running sums that the kernels continue. Contiguous and zigzag shards are runs of consecutive
 // positions, which the kernels' offsets express; striped shards are moved to the contiguous layout
@@ -128,7 +128,7 @@ InvariantCall check_invariant_args(const char* fn, const at::Tensor& q, const at
                 " tokens, k and v ", keys);
   } else {
     TORCH_CHECK(world == 1 || o.layout != Layout::kZigzag || local % 2 == 0, "cpattn.", fn,
-                ": the zigzag layout holds two equal chunks per rank, so the local sequence "
+                ": the zigzag layout holds two equal segments per rank, so the local sequence "
                 "length must be even, got ",
                 local);
     TORCH_CHECK(seqlen >= (world == 1 ? keys : 1) && seqlen <= keys, "cpattn.", fn,
@@ -345,7 +345,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> invariant_bwd(
 // Where a streamed part, tokens [begin, begin + n) of global order, meets piece p's document:
 // its tokens from `part_offset` in the part, from `doc_offset` in the document, `length` of them
 // (0: none). The kernels' sums continue across parts when doc_offset is a multiple of
-// kInvariantChunk (checked).
+// kInvariantRowBand (checked).
 struct PartInDoc {
   int64_t part_offset, doc_offset, length;
 };
@@ -354,8 +354,8 @@ PartInDoc part_in_doc(const char* fn, const Piece& p, int64_t begin, int64_t n) 
   const int64_t first = std::max(begin, p.doc_begin);
   const int64_t last = std::min(begin + n, p.doc_begin + p.doc_length);
   if (last <= first) return {0, 0, 0};
-  TORCH_CHECK((first - p.doc_begin) % kInvariantChunk == 0, "cpattn.", fn,
-              ": a part must start a document or a multiple of ", kInvariantChunk,
+  TORCH_CHECK((first - p.doc_begin) % kInvariantRowBand == 0, "cpattn.", fn,
+              ": a part must start a document or a multiple of ", kInvariantRowBand,
               " tokens into it, got one from token ", first - p.doc_begin);
   return {first - begin, first - p.doc_begin, last - first};
 }
@@ -377,9 +377,9 @@ void check_running_sum(const char* fn, const char* what, const at::Tensor& sum,
 // order (every rank's shards; with documents, each padded as ring_attention_varlen shards them),
 // dout_part, q_part, k_part, v_part (B, N, heads, ...), lse_part and shifted_part (B, H, N).
 // Called with the parts in global order, each starting a document or a multiple of
-// kInvariantChunk into it, from zeros: dq_sum * softmax_scale, dk_sum * softmax_scale and dv_sum
+// kInvariantRowBand into it, from zeros: dq_sum * softmax_scale, dk_sum * softmax_scale and dv_sum
 // are then exactly what one process computes for these rows and keys (dQ sums its terms over the
-// keys in order, dK and dV over the query chunks in order; splitting the rows (dQ) or the keys
+// keys in order, dK and dV over the query row bands in order; splitting the rows (dQ) or the keys
 // (dK, dV) anywhere changes no sum). Where the part's tokens are this rank's own, its rows against
 // its keys give dQ, dK and dV in one kernel call, computing P and dP once instead of twice.
 void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
@@ -469,78 +469,78 @@ void invariant_bwd_part(const at::Tensor& dq_sum, const at::Tensor& dk_sum,
 }
 
 // The backward over W ranks with each block computed once (no documents; every rank's runs start
-// and end at multiples of kInvariantChunk): a rank adds its rows' dQ terms against a part of the
+// and end at multiples of kInvariantRowBand): a rank adds its rows' dQ terms against a part of the
 // keys to its running sums as invariant_bwd_part does, and returns the dK / dV terms of each of
-// its chunks of kInvariantChunk rows against the part separately (a plane per chunk), for the
-// keys' owner to add in global order of the chunks (python/cpattn/invariant/). A
-// chunk's plane is exactly the part that one process's call adds to the sums for these rows
+// its bands of kInvariantRowBand rows against the part separately (a plane per band), for the
+// keys' owner to add in global order of the bands (python/cpattn/invariant/). A
+// band's plane is exactly the part that one process's call adds to the sums for these rows
 // (backward_row_bands: the bands' dK / dV parts are added one after another), so the owner's
 // additions give the same sums.
 
-// Chunk `chunk` (its rows from local row chunk * kInvariantChunk) of a rank's pieces against the
+// Band `band` (its rows from local row band * kInvariantRowBand) of a rank's pieces against the
 // part [part_begin, part_begin + n) of global order: its piece, the rows' and part's positions in
-// the document, and the mask of the block; nullopt where no row of the chunk sees a key of the
-// part (or the chunk is padding).
-struct ChunkBlock {
+// the document, and the mask of the block; nullopt where no row of the band sees a key of the
+// part (or the band is padding).
+struct BandBlock {
   const Piece* piece;
-  int64_t row_offset;  // of the chunk's first row in the piece
+  int64_t row_offset;  // of the band's first row in the piece
   int64_t rows;
   PartInDoc part;
   Mask mask;
 };
 
-std::optional<ChunkBlock> chunk_block(const char* fn, const std::vector<Piece>& pieces,
-                                      int64_t chunk, int64_t part_begin, int64_t n) {
-  const int64_t first = chunk * kInvariantChunk;
+std::optional<BandBlock> band_block(const char* fn, const std::vector<Piece>& pieces, int64_t band,
+                                    int64_t part_begin, int64_t n) {
+  const int64_t first = band * kInvariantRowBand;
   for (const Piece& p : pieces) {
     const int64_t offset = first - p.rows.local_begin;
     if (offset < 0 || offset >= p.rows.length) continue;
-    TORCH_CHECK((p.rows.global_begin + offset) % kInvariantChunk == 0, "cpattn.", fn,
-                ": the rank's runs must start at multiples of ", kInvariantChunk,
-                " tokens of their document, got a chunk from token ", p.rows.global_begin + offset);
+    TORCH_CHECK((p.rows.global_begin + offset) % kInvariantRowBand == 0, "cpattn.", fn,
+                ": the rank's runs must start at multiples of ", kInvariantRowBand,
+                " tokens of their document, got a band from token ", p.rows.global_begin + offset);
     const PartInDoc part = part_in_doc(fn, p, part_begin, n);
     Mask m = p.mask;
     m.q_offset = p.rows.global_begin + offset;
     m.k_offset = part.doc_offset;
-    const int64_t rows = std::min(kInvariantChunk, p.rows.length - offset);
+    const int64_t rows = std::min(kInvariantRowBand, p.rows.length - offset);
     if (part.length == 0 || m.classify(0, rows, 0, part.length) == BlockKind::kEmpty)
       return std::nullopt;
-    return ChunkBlock{&p, offset, rows, part, m};
+    return BandBlock{&p, offset, rows, part, m};
   }
   return std::nullopt;  // padding rows
 }
 
-// Which chunks of kInvariantChunk rows of each rank's `local` tokens see some key of the part
-// [part_begin, part_begin + n) of global order: (W, ceil(local / kInvariantChunk)) bool, the
-// chunks whose planes invariant_bwd_rows computes (every rank agrees on them: a rule of
+// Which bands of kInvariantRowBand rows of each rank's `local` tokens see some key of the part
+// [part_begin, part_begin + n) of global order: (W, ceil(local / kInvariantRowBand)) bool, the
+// bands whose planes invariant_bwd_rows computes (every rank agrees on them: a rule of
 // positions only).
-at::Tensor invariant_chunks_seen(int64_t local, int64_t part_begin, int64_t n, int64_t world,
-                                 int64_t layout, int64_t seqlen,
-                                 const std::optional<at::Tensor>& doc_lengths,
-                                 const std::optional<at::Tensor>& doc_prefix_lens,
-                                 CPATTN_OPTION_PARAMS) {
+at::Tensor invariant_bands_seen(int64_t local, int64_t part_begin, int64_t n, int64_t world,
+                                int64_t layout, int64_t seqlen,
+                                const std::optional<at::Tensor>& doc_lengths,
+                                const std::optional<at::Tensor>& doc_prefix_lens,
+                                CPATTN_OPTION_PARAMS) {
   const RingOptions o =
       make_ring_options(CPATTN_OPTIONS, layout, doc_lengths, doc_prefix_lens, std::nullopt);
-  const int64_t chunks = (local + kInvariantChunk - 1) / kInvariantChunk;
-  at::Tensor seen = at::zeros({world, chunks}, at::kBool);
+  const int64_t bands = (local + kInvariantRowBand - 1) / kInvariantRowBand;
+  at::Tensor seen = at::zeros({world, bands}, at::kBool);
   for (int64_t r = 0; r < world; ++r) {
     const std::vector<Piece> pieces = rank_pieces(o, world, r, local, local, seqlen);
-    for (int64_t j = 0; j < chunks; ++j)
-      seen[r][j] = chunk_block("invariant_chunks_seen", pieces, j, part_begin, n).has_value();
+    for (int64_t j = 0; j < bands; ++j)
+      seen[r][j] = band_block("invariant_bands_seen", pieces, j, part_begin, n).has_value();
   }
   return seen;
 }
 
 // Adds to dq_sum (B, L, H, D), fp32 and unscaled, the terms of this rank's rows against the part's
 // keys k_part, v_part (B, N, Hkv, D / Dv: tokens [part_begin, part_begin + N) of global order,
-// parts in global order, each starting at a multiple of kInvariantChunk), and writes into plane i
+// parts in global order, each starting at a multiple of kInvariantRowBand), and writes into plane i
 // of planes (C, B, N, Hkv, D + Dv) fp32, zeros, the dK (first D) and dV terms, unscaled, of its
-// chunk chunks[i] against them: the rows from local row chunks[i] * kInvariantChunk, a chunk that
-// sees the part (invariant_chunks_seen). This rank's shards: dout, q, lse and shifted as in
+// band bands[i] against them: the rows from local row bands[i] * kInvariantRowBand, a band that
+// sees the part (invariant_bands_seen). This rank's shards: dout, q, lse and shifted as in
 // invariant_bwd_part.
 void invariant_bwd_rows(const at::Tensor& dq_sum, const at::Tensor& planes, const at::Tensor& dout,
                         const at::Tensor& q, const at::Tensor& k_part, const at::Tensor& v_part,
-                        const at::Tensor& lse, const at::Tensor& shifted, at::IntArrayRef chunks,
+                        const at::Tensor& lse, const at::Tensor& shifted, at::IntArrayRef bands,
                         int64_t part_begin, int64_t rank, int64_t world, int64_t layout,
                         int64_t seqlen, const std::optional<at::Tensor>& doc_lengths,
                         const std::optional<at::Tensor>& doc_prefix_lens, CPATTN_OPTION_PARAMS) {
@@ -550,25 +550,25 @@ void invariant_bwd_rows(const at::Tensor& dq_sum, const at::Tensor& planes, cons
       check_invariant_args(fn, q, k_part, v_part, local, keys, rank, world, layout, seqlen,
                            doc_lengths, doc_prefix_lens, CPATTN_OPTIONS);
   const int64_t d = k_part.size(3), dv = v_part.size(3);
-  TORCH_CHECK(part_begin >= 0 && part_begin + n <= keys && part_begin % kInvariantChunk == 0,
+  TORCH_CHECK(part_begin >= 0 && part_begin + n <= keys && part_begin % kInvariantRowBand == 0,
               "cpattn.", fn, ": the part [", part_begin, ", ", part_begin + n,
               ") must lie in the sequence's ", keys, " tokens and start at a multiple of ",
-              kInvariantChunk);
+              kInvariantRowBand);
   TORCH_CHECK(planes.scalar_type() == at::kFloat && planes.dim() == 5 &&
-                  planes.size(0) == static_cast<int64_t>(chunks.size()) &&
+                  planes.size(0) == static_cast<int64_t>(bands.size()) &&
                   planes.size(1) == q.size(0) && planes.size(2) == n &&
                   planes.size(3) == k_part.size(2) && planes.size(4) == d + dv &&
                   planes.is_contiguous(),
-              "cpattn.", fn, ": planes must be float32 (chunks, batch, part tokens, kv_heads, ",
-              "head_dim + v_head_dim), contiguous, one per chunk: got ", planes.sizes(), " for ",
-              chunks.size(), " chunks");
+              "cpattn.", fn, ": planes must be float32 (bands, batch, part tokens, kv_heads, ",
+              "head_dim + v_head_dim), contiguous, one per band: got ", planes.sizes(), " for ",
+              bands.size(), " bands");
   check_running_sum(fn, "dq_sum", dq_sum, q);
   check_tile_args(dout, q, k_part, v_part, at::Tensor(), lse, shifted, softmax_scale, c.options,
                   keys - local, keys - n);
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    const std::optional<ChunkBlock> b = chunk_block(fn, c.pieces, chunks[i], part_begin, n);
-    TORCH_CHECK(b.has_value(), "cpattn.", fn, ": chunk ", chunks[i],
-                " sees no key of the part (invariant_chunks_seen)");
+  for (size_t i = 0; i < bands.size(); ++i) {
+    const std::optional<BandBlock> b = band_block(fn, c.pieces, bands[i], part_begin, n);
+    TORCH_CHECK(b.has_value(), "cpattn.", fn, ": band ", bands[i],
+                " sees no key of the part (invariant_bands_seen)");
     const int64_t row0 = b->piece->rows.local_begin + b->row_offset;
     const auto mine = [&](const at::Tensor& t, int64_t dim) {
       return t.narrow(dim, row0, b->rows);
@@ -662,6 +662,6 @@ void impl_invariant_ops(torch::Library& m) {
 // No tensor argument to dispatch on.
 TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("invariant_tile", [] { return cpattn::kInvariantTile; });
-  m.impl("invariant_chunk", [] { return cpattn::kInvariantChunk; });
-  m.impl("invariant_chunks_seen", &cpattn::ops::invariant_chunks_seen);
+  m.impl("invariant_row_band", [] { return cpattn::kInvariantRowBand; });
+  m.impl("invariant_bands_seen", &cpattn::ops::invariant_bands_seen);
 }

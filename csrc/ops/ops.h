@@ -47,7 +47,7 @@ std::tuple<at::Tensor, at::Tensor> attention_bwd_in_dout_scored(
 // split_sums_supported). An undefined dq, or dk and dv: not wanted (their products skipped).
 // Under score.fixed_order (CPU only) the fp32 dq, dk and dv are running sums, unscaled, that the
 // call continues in its fixed order, nothing scaled: calls over consecutive parts of the keys
-// (dq) or queries (dk, dv) starting at multiples of kInvariantChunk give one call's sums
+// (dq) or queries (dk, dv) starting at multiples of kInvariantRowBand give one call's sums
 // (cpu/attention_kernel.h backward_row_bands; invariant mode's streamed backward).
 void attention_bwd_add_scored(const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
                               const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,

@@ -58,7 +58,7 @@ void check_ring_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t local = q.size(1);
   if (o.layout == Layout::kZigzag && o.doc_lengths.empty())
     TORCH_CHECK(local % 2 == 0,
-                "cpattn: the zigzag layout holds two equal chunks per rank, so the "
+                "cpattn: the zigzag layout holds two equal segments per rank, so the "
                 "local sequence length must be even, got ",
                 local);
 }

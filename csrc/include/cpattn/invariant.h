@@ -21,7 +21,7 @@ constexpr int64_t kInvariantTile = 1024;  // keys per tile (a multiple of every 
 // Query rows per row band of the backward's fixed-order dK / dV sums (from a document's row 0), a
 // multiple of every kernel's key block. The streamed backward's parts of the queries (dK, dV)
 // and of the keys (dQ) start at multiples of it, so the kernels' sums continue across parts.
-constexpr int64_t kInvariantChunk = 1024;
+constexpr int64_t kInvariantRowBand = 1024;
 
 // The level of the smallest aligned block of tiles that holds tiles a and b (a != b): the bit
 // length of a ^ b. Level 0 is one tile.

@@ -22,11 +22,11 @@ from cpattn.invariant.global_order import Relayout, gather_global, global_runs, 
 
 def _computed_once(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> bool:
     """Whether the backward can compute each block once (_backward_once): without documents,
-    every rank's runs start and end at multiples of invariant_chunk() (so each row band is one
+    every rank's runs start and end at multiples of invariant_row_band() (so each row band is one
     rank's), not compiled (its point-to-point messages are not traced)."""
     if world == 1 or docs is not None or torch.compiler.is_compiling():
         return False
-    align = torch.ops.cpattn.invariant_chunk()
+    align = torch.ops.cpattn.invariant_row_band()
     return all(b % align == 0 and n % align == 0 and g % align == 0
                for runs in global_runs(layout_code, world, local, docs) for b, n, g in runs)
 
@@ -41,15 +41,15 @@ def _backward_once(sums: tuple, mine: tuple, k: torch.Tensor, v: torch.Tensor, g
                    world: int, layout_code: int, seqlen: int, op_kwargs: dict) -> None:
     """Adds every gradient term of this rank's rows and keys to the fp32 running sums (dq_sum,
     dk_sum, dv_sum), each block of rows against keys computed once, on the rows' rank. Every
-    rank's K and V stream in global order (stream_global), in parts of invariant_chunk() keys;
+    rank's K and V stream in global order (stream_global), in parts of invariant_row_band() keys;
     per part each rank adds its rows' dQ terms (invariant_bwd_rows, as invariant_bwd_part does)
-    and computes the dK / dV terms of each of its row bands (invariant_chunk() rows) that sees
+    and computes the dK / dV terms of each of its row bands (invariant_row_band() rows) that sees
     the part, a plane each; the part's owner receives the planes (one message per run of a
     rank's bands, one message at a time, so that one is alive) and adds them in global order of
     the bands: the
     order in which one process's kernel adds them. mine: this rank's dout, q, lse and shifted."""
     dq_sum, dk_sum, dv_sum = sums
-    align = torch.ops.cpattn.invariant_chunk()
+    align = torch.ops.cpattn.invariant_row_band()
     local, d = k.shape[1], k.shape[3]
     runs = global_runs(layout_code, world, local, None)
     # every rank's row bands in global order: (global begin, rank, local band index)
@@ -79,7 +79,7 @@ def _backward_once(sums: tuple, mine: tuple, k: torch.Tensor, v: torch.Tensor, g
         for offset in range(0, k_part.shape[1], align):
             n, start = min(align, k_part.shape[1] - offset), begin + offset
             step += 1
-            seen = torch.ops.cpattn.invariant_chunks_seen(local, start, n, world, layout_code,
+            seen = torch.ops.cpattn.invariant_bands_seen(local, start, n, world, layout_code,
                                                           seqlen, None, **op_kwargs).tolist()
             # the bands that see the part, in global order, as runs of one rank's bands
             band_runs: list = []

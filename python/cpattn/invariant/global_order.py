@@ -147,16 +147,16 @@ def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_
                   docs: Optional[tuple] = None):
     """Every rank's shards of `tensors` (their tokens along `dim`, as gather_global) in global
     order, a part at a time: yields (begin, parts), the tokens [begin, begin + n) of each. Each
-    part starts a document (the sequence) or a multiple of invariant_chunk() tokens into it, so
+    part starts a document (the sequence) or a multiple of invariant_row_band() tokens into it, so
     the kernels' fixed-order sums continue across parts; it is at most one broadcast of a rank's
-    run plus fewer than invariant_chunk() tokens carried from the broadcast before. Each run is
+    run plus fewer than invariant_row_band() tokens carried from the broadcast before. Each run is
     broadcast by its owner in broadcasts of about _STREAM_BYTES (one per tensor: the owner's
     are views), the next one while the caller works on the current part. Compiled
     (traced collectives have no broadcast): one part, every token (gather_global)."""
     if torch.compiler.is_compiling():
         yield 0, gather_global(tensors, dim, group, rank, world, layout_code, docs)
         return
-    align = torch.ops.cpattn.invariant_chunk()
+    align = torch.ops.cpattn.invariant_row_band()
     local = tensors[0].shape[dim]
     sources = [t.movedim(dim, 0) for t in tensors]
     runs = global_runs(layout_code, world, local, docs)
