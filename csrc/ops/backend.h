@@ -106,7 +106,7 @@ bool register_backend(c10::DeviceType type, const Backend& backend);
 // The kernels for tensors on `device`; raises when this build has none.
 const Backend& backend_for(const c10::Device& device);
 
-// The ops every backend serves, device-generic (attention.cpp, ring_ops.cpp, inference.cpp):
+// The ops every backend serves, device-generic (attention.cpp, ring.cpp, inference.cpp):
 // each backend's TORCH_LIBRARY_IMPL block calls these for its dispatch key.
 void impl_attention_ops(torch::Library& m);
 void impl_ring_ops(torch::Library& m);

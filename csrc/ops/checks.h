@@ -1,5 +1,5 @@
 // Argument checks of the op layer, one home for every backend: the device-generic ops
-// (attention.cpp, ring_ops.cpp, inference.cpp) run them before calling a backend's kernels
+// (attention.cpp, ring.cpp, inference.cpp) run them before calling a backend's kernels
 // (backend.h), so a CPU and a CUDA tensor get the same message for the same mistake.
 #pragma once
 

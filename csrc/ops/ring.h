@@ -1,6 +1,5 @@
-// Ring attention: the driver, written once against comm::Transport (ring.cpp). The ops over a
-// process group are in ring_ops.cpp, the test-only ones (emulated ranks, loopback) in
-// testing_ops.cpp.
+// Ring attention: the driver, written once against comm::Transport, and its ops over a process
+// group (ring.cpp); the test-only ops (emulated ranks, loopback) are in testing_ops.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -79,7 +78,7 @@ struct RingStats {
 // Where the time of the last ring_forward ([0]) and ring_backward ([1]) on this thread went.
 const RingStats* last_ring_stats();
 
-// The transport the ring ops use for tensors like q over the group `group_name` (ring_ops.cpp).
+// The transport the ring ops use for tensors like q over the group `group_name`.
 std::unique_ptr<comm::Transport> group_transport(const at::Tensor& q, c10::string_view group_name,
                                                  double timeout_s);
 

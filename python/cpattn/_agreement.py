@@ -51,7 +51,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from cpattn import _env
+from cpattn._validation import env_rank_check
 
 MODES = ("auto", "always", "once", "never")
 FieldValue = bool | int | float | str | bytes | torch.dtype | None
@@ -85,7 +85,7 @@ def get_rank_check() -> str:
     """The current mode: set_rank_check's, else $CPATTN_RANK_CHECK, else "auto"."""
     if _mode is not None:
         return _mode
-    mode = _env.rank_check() or "auto"
+    mode = env_rank_check() or "auto"
     if mode not in MODES:
         raise ValueError(f"cpattn: $CPATTN_RANK_CHECK must be one of {MODES}, got {mode!r}")
     return mode

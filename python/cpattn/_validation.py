@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import os
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
-
-from cpattn import _env
 
 # The limits are defined once, in C++, and read here: MAX_HEAD_DIM the CPU kernels' head dim
 # limit (kMaxHeadDim in csrc/ops/checks.h); MAX_POSITION (kUnbounded in cpattn/mask.h, 2^61 - 1):
@@ -100,8 +100,8 @@ def check_timeout(what: str, timeout, *groups) -> float:
     is the world); finite and > 0. Waiting as long as the group does means a slow peer (compile
     skew, a checkpoint written by rank 0 only) fails cpattn no sooner than the group itself."""
     source = "timeout"
-    if timeout is None and _env.comm_timeout() is not None:
-        timeout, source = _env.comm_timeout(), "$CPATTN_COMM_TIMEOUT"
+    if timeout is None and env_comm_timeout() is not None:
+        timeout, source = env_comm_timeout(), "$CPATTN_COMM_TIMEOUT"
         try:
             timeout = float(timeout)
         except ValueError:
@@ -288,3 +288,32 @@ def group_info(group) -> tuple:
         )
     group = group if group is not None else dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+# Every environment variable the Python side reads, in one place (docs/environment.md lists them;
+# the C++ side's are in csrc/include/cpattn/env.h). Read when called, never cached here.
+
+
+def env_comm_timeout() -> Optional[str]:
+    """$CPATTN_COMM_TIMEOUT: seconds to wait for a peer when a call gives no timeout."""
+    return os.environ.get("CPATTN_COMM_TIMEOUT")
+
+
+def env_rank_check() -> Optional[str]:
+    """$CPATTN_RANK_CHECK: the agreement check's mode (cpattn.set_rank_check)."""
+    return os.environ.get("CPATTN_RANK_CHECK")
+
+
+def env_plan_cache() -> Optional[str]:
+    """$CPATTN_PLAN_CACHE: the folder of the planner's calibration cache."""
+    return os.environ.get("CPATTN_PLAN_CACHE")
+
+
+def env_plan_machine() -> Optional[str]:
+    """$CPATTN_PLAN_MACHINE: the planner's machine (a preset name or a JSON file)."""
+    return os.environ.get("CPATTN_PLAN_MACHINE")
+
+
+def env_invariant() -> Optional[str]:
+    """$CPATTN_INVARIANT: "1" makes invariant=True the default of the attention functions."""
+    return os.environ.get("CPATTN_INVARIANT")

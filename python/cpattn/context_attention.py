@@ -13,9 +13,9 @@ from cpattn._device import to_device
 from cpattn._layout import DTYPE_NAMES
 from cpattn._validation import check_timeout, error, group_info
 from cpattn.attention import attention
+from cpattn.options import checked_call
 from cpattn.parallel import ContextParallel
 from cpattn.sharding import unshard
-from cpattn.strategies.common import checked_call
 from cpattn.strategies.registry import STRATEGIES as REGISTRY
 
 

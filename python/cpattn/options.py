@@ -1,6 +1,8 @@
 """The attention options, one object: what every public attention function takes besides its
 tensors and its process groups, keyword-only (`**options`), validated once here, agreed on by the
-ranks, passed to the ops (which check them again in C++).
+ranks, passed to the ops (which check them again in C++). Here too what every attention function
+shares at its boundary: the check of a call (`checked_call`: tensors, layout, options, the fields
+the ranks agree on) and what it returns (`returned`).
 
 The C++ twin is csrc/ops/options.h (AttentionOptions, and the schema suffix every attention op
 ends with). Adding an option: docs/design.md, "Adding a score option".
@@ -11,12 +13,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from cpattn import _agreement, _env
-from cpattn._validation import check_bool, check_int, check_scale, check_window, error
+from cpattn import _agreement
+from cpattn._agreement import Fields, tensor_fields
+from cpattn._layout import LAYOUTS
+from cpattn._validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_qkv,
+    check_scale,
+    check_window,
+    env_invariant,
+    error,
+)
 
 # The functions that honour invariant=True (results bitwise independent of the number of ranks,
 # the layout and the strategy: docs/invariance.md); any other raises rather than drop it.
@@ -142,7 +155,7 @@ def _checked_invariant(what: str, invariant) -> bool:
     honours it (INVARIANT_FUNCTIONS), else ValueError."""
     source = "invariant"
     if invariant is None:
-        value = _env.invariant()
+        value = env_invariant()
         if value not in (None, "", "0", "1"):
             raise error(what, "$CPATTN_INVARIANT", value, 'must be "1" (on) or "0" (off)')
         invariant, source = value == "1", "$CPATTN_INVARIANT"
@@ -166,3 +179,34 @@ def _same(value, expected) -> bool:
         except TypeError:
             return False
     return value == expected
+
+
+# What every attention function shares: the check of a call (its tensors and options, one list
+# of fields the ranks agree on) and what it returns.
+
+
+def checked_call(what: str, q, k, v, options: Union[dict, AttentionOptions],
+                 layout: str = "contiguous", varlen: bool = False, fixed: Optional[dict] = None,
+                 only: Optional[tuple] = None, empty_tokens: bool = False,
+                 prefix_per_row: bool = False) -> tuple[AttentionOptions, Fields]:
+    """The tensors and options of a call of `what` checked: its AttentionOptions, and the
+    fields every rank must agree on (shapes, dtypes, layout, options). `options`: the keyword
+    arguments of a public call, checked here (`fixed` / `only` / `prefix_per_row`: as
+    AttentionOptions.checked), or the AttentionOptions of an inner call, checked already at
+    the public boundary (the hybrid's ring). empty_tokens: as check_qkv's."""
+    check_qkv(what, q, k, v, varlen=varlen, v_head_dim_free=True,  # v: its own head dim Dv
+              empty_tokens=empty_tokens)
+    check_choice(what, "layout", layout, tuple(LAYOUTS))
+    opts = options if isinstance(options, AttentionOptions) else AttentionOptions.checked(
+        what, q.shape[-1], fixed, only=only, prefix_per_row=prefix_per_row, **options)
+    dims = ("tokens", "heads", "head_dim") if varlen else ("batch", "seqlen", "heads", "head_dim")
+    fields = [*tensor_fields("q", q, dims), *tensor_fields("k", k, dims),
+              *tensor_fields("v", v, dims), ("layout", layout), *opts.agreement_fields()]
+    return opts, fields
+
+
+def returned(out: torch.Tensor, lse, max_logits: list):
+    """What an attention function returns: out, then the LSE (when asked: not None), then the
+    max logits (when asked: a list of one): out alone, or a tuple."""
+    extra = ([] if lse is None else [lse]) + max_logits
+    return (out, *extra) if extra else out

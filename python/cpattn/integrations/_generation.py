@@ -10,8 +10,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cpattn.attention import attention_varlen
 from cpattn.inference import decode_attention, prefill_attention
-from cpattn.integrations._keywords import WHAT
-from cpattn.integrations._model_checks import attention_chunk, check_layer
+from cpattn.integrations._model_checks import WHAT, attention_chunk, check_layer
 from cpattn.kv_cache import KVCacheShard
 from cpattn.options import AttentionOptions
 from cpattn.packing import chunk_boundaries

@@ -12,7 +12,7 @@ transformers calls the attention function with q / k / v as (batch, heads, seqle
 cpattn works on (batch, seqlen, heads, head_dim): the function transposes views, never expands
 the GQA K/V heads, and returns (batch, seqlen, heads, head_dim) as transformers expects.
 
-Every keyword the model passes is either honoured exactly or raises (`_keywords.score_options`
+Every keyword the model passes is either honoured exactly or raises (`_model_checks.score_options`
 is the one place that maps them): scaling, causal or bidirectional, `sliding_window` (causal or
 bidirectional, on global positions), GQA, attention sinks (gpt-oss's `s_aux`, the module's
 learnable `sinks`: cpattn's `sinks=`, with their gradient), logit softcapping (Gemma 2's
@@ -48,13 +48,15 @@ from cpattn._device import to_device
 from cpattn.attention import attention
 from cpattn.integrations import _hybrid
 from cpattn.integrations._generation import PENDING, ContextParallelCache
-from cpattn.integrations._keywords import WHAT, score_options, short
 from cpattn.integrations._model_checks import (
+    WHAT,
     agree,
     attention_chunk,
     check_config,
     check_layer,
     check_mask_function,
+    score_options,
+    short,
 )
 from cpattn.options import AttentionOptions
 from cpattn.packing import KEYWORD, Documents, chunk_boundaries

@@ -16,13 +16,14 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from cpattn import _env, comm
+from cpattn import comm
+from cpattn._validation import env_plan_cache
 from cpattn.attention import attention
 from cpattn.plan.model import Link, Machine
 
 
 def _cache_path(key: str) -> str:
-    root = _env.plan_cache() or os.path.join(
+    root = env_plan_cache() or os.path.join(
         os.path.expanduser("~"), ".cache", "cpattn")
     return os.path.join(root, f"machine-{key}.json")
 

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from cpattn import _env
+from cpattn._validation import env_plan_machine
 from cpattn.plan.calibrate import calibrate
 from cpattn.plan.model import Candidate, Machine, Prediction, Problem, machine
 from cpattn.plan.predict import plan
@@ -40,7 +40,7 @@ def machine_for(group=None) -> Machine:
     calibration file), else calibrate(group) (collective, cached). The same on every rank."""
     key = _group_key(group)
     if key not in _MACHINES:
-        env = _env.plan_machine()
+        env = env_plan_machine()
         _MACHINES[key] = machine(env) if env else calibrate(group)
     return _MACHINES[key]
 

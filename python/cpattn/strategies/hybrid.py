@@ -13,9 +13,9 @@ import torch.distributed as dist
 from cpattn import comm
 from cpattn._layout import granularity, padded_length, round_up
 from cpattn._validation import check_timeout, document_lengths, error, group_info
+from cpattn.options import returned
 from cpattn.sharding import hybrid_positions, hybrid_ring_shard
 from cpattn.strategies.base import Strategy
-from cpattn.strategies.common import returned
 from cpattn.strategies.ring import context_parallel
 from cpattn.strategies.ulysses import across_heads, boundaries, max_logits_field
 

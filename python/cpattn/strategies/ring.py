@@ -43,10 +43,9 @@ from cpattn.attention import LocalDocuments
 from cpattn.documents import DocumentPlan
 from cpattn.invariant import check_invariant_call, invariant_attention
 from cpattn.max_logits import document_placement, global_max_logits, sequence_placement
-from cpattn.options import AttentionOptions
+from cpattn.options import AttentionOptions, checked_call, returned
 from cpattn.strategies.allgather import GatheredAttention, SubsetGathered
 from cpattn.strategies.base import Strategy
-from cpattn.strategies.common import checked_call, returned
 
 
 class RingAttention(torch.autograd.Function):

@@ -29,10 +29,9 @@ from cpattn._validation import (
 from cpattn.attention import varlen_attention
 from cpattn.invariant import InvariantAttention, check_invariant_call
 from cpattn.max_logits import document_placement, global_max_logits, sequence_placement
-from cpattn.options import AttentionOptions
+from cpattn.options import AttentionOptions, checked_call, returned
 from cpattn.packing import gathered_order
 from cpattn.strategies.base import Strategy
-from cpattn.strategies.common import checked_call, returned
 
 
 def scatter_heads(q, k, v, group):
