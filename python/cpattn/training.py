@@ -115,12 +115,13 @@ def shard_batch(
                          f"seq_dim=1, got seq_dim={seq_dim}")
     if documents not in DOCUMENTS:
         raise ValueError(f"{what}: documents must be one of {DOCUMENTS}, got {documents!r}")
-    if documents == "plan" and cp.strategy not in PLAN_STRATEGIES:
-        raise ValueError(f"{what}: documents='plan' needs strategy 'ring' or 'allgather' (a "
+    if documents == "plan" and not cp.spec.runs_document_plans:
+        plan_strategies = " or ".join(map(repr, PLAN_STRATEGIES))
+        raise ValueError(f"{what}: documents='plan' needs strategy {plan_strategies} (a "
                          f"DocumentPlan is run by ring_attention_varlen), got {cp.strategy!r}; "
                          "use documents='per-document' (the default 'auto' does)")
     if packing is not None:
-        if documents == "plan" or (documents == "auto" and cp.strategy in PLAN_STRATEGIES):
+        if documents == "plan" or (documents == "auto" and cp.spec.runs_document_plans):
             docs = packing.docs
             plan = shard_documents(list(docs.cu_seqlens), world_size=cp.world_size,
                                    layout=cp.layout, causal=causal, window=window,
@@ -227,13 +228,11 @@ def _loss_groups(cp: Optional[ContextParallel], group) -> tuple:
     if group is None:
         if cp is None:
             raise ValueError(f"{what}: give cp (the ContextParallel settings) or group")
-        if cp.strategy == "hybrid":
-            return (cp.ulysses_group, cp.ring_group)
-        return (cp.group,)
+        return cp.groups
     if cp is not None:
         members = set(dist.get_process_group_ranks(group))
-        peers = [cp.ulysses_group, cp.ring_group] if cp.strategy == "hybrid" else [cp.group]
-        missing = sorted(set().union(*(dist.get_process_group_ranks(g) for g in peers)) - members)
+        missing = sorted(set().union(*(dist.get_process_group_ranks(g) for g in cp.groups))
+                         - members)
         if missing:
             raise ValueError(
                 f"{what}: group (ranks {sorted(members)}) must hold every rank of cp's sequence "

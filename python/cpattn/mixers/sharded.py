@@ -92,6 +92,4 @@ def _cached_piece_map(mesh: tuple, local_len: int, documents: Optional[Documents
 
 def exchange_of(cp: ContextParallel) -> Exchange:
     """The exchange over cp's ranks, in cp.rank order."""
-    if cp.strategy == "hybrid":
-        return group_exchange((cp.ulysses_group, cp.ring_group))
-    return group_exchange((cp.group,))
+    return group_exchange(cp.groups)
