@@ -42,10 +42,10 @@ def global_max_logits(q: torch.Tensor, k: torch.Tensor, group, placement: Placem
         raise ValueError("cpattn: return_max_logits is not supported under torch.compile yet "
                          "(its pass runs collectives in Python): call the attention eagerly")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    q_pos, q_doc = placement(rank)
+    parts = [placement(r) for r in range(world)]  # on the host
+    q_pos, q_doc = parts[rank]
     ranges = to_device(key_ranges(q_pos, options), q.device)
     q_doc = to_device(q_doc, q.device)
-    parts = [placement(r) for r in range(world)]
     k_pos = to_device(torch.cat([p for p, _ in parts]), q.device)
     k_doc = to_device(torch.cat([d for _, d in parts]), q.device)
     heads, kv_heads = q.shape[2], k.shape[2]
