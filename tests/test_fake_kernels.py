@@ -56,6 +56,11 @@ def test_attention_varlen_ops_fakes_match():
 def test_positions_fakes_match():
     torch.library.opcheck(ops.layout_positions, (24, 3, 1, 1), test_utils=TESTS)
     torch.library.opcheck(ops.cache_positions, (10, 1, 3, 2), test_utils=TESTS)
+    # the mask rule's ops over query positions (-1: padding)
+    pos = torch.tensor([0, 7, -1, 3])
+    torch.library.opcheck(ops.visible_keys, (pos.clamp(min=0), 8, True, 2, -1, 1),
+                          test_utils=TESTS)
+    torch.library.opcheck(ops.visible_key_ranges, (pos, True, 2, -1, 1), test_utils=TESTS)
 
 
 def _ring_ops(rank, world):

@@ -1,5 +1,6 @@
 """Rules that live once, in C++, reached from Python through ops (issue 48): the per-document
-padded sharding (layout.h document_shard), the visible-key count (mask.h), the op layer's limits;
+padded sharding (layout.h document_shard), the visible-key count and the max-logits pass's visible
+key ranges (mask.h), the op layer's limits;
 and the ring's argument checks, run once per call rather than once per sub-problem; packed
 documents' lengths and prefixes as two op arguments."""
 
@@ -11,6 +12,8 @@ import torch
 from cpattn._layout import LAYOUTS, document_positions, document_shards
 from cpattn._validation import MAX_HEAD_DIM, MAX_POSITION
 from cpattn.documents import visible_pairs
+from cpattn.max_logits import key_ranges, seen_pairs
+from cpattn.options import AttentionOptions
 from cpattn.testing.emulation import load_ops
 
 
@@ -93,6 +96,84 @@ def test_visible_keys_agree_with_the_formula_and_the_mask():
         if window[1] >= 0:
             seen &= j <= i + window[1]
         assert torch.equal(got, (seen | (j < prefix)).sum(1))
+
+
+def _rule_mask(q_pos, k_pos, causal, window, prefix):
+    """docs/design.md's rule, written here on its own (a test oracle shares no code with what it
+    checks): causal j <= i, window i - left <= j <= i + right (-1: that side unbounded), keys
+    j < prefix seen by every query; padding (position -1) sees and is seen by nothing."""
+    i, j = q_pos[:, None], k_pos[None, :]
+    seen = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool)
+    if causal:
+        seen &= j <= i
+    left, right = window
+    if left >= 0:
+        seen &= j >= i - left
+    if right >= 0:
+        seen &= j <= i + right
+    seen |= j < prefix
+    return seen & (i >= 0) & (j >= 0)
+
+
+def _with_padding(positions, rng):
+    """positions with some -1 (padding) slots put in at random places."""
+    pos = positions.tolist()
+    for _ in range(rng.randrange(0, 4)):
+        pos.insert(rng.randrange(0, len(pos) + 1), -1)
+    return torch.tensor(pos, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("prefix", [0, 5])
+@pytest.mark.parametrize("window", [(-1, -1), (3, -1), (-1, 2), (0, 0), (4, 1), (0, -1),
+                                    (MAX_POSITION, 5)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_visible_key_ranges_agree_with_the_rule(causal, window, prefix):
+    # the max-logits pass's mask: the op's ranges expanded on the keys (seen_pairs) are the rule
+    rng = random.Random(f"{causal} {window} {prefix}")
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    options = AttentionOptions(softmax_scale=1.0, causal=causal, window=window, prefix_len=prefix)
+    for _ in range(20):
+        n = rng.randrange(1, 50)
+        keys = _with_padding(torch.arange(n), rng)
+        queries = _with_padding(torch.randperm(n, generator=g)[:rng.randrange(0, n + 1)], rng)
+        ranges = key_ranges(queries, options)
+        assert ranges.shape == (queries.numel(), 3) and ranges.dtype == torch.int64
+        same_doc = torch.zeros_like
+        got = seen_pairs(ranges, same_doc(queries), keys, same_doc(keys))
+        assert torch.equal(got, _rule_mask(queries, keys, causal, window, prefix))
+        # documents: a key is seen only within its query's document
+        q_doc = torch.randint(0, 2, queries.shape, generator=g)
+        k_doc = torch.randint(0, 2, keys.shape, generator=g)
+        got = seen_pairs(ranges, q_doc, keys, k_doc)
+        want = _rule_mask(queries, keys, causal, window, prefix) & (q_doc[:, None] == k_doc)
+        assert torch.equal(got, want)
+
+
+def test_visible_key_ranges_of_padding_see_nothing():
+    ranges = torch.ops.cpattn.visible_key_ranges(torch.tensor([-1, 3]), False, -1, -1, 4)
+    first, last, prefix_end = ranges[0].tolist()
+    assert first > last and prefix_end <= -MAX_POSITION  # no position at all, even -1
+    assert ranges[1].tolist() == [-MAX_POSITION, MAX_POSITION, 4]  # unbounded ends
+
+
+def test_visible_key_ranges_refuse_bad_arguments():
+    op = torch.ops.cpattn.visible_key_ranges
+    pos = torch.arange(4)
+    with pytest.raises(RuntimeError, match="positions must be a 1-D int64 CPU tensor"):
+        op(pos[None], True, -1, -1, 0)
+    with pytest.raises(RuntimeError, match="positions must be a 1-D int64 CPU tensor"):
+        op(pos.float(), True, -1, -1, 0)
+    with pytest.raises(RuntimeError, match=r"window sides must be >= -1 \(-1: unbounded\), "
+                       r"got \(-2, 0\)"):
+        op(pos, True, -2, 0, 0)
+    with pytest.raises(RuntimeError, match=r"visible_key_ranges: prefix_len must be >= 0 "
+                       r"\(0: none\), got -1"):
+        op(pos, True, -1, -1, -1)
+    with pytest.raises(RuntimeError, match="positions must be -1 \\(padding\\) or in \\[0, .*"
+                       "got -2 at index 1"):
+        op(torch.tensor([0, -2]), True, -1, -1, 0)
+    with pytest.raises(RuntimeError, match="positions must be -1"):
+        op(torch.tensor([MAX_POSITION + 1]), True, -1, -1, 0)
 
 
 def test_limits_come_from_the_op_layer():

@@ -146,6 +146,10 @@ TORCH_LIBRARY(cpattn, m) {
   m.def(
       "visible_keys(Tensor positions, int num_keys, bool causal, int window_left, "
       "int window_right, int prefix_len) -> Tensor");
+  // ... and the keys each query sees, (N, 3) [first, last, prefix_end] (the max-logits pass).
+  m.def(
+      "visible_key_ranges(Tensor positions, bool causal, int window_left, int window_right, "
+      "int prefix_len) -> Tensor");
   m.def("ring_stats() -> Tensor");
   m.def("destroy_communicators() -> int");
   m.def("release_buffers() -> int");

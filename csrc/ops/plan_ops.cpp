@@ -1,5 +1,6 @@
 // What the cost model (python/cpattn/plan) asks the library: the ring schedule's work per (rank,
-// step), and the sizes the CPU backward chooses for a shape.
+// step), and the sizes the CPU backward chooses for a shape; and what the mask rule (mask.h) says
+// per query position: how many keys it sees (the planner), which keys (the max-logits pass).
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -88,6 +89,47 @@ at::Tensor visible_keys(const at::Tensor& positions, int64_t num_keys, bool caus
   return count;
 }
 
+// (N, 3) int64: for each query at positions (N,) int64 (-1: padding), the keys it sees by the mask
+// rule of cpattn/mask.h, as [first, last, prefix_end]: the key positions in [first, last] (its
+// causal / window interval) and those below prefix_end (the prefix). Unbounded ends are
+// +-kUnbounded; a padding query sees nothing (first > last, prefix_end = -kUnbounded).
+at::Tensor visible_key_ranges(const at::Tensor& positions, bool causal, int64_t window_left,
+                              int64_t window_right, int64_t prefix_len) {
+  TORCH_CHECK(
+      positions.dim() == 1 && positions.device().is_cpu() && positions.scalar_type() == at::kLong,
+      "cpattn.visible_key_ranges: positions must be a 1-D int64 CPU tensor, got ",
+      positions.sizes(), " ", positions.scalar_type(), " on ", positions.device());
+  TORCH_CHECK(window_left >= -1 && window_right >= -1,
+              "cpattn.visible_key_ranges: window sides must be >= -1 (-1: unbounded), got (",
+              window_left, ", ", window_right, ")");
+  check_prefix_len("visible_key_ranges", prefix_len);
+  Mask m;
+  m.causal = causal;
+  m.window_left = normalized_window(window_left);
+  m.window_right = normalized_window(window_right);
+  if (prefix_len > 0) m.prefix_end = prefix_len;
+  const at::Tensor pos = positions.contiguous();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const int64_t n = pos.size(0);
+  at::Tensor ranges = at::empty({n, 3}, at::kLong);
+  int64_t* out = ranges.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r, out += 3) {
+    TORCH_CHECK(p[r] >= -1 && p[r] <= kMaxPosition,
+                "cpattn.visible_key_ranges: positions must be -1 (padding) or in [0, ",
+                kMaxPosition, "], got ", p[r], " at index ", r);
+    if (p[r] < 0) {  // padding: an empty interval and no prefix
+      out[0] = kUnbounded;
+      out[1] = -kUnbounded;
+      out[2] = -kUnbounded;
+      continue;
+    }
+    out[0] = m.first_key(p[r]);
+    out[1] = m.last_key(p[r]);
+    out[2] = m.prefix_end;
+  }
+  return ranges;
+}
+
 // [KV heads per kernel call, key splits, query rows per band] of the CPU backward over
 // contiguous q, k, v and dout in `input_dtype` with gradients in `grad_dtype`, as the backward
 // decides them (attention_cpu.cpp, under the byte budget the process runs with; the kernels of
@@ -156,4 +198,5 @@ TORCH_LIBRARY_IMPL(cpattn, CompositeExplicitAutograd, m) {
   m.impl("cpu_backward_sizes", &cpattn::ops::cpu_backward_sizes);
   m.impl("cpu_backward_buffer_bytes", &cpattn::ops::cpu_backward_buffer_bytes);
   m.impl("visible_keys", &cpattn::ops::visible_keys);
+  m.impl("visible_key_ranges", &cpattn::ops::visible_key_ranges);
 }

@@ -132,6 +132,11 @@ def _visible_keys_fake(positions, num_keys, causal, window_left, window_right, p
     return positions.new_empty(positions.shape, dtype=torch.int64)
 
 
+@torch.library.register_fake("cpattn::visible_key_ranges")
+def _visible_key_ranges_fake(positions, causal, window_left, window_right, prefix_len):
+    return positions.new_empty((positions.shape[0], 3), dtype=torch.int64)
+
+
 @torch.library.register_fake("cpattn::gathered_fwd")
 def _gathered_fwd_fake(q, k_all, v_all, rank, layout, doc_lengths=None, doc_prefix_lens=None,
                        sinks=None, *options, **named_options):

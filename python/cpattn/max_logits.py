@@ -4,10 +4,16 @@ QK-clip style optimisers (MuonClip) rescale the query / key projections of a hea
 logit s_ij = softmax_scale * q_i . k_j grows too large. Under context parallelism a rank sees its
 own queries against every key only through the attention kernels, which do not report a max; so
 this is a separate pass, run only when asked (no cost otherwise): the keys are all-gathered one KV
-head at a time, each rank takes the max over its queries and the keys they see (the same mask
-rule as the kernels, on global positions: causal, window, prefix, documents, padding), and one
+head at a time, each rank takes the max over its queries and the keys they see, and one
 all-reduce (max) gives every rank the same (heads,) float32 values. The logit is the scaled
 score before softcap and ALiBi; a head with no visible pair gets -inf. No gradient flows.
+
+The keys a query sees follow the kernels' mask rule, on global positions. The rule (causal,
+window, prefix) lives once, in the header core (csrc/include/cpattn/mask.h): the op
+visible_key_ranges gives, on the host, each query's interval of visible keys and the prefix's
+end, and this pass only expands those to a (rows, keys) mask on the device, adding what the
+placement knows: a key is seen only within its query's document, and padding (position -1)
+sees and is seen by nothing.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ def global_max_logits(q: torch.Tensor, k: torch.Tensor, group, placement: Placem
         raise ValueError("cpattn: return_max_logits is not supported under torch.compile yet "
                          "(its pass runs collectives in Python): call the attention eagerly")
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    q_pos, q_doc = (to_device(t, q.device) for t in placement(rank))
-    parts = [placement(r) for r in range(world)]
+    parts = [placement(r) for r in range(world)]  # on the host
+    q_pos, q_doc = parts[rank]
+    ranges = to_device(key_ranges(q_pos, options), q.device)
+    q_doc = to_device(q_doc, q.device)
     k_pos = to_device(torch.cat([p for p, _ in parts]), q.device)
     k_doc = to_device(torch.cat([d for _, d in parts]), q.device)
     heads, kv_heads = q.shape[2], k.shape[2]
@@ -49,7 +57,7 @@ def global_max_logits(q: torch.Tensor, k: torch.Tensor, group, placement: Placem
             queries = q[:, :, h * group_size:(h + 1) * group_size].float()
             for start in range(0, q.shape[1], QUERY_ROWS):
                 rows = slice(start, start + QUERY_ROWS)
-                seen = _visible(q_pos[rows], q_doc[rows], k_pos, k_doc, options)
+                seen = seen_pairs(ranges[rows], q_doc[rows], k_pos, k_doc)
                 scores = (torch.einsum("bqgd,bkd->gbqk", queries[:, rows], keys)
                           * options.softmax_scale)
                 scores = scores.masked_fill(~seen, float("-inf"))
@@ -61,20 +69,22 @@ def global_max_logits(q: torch.Tensor, k: torch.Tensor, group, placement: Placem
     return best
 
 
-def _visible(q_pos, q_doc, k_pos, k_doc, options: AttentionOptions) -> torch.Tensor:
-    """(rows, keys) bool: the mask rule (docs/design.md) on positions within the documents."""
-    i, j = q_pos[:, None], k_pos[None, :]
-    seen = torch.ones(i.shape[0], j.shape[1], dtype=torch.bool, device=q_pos.device)
-    if options.causal:
-        seen &= j <= i
+def key_ranges(positions: torch.Tensor, options: AttentionOptions) -> torch.Tensor:
+    """(N, 3) int64 on the host: for each query at global positions (N,) (CPU int64, -1:
+    padding), [first, last, prefix_end] of the keys it sees by the options' mask rule: the
+    positions in [first, last] and those below prefix_end (op visible_key_ranges, mask.h)."""
     left, right = options.window
-    if left >= 0:
-        seen &= j >= i - left
-    if right >= 0:
-        seen &= j <= i + right
-    if options.prefix_len:
-        seen |= j < options.prefix_len
-    return seen & (q_doc[:, None] == k_doc[None, :]) & (i >= 0) & (j >= 0)
+    return torch.ops.cpattn.visible_key_ranges(positions, options.causal, left, right,
+                                               options.prefix_len)
+
+
+def seen_pairs(ranges, q_doc, k_pos, k_doc) -> torch.Tensor:
+    """(rows, keys) bool: the keys at positions k_pos (-1: padding) that each query row sees, by
+    its key_ranges row, within its document."""
+    first, last, prefix_end = ranges[:, 0:1], ranges[:, 1:2], ranges[:, 2:3]
+    j = k_pos[None, :]
+    in_rule = ((j >= first) & (j <= last)) | (j < prefix_end)
+    return in_rule & (q_doc[:, None] == k_doc[None, :]) & (j >= 0)
 
 
 def sequence_placement(seqlen: int, layout: str, world: int) -> Placement:
