@@ -579,7 +579,6 @@ int64_t release_buffers() { return buffer_cache().release(); }
 
 // The ring's ops.
 
-
 // CUDA tensors shift over cpattn's own NCCL communicator (CPATTN_RING_TRANSPORT=c10d: through the
 // process group instead); CPU tensors through the process group.
 std::unique_ptr<comm::Transport> group_transport([[maybe_unused]] const at::Tensor& q,
