@@ -209,6 +209,7 @@ def test_fallback_where_brgemm_cannot_run(env: dict, tmp_path: Path) -> None:
         runs_on(report, "float32", "brgemm")
 
 
+@pytest.mark.slow  # a sweep: the kernel test files again, on the other GEMM paths
 def test_kernel_tests_on_the_other_path() -> None:
     """The kernel test files again with each operand type on the path this process does not
     take (CPATTN_CPU_GEMM per operand type), where that path runs here: with the rest of the

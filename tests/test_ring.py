@@ -71,6 +71,7 @@ def _check_all_cases_subset(rank: int, world: int) -> None:
                                    atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow  # a sweep: W = 8 oversubscribes the 2 cores of CI (W = 2-4 run in the main step)
 def test_ring_eight_ranks_small():
     run_ranks(8, _check_small)
 

@@ -149,6 +149,7 @@ def test_families_w2():
     run_ranks(2, _w2)
 
 
+@pytest.mark.slow  # a sweep: every family again at W = 3 (W = 2 and 4 run in the main step)
 def test_families_w3():
     run_ranks(3, _w3)
 
