@@ -13,6 +13,7 @@
 #include "cpu/kernels.h"
 #include "ops/backend.h"
 #include "ops/checks.h"
+#include "ops/options.h"
 
 namespace cpattn::ops {
 namespace {
@@ -76,11 +77,10 @@ at::Tensor visible_keys(const at::Tensor& positions, int64_t num_keys, bool caus
               " on ", positions.device());
   TORCH_CHECK(window_left >= -1 && window_right >= -1 && prefix_len >= 0 && num_keys >= 0,
               "cpattn.visible_keys: window sides must be >= -1 and prefix_len, num_keys >= 0");
-  Mask m;
-  m.causal = causal;
-  m.window_left = normalized_window(window_left);
-  m.window_right = normalized_window(window_right);
-  if (prefix_len > 0) m.prefix_end = prefix_len;
+  const Mask m = global_mask(AttentionOptions{.causal = causal,
+                                              .window_left = window_left,
+                                              .window_right = window_right,
+                                              .prefix_len = prefix_len});
   const at::Tensor pos = positions.to(at::kLong).contiguous();
   at::Tensor count = at::empty({pos.size(0)}, at::kLong);
   const int64_t* p = pos.data_ptr<int64_t>();
@@ -103,11 +103,10 @@ at::Tensor visible_key_ranges(const at::Tensor& positions, bool causal, int64_t 
               "cpattn.visible_key_ranges: window sides must be >= -1 (-1: unbounded), got (",
               window_left, ", ", window_right, ")");
   check_prefix_len("visible_key_ranges", prefix_len);
-  Mask m;
-  m.causal = causal;
-  m.window_left = normalized_window(window_left);
-  m.window_right = normalized_window(window_right);
-  if (prefix_len > 0) m.prefix_end = prefix_len;
+  const Mask m = global_mask(AttentionOptions{.causal = causal,
+                                              .window_left = window_left,
+                                              .window_right = window_right,
+                                              .prefix_len = prefix_len});
   const at::Tensor pos = positions.contiguous();
   const int64_t* p = pos.data_ptr<int64_t>();
   const int64_t n = pos.size(0);
