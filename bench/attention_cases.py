@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import cpattn
-from cpattn._flops import attention_flops
-from cpattn._machine import interleaved_medians
+from cpattn.core.flops import attention_flops
+from cpattn.core.machine import interleaved_medians
 
 # A case passes when max|cpattn - sdpa| <= tolerance * max|sdpa|, for the output and for each
 # gradient. A wrong kernel (mask, scale, a missed block) is off by O(1) of that.

@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from cpattn._flops import BACKWARD_FLOP_FACTOR, attention_flops  # noqa: F401
-from cpattn._layout import DTYPES
+from cpattn.core.flops import BACKWARD_FLOP_FACTOR, attention_flops  # noqa: F401
+from cpattn.core.layout import DTYPES
 
 # The cases and the report live in attention_cases.py and bench_report.py; the names the other
 # benchmarks and bench/test_bench_attention.py import from here are re-exported.

@@ -35,7 +35,7 @@ from cpattn.testing.distributed import run_ranks  # noqa: E402
 
 from bench_attention import Report  # noqa: E402
 
-CHECK_WORDS = 12  # int64 words of the agreement check's fixed-size header (cpattn._agreement)
+CHECK_WORDS = 12  # int64 words of the agreement check's fixed-size header (cpattn.core.agreement)
 
 
 def _rss_mib() -> float:
@@ -60,7 +60,7 @@ def _median_time(fn, iters: int) -> float:
 
 def _worker(rank: int, world: int, cfg: dict) -> dict:
     import cpattn
-    from cpattn._agreement import agree
+    from cpattn.core.agreement import agree
 
     h, hkv, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     ops = torch.ops.cpattn

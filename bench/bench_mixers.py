@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from cpattn._machine import cpu_model
+from cpattn.core.machine import cpu_model
 from cpattn.memory import counting
 from cpattn.mixers import build_piece_map, stacked
 from cpattn.plan.model import PRESETS
@@ -180,7 +180,7 @@ def conv_info(kind: str, module) -> tuple[int, int]:
 
 
 def run(kind: str, world: int, local: int, reps: int, small: bool) -> dict:
-    from cpattn._layout import shard_positions
+    from cpattn.core.layout import shard_positions
 
     module, name, width_in, width_out = layer(kind, small=small)
     hidden = module.out_proj.out_features if hasattr(module, "out_proj") else module.hidden_size

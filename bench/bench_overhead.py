@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from cpattn._layout import LAYOUTS
+from cpattn.core.layout import LAYOUTS
 from cpattn.testing.distributed import run_ranks
 
 

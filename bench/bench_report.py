@@ -13,9 +13,9 @@ import sys
 import torch
 
 import cpattn
-from cpattn._flops import BACKWARD_FLOP_FACTOR
-from cpattn._layout import DTYPES
-from cpattn._machine import ceiling_dtype, cpu_model, gemm_ceiling  # noqa: F401 (re-exported)
+from cpattn.core.flops import BACKWARD_FLOP_FACTOR
+from cpattn.core.layout import DTYPES
+from cpattn.core.machine import ceiling_dtype, cpu_model, gemm_ceiling  # noqa: F401 (re-exported)
 
 from attention_cases import Result
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from cpattn._layout import DTYPES
+from cpattn.core.layout import DTYPES
 
 
 @dataclass

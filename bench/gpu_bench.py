@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import cpattn
-from cpattn._flops import attention_flops
+from cpattn.core.flops import attention_flops
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel

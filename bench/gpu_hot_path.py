@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 try:  # a failed build still gives each stage its FAIL line
     import cpattn
-    from cpattn._layout import LAYOUTS
+    from cpattn.core.layout import LAYOUTS
     from cpattn.testing.emulation import load_ops, ring_attention_emulated
     IMPORT_ERROR = None
 except Exception as e:  # noqa: BLE001 - an ImportError, or a library that fails to load

@@ -20,7 +20,7 @@ os.environ["CPATTN_POISON"] = "1"
 import pytest
 import torch
 
-from cpattn.options import AttentionOptions  # noqa: E402
+from cpattn.core.options import AttentionOptions  # noqa: E402
 from cpattn.testing.distributed import keep_ranks  # noqa: E402
 from cpattn.testing.emulation import load_ops  # noqa: E402
 
@@ -170,7 +170,7 @@ def assert_matches(what: str, out, lse, grads, ref_out, ref_lse, ref_grads,
 
 def _cpu_paths() -> str:
     import cpattn
-    from cpattn._machine import cpu_model
+    from cpattn.core.machine import cpu_model
 
     info = cpattn.build_info()
     gemm = ", ".join(f"{dtype} {path}" for dtype, path in info["cpu_gemm"].items())

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpattn._layout import document_positions, shard_positions
-from cpattn.documents import shard_documents
+from cpattn.core.layout import document_positions, shard_positions
 from cpattn.mixers import build_piece_map, state_scan
 from cpattn.mixers.kernels import delta_rule_summary, read_entry, scalar_decay, selective_scan
 from cpattn.mixers.primitives import from_pieces, piece_mask, to_pieces
+from cpattn.sharding.documents import shard_documents
 
 
 def scalar_decay_loop(q, k, v, a, initial=None):

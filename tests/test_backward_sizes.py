@@ -120,12 +120,12 @@ def _buffer_bytes_formula(B, n, h, hkv, D, dtype, grad) -> int:
     fp32, 8 in bf16), its fp32 dQ per key split, and the dK / dV sums beyond the gradients (none
     in fp32 gradients, low halves beside bf16 ones, fp32 sums otherwise or with D not a multiple
     of 16)."""
-    from cpattn.plan.memory import _bf16_dot
+    from cpattn.plan.memory import bf16_dot
 
     c, splits, rows = sizes(B, n, n, h, hkv, D, dtype, grad)
     h, hkv = h // hkv * c, c
     dp = -(-D // 16) * 16
-    bf16 = dtype == torch.bfloat16 and _bf16_dot()
+    bf16 = dtype == torch.bfloat16 and bf16_dot()
     per_value = 4 if D % 16 else {torch.float32: 0, torch.bfloat16: 2}.get(grad, 4)
     return ((8 if bf16 else 16) * B * h * rows * dp + splits * 4 * B * h * rows * dp
             + per_value * B * n * hkv * 2 * dp)

@@ -4,8 +4,8 @@ check against one device and float64, and a result that differs exits nonzero.""
 import subprocess
 import sys
 
-from cpattn import _demo
 from cpattn.__main__ import main
+from cpattn.cli import demo as _demo
 
 
 def _rows(text: str) -> dict[int, dict[str, str]]:

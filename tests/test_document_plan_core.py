@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-from cpattn.documents import visible_pairs
+from cpattn.sharding.documents import visible_pairs
 from cpattn.testing.distributed import run_ranks
 
 from reference import varlen_reference
@@ -199,6 +199,6 @@ def test_plan_properties(world, seed):
         assert plan.work[r] == pairs == brute
     # Deterministic: the same plan again, also after other plans were made.
     cpattn.shard_documents(cu[:-1], world_size=world, split="balanced")
-    again = cpattn.documents._plan.__wrapped__(
+    again = cpattn.sharding.documents._plan.__wrapped__(
         plan.lengths, world, "zigzag", True, (-1, -1), plan.prefix, "balanced", 1.05, None)
     assert again == plan and again.signature == plan.signature

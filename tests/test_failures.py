@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-from cpattn import _agreement
+from cpattn.core import agreement as _agreement
 
 from distributed import run_ranks
 from failure_cases import TIMEOUT, qkv, raises_same_everywhere, valid_call_matches

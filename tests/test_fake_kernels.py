@@ -170,7 +170,7 @@ def _varlen_compile(rank, world):
     cu_seqlens or boundaries that differ across ranks raise on every rank."""
     import pytest
 
-    from cpattn import _agreement
+    from cpattn.core import agreement as _agreement
 
     for strategy in ("ring", "allgather"):
         torch._dynamo.reset()

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cpattn
-from cpattn import _agreement, _validation
+from cpattn.core import agreement as _agreement
+from cpattn.core import validation as _validation
 
 from distributed import run_ranks
 

@@ -11,7 +11,7 @@ import pathlib
 import cpattn
 
 PACKAGE = pathlib.Path(cpattn.__file__).parent
-DEMOS = {"cpattn.__main__", "cpattn._demo", "cpattn._generate_demo"}
+DEMOS = {"cpattn.__main__", "cpattn.cli.demo", "cpattn.cli.generate_demo"}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -102,10 +102,8 @@ def _under(module: str, names: tuple) -> bool:
 
 LAYER_RULES = [
     # local attention, the options, the layouts and the planner: below every strategy
-    (("cpattn.attention", "cpattn.invariant", "cpattn._layout", "cpattn._ops",
-      "cpattn.options", "cpattn._validation", "cpattn._agreement", "cpattn.sharding", "cpattn.comm",
-      "cpattn.max_logits", "cpattn.packing", "cpattn.documents", "cpattn.kv_cache",
-      "cpattn.plan"),
+    (("cpattn.attention", "cpattn.invariant", "cpattn.core", "cpattn.sharding", "cpattn.comm",
+      "cpattn.max_logits", "cpattn.inference.kv_cache", "cpattn.plan"),
      ("cpattn.strategies",)),
     # the strategies: below the settings object, the whole-sequence entry and the integrations
     (("cpattn.strategies",),
@@ -158,7 +156,7 @@ def test_layer_rules_catch_a_wrong_import():
 
 # ---------------------------------------------------------------------------------------------
 # No private names across modules: a module uses another cpattn module's public names only
-# (modules whose own name starts with "_", such as cpattn._layout, are fine to import from).
+# (modules whose own name starts with "_", such as cpattn.core.layout, are fine to import from).
 
 # Compiled or generated at build time: modules without a .py file in the source tree.
 BUILT_MODULES = {"cpattn._C", "cpattn._build_info"}
@@ -271,18 +269,20 @@ def test_private_use_detector_finds_each_form(tmp_path: pathlib.Path):
     source = tmp_path / "probe.py"
     source.write_text(
         "import cpattn\n"
-        "import cpattn.sharding as sh\n"
-        "from cpattn import plan, _layout\n"
-        "from cpattn.kv_cache import _hidden\n"  # reported
-        "from cpattn._layout import LAYOUTS\n"  # a private module's public name: fine
+        "import cpattn.sharding.sequences as sh\n"
+        "from cpattn import plan\n"
+        "from cpattn.core import layout as _layout\n"
+        "from cpattn.inference.kv_cache import _hidden\n"  # reported
+        "from cpattn.core.layout import LAYOUTS\n"  # a private module's public name: fine
         "from .options import _secret\n"  # reported (relative)
-        "cpattn.sharding._unshard_by\n"  # reported
+        "cpattn.sharding.sequences._unshard_by\n"  # reported
         "sh._group_info\n"  # reported
         "plan._internal\n"  # reported
         "_layout.LAYOUTS, cpattn._C, cpattn.__version__, sh.positions\n")  # fine
     # as if it were the module cpattn.strategies.probe (the relative import resolves from there)
     uses = private_uses(source, modules, "cpattn.strategies.probe")
     assert [u.split(": ", 1)[1] for u in uses] == [
-        "from cpattn.kv_cache import _hidden", "from cpattn.strategies.options import _secret",
-        "cpattn.sharding._unshard_by", "cpattn.sharding._group_info", "cpattn.plan._internal"
+        "from cpattn.inference.kv_cache import _hidden",
+        "from cpattn.strategies.options import _secret", "cpattn.sharding.sequences._unshard_by",
+        "cpattn.sharding.sequences._group_info", "cpattn.plan._internal"
     ], uses

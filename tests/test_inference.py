@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-from cpattn._generate_demo import (
+from cpattn.cli.generate_demo import (
     TinyDecoder,
     generate_reference,
     generate_sharded,
     make_prompts,
 )
-from cpattn._layout import LAYOUTS
+from cpattn.core.layout import LAYOUTS
 
 from conftest import assert_close_fp32, assert_close_low_out
 from distributed import run_ranks

@@ -395,7 +395,7 @@ def _context_parallel(rank: int, world: int) -> None:
     builds (AttentionOptions.as_keywords) never turn $CPATTN_INVARIANT off."""
     import os
 
-    from cpattn.options import AttentionOptions
+    from cpattn.core.options import AttentionOptions
 
     full = _inputs(4, 64, torch.float32)
     want = _sharded(full, True, (-1, -1), {}, "zigzag", "ring", invariant=True)[0]
@@ -556,9 +556,9 @@ def _streamed_parts(rank: int, world: int) -> None:
     starts a document or a multiple of invariant_row_band() into it (where the kernels' sums can
     continue), with runs that do and do not end at such a multiple, broadcast whole or in pieces
     of one chunk; and with such pieces the results stay bitwise those of one process."""
-    from cpattn._layout import LAYOUTS
+    from cpattn.core.layout import LAYOUTS
     from cpattn.invariant import global_order as invariant
-    from cpattn.invariant.global_order import _shards, gather_global, stream_global
+    from cpattn.invariant.global_order import doc_shards, gather_global, stream_global
 
     chunk = torch.ops.cpattn.invariant_row_band()
     group = dist.group.WORLD
@@ -569,10 +569,10 @@ def _streamed_parts(rank: int, world: int) -> None:
         invariant._STREAM_BYTES = piece_bytes
         code = LAYOUTS[layout]
         local = 2 * 3 * 100 if docs is None else sum(
-            n for n, _, _ in _shards(code, world, 0, docs)) // world
+            n for n, _, _ in doc_shards(code, world, 0, docs)) // world
         t = torch.randn(2, local, 3, 4) + rank
         whole, = gather_global([t], 1, group, rank, world, code, docs)
-        starts = [begin for _, begin, _ in _shards(code, world, local, docs)]
+        starts = [begin for _, begin, _ in doc_shards(code, world, local, docs)]
         end = 0
         for begin, (part,) in stream_global([t], 1, group, rank, world, code, docs):
             assert begin == end and torch.equal(part, whole.narrow(1, begin, part.shape[1]))
@@ -607,7 +607,7 @@ def test_bitwise_head_dim_not_a_multiple_of_16() -> None:
 def test_streamed_part_not_on_a_chunk_boundary_raises() -> None:
     """A part that starts inside a document off a multiple of invariant_row_band() would continue
     the kernels' sums out of order: refused."""
-    from cpattn._layout import LAYOUTS
+    from cpattn.core.layout import LAYOUTS
 
     q, k, v = (torch.randn(1, 512, 2, 16) for _ in range(3))
     sums = [torch.zeros_like(t) for t in (q, k, v)]
@@ -650,9 +650,9 @@ def test_bitwise_blocks_computed_once(world, layout, seqlen, dtype, names) -> No
     """Shards whose runs start and end at multiples of invariant_row_band(): the backward computes
     each block once, on its rows' rank, and the keys' owner adds the dK / dV planes of the
     chunks in global order (_backward_once); bitwise."""
-    from cpattn._layout import LAYOUTS
-    from cpattn.invariant.autograd import _computed_once
+    from cpattn.core.layout import LAYOUTS
+    from cpattn.invariant.autograd import computed_once
 
     code = LAYOUTS["contiguous" if layout == "striped" else layout]
-    assert _computed_once(code, world, seqlen // world, None)
+    assert computed_once(code, world, seqlen // world, None)
     run_ranks(world, _check, (layout,), ("ring",), names, (dtype,), seqlen)

@@ -1,9 +1,9 @@
-"""The Python layout rules (cpattn._layout) agree with the header core (layout.h)."""
+"""The Python layout rules (cpattn.core.layout) agree with the header core (layout.h)."""
 
 import pytest
 import torch
 
-from cpattn._layout import LAYOUTS, granularity, padded_length, shard_positions
+from cpattn.core.layout import LAYOUTS, granularity, padded_length, shard_positions
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import cpattn
-from cpattn import _build_info, _loader
+from cpattn import _build_info
+from cpattn.core import loader as _loader
 
 
 def test_loads_under_matching_torch() -> None:

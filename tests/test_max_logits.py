@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-import cpattn.packing
-from cpattn._layout import LAYOUTS
+import cpattn.sharding.packing
+from cpattn.core.layout import LAYOUTS
 from cpattn.testing.reference import visible_mask
 
 from distributed import run_ranks
@@ -98,7 +98,7 @@ def _cases(rank, world):
         _check(f"ulysses varlen {causal} {window}", best, ref)
         # Through ContextParallel (its packed path keeps the batch dim of one row).
         cp = cpattn.ContextParallel()
-        docs = cpattn.packing.Documents(tuple(lengths), (0,) * len(lengths))
+        docs = cpattn.sharding.packing.Documents(tuple(lengths), (0,) * len(lengths))
         shards = [cpattn.shard_varlen(t, cu)[None] for t in (qp, kp, vp)]
         out, lse, best = cp.attention(*shards, causal=causal, window=window, softmax_scale=scale,
                                       return_lse=True, return_max_logits=True, documents=docs)
@@ -140,7 +140,7 @@ def _hybrid_cases(rank, world):
     lengths = [3, 0, 9, 5]
     cu = torch.tensor([0, *lengths]).cumsum(0).tolist()
     qp, kp = q[0, :cu[-1]], k[0, :cu[-1]]
-    docs = cpattn.packing.Documents(tuple(lengths), (0,) * len(lengths))
+    docs = cpattn.sharding.packing.Documents(tuple(lengths), (0,) * len(lengths))
     index, _ = cp.document_positions(docs)
     local = lambda t: torch.cat([t, t.new_zeros((1, *t.shape[1:]))])[  # noqa: E731
         torch.where(index < 0, t.shape[0], index)]

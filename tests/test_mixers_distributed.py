@@ -14,7 +14,7 @@ import torch.distributed as dist
 import cpattn
 from cpattn.mixers import causal_conv
 from cpattn.mixers.sharded import exchange_of, piece_map_of
-from cpattn.packing import Documents
+from cpattn.sharding.packing import Documents
 
 from distributed import run_ranks
 from mixer_reference import conv_reference, problem, reference, scan_on_rank, take

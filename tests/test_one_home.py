@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from cpattn._layout import LAYOUTS, document_positions, document_shards
-from cpattn._validation import MAX_HEAD_DIM, MAX_POSITION
-from cpattn.documents import visible_pairs
+from cpattn.core.layout import LAYOUTS, document_positions, document_shards
+from cpattn.core.options import AttentionOptions
+from cpattn.core.validation import MAX_HEAD_DIM, MAX_POSITION
 from cpattn.max_logits import key_ranges, seen_pairs
-from cpattn.options import AttentionOptions
+from cpattn.sharding.documents import visible_pairs
 from cpattn.testing.emulation import load_ops
 
 

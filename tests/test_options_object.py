@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cpattn
-from cpattn.options import NAMES, OP_OPTION_NAMES, AttentionOptions
+from cpattn.core.options import NAMES, OP_OPTION_NAMES, AttentionOptions
 from cpattn.testing.emulation import ring_attention_emulated
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

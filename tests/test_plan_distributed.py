@@ -94,7 +94,7 @@ def _machine(bandwidth: float, latency: float) -> P.Machine:
 
 
 def _auto_ring_cases(rank: int, world: int) -> None:
-    from cpattn.options import AttentionOptions
+    from cpattn.core.options import AttentionOptions
     from cpattn.strategies.ring import auto_strategy
 
     chosen = set()

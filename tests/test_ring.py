@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-from cpattn._layout import LAYOUTS
+from cpattn.core.layout import LAYOUTS
 from cpattn.testing.emulation import load_ops, ring_attention_emulated
 
 from distributed import run_ranks

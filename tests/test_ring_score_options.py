@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-from cpattn._layout import LAYOUTS
+from cpattn.core.layout import LAYOUTS
 
 from distributed import run_ranks
 from reference import compare_sharded, reference_attention

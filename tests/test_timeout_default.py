@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-from cpattn._validation import check_timeout, group_timeout
+from cpattn.core.validation import check_timeout, group_timeout
 
 from distributed import run_ranks
 

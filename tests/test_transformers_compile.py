@@ -28,7 +28,7 @@ from transformers_models import (  # noqa: E402
 
 
 def _agreement_exchanges() -> int:
-    from cpattn import _agreement
+    from cpattn.core import agreement as _agreement
 
     return _agreement.exchanges
 

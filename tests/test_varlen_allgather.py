@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import cpattn
-from cpattn._layout import LAYOUTS
+from cpattn.core.layout import LAYOUTS
 from cpattn.testing.emulation import ring_attention_emulated
 
 from conftest import assert_matches, seeded_problem

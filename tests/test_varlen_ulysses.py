@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import cpattn
-import cpattn.packing
+import cpattn.sharding.packing
 
 from distributed import run_ranks
 from reference import varlen_reference
@@ -113,7 +113,7 @@ def _hybrid_cases(rank, world):
         cu = torch.tensor([0, *lengths]).cumsum(0).tolist()
         q, k, v, dout, s = _problem(300 + n, lengths, 4, 2 if n % 2 else 1, dv, torch.float32,
                                     sinks)
-        docs = cpattn.packing.Documents(tuple(lengths), (0,) * len(lengths))
+        docs = cpattn.sharding.packing.Documents(tuple(lengths), (0,) * len(lengths))
         index, _ = cp.document_positions(docs)
 
         def local(t):

@@ -19,7 +19,7 @@ int nccl_version();
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "cpattn compiled ops";
-  // The limits the op layer checks, read by python/cpattn/_validation.py (defined once, here).
+  // The limits the op layer checks, read by python/cpattn/core/validation.py (defined once, here).
   m.attr("MAX_HEAD_DIM") = cpattn::ops::kMaxHeadDim;
   m.attr("UNBOUNDED_POSITION") = cpattn::kUnbounded;  // a window side this large: unbounded
   m.def("cpu_isa", &cpattn::cpu::active_isa,

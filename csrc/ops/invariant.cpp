@@ -10,7 +10,7 @@
 // fp32 running sums that the kernels continue. Contiguous and zigzag shards are runs of consecutive
 // positions, which the kernels' offsets express; striped shards are moved to the contiguous layout
 // before (Relayout). The same tiles serve a KV cache sharded in blocks of whole tiles
-// (invariant_partial, invariant_merge: python/cpattn/inference.py). docs/invariance.md.
+// (invariant_partial, invariant_merge: python/cpattn/inference/attention.py). docs/invariance.md.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -585,7 +585,7 @@ void invariant_bwd_rows(const at::Tensor& dq_sum, const at::Tensor& planes, cons
   }
 }
 
-// Invariant mode over a KV cache sharded in blocks of whole tiles (python/cpattn/inference.py):
+// Invariant mode over a KV cache sharded in blocks of whole tiles (python/cpattn/inference/attention.py):
 // the partial result of query rows q (B, R, H, D) at positions q_begin.. over the keys k, v
 // (B, N, Hkv, D / Dv) at positions k_begin.. (a tile boundary), their tiles merged by the tile
 // tree: out (B, R, H, Dv) and lse (B, H, R) float32, no sinks.

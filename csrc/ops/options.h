@@ -31,7 +31,7 @@ struct AttentionOptions {
   int64_t prefix_len = 0;  // keys at global positions < prefix_len seen by every query (0: none)
 };
 
-// Python passes them by name (cpattn/options.py op_kwargs). softmax_scale has no usable
+// Python passes them by name (cpattn/core/options.py op_kwargs). softmax_scale has no usable
 // default: 0 fails its check (an op called without it raises, never runs with a guessed scale).
 inline constexpr const char* kOptionsSchema =
     "float softmax_scale=0., bool causal=False, int window_left=-1, int window_right=-1, "

@@ -4,18 +4,19 @@ Layout everywhere: q, k, v and out are (batch, seqlen, heads, head_dim); LSE is 
 log, (batch, heads, seqlen). See docs/design.md for the conventions.
 """
 
-from cpattn._loader import load_extension as _load_extension
+from cpattn.core.loader import load_extension as _load_extension
 
 _C = _load_extension()
 
 # _ops registers the fake kernels and autograd of the ops; memory: allocator byte counts, the
 # ring's cached buffers; plan: the cost model behind strategy="auto"
-from cpattn import _ops, comm, memory, plan  # noqa: E402,F401
-from cpattn._agreement import get_rank_check, set_rank_check  # noqa: E402
+from cpattn import comm, memory, plan  # noqa: E402,F401
 from cpattn.attention import attention, attention_varlen, merge_state_  # noqa: E402
 from cpattn.context_attention import context_attention  # noqa: E402
-from cpattn.documents import DocumentPlan, shard_documents  # noqa: E402
-from cpattn.inference import (  # noqa: E402
+from cpattn.core import ops as _ops  # noqa: E402,F401
+from cpattn.core.agreement import get_rank_check, set_rank_check  # noqa: E402
+from cpattn.core.options import AttentionOptions  # noqa: E402
+from cpattn.inference.attention import (  # noqa: E402
     KVCacheShard,
     chunk_positions,
     decode_attention,
@@ -23,9 +24,9 @@ from cpattn.inference import (  # noqa: E402
     prefill_attention,
 )
 from cpattn.memory import release_buffers  # noqa: E402
-from cpattn.options import AttentionOptions  # noqa: E402
 from cpattn.parallel import ContextParallel  # noqa: E402
-from cpattn.sharding import (  # noqa: E402
+from cpattn.sharding.documents import DocumentPlan, shard_documents  # noqa: E402
+from cpattn.sharding.sequences import (  # noqa: E402
     hybrid_positions,
     hybrid_shard,
     hybrid_unshard,

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import cpattn
-from cpattn._flops import BACKWARD_FLOP_FACTOR, attention_flops
-from cpattn._layout import DTYPES, LAYOUTS
-from cpattn._machine import ceiling_dtype, cpu_model, gemm_ceiling, interleaved_medians
+from cpattn.core.flops import BACKWARD_FLOP_FACTOR, attention_flops
+from cpattn.core.layout import DTYPES, LAYOUTS
+from cpattn.core.machine import ceiling_dtype, cpu_model, gemm_ceiling, interleaved_medians
 from cpattn.testing.reference import reference_rows
 
 
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=_positive, default=3, help="timed calls per median")
     _plan_arguments(sub.add_parser(
         "plan", help="which strategy for a problem and machine: the cost model's ranking"))
-    from cpattn._generate_demo import add_arguments as _generate_arguments
+    from cpattn.cli.generate_demo import add_arguments as _generate_arguments
 
     _generate_arguments(sub.add_parser(
         "generate-demo", help="greedy generation on W ranks with a sharded KV cache"))
@@ -223,11 +223,11 @@ def main(argv=None) -> int:
     if args.command == "plan":
         return plan_command(args)
     if args.command == "generate-demo":
-        from cpattn._generate_demo import generate_demo
+        from cpattn.cli.generate_demo import generate_demo
 
         return generate_demo(args)
     if args.command == "demo":
-        from cpattn._demo import ring_demo
+        from cpattn.cli.demo import ring_demo
 
         args.world = [w for ws in args.world for w in ws]
 

@@ -4,11 +4,11 @@ from typing import Union
 
 import torch
 
-from cpattn._autograd import once_differentiable
-from cpattn._layout import LAYOUTS, PackedDocuments, doc_args
-from cpattn._validation import check_qkv, document_lengths, error
+from cpattn.core.autograd import once_differentiable
+from cpattn.core.layout import LAYOUTS, PackedDocuments, doc_args
+from cpattn.core.options import AttentionOptions
+from cpattn.core.validation import check_qkv, document_lengths, error
 from cpattn.invariant import InvariantAttention, check_invariant_call
-from cpattn.options import AttentionOptions
 
 
 def attention(

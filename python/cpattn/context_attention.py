@@ -7,15 +7,15 @@ from typing import Optional, Union
 import torch
 
 from cpattn import plan as _plan
-from cpattn._agreement import agree_on
-from cpattn._autograd import needs_grad
-from cpattn._device import to_device
-from cpattn._layout import DTYPE_NAMES
-from cpattn._validation import check_timeout, error, group_info
 from cpattn.attention import attention
-from cpattn.options import checked_call
+from cpattn.core.agreement import agree_on
+from cpattn.core.autograd import needs_grad
+from cpattn.core.device import to_device
+from cpattn.core.layout import DTYPE_NAMES
+from cpattn.core.options import checked_call
+from cpattn.core.validation import check_timeout, error, group_info
 from cpattn.parallel import ContextParallel
-from cpattn.sharding import unshard
+from cpattn.sharding.sequences import unshard
 from cpattn.strategies.registry import STRATEGIES as REGISTRY
 
 

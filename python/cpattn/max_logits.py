@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn._device import to_device
-from cpattn._layout import document_positions, shard_positions
-from cpattn.options import AttentionOptions
+from cpattn.core.device import to_device
+from cpattn.core.layout import document_positions, shard_positions
+from cpattn.core.options import AttentionOptions
 
 Placement = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # rank -> (position, document)
 QUERY_ROWS = 512  # query rows scored at a time: bounds the (rows x sequence) score block

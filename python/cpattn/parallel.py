@@ -13,9 +13,9 @@ from typing import Optional, Union
 
 import torch
 
-from cpattn._layout import LAYOUTS
-from cpattn.packing import Documents
-from cpattn.sharding import shard, unshard
+from cpattn.core.layout import LAYOUTS
+from cpattn.sharding.packing import Documents
+from cpattn.sharding.sequences import shard, unshard
 from cpattn.strategies.base import Strategy
 from cpattn.strategies.registry import PLAN_STRATEGIES
 from cpattn.strategies.registry import STRATEGIES as _REGISTRY

@@ -14,8 +14,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from cpattn.documents import shard_documents
-from cpattn.packing import (
+from cpattn.parallel import PLAN_STRATEGIES, ContextParallel
+from cpattn.sharding.documents import shard_documents
+from cpattn.sharding.packing import (
     FLASH_KEYS,
     KEYWORD,
     Documents,
@@ -23,7 +24,6 @@ from cpattn.packing import (
     check_seq_idx,
     find_packing,
 )
-from cpattn.parallel import PLAN_STRATEGIES, ContextParallel
 
 IGNORE_INDEX = -100
 DOCUMENTS = ("auto", "plan", "per-document")  # shard_batch's documents=
@@ -71,14 +71,14 @@ def shard_batch(
     position in its row of the whole batch, `ignore_index` at the last one (give them to
     `cpattn.cross_entropy`, not to the model, which would shift them again).
 
-    Packed documents (cpattn.packing: position_ids that restart inside a row, the collator's
-    cu_seq_lens_q, or an attention_mask with padding, whose rows' real tokens become documents)
-    are sharded into one row, by a plan (`documents`; then ranks hold different numbers of
-    tokens: "cpattn_documents".plan.tokens[rank]) or per document (as cpattn.shard_varlen:
-    each document padded to the layout's granularity and split over the ranks):
+    Packed documents (cpattn.sharding.packing: position_ids that restart inside a row, the
+    collator's cu_seq_lens_q, or an attention_mask with padding, whose rows' real tokens become
+    documents) are sharded into one row, by a plan (`documents`; then ranks hold different
+    numbers of tokens: "cpattn_documents".plan.tokens[rank]) or per document (as
+    cpattn.shard_varlen: each document padded to the layout's granularity and split over the ranks):
     "position_ids" are then the tokens' own position ids (within their documents), padding
     slots get token 0, position 0 and label `ignore_index`, and "cpattn_documents" (a
-    cpattn.packing.Documents, its `plan` the DocumentPlan or None) must be passed to the
+    cpattn.sharding.packing.Documents, its `plan` the DocumentPlan or None) must be passed to the
     model with the rest (`model(**batch)` does), so that the attention keeps the documents
     apart (every strategy; for hybrid the documents are sharded over the ring and each ring
     shard cut in U parts, see ContextParallel.document_positions). cp.unshard(x, documents=

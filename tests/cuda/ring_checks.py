@@ -8,7 +8,7 @@ import tempfile
 import torch
 
 import cpattn
-from cpattn._layout import LAYOUTS
+from cpattn.core.layout import LAYOUTS
 
 import check_harness as harness
 from check_harness import (

@@ -51,7 +51,7 @@ CPATTN_HOST_DEVICE ShardRuns shard_runs(Layout layout, int64_t seqlen, int64_t w
 // Packed documents (ring_attention_varlen's sharding): each document is padded to a multiple of
 // the layout granularity and sharded on its own; a rank's shard is its part of document 0, then
 // of document 1, ... The one home of this rule: the ring schedule (schedule.h), the ring and
-// invariant ops and, through the op document_shards, Python (cpattn/_layout.py).
+// invariant ops and, through the op document_shards, Python (cpattn/core/layout.py).
 CPATTN_HOST_DEVICE int64_t padded_document_length(Layout layout, int64_t length, int64_t world) {
   const int64_t granularity = layout_granularity(layout, world);
   return (length + granularity - 1) / granularity * granularity;

@@ -9,12 +9,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from cpattn.attention import attention_varlen
-from cpattn.inference import decode_attention, prefill_attention
+from cpattn.core.options import AttentionOptions
+from cpattn.inference.attention import decode_attention, prefill_attention
+from cpattn.inference.kv_cache import KVCacheShard
 from cpattn.integrations._model_checks import WHAT, attention_chunk, check_layer
-from cpattn.kv_cache import KVCacheShard
-from cpattn.options import AttentionOptions
-from cpattn.packing import chunk_boundaries
 from cpattn.parallel import ContextParallel
+from cpattn.sharding.packing import chunk_boundaries
 
 PENDING: dict[int, "ShardedLayer"] = {}  # id(key handed to attention) -> its cache layer
 

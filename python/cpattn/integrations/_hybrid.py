@@ -32,8 +32,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from cpattn._agreement import agree_on
-from cpattn._validation import check_timeout
+from cpattn.core.agreement import agree_on
+from cpattn.core.validation import check_timeout
 from cpattn.mixers import PieceMap, build_piece_map, causal_conv, stacked, state_scan
 from cpattn.mixers.exchange import Exchange
 from cpattn.mixers.kernels import (
@@ -47,8 +47,8 @@ from cpattn.mixers.kernels import (
 )
 from cpattn.mixers.primitives import from_pieces, piece_mask, to_pieces
 from cpattn.mixers.sharded import check_settings, exchange_of, piece_map_of
-from cpattn.packing import KEYWORD, Documents
 from cpattn.parallel import ContextParallel
+from cpattn.sharding.packing import KEYWORD, Documents
 
 WHAT = "cpattn.integrations.transformers"
 
@@ -463,8 +463,8 @@ def _sharded_forward(cp: ContextParallel, name: str, module, hidden_states, args
                              f"(model(**batch) without 'shift_labels': its {KEYWORD!r})")
         docs = None if documents is _ABSENT else documents
         if docs is not None and not isinstance(docs, Documents):
-            raise ValueError(f"{WHAT}: {KEYWORD} must be the cpattn.packing.Documents that "
-                             "cpattn.shard_batch made")
+            raise ValueError(f"{WHAT}: {KEYWORD} must be the cpattn.sharding.packing.Documents "
+                             "that cpattn.shard_batch made")
         if docs is not None and hidden_states.shape[0] != 1:
             raise ValueError(f"{WHAT}: packed documents are one row, got a batch of "
                              f"{hidden_states.shape[0]}")

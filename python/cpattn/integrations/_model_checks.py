@@ -31,10 +31,10 @@ from typing import Any, Optional
 
 import torch
 
-from cpattn._agreement import agree_on
+from cpattn.core.agreement import agree_on
+from cpattn.core.options import AttentionOptions
 from cpattn.integrations import _hybrid
-from cpattn.options import AttentionOptions
-from cpattn.packing import KEYWORD
+from cpattn.sharding.packing import KEYWORD
 
 WHAT = "cpattn.integrations.transformers"
 
@@ -288,6 +288,6 @@ def agree(cp, what: str, check: Callable[[], None]) -> None:
 
 
 def _timeout(cp) -> float:
-    from cpattn._validation import check_timeout
+    from cpattn.core.validation import check_timeout
 
     return check_timeout(WHAT, cp.timeout, cp.ring_group)

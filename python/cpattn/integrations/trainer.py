@@ -44,8 +44,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from cpattn.packing import KEYWORD, find_packing
 from cpattn.parallel import ContextParallel
+from cpattn.sharding.packing import KEYWORD, find_packing
 from cpattn.training import cross_entropy, load_balancing_loss, shard_batch, token_loss_sum
 
 try:

@@ -43,9 +43,10 @@ from typing import Optional
 
 import torch
 
-from cpattn._agreement import reads_on_host
-from cpattn._device import to_device
 from cpattn.attention import attention
+from cpattn.core.agreement import reads_on_host
+from cpattn.core.device import to_device
+from cpattn.core.options import AttentionOptions
 from cpattn.integrations import _hybrid
 from cpattn.integrations._generation import PENDING, ContextParallelCache
 from cpattn.integrations._model_checks import (
@@ -58,9 +59,8 @@ from cpattn.integrations._model_checks import (
     score_options,
     short,
 )
-from cpattn.options import AttentionOptions
-from cpattn.packing import KEYWORD, Documents, chunk_boundaries
 from cpattn.parallel import ContextParallel
+from cpattn.sharding.packing import KEYWORD, Documents, chunk_boundaries
 from cpattn.strategies.ulysses import ulysses_attention_varlen
 
 try:
@@ -173,7 +173,7 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
     opts = score_options(module, query.shape[-1], scaling, dropout, kwargs)
     docs = kwargs.get(KEYWORD)
     if docs is not None and not isinstance(docs, Documents):
-        raise ValueError(f"{WHAT}: {KEYWORD} must be the cpattn.packing.Documents that "
+        raise ValueError(f"{WHAT}: {KEYWORD} must be the cpattn.sharding.packing.Documents that "
                          f"cpattn.shard_batch made, got {short(docs)}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     layer = PENDING.pop(id(key), None)

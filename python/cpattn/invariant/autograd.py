@@ -15,12 +15,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cpattn._autograd import backward_in_passes, forward_in_passes, input_grads, once_differentiable
-from cpattn._layout import LAYOUTS, PackedDocuments, doc_args
+from cpattn.core.autograd import (
+    backward_in_passes,
+    forward_in_passes,
+    input_grads,
+    once_differentiable,
+)
+from cpattn.core.layout import LAYOUTS, PackedDocuments, doc_args
 from cpattn.invariant.global_order import Relayout, gather_global, global_runs, stream_global
 
 
-def _computed_once(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> bool:
+def computed_once(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> bool:
     """Whether the backward can compute each block once (_backward_once): without documents,
     every rank's runs start and end at multiples of invariant_row_band() (so each row band is one
     rank's), not compiled (its point-to-point messages are not traced)."""
@@ -177,7 +182,7 @@ class InvariantAttention(torch.autograd.Function):
                 # dlse (here, and on the other ranks)
                 dot = torch.ops.cpattn.row_dot(dout_h, out_h)
                 shifted = -dot if dlse_h is None else dlse_h.float() - dot
-                once = _computed_once(layout_code, world, q_h.shape[1], lengths)
+                once = computed_once(layout_code, world, q_h.shape[1], lengths)
                 if not once or o.sinks is not None:  # every rank's rows' lse and shifted
                     lse_all, shifted_all = gather_global([lse_h, shifted], 2, group, rank, world,
                                                          layout_code, lengths)

@@ -3,7 +3,7 @@ csrc/ops/invariant.cpp check_invariant_args)."""
 
 import torch
 
-from cpattn._validation import error
+from cpattn.core.validation import error
 
 
 def check_invariant_call(what: str, q: torch.Tensor) -> None:

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn._layout import document_shards
+from cpattn.core.layout import document_shards
 
 
-def _shards(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> list:
+def doc_shards(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> list:
     """Per packed document of `docs` (padded length, start in the padded sequence, start in every
     rank's shard), as ring_attention_varlen shards them (_layout.document_shards), or with docs
     None the sequence's: one of W `local` tokens."""
@@ -26,7 +26,7 @@ def _positions(layout_code: int, world: int, local: int, docs: Optional[tuple]) 
     torch.ops.cpattn.layout_positions). docs: packed documents' lengths, each padded to the
     layout's granularity and sharded on its own (ring_attention_varlen), or None: one
     sequence."""
-    shards = _shards(layout_code, world, local, docs)
+    shards = doc_shards(layout_code, world, local, docs)
     return [[g + p for n, g, _ in shards if n
              for p in torch.ops.cpattn.layout_positions(n, world, r, layout_code).tolist()]
             for r in range(world)]
@@ -44,7 +44,7 @@ def global_runs(layout_code: int, world: int, local: int, docs: Optional[tuple])
     key = (layout_code, world, local, docs)
     if key not in _RUNS:
         pos = _positions(layout_code, world, local, docs)
-        doc_starts = {begin for _, _, begin in _shards(layout_code, world, local, docs)}
+        doc_starts = {begin for _, _, begin in doc_shards(layout_code, world, local, docs)}
         cuts = sorted({i for p in pos for i in range(1, local) if p[i] != p[i - 1] + 1}
                       | (doc_starts - {0}) | {local})
         _RUNS[key] = tuple(tuple((b, e - b, p[b]) for b, e in zip([0, *cuts], cuts) if e > b)
@@ -164,7 +164,7 @@ def stream_global(tensors: list, dim: int, group, rank: int, world: int, layout_
     step = max(align, _STREAM_BYTES // token_bytes)  # tokens per broadcast
     order = sorted((g + i, r, b + i, min(step, n - i)) for r in range(world)
                    for b, n, g in runs[r] for i in range(0, n, step))
-    doc_starts = [begin for _, begin, _ in _shards(layout_code, world, local, docs)]
+    doc_starts = [begin for _, begin, _ in doc_shards(layout_code, world, local, docs)]
 
     def receive(sent):  # start the owner's broadcasts of one stretch of every tensor
         _, owner, begin, n = sent

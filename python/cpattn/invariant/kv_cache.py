@@ -7,9 +7,9 @@ live (op invariant_merge)."""
 
 import torch
 
-from cpattn._validation import error
+from cpattn.core.validation import error
+from cpattn.inference.kv_cache import KVCacheShard, pack_partial
 from cpattn.invariant.checks import check_invariant_call
-from cpattn.kv_cache import KVCacheShard, pack_partial
 
 ops = torch.ops.cpattn
 

@@ -10,12 +10,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cpattn._layout import shard_positions
+from cpattn.core.layout import shard_positions
 from cpattn.mixers.exchange import Exchange, group_exchange
 from cpattn.mixers.pieces import PieceMap, build_piece_map
-from cpattn.packing import Documents
 from cpattn.parallel import ContextParallel
-from cpattn.sharding import hybrid_shard_positions
+from cpattn.sharding.packing import Documents
+from cpattn.sharding.sequences import hybrid_shard_positions
 
 WHAT = "cpattn.mixers"
 

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn._validation import env_plan_cache
 from cpattn.attention import attention
+from cpattn.core.validation import env_plan_cache
 from cpattn.plan.model import Link, Machine
 
 

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch.distributed as dist
 
-from cpattn._validation import env_plan_machine
+from cpattn.core.validation import env_plan_machine
 from cpattn.plan.calibrate import calibrate
 from cpattn.plan.model import Candidate, Machine, Prediction, Problem, machine
 from cpattn.plan.predict import plan

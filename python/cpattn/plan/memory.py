@@ -104,7 +104,7 @@ def _kernel_bwd_scratch(B: int, n: int, h: int, hkv: int, D: int, dtype: str, gr
 
 
 @functools.lru_cache(maxsize=1)
-def _bf16_dot() -> bool:
+def bf16_dot() -> bool:
     """Whether this CPU's kernel takes bf16 through bf16 dot products (its packing differs)."""
     # the running instruction set's row (cpattn.build_info()["cpu_isa_paths"]) says how
     return dict(cpu_isa_paths())[cpu_isa()] == "bfloat16"
@@ -159,14 +159,14 @@ class _Rank(NamedTuple):
 def _rank(p: Problem, world: int, L: int) -> _Rank:
     B, H, Hkv, D, e = p.batch, p.heads, p.kv_heads, p.head_dim, p.elem
     return _Rank(B, H, Hkv, D, e, p.mode == "train", world, L, B * L * H * D, B * L * Hkv * D,
-                 4 * B * H * L, p.dtype == "bfloat16" and _bf16_dot(), e != 4,
+                 4 * B * H * L, p.dtype == "bfloat16" and bf16_dot(), e != 4,
                  p.dtype == "bfloat16")
 
 
 def _memory_none(p: Problem, world: int, layout: str, chunk: Optional[int], gloo: bool) -> dict:
     """cpattn.attention on the whole sequence (one rank: no all-to-all)."""
     return _memory_local({}, p.batch, p.seqlen, p.heads, p.kv_heads, p.head_dim, p.elem,
-                         p.mode == "train", p.dtype == "bfloat16" and _bf16_dot(), p.dtype)
+                         p.mode == "train", p.dtype == "bfloat16" and bf16_dot(), p.dtype)
 
 
 def _memory_ring(p: Problem, world: int, layout: str, chunk: Optional[int], gloo: bool) -> dict:

@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from typing import Optional, Sequence
 
-from cpattn._flops import attention_flops
+from cpattn.core.flops import attention_flops
 from cpattn.plan.memory import input_bytes, memory
 from cpattn.plan.model import Candidate, Link, Machine, Prediction, Problem
 from cpattn.plan.work import (

@@ -10,7 +10,13 @@ from typing import Optional
 
 import torch
 
-from cpattn._layout import LAYOUTS, default_head_group, granularity, kv_heads_for_ranks, round_up
+from cpattn.core.layout import (
+    LAYOUTS,
+    default_head_group,
+    granularity,
+    kv_heads_for_ranks,
+    round_up,
+)
 from cpattn.plan.model import Machine, Problem
 
 

@@ -7,14 +7,14 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn._autograd import (
+from cpattn.core.autograd import (
     forward_in_passes,
     head_groups,
     input_grads,
     once_differentiable,
     sink_grad,
 )
-from cpattn._layout import doc_args
+from cpattn.core.layout import doc_args
 
 
 def gather_kv(k, v, group, world):

@@ -7,11 +7,11 @@ from typing import Optional
 
 import torch
 
-from cpattn._layout import granularity
-from cpattn._validation import group_info
+from cpattn.core.layout import granularity
+from cpattn.core.validation import group_info
 from cpattn.plan.memory import MEMORY_MODELS
 from cpattn.plan.predict import TIME_MODELS, TimeModel
-from cpattn.sharding import positions, unshard_varlen
+from cpattn.sharding.sequences import positions, unshard_varlen
 
 
 class Strategy:

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn._layout import granularity, padded_length, round_up
-from cpattn._validation import check_timeout, document_lengths, error, group_info
-from cpattn.options import returned
-from cpattn.sharding import hybrid_positions, hybrid_ring_shard
+from cpattn.core.layout import granularity, padded_length, round_up
+from cpattn.core.options import returned
+from cpattn.core.validation import check_timeout, document_lengths, error, group_info
+from cpattn.sharding.sequences import hybrid_positions, hybrid_ring_shard
 from cpattn.strategies.base import Strategy
 from cpattn.strategies.ring import context_parallel
 from cpattn.strategies.ulysses import across_heads, boundaries, max_logits_field

@@ -12,8 +12,9 @@ from typing import Optional, Union
 import torch
 
 from cpattn import plan
-from cpattn._agreement import agree_on, digest_ints
-from cpattn._autograd import (
+from cpattn.attention import LocalDocuments
+from cpattn.core.agreement import agree_on, digest_ints
+from cpattn.core.autograd import (
     backward_in_passes,
     forward_in_passes,
     input_grads,
@@ -21,7 +22,7 @@ from cpattn._autograd import (
     once_differentiable,
     sink_grad,
 )
-from cpattn._layout import (
+from cpattn.core.layout import (
     DTYPE_NAMES,
     LAYOUTS,
     PackedDocuments,
@@ -29,7 +30,8 @@ from cpattn._layout import (
     doc_args,
     padded_length,
 )
-from cpattn._validation import (
+from cpattn.core.options import AttentionOptions, checked_call, returned
+from cpattn.core.validation import (
     check_bool,
     check_choice,
     check_int,
@@ -39,11 +41,9 @@ from cpattn._validation import (
     error,
     group_info,
 )
-from cpattn.attention import LocalDocuments
-from cpattn.documents import DocumentPlan
 from cpattn.invariant import check_invariant_call, invariant_attention
 from cpattn.max_logits import document_placement, global_max_logits, sequence_placement
-from cpattn.options import AttentionOptions, checked_call, returned
+from cpattn.sharding.documents import DocumentPlan
 from cpattn.strategies.allgather import GatheredAttention, SubsetGathered
 from cpattn.strategies.base import Strategy
 

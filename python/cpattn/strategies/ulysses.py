@@ -14,11 +14,13 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn._agreement import agree_on
-from cpattn._autograd import input_grads, once_differentiable
-from cpattn._device import to_device
-from cpattn._layout import LAYOUTS, kv_heads_for_ranks, padded_length
-from cpattn._validation import (
+from cpattn.attention import varlen_attention
+from cpattn.core.agreement import agree_on
+from cpattn.core.autograd import input_grads, once_differentiable
+from cpattn.core.device import to_device
+from cpattn.core.layout import LAYOUTS, kv_heads_for_ranks, padded_length
+from cpattn.core.options import AttentionOptions, checked_call, returned
+from cpattn.core.validation import (
     check_bool,
     check_int,
     check_timeout,
@@ -26,11 +28,9 @@ from cpattn._validation import (
     error,
     group_info,
 )
-from cpattn.attention import varlen_attention
 from cpattn.invariant import InvariantAttention, check_invariant_call
 from cpattn.max_logits import document_placement, global_max_logits, sequence_placement
-from cpattn.options import AttentionOptions, checked_call, returned
-from cpattn.packing import gathered_order
+from cpattn.sharding.packing import gathered_order
 from cpattn.strategies.base import Strategy
 
 

@@ -9,10 +9,10 @@ import os
 import torch
 
 import cpattn
-from cpattn._layout import LAYOUTS, kv_heads_for_ranks
-from cpattn._validation import check_choice
 from cpattn.attention import attention
-from cpattn.options import AttentionOptions
+from cpattn.core.layout import LAYOUTS, kv_heads_for_ranks
+from cpattn.core.options import AttentionOptions
+from cpattn.core.validation import check_choice
 
 
 @functools.cache

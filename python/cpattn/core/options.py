@@ -17,9 +17,9 @@ from typing import Optional, Union
 
 import torch
 
-from cpattn import _agreement
-from cpattn._layout import LAYOUTS
-from cpattn._validation import (
+from cpattn.core import agreement as _agreement
+from cpattn.core.layout import LAYOUTS
+from cpattn.core.validation import (
     check_bool,
     check_choice,
     check_int,

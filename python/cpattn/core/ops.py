@@ -7,8 +7,8 @@ cpattn/__init__.py, right after the extension is loaded.
 
 import torch
 
-from cpattn._autograd import refuse_double_backward
-from cpattn.options import OP_OPTION_NAMES
+from cpattn.core.autograd import refuse_double_backward
+from cpattn.core.options import OP_OPTION_NAMES
 
 ops = torch.ops.cpattn
 
@@ -24,8 +24,8 @@ def _check_same_device(names: str, *tensors: torch.Tensor) -> None:
 
 
 # Every attention op ends with the attention options (csrc/ops/options.h; Python passes them by
-# name, cpattn.options.AttentionOptions.op_kwargs). The fakes ignore them: the dispatcher may hand
-# them over positionally (those left at their defaults dropped) or by name.
+# name, cpattn.core.options.AttentionOptions.op_kwargs). The fakes ignore them: the dispatcher
+# may hand them over positionally (those left at their defaults dropped) or by name.
 
 
 @torch.library.register_fake("cpattn::attention_fwd")

@@ -1,7 +1,7 @@
 """Sharding: which tokens each rank holds under a layout (contiguous, zigzag, striped), for a
 sequence, packed documents or the hybrid mesh; shard and unshard tensors accordingly.
 
-The layout rule itself lives in C++ (csrc/include/cpattn/layout.h, cpattn._layout).
+The layout rule itself lives in C++ (csrc/include/cpattn/layout.h, cpattn.core.layout).
 """
 
 from collections.abc import Callable
@@ -10,11 +10,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cpattn._agreement import Fields, agree_on, digest_ints, tensor_fields
-from cpattn._autograd import once_differentiable
-from cpattn._device import to_device
-from cpattn._layout import LAYOUTS, document_positions, padded_length, round_up, shard_positions
-from cpattn._validation import (
+from cpattn.core.agreement import Fields, agree_on, digest_ints, tensor_fields
+from cpattn.core.autograd import once_differentiable
+from cpattn.core.device import to_device
+from cpattn.core.layout import LAYOUTS, document_positions, padded_length, round_up, shard_positions
+from cpattn.core.validation import (
     check_choice,
     check_cu_seqlens,
     check_int,

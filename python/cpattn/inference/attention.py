@@ -19,10 +19,12 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from cpattn._agreement import agree_on, tensor_fields
-from cpattn._device import to_device
-from cpattn._layout import LAYOUTS, check_chunk, padded_length
-from cpattn._validation import (
+from cpattn.comm import all_gather_flat
+from cpattn.core.agreement import agree_on, tensor_fields
+from cpattn.core.device import to_device
+from cpattn.core.layout import LAYOUTS, check_chunk, padded_length
+from cpattn.core.options import AttentionOptions
+from cpattn.core.validation import (
     check_choice,
     check_int,
     check_qkv,
@@ -31,12 +33,10 @@ from cpattn._validation import (
     error,
     group_info,
 )
-from cpattn.comm import all_gather_flat
+from cpattn.inference.kv_cache import KVCacheShard, check_cache_type, pack_partial, unpack_partials
 from cpattn.invariant import kv_cache as invariant_cache
 from cpattn.invariant.global_order import gather_global
-from cpattn.kv_cache import KVCacheShard, check_cache_type, pack_partial, unpack_partials
-from cpattn.options import AttentionOptions
-from cpattn.sharding import positions
+from cpattn.sharding.sequences import positions
 
 ops = torch.ops.cpattn
 COMMS = ("all_gather", "reduce_scatter")

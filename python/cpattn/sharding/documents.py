@@ -24,9 +24,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cpattn._agreement import digest_ints
-from cpattn._layout import LAYOUTS, document_shards, shard_positions
-from cpattn._validation import (
+from cpattn.core.agreement import digest_ints
+from cpattn.core.layout import LAYOUTS, document_shards, shard_positions
+from cpattn.core.validation import (
     check_choice,
     check_cu_seqlens,
     check_int,
@@ -146,7 +146,7 @@ class DocumentPlan:
     def unshard(self, x_local: torch.Tensor, *, group=None, dim: int = 0) -> torch.Tensor:
         """All-gathers every rank's tokens back into the packed sequence (padding dropped).
         Differentiable (a token's gradient is the sum of the ranks' gradients of it)."""
-        from cpattn.sharding import unshard_by
+        from cpattn.sharding.sequences import unshard_by
 
         what = "cpattn.DocumentPlan.unshard"
         _, rank, world = group_info(group)

@@ -21,8 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from cpattn._layout import document_positions
-from cpattn.documents import DocumentPlan
+from cpattn.core.layout import document_positions
+from cpattn.sharding.documents import DocumentPlan
 
 KEYWORD = "cpattn_documents"  # the model keyword that carries the documents to the attention
 FLASH_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -53,8 +53,8 @@ class Documents:
     def __post_init__(self) -> None:
         if self.plan is not None and (not isinstance(self.plan, DocumentPlan)
                                       or tuple(self.plan.lengths) != tuple(self.lengths)):
-            raise ValueError("cpattn.packing.Documents: plan must be a cpattn.DocumentPlan of "
-                             f"the documents' lengths {self.lengths}")
+            raise ValueError("cpattn.sharding.packing.Documents: plan must be a "
+                             f"cpattn.DocumentPlan of the documents' lengths {self.lengths}")
         cu = [0]
         for n in self.lengths:
             cu.append(cu[-1] + n)

@@ -51,7 +51,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from cpattn._validation import env_rank_check
+from cpattn.core.validation import env_rank_check
 
 MODES = ("auto", "always", "once", "never")
 FieldValue = bool | int | float | str | bytes | torch.dtype | None

@@ -11,8 +11,8 @@ import torch
 
 
 def load_extension():
-    try:
-        from cpattn import _build_info
+    try:  # (by name: the module is generated at build time, beside _C)
+        _build_info = importlib.import_module("cpattn._build_info")
     except ImportError as e:
         raise ImportError(
             "cpattn: the compiled module is missing (cpattn/_build_info.py not found). Install the "

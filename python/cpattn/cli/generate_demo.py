@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cpattn._layout import granularity as layout_granularity
+from cpattn.core.layout import granularity as layout_granularity
 from cpattn.testing.distributed import run_ranks
 
 DEFAULT_PROMPT_LENS = (29, 3, 50, 17)

@@ -1,7 +1,7 @@
 """KVCacheShard: this rank's part of a KV cache sharded over the ranks of a group.
 
 Token t of a sequence is stored by rank (t // interleave) % W only (csrc/include/cpattn/kv_cache.h),
-so each rank holds about 1/W of every sequence's K/V (cpattn.inference attends over it).
+so each rank holds about 1/W of every sequence's K/V (cpattn.inference.attention attends over it).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Optional
 
 import torch
 
-from cpattn._agreement import FieldValue, digest_ints, tensor_fields
-from cpattn._validation import error
-from cpattn.sharding import rank_and_world
+from cpattn.core.agreement import FieldValue, digest_ints, tensor_fields
+from cpattn.core.validation import error
+from cpattn.sharding.sequences import rank_and_world
 
 ops = torch.ops.cpattn
 
