@@ -46,6 +46,7 @@ import torch
 from cpattn.core.machine import cpu_model
 from cpattn.memory import counting
 from cpattn.mixers import build_piece_map, stacked
+from cpattn.mixers.mixing import Mixing
 from cpattn.plan.model import PRESETS
 
 KINDS = ("gdn", "mamba2", "conv", "lightning")
@@ -111,7 +112,7 @@ def _call(kind, module, name, x, piece_map, rank, exchange, own: bool = False):
             else {}
         out = forward(module, x, **extra)
     else:
-        out = _hybrid.ADAPTERS[name](module, x, _hybrid.Mixing(piece_map, rank, exchange, 1))
+        out = _hybrid.ADAPTERS[name](module, x, Mixing(piece_map, rank, exchange, 1))
     return out[0] if isinstance(out, tuple) else out
 
 
