@@ -196,6 +196,45 @@ def cp_step(cfg, batch: dict, cp: "cpattn.ContextParallel", compile_backend=None
     return loss.item(), grads
 
 
+CHECKPOINTING = ("reentrant", "non-reentrant", "plain")
+
+
+class Checkpointed(torch.nn.Module):
+    """A decoder layer under a plain torch.utils.checkpoint (non-reentrant), as a user wraps
+    one; its parameters' names gain ".checkpointed" (see `unwrapped`)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.checkpointed = layer
+
+    def forward(self, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.checkpointed, *args, use_reentrant=False, **kwargs)
+
+
+def checkpointing(mode: str):
+    """prepare(model) for cp_model / cp_step: training mode with the decoder layers checkpointed,
+    by transformers' gradient_checkpointing_enable ("reentrant", "non-reentrant") or each in a
+    plain torch.utils.checkpoint ("plain")."""
+    def prepare(m):
+        m.train()
+        if mode == "plain":
+            layers = m.base_model.layers
+            for i, layer in enumerate(layers):
+                layers[i] = Checkpointed(layer)
+        else:
+            m.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+    return prepare
+
+
+def unwrapped(step: tuple[float, dict]) -> tuple[float, dict]:
+    """A step's gradients by the parameter names of the model without Checkpointed layers."""
+    loss, grads = step
+    return loss, {n.replace(".checkpointed.", "."): g for n, g in grads.items()}
+
+
 @contextlib.contextmanager
 def mixers_alone():
     """The ablation: every mixer on its rank's pieces only (no halo, no entry state received)."""
