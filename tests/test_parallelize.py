@@ -12,7 +12,7 @@ loss within 1e-5 and gradients within 1e-4 of one process: hybrid_models.assert_
 - W = 2, handle.remove(): the model's own forwards again, outputs and gradients bitwise equal to
   before, no hook or instance attribute left.
 - W = 2, refusals on every rank: a hybrid model given register()'s implementation (naming
-  parallelize), token mixing without an adapter found by structure (a cumulative sum in Llama's
+  parallelize; from its config's layer_types, or without them the class names), token mixing without an adapter found by structure (a cumulative sum in Llama's
   MLP, a Mamba mixer class under another name), parameters on the meta device, a second
   parallelize, a model call without shard_batch's whole batch, a reentrant plain checkpoint
   around layers that get no documents.
@@ -216,7 +216,9 @@ def _refusals(rank, world):
 
     cp = cpattn.ContextParallel()
     local = _without_labels(cpattn.shard_batch(H.sequences(), cp))
-    for kind in ("qwen3_5", "mamba"):  # (with layer_types, and without)
+    # (with layer_types, and without; an attention-free model never calls register()'s
+    # functions: only parallelize can refuse or run it)
+    for kind in ("qwen3_5", "bamba"):
         model = H.model(H.config(kind), register(cp, "cpattn_registered"))
         raises_same_everywhere("parallelize", model, **local)
     llama = H.model(_config("llama"), "eager")

@@ -2,7 +2,9 @@
 undoes it. Public through cpattn.integrations.transformers.parallelize (which registers `name`).
 
 What it changes, on this instance only (nothing process-wide, no class touched):
-- its attention implementation becomes `name` (cpattn's attention for cp), the previous one kept;
+- its attention implementation becomes `name` (cpattn's attention for cp), in its own copy of
+  its config objects (transformers keeps the implementation there, and models built from one
+  config object share it); remove() puts the originals back;
 - each token-mixer module with an adapter (registry.py) gets a per-instance forward
   (types.MethodType, so that copy.deepcopy rebinds it to the copy) running the adapter on this
   rank's pieces (forward.py);
@@ -20,6 +22,7 @@ adapter (probe.py). Any refusal raises the same ValueError on every rank.
 
 from __future__ import annotations
 
+import copy
 import types
 from typing import Optional
 
@@ -35,17 +38,16 @@ from cpattn.mixers.sharded import check_settings
 from cpattn.parallel import ContextParallel
 
 WHAT = "cpattn.integrations.transformers.parallelize"
-_MISSING = object()
 
 
 class ParallelHandle:
-    """What parallelize changed on one model instance; `remove()` restores it (the original
-    forwards: the same outputs, bitwise). A deep copy of the model holds its own handle
-    (`handle_of(copy)`)."""
+    """What parallelize changed on one model instance; `remove()` restores it (its own config
+    objects and forwards: the same outputs, bitwise). A deep copy of the model holds its own
+    handle (`handle_of(copy)`)."""
 
-    def __init__(self, model: torch.nn.Module, state: ModelState, name: str,
-                 previous: Optional[str]) -> None:
-        self.model, self.state, self.name, self.previous = model, state, name, previous
+    def __init__(self, model: torch.nn.Module, state: ModelState, name: str) -> None:
+        self.model, self.state, self.name = model, state, name
+        self.configs: list[tuple[torch.nn.Module, str, object]] = []  # (module, attribute, old)
         self.forwards: list[tuple[torch.nn.Module, str, object]] = []  # (module, role, old)
         self.hooks: list = []
 
@@ -58,17 +60,37 @@ class ParallelHandle:
         """The parallelized token-mixer modules."""
         return [m for m, role, _ in self.forwards if role == "_cpattn_mixer"]
 
+    def own_configs(self) -> None:
+        """Gives the model its own copy of its config objects: transformers keeps the attention
+        implementation in the config, which from_config shares between the models built from
+        one config object (the probes and `name` must change this instance only)."""
+        from transformers import PretrainedConfig
+
+        memo: dict = {}
+        copy.deepcopy(self.model.config, memo)  # (its sub-configs with it)
+        for module in self.model.modules():
+            for attribute, value in list(vars(module).items()):
+                if isinstance(value, PretrainedConfig):
+                    mine = memo.get(id(value))
+                    module.__dict__[attribute] = mine if mine is not None else \
+                        copy.deepcopy(value, memo)
+                    self.configs.append((module, attribute, value))
+
     def install(self, mixers: list[torch.nn.Module], layers: list[torch.nn.Module]) -> None:
         from transformers import PreTrainedModel
 
+        self.model.set_attn_implementation(self.name)
+        if self.model.config._attn_implementation != self.name:
+            raise RuntimeError(f"{WHAT}: {type(self.model).__name__} did not take the attention "
+                               f"implementation {self.name!r}")
         for module, role in [(m, "_cpattn_layer") for m in layers] + \
                             [(m, "_cpattn_mixer") for m in mixers]:
-            old = module.__dict__.get("forward", _MISSING)
+            old = module.__dict__.get("forward")  # (an instance forward of its own, or None)
             if role == "_cpattn_mixer":
                 value = MixerRole(self.state, adapter_of(module), positional_parameters(module))
                 forward = mixer_forward
             else:
-                value = LayerRole(self.state, None if old is _MISSING else old)
+                value = LayerRole(self.state, old)
                 forward = layer_forward
             module.__dict__[role] = value
             module.forward = types.MethodType(forward, module)
@@ -83,20 +105,25 @@ class ParallelHandle:
         self.model.__dict__["_cpattn_parallel"] = self
 
     def remove(self) -> None:
-        """Restores the model instance as it was before parallelize (its attention
-        implementation, its modules' forwards, no hooks)."""
+        """Restores the model instance as it was before parallelize (its config objects, its
+        modules' forwards, no hooks)."""
         if self.model.__dict__.get("_cpattn_parallel") is not self:
             raise ValueError(f"{WHAT}: this handle was removed already")
         for module, role, old in reversed(self.forwards):
             del module.__dict__["forward"]
             del module.__dict__[role]
-            if old is not _MISSING:
+            if old is not None:
                 module.forward = old
         for hook in self.hooks:
             hook.remove()
+        self.restore_configs()
         self.forwards, self.hooks = [], []
         del self.model.__dict__["_cpattn_parallel"]
-        self.model.set_attn_implementation(self.previous)
+
+    def restore_configs(self) -> None:
+        for module, attribute, old in reversed(self.configs):
+            module.__dict__[attribute] = old
+        self.configs = []
 
 
 def handle_of(model: torch.nn.Module) -> Optional[ParallelHandle]:
@@ -130,10 +157,14 @@ def parallelize(model: torch.nn.Module, cp: ContextParallel, name: str) -> Paral
                 f"attention in {mixing}, which has no cpattn adapter: under context parallelism "
                 "it would see each rank's shard only, so cpattn refuses the model")
 
-    agree(cp, WHAT, check)
-    handle = ParallelHandle(model, ModelState(cp), name, model.config._attn_implementation)
-    model.set_attn_implementation(name)
-    handle.install(mixers, _layers_above(model, mixers))
+    handle = ParallelHandle(model, ModelState(cp), name)
+    handle.own_configs()
+    try:
+        agree(cp, WHAT, check)
+        handle.install(mixers, _layers_above(model, mixers))
+    except BaseException:
+        handle.restore_configs()
+        raise
     return handle
 
 
