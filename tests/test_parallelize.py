@@ -2,20 +2,22 @@
 loss within 1e-5 and gradients within 1e-4 of one process: hybrid_models.assert_step_matches).
 
 - W = 2, gradient checkpointing, one family per mixer kind (LFM2, Bamba, Qwen3.5, Jamba,
-  Kimi-Linear, MiniMax, Mamba-2 without attention) and Llama, one sequence and packed documents:
-  transformers' gradient_checkpointing_enable (reentrant and non-reentrant) and a plain
-  non-reentrant torch.utils.checkpoint around each decoder layer; a forward with other documents
-  between a forward and its backward. Ablation: the recomputes bound to other documents.
+  Kimi-Linear, MiniMax, Mamba-2 and Mamba without attention) and Llama, one sequence and packed
+  documents: transformers' gradient_checkpointing_enable (reentrant and non-reentrant) and a
+  plain non-reentrant torch.utils.checkpoint around each decoder layer; a forward with other
+  documents between a forward and its backward (Jamba, Mamba: their models do not hand the
+  documents down to the mixers). Ablations: the recomputes given other documents; for Jamba and
+  Mamba the binding of the recomputes to other documents.
 - W = 2, copy.deepcopy of a parallelized hybrid and attention-only model (EMA / reference
   copies): the copy trains exactly with its own state, the original too. Ablations: the copy's
   mixers alone, the copy's attention unsharded.
 - W = 2, handle.remove(): the model's own forwards again, outputs and gradients bitwise equal to
   before, no hook or instance attribute left.
 - W = 2, refusals on every rank: a hybrid model given register()'s implementation (naming
-  parallelize; from its config's layer_types, or without them the class names), token mixing without an adapter found by structure (a cumulative sum in Llama's
-  MLP, a Mamba mixer class under another name), parameters on the meta device, a second
-  parallelize, a model call without shard_batch's whole batch, a reentrant plain checkpoint
-  around layers that get no documents.
+  parallelize; from its config's layer_types, or without them the class names), token mixing
+  without an adapter found by structure (a cumulative sum in Llama's MLP, a Mamba mixer class
+  under another name), parameters on the meta device, a second parallelize, a model call without
+  shard_batch's whole batch, a reentrant plain checkpoint around layers that get no documents.
 - W = 4, FSDP2 over dp x cp = 2 x 2 (fully_shard over the data-parallel dimension, the gradients
   then averaged over cp; and over the flattened mesh) for Qwen3.5 and Llama, parallelized before
   fully_shard; parallelize after fully_shard refused (DTensor parameters).
@@ -42,6 +44,7 @@ from failure_cases import raises_same_everywhere  # noqa: E402
 
 KINDS = ("lfm2", "bamba", "qwen3_5", "jamba", "kimi_linear", "minimax", "mamba2")
 LENGTHS = [30, 5, 4, 9]  # (the 30-token document is split over the ranks)
+NOT_HANDED_DOWN = ("jamba", "mamba")  # (their mixers get no cpattn_documents from their layer)
 
 
 def _config(kind: str):
@@ -57,11 +60,33 @@ def _without_labels(local: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _recomputed_with(binding):
-    """The ablation: every checkpoint recompute bound to `binding` instead of the documents of
-    the forward it recomputes."""
+def _recomputed_as_one_sequence():
+    """Ablation of what a recompute uses: every mixer call in backward (a checkpoint's
+    recompute) gets the documents of one sequence instead of its forward's."""
+    from cpattn.integrations.hybrid import forward
+    from cpattn.sharding.packing import KEYWORD
+
+    real = forward._sharded_forward
+
+    def wrong(role, module, hidden, call):
+        if torch._C._current_graph_task_id() != -1:
+            call = {**call, KEYWORD: None}
+        return real(role, module, hidden, call)
+
+    forward._sharded_forward = wrong
+    try:
+        yield
+    finally:
+        forward._sharded_forward = real
+
+
+@contextlib.contextmanager
+def _bound_as_one_sequence():
+    """Ablation of the binding: the recomputes bound to the documents of one sequence (where
+    the model does not hand its documents down to the mixers, the binding is what they get)."""
     from cpattn.integrations.hybrid import documents
 
+    binding = documents.Binding(None, True)
     run, of_call = documents._run_bound, documents.ModelState.binding_of_call
 
     def wrong_run(state, _, function, *args, **kwargs):
@@ -104,10 +129,9 @@ def _interleaved(cfg, cp, prepare, first: dict, other: dict) -> tuple[float, dic
 
 
 def _checkpointing(rank, world):
-    from cpattn.integrations.hybrid.documents import Binding
 
     cp = cpattn.ContextParallel()
-    for kind in KINDS + ("llama",):
+    for kind in KINDS + ("mamba", "llama"):
         cfg = _config(kind)
         refs = {}
         for name, batch, lengths in _batches():
@@ -118,11 +142,15 @@ def _checkpointing(rank, world):
         if kind == "llama":
             continue
         packed = H.packed(LENGTHS)
-        with _recomputed_with(Binding(None, True)):  # (as if one sequence)
-            for mode in H.CHECKPOINTING:
-                _fails(refs["packed"], lambda: H.unwrapped(H.cp_step(
-                    cfg, packed, cp, prepare=H.checkpointing(mode))), f"{kind} {mode} ablation")
-    for kind in ("jamba", "mamba2"):  # (their layers get no documents from their model)
+        ablations = [_recomputed_as_one_sequence] + \
+            ([_bound_as_one_sequence] if kind in NOT_HANDED_DOWN else [])
+        for ablation in ablations:
+            with ablation():
+                for mode in H.CHECKPOINTING:
+                    _fails(refs["packed"], lambda: H.unwrapped(H.cp_step(
+                        cfg, packed, cp, prepare=H.checkpointing(mode))),
+                        f"{kind} {mode} {ablation.__name__}")
+    for kind in NOT_HANDED_DOWN:
         cfg = _config(kind)
         ref = H.reference(cfg, H.packed(LENGTHS), LENGTHS)
         for mode in H.CHECKPOINTING:
