@@ -147,9 +147,9 @@ def parallelize(model: torch.nn.Module, cp: ContextParallel, name: str) -> Paral
             check_settings(cp, WHAT)
         _check_parameters(model)
         for module in _one_per_class(mixers):
-            differs = equivalence(module, adapter_of(module))
-            if differs:
-                raise ValueError(_changed(module, differs))
+            refusal = verdict(module)
+            if refusal:
+                raise ValueError(refusal)
         mixing = token_mixing(model, mixers)
         if mixing:
             raise ValueError(
@@ -193,9 +193,15 @@ def _one_per_class(mixers: list[torch.nn.Module]) -> list[torch.nn.Module]:
     return first
 
 
-def _changed(module: torch.nn.Module, differs: str) -> str:
+def verdict(module: torch.nn.Module) -> str:
+    """"" when the adapter of the mixer `module` matches the module's own forward (probe.py),
+    else the refusal: the class, its adapter, the transformers version, the dtype and what
+    differed (or the exception raised)."""
     import transformers
 
+    differs = equivalence(module, adapter_of(module))
+    if not differs:
+        return ""
     dtype = next(p.dtype for p in module.parameters())
     return (f"{WHAT}: cpattn's exact version of {type(module).__name__} "
             f"({adapter_of(module).name}) checked against the module's own forward "
