@@ -79,10 +79,11 @@ def _sharded_forward(role: MixerRole, module: torch.nn.Module, hidden: torch.Ten
         if KEYWORD not in call and binding is None:
             raise ValueError(
                 f"{WHAT}: {name} was called outside a forward of its parallelized model (a "
-                "recompute, or a direct call) without cpattn_documents, so cpattn cannot know "
-                "how its tokens were sharded: run it inside the model's forward, checkpoint the "
-                "model's layers (model.gradient_checkpointing_enable(), or torch.utils."
-                f"checkpoint(..., use_reentrant=False)), or pass {KEYWORD}=")
+                "recompute, or a direct call) without cpattn_documents, or a layer above it "
+                "lost the forward parallelize gave it, so cpattn cannot know how its tokens were "
+                "sharded: run it inside the model's forward, checkpoint the model's layers "
+                "(model.gradient_checkpointing_enable(), or torch.utils.checkpoint(..., "
+                f"use_reentrant=False)), or pass {KEYWORD}=")
         if not passed:
             raise ValueError(
                 f"{WHAT}: {name} mixes tokens along the sequence, so cpattn needs to know how "

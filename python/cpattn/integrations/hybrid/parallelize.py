@@ -150,7 +150,13 @@ def parallelize(model: torch.nn.Module, cp: ContextParallel, name: str) -> Paral
             refusal = verdict(module)
             if refusal:
                 raise ValueError(refusal)
-        mixing = token_mixing(model, mixers)
+        try:
+            mixing = token_mixing(model, mixers)
+        except Exception as e:  # noqa: BLE001 - refused, with the reason, on every rank
+            raise ValueError(f"{WHAT}: the check that nothing but attention and the adapted "
+                             f"mixers mixes tokens could not run {type(model).__name__} on a "
+                             f"short input ({type(e).__name__}: {e}); cpattn refuses a model "
+                             "it cannot check") from e
         if mixing:
             raise ValueError(
                 f"{WHAT}: {type(model).__name__} mixes tokens along the sequence outside "

@@ -16,6 +16,7 @@ changes anything:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -151,13 +152,14 @@ def token_mixing(model: torch.nn.Module, mixers: list[torch.nn.Module]) -> str:
     silenced = {m for mixer in mixers for m in mixer.modules()}
     runs: list[list] = []
     hooks = []
+    adapted = set(mixers)
     for module in model.modules():
-        if module in mixers:
+        if module in adapted:
             hooks.append(module.register_forward_hook(_silence))
         elif module not in silenced and not isinstance(module, _CONTAINERS):
             hooks.append(module.register_forward_hook(
-                lambda m, args, kwargs, out: runs[-1].append((m, _first_tensor((args, kwargs)),
-                                                              _first_tensor(out))),
+                lambda m, args, kwargs, out: runs[-1].append((m, _token_major(
+                    _first_tensor((args, kwargs))), _token_major(_first_tensor(out)))),
                 with_kwargs=True))
     previous = model.config._attn_implementation
     modes = [(m, m.training) for m in model.modules()]
@@ -166,23 +168,33 @@ def token_mixing(model: torch.nn.Module, mixers: list[torch.nn.Module]) -> str:
         model.set_attn_implementation(PROBE_NAME)
         model.eval()
         with torch.no_grad():
+            keywords = {"use_cache": False} if _accepts(model, "use_cache") else {}
             for inputs in (x, y):
                 runs.append([])
-                model(inputs_embeds=inputs.to(embeddings.device, embeddings.dtype),
-                      use_cache=False)
+                model(inputs_embeds=inputs.to(embeddings.device, embeddings.dtype), **keywords)
     finally:
         for hook in hooks:
             hook.remove()
         for m, mode in modes:
             m.training = mode
         model.set_attn_implementation(previous)
-    mixing = _mixing(runs, TOLERANCE.get(embeddings.dtype, 1e-4))
+    mixing = {names[m] for m in _mixing(runs, TOLERANCE.get(embeddings.dtype, 1e-4))}
     # the deepest ones: a module whose submodules already explain its mixing is not named
-    deepest = sorted(names[m] for m in mixing
-                     if not any(names[o].startswith(names[m] + ".") or (names[m] == "" and o is
-                                not m) for o in mixing))
+    deepest = sorted(n for n in mixing if not any(_inside(o, n) for o in mixing))
     return ", ".join(f"{n or 'the model itself'} ({type(model.get_submodule(n)).__name__})"
                      for n in deepest)
+
+
+def _inside(name: str, outer: str) -> bool:
+    """Whether the module named `name` lies strictly inside the one named `outer` ("": the
+    model)."""
+    return name != outer and (outer == "" or name.startswith(outer + "."))
+
+
+def _accepts(model: torch.nn.Module, keyword: str) -> bool:
+    parameters = inspect.signature(type(model).forward).parameters
+    return keyword in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                        for p in parameters.values())
 
 
 def _silence(module, args, output):
@@ -216,7 +228,7 @@ def _mixing(runs: list[list], tolerance: float) -> list[torch.nn.Module]:
     for (module, a_in, a_out), (other, b_in, b_out) in zip(*runs):
         if module is not other:
             break
-        if not all(_token_major(t) for t in (a_in, a_out, b_in, b_out)):
+        if any(t is None for t in (a_in, a_out, b_in, b_out)):
             continue
         if _same_after_first(a_in, b_in, tolerance) and \
                 not _same_after_first(a_out, b_out, tolerance):
@@ -224,9 +236,12 @@ def _mixing(runs: list[list], tolerance: float) -> list[torch.nn.Module]:
     return found
 
 
-def _token_major(t) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == 1 and \
-        t.shape[1] == PROBE_TOKENS and t.is_floating_point()
+def _token_major(t):
+    """t if it is a (1, tokens, ...) floating tensor (kept for the comparison), else None."""
+    if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == 1 and \
+            t.shape[1] == PROBE_TOKENS and t.is_floating_point():
+        return t
+    return None
 
 
 def _same_after_first(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
