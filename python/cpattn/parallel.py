@@ -95,10 +95,9 @@ class ContextParallel:
             raise ValueError(f"cpattn.ContextParallel: invariant must be True or False, got "
                              f"{invariant!r}")
         self.invariant = invariant
-        if strategy not in STRATEGIES:
-            raise ValueError(
-                f"cpattn.ContextParallel: strategy must be one of {STRATEGIES}, got {strategy!r}"
-            )
+        if strategy not in _REGISTRY:
+            raise ValueError(f"cpattn.ContextParallel: strategy must be one of "
+                             f"{tuple(_REGISTRY)}, got {strategy!r}")
         spec = _REGISTRY[strategy]
         if layout is None:
             layout = spec.default_layout

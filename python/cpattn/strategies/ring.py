@@ -92,8 +92,8 @@ class RingFamily(Strategy):
     all-gather. chunk_option: the argument that sets its KV heads per pass (or per gather);
     run(...): one call of its autograd Function over this rank's (1 or B, L, H, D) shards."""
 
-    def __init__(self, name: str, chunk_option: str, run: Callable) -> None:
-        super().__init__(name, _attend, _attend_varlen, runs_document_plans=True)
+    def __init__(self, name: str, chunk_option: str, run: Callable, emulate: Callable) -> None:
+        super().__init__(name, _attend, _attend_varlen, emulate=emulate)
         self.chunk_option, self.run = chunk_option, run
 
 
@@ -119,8 +119,24 @@ def _run_gathered(q, k, v, opts, group, rank, world, layout, timeout, docs, per_
                                    per_gather or default_head_group(k.shape[2], world))
 
 
-RING = RingFamily("ring", "ring_chunk", _run_ring)
-ALLGATHER = RingFamily("allgather", "allgather_chunk", _run_gathered)
+def _emulate_ring(q: list, k: list, v: list, layout: str, opts: AttentionOptions):
+    """The ring driver with one thread per emulated rank and an in-process mailbox (the test
+    ops of libcpattn_testing, loaded by cpattn.testing.emulation)."""
+    outs, lses = torch.ops.cpattn_testing.ring_fwd_emulated(q, k, v, LAYOUTS[layout],
+                                                            **opts.op_kwargs())
+    return list(outs), list(lses)
+
+
+def _emulate_gathered(q: list, k: list, v: list, layout: str, opts: AttentionOptions):
+    """Every emulated rank's steps against the stacked shards."""
+    k_all, v_all = torch.stack(k), torch.stack(v)
+    results = [torch.ops.cpattn.gathered_fwd(q[r], k_all, v_all, r, LAYOUTS[layout],
+                                             **opts.op_kwargs()) for r in range(len(q))]
+    return [o for o, _ in results], [lse for _, lse in results]
+
+
+RING = RingFamily("ring", "ring_chunk", _run_ring, _emulate_ring)
+ALLGATHER = RingFamily("allgather", "allgather_chunk", _run_gathered, _emulate_gathered)
 # ring_attention's strategies by name, and the values of its `strategy` argument ("auto": the
 # cost model picks one per problem)
 RUNS = {s.name: s for s in (RING, ALLGATHER)}
