@@ -13,7 +13,7 @@ import torch
 
 from cpattn import plan
 from cpattn.attention import LocalDocuments
-from cpattn.core.agreement import agree_on, digest_ints
+from cpattn.core.agreement import agree_on
 from cpattn.core.autograd import (
     backward_in_passes,
     forward_in_passes,
@@ -31,6 +31,7 @@ from cpattn.core.layout import (
     padded_length,
 )
 from cpattn.core.options import AttentionOptions, checked_call, returned
+from cpattn.core.signature import digest_ints
 from cpattn.core.validation import (
     check_bool,
     check_choice,
