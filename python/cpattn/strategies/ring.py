@@ -45,7 +45,7 @@ from cpattn.core.validation import (
 from cpattn.invariant import check_invariant_call, invariant_attention
 from cpattn.max_logits import document_placement, global_max_logits, sequence_placement
 from cpattn.sharding.documents import DocumentPlan
-from cpattn.strategies.allgather import GatheredAttention, SubsetGathered
+from cpattn.strategies.allgather import SubsetGathered, emulate_gathered, run_gathered
 from cpattn.strategies.base import Strategy
 
 
@@ -114,12 +114,6 @@ def _run_ring(q, k, v, opts, group, rank, world, layout, timeout, docs, per_pass
                                timeout, docs, per_pass or k.shape[2])
 
 
-def _run_gathered(q, k, v, opts, group, rank, world, layout, timeout, docs, per_gather):
-    return GatheredAttention.apply(q, k, v, opts.sinks, opts, group, rank, world,
-                                   LAYOUTS[layout], docs,
-                                   per_gather or default_head_group(k.shape[2], world))
-
-
 def _emulate_ring(q: list, k: list, v: list, layout: str, opts: AttentionOptions):
     """The ring driver with one thread per emulated rank and an in-process mailbox (the test
     ops of libcpattn_testing, loaded by cpattn.testing.emulation)."""
@@ -128,16 +122,8 @@ def _emulate_ring(q: list, k: list, v: list, layout: str, opts: AttentionOptions
     return list(outs), list(lses)
 
 
-def _emulate_gathered(q: list, k: list, v: list, layout: str, opts: AttentionOptions):
-    """Every emulated rank's steps against the stacked shards."""
-    k_all, v_all = torch.stack(k), torch.stack(v)
-    results = [torch.ops.cpattn.gathered_fwd(q[r], k_all, v_all, r, LAYOUTS[layout],
-                                             **opts.op_kwargs()) for r in range(len(q))]
-    return [o for o, _ in results], [lse for _, lse in results]
-
-
 RING = RingFamily("ring", "ring_chunk", _run_ring, _emulate_ring)
-ALLGATHER = RingFamily("allgather", "allgather_chunk", _run_gathered, _emulate_gathered)
+ALLGATHER = RingFamily("allgather", "allgather_chunk", run_gathered, emulate_gathered)
 # ring_attention's strategies by name, and the values of its `strategy` argument ("auto": the
 # cost model picks one per problem)
 RUNS = {s.name: s for s in (RING, ALLGATHER)}
