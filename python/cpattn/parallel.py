@@ -23,9 +23,6 @@ from cpattn.strategies.base import Strategy
 from cpattn.strategies.registry import PLAN_STRATEGIES
 from cpattn.strategies.registry import STRATEGIES as _REGISTRY
 
-# The strategies a ContextParallel runs (the registry's names).
-STRATEGIES = tuple(_REGISTRY)
-
 
 class _WeakGroup:
     """A ContextParallel attribute that holds a process group by weak reference. The object
