@@ -65,7 +65,7 @@ def sft_partial_batches(ctx):
                         dataloader_drop_last=False)
         trainer, capture = ctx.trainer(
             "qwen3", args, sft=True, base=base, processing_class=tokenizer(),
-            train_dataset=Dataset.from_list(sft_documents(23)),
+            train_dataset=Dataset.from_list(sft_documents(25)),
             eval_dataset=Dataset.from_list(sft_documents(9, seed=1)))
         trainer.train()
         evaluated = trainer.evaluate()["eval_loss"]
