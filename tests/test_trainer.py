@@ -311,14 +311,22 @@ def test_partial_last_batch_as_one_process(runs, name):
 
 
 def test_sft_packing_partial_batches(runs):
-    """SFTTrainer packing, bs 2, an odd number of packed rows for training and evaluation.
-    Ablation: filled batches change the eval loss (and the last step's loss)."""
+    """SFTTrainer packing, bs 2, an odd number of packed rows for training and evaluation; TRL's
+    eval metrics (entropy, token accuracy) equal too. Ablations: filled batches change the eval
+    loss (and the last step's loss); TRL's per-rank sums truncated change its metrics."""
     ref, got = _check(runs, "sft_partial_batches")
     rows = ref["main"]["packed_rows"]
     assert rows == got["main"]["packed_rows"] and all(n % 2 == 1 for n in rows), rows
     filled, want = got["ablation"], ref["main"]
     assert not _close(filled["eval"], want["eval"], 1e-5), (filled["eval"], want["eval"])
     assert_differs(filled["loss"], want["loss"], "sft packing: filled batches")
+    metrics = ("eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens")
+    for key in metrics:
+        a, b = got["main"]["eval_metrics"][key], want["eval_metrics"][key]
+        assert _close(a, b, 1e-6), (key, a, b)
+    truncated = got["ablation_gathers"]["eval_metrics"]
+    assert any(not _close(truncated[k], want["eval_metrics"][k], 1e-6) for k in metrics), (
+        "TRL's gathers: the truncation does not matter", truncated)
 
 
 @pytest.mark.parametrize("name", ["odd_lengths", "odd_lengths_cp4"])

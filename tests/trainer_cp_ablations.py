@@ -138,6 +138,26 @@ def no_cpu_ranks(base):
     return Alone
 
 
+def truncated_gathers(base):
+    """TRL's per-rank sums (tokens, correct tokens, entropy) left to gather_for_metrics'
+    truncation at the end of a loader."""
+    from cpattn.integrations.trainer import evaluation, with_context_parallel
+
+    def as_is(accelerator):
+        return contextlib.nullcontext()
+
+    class Truncated(with_context_parallel(base)):
+        def compute_loss(self, *args, **kwargs):
+            with _patched(evaluation, "whole_gathers", as_is):
+                return super().compute_loss(*args, **kwargs)
+
+        def prediction_step(self, *args, **kwargs):
+            with _patched(evaluation, "whole_gathers", as_is):
+                return super().prediction_step(*args, **kwargs)
+
+    return Truncated
+
+
 def local_aux(base):
     """transformers' own MoE loss over each rank's tokens instead of the whole sequence."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 import transformers as T
-from trainer_cp_ablations import filled, no_cpu_ranks, no_documents
+from trainer_cp_ablations import filled, no_cpu_ranks, no_documents, truncated_gathers
 from trainer_cp_kit import (
     documents,
     every_rank,
@@ -56,7 +56,8 @@ def partial_batches_cp4(ctx):
 @scenario(world=2)
 def sft_partial_batches(ctx):
     """SFTTrainer packing with bs 2 and an odd number of packed rows, for training and for
-    evaluation (eval_packing): the last batch of each holds one row."""
+    evaluation (eval_packing): the last batch of each holds one row. TRL's eval metrics too.
+    Ablations: filled batches; TRL's per-rank sums truncated at the end of the loader."""
     from datasets import Dataset
     from trl import SFTTrainer
 
@@ -68,14 +69,17 @@ def sft_partial_batches(ctx):
             train_dataset=Dataset.from_list(sft_documents(25)),
             eval_dataset=Dataset.from_list(sft_documents(9, seed=1)))
         trainer.train()
-        evaluated = trainer.evaluate()["eval_loss"]
+        metrics = trainer.evaluate()
+        evaluated = metrics["eval_loss"]
         return {**results(trainer, capture), "eval": evaluated,
-                "eval_every_rank": every_rank(evaluated),
+                "eval_every_rank": every_rank(evaluated), "eval_metrics": metrics,
                 "packed_rows": (len(trainer.train_dataset), len(trainer.eval_dataset))}
 
     out = {"main": run(SFTTrainer)}
     if not ctx.reference:
         out["ablation"] = _kept(run(filled(SFTTrainer)))
+        out["ablation_gathers"] = {"eval_metrics": run(truncated_gathers(SFTTrainer))[
+            "eval_metrics"]}
     return out
 
 

@@ -6,6 +6,7 @@ gathered once per CP group."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -122,3 +123,22 @@ def gather_over_dp(accelerator, data, cp_size: int):
         return out
 
     return recursively_apply(one_copy, data)
+
+
+@contextlib.contextmanager
+def whole_gathers(accelerator):
+    """accelerate's gather_for_metrics keeps, at the end of a loader, only as many entries as
+    the dataset's last examples (`remainder`): right for per-example values, wrong for the
+    per-rank sums TRL gathers with it (tokens, correct tokens, entropy), of which every rank
+    holds a part of every example under context parallelism. Inside, the loader's remainder
+    reads -1 (gather_for_metrics then keeps every entry)."""
+    state = accelerator.gradient_state
+    loader = state.active_dataloader if state.in_dataloader else None
+    if loader is None or not state.end_of_dataloader:
+        yield
+        return
+    saved, loader.remainder = loader.remainder, -1
+    try:
+        yield
+    finally:
+        loader.remainder = saved

@@ -240,8 +240,9 @@ class ContextParallelMixin:
                 return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                             num_items_in_batch=num_items_in_batch)
             before = self._total_train_tokens  # TRL counts the local tokens: the full batch's
-            loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+            with evaluation.whole_gathers(self.accelerator):
+                loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                            num_items_in_batch=num_items_in_batch)
             count = torch.as_tensor(self._cp_batch_tokens, device=self.args.device)
             self._total_train_tokens = before + int(
                 self.accelerator.gather(count.reshape(1)).sum().item()) // self.cp.world_size
@@ -323,7 +324,8 @@ class ContextParallelMixin:
         # Another class's loss over a given count (the Trainer's rule): the world's count of
         # the round's targets, so that the ranks' losses sum to the round's mean.
         total = evaluation.world_sum((local["shift_labels"] != -100).sum())
-        loss = self.compute_loss(model, dict(local), num_items_in_batch=total.clamp(min=1))
+        with evaluation.whole_gathers(self.accelerator):
+            loss = self.compute_loss(model, dict(local), num_items_in_batch=total.clamp(min=1))
         mean = evaluation.world_sum(loss.detach().mean() / self._cp_loss_scale())
         return mean.to(loss.dtype), None
 
