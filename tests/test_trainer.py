@@ -350,13 +350,19 @@ def test_cpu_setup_without_use_cpu(runs):
 
 def test_messages_name_the_cause(runs):
     """A dataset that differs between the ranks, a model registered with another
-    ContextParallel: messages that say so (the same dataset on every rank trains)."""
+    ContextParallel: messages that say so (the same dataset on every rank trains); a plain
+    Trainer given a context-parallel model raises at its first step."""
     got = runs[1]["messages"]
     assert "the train dataset differs between ranks" in got["dataset_differs"], got
     assert got["dataset_same"] == "", got["dataset_same"]
     assert "registered with another ContextParallel than the one given to the trainer" in (
         got["other_cp"]), got["other_cp"]
     assert "build cp once" in got["other_cp"], got["other_cp"]
+    # A plain Trainer never trains a context-parallel model silently: the unsharded batch's
+    # positions are refused at the first forward, on every rank (`raised` checks the ranks
+    # agree). Its message comes from cpattn.integrations.transformers.
+    assert "position_ids are not the position ids of this rank's tokens" in (
+        got["plain_trainer"]), got["plain_trainer"]
 
 
 def test_dp_x_cp_evaluation_exact(runs):

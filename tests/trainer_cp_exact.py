@@ -155,7 +155,8 @@ def cpu_setup(ctx):
 def messages(ctx):
     """Misuse whose message names its cause: a dataset that differs between the ranks (and
     the same dataset on every rank, which trains); a model registered with another
-    ContextParallel than the trainer's."""
+    ContextParallel than the trainer's; a plain Trainer given a context-parallel model (it
+    raises at the first forward, on every rank)."""
     if ctx.reference:
         return {}
     from cpattn.integrations.trainer import ContextParallelTrainer
@@ -167,9 +168,15 @@ def messages(ctx):
         ContextParallelTrainer(cp, model=m, args=ctx.args(dp=1, max_steps=1), train_dataset=data,
                                data_collator=T.default_data_collator).train()
 
+    def plain_trainer():
+        m = model("llama", register(ctx.cp(), "cpattn_messages"))
+        T.Trainer(model=m, args=ctx.args(dp=1, max_steps=1), train_dataset=rows(4),
+                  data_collator=T.default_data_collator).train()
+
     return {"dataset_differs": raised(lambda: train(rows(4, seed=dist.get_rank()))),
             "dataset_same": raised(lambda: train(rows(4))),
-            "other_cp": raised(lambda: train(rows(4), registered_with=ctx.cp()))}
+            "other_cp": raised(lambda: train(rows(4), registered_with=ctx.cp())),
+            "plain_trainer": raised(plain_trainer)}
 
 
 @scenario(world=4)
