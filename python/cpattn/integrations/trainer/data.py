@@ -17,6 +17,7 @@ from accelerate.data_loader import BatchSamplerShard
 from cpattn.integrations.trainer.ranks import WHAT, host_or_device
 from cpattn.parallel import ContextParallel
 from cpattn.sharding.packing import FLASH_KEYS, find_packing
+from cpattn.training import IGNORE_INDEX
 
 SAMPLED_EXAMPLES = 16  # examples of a dataset compared over the ranks (with its length)
 
@@ -174,7 +175,7 @@ def documents_if_uneven(batch: dict[str, Any], cp: ContextParallel) -> dict[str,
         out[name] = value
     if "labels" in out:
         out["labels"] = out["labels"].clone()
-        out["labels"][0, ::seqlen] = -100
+        out["labels"][0, ::seqlen] = IGNORE_INDEX
     device = ids.device
     out["position_ids"] = torch.arange(seqlen, device=device).repeat(bsz)[None]
     cu = torch.arange(0, bsz * seqlen + 1, seqlen, dtype=torch.int32, device=device)

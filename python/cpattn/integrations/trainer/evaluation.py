@@ -16,6 +16,7 @@ from cpattn.integrations.trainer.data import WholeRounds
 from cpattn.integrations.trainer.ranks import host_or_device
 from cpattn.parallel import ContextParallel
 from cpattn.sharding.packing import KEYWORD
+from cpattn.training import IGNORE_INDEX
 
 
 class EvalRounds:
@@ -38,8 +39,8 @@ class EvalRounds:
 
 
 def without_targets(inputs: dict[str, Any]) -> dict[str, Any]:
-    """The batch with every label -100: a copy that completes a round counts no target."""
-    return {k: torch.full_like(v, -100) if k in ("labels", "shift_labels") else v
+    """The batch with every label ignored: a copy that completes a round counts no target."""
+    return {k: torch.full_like(v, IGNORE_INDEX) if k in ("labels", "shift_labels") else v
             for k, v in inputs.items()}
 
 

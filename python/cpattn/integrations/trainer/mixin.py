@@ -16,7 +16,13 @@ from cpattn.integrations.trainer.ranks import WHAT
 from cpattn.integrations.transformers import registered
 from cpattn.parallel import ContextParallel
 from cpattn.sharding.packing import KEYWORD, find_packing
-from cpattn.training import cross_entropy, load_balancing_loss, shard_batch, token_loss_sum
+from cpattn.training import (
+    IGNORE_INDEX,
+    cross_entropy,
+    load_balancing_loss,
+    shard_batch,
+    token_loss_sum,
+)
 
 MIXIN_DOC = """Context parallelism (cpattn): each sequence of a batch is split over the
 cp.world_size ranks of a context-parallel group, with exact attention, loss and gradients.
@@ -316,14 +322,14 @@ class ContextParallelMixin:
         """(the round's loss, the same on every rank; this rank's logits or None)."""
         if self._cp_own_loss():
             outputs, loss_sum, aux = self._cp_forward(model, local)
-            count = (local["shift_labels"] != -100).sum()
+            count = (local["shift_labels"] != IGNORE_INDEX).sum()
             loss = evaluation.round_mean(loss_sum, count)
             if aux is not None:  # (one process's at one replica; else the replicas' mean)
                 loss = loss + (evaluation.world_sum(aux) / dist.get_world_size()).to(loss.dtype)
             return loss.detach(), (None if loss_only else outputs.logits)
         # Another class's loss over a given count (the Trainer's rule): the world's count of
         # the round's targets, so that the ranks' losses sum to the round's mean.
-        total = evaluation.world_sum((local["shift_labels"] != -100).sum())
+        total = evaluation.world_sum((local["shift_labels"] != IGNORE_INDEX).sum())
         with evaluation.whole_gathers(self.accelerator):
             loss = self.compute_loss(model, dict(local), num_items_in_batch=total.clamp(min=1))
         mean = evaluation.world_sum(loss.detach().mean() / self._cp_loss_scale())
