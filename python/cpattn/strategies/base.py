@@ -72,6 +72,15 @@ class Strategy:
             group = group.get_group()
         return group_info(group)[0], None, None
 
+    def mesh_dims(self, what: str, cp_size: int, sizes: dict) -> tuple[tuple, tuple]:
+        """The dims (sizes, names; innermost last) of a device mesh of cp_size ranks that
+        `groups` takes (the trainers' (dp, ...) mesh). sizes: the strategy's own size arguments
+        given (Ulysses' size for the hybrid), none here."""
+        if sizes:
+            raise ValueError(f"{what}: {', '.join(sizes)} is not an argument of strategy "
+                             f"{self.name!r}")
+        return (cp_size,), ("cp",)
+
     def sequence_groups(self, cp) -> tuple:
         return (cp.group,)
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn.parallel import ContextParallel
+from cpattn.strategies.registry import STRATEGIES
 
 WHAT = "cpattn.integrations.trainer"
 
@@ -36,19 +37,15 @@ def context_parallel(cp_size: int, strategy: str = "ring", *, ulysses_size: Opti
                          f"{world}, got {cp_size!r}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dp = world // cp_size
-    if strategy == "hybrid":
-        if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or (
-                ulysses_size < 1 or cp_size % ulysses_size):
-            raise ValueError(f"{what}: strategy 'hybrid' needs ulysses_size, a positive int "
-                             f"dividing cp_size {cp_size}, got {ulysses_size!r}")
-        mesh = init_device_mesh(device, (dp, cp_size // ulysses_size, ulysses_size),
-                                mesh_dim_names=("dp", "ring", "ulysses"))
-        return ContextParallel(mesh["ring", "ulysses"], strategy="hybrid", **options)
-    if ulysses_size is not None:
-        raise ValueError(f"{what}: ulysses_size is for strategy 'hybrid', got strategy "
+    spec = STRATEGIES.get(strategy)
+    if spec is None:
+        raise ValueError(f"{what}: strategy must be one of {tuple(STRATEGIES)}, got "
                          f"{strategy!r}")
-    mesh = init_device_mesh(device, (dp, cp_size), mesh_dim_names=("dp", "cp"))
-    return ContextParallel(mesh["cp"], strategy=strategy, **options)
+    sizes = {} if ulysses_size is None else {"ulysses_size": ulysses_size}
+    dims, names = spec.mesh_dims(what, cp_size, sizes)
+    mesh = init_device_mesh(device, (dp, *dims), mesh_dim_names=("dp", *names))
+    return ContextParallel(mesh[names if len(names) > 1 else names[0]], strategy=strategy,
+                           **options)
 
 
 def data_parallel(cp: ContextParallel) -> tuple[int, int]:
