@@ -33,7 +33,6 @@ from typing import Any, Optional
 
 import torch
 
-from cpattn.core.agreement import agree_on
 from cpattn.core.options import AttentionOptions
 from cpattn.sharding.packing import KEYWORD
 
@@ -267,43 +266,11 @@ def check_layer(module: torch.nn.Module, tokens: int, max_position: int,
 
 def agree(cp, what: str, check: Callable[[], None]) -> None:
     """Runs check() (which raises ValueError on a bad local value) so that every rank of cp's
-    sequence raises when any rank's check fails. In rank-check mode "once" too (a valid check's
-    fields are the same at every call)."""
+    sequence raises when any rank's check fails (ContextParallel.agree: over each of its
+    groups). In rank-check mode "once" too (a valid check's fields are the same at every
+    call)."""
     def validated():
         check()
         return None, []
 
-    agree_on_value(cp, what, validated, every_call=True)
-
-
-def agree_on_value(cp, what: str, check: Callable[[], tuple[Any, list]],
-                   every_call: bool = False) -> Any:
-    """check() (the checked value and the signature fields to agree on) agreed over cp's ranks:
-    over cp's group, or for hybrid over its Ulysses groups and then its ring groups (every rank
-    takes part in both exchanges; an error in one Ulysses group raises in all). Returns the
-    value. every_call: as cpattn.core.agreement.agree_on's."""
-    timeout = _timeout(cp)
-    if len(cp.groups) == 1:
-        return agree_on(what, cp.group, timeout, check, every_call=every_call)
-    failures = []  # this Ulysses group's error (every rank of it has the same)
-    try:
-        value = agree_on(what, cp.ulysses_group, timeout, check, every_call=every_call)
-    except ValueError as e:
-        value = None
-        failures.append(e)
-
-    def across():
-        if failures:
-            raise failures[0]
-        return value, []
-
-    try:
-        return agree_on(what, cp.ring_group, timeout, across, every_call=every_call)
-    finally:
-        failures.clear()  # no cycle from the raised error's frames back to it
-
-
-def _timeout(cp) -> float:
-    from cpattn.core.validation import check_timeout
-
-    return check_timeout(WHAT, cp.timeout, cp.ring_group)
+    cp.agree(what, validated, every_call=True)

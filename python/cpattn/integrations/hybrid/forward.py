@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from cpattn.integrations._model_checks import agree_on_value
 from cpattn.integrations.hybrid.documents import ModelState
 from cpattn.integrations.hybrid.registry import Adapter
 from cpattn.mixers.mixing import Mixing
@@ -108,7 +107,7 @@ def _sharded_forward(role: MixerRole, module: torch.nn.Module, hidden: torch.Ten
                            ("hidden_states.dtype", hidden.dtype),
                            ("hidden_states.device", hidden.device.type)]
 
-    piece_map = agree_on_value(cp, WHAT, check)
+    piece_map = cp.agree(WHAT, check)
     mix = Mixing(piece_map, cp.rank, exchange_of(cp), hidden.shape[0])
     return role.adapter.fn(module, hidden, mix)
 
