@@ -21,6 +21,11 @@ wrappers, never by a global table):
   detaches the inputs, so the recompute could not know them: a layer that gets no
   `cpattn_documents` keyword refuses it in the forward (grad disabled inside a model call with
   grad enabled).
+
+Under torch.compile the model is traced once, with the model call's documents: the layers bind
+nothing and the mixers read the model call's documents. torch.compile together with gradient
+checkpointing of a mixer's layer is refused at W > 1 (AOT autograd cannot save the mixers'
+ordered exchange inside a compiled checkpoint).
 """
 
 from __future__ import annotations
@@ -79,8 +84,13 @@ class ModelState:
         self.frames.pop()
 
     def binding(self) -> Optional[Binding]:
-        """The documents of the layer call in progress, or None (unknown)."""
-        return self.bindings[-1] if self.bindings else None
+        """The documents of the layer call in progress, or None (unknown). While torch.compile
+        traces, the model call's (the layers bind nothing: see layer_forward)."""
+        if self.bindings:
+            return self.bindings[-1]
+        if torch.compiler.is_compiling() and self.frames:
+            return self.frames[-1].binding
+        return None
 
     # --- a layer's call ---------------------------------------------------------------------------
     def binding_of_call(self, layer: torch.nn.Module, args: tuple, kwargs: dict) -> \
@@ -126,21 +136,42 @@ def layer_forward(layer: torch.nn.Module, *args, **kwargs):
     own forward, with the documents of this call bound for the mixers below, in the forward
     and in a checkpoint's recompute."""
     role: LayerRole = layer.__dict__["_cpattn_layer"]
+    if torch.compiler.is_compiling():
+        # Traced once, with the model call's documents (ModelState.binding)
+        if _checkpointing(layer) and layer.training and torch.is_grad_enabled() and \
+                role.state.cp.world_size > 1:
+            raise ValueError(
+                f"{WHAT}: torch.compile of {type(layer).__name__} under gradient checkpointing "
+                "is not supported yet (AOT autograd cannot save the mixers' exchange, an "
+                "ordered collective, inside a compiled checkpoint): compile without "
+                "checkpointing, or checkpoint without torch.compile")
+        return _inner(role, layer, args, kwargs)
     state = role.state
     binding = state.binding_of_call(layer, args, kwargs)
     checkpoint = layer.__dict__.get("_gradient_checkpointing_func")
-    if checkpoint is not None and getattr(layer, "gradient_checkpointing", False):
+    if checkpoint is not None and _checkpointing(layer):
         layer._gradient_checkpointing_func = functools.partial(_checkpoint_bound, checkpoint,
                                                                state, binding)
     state.bindings.append(binding)
     try:
-        if role.inner is not None:
-            return role.inner(*args, **kwargs)
-        return type(layer).forward(layer, *args, **kwargs)
+        return _inner(role, layer, args, kwargs)
     finally:
         state.bindings.pop()
-        if checkpoint is not None and getattr(layer, "gradient_checkpointing", False):
+        if checkpoint is not None and _checkpointing(layer):
             layer._gradient_checkpointing_func = checkpoint
+
+
+def _checkpointing(layer: torch.nn.Module) -> bool:
+    """Whether transformers' gradient checkpointing is on for the layer (this instance's)."""
+    return bool(layer.__dict__.get("gradient_checkpointing", False)) and \
+        "_gradient_checkpointing_func" in layer.__dict__
+
+
+def _inner(role: LayerRole, layer: torch.nn.Module, args: tuple, kwargs: dict):
+    """The layer's own forward: its earlier instance forward, else its class's."""
+    if role.inner is not None:
+        return role.inner(*args, **kwargs)
+    return type(layer).forward(layer, *args, **kwargs)
 
 
 def _checkpoint_bound(checkpoint, state: ModelState, binding: Optional[Binding], function,
