@@ -7,7 +7,8 @@ hybrid_models.assert_step_matches), or is refused on every rank.
   forward per document is the reference); a padded batch, the collator's cu_seq_lens form.
 - W = 3, all families: contiguous sequences and per-document packing (all-gather).
 - W = 4, one family per mixer kind: Ulysses, the 2 x 2 hybrid mesh, a plan with the all-gather.
-- torch.compile(fullgraph=True) of Qwen3.5 (gated delta rule) and Bamba (Mamba-2).
+- torch.compile(fullgraph=True) of Qwen3.5 (gated delta rule) and Bamba (Mamba-2), and of Jamba
+  (Mamba) on packed documents; refused together with gradient checkpointing.
 Each exact case has an ablation (every mixer on its rank's pieces only) that changes the result.
 Refused on every rank: the striped layout and invariant mode (by parallelize), generate with
 ContextParallelCache, use_cache=True, a padding mask reaching a mixer, a model not given
@@ -166,11 +167,24 @@ def _compiled(rank, world):
         got = H.cp_step(cfg, batch, cpattn.ContextParallel(), compile_backend="aot_eager")
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
         H.assert_step_matches(H.reference(cfg, batch), got, f"compiled {kind}")
+    # Jamba on packed documents: its model does not hand them down to its Mamba layers (the
+    # traced hooks of parallelize do)
+    torch._dynamo.reset()
+    counters.clear()
+    cfg, packed = H.config("jamba"), H.packed(PLAN_LENGTHS)
+    got = H.cp_step(cfg, packed, cpattn.ContextParallel(), compile_backend="aot_eager")
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    H.assert_step_matches(H.reference(cfg, packed, PLAN_LENGTHS), got, "compiled jamba packed")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="under gradient checkpointing is not supported yet"):
+        H.cp_step(cfg, packed, cpattn.ContextParallel(), compile_backend="aot_eager",
+                  prepare=H.checkpointing("non-reentrant"))
 
 
 def test_compile_fullgraph_w2():
     """The aot_eager backend traces what inductor would get (dynamo graph, AOT autograd's joint
-    graph with the exchange's custom ops) without generating code (minutes on 2 cores)."""
+    graph with the exchange's custom ops) without generating code (minutes on 2 cores): Qwen3.5
+    and Bamba on sequences, Jamba on packed documents; with gradient checkpointing refused."""
     run_ranks(2, _compiled)
 
 
