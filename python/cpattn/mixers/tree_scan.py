@@ -79,6 +79,7 @@ def _constant(fn):
     def constant(*args):
         return cached(*args)
 
+    constant.cache_clear = cached.cache_clear
     return torch._dynamo.assume_constant_result(constant)
 
 
