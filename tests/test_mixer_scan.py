@@ -4,19 +4,24 @@ kind, W = 1..16, the piece maps cpattn shards with (contiguous, zigzag, per-docu
 plans with many documents) and random ones (chains visiting the ranks in any order, a rank
 holding several pieces of one chain or none); gradients by gradcheck and against the fold's;
 the messages it sends are those the planner's model counts; the method's choice. Real gloo
-ranks: tests/test_mixer_scan_distributed.py."""
+ranks (W = 2, 4, 8 over gloo, point to point): the same checks on the piece maps of a
+cpattn.ContextParallel (zigzag, contiguous, a document plan, per-document, the hybrid mesh) and a
+random one, and one training step of a gated delta rule and a Mamba-2 model with the tree scan
+forced ($CPATTN_MIXER_SCAN=tree), exact against one process."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import cpattn
 from cpattn.mixers import build_piece_map, state_scan
 from cpattn.mixers import tree_scan as T
 from cpattn.mixers.tree_scan import scan_method, scan_traffic, tree_plan, with_scan
 from cpattn.plan.mixer_scan import tree_messages, tree_steps
 from cpattn.testing.mixers import emulate
 
+from distributed import run_ranks
 from mixer_reference import sharded_problem
 
 F64 = torch.float64
@@ -270,3 +275,116 @@ def test_padding_before_the_first_document_token():
                                 (0, 5, 8))
     assert [(p.start, p.length) for p in piece_map.pieces[0]] == [(5, 2), (0, 3)]
     assert piece_map.chain(0) == ((0, 1), (1, 0))
+
+
+# --- real gloo ranks --------------------------------------------------------------------------
+
+LENGTHS = (2, 29, 1, 5, 3, 14, 40, 7)  # packed: short and long, one over >= 3 ranks
+
+
+def _rank_checks(name: str, piece_map, rank: int, exchange) -> None:
+    """On this rank: the tree scan of random summaries (the same on every rank: one seed) equals
+    the float64 fold, forward and the gradient of its own summaries; its routes sent point to
+    point."""
+    from cpattn.mixers.exchange import GroupExchange
+
+    assert isinstance(exchange, GroupExchange)
+    sent = []
+
+    class Counted:
+        def __call__(self, x):
+            return exchange(x)
+
+        def route(self, x, edges, r, tag):
+            sent.append(sum(n for src, _, n in edges if src == r))
+            return exchange.route(x, edges, r, tag)
+
+    gen = torch.Generator().manual_seed(11)
+    for kind in KIND_SHAPES:
+        sums = [tuple(t.requires_grad_(True) for t in pair)
+                for pair in summaries(gen, piece_map, kind)]
+        weights = [torch.randn(s.shape, generator=gen, dtype=F64) for _, s in sums]
+        ref = fold_reference(piece_map, sums, kind)
+        expected = torch.autograd.grad(sum((e * w).sum() for e, w in zip(ref, weights)),
+                                       sums[rank], allow_unused=True)
+        mine = [t.detach().clone().requires_grad_(True) for t in sums[rank]]
+        got = state_scan(*mine, piece_map, rank, kind, with_scan(Counted(), "tree"))
+        (got * weights[rank]).sum().backward()
+        what = f"{name} {kind} rank {rank} of {piece_map.world}"
+        torch.testing.assert_close(got, ref[rank].detach(), atol=1e-12, rtol=1e-12,
+                                   msg=lambda m: f"{what}: {m}")
+        for g, e, t in zip((mine[0].grad, mine[1].grad), expected, mine):
+            torch.testing.assert_close(*(x if x is not None else torch.zeros_like(t)
+                                         for x in (g, e)), atol=1e-12, rtol=1e-12,
+                                       msg=lambda m: f"{what} grad: {m}")
+    assert len(sent) == 3 * len(tree_plan(piece_map, rank).steps), (name, sent)
+
+
+def _on_ranks(rank: int, world: int) -> None:
+    from cpattn.mixers.sharded import exchange_of, piece_map_of
+    from cpattn.sharding.packing import Documents
+
+    starts = (0,) * len(LENGTHS)
+    cu = torch.tensor((0, *LENGTHS)).cumsum(0)
+    plan = cpattn.shard_documents(cu, world_size=world, split="balanced")
+    cases = [("zigzag", cpattn.ContextParallel(layout="zigzag"), None),
+             ("contiguous", cpattn.ContextParallel(layout="contiguous"), None),
+             ("plan", cpattn.ContextParallel(strategy="ring"), Documents(LENGTHS, starts, plan)),
+             ("per-document", cpattn.ContextParallel(strategy="ulysses"),
+              Documents(LENGTHS, starts))]
+    if world >= 4:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = cpattn.ContextParallel(init_device_mesh("cpu", (2, world // 2)), strategy="hybrid")
+        cases += [("hybrid", mesh, None), ("hybrid per-document", mesh, Documents(LENGTHS, starts))]
+    for name, cp, docs in cases:
+        if docs is None:
+            local = cp.positions(8 * world).numel()
+        else:
+            local = cp.document_positions(docs)[0].numel()
+        _rank_checks(name, piece_map_of(cp, local, docs), cp.rank, exchange_of(cp))
+    cp = cpattn.ContextParallel()
+    gen = torch.Generator().manual_seed(5)  # the same random piece map on every rank
+    _rank_checks("random", random_sharding(gen, world, (30, 4, 17, 9)), cp.rank, exchange_of(cp))
+
+
+@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+def test_tree_scan_on_gloo_ranks(world):
+    run_ranks(world, _on_ranks)
+
+
+def _hybrid_step(rank: int, world: int) -> None:
+    import hybrid_models as H
+
+    from cpattn.mixers import primitives
+
+    calls, real = [], primitives.tree_scan
+    primitives.tree_scan = lambda *args: calls.append(1) or real(*args)  # (it runs: counted)
+    try:
+        _hybrid_cases(H, world)
+    finally:
+        primitives.tree_scan = real
+    assert calls, "the tree scan did not run"
+
+
+def _hybrid_cases(H, world: int) -> None:
+    lengths = [30, 5, 4, 9]
+    for kind in ("qwen3_5", "bamba"):  # gated delta rule ("matrix"), Mamba-2 ("scalar")
+        cfg = H.config(kind)
+        for cp, batch, docs in ((cpattn.ContextParallel(layout="zigzag"), H.sequences(), None),
+                                (cpattn.ContextParallel(strategy="ring"), H.packed(lengths),
+                                 lengths)):
+            what = f"{kind} {cp.layout} W={world} tree scan"
+            ref = H.reference(cfg, batch, docs)
+            H.assert_step_matches(ref, H.cp_step(cfg, batch, cp), what)
+            with H.mixers_alone():
+                H.assert_differs(ref, H.cp_step(cfg, batch, cp), what)
+
+
+def test_hybrid_models_with_the_tree_scan(monkeypatch):
+    """One training step of Qwen3.5 (gated delta rule) and Bamba (Mamba-2) at W = 4, sequences
+    (zigzag) and packed documents (a plan), with $CPATTN_MIXER_SCAN=tree: loss and every gradient
+    as one process's (hybrid_models.assert_step_matches); the mixers alone are not."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("CPATTN_MIXER_SCAN", "tree")
+    run_ranks(4, _hybrid_step)
