@@ -388,3 +388,23 @@ def test_hybrid_models_with_the_tree_scan(monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setenv("CPATTN_MIXER_SCAN", "tree")
     run_ranks(4, _hybrid_step)
+
+
+def _compiled_step(rank: int, world: int) -> None:
+    import hybrid_models as H
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg, batch = H.config("qwen3_5"), H.sequences()
+    got = H.cp_step(cfg, batch, cpattn.ContextParallel(), compile_backend="aot_eager")
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    H.assert_step_matches(H.reference(cfg, batch), got, "compiled qwen3_5, tree scan")
+
+
+def test_tree_scan_compiles_fullgraph(monkeypatch):
+    """torch.compile(fullgraph=True) (aot_eager: what inductor would get) of a Qwen3.5 step with
+    the tree scan forced at W = 2: no graph break, exact."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("CPATTN_MIXER_SCAN", "tree")
+    run_ranks(2, _compiled_step)

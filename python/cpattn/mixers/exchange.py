@@ -158,11 +158,15 @@ def route(exchange: Exchange, x: torch.Tensor, edges: Edges, rank: int,
     return torch.cat(parts + [gathered[rank, :0]])
 
 
-@torch._dynamo.assume_constant_result
-@functools.lru_cache(maxsize=64)
+@torch._dynamo.assume_constant_result  # (a constant under torch.compile, run while tracing)
 def _global_ranks(inner: str, outer: str) -> tuple[int, ...]:
     """The global rank of each rank of the groups' product, in exchange order (outer rank *
     inner size + inner rank). One object all-gather over the outer group, the first time."""
+    return _product_ranks(inner, outer)
+
+
+@functools.lru_cache(maxsize=64)
+def _product_ranks(inner: str, outer: str) -> tuple[int, ...]:
     members = dist.get_process_group_ranks(_group(inner))
     if not outer:
         return tuple(members)
