@@ -226,10 +226,11 @@ def _compute_time(m: Machine, flops: float, nbytes: float) -> float:
 
 def predict_allgather(layer: MixerLayer, traffic: ScanTraffic, m: Machine) -> ScanPrediction:
     """The all-gather: every rank sends its `slots` summaries to the W - 1 others (backward: the
-    reduce-scatter of their gradients), holds the gathered W x slots (and the fold's table, a
-    copy with the identity appended), and keeps one summary per fold step and piece for the
-    backward."""
-    w, full = traffic.world, layer.full_row
+    reduce-scatter of their gradients). It holds its published rows, the gathered W x slots and
+    the fold's table (a copy with the identity appended), and keeps per fold step and piece the
+    transition it applied (a copy for "matrix"; for the others a view that holds the whole
+    gathered row) and the state it applied it to (the last one: the output)."""
+    w, full, state = traffic.world, layer.full_row, layer.state_row
     if w < 2 or traffic.slots == 0:
         return ScanPrediction("allgather", 0.0, 0.0, 0.0, 0.0, True, {"steps": 0})
     part = traffic.slots * full
@@ -242,8 +243,9 @@ def predict_allgather(layer: MixerLayer, traffic: ScanTraffic, m: Machine) -> Sc
     t_fwd = gather.time(sent_fwd) if gather else link.time(sent_fwd, w - 1)
     t_bwd = scatter.time(sent_fwd) if scatter else link.time(sent_bwd, w - 1)
     rows = max(s * n for s, n in zip(traffic.fold_steps, traffic.linked))
-    fold = _compute_time(m, rows * layer.apply_flops(), rows * (full + layer.state_row))
-    kept = rows * (full + layer.state_row)
+    transition = full - state if layer.kind == "matrix" else full
+    fold = _compute_time(m, rows * layer.apply_flops(), rows * (full + state))
+    kept = rows * (transition + state)
     peak = part + 2 * (gathered + full) + kept
     return ScanPrediction("allgather", t_fwd + t_bwd + 3 * fold, sent_fwd + sent_bwd, peak, kept,
                           detail={"steps": 1, "messages": 2 * (w - 1), "gathered": gathered})
@@ -251,15 +253,18 @@ def predict_allgather(layer: MixerLayer, traffic: ScanTraffic, m: Machine) -> Sc
 
 def predict_tree(layer: MixerLayer, traffic: ScanTraffic, m: Machine) -> ScanPrediction:
     """The tree: per step, each rank sends its rows to its peers point to point and composes what
-    it receives (backward: the gradients travel back the same way). It holds its E (M and B of
-    each linked piece) twice while a step replaces it, the step's send and receive buffers, and
-    keeps per received row the operands of its composition for the backward."""
+    it receives (backward: the gradients travel back the same way). It keeps (what autograd
+    saves, counted on this implementation): per piece its output state; per row received at
+    step 0 one state; per row composed later, full: two summaries and a transition (its own M,
+    the row received, their product); B-only: two summaries. Beyond that it holds its E (M and
+    B of each linked piece) twice while a step replaces it, two rows of temporaries and one row
+    per row composed so far (the peak's terms fitted to bench/bench_scan.py's measurements)."""
     full, state, w = layer.full_row, layer.state_row, traffic.world
     m_row = full - state
-    t_total, sent, peak, kept = 0.0, [0.0] * w, 0.0, [0.0] * w
-    messages = 0
-    base = [2 * n * full for n in traffic.linked]  # E (M | B) before and after the step
-    for step, span in zip(traffic.tree, traffic.span):
+    t_total, sent, peak = 0.0, [0.0] * w, 0.0
+    kept = [n * state for n in traffic.linked]
+    late = [0] * w
+    for t, (step, span) in enumerate(zip(traffic.tree, traffic.span)):
         link = _link(m, span)
         t_step = 0.0
         for r, (fs, ss, fr, sr, fl, sl, po, pi) in enumerate(step):
@@ -272,9 +277,14 @@ def predict_tree(layer: MixerLayer, traffic: ScanTraffic, m: Machine) -> ScanPre
             comm = max(link.time(out_bytes, po), link.time(in_bytes, pi))
             back = max(link.time(in_bytes, pi), link.time(out_bytes, po))
             t_step = max(t_step, comm + back + 3 * compute)
-            kept[r] += (fr + fl) * (full + m_row) + (sr + sl) * full
-            peak = max(peak, base[r] + kept[r] + out_bytes + in_bytes)
-            messages = max(messages, po + pi)
+            if t == 0:
+                kept[r] += (fr + sr + fl + sl) * state
+            else:
+                kept[r] += composes * (2 * full + m_row) + (sr + sl) * 2 * full
+                late[r] += fr + sr + fl + sl
+            # E before and after, two rows of temporaries, one per row composed so far
+            held = (2 * traffic.linked[r] + 2 + late[r]) * full
+            peak = max(peak, kept[r] + held)
         t_total += t_step
     return ScanPrediction("tree", t_total, max(sent, default=0.0), peak, max(kept, default=0.0),
                           detail={"steps": len(traffic.tree)})
