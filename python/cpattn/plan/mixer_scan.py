@@ -152,6 +152,10 @@ class MixerLayer:
             if not ok:
                 raise ValueError(f"cpattn.plan.MixerLayer: {name}={value!r}: must be {rule}")
 
+    def __str__(self) -> str:
+        return (f"{self.name}: {self.kind} transitions, {self.heads} heads, K = {self.key_dim}, "
+                f"V = {self.value_dim}, batch {self.batch}, {self.layers} such layers")
+
     @property
     def state_elems(self) -> int:
         """|S| per batch row."""
