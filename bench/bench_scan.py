@@ -11,6 +11,8 @@ the most of any rank), for each method forced with cpattn.mixers.tree_scan.with_
   peak   the most bytes alive at once that the forward allocated (cpattn.memory.counting)
   kept   the bytes the forward leaves allocated: its output and what autograd keeps for the
          backward
+  time   wall seconds of forward + backward, the median of 3 after a warm-up, the slowest rank
+         (W ranks share 2 cores beyond W = 2: a loaded figure)
 against the model's prediction of the same (predict_allgather / predict_tree on the piece map's
 traffic, cpattn.mixers.tree_scan.scan_traffic; machine cpu-gloo). Layers measured: "matrix" (a
 gated delta rule: 4 heads, K = V = 64) and "scalar" (Mamba-2-like: 8 heads, K = V = 64), batch 1.
@@ -24,6 +26,7 @@ import argparse
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -72,15 +75,18 @@ def _rank(rank: int, world: int, kinds: list) -> dict:
         s = torch.randn(1, n, h, k, v, generator=gen).requires_grad_(True)
         for method in ("allgather", "tree"):
             ex = with_scan(exchange, method)
-            for _ in range(2):  # the first: a warm-up (plans, caches)
+            times = []
+            for _ in range(4):  # the first: a warm-up (plans, caches)
                 dist.barrier()
-                w0 = _written()
+                w0, t0 = _written(), time.perf_counter()
                 with counting() as c:
                     entry = state_scan(m, s, piece_map, rank, kind, ex)
                 w1 = _written()
                 entry.sum().backward()
+                times.append(time.perf_counter() - t0)
                 w2 = _written()
-            out[(kind, method)] = dict(sent=w2 - w0, fwd=w1 - w0, peak=c.peak, kept=c.current)
+            out[(kind, method)] = dict(sent=w2 - w0, fwd=w1 - w0, peak=c.peak, kept=c.current,
+                                       time=sorted(times[1:])[1])
             del entry
     return out
 
@@ -97,19 +103,20 @@ def measure(worlds: list, kinds: list) -> list:
             layer = SHAPES[kind]
             for method, model in (("allgather", predict_allgather), ("tree", predict_tree)):
                 got = {key: max(r[(kind, method)][key] for r in per_rank)
-                       for key in ("sent", "peak", "kept")}
+                       for key in ("sent", "peak", "kept", "time")}
                 pred = model(layer, traffic, gloo)
                 rows.append((world, kind, method, got, pred))
     return rows
 
 
 def measured_table(rows: list) -> str:
-    lines = ["| W | layer | scan | sent KiB (model) | peak KiB (model) | kept KiB (model) |",
-             "|--:|---|---|--:|--:|--:|"]
+    lines = ["| W | layer | scan | sent KiB (model) | peak KiB (model) | kept KiB (model) "
+             "| time ms (model) |", "|--:|---|---|--:|--:|--:|--:|"]
     for world, kind, method, got, pred in rows:
         cells = [f"{got[k] / 1024:.0f} ({v / 1024:.0f})"
                  for k, v in (("sent", pred.bytes_sent), ("peak", pred.peak),
                               ("kept", pred.kept))]
+        cells.append(f"{got['time'] * 1e3:.2f} ({pred.time * 1e3:.2f})")
         lines.append(f"| {world} | {SHAPES[kind].name} {kind} | {method} | " + " | ".join(cells)
                      + " |")
     return "\n".join(lines)

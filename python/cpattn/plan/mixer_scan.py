@@ -31,6 +31,14 @@ from cpattn.plan.model import Link, Machine
 METHODS = ("allgather", "tree")
 KINDS = ("scalar", "diagonal", "matrix")
 FP32 = 4
+# Host calls (tensor ops, each Machine.call_overhead) per tree step and per all-gather fold
+# step, forward and backward together, and the all-gather's fixed ones: counted on the code (the
+# tree's step: index, cat, route, compose, index_copy and their backward; the fold's step: index,
+# reshape, apply, add and their backward), about what separates the two at W = 2 on the CPU
+# (bench/bench_scan.py).
+CALLS_PER_TREE_STEP = 30
+CALLS_PER_FOLD_STEP = 6
+CALLS_ALLGATHER = 10
 # GPU presets give bf16 throughput only; fp32 products (summaries are fp32) run at about 1/15
 # of it (H100 SXM: 67 TFLOP/s fp32 against 989 bf16 dense, published figures).
 FP32_FRACTION_OF_BF16 = 67 / 989
@@ -251,7 +259,9 @@ def predict_allgather(layer: MixerLayer, traffic: ScanTraffic, m: Machine) -> Sc
     fold = _compute_time(m, rows * layer.apply_flops(), rows * (full + state))
     kept = rows * (transition + state)
     peak = part + 2 * (gathered + full) + kept
-    return ScanPrediction("allgather", t_fwd + t_bwd + 3 * fold, sent_fwd + sent_bwd, peak, kept,
+    host = (CALLS_ALLGATHER + CALLS_PER_FOLD_STEP * max(traffic.fold_steps)) * m.call_overhead
+    return ScanPrediction("allgather", t_fwd + t_bwd + 3 * fold + host, sent_fwd + sent_bwd, peak,
+                          kept,
                           detail={"steps": 1, "messages": 2 * (w - 1), "gathered": gathered})
 
 
@@ -289,7 +299,7 @@ def predict_tree(layer: MixerLayer, traffic: ScanTraffic, m: Machine) -> ScanPre
             # E before and after, two rows of temporaries, one per row composed so far
             held = (2 * traffic.linked[r] + 2 + late[r]) * full
             peak = max(peak, kept[r] + held)
-        t_total += t_step
+        t_total += t_step + CALLS_PER_TREE_STEP * m.call_overhead
     return ScanPrediction("tree", t_total, max(sent, default=0.0), peak, max(kept, default=0.0),
                           detail={"steps": len(traffic.tree)})
 
