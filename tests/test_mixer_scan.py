@@ -346,6 +346,27 @@ def _on_ranks(rank: int, world: int) -> None:
     cp = cpattn.ContextParallel()
     gen = torch.Generator().manual_seed(5)  # the same random piece map on every rank
     _rank_checks("random", random_sharding(gen, world, (30, 4, 17, 9)), cp.rank, exchange_of(cp))
+    _auto_is_the_planners(cp, piece_map_of(cpattn.ContextParallel(layout="zigzag"), 8))
+
+
+def _auto_is_the_planners(cp, piece_map) -> None:
+    """"auto" over a process group: the model's choice with the group's known machine."""
+    from cpattn.mixers.sharded import exchange_of
+    from cpattn.plan import set_machine
+    from cpattn.plan.mixer_scan import LAYERS, MixerLayer, predict_scan
+    from cpattn.plan.model import machine
+
+    exchange = exchange_of(cp)
+    for layer in (LAYERS["qwen3.5-27b"], MixerLayer("small", "matrix", 2, 3, 4)):
+        h, k, v = layer.heads, layer.key_dim, layer.value_dim
+        set_machine(machine("h100-ib"), exchange.group)
+        try:
+            got = scan_method(with_scan(exchange, "auto"), piece_map, "matrix", (h, k, k),
+                              (h, k, v), 1, "cpu")
+        finally:
+            set_machine(None, exchange.group)
+        one = MixerLayer(layer.name, "matrix", h, k, v)  # (the layer count is 1 at run time)
+        assert got == predict_scan(one, scan_traffic(piece_map), machine("h100-ib"))[0].method
 
 
 @pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])

@@ -44,7 +44,7 @@ from cpattn.plan.mixer_scan import (
     tree_steps,
     tree_traffic,
 )
-from cpattn.plan.model import PRESETS
+from cpattn.plan.model import PRESETS, Machine
 
 log = logging.getLogger("cpattn.mixers")
 
@@ -164,8 +164,10 @@ def tree_scan(m: torch.Tensor, s: torch.Tensor, piece_map: PieceMap, rank: int, 
         # (B, k, |M| + |S|) or (B, k, |S|) rows -> (k B ...) flat, a pair's full rows first
         chunks = [src_b.reshape(-1)[:0]]  # (in the graph even when it sends nothing)
         for _, full, state in step.sends:
-            chunks.append(_take(src_m, src_b, full, True).transpose(0, 1).reshape(-1))
-            chunks.append(_take(src_m, src_b, state, False).transpose(0, 1).reshape(-1))
+            for positions, is_full in ((full, True), (state, False)):
+                if positions:
+                    rows_out = _take(src_m, src_b, positions, is_full)
+                    chunks.append(rows_out.transpose(0, 1).reshape(-1))
         if step.edges:
             edges = tuple((src, dst, batch * (f * row_of[True] + b * row_of[False]))
                           for src, dst, f, b in step.edges)
@@ -193,16 +195,20 @@ def tree_scan(m: torch.Tensor, s: torch.Tensor, piece_map: PieceMap, rank: int, 
     return entry + sum(0 * r.sum() for r in received) if received else entry
 
 
-def _take(src_m, src_b, positions, full: bool) -> torch.Tensor:
+def _take(src_m: torch.Tensor, src_b: torch.Tensor, positions: tuple,
+          full: bool) -> torch.Tensor:
     """(B, k, |M| + |S|) (full) or (B, k, |S|): the rows at positions of E (or the summaries)."""
     index = torch.tensor(positions, dtype=torch.int64, device=src_b.device)
     b = src_b.index_select(1, index)
     return torch.cat([src_m.index_select(1, index), b], 2) if full else b
 
 
-def _update(kind, first: bool, e_m, e_b, arrived, m_shape, s_shape, m_size):
-    """E after one step: at step 0 each receiver's E is what arrived; later, E after it (full:
-    M and B; B-only: B = M_c B_arrived + B_c, the receiver's M no longer needed)."""
+def _update(kind: str, first: bool, e_m: torch.Tensor, e_b: torch.Tensor, arrived: dict,
+            m_shape: tuple, s_shape: tuple, m_size: int) -> tuple:
+    """E (e_m (B, n, |M|), e_b (B, n, |S|)) after one step, given what arrived ({full: (rows
+    (B, k, ...) per source, target positions)}): at step 0 each receiver's E is what arrived;
+    later, E after it (full: M and B; B-only: B = M_c B_arrived + B_c, the receiver's M no
+    longer needed)."""
     batch = e_b.shape[0]
     for is_full, (parts, targets) in arrived.items():
         if not targets:
@@ -242,6 +248,7 @@ class ScanChoice:
             raise ValueError(f"cpattn.mixers.with_scan: method={method!r}: must be one of "
                              f"{(*METHODS, 'auto')}")
         self.exchange, self.scan = exchange, method
+        self.group = getattr(exchange, "group", None)  # (the planner's machine, for "auto")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.exchange(x)
@@ -276,17 +283,18 @@ def scan_method(exchange: Exchange, piece_map: PieceMap, kind: str, m_shape: tup
     group = getattr(exchange, "group", None)
     if group is None:
         return "allgather"
-    return _planned(piece_map, kind, m_shape, s_shape, batch, device_type, group.group_name)
+    known = known_machine(group.group_name)
+    machine = known or PRESETS["h100-ib" if device_type == "cuda" else "cpu-gloo"]
+    return _planned(piece_map, kind, s_shape, batch, machine.to_json())
 
 
 @_constant
-def _planned(piece_map: PieceMap, kind: str, m_shape: tuple, s_shape: tuple, batch: int,
-             device_type: str, group_name: str) -> str:
-    heads, key_dim, value_dim = ((1, 1) + tuple(s_shape))[-3:]  # the state (H, K, V)
+def _planned(piece_map: PieceMap, kind: str, s_shape: tuple, batch: int, machine: str) -> str:
+    """predict_scan's choice for one layer of this state shape (H, K, V) on this machine (its
+    JSON: a cache key)."""
+    heads, key_dim, value_dim = ((1, 1) + tuple(s_shape))[-3:]
     layer = MixerLayer(f"{kind} state {s_shape}", kind, heads, key_dim, value_dim, batch)
-    machine = known_machine(group_name) or PRESETS["h100-ib" if device_type == "cuda"
-                                                   else "cpu-gloo"]
-    preds = predict_scan(layer, scan_traffic(piece_map), machine)
-    log.debug("cpattn.mixers: state scan on %d ranks (%s): %s", piece_map.world, machine.name,
-              preds[0].method)
-    return preds[0].method
+    m = Machine.from_json(machine)
+    choice = predict_scan(layer, scan_traffic(piece_map), m)[0].method
+    log.debug("cpattn.mixers: state scan on %d ranks (%s): %s", piece_map.world, m.name, choice)
+    return choice
