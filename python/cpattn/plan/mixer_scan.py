@@ -197,9 +197,10 @@ class MixerLayer:
         return float(self.batch * self.transition_elems)
 
 
-# Qwen3.5-27B's gated delta rule layers (transformers' Qwen3_5TextConfig of the checkpoint:
-# linear_num_value_heads 48, linear_num_key_heads 16, key and value head dims 128, 64 layers of
-# which every 4th is full attention: 48 GDN layers); states are per value head.
+# Qwen3.5-27B's gated delta rule layers: linear_num_value_heads 48, linear_num_key_heads 16, key
+# and value head dims 128 (Modular MAX's Qwen3_5Config defaults for the family; transformers
+# 5.24's Qwen3_5TextConfig defaults are a smaller model's), 48 such layers (issue 54's count);
+# states are per value head.
 LAYERS = {
     "qwen3.5-27b": MixerLayer("Qwen3.5-27B gated delta rule", "matrix", 48, 128, 128, layers=48),
 }
