@@ -12,7 +12,8 @@ loss within 1e-5 and gradients within 1e-4 of one process: hybrid_models.assert_
   copies): the copy trains exactly with its own state, the original too. Ablations: the copy's
   mixers alone, the copy's attention unsharded.
 - W = 2, handle.remove(): the model's own forwards again, outputs and gradients bitwise equal to
-  before, no hook or instance attribute left.
+  before, no hook or instance attribute left. Ablation: a remove() that leaves the mixers'
+  forwards.
 - W = 2, refusals on every rank: a hybrid model given register()'s implementation (naming
   parallelize; from its config's layer_types, or without them the class names), token mixing
   without an adapter found by structure (a cumulative sum in Llama's MLP, a Mamba mixer class
@@ -225,6 +226,13 @@ def _removal(rank, world):
         assert all(torch.equal(a, b) for a, b in zip(before[1], after[1])), kind
         with pytest.raises(ValueError, match="removed already"):
             handle.remove()
+        if kind == "jamba":  # ablation: a remove() that leaves the mixers' forwards
+            handle = parallelize(m, cp)
+            handle.forwards = [f for f in handle.forwards if f[1] != "_cpattn_mixer"]
+            handle.remove()
+            assert fingerprint() != state
+            with pytest.raises(ValueError, match="cannot know how its tokens were sharded"):
+                own_step()
 
 
 class _Blender(torch.nn.Module):
