@@ -412,10 +412,11 @@ def parallelize(model, cp: ContextParallel, name: Optional[str] = None) -> Paral
     if not isinstance(cp, ContextParallel):
         raise TypeError(f"{WHAT}.parallelize: cp must be a cpattn.ContextParallel, got "
                         f"{type(cp)}")
-    if name is None:
-        name = next((n for n, c in _SETTINGS.items() if c is cp and n in _PARALLELIZED),
-                    _PARALLEL_PREFIX if _PARALLEL_PREFIX not in _SETTINGS else
-                    f"{_PARALLEL_PREFIX}_{len(_PARALLELIZED)}")
+    if name is None:  # the name parallelize gave cp before, else the first one free
+        name = next((n for n, c in _SETTINGS.items() if c is cp and n in _PARALLELIZED), None)
+        free = (f"{_PARALLEL_PREFIX}_{i}" if i else _PARALLEL_PREFIX
+                for i in range(len(_SETTINGS) + 1))
+        name = name or next(n for n in free if n not in _SETTINGS)
     elif not name.startswith(_PARALLEL_PREFIX):
         raise ValueError(f"{WHAT}.parallelize: name must start with {_PARALLEL_PREFIX!r} (the "
                          f"names register() gives refuse models with token mixers), got "
