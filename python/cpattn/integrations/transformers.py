@@ -203,11 +203,12 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
     tokens = docs.tokens if docs is not None else q.shape[1] * cp.world_size
     max_position = docs.max_position if docs is not None else tokens - 1
     chunk = attention_chunk(module)
-    chunked = chunk is not None and max_position >= chunk and len(cp.groups) == 1
+    # (past one chunk: exact over one process group; the hybrid's two raise in check_layer)
+    chunked = chunk is not None and max_position >= chunk and cp.group is not None
     check_layer(module, tokens, max_position, chunks=chunked)
     _check_positions(cp, module, kwargs.get("position_ids"), q.shape[1], docs,
                      KEYWORD in kwargs)
-    if chunked and cp.strategy == "ulysses":
+    if chunked and cp.spec.splits_heads:
         return _chunked_ulysses(cp, q, k, v, opts, docs, chunk), None
     if chunked:
         return _chunked_gathered(cp, q, k, v, opts, docs, chunk), None
