@@ -2,13 +2,16 @@
 (cpattn.integrations.trainer) against the same trainer in one process with SDPA: per-step logged
 loss within 1e-5 (relative), step-1 gradients (after the Trainer's DDP) within 1e-4 of
 each tensor's largest entry, final weights within 1e-4, token / FLOP counters and eval loss
-equal, predictions in full order. Tiny Llama, Qwen3 and Qwen3-MoE from config, fp32.
+equal, predictions in full order. Tiny Llama, Qwen3 and Qwen3-MoE from config, fp32; the hybrid
+models Qwen3.5 and Bamba (tests/trainer_cp_hybrid.py: their reference feeds one document per
+padded row). The models are given to the trainers as loaded (the trainer parallelizes them),
+except where a scenario says otherwise (register(cp), parallelize beforehand).
 
 One reference process and two torchrun launches (2 ranks: cp 2; 4 ranks: dp 2 x cp 2, cp 4 and
-hybrid cp 4) run every scenario of tests/trainer_cp_worker.py and tests/trainer_cp_exact.py (CI
-time: the imports and the process groups are paid once); each test below checks one scenario,
-its ablation (a deliberate mistake that must change the result or raise) included. The two
-examples run with --check.
+hybrid cp 4) run every scenario of tests/trainer_cp_worker.py, tests/trainer_cp_exact.py and
+tests/trainer_cp_hybrid.py (CI time: the imports and the process groups are paid once); each
+test below checks one scenario, its ablation (a deliberate mistake that must change the result
+or raise) included. The two examples run with --check.
 """
 
 import importlib.metadata

@@ -1,6 +1,6 @@
-"""The toolkit of the trainer scenarios (tests/trainer_cp_worker.py, tests/trainer_cp_exact.py):
-tiny models and data, the trainer of a run (one process with SDPA, or context parallel), what a
-run records, the scenario registry.
+"""The toolkit of the trainer scenarios (tests/trainer_cp_worker.py, trainer_cp_exact.py and
+trainer_cp_hybrid.py): tiny models and data, the trainer of a run (one process with SDPA, or
+context parallel), what a run records, the scenario registry.
 
 Batches: the reference's per-device batch is dp x the context-parallel run's, with the same
 gradient accumulation, sampler and seed, so that each optimizer step covers the same samples.

@@ -77,10 +77,11 @@ class ContextParallelMixin:
         self._cp_batch_tokens = None
         self._cp_rounds = None
         super().__init__(*args, **kwargs)
-        # (after the Trainer's set-up: the model is on its device, TRL has loaded a model given
-        # by name; model_init's models are attached in call_model_init)
-        self.cp_handle = self._cp_attach(self.model)
         self._cp_check_setup()
+        # (after the Trainer's set-up: the model is on its device, TRL has loaded a model given
+        # by name; model_init's models are attached in call_model_init. After the refusals:
+        # a refused trainer leaves the model as it was)
+        self.cp_handle = self._cp_attach(self.model)
         # The Trainer counts the full batches' targets for the loss (num_items_in_batch), and
         # counts them shifted: cpattn's loss shifts labels over the whole sequence.
         self.model_accepts_loss_kwargs = True
@@ -109,8 +110,6 @@ class ContextParallelMixin:
         """Makes `model` context-parallel with self.cp (parallelize), unless it is already (its
         handle is returned); a model parallelized or registered with another ContextParallel
         raises ValueError on every rank (the same settings everywhere)."""
-        if model is None:
-            raise ValueError(f"{WHAT}: needs a model (model= or model_init=)")
         model = self.accelerator.unwrap_model(model) if hasattr(self, "accelerator") else model
         handle = handle_of(model)
         theirs = handle.cp if handle is not None else registered(
