@@ -363,7 +363,7 @@ def test_messages_name_the_cause(runs):
     ContextParallel: messages that say so (the same dataset on every rank trains); a plain
     Trainer given a context-parallel model (registered Llama, parallelized Llama and Qwen3.5)
     raises at its first step, on every rank, saying to use ContextParallelTrainer. A model made
-    by model_init is attached to the trainer's cp."""
+    by model_init, and one TRL loads from a folder's name, are attached to the trainer's cp."""
     got = runs[1]["messages"]
     assert "the train dataset differs between ranks" in got["dataset_differs"], got
     assert got["dataset_same"] == "", got["dataset_same"]
@@ -382,6 +382,7 @@ def test_messages_name_the_cause(runs):
     assert "but 0, 1, 2, ..." in got["plain_trainer"], got["plain_trainer"]
     assert "Qwen3_5GatedDeltaNet mixes tokens" in got["plain_trainer_hybrid"], got
     assert got["model_init_attached"] is True
+    assert got["sft_from_name_attached"] is True
 
 
 def test_dp_x_cp_evaluation_exact(runs):

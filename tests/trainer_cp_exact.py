@@ -157,8 +157,8 @@ def messages(ctx):
     the same dataset on every rank, which trains); a model registered, or parallelized, with
     another ContextParallel than the trainer's; a plain Trainer given a context-parallel model
     (registered Llama, parallelized Llama, parallelized Qwen3.5: it raises at the first forward,
-    on every rank, saying to use ContextParallelTrainer). And a model from model_init is
-    attached to the trainer's cp."""
+    on every rank, saying to use ContextParallelTrainer). And a model from model_init, and one
+    TRL loads from a folder's name, are attached to the trainer's cp."""
     if ctx.reference:
         return {}
     from cpattn.integrations.trainer import ContextParallelTrainer
@@ -188,6 +188,25 @@ def messages(ctx):
         handle = handle_of(trainer.model)
         return handle is not None and handle.cp is cp and trainer.cp_handle is handle
 
+    def sft_from_name():  # (TRL loads the model inside its constructor)
+        import os
+
+        from datasets import Dataset
+        from trl import SFTTrainer
+
+        from cpattn.integrations.trainer import with_context_parallel
+
+        folder = os.path.join(ctx.tmp, "tiny_qwen3")
+        if dist.get_rank() == 0:
+            model("qwen3", "sdpa").save_pretrained(folder)
+        dist.barrier()
+        cp = ctx.cp()
+        trainer = with_context_parallel(SFTTrainer)(
+            cp, model=folder, args=ctx.args(dp=1, sft=True, max_steps=1),
+            processing_class=tokenizer(), train_dataset=Dataset.from_list(sft_documents(4)))
+        handle = handle_of(trainer.model)
+        return handle is not None and handle.cp is cp
+
     return {"dataset_differs": raised(lambda: train(rows(4, seed=dist.get_rank()))),
             "dataset_same": raised(lambda: train(rows(4))),
             "other_cp": raised(lambda: train(rows(4), registered_with=ctx.cp())),
@@ -195,7 +214,8 @@ def messages(ctx):
             "plain_trainer": raised(lambda: plain_trainer("llama", "register")),
             "plain_trainer_parallelized": raised(lambda: plain_trainer("llama", "parallelize")),
             "plain_trainer_hybrid": raised(lambda: plain_trainer("qwen3_5", "parallelize")),
-            "model_init_attached": from_model_init()}
+            "model_init_attached": from_model_init(),
+            "sft_from_name_attached": sft_from_name()}
 
 
 @scenario(world=4)
