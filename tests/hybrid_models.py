@@ -135,12 +135,23 @@ def _loss(logits, labels):
                                              labels[:, 1:].flatten())
 
 
-def reference(cfg, batch: dict, lengths=None) -> tuple[float, dict]:
+def _autocast(enabled: bool):
+    return torch.autocast("cpu", torch.bfloat16, enabled=enabled)
+
+
+def reference(cfg, batch: dict, lengths=None, *, dtype=torch.float32,
+              autocast: bool = False) -> tuple[float, dict]:
     """One process (eager attention, the mixers' own forwards): loss and gradients. lengths:
     packed documents, one forward per document (transformers' own CPU mixers let packed
     documents leak into each other's state); a batch with an attention_mask: each row's real
-    tokens alone (at their positions in the row)."""
-    m = model(cfg, "eager")
+    tokens alone (at their positions in the row). dtype: the model's (torch.float64: the
+    truth); autocast: under torch.autocast("cpu", torch.bfloat16)."""
+    m = model(cfg, "eager").to(dtype)
+    with _autocast(autocast):
+        return _reference_step(m, batch, lengths)
+
+
+def _reference_step(m, batch: dict, lengths) -> tuple[float, dict]:
     if "attention_mask" in batch:  # padded rows: each row's real tokens alone
         losses, count = [], 0
         for ids, mask, labels in zip(batch["input_ids"], batch["attention_mask"],
@@ -164,17 +175,19 @@ def reference(cfg, batch: dict, lengths=None) -> tuple[float, dict]:
 
 
 def cp_step(cfg, batch: dict, cp: "cpattn.ContextParallel", compile_backend=None,
-            **shard) -> tuple[float, dict]:
+            autocast: bool = False, **shard) -> tuple[float, dict]:
     """One step under cp: shard_batch, the whole local batch to the model, cpattn's loss,
-    gradients averaged over the ranks (as DDP would)."""
+    gradients averaged over the ranks (as DDP would); autocast: under
+    torch.autocast("cpu", torch.bfloat16)."""
     from cpattn.integrations.transformers import register
 
     m = model(cfg, register(cp, f"cpattn_{cp.strategy}_{cp.layout}"))
     forward = torch.compile(m, fullgraph=True, backend=compile_backend) if compile_backend \
         else m
     local = cpattn.shard_batch(batch, cp, **shard)
-    out = forward(**{k: v for k, v in local.items() if k != "shift_labels"})
-    loss = cpattn.cross_entropy(out.logits, local["shift_labels"], cp)
+    with _autocast(autocast):
+        out = forward(**{k: v for k, v in local.items() if k != "shift_labels"})
+        loss = cpattn.cross_entropy(out.logits, local["shift_labels"], cp)
     loss.backward()
     grads = {}
     for n, p in m.named_parameters():
@@ -228,3 +241,24 @@ def assert_differs(ref, got, what: str) -> None:
     moved = abs(loss - ref_loss) > 1e-3 * abs(ref_loss) or any(
         (grads[n] - g).abs().max() > 1e-2 * g.abs().max() for n, g in ref_grads.items())
     assert moved, f"{what}: the mixers alone give the reference: the test cannot fail"
+
+
+def distances(step, truth) -> dict:
+    """Relative distances of a step from the float64 truth: "loss", and each parameter's
+    gradient ||g - g_truth|| / ||g_truth|| (Frobenius)."""
+    loss, grads = step
+    truth_loss, truth_grads = truth
+    out = {"loss": abs(loss - truth_loss) / abs(truth_loss)}
+    for n, g in truth_grads.items():
+        out[n] = float((grads[n].double() - g).norm() / g.norm().clamp_min(1e-300))
+    return out
+
+
+def assert_near_truth(one, got, truth, what: str, factor: float, floor: float) -> None:
+    """Under CP (got) every distance from the truth is at most `factor` times one process's own
+    (one) or `floor`: the loss and each parameter's gradient (distances)."""
+    ref, mine = distances(one, truth), distances(got, truth)
+    worst = [(n, mine[n], ref[n]) for n in ref if mine[n] > max(factor * ref[n], floor)]
+    assert not worst, (f"{what}: farther from the float64 truth than {factor}x one process "
+                       f"(or {floor:g}): " + ", ".join(f"{n} {d:.3g} vs {r:.3g}"
+                                                       for n, d, r in worst[:6]))

@@ -40,8 +40,8 @@ def _one_process(lengths, batch=1):
 
 def _grads(p: dict, y: torch.Tensor, dout: torch.Tensor) -> dict:
     names = [n for n, t in p.items() if t.requires_grad]
-    grads = torch.autograd.grad((y * dout).sum(), [p[n] for n in names])
-    return dict(zip(names, grads))
+    grads = torch.autograd.grad((y * dout).sum(), [p[n] for n in names], allow_unused=True)
+    return {n: g for n, g in zip(names, grads) if g is not None}
 
 
 def _leaves(p: dict) -> dict:
@@ -110,7 +110,7 @@ def test_flat_rows_follow_the_token_count():
     rest = torch.cat([torch.arange(0, 500), torch.arange(int(cu[-2]) + 500, int(cu[-1]))])
     piece_map = build_piece_map([first, rest], tuple(cu.tolist()))
     rows = piece_map.flat_rows(0, 64)
-    assert len(rows.whole) == 500 and len(rows.resets) == 50
+    assert len(rows.whole) == 500 and len(rows.resets) == 49
     assert len(piece_map.linked(0)) == 2
     assert len(rows.linked) == 2 * 512 and rows.starts == (0, 8) and rows.ends == (7, 15)
     assert sorted(rows.back) == list(range(len(rows.whole))) + sorted(
@@ -172,16 +172,21 @@ def _float32(p: dict) -> dict:
 
 @pytest.mark.parametrize("kind", ["scalar", "matrix"])
 def test_strong_decays_in_fp32_use_segment_sums(gen, kind, monkeypatch):
-    """Log decays down to -40 per token, blocks of 64 over 3 documents: fp32 within 1e-5 of
-    the float64 truth (relative to the output's size). Ablation: the decays as differences of
-    running sums over the block (exp(g_i - g_j)) lose digits: off by more."""
-    piece_map, bounds = _one_process((150, 70, 100))
-    p = problem(gen, 1, bounds[-1], decay=40.0)
-    p["a"] = p["a"] * (torch.rand(p["a"].shape, generator=gen, dtype=torch.float64) < 0.1)
+    """Log decays of -1 to -3 per token (the running sum over a block of 64 reaches -190), a
+    document of 320 tokens: fp32 within 2e-6 of the float64 truth (relative, in norm).
+    Ablation: the decays as differences of running sums over the block (exp(g_i - g_j), g
+    the running sum) lose digits: off by more than 4x that."""
+    piece_map, bounds = _one_process((320,))
+    p = problem(gen, 1, bounds[-1])
+    p["a"] = -1.0 - 2.0 * torch.rand(p["a"].shape, generator=gen, dtype=torch.float64)
     truth = reference(kind, p, bounds)
-    mix = Mixing(piece_map, 0, stacked, 1)
-    err = float((run_kind(kind, mix, _float32(p)) - truth).abs().max() / truth.abs().max())
-    assert err < 1e-5, err
+
+    def error():
+        y = run_kind(kind, Mixing(piece_map, 0, stacked, 1), _float32(p))
+        return float((y.double() - truth).norm() / truth.norm())
+
+    err = error()
+    assert err < 2e-6, err
 
     def differences(a, dim=-1):
         g = a.cumsum(-1)
@@ -190,9 +195,7 @@ def test_strong_decays_in_fp32_use_segment_sums(gen, kind, monkeypatch):
         return diff.masked_fill(upper, float("-inf"))
 
     monkeypatch.setattr(kernels, "segsum", differences)
-    p_noreset = dict(p)
-    err_ablation = float((run_kind(kind, Mixing(piece_map, 0, stacked, 1), _float32(p_noreset))
-                          - truth).abs().max() / truth.abs().max())
+    err_ablation = error()
     assert err_ablation > 4 * err, (err, err_ablation)
 
 
@@ -203,13 +206,22 @@ def test_state_math_is_fp32_under_autocast_and_bf16(gen, kind):
     bf16 inputs give the fp32 result of the same (rounded) inputs, in fp32."""
     lengths = (2, 31, 1, 4, 5, 3, 6, 13, 1)
     piece_map, indices, bounds = sharded_problem("plan", 2, lengths, "zigzag")
-    p = _float32(problem(gen, 1, bounds[-1]))
+    p = problem(gen, 1, bounds[-1])
+    p["k"] = unit_keys(p["k"])  # (normalised once, before any rounding)
+    p = _float32(p)
 
     def run(inputs, autocast):
         def rank_fn(rank, exchange):
-            local = {n: t if n == "A" else take(t, indices[rank]) for n, t in inputs.items()}
+            t = {n: v if n == "A" else take(v, indices[rank]) for n, v in inputs.items()}
+            mix = Mixing(piece_map, rank, exchange, 1, block=8)
             with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-                return run_kind(kind, Mixing(piece_map, rank, exchange, 1, block=8), local)
+                if kind == "scalar":
+                    return mix.scalar_decay(t["q"], t["k"], t["v"], t["a"])
+                if kind == "diagonal":
+                    return mix.selective_scan(t["dt"], t["A"], t["x"], t["b"], t["c"])
+                method = mix.delta_rule if kind == "matrix" else mix.kda
+                return method(t["q"], t["k"], t["v"], t["a" if kind == "matrix" else "g"],
+                              t["beta"])
         return emulate(2, rank_fn)
 
     plain, under = run(p, False), run(p, True)

@@ -61,6 +61,13 @@ def test_plan_refuses_a_bad_tiling():
         build_piece_map([torch.tensor([0, 1]), torch.tensor([-1])], (0, 3))
 
 
+def test_padding_before_the_first_token_ends_a_piece():
+    """A padding slot (-1) followed by global token 0 (a document plan's rank: split documents,
+    their padding, then whole ones from the packed sequence's start) starts a new piece."""
+    piece_map = build_piece_map([torch.tensor([3, 4, -1, 0, 1, 2])], (0, 3, 5))
+    assert [(p.local, p.length, p.doc) for p in piece_map.pieces[0]] == [(0, 2, 1), (3, 3, 0)]
+
+
 # --- the fold ----------------------------------------------------------------------------------
 
 def test_fold_is_associative(gen):
@@ -131,7 +138,7 @@ def test_rank_with_only_document_starts_takes_part(gen):
                torch.tensor([9, 10, 11, 12])]
     bounds = (0, 2, 5, 13)  # documents [0, 2), [2, 5) on rank 0; [5, 13) over ranks 1 and 2
     piece_map = build_piece_map(indices, bounds)
-    assert all(piece_map.starts_document(0)) and piece_map.predecessors(0) == ((), ())
+    assert all(piece_map.starts_document(0)) and piece_map.predecessors(0) == ()
     calls = [0] * 3
     p = problem(gen, 1, 13)
     for t in p.values():

@@ -43,7 +43,8 @@ class FlatRows(NamedTuple):
     tokens (ints only: a constant under torch.compile):
 
     - whole: the local tokens of its whole documents (pieces that neither continue nor are
-      continued elsewhere), in local order: one row, a reset at each position in `resets`;
+      continued elsewhere), in local order: one row, a reset at each position in `resets`
+      (each document's start but the row's first);
     - linked: the tokens of its linked pieces (pieces(rank)[i] for i in linked(rank)), each
       from a block's start, padded with local_len (an identity slot: zero inputs) to a block's
       end; the piece's first block starts[i] and last block ends[i];
@@ -164,7 +165,8 @@ def _build(indices: tuple, bounds: tuple) -> PieceMap:
         doc = torch.searchsorted(cu, t.clamp(min=0), right=True) - 1
         prev = torch.cat([t.new_tensor([-2]), t[:-1]])
         prev_doc = torch.cat([t.new_tensor([-1]), doc[:-1]])
-        new = valid & ((t != prev + 1) | (doc != prev_doc))
+        # (after a padding slot (-1) a run starts, even at global index 0)
+        new = valid & ((t != prev + 1) | (doc != prev_doc) | (prev < 0))
         firsts = new.nonzero().flatten()
         if firsts.numel():
             run = torch.cumsum(new.to(torch.int64), 0) - 1
@@ -259,7 +261,8 @@ def _flat_rows(piece_map: PieceMap, rank: int, block: int) -> FlatRows:
     whole, resets = [], []
     for j, p in enumerate(pieces):
         if j not in linked:
-            resets.append(len(whole))
+            if whole:  # (the row starts from a zero state: no reset needed at its start)
+                resets.append(len(whole))
             whole.extend(range(p.local, p.local + p.length))
     row, starts, ends = [], [], []
     for j in piece_map.linked(rank):
