@@ -157,11 +157,14 @@ class Mixing:
         device, dtype = inputs[0].device, inputs[0].dtype
         n = len(rows.starts)
         zero = torch.zeros(state, dtype=dtype, device=device)
-        if not rows.linked:  # (nothing to run, but the exchange waits for every rank)
-            empty = zero.new_zeros((self.batch, 0, *state[1:]))
-            m = zero.new_zeros((self.batch, 0, *_m_shape(family, transition)))
-            state_scan(m, empty, self.piece_map, self.rank, family.kind, self.exchange)
-            return zero.new_zeros((self.batch, 0, *_y_shape(family, inputs)))
+        # The exchange's backward waits for every rank: summaries are in the inputs' graph
+        # even when this rank publishes none (0: a sum of no values)
+        anchor = sum(t.flatten()[:0].sum() for t in inputs)
+        if not rows.linked:  # nothing to run, but the exchange waits for every rank
+            empty = zero.new_zeros((self.batch, 0, *state[1:])) + anchor
+            m = zero.new_zeros((self.batch, 0, *_m_shape(family, transition))) + anchor
+            entry = state_scan(m, empty, self.piece_map, self.rank, family.kind, self.exchange)
+            return zero.new_zeros((self.batch, 0, *_y_shape(family, inputs))) + entry.sum()
         blocks = self._checkpoint(family.prepare, *(_rows(t, rows.linked) for t in inputs),
                                   *params, None, family.block)
         published = self.piece_map.published(self.rank)
@@ -175,7 +178,8 @@ class Mixing:
                          for i in range(n)], device)
             m = torch.cat([m, m.new_zeros((self.batch, 1, *m.shape[2:]))], 1).index_select(1, at)
             s = torch.cat([s, s.new_zeros((self.batch, 1, *s.shape[2:]))], 1).index_select(1, at)
-        entry = state_scan(m, s, self.piece_map, self.rank, family.kind, self.exchange)
+        entry = state_scan(m + anchor, s + anchor, self.piece_map, self.rank, family.kind,
+                           self.exchange)
         starts = {c: entry[:, i] for i, c in enumerate(rows.starts)}
         return blocks.outputs(kernels.block_states(blocks, zero, starts), len(rows.linked))
 
