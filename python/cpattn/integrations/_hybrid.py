@@ -488,7 +488,8 @@ def _probe(name: str, module) -> str:
     piece_map = build_piece_map([order], (0, total))
     mix = Mixing(piece_map, 0, stacked, 2)
     try:
-        with torch.no_grad():
+        # (fp32 and no autocast: the check compares the math, not one dtype's rounding)
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
             kwargs = {"position_embeddings": None, "attention_mask": None} \
                 if name == "MiniMaxLightningAttention" else {}
             expected = original(reference_module, x, **kwargs)

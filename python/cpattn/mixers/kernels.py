@@ -64,8 +64,9 @@ def with_resets(log_decay: torch.Tensor, resets: Optional[torch.Tensor]) -> torc
 
 
 def _heads(x: torch.Tensor, block: int) -> torch.Tensor:
-    """(N, L, H, ...) -> head-major blocks (N, H, C, c, ...)."""
-    return chunked(x, block).movedim(3, 1)
+    """(N, L, H, ...) -> head-major blocks (N, H, C, c, ...), contiguous (one copy, not one per
+    matrix product)."""
+    return chunked(x, block).movedim(3, 1).contiguous()
 
 
 class Blocks(NamedTuple):
@@ -79,16 +80,24 @@ class Blocks(NamedTuple):
     u: torch.Tensor  # (N, H, C, c, V)
     w: Optional[torch.Tensor]  # (N, H, C, c, K)
 
-    def advance(self, c: int, state: torch.Tensor, inputs: bool = True) -> torch.Tensor:
-        """The state after block c from `state` (N, H, K, V) before it; inputs=False: the
-        homogeneous part (the transition applied to state)."""
-        out = self.decay[:, :, c, :, None] * state
-        k_end = self.k_end[:, :, c].transpose(-1, -2)
-        if self.w is not None:
-            delta = -(self.w[:, :, c] @ state)
-            out = out + k_end @ (delta + self.u[:, :, c] if inputs else delta)
+    def steps(self) -> list:
+        """Per block, what advance needs (unbind, not an index per block: the backward of one
+        select per block would write a whole zero gradient each)."""
+        w = self.w.unbind(2) if self.w is not None else [None] * self.u.shape[2]
+        return list(zip(self.decay.unbind(2), self.k_end.transpose(-1, -2).unbind(2),
+                        self.u.unbind(2), w))
+
+    @staticmethod
+    def advance(step: tuple, state: torch.Tensor, inputs: bool = True) -> torch.Tensor:
+        """The state after a block (its `step`) from `state` (N, H, K, V) before it;
+        inputs=False: the homogeneous part (the transition applied to state)."""
+        decay, k_end_t, u, w = step
+        out = decay[..., None] * state
+        if w is not None:
+            delta = -(w @ state)
+            out = out + k_end_t @ (delta + u if inputs else delta)
         elif inputs:
-            out = out + k_end @ self.u[:, :, c]
+            out = out + k_end_t @ u
         return out
 
     def outputs(self, states: torch.Tensor, length: int) -> torch.Tensor:
@@ -171,9 +180,16 @@ class Diagonal(NamedTuple):
     c_: torch.Tensor
     a: torch.Tensor
 
-    def advance(self, c: int, state: torch.Tensor, inputs: bool = True) -> torch.Tensor:
-        decay = torch.exp(self.cum[:, c, -1, :, None] * self.a) * self.alive[c, -1]
-        return decay * state + self.own[:, c] if inputs else decay * state
+    def steps(self) -> list:
+        """Per block: its decay (N, D, Ns) and its state from zero (see Blocks.steps)."""
+        decay = torch.exp(self.cum[:, :, -1, :, None] * self.a) * self.alive[None, :, -1, None,
+                                                                            None]
+        return list(zip(decay.unbind(1), self.own.unbind(1)))
+
+    @staticmethod
+    def advance(step: tuple, state: torch.Tensor, inputs: bool = True) -> torch.Tensor:
+        decay, own = step
+        return decay * state + own if inputs else decay * state
 
     def outputs(self, states: torch.Tensor, length: int) -> torch.Tensor:
         """y (N, length, D) from the state each block starts from (N, C, D, Ns)."""
@@ -209,15 +225,13 @@ def block_states(blocks, zero: torch.Tensor, entries: Optional[dict] = None) -> 
     """The state each block starts from, stacked at dim 2 for Blocks ((N, H, C, K, V)) or 1 for
     Diagonal ((N, C, D, Ns)): from `zero` (the state's shape, zeros), restarted at block c from
     entries[c] when given."""
-    dim = 2 if isinstance(blocks, Blocks) else 1
-    count = blocks.intra.shape[2] if dim == 2 else blocks.y0.shape[1]
     state, states = zero, []
-    for c in range(count):
+    for c, step in enumerate(blocks.steps()):
         if entries is not None and c in entries:
             state = entries[c]
         states.append(state)
-        state = blocks.advance(c, state)
-    return torch.stack(states, dim)
+        state = blocks.advance(step, state)
+    return torch.stack(states, 2 if isinstance(blocks, Blocks) else 1)
 
 
 def summaries(blocks, zero: torch.Tensor, identity: torch.Tensor, starts: tuple,
@@ -229,10 +243,11 @@ def summaries(blocks, zero: torch.Tensor, identity: torch.Tensor, starts: tuple,
         return (identity.new_zeros((identity.shape[0], 0, *identity.shape[1:])),
                 zero.new_zeros((zero.shape[0], 0, *zero.shape[1:])))
     ms, ss = [], []
+    steps = blocks.steps()
     for first, last in zip(starts, ends):
         m, s = identity, zero
-        for c in range(first, last + 1):
-            m, s = blocks.advance(c, m, inputs=False), blocks.advance(c, s)
+        for step in steps[first:last + 1]:
+            m, s = blocks.advance(step, m, inputs=False), blocks.advance(step, s)
         ms.append(m)
         ss.append(s)
     return torch.stack(ms, 1), torch.stack(ss, 1)
