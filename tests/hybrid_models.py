@@ -19,7 +19,6 @@ COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_la
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
               use_cache=False)
-MOE = dict(num_experts_per_tok=2)  # (top-2 of 4: the routers' gradients are not 0)
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8,
               mamba_chunk_size=16)
 DELTA = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
@@ -38,16 +37,19 @@ FAMILIES = {
 }
 
 
-def config(kind: str, **overrides):
-    """The tiny config of a family (keywords override its fields)."""
+def config(kind: str, all_experts: bool = False, **overrides):
+    """The tiny config of a family (keywords override its fields); all_experts: a mixture of
+    experts routes every token to all 4 experts (no top-k choice, which rounding can flip)."""
     import transformers as T
 
     c = {**COMMON}
+    # (top-2 of 4 by default: the routers' gradients are not 0)
+    moe = dict(num_experts_per_tok=4 if all_experts else 2)
     if kind == "lfm2":
         return T.Lfm2Config(**c, layer_types=["conv", "full_attention"], **overrides)
     if kind == "lfm2_moe":
         return T.Lfm2MoeConfig(**c, layer_types=["conv", "full_attention"], num_experts=4,
-                               moe_intermediate_size=16, num_dense_layers=1, **MOE, **overrides)
+                               moe_intermediate_size=16, num_dense_layers=1, **moe, **overrides)
     if kind == "mamba2":
         return T.Mamba2Config(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_heads=8,
                               head_dim=8, state_size=8, n_groups=2, chunk_size=16, expand=2,
@@ -56,7 +58,7 @@ def config(kind: str, **overrides):
         return T.BambaConfig(**c, attn_layer_indices=[1], mamba_expand=2, **MAMBA2, **overrides)
     if kind == "granitemoehybrid":
         return T.GraniteMoeHybridConfig(**c, layer_types=["mamba", "attention"],
-                                        num_local_experts=4, **MOE, **MAMBA2, **overrides)
+                                        num_local_experts=4, **moe, **MAMBA2, **overrides)
     if kind == "nemotron_h":
         return T.NemotronHConfig(**{**c, "num_hidden_layers": 3},
                                  layers_block_type=["mamba", "attention", "mlp"],
@@ -71,13 +73,13 @@ def config(kind: str, **overrides):
     if kind == "qwen3_next":
         return T.Qwen3NextConfig(**c, layer_types=HYBRID, head_dim=8, num_experts=4,
                                  moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                                 **MOE, **DELTA, **overrides)
+                                 **moe, **DELTA, **overrides)
     if kind == "qwen3_5":
         return T.Qwen3_5TextConfig(**c, layer_types=HYBRID, head_dim=8, **DELTA, **overrides)
     if kind == "qwen3_5_moe":
         return T.Qwen3_5MoeTextConfig(**c, layer_types=HYBRID, head_dim=8, num_experts=4,
                                       moe_intermediate_size=16,
-                                      shared_expert_intermediate_size=16, **MOE, **DELTA,
+                                      shared_expert_intermediate_size=16, **moe, **DELTA,
                                       **overrides)
     if kind == "olmo_hybrid":
         return T.OlmoHybridConfig(**c, layer_types=HYBRID, linear_allow_neg_eigval=True,
@@ -92,18 +94,19 @@ def config(kind: str, **overrides):
     if kind == "jamba":
         return T.JambaConfig(**c, attn_layer_period=2, attn_layer_offset=1,
                              expert_layer_period=2, expert_layer_offset=1, num_experts=4,
-                             mamba_d_state=8, mamba_expand=2, mamba_dt_rank=4, **MOE,
+                             mamba_d_state=8, mamba_expand=2, mamba_dt_rank=4, **moe,
                              **overrides)
     if kind == "kimi_linear":
         return T.KimiLinearConfig(**{**c, "num_key_value_heads": 4}, layer_types=HYBRID,
                                   linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4,
-                                  num_local_experts=4, num_experts_per_token=2,
+                                  num_local_experts=4,
+                                  num_experts_per_token=moe["num_experts_per_tok"],
                                   moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=None,
                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                                   **overrides)
     if kind == "minimax":
         return T.MiniMaxConfig(**c, head_dim=8, num_local_experts=4, layer_types=HYBRID,
-                               block_size=16, **MOE, **overrides)
+                               block_size=16, **moe, **overrides)
     raise AssertionError(kind)
 
 
@@ -261,10 +264,14 @@ def distances(step, truth) -> dict:
 
 
 def assert_near_truth(one, got, truth, what: str, factor: float, floor: float) -> None:
-    """Under CP (got) every distance from the truth is at most `factor` times one process's own
-    (one) or `floor`: the loss and each parameter's gradient (distances)."""
+    """Under CP (got) every distance from the truth (distances: the loss and each parameter's
+    gradient) is at most `factor` times one process's own (one) for it, or for one process's
+    median parameter (a parameter of a few entries can be lucky in one process: bf16 noise on 8
+    numbers), or `floor`."""
     ref, mine = distances(one, truth), distances(got, truth)
-    worst = [(n, mine[n], ref[n]) for n in ref if mine[n] > max(factor * ref[n], floor)]
+    typical = sorted(ref.values())[len(ref) // 2]
+    worst = [(n, mine[n], ref[n]) for n in ref
+             if mine[n] > max(factor * max(ref[n], typical), floor)]
     assert not worst, (f"{what}: farther from the float64 truth than {factor}x one process "
                        f"(or {floor:g}): " + ", ".join(f"{n} {d:.3g} vs {r:.3g}"
                                                        for n, d, r in worst[:6]))

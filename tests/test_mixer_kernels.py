@@ -17,8 +17,8 @@ from cpattn.testing.mixers import emulate
 
 from mixer_reference import (
     KINDS,
-    kda_loop,
     delta_rule_loop,
+    kda_loop,
     problem,
     reference,
     run_kind,

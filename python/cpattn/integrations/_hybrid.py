@@ -190,14 +190,15 @@ def mamba1(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
                                    dim=-1)
     if hasattr(m, "b_layernorm"):
         step, b, c = m.dt_layernorm(step), m.b_layernorm(b), m.c_layernorm(c)
+    # dt, the state's readout and the gate in the dtypes the module has them (bf16 under
+    # autocast), the scan in fp32
     dt = step @ m.dt_proj.weight.t()
     if m.dt_proj.bias is not None:
-        dt = dt + m.dt_proj.bias.float()
-    dt = F.softplus(dt).float()
+        dt = dt + m.dt_proj.bias.to(dt.dtype)
+    dt = F.softplus(dt)
     a = -torch.exp(m.A_log.float())  # (I, N)
-    x = x.float()
-    y = mix.selective_scan(dt, a, x, b.float(), c.float()) + x * m.D.float()
-    y = y * F.silu(gate.float())
+    y = mix.selective_scan(dt, a, x, b, c).to(x.dtype) + x * m.D.float()
+    y = y * F.silu(gate)
     return m.out_proj(y.to(dtype))
 
 

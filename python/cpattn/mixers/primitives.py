@@ -4,9 +4,10 @@
   conv inputs before the piece in its document (zeros before the document's start) fetched from
   the ranks that hold them. Differentiable: the halo's gradient goes back to its owner.
 - `state_scan`: for a recurrence affine in its state (S_out = M S_in + B over a piece), the entry
-  state of every linked piece (a whole document has none): the fold, in global order, of the summaries (M, B) of the pieces before
-  it in its document (zero for a document's first piece). One exchange of the summaries; the
-  backward is autograd's (the adjoint fold, a reduce-scatter of the summaries' gradients).
+  state of every linked piece (a whole document has none): the fold, in global order, of the
+  summaries (M, B) of the pieces before it in its document (zero for a document's first piece).
+  One exchange of the summaries; the backward is autograd's (the adjoint fold, a reduce-scatter
+  of the summaries' gradients).
 
 Both run in two phases around one exchange (`..._publish`, then `..._take` on the gathered
 tensor), so one process can play W ranks (cpattn.mixers.exchange). Every rank calls the exchange
@@ -154,9 +155,10 @@ def _identity(kind: str, m_shape: tuple, like: torch.Tensor) -> torch.Tensor:
 def state_scan(m: torch.Tensor, s: torch.Tensor, piece_map: PieceMap, rank: int, kind: str,
                exchange: Exchange) -> torch.Tensor:
     """Entry states (B, n, ...) of rank's n linked pieces (piece_map.linked(rank)) given their
-    summaries: m (B, n, ...) the transition of each piece (`kind`: "scalar" (B, n, H), "diagonal" like s, "matrix"
-    (B, n, H, K, K)), s (B, n, ...) its state at its end when started from zero. fp32 in, fp32
-    out; differentiable; a document's first piece gets zeros."""
+    summaries: m (B, n, ...) the transition of each piece (`kind`: "scalar" (B, n, H),
+    "diagonal" like s, "matrix" (B, n, H, K, K)), s (B, n, ...) its state at its end when
+    started from zero. fp32 in, fp32 out; differentiable; a document's first piece gets
+    zeros."""
     if kind not in KINDS:
         raise ValueError(f"cpattn.mixers.state_scan: kind={kind!r}: must be one of {KINDS}")
     m_shape, s_shape = tuple(m.shape[2:]), tuple(s.shape[2:])
