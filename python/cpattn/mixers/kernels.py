@@ -27,6 +27,7 @@ Families (states K-first: S (H, K, V); outputs read the state after the token's 
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -148,23 +149,50 @@ def delta_blocks(q, k, v, a, beta, block: int = 64) -> Blocks:
     return Blocks(intra, read, g[..., -1:].exp(), k_end, u, w)
 
 
-def kda_blocks(q, k, v, g, beta, block: int = 16) -> Blocks:
+def kda_blocks(q, k, v, g, beta, block: int = 32, sub: int = 4) -> Blocks:
     """Kimi delta attention: S_t = (I - b_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T,
-    a log decay per key channel g (N, L, H, K) (other shapes as delta_blocks). The decays
-    between two tokens of a block are per channel: (c, c, K) segment sums per block (hence the
-    small default block)."""
+    a log decay per key channel g (N, L, H, K) (other shapes as delta_blocks); sub-blocks of
+    gcd(block, sub) tokens (_decayed_dots; the defaults were the fastest of 16 to 64 and 4 to
+    16 on this CPU)."""
+    sub = math.gcd(block, sub)
     qc, kc, vc = (_heads(t, block) for t in (q, k, v))
     gc, bc = _heads(g, block), _heads(beta, block)  # (N, H, C, c, K), (N, H, C, c)
-    ss = segsum(gc, dim=-2)  # (N, H, C, c, c, K)
-    decay_ijk = ss.exp()
-    cum = gc.cumsum(-2)
+    cum = gc.cumsum(-2)  # decay from the block's start (a sum of at most `block` terms)
 
     def dot(x, y):
-        return torch.einsum("...ik,...jk,...ijk->...ij", x, y, decay_ijk)
+        return _decayed_dots(x, y, gc, sub)
 
     intra, read, u, w = _delta(qc, kc, vc, bc, cum, dot)
-    k_end = kc * ss[..., -1, :, :].exp()
+    k_end = kc * _after(gc).exp()
     return Blocks(intra, read, cum[..., -1, :].exp(), k_end, u, w)
+
+
+def _after(g: torch.Tensor) -> torch.Tensor:
+    """(..., c, K): the sum of g over the tokens after each one, to the end (dim -2)."""
+    later = torch.cat([g[..., 1:, :], torch.zeros_like(g[..., :1, :])], -2)
+    return later.flip(-2).cumsum(-2).flip(-2)
+
+
+def _decayed_dots(x: torch.Tensor, y: torch.Tensor, g: torch.Tensor, sub: int) -> torch.Tensor:
+    """(..., c, c): [i, j] = sum_k x_i[k] y_j[k] exp(g_{j+1} + ... + g_i)[k] for j <= i, 0 above
+    (x, y, g (..., c, K)). The block is cut in sub-blocks of `sub` tokens: within one, the decays
+    are (sub, sub, K) segment sums; between two, x decayed from its sub-block's start, y to its
+    sub-block's end and the sub-blocks between: three factors <= 1, each a sum of log decays
+    (none overflows, none cancels), and the product over k is a matrix product."""
+    *lead, c, dk = g.shape
+    parts = c // sub
+    xs, ys, gs = (t.reshape(*lead, parts, sub, dk) for t in (x, y, g))
+    within = torch.einsum("...ak,...bk,...abk->...ab", xs, ys, segsum(gs, dim=-2).exp())
+    from_start = gs.cumsum(-2)
+    between = segsum(from_start[..., -1, :], dim=-2)  # (..., P, P, K): sub-blocks J+1 .. I
+    # [I, J]: the sub-blocks strictly between J and I (-inf for J >= I: no pair)
+    middle = torch.cat([torch.full_like(between[..., :1, :, :], NEG_INF), between[..., :-1, :, :]],
+                       -3)
+    across = torch.einsum("...Iak,...IJk,...Jbk->...IJab", xs * from_start.exp(), middle.exp(),
+                          ys * _after(gs).exp())
+    eye = torch.eye(parts, dtype=x.dtype, device=x.device)[:, :, None, None]
+    out = across + eye * within[..., :, None, :, :]  # (..., P, P, sub, sub)
+    return out.transpose(-3, -2).reshape(*lead, c, c)
 
 
 class Diagonal(NamedTuple):

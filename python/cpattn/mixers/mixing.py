@@ -81,7 +81,7 @@ def _selective_shapes(batch, dt, x, b, c, a):
 
 SCALAR = Family(_scalar_prepare, "scalar", 64, _heads_shapes)
 DELTA = Family(_delta_prepare, "matrix", 64, _heads_shapes)
-KDA = Family(_kda_prepare, "matrix", 16, _heads_shapes)
+KDA = Family(_kda_prepare, "matrix", 32, _heads_shapes)
 SELECTIVE = Family(_selective_prepare, "diagonal", 64, _selective_shapes)
 
 
@@ -89,8 +89,8 @@ SELECTIVE = Family(_selective_prepare, "diagonal", 64, _selective_shapes)
 class Mixing:
     """What an adapter needs: this rank's piece map, its rank, the exchange and the batch rows
     (B rows sharded alike, or one row of packed documents). `recompute`: checkpoint the block
-    computations when gradients are on; `block`: the scan block (None: the family's, 64 tokens,
-    16 for Kimi delta attention)."""
+    computations when gradients are on; `block`: the scan block (None: the family's, 64
+    tokens, 32 for Kimi delta attention)."""
 
     piece_map: PieceMap
     rank: int
