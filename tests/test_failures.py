@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import cpattn
 from cpattn.core import agreement as _agreement
+from cpattn.core.signature import signature_digest
 
 from distributed import run_ranks
 from failure_cases import TIMEOUT, qkv, raises_same_everywhere, valid_call_matches
@@ -154,7 +155,7 @@ def test_invalid_errors_travel_bounded():
 
 
 def test_signature_digest_is_unambiguous():
-    digest = _agreement._signature_digest
+    digest = signature_digest
     assert digest("f", [("a", 12), ("b", 3)]) != digest("f", [("a", 1), ("b", 23)])
     assert digest("f", [("ab", 1)]) != digest("f", [("a", 1), ("b", 1)])
     assert digest("f", [("cu", bytes([0, 2, 6, 8]))]) != digest("f", [("cu", bytes([0, 3, 5, 8]))])

@@ -62,8 +62,9 @@ def test_emulated_ulysses_needs_the_contiguous_layout():
     shards = [qkv(r, h=4) for r in range(2)]
     q, k, v = ([s[i] for s in shards] for i in range(3))
     for layout in ("zigzag", "striped"):
-        with pytest.raises(ValueError, match=r"cpattn.ring_attention_emulated: layout='"
-                                             + layout + "': strategy='ulysses'"):
+        with pytest.raises(ValueError, match=r"cpattn.ring_attention_emulated: strategy "
+                                             "'ulysses' shards the sequence contiguously: "
+                                             f"layout must be 'contiguous', got '{layout}'"):
             ring_attention_emulated(q, k, v, strategy="ulysses", layout=layout)
     outs, _ = ring_attention_emulated(q, k, v, strategy="ulysses", layout="contiguous",
                                       causal=True)

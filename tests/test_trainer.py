@@ -4,14 +4,18 @@ loss within 1e-5 (relative), step-1 gradients (after the Trainer's DDP) within 1
 each tensor's largest entry, final weights within 1e-4, token / FLOP counters and eval loss
 equal, predictions in full order. Tiny Llama, Qwen3 and Qwen3-MoE from config, fp32.
 
-One reference process and two torchrun launches (2 ranks: cp 2; 4 ranks: dp 2 x cp 2 and
-hybrid cp 4) run every scenario of tests/trainer_cp_worker.py (CI time: the imports and the
-process groups are paid once); each test below checks one scenario, its ablation (a deliberate
-mistake that must change the result or raise) included. The two examples run with --check.
+One reference process and two torchrun launches (2 ranks: cp 2; 4 ranks: dp 2 x cp 2, cp 4 and
+hybrid cp 4) run every scenario of tests/trainer_cp_worker.py and tests/trainer_cp_exact.py (CI
+time: the imports and the process groups are paid once); each test below checks one scenario,
+its ablation (a deliberate mistake that must change the result or raise) included. The two
+examples run with --check.
 """
 
+import importlib.metadata
 import json
 import os
+import pydoc
+import re
 import subprocess
 import sys
 
@@ -24,12 +28,14 @@ pytest.importorskip("trl")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "trainer_cp_worker.py")
-EXAMPLES = os.path.join(HERE, "..", "examples")
+ROOT = os.path.dirname(HERE)
+EXAMPLES = os.path.join(ROOT, "examples")
 W2 = ["rows_ring", "rows_tokens_per_replica", "checkpointing", "mixed_precision", "packed",
       "label_smoothing", "moe", "evaluate_predict", "resume", "sft_packing",
-      "sft_completion_only", "loss_options", "refusals"]
+      "sft_completion_only", "loss_options", "refusals", "partial_batches", "sft_partial_batches",
+      "odd_lengths", "cpu_setup", "messages"]
 W4 = ["dp_accumulation", "dp_one_group_astray", "dp_tokens_per_replica", "dp_evaluate",
-      "dp_sft_packing", "hybrid"]
+      "dp_sft_packing", "hybrid", "partial_batches_cp4", "odd_lengths_cp4", "dp_evaluate_exact"]
 TIMEOUT = 900
 
 
@@ -275,10 +281,128 @@ def test_hybrid(runs):
 @pytest.mark.parametrize("example", ["trainer_cp.py", "sft_packing_cp.py"])
 def test_example_matches_one_process(example):
     """The examples under torchrun on 2 ranks, --check: exit 0 only when every step's loss
-    matches the same trainer in one process."""
+    matches the same trainer in one process; run from the source tree, they write nothing
+    there."""
+    before = set(os.listdir(ROOT))
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          os.path.join(EXAMPLES, example), "--check"],
-        capture_output=True, text=True, env=_env(), timeout=TIMEOUT)
+        capture_output=True, text=True, env=_env(), timeout=TIMEOUT, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-10000:]
     assert "check passed" in result.stdout, result.stdout[-5000:]
+    assert set(os.listdir(ROOT)) <= before, sorted(set(os.listdir(ROOT)) - before)
+
+
+# ---- issue 56: the batches one process sees, any collator length, the set-up, messages -------
+
+
+@pytest.mark.parametrize("name", ["partial_batches", "partial_batches_cp4"])
+def test_partial_last_batch_as_one_process(runs, name):
+    """15 training rows with bs 2 and gradient accumulation 2 (the last batch of 1 row, in the
+    last window), 5 evaluation rows and 5 predicted, nothing dropped, at cp 2 and cp 4: every
+    logged loss, the gradients, weights, eval loss, tokens seen and predictions equal one
+    process's. Ablation: accelerate's filled batches change the last step, the eval loss and
+    the token count."""
+    ref, got = _check(runs, name)
+    filled, want = got["ablation"], ref["main"]
+    assert_differs(filled["loss"], want["loss"], f"{name}: filled batches")
+    assert not _close(filled["eval"], want["eval"], 1e-5), (filled["eval"], want["eval"])
+    assert filled["tokens"] != want["tokens"], (filled["tokens"], want["tokens"])
+
+
+def test_sft_packing_partial_batches(runs):
+    """SFTTrainer packing, bs 2, an odd number of packed rows for training and evaluation; TRL's
+    eval metrics (entropy, token accuracy) equal too. Ablations: filled batches change the eval
+    loss (and the last step's loss); TRL's per-rank sums truncated change its metrics."""
+    ref, got = _check(runs, "sft_partial_batches")
+    rows = ref["main"]["packed_rows"]
+    assert rows == got["main"]["packed_rows"] and all(n % 2 == 1 for n in rows), rows
+    filled, want = got["ablation"], ref["main"]
+    assert not _close(filled["eval"], want["eval"], 1e-5), (filled["eval"], want["eval"])
+    assert_differs(filled["loss"], want["loss"], "sft packing: filled batches")
+    metrics = ("eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens")
+    for key in metrics:
+        a, b = got["main"]["eval_metrics"][key], want["eval_metrics"][key]
+        assert _close(a, b, 1e-6), (key, a, b)
+    truncated = got["ablation_gathers"]["eval_metrics"]
+    assert any(not _close(truncated[k], want["eval_metrics"][k], 1e-6) for k in metrics), (
+        "TRL's gathers: the truncation does not matter", truncated)
+
+
+@pytest.mark.parametrize("name", ["odd_lengths", "odd_lengths_cp4"])
+def test_any_collator_length(runs, name):
+    """Batches the layout cannot split evenly, at cp 2 and cp 4: DataCollatorWithFlattening at
+    bs 1 with one odd-length document (position-ids form, with evaluate / predict; flash form),
+    without position ids, rows of 17 tokens, TRL's packed rows at bs 1: equal to one process.
+    Ablation: the batch handed to shard_batch as it is raises."""
+    ref, got = runs
+    for run in ref[name]:
+        assert_matches(got[name][run], ref[name][run], f"{name}/{run}")
+    assert "must be a multiple of" in got[name]["refused"], got[name]["refused"]
+
+
+def test_cpu_setup_without_use_cpu(runs):
+    """Under torchrun on CPUs, TrainingArguments without use_cpu: the trainer runs the ranks
+    together. Ablation: left alone, the arguments are refused at construction, naming the fix."""
+    _, got = _check(runs, "cpu_setup")
+    assert "pass use_cpu=True to the TrainingArguments" in got["refused"], got["refused"]
+
+
+def test_messages_name_the_cause(runs):
+    """A dataset that differs between the ranks, a model registered with another
+    ContextParallel: messages that say so (the same dataset on every rank trains); a plain
+    Trainer given a context-parallel model raises at its first step."""
+    got = runs[1]["messages"]
+    assert "the train dataset differs between ranks" in got["dataset_differs"], got
+    assert got["dataset_same"] == "", got["dataset_same"]
+    assert "registered with another ContextParallel than the one given to the trainer" in (
+        got["other_cp"]), got["other_cp"]
+    assert "build cp once" in got["other_cp"], got["other_cp"]
+    # A plain Trainer never trains a context-parallel model silently: the unsharded batch's
+    # positions are refused at the first forward, on every rank (`raised` checks the ranks
+    # agree). Its message comes from cpattn.integrations.transformers.
+    assert "position_ids are not the position ids of this rank's tokens" in (
+        got["plain_trainer"]), got["plain_trainer"]
+
+
+def test_dp_x_cp_evaluation_exact(runs):
+    """dp 2 x cp 2: eval loss over 5 rows and over 5 packed documents, predictions of 7 rows,
+    each example once: equal to one process with a batch of 4. Ablation: filled batches."""
+    ref, got = _check(runs, "dp_evaluate_exact", "rows")
+    _check(runs, "dp_evaluate_exact", "packed")
+    filled, want = got["ablation"]["eval"], ref["rows"]["eval"]
+    assert not _close(filled, want, 1e-5), (filled, want)
+
+
+def test_help_shows_cpattn_docstring():
+    """help() of the trainer classes documents cp and what is refused, before the base class's
+    own documentation."""
+    from transformers import Trainer
+
+    from cpattn.integrations import trainer
+
+    class MyTrainer(Trainer):
+        """My trainer."""
+
+    for cls in (trainer.ContextParallelTrainer, trainer.ContextParallelSFTTrainer,
+                trainer.with_context_parallel(MyTrainer)):
+        text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+        for words in ("cp: the cpattn.ContextParallel", "Refused with ValueError",
+                      "register(cp)", "partial"):
+            assert words in text, (cls.__name__, words)
+    text = pydoc.render_doc(trainer.ContextParallelSFTTrainer, renderer=pydoc.plaintext)
+    assert text.index("cp: the cpattn") < text.index("SFTTrainer's documentation")
+
+
+def test_trainer_extra_pins_the_tested_versions():
+    """pip install "cpattn[trainer]" pins the transformers / accelerate / trl that CI installs
+    (scripts/run.sh) and this environment runs."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        extra = re.search(r"^trainer = \[(.*)\]$", f.read(), re.M).group(1)
+    pins = dict(re.findall(r'"([a-z]+)==([0-9.]+)"', extra))
+    assert set(pins) == {"transformers", "accelerate", "trl"}, extra
+    with open(os.path.join(ROOT, "scripts", "run.sh")) as f:
+        ci = dict(re.findall(r'"(transformers|accelerate|trl)==([0-9.]+)"', f.read()))
+    assert ci == pins, (ci, pins)
+    for name, version in pins.items():
+        assert importlib.metadata.version(name) == version, (name, version)

@@ -9,19 +9,19 @@ call itself (`attention`). The transformers integration, `cpattn.shard_batch` an
 from __future__ import annotations
 
 import weakref
-from typing import Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 import torch
 
+from cpattn.core.agreement import agree_on
 from cpattn.core.layout import LAYOUTS
+from cpattn.core.validation import check_timeout
 from cpattn.sharding.packing import Documents
 from cpattn.sharding.sequences import shard, unshard
 from cpattn.strategies.base import Strategy
 from cpattn.strategies.registry import PLAN_STRATEGIES
 from cpattn.strategies.registry import STRATEGIES as _REGISTRY
-
-# The strategies a ContextParallel runs (the registry's names).
-STRATEGIES = tuple(_REGISTRY)
 
 
 class _WeakGroup:
@@ -95,10 +95,9 @@ class ContextParallel:
             raise ValueError(f"cpattn.ContextParallel: invariant must be True or False, got "
                              f"{invariant!r}")
         self.invariant = invariant
-        if strategy not in STRATEGIES:
-            raise ValueError(
-                f"cpattn.ContextParallel: strategy must be one of {STRATEGIES}, got {strategy!r}"
-            )
+        if strategy not in _REGISTRY:
+            raise ValueError(f"cpattn.ContextParallel: strategy must be one of "
+                             f"{tuple(_REGISTRY)}, got {strategy!r}")
         spec = _REGISTRY[strategy]
         if layout is None:
             layout = spec.default_layout
@@ -124,6 +123,41 @@ class ContextParallel:
         """The process groups the sequence spans: (group,), or for hybrid (ulysses_group,
         ring_group)."""
         return self.spec.sequence_groups(self)
+
+    def agree(self, what: str, check: Callable[[], tuple[Any, list]],
+              every_call: bool = False) -> Any:
+        """check() (this rank's checked arguments and their fields, as agree_on takes it) agreed
+        over every rank of the sequence: over each of its process groups in turn (hybrid: the
+        Ulysses groups, then the ring groups), each carrying the earlier one's error, so a bad
+        value on any rank raises on every rank. Returns check()'s checked arguments."""
+        timeout = check_timeout(what, self.timeout, *self.groups)
+        outcome: list = []  # (checked, fields) of the first group, or its error
+
+        def first():
+            try:
+                outcome[:] = [check()]
+            except (ValueError, TypeError, RuntimeError) as e:
+                outcome[:] = [e]
+                raise
+            return outcome[0]
+
+        def later():
+            if isinstance(outcome[0], Exception):
+                raise outcome[0]
+            return outcome[0]
+
+        try:
+            for i, group in enumerate(self.groups):
+                try:
+                    checked = agree_on(what, group, timeout, first if i == 0 else later,
+                                       every_call)
+                except (ValueError, TypeError, RuntimeError) as e:
+                    if i == len(self.groups) - 1:
+                        raise
+                    outcome[:] = [e]  # (what every rank of this group raised)
+            return checked
+        finally:
+            outcome.clear()  # no cycle from a raised error's frames back to it
 
     def with_mode(self, options: dict) -> dict:
         """The attention options of a call made for this object (also by the integrations'

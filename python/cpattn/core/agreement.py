@@ -43,7 +43,6 @@ _validation.document_lengths), so they are compared exactly, once per compiled s
 from __future__ import annotations
 
 import datetime
-import hashlib
 import struct
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -51,17 +50,24 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from cpattn.core.signature import (
+    DIGEST_WORDS,
+    Fields,
+    FieldValue,
+    field_word,
+    hash63,
+    kind_of,
+    show,
+    signature_digest,
+)
 from cpattn.core.validation import env_rank_check
 
 MODES = ("auto", "always", "once", "never")
-FieldValue = bool | int | float | str | bytes | torch.dtype | None
-Fields = list[tuple[str, FieldValue]]
 T = TypeVar("T")
 
 _MAGIC = 0x63706174746E  # "cpattn": tells an agreement header apart from other traffic
 _VERSION = 1
 _NAME_WORDS = 6  # function name: 48 bytes in the header (the digest covers the full name)
-_DIGEST_WORDS = 4  # 256-bit signature digest
 _DETAIL_FIELDS = 64  # fields reported in detail on a mismatch (the digest covers all of them)
 _REASON_WORDS = 256  # the failing ranks' errors travel in the detail exchange: 2 KiB at most
 _ONCE_CACHE_LIMIT = 4096  # signatures remembered in "once" mode (bounded: cu_seqlens vary)
@@ -91,11 +97,6 @@ def get_rank_check() -> str:
     return mode
 
 
-def digest_ints(values) -> bytes:
-    """The exact bytes of an integer sequence (e.g. cu_seqlens), as an agree() field value."""
-    return torch.as_tensor(values).to(torch.int64).cpu().contiguous().numpy().tobytes()
-
-
 def reads_on_host(t: torch.Tensor) -> bool:
     """Whether the checks read the values of `t` on the host: on the CPU, or in mode "always".
     Otherwise (a device tensor) reading them would sync the host, and the checks that need its
@@ -116,90 +117,7 @@ def tensor_values(t: torch.Tensor | None) -> FieldValue:
     return t.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()
 
 
-def tensor_fields(
-    name: str, t, dims: Sequence[str] = ("batch", "seqlen", "heads", "head_dim")
-) -> list[tuple[str, FieldValue]]:
-    """The fields of a tensor argument that every rank must agree on: its sizes (named by `dims`
-    when it has that many, e.g. "q.head_dim"), dtype and device type (not the device index:
-    ranks use different GPUs). Anything else than a tensor gives one field: its repr."""
-    if not isinstance(t, torch.Tensor):
-        return [(name, repr(t))]
-    names = dims if len(dims) == t.dim() else [f"size{i}" for i in range(t.dim())]
-    return [(f"{name}.dims", t.dim()), *((f"{name}.{d}", s) for d, s in zip(names, t.shape)),
-            (f"{name}.dtype", t.dtype), (f"{name}.device", t.device.type)]
-
-
-# Kinds of field values: the detail exchange sends (name hash, kind, word) per field.
-_NONE, _BOOL, _INT, _FLOAT, _STR, _BYTES, _DTYPE, _OTHER = range(8)
-_DTYPES = tuple(v for v in vars(torch).values() if isinstance(v, torch.dtype))
-
-
-def _kind(value) -> int:
-    if value is None:
-        return _NONE
-    for kind, types in ((_BOOL, bool), (_INT, int), (_FLOAT, float), (_STR, str),
-                        (_BYTES, bytes), (_DTYPE, torch.dtype)):
-        if isinstance(value, types):
-            return kind
-    return _OTHER
-
-
-def _encode(value) -> bytes:
-    """Exact, typed bytes of a field value (for the digest)."""
-    kind = _kind(value)
-    if kind == _FLOAT:
-        raw = struct.pack("<d", value)
-    elif kind == _BYTES:
-        raw = value
-    elif kind == _INT:
-        raw = str(int(value)).encode()  # also ints beyond int64
-    else:
-        raw = repr(value).encode()
-    return bytes([kind]) + raw
-
-
-def _hash63(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
-
-
-_INVALID_KEY = _hash63(_INVALID.encode())
-
-
-def _word(value) -> int:
-    """One int64 for the detail exchange: the value itself where it fits, else a hash."""
-    kind = _kind(value)
-    if kind in (_BOOL, _INT) and -(2**63) <= value < 2**63:
-        return int(value)
-    if kind == _FLOAT:
-        return struct.unpack("<q", struct.pack("<d", value))[0]
-    return _hash63(_encode(value))
-
-
-def _show(kind: int, word: int, local) -> str:
-    """A rank's value, from its (kind, word), as an error message shows it."""
-    if kind == _NONE:
-        return "None"
-    if kind == _BOOL:
-        return str(bool(word))
-    if kind == _FLOAT:
-        return repr(struct.unpack("<d", struct.pack("<q", word))[0])
-    if kind == _INT:
-        return str(word)  # (an int beyond int64 shows its hash)
-    if kind == _DTYPE:
-        return next((str(d) for d in _DTYPES if _word(d) == word), f"<dtype {word:#x}>")
-    if _kind(local) == kind and _word(local) == word and kind != _BYTES:
-        return repr(local)
-    return f"<digest {word:#x}>"
-
-
-def _signature_digest(function_name: str, fields: Sequence[tuple[str, FieldValue]]) -> bytes:
-    h = hashlib.blake2b(digest_size=8 * _DIGEST_WORDS)
-    h.update(function_name.encode() + b"\0")
-    for name, value in fields:
-        raw = _encode(value)
-        # Lengths first, so that no two different signatures serialise to the same bytes.
-        h.update(struct.pack("<qq", len(name), len(raw)) + name.encode() + raw)
-    return h.digest()
+_INVALID_KEY = hash63(_INVALID.encode())
 
 
 def _exchange_device(group) -> torch.device:
@@ -230,7 +148,7 @@ def _exchange(mine: torch.Tensor, group, world: int, timeout: float, what: str) 
 
 def _header(function_name: str, digest: bytes) -> torch.Tensor:
     name = function_name.encode()[: 8 * _NAME_WORDS].ljust(8 * _NAME_WORDS, b"\0")
-    words = struct.unpack(f"<{_NAME_WORDS}q", name) + struct.unpack(f"<{_DIGEST_WORDS}q", digest)
+    words = struct.unpack(f"<{_NAME_WORDS}q", name) + struct.unpack(f"<{DIGEST_WORDS}q", digest)
     return torch.tensor([_MAGIC, _VERSION, *words], dtype=torch.int64)
 
 
@@ -341,10 +259,10 @@ def _mismatch_message(
         return InvalidOnSomeRanks(function_name, errors)
     shown = []
     for name, value in fields[:_DETAIL_FIELDS]:
-        key = _hash63(name.encode())
+        key = hash63(name.encode())
         values = [d.get(key) for d in per_rank]
         if len(set(values)) > 1:
-            text = ", ".join(f"rank {g}=" + ("absent" if v is None else _show(*v, value))
+            text = ", ".join(f"rank {g}=" + ("absent" if v is None else show(*v, value))
                              for g, v in zip(global_ranks, values))
             shown.append((name, text))
     if not shown:
@@ -399,7 +317,7 @@ def _agree_now(function_name: str, group, fields: Fields, timeout: float, mode: 
         return
     if mode == "auto":
         mode = "always" if _exchange_device(group).type == "cpu" else "once"
-    digest = _signature_digest(function_name, fields)
+    digest = signature_digest(function_name, fields)
     key = (function_name, group.group_name, digest)
     if capturing():
         if key in _checked:
@@ -416,7 +334,7 @@ def _agree_now(function_name: str, group, fields: Fields, timeout: float, mode: 
         # Every rank saw the same headers, so every rank takes this branch: a second exchange.
         shown = fields[:_DETAIL_FIELDS]
         triples = [w for name, value in shown
-                   for w in (_hash63(name.encode()), _kind(value), _word(value))]
+                   for w in (hash63(name.encode()), kind_of(value), field_word(value))]
         triples += [0] * (3 * (_DETAIL_FIELDS - len(shown)))
         detail = torch.tensor([len(shown), *triples, *_errors_words(fields)], dtype=torch.int64)
         details = _exchange(detail, group, world, timeout, function_name)

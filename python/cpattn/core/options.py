@@ -19,6 +19,7 @@ import torch
 
 from cpattn.core import agreement as _agreement
 from cpattn.core.layout import LAYOUTS
+from cpattn.core.signature import Fields, tensor_fields
 from cpattn.core.validation import (
     check_bool,
     check_choice,
@@ -187,7 +188,7 @@ def _same(value, expected) -> bool:
 def checked_call(what: str, q, k, v, options: Union[dict, AttentionOptions],
                  layout: str = "contiguous", varlen: bool = False, fixed: Optional[dict] = None,
                  only: Optional[tuple] = None, empty_tokens: bool = False,
-                 prefix_per_row: bool = False) -> tuple[AttentionOptions, _agreement.Fields]:
+                 prefix_per_row: bool = False) -> tuple[AttentionOptions, Fields]:
     """The tensors and options of a call of `what` checked: its AttentionOptions, and the
     fields every rank must agree on (shapes, dtypes, layout, options). `options`: the keyword
     arguments of a public call, checked here (`fixed` / `only` / `prefix_per_row`: as
@@ -199,8 +200,8 @@ def checked_call(what: str, q, k, v, options: Union[dict, AttentionOptions],
     opts = options if isinstance(options, AttentionOptions) else AttentionOptions.checked(
         what, q.shape[-1], fixed, only=only, prefix_per_row=prefix_per_row, **options)
     dims = ("tokens", "heads", "head_dim") if varlen else ("batch", "seqlen", "heads", "head_dim")
-    fields = [*_agreement.tensor_fields("q", q, dims), *_agreement.tensor_fields("k", k, dims),
-              *_agreement.tensor_fields("v", v, dims), ("layout", layout), *opts.agreement_fields()]
+    fields = [*tensor_fields("q", q, dims), *tensor_fields("k", k, dims),
+              *tensor_fields("v", v, dims), ("layout", layout), *opts.agreement_fields()]
     return opts, fields
 
 

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 
 from cpattn.comm import all_gather_flat
-from cpattn.core.agreement import agree_on, tensor_fields
+from cpattn.core.agreement import agree_on
 from cpattn.core.device import to_device
 from cpattn.core.layout import LAYOUTS, check_chunk, padded_length
 from cpattn.core.options import AttentionOptions
+from cpattn.core.signature import tensor_fields
 from cpattn.core.validation import (
     check_choice,
     check_int,

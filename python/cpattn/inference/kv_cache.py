@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from cpattn.core.agreement import FieldValue, digest_ints, tensor_fields
+from cpattn.core.signature import FieldValue, digest_ints, tensor_fields
 from cpattn.core.validation import error
 from cpattn.sharding.sequences import rank_and_world
 

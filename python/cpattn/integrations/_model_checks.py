@@ -31,7 +31,6 @@ from typing import Any, Optional
 
 import torch
 
-from cpattn.core.agreement import agree_on
 from cpattn.core.options import AttentionOptions
 from cpattn.integrations import _hybrid
 from cpattn.sharding.packing import KEYWORD
@@ -258,36 +257,11 @@ def check_layer(module: torch.nn.Module, tokens: int, max_position: int,
 
 def agree(cp, what: str, check: Callable[[], None]) -> None:
     """Runs check() (which raises ValueError on a bad local value) so that every rank of cp's
-    sequence raises when any rank's check fails: over cp's group, or for hybrid over its Ulysses
-    groups and then its ring groups (every rank takes part in both exchanges). In rank-check
-    mode "once" too (a valid check's fields are the same at every call)."""
-    timeout = _timeout(cp)
-
+    sequence raises when any rank's check fails (ContextParallel.agree: over each of its
+    groups). In rank-check mode "once" too (a valid check's fields are the same at every
+    call)."""
     def validated():
         check()
         return None, []
 
-    if len(cp.groups) == 1:
-        agree_on(what, cp.group, timeout, validated, every_call=True)
-        return
-    failures = []  # this Ulysses group's error (every rank of it has the same)
-    try:
-        agree_on(what, cp.ulysses_group, timeout, validated, every_call=True)
-    except ValueError as e:
-        failures.append(e)
-
-    def across():
-        if failures:
-            raise failures[0]
-        return None, []
-
-    try:
-        agree_on(what, cp.ring_group, timeout, across, every_call=True)
-    finally:
-        failures.clear()  # no cycle from the raised error's frames back to it
-
-
-def _timeout(cp) -> float:
-    from cpattn.core.validation import check_timeout
-
-    return check_timeout(WHAT, cp.timeout, cp.ring_group)
+    cp.agree(what, validated, every_call=True)

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from cpattn.core.agreement import digest_ints
+from cpattn.core.signature import digest_ints
 
 
 class Piece(NamedTuple):

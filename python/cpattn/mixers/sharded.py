@@ -8,14 +8,12 @@ import functools
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from cpattn.core.layout import shard_positions
 from cpattn.mixers.exchange import Exchange, group_exchange
 from cpattn.mixers.pieces import PieceMap, build_piece_map
 from cpattn.parallel import ContextParallel
 from cpattn.sharding.packing import Documents
-from cpattn.sharding.sequences import hybrid_shard_positions
+from cpattn.strategies.registry import STRATEGIES
 
 WHAT = "cpattn.mixers"
 
@@ -37,11 +35,8 @@ def check_settings(cp: ContextParallel, what: str = WHAT) -> None:
 
 
 def _mesh(cp: ContextParallel) -> tuple:
-    """(strategy, layout, world, ring size, Ulysses size): what the sharding depends on."""
-    if cp.strategy == "hybrid":
-        r_world = dist.get_world_size(cp.ring_group)
-        return (cp.strategy, cp.layout, cp.world_size, r_world, cp.world_size // r_world)
-    return (cp.strategy, cp.layout, cp.world_size, cp.world_size, 1)
+    """(strategy, its shard key, world): what every rank's tokens depend on (hashable)."""
+    return (cp.strategy, cp.spec.shard_key(cp), cp.world_size)
 
 
 def piece_map_of(cp: ContextParallel, local_len: int,
@@ -72,19 +67,16 @@ def _piece_map_key(mesh: tuple, local_len: int, documents: Optional[Documents]) 
 
 @functools.lru_cache(maxsize=64)
 def _cached_piece_map(mesh: tuple, local_len: int, documents: Optional[Documents]) -> PieceMap:
-    strategy, layout, world, r_world, u_world = mesh
+    strategy, key, world = mesh
+    spec = STRATEGIES[strategy]
     indices = []
     for rank in range(world):
-        r_rank, u_rank = divmod(rank, u_world)
         if documents is not None and documents.plan is not None:
             index, _ = documents.plan_positions(rank)
         elif documents is not None:
-            index, _ = documents.local_positions(layout, r_world, r_rank, u_world, u_rank)
-        elif strategy == "hybrid":
-            index = hybrid_shard_positions(local_len * world, layout, r_world, u_world, r_rank,
-                                           u_rank)
+            index = spec.rank_document_positions(key, documents, rank)
         else:
-            index = shard_positions(local_len * world, layout, world, rank)
+            index = spec.rank_positions(key, local_len * world, rank)
         indices.append(index)
     bounds = documents.cu_seqlens if documents is not None else (0, local_len * world)
     return build_piece_map(indices, bounds)

@@ -7,8 +7,9 @@ per rank and peak memory per rank, and `plan` ranks them and explains the first 
     model       Machine, Link, Problem, Candidate, Prediction; PRESETS and machine()
     work        each rank's tokens and heads, the kernel work per ring step (from the schedule)
     memory      the bytes a call allocates per rank (memory())
-    predict     the time model: candidates, predict, rank, explain, plan, table; packed
-                documents' shardings (cpattn.shard_documents): predict_documents, plan_documents
+    predict     the time model: candidates, predict, rank, explain, plan, table
+    documents   packed documents' shardings (cpattn.shard_documents): predict_documents,
+                plan_documents
     calibrate   calibrate(group): this group measured, cached to a file
     choose      strategy="auto": set_machine, machine_for, choose
     plot        plots of the model (needs matplotlib; not imported here)
@@ -23,6 +24,7 @@ here (cpattn.plan.memory and so on) the names are the functions.
 
 from cpattn.plan.calibrate import calibrate
 from cpattn.plan.choose import choose, machine_for, set_machine
+from cpattn.plan.documents import plan_documents, predict_documents
 from cpattn.plan.memory import memory
 from cpattn.plan.model import (
     MODES,
@@ -38,9 +40,7 @@ from cpattn.plan.predict import (
     candidates,
     explain,
     plan,
-    plan_documents,
     predict,
-    predict_documents,
     rank,
     table,
 )

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from cpattn._C import cpu_gemm, cpu_isa, cpu_isa_paths
-from cpattn.plan.model import DTYPE_BYTES, Problem
+from cpattn.plan.model import COST_MODELS, DTYPE_BYTES, Problem
 from cpattn.plan.work import allgather_chunk, kv_heads_sent, tokens_per_rank
 
 
@@ -128,10 +128,10 @@ def memory(p: Problem, strategy: str, world: int, layout: str = "zigzag",
     whole gathered / reduced buffer (NCCL's do not). Gloo frees that copy, and the buffer an
     all-to-all sends, on its own thread, racing the caller: it may still be alive in the next
     phase (not counted in the phases: "gloo_late")."""
-    model = MEMORY_MODELS.get(strategy)
-    if model is None:
-        raise ValueError(f"cpattn.plan.memory: unknown strategy {strategy!r}")
-    return model(p, world, layout, chunk, gloo)
+    model = COST_MODELS.get(strategy)
+    if model is None or model.memory is None:
+        raise ValueError(f"cpattn.plan.memory: no memory model for strategy {strategy!r}")
+    return model.memory(p, world, layout, chunk, gloo)
 
 
 class _Rank(NamedTuple):
@@ -163,13 +163,15 @@ def _rank(p: Problem, world: int, L: int) -> _Rank:
                  p.dtype == "bfloat16")
 
 
-def _memory_none(p: Problem, world: int, layout: str, chunk: Optional[int], gloo: bool) -> dict:
+def memory_none(p: Problem, world: int, layout: str = "zigzag", chunk: Optional[int] = None,
+                gloo: bool = False) -> dict:
     """cpattn.attention on the whole sequence (one rank: no all-to-all)."""
     return _memory_local({}, p.batch, p.seqlen, p.heads, p.kv_heads, p.head_dim, p.elem,
                          p.mode == "train", p.dtype == "bfloat16" and bf16_dot(), p.dtype)
 
 
-def _memory_ring(p: Problem, world: int, layout: str, chunk: Optional[int], gloo: bool) -> dict:
+def memory_ring(p: Problem, world: int, layout: str = "zigzag", chunk: Optional[int] = None,
+                gloo: bool = False) -> dict:
     """The ring (csrc/ops/ring.cpp); with chunk < kv heads in passes (_memory_ring_passes)."""
     if chunk and chunk < p.kv_heads:
         return _memory_ring_passes(p, world, layout, chunk)
@@ -198,8 +200,8 @@ def _memory_ring(p: Problem, world: int, layout: str, chunk: Optional[int], gloo
     return _result(ph, kept, scratch)
 
 
-def _memory_allgather(p: Problem, world: int, layout: str, chunk: Optional[int],
-                      gloo: bool) -> dict:
+def memory_allgather(p: Problem, world: int, layout: str = "zigzag", chunk: Optional[int] = None,
+                      gloo: bool = False) -> dict:
     """The all-gather of K/V, chunk KV heads at a time (strategies/allgather.py)."""
     B, H, Hkv, D, e, train, W, L, Q, K, lse, bf, cast, split_dq = _rank(
         p, world, tokens_per_rank(p, world, layout))
@@ -238,11 +240,11 @@ def _memory_allgather(p: Problem, world: int, layout: str, chunk: Optional[int],
     return _result(ph, kept, scratch, late)
 
 
-def _memory_ulysses(p: Problem, world: int, layout: str, chunk: Optional[int],
-                    gloo: bool) -> dict:
+def memory_ulysses(p: Problem, world: int, layout: str = "zigzag", chunk: Optional[int] = None,
+                    gloo: bool = False) -> dict:
     """Ulysses' all-to-alls around the local kernel (strategies/ulysses.py)."""
     if world == 1:  # one rank: no all-to-all
-        return _memory_none(p, world, layout, chunk, gloo)
+        return memory_none(p, world, layout, chunk, gloo)
     B, H, Hkv, D, e, train, W, L, Q, K, lse, bf, cast, split_dq = _rank(
         p, world, p.seqlen // world)
     ph: dict = {}
@@ -285,10 +287,6 @@ def _memory_ulysses(p: Problem, world: int, layout: str, chunk: Optional[int],
     return _result(ph, kept, scratch, late)
 
 
-# The memory model of each way to run attention: the strategies' (cpattn.strategies.registry
-# points at them) and "none", cpattn.attention on one rank.
-MEMORY_MODELS = {"none": _memory_none, "ring": _memory_ring, "allgather": _memory_allgather,
-                 "ulysses": _memory_ulysses}
 
 
 def _memory_ring_passes(p: Problem, world: int, layout: str, chunk: int) -> dict:
@@ -296,7 +294,7 @@ def _memory_ring_passes(p: Problem, world: int, layout: str, chunk: int) -> dict
     ring of its heads (its phases), around it the whole results written pass by pass, the pass's
     k, v heads made contiguous for the ring and, in the backward, its dout heads."""
     q_heads = p.heads // p.kv_heads * chunk
-    one = memory(dataclasses.replace(p, heads=q_heads, kv_heads=chunk), "ring", world, layout)
+    one = memory_ring(dataclasses.replace(p, heads=q_heads, kv_heads=chunk), world, layout)
     L, e = tokens_per_rank(p, world, layout), p.elem
     Q, K = p.batch * L * p.heads * p.head_dim, p.batch * L * p.kv_heads * p.head_dim
     Qc, Kc = Q // p.heads * q_heads, K // p.kv_heads * chunk

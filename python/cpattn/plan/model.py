@@ -1,11 +1,14 @@
 """What the cost model talks about: machines (their links and throughput, the presets), one
-attention call (Problem), a way to run it (Candidate) and the model's answer (Prediction)."""
+attention call (Problem), a way to run it (Candidate), the model's answer (Prediction), and the
+cost models of the ways to run attention (CostModel, COST_MODELS: one entry per strategy, plus
+"none" and decode's "sharded-cache"), which every list of candidates asks."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -182,13 +185,9 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        if self.strategy == "ring" and self.chunk:
-            return f"ring/{self.layout}/{self.chunk}kv"
-        if self.strategy in ("ring", "allgather"):
-            return f"{self.strategy}/{self.layout}"
-        if self.strategy == "hybrid":
-            return f"hybrid {self.ulysses}x{self.ring}/{self.layout}"
-        return self.strategy
+        """As `python -m cpattn plan` prints it (its cost model's label)."""
+        model = COST_MODELS.get(self.strategy)
+        return model.label(self) if model is not None else self.strategy
 
 
 @dataclass
@@ -208,3 +207,38 @@ class Prediction:
     @property
     def name(self) -> str:
         return self.candidate.name
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The planner's model of one way to run attention (a strategy of cpattn.strategies, whose
+    Strategy points here by its name; "none": cpattn.attention on one rank; "sharded-cache":
+    decode over a sharded KV cache). Adding a strategy adds one of these (register_cost_model):
+    `candidates()`, strategy="auto" and the plots then consider it.
+
+    time(p, machine, world, candidate) -> Prediction; candidates(p, world, layouts) -> the
+    Candidates it offers for p on `world` ranks with these layouts (none: it cannot run p);
+    label(candidate) -> its name in tables; memory(p, world, layout, chunk, gloo) -> plan.memory's
+    dict (None where the time model counts memory itself); checks(candidate, world) -> the spans
+    of the rank-agreement checks a call starts with (None: no communication);
+    runs_document_plans: it runs packed documents sharded by a DocumentPlan; in_passes(p,
+    candidate) -> the same candidate in passes of fewer KV heads, tried when memory is short."""
+
+    name: str
+    time: Callable
+    candidates: Callable[[Problem, int, Sequence[str]], list]
+    label: Callable[[Candidate], str] = lambda c: c.strategy
+    memory: Optional[Callable] = None
+    checks: Optional[Callable[[Candidate, int], tuple]] = None
+    runs_document_plans: bool = False
+    in_passes: Optional[Callable[[Problem, Candidate], list]] = None
+
+
+# Every cost model by name, in the order candidates are listed.
+COST_MODELS: dict[str, CostModel] = {}
+
+
+def register_cost_model(model: CostModel) -> CostModel:
+    """Adds (or replaces) `model` in COST_MODELS; returns it."""
+    COST_MODELS[model.name] = model
+    return model

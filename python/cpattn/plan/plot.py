@@ -7,21 +7,16 @@ from typing import Sequence
 # a Figure of its own, not pyplot's: no backend or global state touched, written to a file
 from matplotlib.figure import Figure
 
-from cpattn.plan.model import Machine, Problem
+from cpattn.plan.model import COST_MODELS, Machine, Problem
 from cpattn.plan.predict import predict
-
-_FAMILIES = ("none", "ring/zigzag", "allgather/zigzag", "ulysses", "hybrid")
-
-
-def _family(pred) -> str:
-    return "hybrid" if pred.candidate.strategy == "hybrid" else pred.name
 
 
 def _best_by_family(preds) -> dict:
+    """The fastest candidate of each cost model (one line per strategy in the plots)."""
     best = {}
     for r in preds:
-        f = _family(r)
-        if f in _FAMILIES and (f not in best or r.time < best[f].time):
+        f = r.candidate.strategy
+        if f not in best or r.time < best[f].time:
             best[f] = r
     return best
 
@@ -32,19 +27,19 @@ def plot_plan(problem: Problem, machine: Machine, worlds: Sequence[int],
     ranks, for each strategy (hybrid: its best U x R at each point)."""
     fig = Figure(figsize=(16, 4.8))
     axes = fig.subplots(1, 3)
-    series_w = {f: ([], [], []) for f in _FAMILIES}
+    series_w = {f: ([], [], []) for f in COST_MODELS}
     for w in worlds:
         for f, r in _best_by_family(predict(problem, machine, w)).items():
             series_w[f][0].append(w)
             series_w[f][1].append(r.time * 1e3)
             series_w[f][2].append(r.peak_memory / 2**30)
-    series_s = {f: ([], []) for f in _FAMILIES}
+    series_s = {f: ([], []) for f in COST_MODELS}
     for s in seqlens:
         p = dataclasses.replace(problem, seqlen=s, documents=None)
         for f, r in _best_by_family(predict(p, machine, world)).items():
             series_s[f][0].append(s)
             series_s[f][1].append(r.time * 1e3)
-    for f in _FAMILIES:
+    for f in COST_MODELS:
         if series_w[f][0]:
             axes[0].plot(series_w[f][0], series_w[f][1], marker="o", label=f)
             axes[1].plot(series_w[f][0], series_w[f][2], marker="o", label=f)

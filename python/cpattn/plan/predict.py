@@ -22,14 +22,29 @@ from collections.abc import Callable
 from typing import Optional, Sequence
 
 from cpattn.core.flops import attention_flops
-from cpattn.plan.memory import input_bytes, memory
-from cpattn.plan.model import Candidate, Link, Machine, Prediction, Problem
+from cpattn.plan.memory import (
+    input_bytes,
+    memory,
+    memory_allgather,
+    memory_none,
+    memory_ring,
+    memory_ulysses,
+)
+from cpattn.plan.model import (
+    COST_MODELS,
+    Candidate,
+    CostModel,
+    Link,
+    Machine,
+    Prediction,
+    Problem,
+    register_cost_model,
+)
 from cpattn.plan.work import (
     allgather_chunk,
     compute_steps,
     divisible,
     kv_heads_sent,
-    schedule_work,
     tokens_per_rank,
 )
 
@@ -121,7 +136,7 @@ def _agreement(m: Machine, world: int) -> float:
 
 
 def _predict_one(p: Problem, m: Machine, world: int, c: Candidate) -> Prediction:
-    model = TIME_MODELS.get(c.strategy)
+    model = COST_MODELS.get(c.strategy)
     if model is None:
         raise ValueError(f"cpattn.plan: unknown strategy {c.strategy!r}")
     pred = model.time(p, m, world, c)
@@ -209,10 +224,10 @@ def _time_across_heads(p: Problem, m: Machine, world: int, c: Candidate) -> Pred
         sent += (u - 1) / u * (2 * q_rank + kv_rank)
     time_ = inner + comm
     if rr == 1:
-        peak = input_bytes(p, world) + memory(p, "ulysses", u)["peak"]
+        peak = input_bytes(p, world) + memory_ulysses(p, u)["peak"]
     else:  # the Ulysses all-to-alls over U, then the ring over R on q, k, v by heads
         by_heads = dataclasses.replace(p, heads=H // u, kv_heads=max(1, kv_sent // u))
-        ring = memory(by_heads, "ring", rr, c.layout)["peak"]
+        ring = memory_ring(by_heads, rr, c.layout)["peak"]
         held = (q_rank + kv_rank) * (2 if train else 1) + q_rank  # + out by sequence
         peak = input_bytes(p, world) + held + ring
     return Prediction(c, time_, compute, comm + ring_exposed, sent + ring_sent, peak)
@@ -232,57 +247,86 @@ def _time_sharded_cache(p: Problem, m: Machine, world: int, c: Candidate) -> Pre
                       reads + world * part)
 
 
-@dataclasses.dataclass(frozen=True)
-class TimeModel:
-    """The time model of one way to run attention: time(p, m, world, candidate) -> Prediction,
-    and checks(candidate, world) -> the spans of the rank-agreement checks a call starts with
-    (None: no communication, no check)."""
-
-    time: Callable[[Problem, Machine, int, Candidate], Prediction]
-    checks: Optional[Callable[[Candidate, int], tuple]] = None
-
-
 def _one_check(c: Candidate, world: int) -> tuple:
     return (world,)
 
 
-# The time model of each way to run attention: the strategies' (cpattn.strategies.registry
-# points at them), "none" (cpattn.attention on one rank) and decode's "sharded-cache".
-TIME_MODELS = {
-    "none": TimeModel(_time_none),
-    "ring": TimeModel(_time_ring, _one_check),
-    "allgather": TimeModel(_time_allgather, _one_check),
-    "ulysses": TimeModel(_time_across_heads, _one_check),
-    # the check over Ulysses, then the ring's, across
-    "hybrid": TimeModel(_time_across_heads, lambda c, world: (c.ulysses, world)),
-    "sharded-cache": TimeModel(_time_sharded_cache),
-}
+def _none_candidates(p: Problem, world: int, layouts: Sequence[str]) -> list:
+    return [Candidate("none")]
 
 
-def candidates(p: Problem, world: int, layouts: Sequence[str] = ("zigzag", "contiguous",
-                                                                  "striped")) -> list:
-    """Every strategy that can run the problem on `world` ranks."""
-    if p.mode == "decode":
-        return [Candidate("none")] + ([Candidate("sharded-cache")] if world > 1 else [])
-    out = [Candidate("none")]
-    if world == 1:
-        return out
-    for layout in layouts:
-        if divisible(p, world, layout):
-            out.append(Candidate("ring", layout))
-            out.append(Candidate("allgather", layout, chunk=allgather_chunk(p.kv_heads, world)))
-    if p.documents is None:  # Ulysses and hybrid take one sequence
+def _ring_family_candidates(name: str, chunk: Callable[[Problem, int], int]) -> Callable:
+    """The ring's and the all-gather's candidates: one per layout the problem divides into."""
+    def offered(p: Problem, world: int, layouts: Sequence[str]) -> list:
+        if p.mode == "decode" or world == 1:
+            return []
+        return [Candidate(name, layout, chunk=chunk(p, world)) for layout in layouts
+                if divisible(p, world, layout)]
+    return offered
+
+
+def _across_heads_candidates(hybrid: bool) -> Callable:
+    """Ulysses (U = W) or the hybrid (U x R = W, R > 1): one sequence, heads divisible by U."""
+    def offered(p: Problem, world: int, layouts: Sequence[str]) -> list:
+        if p.mode == "decode" or world == 1 or p.documents is not None:
+            return []
+        out = []
         for u in range(2, world + 1):
             r = world // u
-            if world % u or p.heads % u:
+            if world % u or p.heads % u or (r > 1) != hybrid:
                 continue
             # hybrid_positions: the ring shards (zigzag over R) split into U contiguous parts
             ok = p.seqlen % u == 0 if r == 1 else (p.seqlen % (2 * r) == 0
                                                      and (p.seqlen // r) % u == 0)
             if ok:
-                out.append(Candidate("hybrid" if r > 1 else "ulysses",
-                                     "zigzag" if r > 1 else "contiguous", u, r))
-    return out
+                out.append(Candidate("hybrid" if hybrid else "ulysses",
+                                     "zigzag" if hybrid else "contiguous", u, r))
+        return out
+    return offered
+
+
+def _sharded_cache_candidates(p: Problem, world: int, layouts: Sequence[str]) -> list:
+    return [Candidate("sharded-cache")] if p.mode == "decode" and world > 1 else []
+
+
+def _ring_in_passes(p: Problem, c: Candidate) -> list:
+    """A one-pass ring in passes of Hkv / 2, Hkv / 4, ..., 1 KV heads."""
+    if c.chunk:
+        return []
+    chunks = sorted({max(1, p.kv_heads >> i) for i in range(1, p.kv_heads.bit_length())},
+                    reverse=True)
+    return [dataclasses.replace(c, chunk=n) for n in chunks if n < p.kv_heads]
+
+
+def _ring_label(c: Candidate) -> str:
+    return f"ring/{c.layout}/{c.chunk}kv" if c.chunk else f"ring/{c.layout}"
+
+
+# The built-in cost models, in the order candidates are listed: no context parallelism, the
+# strategies of cpattn.strategies.registry (each Strategy finds its model here by name), decode.
+register_cost_model(CostModel("none", _time_none, _none_candidates,
+                              memory=memory_none))
+register_cost_model(CostModel("ring", _time_ring, _ring_family_candidates("ring", lambda p, w: 0),
+                              _ring_label, memory_ring, _one_check, runs_document_plans=True,
+                              in_passes=_ring_in_passes))
+register_cost_model(CostModel(
+    "allgather", _time_allgather,
+    _ring_family_candidates("allgather", lambda p, w: allgather_chunk(p.kv_heads, w)),
+    lambda c: f"allgather/{c.layout}", memory_allgather, _one_check, runs_document_plans=True))
+register_cost_model(CostModel("ulysses", _time_across_heads, _across_heads_candidates(False),
+                              memory=memory_ulysses, checks=_one_check))
+# (the hybrid's time model counts its memory; its checks: over Ulysses, then the ring's across)
+register_cost_model(CostModel("hybrid", _time_across_heads, _across_heads_candidates(True),
+                              lambda c: f"hybrid {c.ulysses}x{c.ring}/{c.layout}",
+                              checks=lambda c, world: (c.ulysses, world)))
+register_cost_model(CostModel("sharded-cache", _time_sharded_cache, _sharded_cache_candidates))
+
+
+def candidates(p: Problem, world: int, layouts: Sequence[str] = ("zigzag", "contiguous",
+                                                                  "striped")) -> list:
+    """Every way to run the problem on `world` ranks: each cost model's candidates, in
+    COST_MODELS order."""
+    return [c for model in COST_MODELS.values() for c in model.candidates(p, world, layouts)]
 
 
 def _decode_none(p: Problem, m: Machine) -> Prediction:
@@ -343,11 +387,9 @@ def plan(p: Problem, m: Machine, world: int, cands: Optional[Sequence[Candidate]
 
 
 def _ring_passes(p: Problem, cands: Sequence[Candidate]) -> list:
-    """The one-pass rings of `cands` in passes of Hkv / 2, Hkv / 4, ..., 1 KV heads."""
-    chunks = sorted({max(1, p.kv_heads >> i) for i in range(1, p.kv_heads.bit_length())},
-                    reverse=True)
-    return [dataclasses.replace(c, chunk=n) for c in cands
-            if c.strategy == "ring" and not c.chunk for n in chunks if n < p.kv_heads]
+    """The candidates of `cands` in passes of fewer KV heads, where their cost model runs so."""
+    return [c2 for c in cands if (model := COST_MODELS[c.strategy]).in_passes is not None
+            for c2 in model.in_passes(p, c)]
 
 
 def table(ranked: Sequence[Prediction]) -> str:
@@ -359,71 +401,3 @@ def table(ranked: Sequence[Prediction]) -> str:
                      f"{r.exposed_comm * 1e3:.3g} | {r.bytes_sent / 2**20:.4g} | "
                      f"{r.peak_memory / 2**20:.5g} | {'yes' if r.fits else 'no'} |")
     return "\n".join(lines)
-
-
-def _whole_documents_time(lengths, p: Problem, m: Machine) -> float:
-    """Kernel seconds of documents held whole by one rank: one varlen call over all of them."""
-    if not lengths:
-        return 0.0
-    seconds = m.call_overhead
-    for backward in (False, True) if p.mode == "train" else (False,):
-        per_pair = (10 if backward else 4) * p.head_dim * p.batch * p.heads
-        for n in lengths:
-            tiles = schedule_work(n, 1, "contiguous", p.causal, tuple(p.window), tuple(m.block),
-                                  None)[0, 0, 1].item()
-            seconds += tiles * per_pair / m.flops(p.dtype, backward)
-    return seconds
-
-
-def predict_documents(plan_, p: Problem, m: Machine) -> Prediction:
-    """The time of attention over a cpattn.DocumentPlan: the documents split over every rank by
-    the faster of the ring and the all-gather (as strategy="auto" picks), then on each rank its
-    shards of the documents split over a subset (an all-to-all among their ranks, not
-    overlapped, and the gathered kernels) and its whole documents (no communication); p gives
-    the shapes (its documents are ignored). bytes_sent: the busiest sender's."""
-    world, layout = plan_.world, plan_.layout
-    link = m.link(world)
-    kv_token = 2 * p.batch * p.kv_heads * p.head_dim  # K and V elements of one token
-    rest, rest_sent = [], []
-    for r in range(world):
-        t = _whole_documents_time(plan_.whole_lengths(r), p, m)
-        pieces = plan_.subset_pieces(r)
-        sent = 0.0
-        for d, members, _, _, n in pieces:
-            t += _whole_documents_time((plan_.lengths[d],), p, m) / len(members)
-            sent += (len(members) - 1) * n * kv_token * p.elem
-            if p.mode == "train":  # the fp32 dK/dV of the others' shards go back
-                sent += (len(members) - 1) * n * kv_token * 4
-        if pieces or plan_.subset_tokens != (0,) * world:  # every rank joins the all-to-all
-            t += link.time(sent, 2 if p.mode == "train" else 1)
-        rest.append(t)
-        rest_sent.append(sent)
-    extra, extra_sent = max(rest), max(rest_sent)
-    if not plan_.full_split:
-        return Prediction(Candidate("none") if not plan_.split else Candidate("allgather"),
-                          extra, extra, 0.0, extra_sent, 0.0, detail={"plan": plan_})
-    split = dataclasses.replace(p, documents=tuple(plan_.lengths[d] for d in plan_.full_split))
-    cands = [Candidate("ring", layout), Candidate("allgather", layout,
-                                                  chunk=allgather_chunk(p.kv_heads, world))]
-    best = min(predict(split, m, world, cands), key=lambda r: r.time)
-    return Prediction(best.candidate, best.time + extra, best.compute + extra,
-                      best.exposed_comm, best.bytes_sent + extra_sent, best.peak_memory,
-                      detail={"plan": plan_})
-
-
-def plan_documents(plans, machine: Machine, *, heads: int = 32, kv_heads: int = 8,
-                   head_dim: int = 128, dtype: Optional[str] = None, training: bool = True
-                   ) -> list:
-    """Ranks document plans (cpattn.shard_documents' candidates, {split: DocumentPlan}) by
-    predicted time per call on `machine`: [(plan, Prediction)], fastest first (ties: fewer
-    bytes sent, then the order given). dtype: default bfloat16, or the first the machine was
-    measured in (a calibration has only the dtypes it ran)."""
-    if dtype is None:
-        dtype = "bfloat16" if "bfloat16" in machine.fwd_flops else next(iter(machine.fwd_flops))
-    any_plan = next(iter(plans.values()))
-    p = Problem(seqlen=sum(any_plan.lengths), heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                dtype=dtype, causal=any_plan.causal, window=any_plan.window,
-                mode="train" if training else "forward")
-    unique = list(dict.fromkeys(plans.values()))  # equal plans (e.g. nothing to split) once
-    scored = [(d, predict_documents(d, p, machine)) for d in unique]
-    return sorted(scored, key=lambda dp: (dp[1].time, dp[1].bytes_sent))

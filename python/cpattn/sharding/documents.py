@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cpattn.core.agreement import digest_ints
 from cpattn.core.layout import LAYOUTS, document_shards, shard_positions
+from cpattn.core.signature import digest_ints
 from cpattn.core.validation import (
     check_choice,
     check_cu_seqlens,

@@ -10,10 +10,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from cpattn.core.agreement import Fields, agree_on, digest_ints, tensor_fields
+from cpattn.core.agreement import agree_on
 from cpattn.core.autograd import once_differentiable
 from cpattn.core.device import to_device
 from cpattn.core.layout import LAYOUTS, document_positions, padded_length, round_up, shard_positions
+from cpattn.core.signature import Fields, digest_ints, tensor_fields
 from cpattn.core.validation import (
     check_choice,
     check_cu_seqlens,

@@ -14,7 +14,8 @@ from cpattn.core.autograd import (
     once_differentiable,
     sink_grad,
 )
-from cpattn.core.layout import doc_args
+from cpattn.core.layout import LAYOUTS, default_head_group, doc_args
+from cpattn.core.options import AttentionOptions
 
 
 def gather_kv(k, v, group, world):
@@ -190,3 +191,19 @@ class SubsetGathered(torch.autograd.Function):
         else:  # no rows here
             dsinks = None if sinks is None else torch.zeros_like(sinks)
         return input_grads(ctx, dq, dk, dv, dsinks)
+
+
+def run_gathered(q, k, v, opts, group, rank, world, layout, timeout, docs, per_gather):
+    """One call of the all-gather over this rank's (1 or B, L, H, D) shards (the ring's run
+    signature, cpattn.strategies.ring.RingFamily)."""
+    return GatheredAttention.apply(q, k, v, opts.sinks, opts, group, rank, world,
+                                   LAYOUTS[layout], docs,
+                                   per_gather or default_head_group(k.shape[2], world))
+
+
+def emulate_gathered(q: list, k: list, v: list, layout: str, opts: AttentionOptions):
+    """Every emulated rank's steps against the stacked shards."""
+    k_all, v_all = torch.stack(k), torch.stack(v)
+    results = [torch.ops.cpattn.gathered_fwd(q[r], k_all, v_all, r, LAYOUTS[layout],
+                                             **opts.op_kwargs()) for r in range(len(q))]
+    return [o for o, _ in results], [lse for _, lse in results]

@@ -7,10 +7,10 @@ from typing import Optional
 
 import torch
 
-from cpattn.core.layout import granularity
+from cpattn.core.layout import granularity, shard_positions
 from cpattn.core.validation import group_info
-from cpattn.plan.memory import MEMORY_MODELS
-from cpattn.plan.predict import TIME_MODELS, TimeModel
+from cpattn.plan.model import CostModel
+from cpattn.plan.predict import COST_MODELS  # (through predict: it registers the built-in models)
 from cpattn.sharding.sequences import positions, unshard_varlen
 
 
@@ -27,15 +27,16 @@ class Strategy:
     attention function of the strategy called with the settings of cp (a ContextParallel);
     `call`: return_lse, return_max_logits, timeout and the attention options, as the public
     functions take them; documents: cu_seqlens, or a DocumentPlan where runs_document_plans.
+    emulate(q, k, v, layout, opts) -> (outs, lses): its forward for W ranks emulated in one
+    process (lists of shards, AttentionOptions; cpattn.testing.emulation), or None.
     This base takes one process group (ring, all-gather, Ulysses); hybrid.py's takes two."""
 
     def __init__(self, name: str, attend: Callable, attend_varlen: Callable, *,
-                 runs_document_plans: bool = False, layouts: tuple = ("zigzag", "contiguous",
-                                                                      "striped"),
-                 layout_rule: str = "") -> None:
+                 layouts: tuple = ("zigzag", "contiguous", "striped"),
+                 layout_rule: str = "", emulate: Optional[Callable] = None) -> None:
         self.name, self.attend, self.attend_varlen = name, attend, attend_varlen
-        self.runs_document_plans = runs_document_plans
         self.layouts, self.layout_rule = layouts, layout_rule
+        self.emulate = emulate
 
     def __repr__(self) -> str:
         return f"Strategy({self.name!r})"
@@ -71,6 +72,15 @@ class Strategy:
             group = group.get_group()
         return group_info(group)[0], None, None
 
+    def mesh_dims(self, what: str, cp_size: int, sizes: dict) -> tuple[tuple, tuple]:
+        """The dims (sizes, names; innermost last) of a device mesh of cp_size ranks that
+        `groups` takes (the trainers' (dp, ...) mesh). sizes: the strategy's own size arguments
+        given (Ulysses' size for the hybrid), none here."""
+        if sizes:
+            raise ValueError(f"{what}: {', '.join(sizes)} is not an argument of strategy "
+                             f"{self.name!r}")
+        return (cp_size,), ("cp",)
+
     def sequence_groups(self, cp) -> tuple:
         return (cp.group,)
 
@@ -88,17 +98,35 @@ class Strategy:
     def document_positions(self, cp, documents) -> tuple[torch.Tensor, torch.Tensor]:
         return documents.local_positions(cp.layout, cp.world_size, cp.rank)
 
+    # Every rank's tokens, from any rank (the token mixers' piece map needs them all): a
+    # hashable key of what the sharding depends on, then each rank's global indices.
+    def shard_key(self, cp) -> tuple:
+        """What this strategy's sharding of cp's ranks depends on (hashable)."""
+        return (cp.layout, cp.world_size)
+
+    def rank_positions(self, key: tuple, seqlen: int, rank: int) -> torch.Tensor:
+        """Global positions (int64, CPU; -1 for padding) of `rank`'s tokens of a sequence of
+        `seqlen` under the sharding `key` (shard_key's)."""
+        layout, world = key
+        return shard_positions(seqlen, layout, world, rank)
+
+    def rank_document_positions(self, key: tuple, documents, rank: int) -> torch.Tensor:
+        """Indices into the packed sequence (-1: padding) of `rank`'s tokens of packed
+        `documents` sharded per document under `key`."""
+        layout, world = key
+        return documents.local_positions(layout, world, rank)[0]
+
     def unshard_documents(self, cp, x_local, documents, dim: int, what: str) -> torch.Tensor:
         return unshard_varlen(x_local, list(documents.cu_seqlens), group=cp.group,
                               layout=cp.layout, dim=dim)
 
     @property
-    def memory_model(self) -> Optional[Callable]:
-        """plan.memory's model of one call (p, world, layout, chunk, gloo) -> its bytes; None
-        where the time model counts the memory itself (the hybrid)."""
-        return MEMORY_MODELS.get(self.name)
+    def cost_model(self) -> CostModel:
+        """The planner's model of this strategy (cpattn.plan.model.COST_MODELS, by name)."""
+        return COST_MODELS[self.name]
 
     @property
-    def time_model(self) -> TimeModel:
-        """plan.predict's model: time(p, machine, world, candidate) -> a Prediction."""
-        return TIME_MODELS[self.name]
+    def runs_document_plans(self) -> bool:
+        """Whether it runs packed documents sharded by a DocumentPlan (its cost model says:
+        the planner, below the strategies, plans documents with it)."""
+        return self.cost_model.runs_document_plans

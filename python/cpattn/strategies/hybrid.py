@@ -14,7 +14,7 @@ from cpattn import comm
 from cpattn.core.layout import granularity, padded_length, round_up
 from cpattn.core.options import returned
 from cpattn.core.validation import check_timeout, document_lengths, error, group_info
-from cpattn.sharding.sequences import hybrid_positions, hybrid_ring_shard
+from cpattn.sharding.sequences import hybrid_positions, hybrid_ring_shard, hybrid_shard_positions
 from cpattn.strategies.base import Strategy
 from cpattn.strategies.ring import context_parallel
 from cpattn.strategies.ulysses import across_heads, boundaries, max_logits_field
@@ -149,6 +149,14 @@ class HybridStrategy(Strategy):
             f"(ring, ulysses) or a pair (ring_group, ulysses_group), got {group!r}"
         )
 
+    def mesh_dims(self, what: str, cp_size: int, sizes: dict) -> tuple[tuple, tuple]:
+        u = sizes.get("ulysses_size")
+        if isinstance(u, bool) or not isinstance(u, int) or u < 1 or cp_size % u or (
+                set(sizes) - {"ulysses_size"}):
+            raise ValueError(f"{what}: strategy {self.name!r} needs ulysses_size, a positive int "
+                             f"dividing cp_size {cp_size}, got {u!r}")
+        return (cp_size // u, u), ("ring", "ulysses")
+
     def sequence_groups(self, cp) -> tuple:
         return (cp.ulysses_group, cp.ring_group)
 
@@ -169,6 +177,20 @@ class HybridStrategy(Strategy):
         return documents.local_positions(
             cp.layout, dist.get_world_size(cp.ring_group), dist.get_rank(cp.ring_group),
             dist.get_world_size(cp.ulysses_group), dist.get_rank(cp.ulysses_group))
+
+    def shard_key(self, cp) -> tuple:
+        return (cp.layout, dist.get_world_size(cp.ring_group),
+                dist.get_world_size(cp.ulysses_group))
+
+    def rank_positions(self, key: tuple, seqlen: int, rank: int) -> torch.Tensor:
+        layout, r_world, u_world = key
+        r_rank, u_rank = divmod(rank, u_world)  # (ContextParallel.rank: ring rank * U + u)
+        return hybrid_shard_positions(seqlen, layout, r_world, u_world, r_rank, u_rank)
+
+    def rank_document_positions(self, key: tuple, documents, rank: int) -> torch.Tensor:
+        layout, r_world, u_world = key
+        r_rank, u_rank = divmod(rank, u_world)
+        return documents.local_positions(layout, r_world, r_rank, u_world, u_rank)[0]
 
     def unshard_documents(self, cp, x_local, documents, dim: int, what: str) -> torch.Tensor:
         raise ValueError(f"{what}: packed documents under hybrid: gather "

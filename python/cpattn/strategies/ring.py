@@ -13,7 +13,7 @@ import torch
 
 from cpattn import plan
 from cpattn.attention import LocalDocuments
-from cpattn.core.agreement import agree_on, digest_ints
+from cpattn.core.agreement import agree_on
 from cpattn.core.autograd import (
     backward_in_passes,
     forward_in_passes,
@@ -31,6 +31,7 @@ from cpattn.core.layout import (
     padded_length,
 )
 from cpattn.core.options import AttentionOptions, checked_call, returned
+from cpattn.core.signature import digest_ints
 from cpattn.core.validation import (
     check_bool,
     check_choice,
@@ -44,7 +45,7 @@ from cpattn.core.validation import (
 from cpattn.invariant import check_invariant_call, invariant_attention
 from cpattn.max_logits import document_placement, global_max_logits, sequence_placement
 from cpattn.sharding.documents import DocumentPlan
-from cpattn.strategies.allgather import GatheredAttention, SubsetGathered
+from cpattn.strategies.allgather import SubsetGathered, emulate_gathered, run_gathered
 from cpattn.strategies.base import Strategy
 
 
@@ -92,8 +93,8 @@ class RingFamily(Strategy):
     all-gather. chunk_option: the argument that sets its KV heads per pass (or per gather);
     run(...): one call of its autograd Function over this rank's (1 or B, L, H, D) shards."""
 
-    def __init__(self, name: str, chunk_option: str, run: Callable) -> None:
-        super().__init__(name, _attend, _attend_varlen, runs_document_plans=True)
+    def __init__(self, name: str, chunk_option: str, run: Callable, emulate: Callable) -> None:
+        super().__init__(name, _attend, _attend_varlen, emulate=emulate)
         self.chunk_option, self.run = chunk_option, run
 
 
@@ -113,14 +114,16 @@ def _run_ring(q, k, v, opts, group, rank, world, layout, timeout, docs, per_pass
                                timeout, docs, per_pass or k.shape[2])
 
 
-def _run_gathered(q, k, v, opts, group, rank, world, layout, timeout, docs, per_gather):
-    return GatheredAttention.apply(q, k, v, opts.sinks, opts, group, rank, world,
-                                   LAYOUTS[layout], docs,
-                                   per_gather or default_head_group(k.shape[2], world))
+def _emulate_ring(q: list, k: list, v: list, layout: str, opts: AttentionOptions):
+    """The ring driver with one thread per emulated rank and an in-process mailbox (the test
+    ops of libcpattn_testing, loaded by cpattn.testing.emulation)."""
+    outs, lses = torch.ops.cpattn_testing.ring_fwd_emulated(q, k, v, LAYOUTS[layout],
+                                                            **opts.op_kwargs())
+    return list(outs), list(lses)
 
 
-RING = RingFamily("ring", "ring_chunk", _run_ring)
-ALLGATHER = RingFamily("allgather", "allgather_chunk", _run_gathered)
+RING = RingFamily("ring", "ring_chunk", _run_ring, _emulate_ring)
+ALLGATHER = RingFamily("allgather", "allgather_chunk", run_gathered, emulate_gathered)
 # ring_attention's strategies by name, and the values of its `strategy` argument ("auto": the
 # cost model picks one per problem)
 RUNS = {s.name: s for s in (RING, ALLGATHER)}

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn import comm
-from cpattn.attention import varlen_attention
+from cpattn.attention import attention, varlen_attention
 from cpattn.core.agreement import agree_on
 from cpattn.core.autograd import input_grads, once_differentiable
 from cpattn.core.device import to_device
@@ -308,5 +308,32 @@ def _attend_varlen(cp, q, k, v, cu_seqlens, **call):
     return ulysses_attention_varlen(q, k, v, cu_seqlens, group=cp.group, **call)
 
 
+def _emulate(q: list, k: list, v: list, layout: str, opts: AttentionOptions):
+    """The all-to-alls done by concatenation: each emulated rank attends every token with its
+    heads (GQA K/V heads repeated as Ulysses does for W > Hkv)."""
+    world = len(q)
+    if q[0].shape[2] % world != 0:
+        raise ValueError(f"cpattn.ring_attention_emulated: heads={q[0].shape[2]}: strategy "
+                         f"'ulysses' needs heads divisible by the number of ranks ({world})")
+    full_q, full_k, full_v = (torch.cat(t, dim=1) for t in (q, k, v))
+    heads = full_q.shape[2]
+    repeats = kv_heads_for_ranks(heads, full_k.shape[2], world)
+    if repeats is not None:
+        full_k, full_v = (t.repeat_interleave(repeats, dim=2) for t in (full_k, full_v))
+    per_rank, kv_per_rank = heads // world, full_k.shape[2] // world
+    outs, lses = [], []
+    for r in range(world):  # rank r: all tokens, its heads
+        qh = slice(r * per_rank, (r + 1) * per_rank)
+        kh = slice(r * kv_per_rank, (r + 1) * kv_per_rank)
+        out, lse = attention(full_q[:, :, qh], full_k[:, :, kh], full_v[:, :, kh],
+                             causal=opts.causal, softmax_scale=opts.softmax_scale,
+                             window=opts.window, return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=1)
+    return list(out.chunk(world, dim=1)), list(lse.chunk(world, dim=2))
+
+
 ULYSSES = Strategy("ulysses", _attend, _attend_varlen, layouts=("contiguous",),
-                   layout_rule="shards the sequence contiguously")
+                   layout_rule="shards the sequence contiguously",
+                   emulate=_emulate)

@@ -9,10 +9,10 @@ import os
 import torch
 
 import cpattn
-from cpattn.attention import attention
-from cpattn.core.layout import LAYOUTS, kv_heads_for_ranks
+from cpattn.core.layout import LAYOUTS
 from cpattn.core.options import AttentionOptions
 from cpattn.core.validation import check_choice
+from cpattn.strategies.registry import STRATEGIES
 
 
 @functools.cache
@@ -63,42 +63,12 @@ def ring_attention_emulated(
     Forward only. **options: causal, softmax_scale, window (as cpattn.attention).
     """
     what = "cpattn.ring_attention_emulated"
-    check_choice(what, "strategy", strategy, ("ring", "allgather", "ulysses"))
+    emulated = tuple(name for name, s in STRATEGIES.items() if s.emulate is not None)
+    check_choice(what, "strategy", strategy, emulated)
     check_choice(what, "layout", layout, tuple(LAYOUTS))
-    if strategy == "ulysses" and layout != "contiguous":
-        raise ValueError(f"{what}: layout={layout!r}: strategy='ulysses' shards the sequence "
-                         "contiguously, so it needs layout='contiguous'")
+    spec = STRATEGIES[strategy]
+    spec.check_layout(what, layout)
     opts = AttentionOptions.checked(what, q[0].shape[-1],
                                     only=("causal", "softmax_scale", "window"), **options)
-    if strategy == "ring":
-        load_ops()
-        outs, lses = torch.ops.cpattn_testing.ring_fwd_emulated(q, k, v, LAYOUTS[layout],
-                                                                 **opts.op_kwargs())
-        return list(outs), list(lses)
-    world = len(q)
-    if strategy == "allgather":
-        k_all, v_all = torch.stack(k), torch.stack(v)
-        results = [torch.ops.cpattn.gathered_fwd(q[r], k_all, v_all, r, LAYOUTS[layout],
-                                                 **opts.op_kwargs())
-                   for r in range(world)]
-        return [o for o, _ in results], [lse for _, lse in results]
-    if q[0].shape[2] % world != 0:
-        raise ValueError(f"{what}: heads={q[0].shape[2]}: strategy='ulysses' needs heads "
-                         f"divisible by the number of ranks ({world})")
-    full_q, full_k, full_v = (torch.cat(t, dim=1) for t in (q, k, v))
-    heads = full_q.shape[2]
-    repeats = kv_heads_for_ranks(heads, full_k.shape[2], world)
-    if repeats is not None:
-        full_k, full_v = (t.repeat_interleave(repeats, dim=2) for t in (full_k, full_v))
-    per_rank, kv_per_rank = heads // world, full_k.shape[2] // world
-    outs, lses = [], []
-    for r in range(world):  # rank r: all tokens, its heads
-        qh = slice(r * per_rank, (r + 1) * per_rank)
-        kh = slice(r * kv_per_rank, (r + 1) * kv_per_rank)
-        out, lse = attention(full_q[:, :, qh], full_k[:, :, kh], full_v[:, :, kh],
-                             causal=opts.causal, softmax_scale=opts.softmax_scale,
-                             window=opts.window, return_lse=True)
-        outs.append(out)
-        lses.append(lse)
-    out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=1)
-    return list(out.chunk(world, dim=1)), list(lse.chunk(world, dim=2))
+    load_ops()
+    return spec.emulate(q, k, v, layout, opts)
