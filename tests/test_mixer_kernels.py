@@ -117,6 +117,12 @@ def test_flat_rows_follow_the_token_count():
     assert sorted(rows.back) == list(range(len(rows.whole))) + sorted(
         len(rows.whole) + i for i, t in enumerate(rows.linked) if t < len(first))
     assert piece_map.slots == 1  # one summary per rank, whatever the number of documents
+    assert piece_map.linked_block(0, 64) == 64  # (pieces of 500: blocks of 64)
+    # Documents each split over every rank (per-document sharding): short linked pieces get
+    # short blocks, so that padding does not multiply the tokens.
+    piece_map, _, _ = sharded_problem("per-document", 2, (12,) * 20, "zigzag")
+    assert piece_map.linked_block(0, 64) == 4  # (pieces of 3 tokens)
+    assert len(piece_map.flat_rows(0, 4).linked) <= 2 * piece_map.local_len[0]
 
 
 @pytest.mark.parametrize("kind", KINDS)

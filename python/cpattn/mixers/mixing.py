@@ -127,6 +127,9 @@ class Mixing:
     def _run(self, family: Family, inputs: tuple, params: tuple = ()) -> torch.Tensor:
         if self.block is not None:
             family = replace(family, block=self.block)
+        whole = family
+        if self.block is None:  # (the linked row's block follows its pieces' lengths)
+            family = replace(family, block=self.piece_map.linked_block(self.rank, family.block))
         device = inputs[0].device
         dtype = torch.float64 if inputs[0].dtype == torch.float64 else torch.float32
         rows = self.piece_map.flat_rows(self.rank, family.block)
@@ -138,7 +141,7 @@ class Mixing:
             if rows.whole:
                 resets = torch.zeros(len(rows.whole), dtype=torch.bool, device=device)
                 resets[_index(rows.resets, device)] = True
-                outs.append(self._checkpoint(_whole, family, resets,
+                outs.append(self._checkpoint(_whole, whole, resets,
                                              *(_rows(t, rows.whole) for t in inputs), *params))
             if rows.linked or self.piece_map.slots:
                 outs.append(self._linked(family, rows, inputs, params, state, transition))

@@ -82,6 +82,12 @@ class PieceMap(NamedTuple):
         """rank's tokens as the recurrences run them (FlatRows)."""
         return _flat_rows(self, rank, block)
 
+    def linked_block(self, rank: int, block: int) -> int:
+        """The block for rank's linked row, at most `block`: the power of two from 4 that
+        minimises its padded tokens plus BLOCK_COST per block (short linked pieces, e.g. packed
+        documents each split over every rank, would otherwise pad to `block` each)."""
+        return _linked_block(self, rank, block)
+
     def conv_rows(self, rank: int, width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """For a causal convolution reading `width` earlier inputs, one sequence of rank's
         pieces each after its halo: (its entries as indices into the local tokens, then the
@@ -279,6 +285,16 @@ def _flat_rows(piece_map: PieceMap, rank: int, block: int) -> FlatRows:
             back[i] = len(whole) + at
     return FlatRows(tuple(whole), tuple(resets), tuple(row), tuple(starts), tuple(ends),
                     tuple(back))
+
+
+BLOCK_COST = 16  # tokens: the loop's cost per block, against the padding's per token
+
+
+@_constant
+def _linked_block(piece_map: PieceMap, rank: int, block: int) -> int:
+    lengths = [piece_map.pieces[rank][j].length for j in piece_map.linked(rank)]
+    sizes = [b for b in (4, 8, 16, 32, 64, 128, 256) if b < block] + [block]
+    return min(sizes, key=lambda b: (sum(-(-n // b) * (b + BLOCK_COST) for n in lengths), -b))
 
 
 @_constant
