@@ -169,7 +169,8 @@ def _build(indices: tuple, bounds: tuple) -> PieceMap:
         t = torch.tensor(idx, dtype=torch.int64)
         valid = t >= 0
         doc = torch.searchsorted(cu, t.clamp(min=0), right=True) - 1
-        prev = torch.cat([t.new_tensor([-2]), t[:-1]])
+        # (padding before a token never continues it: -1 + 1 would be global index 0)
+        prev = torch.cat([t.new_tensor([-2]), torch.where(valid, t, -2)[:-1]])
         prev_doc = torch.cat([t.new_tensor([-1]), doc[:-1]])
         # (after a padding slot (-1) a run starts, even at global index 0)
         new = valid & ((t != prev + 1) | (doc != prev_doc) | (prev < 0))

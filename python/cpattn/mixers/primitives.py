@@ -24,8 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpattn.mixers.algebra import apply_transition, compose  # noqa: F401 (re-exported)
 from cpattn.mixers.exchange import Exchange
 from cpattn.mixers.pieces import PieceMap
+from cpattn.mixers.tree_scan import scan_method, tree_scan
 
 KINDS = ("scalar", "diagonal", "matrix")  # M: broadcast over the state / elementwise / M @ S
 
@@ -89,24 +91,6 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias, piece_map: PieceMap
 
 # --- the state scan --------------------------------------------------------------------------
 
-def apply_transition(kind: str, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """M S for a transition of `kind`: "scalar" m (..., H) times s (..., H, K, V); "diagonal" m
-    like s (elementwise); "matrix" m (..., H, K, K) @ s (..., H, K, V)."""
-    if kind == "matrix":
-        return m @ s
-    if kind == "scalar":
-        return m.reshape(*m.shape, *([1] * (s.dim() - m.dim()))) * s
-    return m * s
-
-
-def compose(kind: str, second: tuple, first: tuple) -> tuple:
-    """(M2, B2) after (M1, B1): (M2 M1, M2 B1 + B2), the summary of two pieces in sequence."""
-    (m2, b2), (m1, b1) = second, first
-    if kind == "matrix":
-        m = m2 @ m1
-    else:
-        m = m2 * m1
-    return m, apply_transition(kind, m2, b1) + b2
 
 
 def summary_publish(m: torch.Tensor, s: torch.Tensor, piece_map: PieceMap,
@@ -164,5 +148,8 @@ def state_scan(m: torch.Tensor, s: torch.Tensor, piece_map: PieceMap, rank: int,
     m_shape, s_shape = tuple(m.shape[2:]), tuple(s.shape[2:])
     if piece_map.slots == 0:  # no document continues on another piece anywhere: nothing to exchange
         return s.new_zeros(s.shape)
+    method = scan_method(exchange, piece_map, kind, m_shape, s_shape, s.shape[0], s.device.type)
+    if method == "tree":  # the log-depth scan (mixers/tree_scan.py), else the all-gather's fold
+        return tree_scan(m, s, piece_map, rank, kind, exchange)
     gathered = exchange(summary_publish(m, s, piece_map, rank))
     return fold_take(gathered, piece_map, rank, kind, m_shape, s_shape)
