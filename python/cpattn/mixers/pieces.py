@@ -172,8 +172,7 @@ def _build(indices: tuple, bounds: tuple) -> PieceMap:
         # (padding before a token never continues it: -1 + 1 would be global index 0)
         prev = torch.cat([t.new_tensor([-2]), torch.where(valid, t, -2)[:-1]])
         prev_doc = torch.cat([t.new_tensor([-1]), doc[:-1]])
-        # (after a padding slot (-1) a run starts, even at global index 0)
-        new = valid & ((t != prev + 1) | (doc != prev_doc) | (prev < 0))
+        new = valid & ((t != prev + 1) | (doc != prev_doc))
         firsts = new.nonzero().flatten()
         if firsts.numel():
             run = torch.cumsum(new.to(torch.int64), 0) - 1
