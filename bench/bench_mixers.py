@@ -30,8 +30,9 @@ machine disturbs far less than the wall clock):
              the compute of "one"
   packed     (--packed) W * S_local tokens of log-normal documents (median 148 tokens, a few
              of thousands; seed 0) sharded by cpattn.shard_documents (zigzag, "balanced", as
-             shard_batch for the ring): per rank, its tokens' layer with the halo and the scan
-             (zeros for the exchange); "one" and "own" on the whole packed batch
+             shard_batch for the ring: "plan") and every document over every rank (zigzag, as
+             shard_batch for Ulysses: "per-document"): per rank, its tokens' layer with the halo
+             and the scan (zeros for the exchange); "one" and "own" on the whole packed batch
 Communication is modelled from the bytes each rank receives per layer (forward + backward) on
 the cpu-gloo link of cpattn.plan (1 GB/s, 100 us per message; loopback TCP between 1-thread
 ranks). Efficiency = T_one / (W * T_rank), with and without that communication.
@@ -241,8 +242,12 @@ def lognormal_lengths(total: int, seed: int = 0) -> list[int]:
     return lengths
 
 
-def run_packed(kind: str, world: int, local: int, reps: int, small: bool) -> dict:
-    """The packed batch: every rank's time and peak (the slowest rank's are reported)."""
+def run_packed(kind: str, world: int, local: int, reps: int, small: bool,
+               sharding: str = "plan") -> dict:
+    """The packed batch, sharded by a document plan ("plan") or every document over every rank
+    ("per-document", cpattn.shard_varlen's zigzag): every rank's time and peak (the slowest
+    rank's are reported)."""
+    from cpattn.core.layout import document_positions
     from cpattn.sharding.documents import shard_documents
 
     module, name, _, _ = layer(kind, small=small)
@@ -256,12 +261,17 @@ def run_packed(kind: str, world: int, local: int, reps: int, small: bool) -> dic
     t_one, mem_one = timed(fwd_bwd(kind, module, name, x_all, one_map, 0, stacked), reps)
     t_own, mem_own = timed(fwd_bwd(kind, module, name, x_all, one_map, 0, stacked, own=True),
                            1, warmup=False) if total <= OWN_UP_TO else (None, None)
-    plan = shard_documents(cu, world_size=world, layout="zigzag", split="balanced")
-    indices = [plan.positions(r)[0] for r in range(world)]
+    if sharding == "plan":
+        plan = shard_documents(cu, world_size=world, layout="zigzag", split="balanced")
+        indices = [plan.positions(r)[0] for r in range(world)]
+    else:
+        indices = [document_positions(torch.tensor(lengths), "zigzag", world, r)[0]
+                   for r in range(world)]
     piece_map = build_piece_map(indices, bounds)
+    padded = torch.cat([x_all, x_all.new_zeros((1, 1, hidden))], 1)
     ranks = []
     for rank in range(world):
-        x_local = plan.shard(x_all, rank, dim=1)
+        x_local = padded[:, torch.where(indices[rank] < 0, total, indices[rank])]
         ranks.append(timed(fwd_bwd(kind, module, name, x_local, piece_map, rank,
                                    zeros_exchange(world)), reps))
     slowest = max(range(world), key=lambda r: ranks[r][0])
@@ -269,20 +279,21 @@ def run_packed(kind: str, world: int, local: int, reps: int, small: bool) -> dic
                 t_rank=ranks[slowest][0], mem_rank=max(m for _, m in ranks), mem_one=mem_one,
                 mem_own=mem_own,
                 documents=len(lengths), pieces=[len(p) for p in piece_map.pieces],
-                tokens=list(plan.tokens))
+                sharding=sharding)
 
 
 def packed_table(rows: list[dict]) -> str:
-    head = ("| layer | W | tokens | documents | pieces per rank | one (own) s | slowest rank s | "
-            "eff. vs one | eff. vs own | peak MiB rank | one / W | own / W |")
-    lines = [head, "|---|---|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
+    head = ("| layer | W | tokens | documents | sharding | pieces per rank | one (own) s | "
+            "slowest rank s | eff. vs one | eff. vs own | peak MiB rank | one / W | own / W |")
+    lines = [head, "|---|---|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rows:
         w = r["world"]
         own = "-" if r["t_own"] is None else f"{r['t_own']:.3f}"
         eff_own = "-" if r["t_own"] is None else f"{r['t_own'] / (w * r['t_rank']):.2f}"
         mem_own = "-" if r["mem_own"] is None else f"{r['mem_own'] / w / 2**20:.0f}"
         lines.append(
-            f"| {r['kind']} | {w} | {w * r['local']} | {r['documents']} | {r['pieces']} | "
+            f"| {r['kind']} | {w} | {w * r['local']} | {r['documents']} | {r['sharding']} | "
+            f"{r['pieces']} | "
             f"{r['t_one']:.3f} ({own}) | {r['t_rank']:.3f} | "
             f"{r['t_one'] / (w * r['t_rank']):.2f} | {eff_own} | {r['mem_rank'] / 2**20:.0f} | "
             f"{r['mem_one'] / w / 2**20:.0f} | {mem_own} |")
@@ -335,8 +346,10 @@ def main(argv=None) -> str:
                 if not args.packed_only:
                     rows.append(run(kind, world, local, args.reps, args.quick))
                     print(table(rows[-1:]).splitlines()[-1], flush=True)
-                if args.packed or args.packed_only:
-                    packed.append(run_packed(kind, world, local, args.reps, args.quick))
+                for sharding in ("plan", "per-document") if args.packed or args.packed_only \
+                        else ():
+                    packed.append(run_packed(kind, world, local, args.reps, args.quick,
+                                             sharding))
                     print(packed_table(packed[-1:]).splitlines()[-1], flush=True)
     report = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
               f"{cpu_model()}, torch {torch.__version__}, 1 thread\n\n"
