@@ -81,6 +81,13 @@ class Blocks(NamedTuple):
     u: torch.Tensor  # (N, H, C, c, V)
     w: Optional[torch.Tensor]  # (N, H, C, c, K)
 
+    @staticmethod
+    def cat(parts: list) -> "Blocks":
+        """The blocks of consecutive parts of a row, as one."""
+        if len(parts) == 1:
+            return parts[0]
+        return Blocks(*(None if f[0] is None else torch.cat(f, 2) for f in zip(*parts)))
+
     def steps(self) -> list:
         """Per block, what advance needs (unbind, not an index per block: the backward of one
         select per block would write a whole zero gradient each)."""
@@ -208,6 +215,15 @@ class Diagonal(NamedTuple):
     c_: torch.Tensor
     a: torch.Tensor
 
+    @staticmethod
+    def cat(parts: list) -> "Diagonal":
+        """The blocks of consecutive parts of a row, as one."""
+        if len(parts) == 1:
+            return parts[0]
+        y0, own, cum, alive, c_, a = zip(*parts)
+        return Diagonal(torch.cat(y0, 1), torch.cat(own, 1), torch.cat(cum, 1),
+                        torch.cat(alive, 0), torch.cat(c_, 1), a[0])
+
     def steps(self) -> list:
         """Per block: its decay (N, D, Ns) and its state from zero (see Blocks.steps)."""
         decay = torch.exp(self.cum[:, :, -1, :, None] * self.a) * self.alive[None, :, -1, None,
@@ -249,17 +265,18 @@ def selective_blocks(dt, a, x, b, c, resets: Optional[torch.Tensor] = None,
 
 # --- the loop over blocks --------------------------------------------------------------------
 
-def block_states(blocks, zero: torch.Tensor, entries: Optional[dict] = None) -> torch.Tensor:
+def block_states(blocks, initial: torch.Tensor, entries: Optional[dict] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The state each block starts from, stacked at dim 2 for Blocks ((N, H, C, K, V)) or 1 for
-    Diagonal ((N, C, D, Ns)): from `zero` (the state's shape, zeros), restarted at block c from
-    entries[c] when given."""
-    state, states = zero, []
+    Diagonal ((N, C, D, Ns)), from `initial` (the first block's), restarted at block c from
+    entries[c] when given; and the state after the last block."""
+    state, states = initial, []
     for c, step in enumerate(blocks.steps()):
         if entries is not None and c in entries:
             state = entries[c]
         states.append(state)
         state = blocks.advance(step, state)
-    return torch.stack(states, 2 if isinstance(blocks, Blocks) else 1)
+    return torch.stack(states, 2 if isinstance(blocks, Blocks) else 1), state
 
 
 def summaries(blocks, zero: torch.Tensor, identity: torch.Tensor, starts: tuple,

@@ -11,8 +11,8 @@ token count, whatever the number of documents.
 The state math runs in float32 (float64 for float64 inputs) with autocast off, whatever the
 module's dtype or autocast; the outputs are float32 and the adapter casts them as the module
 would. With gradients on, each row's block computation runs under torch.utils.checkpoint: the
-backward recomputes it, so a rank keeps its inputs, the per-block terms of its linked row and
-the states blocks start from, not the blocks' intermediates.
+backward recomputes it, so a rank keeps its inputs and the per-block terms of its linked row,
+not the blocks' intermediates nor the states they start from.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def _selective_shapes(batch, dt, x, b, c, a):
     return (batch, *a.shape), (batch, *a.shape)
 
 
+SEGMENT = 16  # blocks per checkpointed segment of a row: the backward recomputes one at a time
 SCALAR = Family(_scalar_prepare, "scalar", 64, _heads_shapes)
 DELTA = Family(_delta_prepare, "matrix", 64, _heads_shapes)
 KDA = Family(_kda_prepare, "matrix", 32, _heads_shapes)
@@ -139,16 +140,37 @@ class Mixing:
             state, transition = family.shapes(self.batch, *inputs, *params)
             outs = []
             if rows.whole:
-                resets = torch.zeros(len(rows.whole), dtype=torch.bool, device=device)
-                resets[_index(rows.resets, device)] = True
-                outs.append(self._checkpoint(_whole, whole, resets,
-                                             *(_rows(t, rows.whole) for t in inputs), *params))
+                outs.append(self._whole(whole, rows, inputs, params, state))
             if rows.linked or self.piece_map.slots:
                 outs.append(self._linked(family, rows, inputs, params, state, transition))
             if not outs:  # (a rank of padding only)
                 outs.append(inputs[0].new_zeros((self.batch, 0, *_y_shape(family, inputs))))
             y = torch.cat(outs, 1) if len(outs) > 1 else outs[0]
             return _rows(y, rows.back)
+
+    def _whole(self, family: Family, rows: FlatRows, inputs, params, state) -> torch.Tensor:
+        """The whole documents' row: one pass from a zero state, resets at their starts, by
+        segments of SEGMENT blocks (each recomputed on its own in backward)."""
+        device = inputs[0].device
+        resets = torch.zeros(len(rows.whole), dtype=torch.bool, device=device)
+        resets[_index(rows.resets, device)] = True
+        inputs = tuple(_rows(t, rows.whole) for t in inputs)
+        carry, ys = torch.zeros(state, dtype=inputs[0].dtype, device=device), []
+        for lo in range(0, len(rows.whole), SEGMENT * family.block):
+            part = slice(lo, lo + SEGMENT * family.block)
+            y, carry = self._checkpoint(_whole_segment, family, resets[part], carry,
+                                        *(t[:, part] for t in inputs), *params)
+            ys.append(y)
+        return torch.cat(ys, 1) if len(ys) > 1 else ys[0]
+
+    def _prepare(self, family: Family, inputs, params):
+        """A row's per-block terms, by segments of SEGMENT blocks (each recomputed on its own
+        in backward)."""
+        span = SEGMENT * family.block
+        return _cat([
+            self._checkpoint(family.prepare, *(t[:, lo:lo + span] for t in inputs), *params,
+                             None, family.block)
+            for lo in range(0, max(inputs[0].shape[1], 1), span)])
 
     def _checkpoint(self, fn, *args):
         if self.recompute and torch.is_grad_enabled():
@@ -168,13 +190,12 @@ class Mixing:
             m = zero.new_zeros((self.batch, 0, *_m_shape(family, transition))) + anchor
             entry = state_scan(m, empty, self.piece_map, self.rank, family.kind, self.exchange)
             return zero.new_zeros((self.batch, 0, *_y_shape(family, inputs))) + entry.sum()
-        blocks = self._checkpoint(family.prepare, *(_rows(t, rows.linked) for t in inputs),
-                                  *params, None, family.block)
+        blocks = self._prepare(family, tuple(_rows(t, rows.linked) for t in inputs), params)
         published = self.piece_map.published(self.rank)
         identity = _identity(family, transition, dtype, device)
-        m, s = kernels.summaries(blocks, zero, identity,
-                                 tuple(rows.starts[i] for i in published),
-                                 tuple(rows.ends[i] for i in published))
+        m, s = self._checkpoint(kernels.summaries, blocks, zero, identity,
+                                tuple(rows.starts[i] for i in published),
+                                tuple(rows.ends[i] for i in published))
         m = _scan_m(family, m)
         if len(published) < n:  # (zeros for the pieces that end their document: not read)
             at = _index([published.index(i) if i in published else len(published)
@@ -184,15 +205,24 @@ class Mixing:
         entry = state_scan(m + anchor, s + anchor, self.piece_map, self.rank, family.kind,
                            self.exchange)
         starts = {c: entry[:, i] for i, c in enumerate(rows.starts)}
-        return blocks.outputs(kernels.block_states(blocks, zero, starts), len(rows.linked))
+        return self._checkpoint(_outputs, blocks, zero, starts, len(rows.linked))
 
 
-def _whole(family: Family, resets, *args):
-    """The whole documents' row: one pass from a zero state, resets at their starts."""
+def _outputs(blocks, zero: torch.Tensor, starts: dict, length: int) -> torch.Tensor:
+    """The outputs of a row's blocks, restarted at the blocks in `starts` from their states."""
+    return blocks.outputs(kernels.block_states(blocks, zero, starts)[0], length)
+
+
+def _whole_segment(family: Family, resets, carry, *args):
+    """A segment of the whole documents' row from the state `carry`: (outputs, the state after
+    it)."""
     blocks = family.prepare(*args, resets, family.block)
-    zero = torch.zeros(family.shapes(args[0].shape[0], *args)[0], dtype=args[0].dtype,
-                       device=args[0].device)
-    return blocks.outputs(kernels.block_states(blocks, zero), args[0].shape[1])
+    states, after = kernels.block_states(blocks, carry)
+    return blocks.outputs(states, args[0].shape[1]), after
+
+
+def _cat(parts: list):
+    return type(parts[0]).cat(parts)
 
 
 def _identity(family: Family, transition: tuple, dtype, device) -> torch.Tensor:
