@@ -108,8 +108,9 @@ class Blocks(NamedTuple):
             out = out + k_end_t @ u
         return out
 
-    def outputs(self, states: torch.Tensor, length: int) -> torch.Tensor:
-        """y (N, length, H, V) from the state each block starts from (N, H, C, K, V)."""
+    def outputs(self, states: torch.Tensor, length: Optional[int]) -> torch.Tensor:
+        """y (N, length, H, V) from the state each block starts from (N, H, C, K, V) (length
+        None: every block's tokens)."""
         y = self.intra + self.read @ states
         return y.flatten(2, 3)[:, :, :length].transpose(1, 2)
 
@@ -235,8 +236,9 @@ class Diagonal(NamedTuple):
         decay, own = step
         return decay * state + own if inputs else decay * state
 
-    def outputs(self, states: torch.Tensor, length: int) -> torch.Tensor:
-        """y (N, length, D) from the state each block starts from (N, C, D, Ns)."""
+    def outputs(self, states: torch.Tensor, length: Optional[int]) -> torch.Tensor:
+        """y (N, length, D) from the state each block starts from (N, C, D, Ns) (length None:
+        every block's tokens)."""
         decay = torch.exp(self.cum[..., None] * self.a) * self.alive[None, :, :, None, None]
         y = self.y0 + ((decay * states[:, :, None]) * self.c_[:, :, :, None, :]).sum(-1)
         return y.flatten(1, 2)[:, :length]

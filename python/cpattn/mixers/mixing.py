@@ -163,14 +163,13 @@ class Mixing:
             ys.append(y)
         return torch.cat(ys, 1) if len(ys) > 1 else ys[0]
 
-    def _prepare(self, family: Family, inputs, params):
+    def _prepare(self, family: Family, inputs, params) -> list:
         """A row's per-block terms, by segments of SEGMENT blocks (each recomputed on its own
         in backward)."""
         span = SEGMENT * family.block
-        return _cat([
-            self._checkpoint(family.prepare, *(t[:, lo:lo + span] for t in inputs), *params,
-                             None, family.block)
-            for lo in range(0, max(inputs[0].shape[1], 1), span)])
+        return [self._checkpoint(family.prepare, *(t[:, lo:lo + span] for t in inputs), *params,
+                                 None, family.block)
+                for lo in range(0, max(inputs[0].shape[1], 1), span)]
 
     def _checkpoint(self, fn, *args):
         if self.recompute and torch.is_grad_enabled():
@@ -190,10 +189,10 @@ class Mixing:
             m = zero.new_zeros((self.batch, 0, *_m_shape(family, transition))) + anchor
             entry = state_scan(m, empty, self.piece_map, self.rank, family.kind, self.exchange)
             return zero.new_zeros((self.batch, 0, *_y_shape(family, inputs))) + entry.sum()
-        blocks = self._prepare(family, tuple(_rows(t, rows.linked) for t in inputs), params)
+        parts = self._prepare(family, tuple(_rows(t, rows.linked) for t in inputs), params)
         published = self.piece_map.published(self.rank)
         identity = _identity(family, transition, dtype, device)
-        m, s = self._checkpoint(kernels.summaries, blocks, zero, identity,
+        m, s = self._checkpoint(_summaries, parts, zero, identity,
                                 tuple(rows.starts[i] for i in published),
                                 tuple(rows.ends[i] for i in published))
         m = _scan_m(family, m)
@@ -204,13 +203,32 @@ class Mixing:
             s = torch.cat([s, s.new_zeros((self.batch, 1, *s.shape[2:]))], 1).index_select(1, at)
         entry = state_scan(m + anchor, s + anchor, self.piece_map, self.rank, family.kind,
                            self.exchange)
+        # The outputs part by part, each restarted from the entry states of its pieces
         starts = {c: entry[:, i] for i, c in enumerate(rows.starts)}
-        return self._checkpoint(_outputs, blocks, zero, starts, len(rows.linked))
+        carry, ys, first = zero, [], 0
+        for part in parts:
+            count = _blocks_in(part)
+            mine = {c - first: e for c, e in starts.items() if first <= c < first + count}
+            y, carry = self._checkpoint(_part_outputs, part, carry, mine)
+            ys.append(y)
+            first += count
+        return (torch.cat(ys, 1) if len(ys) > 1 else ys[0])[:, :len(rows.linked)]
 
 
-def _outputs(blocks, zero: torch.Tensor, starts: dict, length: int) -> torch.Tensor:
-    """The outputs of a row's blocks, restarted at the blocks in `starts` from their states."""
-    return blocks.outputs(kernels.block_states(blocks, zero, starts)[0], length)
+def _summaries(parts: list, zero, identity, starts: tuple, ends: tuple):
+    """kernels.summaries of a row's parts."""
+    return kernels.summaries(type(parts[0]).cat(parts), zero, identity, starts, ends)
+
+
+def _part_outputs(part, carry: torch.Tensor, starts: dict):
+    """A part of a row from the state `carry`, restarted at its blocks in `starts`: (outputs
+    of all its blocks' tokens, the state after it)."""
+    states, after = kernels.block_states(part, carry, starts)
+    return part.outputs(states, None), after
+
+
+def _blocks_in(part) -> int:
+    return part.intra.shape[2] if isinstance(part, kernels.Blocks) else part.y0.shape[1]
 
 
 def _whole_segment(family: Family, resets, carry, *args):
@@ -220,9 +238,6 @@ def _whole_segment(family: Family, resets, carry, *args):
     states, after = kernels.block_states(blocks, carry)
     return blocks.outputs(states, args[0].shape[1]), after
 
-
-def _cat(parts: list):
-    return type(parts[0]).cat(parts)
 
 
 def _identity(family: Family, transition: tuple, dtype, device) -> torch.Tensor:
