@@ -111,15 +111,13 @@ def layer(kind: str, split: int = 1, small: bool = False):
 
 
 def _call(kind, module, name, x, piece_map, rank, exchange, own: bool = False):
-    from cpattn.integrations import _hybrid
+    from cpattn.integrations.hybrid.registry import adapter_of
 
-    if own:
-        forward = _hybrid.ORIGINALS[name][1] if name in _hybrid.ORIGINALS else type(module).forward
-        extra = {"position_embeddings": None, "attention_mask": None} if kind == "lightning" \
-            else {}
-        out = forward(module, x, **extra)
+    adapter = adapter_of(module)
+    if own:  # (the class's own forward: parallelize changes instances, never the class)
+        out = type(module).forward(module, x, **adapter.call)
     else:
-        out = _hybrid.ADAPTERS[name](module, x, Mixing(piece_map, rank, exchange, 1))
+        out = adapter.fn(module, x, Mixing(piece_map, rank, exchange, 1))
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -333,9 +331,7 @@ def main(argv=None) -> str:
     p.add_argument("--packed-only", action="store_true", help="only the packed batch")
     p.add_argument("--out", help="write the markdown report here too")
     args = p.parse_args(argv)
-    from cpattn.integrations import _hybrid
-
-    _hybrid.install()  # (the originals, for the "own" column)
+    import cpattn.integrations.hybrid.adapters  # noqa: F401 - registers the adapters
     torch.set_num_threads(1)
     if args.quick:
         args.seqlens, args.worlds, args.reps = [128], [2], 1

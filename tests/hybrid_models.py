@@ -180,14 +180,25 @@ def _reference_step(m, batch: dict, lengths) -> tuple[float, dict]:
                          if p.grad is not None}
 
 
-def cp_step(cfg, batch: dict, cp: "cpattn.ContextParallel", compile_backend=None,
-            autocast: bool = False, **shard) -> tuple[float, dict]:
-    """One step under cp: shard_batch, the whole local batch to the model, cpattn's loss,
-    gradients averaged over the ranks (as DDP would); autocast: under
-    torch.autocast("cpu", torch.bfloat16)."""
-    from cpattn.integrations.transformers import register
+def cp_model(cfg, cp: "cpattn.ContextParallel", prepare=None):
+    """The tiny model, parallelized for cp (then prepare(model), if given)."""
+    from cpattn.integrations.transformers import parallelize
 
-    m = model(cfg, register(cp, f"cpattn_{cp.strategy}_{cp.layout}"))
+    m = model(cfg, "eager")
+    parallelize(m, cp)
+    if prepare is not None:
+        prepare(m)
+    return m
+
+
+def cp_step(cfg, batch: dict, cp: "cpattn.ContextParallel", compile_backend=None,
+            prepare=None, m=None, autocast: bool = False, **shard) -> tuple[float, dict]:
+    """One step under cp: shard_batch, the whole local batch to the model, cpattn's loss,
+    gradients averaged over the ranks (as DDP would). m: a parallelized model to step (its
+    gradients are cleared first), else a fresh one (cp_model(cfg, cp, prepare)); autocast:
+    under torch.autocast("cpu", torch.bfloat16)."""
+    m = cp_model(cfg, cp, prepare) if m is None else m
+    m.zero_grad()
     forward = torch.compile(m, fullgraph=True, backend=compile_backend) if compile_backend \
         else m
     local = cpattn.shard_batch(batch, cp, **shard)
@@ -204,21 +215,60 @@ def cp_step(cfg, batch: dict, cp: "cpattn.ContextParallel", compile_backend=None
     return loss.item(), grads
 
 
+CHECKPOINTING = ("reentrant", "non-reentrant", "plain")
+
+
+class Checkpointed(torch.nn.Module):
+    """A decoder layer under a plain torch.utils.checkpoint (non-reentrant), as a user wraps
+    one; its parameters' names gain ".checkpointed" (see `unwrapped`)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.checkpointed = layer
+
+    def forward(self, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.checkpointed, *args, use_reentrant=False, **kwargs)
+
+
+def checkpointing(mode: str):
+    """prepare(model) for cp_model / cp_step: training mode with the decoder layers checkpointed,
+    by transformers' gradient_checkpointing_enable ("reentrant", "non-reentrant") or each in a
+    plain torch.utils.checkpoint ("plain")."""
+    def prepare(m):
+        m.train()
+        if mode == "plain":
+            layers = m.base_model.layers
+            for i, layer in enumerate(layers):
+                layers[i] = Checkpointed(layer)
+        else:
+            m.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+    return prepare
+
+
+def unwrapped(step: tuple[float, dict]) -> tuple[float, dict]:
+    """A step's gradients by the parameter names of the model without Checkpointed layers."""
+    loss, grads = step
+    return loss, {n.replace(".checkpointed.", "."): g for n, g in grads.items()}
+
+
 @contextlib.contextmanager
 def mixers_alone():
     """The ablation: every mixer on its rank's pieces only (no halo, no entry state received)."""
-    from cpattn.integrations import _hybrid
+    from cpattn.integrations.hybrid import forward
 
-    real = _hybrid.exchange_of
+    real = forward.exchange_of
 
     def alone(cp):
         return lambda x: torch.zeros((cp.world_size, *x.shape), dtype=x.dtype, device=x.device)
 
-    _hybrid.exchange_of = alone
+    forward.exchange_of = alone
     try:
         yield
     finally:
-        _hybrid.exchange_of = real
+        forward.exchange_of = real
 
 
 # Gradients under 1% of the model's largest one are compared against 1% of it: such small

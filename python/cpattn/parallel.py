@@ -165,6 +165,14 @@ class ContextParallel:
         call honours it or raises."""
         return {**options, "invariant": True} if self.invariant else options
 
+    def __deepcopy__(self, memo) -> "ContextParallel":
+        """The object itself: it holds process groups, which a copy of a model that refers to
+        it (a parallelized model, copy.deepcopy for an EMA or reference model) shares."""
+        return self
+
+    def __copy__(self) -> "ContextParallel":
+        return self
+
     def __repr__(self) -> str:
         return (f"ContextParallel(strategy={self.strategy!r}, layout={self.layout!r}, "
                 f"rank={self.rank}, world_size={self.world_size})")
