@@ -60,14 +60,15 @@ def main(argv=None) -> None:
     p.add_argument("--seqlens", nargs="+", type=int, default=[1024, 2048])
     p.add_argument("--reps", type=int, default=2)
     args = p.parse_args(argv)
-    from cpattn.integrations import _hybrid
+    import cpattn.integrations.hybrid.adapters  # noqa: F401 - registers the adapters
+    from cpattn.integrations.hybrid.registry import adapter_of
 
-    _hybrid.install()
     torch.set_num_threads(1)
     print(f"{cpu_model()}, torch {torch.__version__}, 1 thread\n", flush=True)
     print("| layer | S_local | cpattn rank s | peak MiB rank |\n|---|--:|--:|--:|", flush=True)
     for kind in args.kinds:
-        module, name = layer(kind)
+        module, _ = layer(kind)
+        adapter = adapter_of(module)
         for local in args.seqlens:
             x = torch.randn(1, 2 * local, 512, generator=torch.Generator().manual_seed(0))
             halves = [torch.arange(local), torch.arange(local, 2 * local)]
@@ -83,8 +84,7 @@ def main(argv=None) -> None:
                     out.backward(torch.ones_like(out))
                 return run
 
-            t_rank, m_rank = measure(step(lambda h: _hybrid.ADAPTERS[name](module, h, mix)),
-                                     args.reps)
+            t_rank, m_rank = measure(step(lambda h: adapter.fn(module, h, mix)), args.reps)
             print(f"| {kind} | {local} | {t_rank:.3f} | {m_rank / 2**20:.0f} |", flush=True)
 
 
