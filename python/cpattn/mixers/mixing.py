@@ -239,7 +239,6 @@ def _whole_segment(family: Family, resets, carry, *args):
     return blocks.outputs(states, args[0].shape[1]), after
 
 
-
 def _identity(family: Family, transition: tuple, dtype, device) -> torch.Tensor:
     """The transition that changes nothing, as kernels.summaries applies it."""
     if family.kind == "matrix":
