@@ -11,6 +11,8 @@ import pathlib
 import cpattn
 
 PACKAGE = pathlib.Path(cpattn.__file__).parent
+# The source tree (tests, benchmarks, docs): CI imports the installed package from elsewhere.
+REPO = pathlib.Path(__file__).resolve().parent.parent
 DEMOS = {"cpattn.__main__", "cpattn.cli.demo", "cpattn.cli.generate_demo"}
 
 
@@ -232,9 +234,10 @@ def test_tests_benchmarks_and_examples_use_public_names_only():
     """The same rule for the test suite, the benchmarks and the examples."""
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = set(files) | BUILT_MODULES
-    root = PACKAGE.parent.parent
+    root = REPO
     found = []
     for folder in ("tests", "bench", "examples"):
+        assert (root / folder).is_dir(), root / folder
         for path in sorted((root / folder).rglob("*.py")):
             source = path.read_text()
             for node in ast.walk(ast.parse(source)):
@@ -292,7 +295,7 @@ def test_private_use_detector_finds_each_form(tmp_path: pathlib.Path):
 # The layers drawn in docs/design.md are computed from the code: each part of the package (a
 # sub-package or a top-level module) sits one layer above the highest part it imports.
 
-DESIGN = PACKAGE.parent.parent / "docs" / "design.md"
+DESIGN = REPO / "docs" / "design.md"
 LAYERS_BEGIN, LAYERS_END = "<!-- import layers (from the code) -->", "<!-- end of import layers -->"
 
 
