@@ -429,3 +429,32 @@ def test_tree_scan_compiles_fullgraph(monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setenv("CPATTN_MIXER_SCAN", "tree")
     run_ranks(2, _compiled_step)
+
+
+def _disagreeing_scans(rank: int, world: int) -> None:
+    import os
+
+    import hybrid_models as H
+
+    cfg = H.config("qwen3_5")
+    cp = cpattn.ContextParallel(layout="zigzag")
+    try:
+        for settings in (("tree", "allgather"), ("tree", "fastest")):
+            os.environ["CPATTN_MIXER_SCAN"] = settings[rank]
+            with pytest.raises(ValueError) as error:
+                H.cp_step(cfg, H.sequences(), cp)
+            message = str(error.value)
+            assert ("state scan" in message if settings[1] == "allgather"
+                    else "$CPATTN_MIXER_SCAN='fastest'" in message), message
+        os.environ["CPATTN_MIXER_SCAN"] = "tree"  # agreeing again: it runs
+        H.cp_step(cfg, H.sequences(), cp)
+    finally:
+        os.environ.pop("CPATTN_MIXER_SCAN")  # (the ranks serve this file's later tests)
+
+
+def test_ranks_that_would_scan_differently_raise_on_every_rank():
+    """$CPATTN_MIXER_SCAN set differently on the ranks (or invalid on one of them): a ValueError
+    on every rank naming the state scan (or the bad value), never ranks meeting in different
+    collectives."""
+    pytest.importorskip("transformers")
+    run_ranks(2, _disagreeing_scans)

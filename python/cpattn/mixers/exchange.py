@@ -162,15 +162,17 @@ def route(exchange: Exchange, x: torch.Tensor, edges: Edges, rank: int,
 def _global_ranks(inner: str, outer: str) -> tuple[int, ...]:
     """The global rank of each rank of the groups' product, in exchange order (outer rank *
     inner size + inner rank). One object all-gather over the outer group, the first time."""
-    return _product_ranks(inner, outer)
+    members = tuple(dist.get_process_group_ranks(_group(inner)))
+    if not outer:
+        return members
+    # (keyed by the groups' members too: a group name comes back after destroy_process_group)
+    return _product_ranks(inner, outer, members,
+                          tuple(dist.get_process_group_ranks(_group(outer))))
 
 
 @functools.lru_cache(maxsize=64)
-def _product_ranks(inner: str, outer: str) -> tuple[int, ...]:
-    members = dist.get_process_group_ranks(_group(inner))
-    if not outer:
-        return tuple(members)
-    every: list = [None] * dist.get_world_size(_group(outer))
+def _product_ranks(inner: str, outer: str, members: tuple, outer_members: tuple) -> tuple:
+    every: list = [None] * len(outer_members)
     dist.all_gather_object(every, members, group=_group(outer))
     return tuple(r for part in every for r in part)
 

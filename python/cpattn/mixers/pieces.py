@@ -141,16 +141,24 @@ class PieceMap(NamedTuple):
         return _halo(self, rank, width)
 
 
-def _constant(fn):
-    """fn cached, and a constant under torch.compile (run in Python while dynamo traces: dynamo
-    would trace a cached function's body instead)."""
-    cached = functools.lru_cache(maxsize=512)(fn)
+def cached_constant(maxsize: int):
+    """A decorator: fn cached (the last `maxsize` calls; `.cache_clear()`), and a constant under
+    torch.compile (run in Python while dynamo traces: dynamo would trace a cached function's body
+    instead)."""
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
 
-    @functools.wraps(fn)
-    def constant(*args):
-        return cached(*args)
+        @functools.wraps(fn)
+        def constant(*args):
+            return cached(*args)
 
-    return torch._dynamo.assume_constant_result(constant)
+        constant.cache_clear = cached.cache_clear
+        return torch._dynamo.assume_constant_result(constant)
+
+    return wrap
+
+
+_constant = cached_constant(512)
 
 
 def build_piece_map(indices: Sequence[torch.Tensor], bounds: Sequence[int]) -> PieceMap:

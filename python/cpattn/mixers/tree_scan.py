@@ -24,7 +24,6 @@ $CPATTN_MIXER_SCAN, else the planner's model, cpattn.plan.mixer_scan).
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import NamedTuple
 
@@ -33,7 +32,7 @@ import torch
 from cpattn.core.validation import env_mixer_scan
 from cpattn.mixers.algebra import apply_transition, compose
 from cpattn.mixers.exchange import Exchange, route
-from cpattn.mixers.pieces import PieceMap
+from cpattn.mixers.pieces import PieceMap, cached_constant
 from cpattn.plan.choose import known_machine
 from cpattn.plan.mixer_scan import (
     METHODS,
@@ -71,16 +70,7 @@ class TreePlan(NamedTuple):
     steps: tuple
 
 
-def _constant(fn):
-    """fn cached, and a constant under torch.compile (run in Python while dynamo traces)."""
-    cached = functools.lru_cache(maxsize=64)(fn)
-
-    @functools.wraps(fn)
-    def constant(*args):
-        return cached(*args)
-
-    constant.cache_clear = cached.cache_clear
-    return torch._dynamo.assume_constant_result(constant)
+_constant = cached_constant(64)
 
 
 def _chains(piece_map: PieceMap) -> list:
@@ -271,13 +261,7 @@ def scan_method(exchange: Exchange, piece_map: PieceMap, kind: str, m_shape: tup
     or $CPATTN_PLAN_MACHINE's, never a calibration here; without one the preset of the device,
     h100-ib or cpu-gloo), for one process playing W ranks "allgather". The same on every rank
     (every input is)."""
-    method = getattr(exchange, "scan", None)
-    if method in (None, "auto"):
-        env = env_mixer_scan()
-        if env is not None and env not in (*METHODS, "auto"):
-            raise ValueError(f"cpattn.mixers: $CPATTN_MIXER_SCAN={env!r}: must be one of "
-                             f"{(*METHODS, 'auto')}")
-        method = env or "auto"
+    method = _configured(exchange)
     if method != "auto":
         return method
     group = getattr(exchange, "group", None)
@@ -286,6 +270,30 @@ def scan_method(exchange: Exchange, piece_map: PieceMap, kind: str, m_shape: tup
     known = known_machine(group.group_name)
     machine = known or PRESETS["h100-ib" if device_type == "cuda" else "cpu-gloo"]
     return _planned(piece_map, kind, s_shape, batch, machine.to_json())
+
+
+def _configured(exchange: Exchange) -> str:
+    """The method the exchange or $CPATTN_MIXER_SCAN fixes, else "auto"."""
+    method = getattr(exchange, "scan", None)
+    if method in (None, "auto"):
+        env = env_mixer_scan()
+        if env is not None and env not in (*METHODS, "auto"):
+            raise ValueError(f"cpattn.mixers: $CPATTN_MIXER_SCAN={env!r}: must be one of "
+                             f"{(*METHODS, 'auto')}")
+        method = env or "auto"
+    return method
+
+
+@torch._dynamo.assume_constant_result  # (reads the process group: a constant when compiled)
+def scan_setting(exchange: Exchange) -> str:
+    """What decides scan_method's choice on this rank (the method fixed, or "auto" and the
+    planner's machine set for the group), for the ranks' agreement: ranks that would run
+    different scans must raise, not meet in different collectives. Raises ValueError for a bad
+    $CPATTN_MIXER_SCAN."""
+    method = _configured(exchange)
+    group = getattr(exchange, "group", None)
+    known = known_machine(group.group_name) if method == "auto" and group is not None else None
+    return method if known is None else f"auto, machine {known.to_json()}"
 
 
 @_constant

@@ -19,6 +19,7 @@ from cpattn.integrations.hybrid.documents import ModelState
 from cpattn.integrations.hybrid.registry import Adapter
 from cpattn.mixers.mixing import Mixing
 from cpattn.mixers.sharded import check_settings, exchange_of, piece_map_of
+from cpattn.mixers.tree_scan import scan_setting
 from cpattn.sharding.packing import KEYWORD, Documents
 
 WHAT = "cpattn.integrations.transformers"
@@ -66,9 +67,11 @@ def _sharded_forward(role: MixerRole, module: torch.nn.Module, hidden: torch.Ten
     documents = call[KEYWORD] if KEYWORD in call else getattr(binding, "documents", None)
     passed = KEYWORD in call or getattr(binding, "passed", False)
     local = hidden.shape[1]
+    exchange = exchange_of(cp)
 
     def check():
         check_settings(cp, WHAT)
+        scan = scan_setting(exchange)  # (a bad $CPATTN_MIXER_SCAN raises on every rank)
         if cache is not None:
             raise ValueError(_cache_refusal(name, cache))
         if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2
@@ -103,13 +106,14 @@ def _sharded_forward(role: MixerRole, module: torch.nn.Module, hidden: torch.Ten
                              "(pass shard_batch's tokens)")
         # (not the local length: under a document plan the ranks hold different numbers)
         return piece_map, [("mixer", name), ("piece map", piece_map.signature),
+                           ("state scan", scan),
                            ("hidden_states.batch", hidden.shape[0]),
                            ("hidden_states.hidden", hidden.shape[-1]),
                            ("hidden_states.dtype", hidden.dtype),
                            ("hidden_states.device", hidden.device.type)]
 
     piece_map = cp.agree(WHAT, check)
-    mix = Mixing(piece_map, cp.rank, exchange_of(cp), hidden.shape[0])
+    mix = Mixing(piece_map, cp.rank, exchange, hidden.shape[0])
     return role.adapter.fn(module, hidden, mix)
 
 
