@@ -143,7 +143,7 @@ def _prefill_rows(role, module: torch.nn.Module, x: torch.Tensor, layer: MixerLa
     layout = LAYOUTS.get(adapter.name, DEFAULT)
     r = x.shape[1]
     lead = r - r % cp.granularity
-    parts, tails = [], []
+    parts = []
     if lead:  # context-parallel over the ranks
         index = cp.positions(lead, device=x.device)
         mix = Handoff(piece_map_of(cp, lead // cp.world_size), cp.rank, exchange_of(cp),
