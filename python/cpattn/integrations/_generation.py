@@ -296,8 +296,21 @@ class ContextParallelCache(Cache):
         Cache.__init__(self, layers=layers)
         self.cp = cp
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        if all(isinstance(layer, MixerLayer) and not isinstance(layer, ShardedLayer)
-               for layer in self.layers):  # (no attention layer: the positions passed)
-            return self.layers[layer_idx].tokens
+    @property
+    def attention_free(self) -> bool:
+        """No layer attends (Mamba, or a config of mixers only): the positions passed are the
+        mixer layers' count (transformers' Cache would raise)."""
+        return not any(isinstance(layer, ShardedLayer) for layer in self.layers)
+
+    def get_seq_length(self, layer_idx: Optional[int] = 0) -> int:
+        if self.attention_free:
+            return self.layers[layer_idx or 0].tokens
         return super().get_seq_length(layer_idx)
+
+    def get_query_offset(self, layer_idx: Optional[int] = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: Optional[int]) -> tuple[int, int]:
+        if self.attention_free:
+            return self.get_seq_length(layer_idx) + query_length, 0
+        return super().get_mask_sizes(query_length, layer_idx)
