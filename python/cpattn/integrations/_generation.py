@@ -6,6 +6,7 @@ same on every rank (cpattn.integrations.hybrid.generation fills them)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -267,9 +268,7 @@ class ContextParallelCache(Cache):
 
     def __new__(cls, cp: ContextParallel, config, *args, **kwargs):
         if cls is ContextParallelCache and getattr(config, "model_type", None) == "minimax":
-            from cpattn.integrations._minimax_cache import MiniMaxContextParallelCache
-
-            cls = MiniMaxContextParallelCache  # (MiniMax's model requires its cache class)
+            cls = _minimax_cache()  # (MiniMax's model requires its own cache class)
         return super().__new__(cls)
 
     def __init__(self, cp: ContextParallel, config, capacity: int, *, interleave: int = 1):
@@ -314,3 +313,39 @@ class ContextParallelCache(Cache):
         if self.attention_free:
             return self.get_seq_length(layer_idx) + query_length, 0
         return super().get_mask_sizes(query_length, layer_idx)
+
+
+@functools.cache
+def _minimax_cache() -> type:
+    """ContextParallelCache for MiniMax, whose model accepts only its own cache class
+    (MiniMaxCache) and keeps a lightning layer's state through get_linear_cache /
+    set_linear_cache: here that state lives in the layer's MixerLayer (recurrent_states[0]),
+    like every other mixer's."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    class MiniMaxContextParallelCache(ContextParallelCache, MiniMaxCache):
+        def get_linear_cache(self, layer_idx: int) -> Optional[torch.Tensor]:
+            layer = self.layers[layer_idx]
+            if isinstance(layer, MixerLayer) and layer.has_previous_state[0]:
+                return layer.recurrent_states[0]
+            return None
+
+        def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+            layer = self.layers[layer_idx]
+            layer.recurrent_states[0] = linear_cache
+            layer.is_recurrent_states_initialized[0] = True
+            layer.has_previous_state[0] = True
+
+        def __len__(self) -> int:
+            return Cache.__len__(self)
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            Cache.batch_repeat_interleave(self, repeats)
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            Cache.batch_select_indices(self, indices)
+
+        def crop(self, tokens_to_remove: int) -> None:
+            Cache.crop(self, tokens_to_remove)
+
+    return MiniMaxContextParallelCache
