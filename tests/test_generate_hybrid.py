@@ -3,18 +3,21 @@ ContextParallelCache on W = 2 and 3 gloo ranks, against one process's `generate`
 weights (eager, transformers' own cache): the same tokens on every rank, and every step's logits
 within 1e-4 of the largest (fp32).
 
-Three cases per family and W, each with an ablation (the prefill's handed-off conv and recurrent
+Four cases per family and W, each with an ablation (the prefill's handed-off conv and recurrent
 states written as zeros) that changes the tokens:
 
-- "sequences": two prompts of 13 tokens (not a multiple of the granularity 2W: the tail runs on
+- "sequences": six prompts of 13 tokens (not a multiple of the granularity 2W: the tail runs on
   every rank alike after the context-parallel lead);
-- "chunked": prompts of 21 tokens prefilled in chunks of 8 (`prefill_chunk_size`: each later chunk
-  starts from the cached states); the reference is the unchunked generate (transformers' own
-  chunked prefill raises for attention-free models and drifts by 8e-4 for Jamba);
-- "padded": prompts of 21 and 10 tokens, left-padded (generate's way to batch prompts of
+- "chunked": six prompts of 21 tokens prefilled in chunks of 8 (`prefill_chunk_size`: each later
+  chunk starts from the cached states); the reference is the unchunked generate (transformers'
+  own chunked prefill raises for attention-free models and drifts by 8e-4 for Jamba);
+- "padded": prompts of 21, 10, 15 and 7 tokens, left-padded (generate's way to batch prompts of
   different lengths). The reference is each prompt generated alone (what padding means); the
   tokens also equal transformers' own padded generate (whose MiniMax logits drift by 1.6e-2 from
-  the prompts alone: its padding is not exact there).
+  the prompts alone: its padding is not exact there);
+- "padded chunked": the padded prompts prefilled in chunks of 8 (the 7-token row's padding spans
+  the first chunk and part of the second: each chunk's padding is masked for the mixers and the
+  attention).
 
 Kimi delta attention runs in a Kimi-Linear config of KDA layers only ("kimi_delta"): Kimi-Linear's
 attention layers are MLA, which ContextParallelCache refuses (it caches latents), and transformers'
@@ -41,7 +44,7 @@ NEW = 6
 SETTINGS = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
                 use_cache=True, output_logits=True, return_dict_in_generate=True)
 KINDS = tuple(k for k in H.FAMILIES if k != "kimi_linear") + ("kimi_delta",)
-CASES = ("sequences", "chunked", "padded")
+CASES = ("sequences", "chunked", "padded", "padded chunked")
 ROWS = 6  # prompts per batch (the ablation: more rows, more chances for a token to change)
 
 
@@ -76,7 +79,7 @@ LENGTHS = (21, 10, 15, 7)  # the padded case's prompts
 def _prompts(case: str):
     """(input_ids, attention_mask or None, the prompts alone (padded case) or None)."""
     g = torch.Generator().manual_seed(5)
-    if case != "padded":
+    if not case.startswith("padded"):
         return torch.randint(5, 96, (ROWS, 13 if case == "sequences" else 21), generator=g), \
             None, None
     alone = [torch.randint(5, 96, (1, n), generator=g) for n in LENGTHS]
@@ -109,7 +112,7 @@ def _generate(model, cp, case: str):
 
     ids, mask, _ = _prompts(case)
     cache = ContextParallelCache(cp, model.config, capacity=ids.shape[1] + NEW)
-    extra = {"prefill_chunk_size": 8} if case == "chunked" else {}
+    extra = {"prefill_chunk_size": 8} if case.endswith("chunked") else {}
     return model.generate(ids, attention_mask=mask, cache=cache, **extra, **SETTINGS)
 
 
