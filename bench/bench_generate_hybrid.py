@@ -12,8 +12,9 @@ heads / 2 KV heads of 64, MLP 512, vocab 1024. Rows:
 - "cpattn W = 1": ContextParallelCache over a group of one rank (the adapters, no exchange);
 - "cpattn W = 2": ContextParallelCache over 2 ranks, 1 thread each (parallelize(model, cp)).
 
-Prefill: one model call over the prompt with the cache (`logits_to_keep=1`, as generate), seconds
-(max over ranks, median of `--reps`). Decode: `--steps` one-token steps after it, tokens / s
+Prefill: one model call over the prompt with the cache (`logits_to_keep=1`, as generate), wall
+seconds and the process's CPU seconds (every thread; the machine may be shared), the most of any
+rank, median of `--reps`. Decode: `--steps` one-token steps after it, tokens / s
 (median step). Bytes: what this rank wrote to its gloo sockets during the call (the /proc/self/io
 wchar delta, max over ranks: the ring's K/V, the mixers' halo, summaries, outputs, hand-off and
 every agreement check), per prefill and per decode step. "logits vs one": the largest relative
@@ -58,14 +59,14 @@ def _wchar() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
 
 
-def _measured(fn, group) -> tuple[float, int, object]:
-    """(seconds, bytes written, result) of fn(), between barriers."""
+def _measured(fn, group) -> tuple[float, float, int, object]:
+    """(wall seconds, process CPU seconds, bytes written, result) of fn(), between barriers."""
     if group is not None:
         dist.barrier(group=group)
-    written, start = _wchar(), time.perf_counter()
+    written, start, cpu = _wchar(), time.perf_counter(), time.process_time()
     out = fn()
-    seconds, written = time.perf_counter() - start, _wchar() - written
-    return seconds, written, out
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return seconds, cpu, _wchar() - written, out
 
 
 def _run(rank: int, world: int, mode: str, length: int, steps: int, reps: int) -> dict:
@@ -91,27 +92,29 @@ def _run(rank: int, world: int, mode: str, length: int, steps: int, reps: int) -
         def new_cache():
             return ContextParallelCache(cp, model.config, capacity=length + steps + 1)
 
-    prefills, written, logits = [], 0, None
+    prefills, prefill_cpu, written, logits = [], [], 0, None
     with torch.no_grad():
         warm = new_cache()  # (one-time costs out of the timings)
         model(input_ids=prompt[:, :64], cache=warm, use_cache=True, logits_to_keep=1)
         model(input_ids=prompt[:, 64:65], cache=warm, use_cache=True)
         for _ in range(reps):
             cache = new_cache()
-            seconds, written, out = _measured(
+            seconds, cpu, written, out = _measured(
                 lambda: model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1),
                 group)
             prefills.append(seconds)
+            prefill_cpu.append(cpu)
             logits = out.logits[0, -1]
         token = logits.argmax().reshape(1, 1)
         decode, decode_bytes = [], []
         for _ in range(steps):
-            seconds, sent, out = _measured(
+            seconds, _, sent, out = _measured(
                 lambda: model(input_ids=token, cache=cache, use_cache=True), group)
             decode.append(seconds)
             decode_bytes.append(sent)
             token = out.logits[0, -1].argmax().reshape(1, 1)
-    return {"prefill": statistics.median(prefills), "prefill_bytes": written,
+    return {"prefill": statistics.median(prefills), "prefill_cpu": statistics.median(prefill_cpu),
+            "prefill_bytes": written,
             "step": statistics.median(decode), "step_bytes": statistics.median(decode_bytes),
             "logits": logits.tolist()}
 
@@ -120,6 +123,7 @@ def _row(mode: str, world: int, threads: int, length: int, args) -> dict:
     ranks = run_ranks(world, _run, "one" if mode == "one" else "cpattn", length, args.steps,
                       args.reps, threads=threads, poison=False)
     return {"prefill": max(r["prefill"] for r in ranks),
+            "prefill_cpu": max(r["prefill_cpu"] for r in ranks),
             "prefill_bytes": max(r["prefill_bytes"] for r in ranks),
             "step": max(r["step"] for r in ranks),
             "step_bytes": max(r["step_bytes"] for r in ranks),
@@ -137,9 +141,9 @@ def main() -> None:
 
     lines = [f"CPU: {cpu_model()}; torch {torch.__version__}; "
              f"steps {args.steps}, prefill reps {args.reps}", "",
-             "| prompt | run | prefill s | vs one (1 thr) | vs one (2 thr) | prefill MiB sent "
-             "| decode tok/s | decode KiB sent / step | logits vs one |",
-             "|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
+             "| prompt | run | prefill s | vs one (1 thr) | vs one (2 thr) | prefill CPU s "
+             "| prefill MiB sent | decode tok/s | decode KiB sent / step | logits vs one |",
+             "|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for length in args.lengths:
         rows = {"one process, 1 thread": _row("one", 1, 1, length, args),
                 "one process, 2 threads": _row("one", 1, 2, length, args),
@@ -150,7 +154,8 @@ def main() -> None:
             diff = float((r["logits"] - one["logits"]).abs().max() / one["logits"].abs().max())
             lines.append(
                 f"| {length} | {name} | {r['prefill']:.2f} | {one['prefill'] / r['prefill']:.2f}x "
-                f"| {two['prefill'] / r['prefill']:.2f}x | {r['prefill_bytes'] / 2**20:.2f} "
+                f"| {two['prefill'] / r['prefill']:.2f}x | {r['prefill_cpu']:.2f} "
+                f"| {r['prefill_bytes'] / 2**20:.2f} "
                 f"| {1 / r['step']:.1f} | {r['step_bytes'] / 2**10:.2f} | {diff:.1e} |")
             print(lines[-1], flush=True)
     text = "\n".join(lines)

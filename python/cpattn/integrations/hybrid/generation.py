@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cpattn.core.signature import digest_ints
-from cpattn.integrations._generation import ContextParallelCache, MixerLayer
+from cpattn.integrations._generation import ContextParallelCache, MixerLayer, left_padded
 from cpattn.mixers.exchange import stacked
 from cpattn.mixers.handoff import Handoff
 from cpattn.mixers.pieces import build_piece_map
@@ -93,11 +93,11 @@ def _real_tokens(mask, batch: int, n: int) -> list[int]:
         raise ValueError(f"{WHAT}: ContextParallelCache: a mixer got an attention mask of shape "
                          f"{tuple(getattr(mask, 'shape', ()))}, not the 2-D padding mask "
                          f"(batch {batch}, {n} tokens) transformers hands mixers")
-    m = mask[:, -n:].to(torch.int64)
-    if not bool((m[:, 1:] >= m[:, :-1]).all()):
+    m = mask[:, -n:]
+    if not left_padded(m):
         raise ValueError(f"{WHAT}: ContextParallelCache generates padded batches with left "
                          "padding only (tokenizer padding_side='left', as generate expects)")
-    return [int(c) for c in m.sum(1).tolist()]
+    return [int(c) for c in m.to(torch.int64).sum(1).tolist()]
 
 
 def _prefill(role, module: torch.nn.Module, hidden: torch.Tensor, mask, layer: MixerLayer):
