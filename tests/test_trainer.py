@@ -2,13 +2,16 @@
 (cpattn.integrations.trainer) against the same trainer in one process with SDPA: per-step logged
 loss within 1e-5 (relative), step-1 gradients (after the Trainer's DDP) within 1e-4 of
 each tensor's largest entry, final weights within 1e-4, token / FLOP counters and eval loss
-equal, predictions in full order. Tiny Llama, Qwen3 and Qwen3-MoE from config, fp32.
+equal, predictions in full order. Tiny Llama, Qwen3 and Qwen3-MoE from config, fp32; the hybrid
+models Qwen3.5 and Bamba (tests/trainer_cp_hybrid.py: their reference feeds one document per
+padded row). The models are given to the trainers as loaded (the trainer parallelizes them),
+except where a scenario says otherwise (register(cp), parallelize beforehand).
 
 One reference process and two torchrun launches (2 ranks: cp 2; 4 ranks: dp 2 x cp 2, cp 4 and
-hybrid cp 4) run every scenario of tests/trainer_cp_worker.py and tests/trainer_cp_exact.py (CI
-time: the imports and the process groups are paid once); each test below checks one scenario,
-its ablation (a deliberate mistake that must change the result or raise) included. The two
-examples run with --check.
+hybrid cp 4) run every scenario of tests/trainer_cp_worker.py, tests/trainer_cp_exact.py and
+tests/trainer_cp_hybrid.py (CI time: the imports and the process groups are paid once); each
+test below checks one scenario, its ablation (a deliberate mistake that must change the result
+or raise) included. The two examples run with --check.
 """
 
 import importlib.metadata
@@ -33,7 +36,7 @@ EXAMPLES = os.path.join(ROOT, "examples")
 W2 = ["rows_ring", "rows_tokens_per_replica", "checkpointing", "mixed_precision", "packed",
       "label_smoothing", "moe", "evaluate_predict", "resume", "sft_packing",
       "sft_completion_only", "loss_options", "refusals", "partial_batches", "sft_partial_batches",
-      "odd_lengths", "cpu_setup", "messages"]
+      "odd_lengths", "cpu_setup", "messages", "hybrid_models_trainer", "hybrid_models_sft"]
 W4 = ["dp_accumulation", "dp_one_group_astray", "dp_tokens_per_replica", "dp_evaluate",
       "dp_sft_packing", "hybrid", "partial_batches_cp4", "odd_lengths_cp4", "dp_evaluate_exact"]
 TIMEOUT = 900
@@ -76,20 +79,24 @@ def _close(got: float, want: float, rtol: float) -> bool:
     return abs(got - want) <= rtol * abs(want)
 
 
-def _tensors_close(got: dict, want: dict, rtol: float, what: str) -> None:
-    """Each tensor within rtol of its largest reference entry."""
+def _tensors_close(got: dict, want: dict, rtol: float, what: str, floor: float = 0.0) -> None:
+    """Each tensor within rtol of its largest reference entry (or of `floor` x the largest entry
+    of them all, if larger)."""
     assert got.keys() == want.keys(), f"{what}: {sorted(got.keys() ^ want.keys())}"
+    largest = max(ref.abs().max().item() for ref in want.values())
     for name, ref in want.items():
-        scale = ref.abs().max().item()
+        scale = max(ref.abs().max().item(), floor * largest)
         assert scale > 0, f"{what}: reference {name} is zero: the test cannot fail"
         err = (got[name] - ref).abs().max().item()
         assert err <= rtol * scale, f"{what}: {name} off by {err} (largest entry {scale})"
 
 
 def assert_matches(got: dict, want: dict, what: str, loss_rtol: float = 1e-5,
-                   exact: bool = True) -> None:
+                   exact: bool = True, flos: bool = True, grad_floor: float = 0.0) -> None:
     """The context-parallel run equals the reference: logged losses per step (the same on every
-    rank), step-1 gradients, final weights, counters; eval loss and predictions if present."""
+    rank), step-1 gradients, final weights, counters (FLOPs unless `flos` is False); eval loss
+    and predictions if present. grad_floor: step-1 gradients within 1e-4 of that fraction of
+    the largest one where a tensor's own largest entry is smaller."""
     assert len(got["loss"]) == len(want["loss"]) > 0, (what, got["loss"], want["loss"])
     for step, (a, b) in enumerate(zip(got["loss"], want["loss"])):
         assert _close(a, b, loss_rtol), f"{what}: step {step + 1} loss {a} vs {b}"
@@ -97,11 +104,13 @@ def assert_matches(got: dict, want: dict, what: str, loss_rtol: float = 1e-5,
     if exact:
         for step, (a, b) in enumerate(zip(got["grad_norm"], want["grad_norm"])):
             assert _close(a, b, 1e-4), f"{what}: step {step + 1} grad norm {a} vs {b}"
-        _tensors_close(got["grads"], want["grads"], 1e-4, f"{what} step-1 gradients")
+        _tensors_close(got["grads"], want["grads"], 1e-4, f"{what} step-1 gradients",
+                       floor=grad_floor)
         _tensors_close(got["weights"], want["weights"], 1e-4, f"{what} final weights")
     for key in ("tokens", "global_batch"):
         assert got[key] == want[key], (what, key, got[key], want[key])
-    assert _close(got["flos"], want["flos"], 1e-9), (what, got["flos"], want["flos"])
+    if flos:
+        assert _close(got["flos"], want["flos"], 1e-9), (what, got["flos"], want["flos"])
     for key in ("num_tokens", "mean_token_accuracy"):  # TRL's metrics
         assert (key in got) == (key in want), (what, key)
         if key in want:
@@ -235,9 +244,10 @@ def test_cross_entropy_options_and_seq_idx(runs):
 
 def test_refusals(runs):
     """Misuse raises ValueError on every rank (the worker checks that the messages agree),
-    naming a correct path."""
+    naming a correct path; a model parallelize refuses (Qwen3.5 with the striped layout) is
+    refused by the trainer's construction."""
     got = runs[1]["refusals"]
-    expected = {"sdpa": "attn_implementation=cpattn.integrations.transformers.register(cp)",
+    expected = {"parallelize_refuses": "striped layout",
                 "accelerate_cp": "Remove parallelism_config",
                 "batch_rebalance": "use 'random', 'sequential'",
                 "iterable": "use a map-style dataset",
@@ -349,20 +359,30 @@ def test_cpu_setup_without_use_cpu(runs):
 
 
 def test_messages_name_the_cause(runs):
-    """A dataset that differs between the ranks, a model registered with another
+    """A dataset that differs between the ranks, a model registered or parallelized with another
     ContextParallel: messages that say so (the same dataset on every rank trains); a plain
-    Trainer given a context-parallel model raises at its first step."""
+    Trainer given a context-parallel model (registered Llama, parallelized Llama and Qwen3.5)
+    raises at its first step, on every rank, saying to use ContextParallelTrainer. A model made
+    by model_init, and one TRL loads from a folder's name, are attached to the trainer's cp."""
     got = runs[1]["messages"]
     assert "the train dataset differs between ranks" in got["dataset_differs"], got
     assert got["dataset_same"] == "", got["dataset_same"]
-    assert "registered with another ContextParallel than the one given to the trainer" in (
-        got["other_cp"]), got["other_cp"]
-    assert "build cp once" in got["other_cp"], got["other_cp"]
-    # A plain Trainer never trains a context-parallel model silently: the unsharded batch's
-    # positions are refused at the first forward, on every rank (`raised` checks the ranks
-    # agree). Its message comes from cpattn.integrations.transformers.
-    assert "position_ids are not the position ids of this rank's tokens" in (
-        got["plain_trainer"]), got["plain_trainer"]
+    for case, how in (("other_cp", "registered with another ContextParallel"),
+                      ("other_cp_parallelized", "was parallelized with another ContextParallel")):
+        assert f"{how} than the one given to the trainer" in got[case], got[case]
+        assert "build cp once" in got[case], got[case]
+    # A plain Trainer never trains a context-parallel model silently: its whole batches are
+    # refused at the first forward, on every rank (`raised` checks that the ranks agree), by
+    # the position check (Llama) or by the first mixer (Qwen3.5's gated delta rule, layer 0).
+    for case in ("plain_trainer", "plain_trainer_parallelized", "plain_trainer_hybrid"):
+        message = got[case]
+        assert "A transformers Trainer gives the model whole batches" in message, (case, message)
+        assert "ContextParallelTrainer" in message and "with_context_parallel" in message, (
+            case, message)
+    assert "but 0, 1, 2, ..." in got["plain_trainer"], got["plain_trainer"]
+    assert "Qwen3_5GatedDeltaNet mixes tokens" in got["plain_trainer_hybrid"], got
+    assert got["model_init_attached"] is True
+    assert got["sft_from_name_attached"] is True
 
 
 def test_dp_x_cp_evaluation_exact(runs):
@@ -388,7 +408,7 @@ def test_help_shows_cpattn_docstring():
                 trainer.with_context_parallel(MyTrainer)):
         text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
         for words in ("cp: the cpattn.ContextParallel", "Refused with ValueError",
-                      "register(cp)", "partial"):
+                      "parallelize(model,", "register(cp)", "partial"):
             assert words in text, (cls.__name__, words)
     text = pydoc.render_doc(trainer.ContextParallelSFTTrainer, renderer=pydoc.plaintext)
     assert text.index("cp: the cpattn") < text.index("SFTTrainer's documentation")
@@ -406,3 +426,69 @@ def test_trainer_extra_pins_the_tested_versions():
     assert ci == pins, (ci, pins)
     for name, version in pins.items():
         assert importlib.metadata.version(name) == version, (name, version)
+
+
+# ---- issue 56 item 5: hybrid models under both trainers ----------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "bamba"])
+@pytest.mark.parametrize("name", ["hybrid_models_trainer", "hybrid_models_sft"])
+def test_hybrid_models_packed_with_checkpointing(runs, name, kind):
+    """Qwen3.5 (gated delta rule) and Bamba (Mamba-2), packed documents, gradient checkpointing
+    on, under ContextParallelTrainer (DataCollatorWithFlattening) and ContextParallelSFTTrainer
+    (packing=True), the model parallelized by the trainer: every logged loss, grad norm, the
+    step-1 gradients, final weights and token counters equal the same trainer in one process,
+    each document in its own padded row (tests/trainer_cp_hybrid.py says why; checked by
+    test_hybrid_reference_keeps_documents_apart). FLOPs are not compared: the reference's count
+    includes its padding. Gradients: hybrid_models.FLOOR (Qwen3.5's A_log / dt_bias gradients
+    are 2e-4 of the largest one, sums of cancelling terms whose fp32 rounding is of their own
+    size's order). Ablation: every mixer on its rank's pieces only changes the losses."""
+    import hybrid_models
+
+    ref, got = runs
+    assert_matches(got[name][kind], ref[name][kind], f"{name}/{kind}", flos=False,
+                   grad_floor=hybrid_models.FLOOR)
+    assert len(got[name][kind]["grad_norm"]) == len(got[name][kind]["loss"]) > 1
+    assert_differs(got[name][f"ablation_{kind}"]["loss"], ref[name][kind]["loss"],
+                   f"{name}/{kind}: mixers alone")
+    if name == "hybrid_models_sft":  # (the same packed rows in both runs, on every rank)
+        rows = got[name][kind]["every_rank_rows"]
+        assert rows == [ref[name][kind]["packed_rows"]] * 2, rows
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "bamba"])
+def test_hybrid_reference_keeps_documents_apart(kind):
+    """The reference of the hybrid trainer tests, in one process: packed documents in right-padded
+    rows (tests/trainer_cp_hybrid.py's collators) give each document's logits alone (one
+    forward per document, within fp32 rounding) and the same targets as the packed batch. Not
+    a valid reference (the ablations): DataCollatorWithFlattening's packed row through
+    transformers' own mixers (documents leak into each other), and TRL's padding-free batch,
+    which transformers refuses on a CPU without the causal_conv1d kernel."""
+    import hybrid_models as H
+    from trainer_cp_hybrid import padded_documents, unpacked
+    from trainer_cp_kit import documents
+    from transformers import DataCollatorWithFlattening
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    docs = documents(5, seed=3)
+    lengths = [len(d["input_ids"]) for d in docs]
+    model = H.model(H.config(kind), "sdpa")
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=torch.tensor([d["input_ids"]]), use_cache=False).logits
+                           for d in docs], 1)
+        padded = padded_documents(docs)
+        out = model(**{k: v for k, v in padded.items() if k != "labels"}, use_cache=False).logits
+        rows = torch.cat([out[i, :n] for i, n in enumerate(lengths)])[None]
+        flat = DataCollatorWithFlattening()(docs)
+        leaked = model(input_ids=flat["input_ids"], position_ids=flat["position_ids"],
+                       use_cache=False).logits
+    scale = alone.abs().max().item()
+    assert (rows - alone).abs().max().item() <= 1e-5 * scale, kind
+    assert (leaked - alone).abs().max().item() > 1e-2 * scale, f"{kind}: packed rows kept apart"
+    targets = torch.cat([padded["labels"][i, :n] for i, n in enumerate(lengths)])[None]
+    assert torch.equal(targets, flat["labels"]), "the padded rows' targets are not the packed ones"
+    packed_row = {"input_ids": sum((d["input_ids"] for d in docs), []), "seq_lengths": lengths}
+    assert torch.equal(unpacked([packed_row])["input_ids"], padded["input_ids"])
+    trl_batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(docs)
+    with pytest.raises(ValueError, match="can't keep packed sequences apart"):
+        model(**{k: v for k, v in trl_batch.items() if k != "labels"}, use_cache=False)

@@ -154,29 +154,68 @@ def cpu_setup(ctx):
 @scenario(world=2)
 def messages(ctx):
     """Misuse whose message names its cause: a dataset that differs between the ranks (and
-    the same dataset on every rank, which trains); a model registered with another
-    ContextParallel than the trainer's; a plain Trainer given a context-parallel model (it
-    raises at the first forward, on every rank)."""
+    the same dataset on every rank, which trains); a model registered, or parallelized, with
+    another ContextParallel than the trainer's; a plain Trainer given a context-parallel model
+    (registered Llama, parallelized Llama, parallelized Qwen3.5: it raises at the first forward,
+    on every rank, saying to use ContextParallelTrainer). And a model from model_init, and one
+    TRL loads from a folder's name, are attached to the trainer's cp."""
     if ctx.reference:
         return {}
     from cpattn.integrations.trainer import ContextParallelTrainer
-    from cpattn.integrations.transformers import register
+    from cpattn.integrations.transformers import handle_of, parallelize, register
 
-    def train(data, registered_with=None):
+    def train(data, registered_with=None, parallelized_with=None):
         cp = ctx.cp()
         m = model("llama", register(registered_with or cp, "cpattn_messages"))
+        if parallelized_with is not None:
+            parallelize(m, parallelized_with)
         ContextParallelTrainer(cp, model=m, args=ctx.args(dp=1, max_steps=1), train_dataset=data,
                                data_collator=T.default_data_collator).train()
 
-    def plain_trainer():
-        m = model("llama", register(ctx.cp(), "cpattn_messages"))
+    def plain_trainer(kind, attach):
+        cp = ctx.cp()
+        m = model(kind, register(cp, "cpattn_messages") if attach == "register" else "sdpa")
+        if attach == "parallelize":
+            parallelize(m, cp)
         T.Trainer(model=m, args=ctx.args(dp=1, max_steps=1), train_dataset=rows(4),
                   data_collator=T.default_data_collator).train()
+
+    def from_model_init():
+        cp = ctx.cp()
+        trainer = ContextParallelTrainer(
+            cp, model_init=lambda: model("llama", "sdpa"), args=ctx.args(dp=1, max_steps=1),
+            train_dataset=rows(4), data_collator=T.default_data_collator)
+        handle = handle_of(trainer.model)
+        return handle is not None and handle.cp is cp and trainer.cp_handle is handle
+
+    def sft_from_name():  # (TRL loads the model inside its constructor)
+        import os
+
+        from datasets import Dataset
+        from trl import SFTTrainer
+
+        from cpattn.integrations.trainer import with_context_parallel
+
+        folder = os.path.join(ctx.tmp, "tiny_qwen3")
+        if dist.get_rank() == 0:
+            model("qwen3", "sdpa").save_pretrained(folder)
+        dist.barrier()
+        cp = ctx.cp()
+        trainer = with_context_parallel(SFTTrainer)(
+            cp, model=folder, args=ctx.args(dp=1, sft=True, max_steps=1),
+            processing_class=tokenizer(), train_dataset=Dataset.from_list(sft_documents(4)))
+        handle = handle_of(trainer.model)
+        return handle is not None and handle.cp is cp
 
     return {"dataset_differs": raised(lambda: train(rows(4, seed=dist.get_rank()))),
             "dataset_same": raised(lambda: train(rows(4))),
             "other_cp": raised(lambda: train(rows(4), registered_with=ctx.cp())),
-            "plain_trainer": raised(plain_trainer)}
+            "other_cp_parallelized": raised(lambda: train(rows(4), parallelized_with=ctx.cp())),
+            "plain_trainer": raised(lambda: plain_trainer("llama", "register")),
+            "plain_trainer_parallelized": raised(lambda: plain_trainer("llama", "parallelize")),
+            "plain_trainer_hybrid": raised(lambda: plain_trainer("qwen3_5", "parallelize")),
+            "model_init_attached": from_model_init(),
+            "sft_from_name_attached": sft_from_name()}
 
 
 @scenario(world=4)

@@ -1,6 +1,6 @@
-"""The toolkit of the trainer scenarios (tests/trainer_cp_worker.py, tests/trainer_cp_exact.py):
-tiny models and data, the trainer of a run (one process with SDPA, or context parallel), what a
-run records, the scenario registry.
+"""The toolkit of the trainer scenarios (tests/trainer_cp_worker.py, trainer_cp_exact.py and
+trainer_cp_hybrid.py): tiny models and data, the trainer of a run (one process with SDPA, or
+context parallel), what a run records, the scenario registry.
 
 Batches: the reference's per-device batch is dp x the context-parallel run's, with the same
 gradient accumulation, sampler and seed, so that each optimizer step covers the same samples.
@@ -24,7 +24,14 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
               bos_token_id=1, eos_token_id=2, use_cache=False)
 
 
+HYBRIDS = ("qwen3_5", "bamba")  # gated delta rule, Mamba-2: tests/hybrid_models.py's configs
+
+
 def config(kind: str, **overrides):
+    if kind in HYBRIDS:
+        import hybrid_models
+
+        return hybrid_models.config(kind, **overrides)
     if kind == "llama":
         return T.LlamaConfig(**{**COMMON, **overrides})
     if kind == "qwen3":
@@ -131,9 +138,12 @@ class Context:
         return context_parallel(cp_size, strategy, ulysses_size=ulysses_size)
 
     def trainer(self, kind: str, args, strategy: str = "ring", cp_size: int = 2, sft=False,
-                base=None, ulysses_size=None, model_overrides=None, **kw):
+                base=None, ulysses_size=None, model_overrides=None, attach="trainer", **kw):
         """(trainer, capture) for this run: `base` (Trainer or SFTTrainer; with context
-        parallelism its ContextParallel class, or `base` itself when it already is one)."""
+        parallelism its ContextParallel class, or `base` itself when it already is one).
+        attach: how cp reaches the model under context parallelism: "trainer" (an SDPA model,
+        parallelized by the trainer), "register" (loaded with attn_implementation=register(cp),
+        the older way) or "parallelize" (parallelize(model, cp) before the trainer)."""
         from trl import SFTTrainer
 
         base = base or (SFTTrainer if sft else T.Trainer)
@@ -142,12 +152,16 @@ class Context:
             m = model(kind, "sdpa", **(model_overrides or {}))
             return base(model=m, args=args, callbacks=[capture], **kw), capture
         from cpattn.integrations.trainer import with_context_parallel
-        from cpattn.integrations.transformers import register
+        from cpattn.integrations.transformers import parallelize, register
 
         cp = self.cp(strategy, cp_size, ulysses_size)
-        m = model(kind, register(cp, f"cpattn_{strategy}"), **(model_overrides or {}))
-        return with_context_parallel(base)(cp, model=m, args=args, callbacks=[capture],
-                                           **kw), capture
+        attn = register(cp, f"cpattn_{strategy}") if attach == "register" else "sdpa"
+        m = model(kind, attn, **(model_overrides or {}))
+        if attach == "parallelize":
+            parallelize(m, cp)
+        trainer = with_context_parallel(base)(cp, model=m, args=args, callbacks=[capture], **kw)
+        assert trainer.model is m and trainer.cp_handle.cp is cp, "cp not attached to the model"
+        return trainer, capture
 
 
 def every_rank(value):
@@ -242,10 +256,11 @@ def with_ablation(ctx, run, mistake, base=None) -> dict:
     return out
 
 
-def rows_run(ctx, kind: str, n: int, **args):
+def rows_run(ctx, kind: str, n: int, attach: str = "trainer", **args):
     """run(base) for with_ablation: `kind` trained on rows(n) with ctx.args(**args)."""
     def run(base):
-        return train_run(ctx, kind, ctx.args(**args), rows(n), T.default_data_collator, base=base)
+        return train_run(ctx, kind, ctx.args(**args), rows(n), T.default_data_collator, base=base,
+                         attach=attach)
     return run
 
 

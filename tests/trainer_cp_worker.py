@@ -12,7 +12,8 @@ launch runs many scenarios (the imports and the process group are paid once).
 
 The toolkit (models, data, runs) is tests/trainer_cp_kit.py, the ablations
 tests/trainer_cp_ablations.py; the scenarios of issue 56 (batches exactly one process's, any
-collator length, the CPU set-up, messages) are in tests/trainer_cp_exact.py.
+collator length, the CPU set-up, messages) are in tests/trainer_cp_exact.py, the hybrid models
+under both trainers in tests/trainer_cp_hybrid.py.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import trainer_cp_exact  # noqa: E402,F401  (registers its scenarios)
+import trainer_cp_hybrid  # noqa: E402,F401  (registers its scenarios)
 import transformers as T  # noqa: E402
 from trainer_cp_ablations import (  # noqa: E402
     count_not_divided,
@@ -59,8 +61,11 @@ from trainer_cp_kit import (  # noqa: E402
 
 @scenario(world=2)
 def rows_ring(ctx):
-    """Equal-length rows with different target counts, shuffled, GA 2 (cp 2, dp 1, ring)."""
-    run = rows_run(ctx, "llama", 12, dp=1, batch=2, gradient_accumulation_steps=2)
+    """Equal-length rows with different target counts, shuffled, GA 2 (cp 2, dp 1, ring); the
+    model loaded with attn_implementation=register(cp), the older way (the trainer parallelizes
+    it)."""
+    run = rows_run(ctx, "llama", 12, attach="register", dp=1, batch=2,
+                   gradient_accumulation_steps=2)
     out = with_ablation(ctx, run, labels_shifted_per_shard)
     if not ctx.reference:
         out["refused"] = raised(lambda: run(not_resharded(T.Trainer)))
@@ -165,14 +170,15 @@ def resume(ctx):
 @scenario(world=2)
 def sft_packing(ctx):
     """SFTTrainer packing=True (best-fit packing, padding-free batches with seq_idx), tiny Qwen3,
-    with evaluation on packed documents."""
+    with evaluation on packed documents; the model parallelized before the trainer (which takes
+    it as it is)."""
     from datasets import Dataset
     from trl import SFTTrainer
 
     def run(base):
         args = ctx.args(dp=1, batch=2, sft=True, packing=True, max_length=40, eval_packing=True)
         trainer, capture = ctx.trainer(
-            "qwen3", args, sft=True, base=base, processing_class=tokenizer(),
+            "qwen3", args, sft=True, base=base, processing_class=tokenizer(), attach="parallelize",
             train_dataset=Dataset.from_list(sft_documents(24)),
             eval_dataset=Dataset.from_list(sft_documents(8, seed=1)))
         trainer.train()
@@ -282,8 +288,13 @@ def refusals(ctx):
             cp, model=m, args=ctx.args(dp=1, sft=True, label_smoothing_factor=0.1),
             train_dataset=Dataset.from_list(sft_documents(4)), processing_class=tokenizer())
 
+    def striped_hybrid():  # (parallelize refuses the striped layout for models with mixers)
+        striped = context_parallel(2, "ring", layout="striped")
+        ContextParallelTrainer(striped, model=model("qwen3_5", "sdpa"), args=ctx.args(dp=1),
+                               train_dataset=data, data_collator=T.default_data_collator)
+
     return {
-        "sdpa": raised(lambda: build(attn="sdpa")),
+        "parallelize_refuses": raised(striped_hybrid),
         "accelerate_cp": raised(lambda: build(parallelism_config=ParallelismConfig(cp_size=2))),
         "batch_rebalance": raised(lambda: build(train_sampling_strategy="batch_rebalance")),
         "iterable": raised(lambda: build(train_dataset=Stream(), max_steps=2)),

@@ -37,6 +37,11 @@ from cpattn.core.options import AttentionOptions
 from cpattn.sharding.packing import KEYWORD
 
 WHAT = "cpattn.integrations.transformers"
+# What a model given whole batches (a plain transformers Trainer's) is told, as a sentence.
+TRAINER_ADVICE = ("A transformers Trainer gives the model whole batches: train with "
+                  "cpattn.integrations.trainer.ContextParallelTrainer (or "
+                  "with_context_parallel(YourTrainer); ContextParallelSFTTrainer for TRL), "
+                  "which shards every batch")
 
 # Keywords transformers passes that do not change the attention math.
 _INERT = frozenset({"use_cache", "output_hidden_states", "output_router_logits",

@@ -55,6 +55,7 @@ from cpattn.integrations._generation import (
     left_padded,
 )
 from cpattn.integrations._model_checks import (
+    TRAINER_ADVICE,
     WHAT,
     agree,
     attention_chunk,
@@ -123,6 +124,13 @@ def _check_positions(cp: ContextParallel, module: torch.nn.Module,
     def check():
         expected = _expected_positions(cp, local_len, docs, position_ids.device)
         if position_ids.shape[-1] != local_len or not bool((position_ids == expected).all()):
+            if docs is None and _unsharded(position_ids):
+                raise ValueError(
+                    f"{WHAT}: position_ids are not the position ids of this rank's tokens but "
+                    "0, 1, 2, ... (what a model uses when given none): the model got a whole "
+                    f"batch, or a shard without its position ids. {TRAINER_ADVICE}; in a loop "
+                    "of your own, give the model the whole batch of cpattn.shard_batch (its "
+                    "position_ids with it)")
             packed = " (packed documents: give the whole batch to shard_batch, and pass its " \
                 "'cpattn_documents' to the model too)" if docs is None else ""
             raise ValueError(
@@ -133,6 +141,14 @@ def _check_positions(cp: ContextParallel, module: torch.nn.Module,
 
     agree(cp, WHAT, check)
     _CHECKED[id(cp)] = (position_ids, (position_ids._version, local_len, docs))
+
+
+def _unsharded(position_ids: torch.Tensor) -> bool:
+    """Whether every row's position ids are 0, 1, ..., n-1: the ones a model makes when given
+    none (a whole batch as a loader gives it, or a shard without its positions). Called when
+    they are wrong: the first rank of the contiguous layout rightly has them."""
+    steps = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    return bool((position_ids == steps).all())
 
 
 def _check_positions_on_device(cp: ContextParallel, position_ids: torch.Tensor, local_len: int,
@@ -146,7 +162,8 @@ def _check_positions_on_device(cp: ContextParallel, position_ids: torch.Tensor, 
     _assert_on_every_rank(cp, (position_ids != expected).any(),
                           f"{WHAT}: position_ids are not the position ids of the tokens on some "
                           "rank: pass position_ids=cpattn.shard_batch(...)['position_ids'] to "
-                          "the model, else RoPE sees other positions")
+                          "the model, else RoPE sees other positions (0, 1, 2, ... on every "
+                          f"rank: a whole batch, not a shard. {TRAINER_ADVICE})")
 
 
 def _assert_on_every_rank(cp: ContextParallel, failed: torch.Tensor, message: str) -> None:
@@ -212,11 +229,12 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
     tokens = docs.tokens if docs is not None else q.shape[1] * cp.world_size
     max_position = docs.max_position if docs is not None else tokens - 1
     chunk = attention_chunk(module)
-    chunked = chunk is not None and max_position >= chunk and len(cp.groups) == 1
+    # (past one chunk: exact over one process group; the hybrid's two raise in check_layer)
+    chunked = chunk is not None and max_position >= chunk and cp.group is not None
     check_layer(module, tokens, max_position, chunks=chunked)
     _check_positions(cp, module, kwargs.get("position_ids"), q.shape[1], docs,
                      KEYWORD in kwargs)
-    if chunked and cp.strategy == "ulysses":
+    if chunked and cp.spec.splits_heads:
         return _chunked_ulysses(cp, q, k, v, opts, docs, chunk), None
     if chunked:
         return _chunked_gathered(cp, q, k, v, opts, docs, chunk), None

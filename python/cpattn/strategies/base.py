@@ -29,14 +29,17 @@ class Strategy:
     functions take them; documents: cu_seqlens, or a DocumentPlan where runs_document_plans.
     emulate(q, k, v, layout, opts) -> (outs, lses): its forward for W ranks emulated in one
     process (lists of shards, AttentionOptions; cpattn.testing.emulation), or None.
+    splits_heads: each rank attends the whole sequence with its share of the heads (Ulysses,
+    the hybrid's inner groups) rather than moving K/V between sequence shards.
     This base takes one process group (ring, all-gather, Ulysses); hybrid.py's takes two."""
 
     def __init__(self, name: str, attend: Callable, attend_varlen: Callable, *,
                  layouts: tuple = ("zigzag", "contiguous", "striped"),
-                 layout_rule: str = "", emulate: Optional[Callable] = None) -> None:
+                 layout_rule: str = "", emulate: Optional[Callable] = None,
+                 splits_heads: bool = False) -> None:
         self.name, self.attend, self.attend_varlen = name, attend, attend_varlen
         self.layouts, self.layout_rule = layouts, layout_rule
-        self.emulate = emulate
+        self.emulate, self.splits_heads = emulate, splits_heads
 
     def __repr__(self) -> str:
         return f"Strategy({self.name!r})"

@@ -207,4 +207,4 @@ def _attend_varlen(cp, q, k, v, cu_seqlens, **call):
                                    ring_group=cp.ring_group, layout=cp.layout, **call)
 
 
-HYBRID = HybridStrategy("hybrid", _attend, _attend_varlen)
+HYBRID = HybridStrategy("hybrid", _attend, _attend_varlen, splits_heads=True)

@@ -1,9 +1,10 @@
 """The adapters: each mixer class's forward written against the module's own submodules and
 parameters (projections, gates, norms, out_proj), with the convolution (`Mixing.conv`: its halo)
-and the recurrence (the local kernels of cpattn.mixers.kernels plus `Mixing.entry`: the entry
-states) over this rank's pieces. One `@adapts` line per class; variants are read from the
-module's own submodules, buffers and config values (Falcon-H1's multipliers and optional norm,
-the RMSNorms of Jamba and FalconMamba on dt / B / C, OLMo's beta x2), never from its class name."""
+and the recurrence (`Mixing.scalar_decay`, `.delta_rule`, `.kda`, `.selective_scan`: the
+blocks of cpattn.mixers.kernels with the state scan, fp32) over this rank's tokens. One
+`@adapts` line per class; variants are read from the module's own submodules, buffers and
+config values (Falcon-H1's multipliers and optional norm, the RMSNorms of Jamba and FalconMamba
+on dt / B / C, OLMo's beta x2), never from its class name."""
 
 from __future__ import annotations
 
@@ -14,15 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.integrations.hybrid.registry import adapts
-from cpattn.mixers.kernels import (
-    delta_rule,
-    delta_rule_summary,
-    kda,
-    kda_summary,
-    read_entry,
-    scalar_decay,
-    selective_scan,
-)
 from cpattn.mixers.mixing import Mixing
 
 
@@ -89,10 +81,8 @@ def mamba2(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
     x = x.unflatten(-1, (heads, -1)).float()  # (unflatten: also for a rank without tokens)
     b, c = (t.unflatten(-1, (groups, -1)).float()
             .repeat_interleave(heads // groups, dim=2) for t in (b, c))
-    xr, br, cr, dtr = (mix.rows(t) for t in (x, b, c, dt))
-    y0, p, mm, s = scalar_decay(cr, br, xr * dtr[..., None], a * dtr, mix.mask(h.device))
-    y = y0 + read_entry(p, mix.entry(mm, s, "scalar")) + m.D.float()[:, None] * xr
-    y = mix.local(y).flatten(-2)
+    y = mix.scalar_decay(c, b, x * dt[..., None], a * dt) + m.D.float()[:, None] * x
+    y = y.flatten(-2)
     if isinstance(m.norm, torch.nn.Identity):  # (Falcon-H1 without mamba_rms_norm)
         y = y * F.silu(gate)
     else:
@@ -114,14 +104,7 @@ def _delta_rule(m, h, mix: Mixing, mixed, z, b, a, beta_scale: float = 1.0):
     q, k = (t.repeat_interleave(repeat, dim=2).float() for t in (q, k))
     q = _l2norm(q) * q.shape[-1] ** -0.5
     k = _l2norm(k)
-    rows = [mix.rows(t) for t in (q, k, v.float(), g, beta.float())]
-    if mix.alone:
-        keep = mix.mask(h.device)[..., None].float()
-        y, _ = delta_rule(*rows[:3], rows[3] * keep, rows[4] * keep)
-    else:
-        y0, p, mm, s = delta_rule_summary(*rows, mix.mask(h.device))
-        y = y0 + read_entry(p, mix.entry(mm, s, "matrix"))
-    return mix.local(y).to(h.dtype), z
+    return mix.delta_rule(q, k, v.float(), g, beta.float()).to(h.dtype), z
 
 
 @adapts("qwen3_5.Qwen3_5GatedDeltaNet",
@@ -173,14 +156,7 @@ def kimi_delta(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
     beta = torch.sigmoid(m.b_proj(h)).float()
     q = _l2norm(q) * q.shape[-1] ** -0.5
     k = _l2norm(k)
-    rows = [mix.rows(t) for t in (q, k, v, g, beta)]
-    if mix.alone:
-        keep = mix.mask(h.device)[..., None].float()
-        y, _ = kda(*rows[:3], rows[3] * keep[..., None], rows[4] * keep)
-    else:
-        y0, p, mm, s = kda_summary(*rows, mix.mask(h.device))
-        y = y0 + read_entry(p, mix.entry(mm, s, "matrix"))
-    y = mix.local(y).to(h.dtype)
+    y = mix.kda(q, k, v, g, beta).to(h.dtype)
     gate = m.g_b_proj(m.g_a_proj(h)).unflatten(-1, (-1, m.head_dim))
     return m.o_proj(m.o_norm(y, gate).flatten(-2))
 
@@ -195,9 +171,7 @@ def lightning(m, h: torch.Tensor, mix: Mixing):
     qkv = m.act_fn(m.qkv_proj(h)).reshape(batch, length, heads, 3 * d)
     q, k, v = (t.float() for t in qkv.split(d, dim=-1))
     decay = (-m.slope_rate.reshape(heads).float()).expand(batch, length, heads)
-    rows = [mix.rows(t) for t in (q, k, v, decay)]
-    y0, p, mm, s = scalar_decay(*rows, mix.mask(h.device))
-    y = mix.local(y0 + read_entry(p, mix.entry(mm, s, "scalar")))
+    y = mix.scalar_decay(q, k, v, decay)
     y = m.norm(y.reshape(batch, length, heads * d).to(h.dtype))
     y = torch.sigmoid(m.output_gate(h)) * y
     return m.out_proj(y), None
@@ -217,18 +191,13 @@ def mamba1(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
     norms = [_own(m, n) for n in ("dt_layernorm", "b_layernorm", "c_layernorm")]
     if all(n is not None for n in norms):  # (Jamba, FalconMamba: RMSNorms on dt, B and C)
         step, b, c = (n(t) for n, t in zip(norms, (step, b, c)))
+    # dt, the state's readout and the gate in the dtypes the module has them (bf16 under
+    # autocast), the scan in fp32
     dt = step @ m.dt_proj.weight.t()
     if m.dt_proj.bias is not None:
-        dt = dt + m.dt_proj.bias.float()
-    dt = F.softplus(dt).float()
+        dt = dt + m.dt_proj.bias.to(dt.dtype)
+    dt = F.softplus(dt)
     a = -torch.exp(m.A_log.float())  # (I, N)
-    xr, br, cr, dtr = (mix.rows(t.float()) for t in (x, b, c, dt))
-    bx = dtr[..., None] * br[:, :, None, :] * xr[..., None]
-    mask = mix.mask(h.device)
-    y0, s, mm = selective_scan(dtr, a, bx, cr, mask)
-    entry = mix.entry(mm, s, "diagonal")  # (B n, I, N)
-    cum = torch.cumsum(dtr * mask[..., None], 1)  # (B n, L, I)
-    y = y0 + ((cr[:, :, None, :] * torch.exp(cum[..., None] * a)) * entry[:, None]).sum(-1)
-    y = mix.local(y + xr * m.D.float())
-    y = y * F.silu(gate.float())
+    y = mix.selective_scan(dt, a, x, b, c).to(x.dtype) + x * m.D.float()
+    y = y * F.silu(gate)
     return m.out_proj(y.to(dtype))

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from cpattn.integrations._model_checks import TRAINER_ADVICE
 from cpattn.integrations.hybrid.documents import ModelState
 from cpattn.integrations.hybrid.generation import generation_forward, is_generating
 from cpattn.integrations.hybrid.registry import Adapter
@@ -93,7 +94,7 @@ def _sharded_forward(role: MixerRole, module: torch.nn.Module, hidden: torch.Ten
                 f"{WHAT}: {name} mixes tokens along the sequence, so cpattn needs to know how "
                 "the batch was sharded: pass the whole batch of cpattn.shard_batch to the model "
                 f"(model(**batch) without 'shift_labels': its {KEYWORD!r}, None for rows of "
-                "whole sequences)")
+                f"whole sequences). {TRAINER_ADVICE}")
         if documents is not None and not isinstance(documents, Documents):
             raise ValueError(f"{WHAT}: {KEYWORD} must be the cpattn.sharding.packing.Documents "
                              "that cpattn.shard_batch made")

@@ -2,19 +2,23 @@
 
     args = TrainingArguments("out", ...)            # under torchrun: starts torch.distributed
     cp = context_parallel(cp_size=2, strategy="ring")       # groups of 2 consecutive ranks
-    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=register(cp))
+    model = AutoModelForCausalLM.from_pretrained(name)      # any model parallelize takes
     trainer = ContextParallelTrainer(cp, model=model, args=args, train_dataset=ds,
                                      data_collator=DataCollatorWithFlattening())
-    trainer.train()
+    trainer.train()                                 # (the trainer parallelized the model)
 
 `ContextParallelSFTTrainer` is the same for TRL's `SFTTrainer` (TRL imported when first named);
 `with_context_parallel(cls)` makes the class for any other Trainer subclass.
 
+The trainer makes the model context-parallel itself (`parallelize(model, cp)`, unless the model
+is parallelized with this cp already; a model attached to another ContextParallel is refused).
+
 What the mixin changes, and why (the Trainer's own code does the rest; the public methods
-get_*_dataloader, compute_loss, prediction_step, evaluation_loop, floating_point_ops and
-get_cp_size are overridden, and two private ones: `_prepare_context_parallel_inputs`, the
-Trainer's context-parallel seam, and `_track_num_input_tokens`; a CPU machine's
-TrainingArguments get use_cpu=True when torch.distributed runs W > 1 ranks):
+get_*_dataloader, compute_loss, prediction_step, evaluation_loop, floating_point_ops,
+call_model_init and get_cp_size are overridden, and two private ones:
+`_prepare_context_parallel_inputs`, the Trainer's context-parallel seam, and
+`_track_num_input_tokens`; a CPU machine's TrainingArguments get use_cpu=True when
+torch.distributed runs W > 1 ranks):
 - data (data.py): accelerate deals batch k to process k % W; the mixin re-shards its samplers
   over the data-parallel ranks (dp = W / cp, dp rank = rank // cp), so every rank of a CP group
   gets the same full batch (train, eval and test loaders; shuffling, resume and gradient

@@ -13,7 +13,7 @@ from transformers import Trainer
 
 from cpattn.integrations.trainer import data, evaluation, ranks
 from cpattn.integrations.trainer.ranks import WHAT
-from cpattn.integrations.transformers import registered
+from cpattn.integrations.transformers import ParallelHandle, handle_of, parallelize, registered
 from cpattn.parallel import ContextParallel
 from cpattn.sharding.packing import KEYWORD, find_packing
 from cpattn.training import (
@@ -31,8 +31,13 @@ cp.world_size ranks of a context-parallel group, with exact attention, loss and 
 
 cp: the cpattn.ContextParallel of this rank's group, from
     cpattn.integrations.trainer.context_parallel(cp_size, strategy): groups of cp_size
-    consecutive ranks; the W / cp_size groups are data-parallel replicas. The model must be
-    loaded with attn_implementation=cpattn.integrations.transformers.register(cp), this cp.
+    consecutive ranks; the W / cp_size groups are data-parallel replicas. The trainer makes
+    the model context-parallel with it (cpattn.integrations.transformers.parallelize(model,
+    cp): its attention and the token mixers of hybrid models, checked on every rank; also a
+    model made by model_init, or loaded by TRL from a name), so cp is given once. A model
+    parallelized with this cp already is taken as it is; one loaded with
+    attn_implementation=register(cp) (the older way, this cp) is parallelized too. The
+    handle (its remove() restores the model) is trainer.cp_handle.
 The other arguments are {base}'s. Under torchrun (or accelerate launch), on GPUs or CPUs.
 
 Batches: the ranks of a group get the same full batch, split by cpattn.shard_batch (labels
@@ -41,24 +46,25 @@ documents are padded inside the shards). With one data-parallel replica the batc
 process's (the last one partial, never filled); with several, training fills the last batches
 as accelerate does, and evaluation counts each example once.
 
-Refused with ValueError on every rank, naming the fix: a model registered with no or another
-cp; accelerate's ParallelismConfig (cp_size, sp_size, tp_size); train_sampling_strategy=
-"batch_rebalance"; an IterableDataset; accelerator_config dispatch_batches=True, split_batches
-with several replicas, even_batches=False with several replicas; compute_loss_func;
-neftune_noise_alpha; eval_use_gather_object; several GPUs in one process; tensor parallelism;
-with TRL's SFTTrainer, label_smoothing_factor and the MoE auxiliary loss; datasets or batches
-that differ between the ranks."""
+Refused with ValueError on every rank, naming the fix: a model parallelized or registered with
+another cp (or that parallelize refuses); accelerate's ParallelismConfig (cp_size, sp_size,
+tp_size); train_sampling_strategy="batch_rebalance"; an IterableDataset; accelerator_config
+dispatch_batches=True, split_batches with several replicas, even_batches=False with several
+replicas; compute_loss_func; neftune_noise_alpha; eval_use_gather_object; several GPUs in one
+process; tensor parallelism; with TRL's SFTTrainer, label_smoothing_factor and the MoE auxiliary
+loss; datasets or batches that differ between the ranks."""
 
 
 class ContextParallelMixin:
     __doc__ = MIXIN_DOC.format(name="ContextParallel<Trainer>", base="Trainer class")
 
     def __init__(self, cp: ContextParallel, *args, **kwargs) -> None:
-        """cp: the cpattn.ContextParallel the model was registered with (register(cp)); the
-        other arguments are the Trainer class's."""
+        """cp: the cpattn.ContextParallel of this rank's group (context_parallel(...)), which
+        the trainer attaches to the model; the other arguments are the Trainer class's."""
         if not isinstance(cp, ContextParallel):
             raise TypeError(f"{WHAT}: the first argument must be the cpattn.ContextParallel "
-                            f"the model was loaded with, got {type(cp).__name__}")
+                            f"of this rank's group (context_parallel(...)), got "
+                            f"{type(cp).__name__}")
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         self._cp_use_every_rank(training_args)
         ranks.check_world(training_args)
@@ -66,11 +72,16 @@ class ContextParallelMixin:
         for i, name in ((3, "train_dataset"), (4, "eval_dataset")):
             data.refuse_iterable(kwargs.get(name, args[i] if len(args) > i else None))
         self.cp = cp
+        self.cp_handle: ParallelHandle | None = None
         self._cp_dp_rank, self._cp_dp_size = ranks.data_parallel(cp)
         self._cp_batch_tokens = None
         self._cp_rounds = None
         super().__init__(*args, **kwargs)
         self._cp_check_setup()
+        # (after the Trainer's set-up: the model is on its device, TRL has loaded a model given
+        # by name; model_init's models are attached in call_model_init. After the refusals:
+        # a refused trainer leaves the model as it was)
+        self.cp_handle = self._cp_attach(self.model)
         # The Trainer counts the full batches' targets for the loss (num_items_in_batch), and
         # counts them shifted: cpattn's loss shifts labels over the whole sequence.
         self.model_accepts_loss_kwargs = True
@@ -95,30 +106,40 @@ class ContextParallelMixin:
                 return cls is Trainer
         return False
 
-    def _cp_check_model(self) -> None:
-        config = getattr(self.accelerator.unwrap_model(self.model), "config", None)
-        name = getattr(config, "_attn_implementation", None)
-        theirs = registered(name)
-        if theirs is None:
-            raise ValueError(
-                f"{WHAT}: the model's attention implementation is {name!r}, not cpattn's: load "
-                "the model with attn_implementation=cpattn.integrations.transformers.register(cp),"
-                " with the cp given to the trainer")
-        if theirs is not self.cp:
+    def _cp_attach(self, model) -> ParallelHandle:
+        """Makes `model` context-parallel with self.cp (parallelize), unless it is already (its
+        handle is returned); a model parallelized or registered with another ContextParallel
+        raises ValueError on every rank (the same settings everywhere)."""
+        model = self.accelerator.unwrap_model(model) if hasattr(self, "accelerator") else model
+        handle = handle_of(model)
+        theirs = handle.cp if handle is not None else registered(
+            getattr(getattr(model, "config", None), "_attn_implementation", None))
+        if theirs is not None and theirs is not self.cp:
             mine, other = _describe(self.cp), _describe(theirs)
             settings = (f"the same settings ({mine}), but another object" if mine == other else
                         f"{other}, the trainer's: {mine}")
+            how = ("was parallelized with another ContextParallel" if handle is not None else
+                   f"has the attention implementation {model.config._attn_implementation!r}, "
+                   "registered with another ContextParallel")
             raise ValueError(
-                f"{WHAT}: the model's attention implementation {name!r} was registered with "
-                f"another ContextParallel than the one given to the trainer ({settings}): build "
-                "cp once (context_parallel(...)) and give that object to both, attn_implementation"
-                "=cpattn.integrations.transformers.register(cp) and the trainer")
+                f"{WHAT}: the model {how} than the one given to the trainer ({settings}): build "
+                "cp once (context_parallel(...)) and give it to the trainer only, which makes "
+                "the model context-parallel itself (or give that object to parallelize(model, "
+                "cp) / register(cp) too; handle_of(model).remove() undoes an earlier "
+                "parallelize)")
+        return handle if handle is not None else parallelize(model, self.cp)
+
+    def call_model_init(self, trial=None):
+        """The Trainer's model_init (at construction, and for each trial of a hyperparameter
+        search), its model made context-parallel with cp."""
+        model = super().call_model_init(trial)
+        self.cp_handle = self._cp_attach(model)
+        return model
 
     def _cp_check_setup(self) -> None:
         """Refuses, on every rank (the same settings everywhere), what cannot be made exact."""
         args = self.args
         ranks.refuse_accelerate_parallelism(getattr(self.accelerator, "parallelism_config", None))
-        self._cp_check_model()
         several = self._cp_dp_size > 1
         loader_config = args.accelerator_config
         refusals = [

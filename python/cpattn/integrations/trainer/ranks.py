@@ -22,7 +22,7 @@ def context_parallel(cp_size: int, strategy: str = "ring", *, ulysses_size: Opti
     ulysses_size (dividing cp_size): the group is a (ring, Ulysses) grid of cp_size /
     ulysses_size x ulysses_size ranks. options: ContextParallel's (layout, timeout, ...).
     Needs torch.distributed started (TrainingArguments starts it under torchrun); call it on
-    every rank, once: give the same object to register() and to the trainer."""
+    every rank, once, and give it to the trainer (which attaches it to the model)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     what = f"{WHAT}.context_parallel"
