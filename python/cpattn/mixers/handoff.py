@@ -6,16 +6,19 @@ same piece map for every row). Besides what `Mixing` gives an adapter it
 
 - starts each row from a cached state: `history`, the conv inputs before the chunk (they reach
   the chunk's first k - 1 outputs, added as a correction to the tokens there), and `initial`, the
-  recurrent state before the chunk (the scan's entry state of the row's first piece: folded into
-  that piece's summary, so every later piece's entry carries it too);
+  recurrent state before the chunk. A sequence held whole by the rank (one process, or the part
+  after the context-parallel lead) starts its row's loop from it. A sequence split over the
+  ranks starts its first piece from it: folded into that piece's summary (M initial + S), so the
+  state scan carries it to every later piece's entry, and added to the first piece's entry;
 - records what the row ends with: `tail`, its last k conv inputs (the cache layout's width: the
   module's own decode shifts the oldest out), gathered from the ranks that hold them (one
   exchange of k rows per rank, summed: each row is held by one rank, the others send zeros, so
-  the sum is exact); and `final`, its final state, M S_entry + S of the piece that ends the
-  sequence, on the rank that holds that piece (`owner`; `handed_off` broadcasts it).
+  the sum is exact); and `final`, its final state: the whole row's loop's last state, or the
+  state after the piece that ends the sequence, advanced from that piece's entry through its
+  blocks on the rank that holds it (`owner`; `handed_off` broadcasts it).
 
-Every rank calls both exchanges (the adapter calls conv and entry on every rank). States are in
-the kernels' layout (cpattn.mixers.kernels), fp32."""
+Every rank calls both exchanges (the adapter calls conv and the recurrence on every rank).
+States are in the kernels' layout (cpattn.mixers.kernels): fp32, float64 for float64 inputs."""
 
 from __future__ import annotations
 
@@ -61,10 +64,6 @@ class Handoff(Mixing):
     found: dict = field(default_factory=dict)
 
     @property
-    def alone(self) -> bool:
-        return False  # (the final state needs the summaries, even with no piece to exchange)
-
-    @property
     def owner(self) -> int:
         """The rank that holds the sequence's last piece (its final state)."""
         return ending_piece(self.piece_map)[0]
@@ -101,30 +100,40 @@ class Handoff(Mixing):
                               tail[:, before:]], 1)
         return tail
 
-    def entry(self, m: torch.Tensor, s: torch.Tensor, kind: str) -> torch.Tensor:
-        """Entry states (B n, ...) that start each row from `initial`; records the final
-        state (found["final"]) on the owner."""
-        unflat = (self.batch, self.pieces)
-        m_rows, s_rows = m.unflatten(0, unflat), s.unflatten(0, unflat)
-        starts = torch.tensor(self.piece_map.starts_document(self.rank), dtype=torch.bool,
-                              device=s.device)
-        starts = starts.reshape(1, -1, *([1] * (s.dim() - 1)))
-        initial = None
-        if self.initial is not None:
-            initial = self.initial[:, None].to(s.dtype)  # (B, 1, ...)
-            # the first piece's summary begins with the initial state: its successors see it
-            s_rows = torch.where(starts, apply_transition(kind, m_rows, initial) + s_rows, s_rows)
-        entry = super().entry(m_rows.flatten(0, 1), s_rows.flatten(0, 1), kind).unflatten(
-            0, unflat)
+    def _initial(self, like: torch.Tensor) -> Optional[torch.Tensor]:
+        return None if self.initial is None else self.initial.to(like.dtype)
+
+    def _whole_start(self, zero: torch.Tensor) -> torch.Tensor:
+        initial = self._initial(zero)
+        return zero if initial is None else initial + zero
+
+    def _whole_end(self, state: torch.Tensor) -> None:
+        self.found["final"] = state  # (one document per row: the row's last state is its own)
+
+    def _entry_states(self, family, rows, parts, m, s) -> torch.Tensor:
+        """The state scan with each row's first piece started from `initial`; records the
+        final state (found["final"]) on the owner, an empty buffer of its shape elsewhere."""
+        linked = self.piece_map.linked(self.rank)
+        starts = self.piece_map.starts_document(self.rank)
+        first = torch.tensor([starts[j] for j in linked], dtype=torch.bool, device=s.device)
+        first = first.reshape(1, -1, *([1] * (s.dim() - 2)))
+        initial = self._initial(s)
+        if initial is not None:  # the first piece's summary from the initial state
+            s = torch.where(first, apply_transition(family.kind, m, initial[:, None]) + s, s)
+        entry = super()._entry_states(family, rows, parts, m, s)
         if initial is not None:
-            entry = torch.where(starts, entry + initial, entry)
+            entry = torch.where(first, entry + initial[:, None], entry)
         owner, piece = ending_piece(self.piece_map)
-        self.found["final"] = s.new_empty((self.batch, *s.shape[1:]))  # (filled on the owner)
-        if owner == self.rank:
-            unchanged = s.unflatten(0, unflat)[:, piece]
-            self.found["final"] = apply_transition(kind, m_rows[:, piece], entry[:, piece]) + \
-                unchanged
-        return entry.flatten(0, 1)
+        if owner != self.rank:
+            self.found["final"] = entry.new_empty((entry.shape[0], *entry.shape[2:]))
+            return entry
+        last = linked.index(piece)
+        blocks = type(parts[0]).cat(parts)
+        state = entry[:, last]
+        for step in blocks.steps()[rows.starts[last]:rows.ends[last] + 1]:
+            state = blocks.advance(step, state)
+        self.found["final"] = state
+        return entry
 
     def handed_off(self, broadcast: Broadcast) -> torch.Tensor:
         """The final state (B, ...) on every rank: the owner's, broadcast."""

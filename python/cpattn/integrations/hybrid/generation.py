@@ -146,15 +146,15 @@ def _prefill_rows(role, module: torch.nn.Module, x: torch.Tensor, layer: MixerLa
     parts = []
     if lead:  # context-parallel over the ranks
         index = cp.positions(lead, device=x.device)
-        mix = Handoff(piece_map_of(cp, lead // cp.world_size), cp.rank, exchange_of(cp),
-                      x.shape[0], *_cached(layer, rows, layout))
+        mix = _handoff(piece_map_of(cp, lead // cp.world_size), cp.rank, exchange_of(cp),
+                       x.shape[0], layer, rows, layout)
         y = adapter.fn(module, x[:, :lead].index_select(1, index), mix)
         parts.append(_map_first(y, cp.unshard))
         _commit(layer, rows, mix, layout, _broadcaster(cp), x.dtype, batch)
     if r > lead:  # the rest: every rank alike
         rest = r - lead
-        mix = Handoff(build_piece_map([torch.arange(rest)], (0, rest)), 0, stacked, x.shape[0],
-                      *_cached(layer, rows, layout))
+        mix = _handoff(build_piece_map([torch.arange(rest)], (0, rest)), 0, stacked,
+                       x.shape[0], layer, rows, layout)
         parts.append(adapter.fn(module, x[:, lead:], mix))
         _commit(layer, rows, mix, layout, lambda t, src: t, x.dtype, batch)
     if len(parts) == 1:
@@ -176,15 +176,16 @@ def _broadcaster(cp):
     return broadcast
 
 
-def _cached(layer: MixerLayer, rows, layout: Layout) -> tuple[Optional[torch.Tensor], ...]:
-    """(history (b, k - 1, C), initial (b, ...) in the kernel's layout) of the rows, None where
-    the layer holds nothing yet."""
-    if not layer.has_previous_state[0]:
-        return None, None
-    conv, state = layer.conv_states[0], layer.recurrent_states[0]
-    history = conv[rows, :, 1:].transpose(1, 2) if conv is not None else None
-    initial = layout.from_cache(state[rows]).float() if state is not None else None
-    return history, initial
+def _handoff(piece_map, rank: int, exchange, batch: int, layer: MixerLayer, rows,
+             layout: Layout) -> Handoff:
+    """The Handoff of the rows, from the layer's cached history (b, k - 1, C) and state (b, ...
+    in the kernel's layout), none where the layer holds nothing yet."""
+    history = initial = None
+    if layer.has_previous_state[0]:
+        conv, state = layer.conv_states[0], layer.recurrent_states[0]
+        history = conv[rows, :, 1:].transpose(1, 2) if conv is not None else None
+        initial = layout.from_cache(state[rows]).float() if state is not None else None
+    return Handoff(piece_map, rank, exchange, batch, history=history, initial=initial)
 
 
 def _commit(layer: MixerLayer, rows, mix: Handoff, layout: Layout, broadcast,
