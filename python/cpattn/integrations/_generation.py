@@ -21,7 +21,7 @@ from cpattn.attention import attention_varlen
 from cpattn.core.options import AttentionOptions
 from cpattn.inference.attention import decode_attention, prefill_attention
 from cpattn.inference.kv_cache import KVCacheShard
-from cpattn.integrations._model_checks import WHAT, attention_chunk, check_layer
+from cpattn.integrations._model_checks import WHAT, agree, attention_chunk, check_layer
 from cpattn.parallel import ContextParallel
 from cpattn.sharding.packing import chunk_boundaries
 
@@ -55,6 +55,22 @@ def left_padded(mask: torch.Tensor) -> bool:
     """Whether a 2-D 0/1 mask is each row's zeros, then its ones."""
     m = mask.to(torch.int64)
     return bool((m[:, 1:] >= m[:, :-1]).all())
+
+
+def host_padding(cp: ContextParallel, mask: torch.Tensor) -> Optional[LeftPadding]:
+    """What cpattn's mask function hands the attention for a padding mask read on the host:
+    None when it is all ones, LeftPadding when each row is left-padded (generation honours it,
+    anything else raises PADDING); raises ValueError on every rank for any other mask."""
+    def all_ones_or_left_padded():
+        if mask.dim() != 2:
+            raise ValueError(f"{WHAT}: the model was given a {mask.dim()}-D attention mask: "
+                             "cpattn applies causality, windows and documents itself and takes "
+                             "a 2-D padding mask only (left padding, to generate)")
+        if not bool(mask.all()) and not left_padded(mask):
+            raise ValueError(PADDING)
+
+    agree(cp, WHAT, all_ones_or_left_padded)
+    return None if bool(mask.all()) else LeftPadding(mask)
 
 
 class ShardedLayer(CacheLayerMixin):

@@ -52,7 +52,7 @@ from cpattn.integrations._generation import (
     PENDING,
     ContextParallelCache,
     LeftPadding,
-    left_padded,
+    host_padding,
 )
 from cpattn.integrations._model_checks import (
     TRAINER_ADVICE,
@@ -333,9 +333,9 @@ def _mask(cp: ContextParallel, parallelized: bool, *args,
     documents on global positions). A 2-D padding mask that is not all ones raises on every
     rank (shard_batch unpads padded batches), except left padding: handed to the attention as
     LeftPadding, which ContextParallelCache's generation honours and anything else refuses. A
-    model that builds its mask here but computes
-    attention in its own code (Bloom, MPT: they accept any attn_implementation) would attend
-    within each rank's shard only: it raises too."""
+    model that builds its mask here but computes attention in its own code (Bloom, MPT: they
+    accept any attn_implementation) would attend within each rank's shard only: it raises
+    too."""
     check_config(config, parallelized)
     model_type = getattr(config, "model_type", None)
     # (a parallelized model was checked by its modules: attention through the interface)
@@ -354,18 +354,7 @@ def _mask(cp: ContextParallel, parallelized: bool, *args,
     if not reads_on_host(attention_mask):  # (a GPU mask: reading it would sync the host)
         _assert_on_every_rank(cp, ~attention_mask.all(), PADDING)
         return None
-    if attention_mask.dim() != 2:
-        raise ValueError(f"{WHAT}: the model was given a {attention_mask.dim()}-D attention "
-                         "mask: cpattn applies causality, windows and documents itself and "
-                         "takes a 2-D padding mask only (left padding, to generate)")
-
-    def all_ones_or_left_padded():
-        if not bool(attention_mask.all()) and not left_padded(attention_mask):
-            raise ValueError(PADDING)
-
-    agree(cp, WHAT, all_ones_or_left_padded)
-    # Left padding: the attention generates with it (ContextParallelCache) or raises PADDING.
-    return None if bool(attention_mask.all()) else LeftPadding(attention_mask)
+    return host_padding(cp, attention_mask)
 
 
 # name -> the settings registered under it. The functions handed to transformers look them up
