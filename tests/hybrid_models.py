@@ -206,13 +206,18 @@ def cp_step(cfg, batch: dict, cp: "cpattn.ContextParallel", compile_backend=None
         out = forward(**{k: v for k, v in local.items() if k != "shift_labels"})
         loss = cpattn.cross_entropy(out.logits, local["shift_labels"], cp)
     loss.backward()
+    return loss.item(), averaged_grads(m)
+
+
+def averaged_grads(model: torch.nn.Module) -> dict:
+    """Each parameter's gradient averaged over the ranks (what a data-parallel step applies)."""
     grads = {}
-    for n, p in m.named_parameters():
+    for n, p in model.named_parameters():
         if p.grad is not None:
             g = p.grad.clone()
             dist.all_reduce(g)
             grads[n] = g / dist.get_world_size()
-    return loss.item(), grads
+    return grads
 
 
 CHECKPOINTING = ("reentrant", "non-reentrant", "plain")

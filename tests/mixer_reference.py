@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.core.layout import document_positions, shard_positions
-from cpattn.mixers import build_piece_map
+from cpattn.mixers import build_piece_map, kernels
+from cpattn.mixers import mixing as M
 from cpattn.mixers.mixing import Mixing
 from cpattn.sharding.documents import shard_documents
 
@@ -174,3 +175,44 @@ def reference(kind, p, bounds):
             parts.append(reference_document(kind, t, p["A"]))
         out.append(torch.cat(parts))
     return torch.stack(out)
+
+
+def check_summaries(gen, kind: str, block: int) -> None:
+    """kernels.summaries over a linked row of two pieces of 7 and 4 tokens, each from a block's
+    start (identity tokens pad the first to its last block's end): for a random entry E, each
+    piece's float64 token loop from E ends at M E + S."""
+    p = problem(gen, 1, 11)
+    first_blocks = -(-7 // block)
+    pad = torch.full((first_blocks * block - 7,), -1)
+    index = torch.cat([torch.arange(7), pad, torch.arange(7, 11)])
+    t = {n: v if n == "A" else take(v, index) for n, v in p.items()}
+    recurrence = {"scalar": M.SCALAR, "matrix": M.DELTA, "kda": M.KDA,
+                  "diagonal": M.SELECTIVE}[kind]
+    if kind == "diagonal":
+        inputs, params = (t["dt"], t["x"], t["b"], t["c"]), (p["A"],)
+    else:
+        keys = t["k"] if kind == "scalar" else unit_keys(t["k"])
+        decay = t["g"] if kind == "kda" else t["a"]
+        beta = () if kind == "scalar" else (t["beta"],)
+        inputs, params = (t["q"], keys, t["v"], decay, *beta), ()
+    blocks = recurrence.prepare(*inputs, *params, None, block)
+    state, transition = recurrence.shapes(1, *inputs, *params)
+    zero = torch.zeros(state, dtype=torch.float64)
+    identity = M._identity(recurrence, transition, torch.float64, "cpu")
+    m, s = kernels.summaries(blocks, zero, identity, (0, first_blocks),
+                             (first_blocks - 1, first_blocks + -(-4 // block) - 1))
+    loops = {"scalar": lambda d, e: scalar_decay_loop(d["q"], d["k"], d["v"], d["a"], e),
+             "matrix": lambda d, e: delta_rule_loop(d["q"], unit_keys(d["k"]), d["v"], d["a"],
+                                                    d["beta"], e),
+             "kda": lambda d, e: kda_loop(d["q"], unit_keys(d["k"]), d["v"], d["g"], d["beta"],
+                                          e),
+             "diagonal": lambda d, e: selective_scan_loop(d["dt"], p["A"], d["x"], d["b"],
+                                                          d["c"], e)}
+    for piece, (lo, n) in enumerate(((0, 7), (7, 4))):
+        entry = torch.randn(state[1:], generator=gen, dtype=torch.float64)
+        _, end = loops[kind]({name: v[0, lo:lo + n] for name, v in p.items() if name != "A"},
+                             entry)
+        mp, sp = m[0, piece], s[0, piece]
+        got = (mp @ entry if kind in ("matrix", "kda") else mp * entry) + sp
+        torch.testing.assert_close(got, end, atol=1e-10, rtol=1e-10,
+                                   msg=lambda msg: f"{kind}, piece {piece}: {msg}")

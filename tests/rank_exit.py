@@ -46,8 +46,14 @@ def llama_step() -> None:
     model = AutoModelForCausalLM.from_config(config, attn_implementation=register(cp))
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
     batch = cpattn.shard_batch({"input_ids": ids, "labels": ids}, cp)
+    refused_then_step(model, batch, cp)
+
+
+def refused_then_step(model, batch: dict, cp) -> None:
+    """A call with the input ids alone (no positions, no documents: refused on every rank), then
+    a training step on shard_batch's whole batch."""
     try:
-        model(input_ids=batch["input_ids"])  # no position_ids: refused on every rank
+        model(input_ids=batch["input_ids"])
         raise AssertionError("no error")
     except ValueError:
         pass
@@ -69,14 +75,7 @@ def hybrid_step() -> None:
     model.train()
     model.gradient_checkpointing_enable()
     batch = cpattn.shard_batch(H.packed([30, 5, 4, 9]), cp)
-    try:
-        model(input_ids=batch["input_ids"])  # not the whole batch: refused on every rank
-        raise AssertionError("no error")
-    except ValueError:
-        pass
-    labels = batch.pop("shift_labels")
-    logits = model(**batch).logits
-    cpattn.cross_entropy(logits, labels, cp).backward()
+    refused_then_step(model, batch, cp)
 
 
 def main() -> None:

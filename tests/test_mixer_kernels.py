@@ -12,19 +12,15 @@ import pytest
 import torch
 
 from cpattn.mixers import build_piece_map, kernels, stacked
-from cpattn.mixers import mixing as M
 from cpattn.mixers.mixing import Mixing
 from cpattn.testing.mixers import emulate
 
 from mixer_reference import (
     KINDS,
-    delta_rule_loop,
-    kda_loop,
+    check_summaries,
     problem,
     reference,
     run_kind,
-    scalar_decay_loop,
-    selective_scan_loop,
     sharded_problem,
     take,
     unit_keys,
@@ -130,36 +126,7 @@ def test_summaries_are_the_pieces_transitions(gen, kind):
     """kernels.summaries over a linked row of two pieces (7 tokens in blocks 0-1, padded by an
     identity token, 4 in block 2): for a random entry E, each piece's float64 token loop from E
     ends at M E + S."""
-    p = problem(gen, 1, 11)
-    index = torch.cat([torch.arange(7), torch.tensor([-1]), torch.arange(7, 11)])
-    t = {n: v if n == "A" else take(v, index) for n, v in p.items()}
-    family = {"scalar": M.SCALAR, "matrix": M.DELTA, "kda": M.KDA, "diagonal": M.SELECTIVE}[kind]
-    if kind == "diagonal":
-        inputs, params = (t["dt"], t["x"], t["b"], t["c"]), (p["A"],)
-    else:
-        keys = t["k"] if kind == "scalar" else unit_keys(t["k"])
-        decay = t["g"] if kind == "kda" else t["a"]
-        beta = () if kind == "scalar" else (t["beta"],)
-        inputs, params = (t["q"], keys, t["v"], decay, *beta), ()
-    blocks = family.prepare(*inputs, *params, None, 4)
-    state, transition = family.shapes(1, *inputs, *params)
-    zero = torch.zeros(state, dtype=torch.float64)
-    identity = M._identity(family, transition, torch.float64, "cpu")
-    m, s = kernels.summaries(blocks, zero, identity, (0, 2), (1, 2))
-    loops = {"scalar": lambda d, e: scalar_decay_loop(d["q"], d["k"], d["v"], d["a"], e),
-             "matrix": lambda d, e: delta_rule_loop(d["q"], unit_keys(d["k"]), d["v"], d["a"],
-                                                    d["beta"], e),
-             "kda": lambda d, e: kda_loop(d["q"], unit_keys(d["k"]), d["v"], d["g"], d["beta"],
-                                          e),
-             "diagonal": lambda d, e: selective_scan_loop(d["dt"], p["A"], d["x"], d["b"],
-                                                          d["c"], e)}
-    for piece, (lo, n) in enumerate(((0, 7), (7, 4))):
-        entry = torch.randn(state[1:], generator=gen, dtype=torch.float64)
-        _, end = loops[kind]({name: v[0, lo:lo + n] for name, v in p.items() if name != "A"},
-                             entry)
-        mp, sp = m[0, piece], s[0, piece]
-        got = (mp @ entry if kind in ("matrix", "kda") else mp * entry) + sp
-        torch.testing.assert_close(got, end, atol=1e-10, rtol=1e-10)
+    check_summaries(gen, kind, 4)
 
 
 def _float32(p: dict) -> dict:

@@ -10,14 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpattn.mixers import build_piece_map, causal_conv, compose, state_scan
+from cpattn.mixers import build_piece_map, causal_conv, compose, stacked, state_scan
+from cpattn.mixers.mixing import Mixing
 from cpattn.testing.mixers import emulate
 
 from mixer_reference import (
     KINDS,
+    check_summaries,
     conv_reference,
     problem,
     reference,
+    run_kind,
     scan_on_rank,
     sharded_problem,
     take,
@@ -66,6 +69,27 @@ def test_padding_before_the_first_token_ends_a_piece():
     their padding, then whole ones from the packed sequence's start) starts a new piece."""
     piece_map = build_piece_map([torch.tensor([3, 4, -1, 0, 1, 2])], (0, 3, 5))
     assert [(p.local, p.length, p.doc) for p in piece_map.pieces[0]] == [(0, 2, 1), (3, 3, 0)]
+
+
+# --- local recurrences ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", [4, 64])
+def test_kernels_and_summaries_match_the_token_loop(gen, block):
+    """Every recurrence with blocks of `block` tokens (64: one block holds many documents): a
+    packed row of documents of 1 to 30 tokens, one process, equals the float64 token loops per
+    document (the ablation: without the resets it does not), and each piece's summary takes a
+    random entry state to the loop's final state from it (more: tests/test_mixer_kernels.py)."""
+    lengths = (1, 2, 3, 9, 4, 1, 17, 8, 2, 30, 5)
+    bounds = tuple(torch.tensor((0, *lengths)).cumsum(0).tolist())
+    piece_map = build_piece_map([torch.arange(bounds[-1])], bounds)
+    p = problem(gen, 2, bounds[-1])
+    for kind in KINDS:
+        got = run_kind(kind, Mixing(piece_map, 0, stacked, 2, block=block), p)
+        ref = reference(kind, p, bounds)
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10,
+                                   msg=lambda m: f"{kind}: {m}")
+        assert not torch.allclose(reference(kind, p, (0, bounds[-1])), ref, atol=1e-6)
+        check_summaries(gen, kind, block)
 
 
 # --- the fold ----------------------------------------------------------------------------------

@@ -120,13 +120,7 @@ def _interleaved(cfg, cp, prepare, first: dict, other: dict) -> tuple[float, dic
     loss = cpattn.cross_entropy(m(**_without_labels(local)).logits, local["shift_labels"], cp)
     m(**_without_labels(cpattn.shard_batch(other, cp)))  # (its graph is dropped)
     loss.backward()
-    grads = {}
-    for n, p in m.named_parameters():
-        if p.grad is not None:
-            g = p.grad.clone()
-            dist.all_reduce(g)
-            grads[n] = g / dist.get_world_size()
-    return H.unwrapped((loss.item(), grads))
+    return H.unwrapped((loss.item(), H.averaged_grads(m)))
 
 
 def _checkpointing(rank, world):

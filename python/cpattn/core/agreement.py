@@ -9,10 +9,10 @@ Protocol (identical on every rank, so it never deadlocks on its own):
    full signature (every field name and value, byte strings such as cu_seqlens in full). Its
    size never depends on the function or the arguments, so different functions on different
    ranks meet in the same collective.
-2. Only if the headers differ: a second fixed-size exchange of (name hash, kind, value) per field
-   and, from a rank whose arguments failed validation, its error text (at most 1 KiB), from which
-   every rank builds the same ValueError: the function on each rank and the fields that differ,
-   or the ranks whose arguments are invalid and why.
+2. Only if the headers differ: a second fixed-size exchange of (name hash, type code, value) per
+   field and, from a rank whose arguments failed validation, its error text (at most 1 KiB), from
+   which every rank builds the same ValueError: the function on each rank and the fields that
+   differ, or the ranks whose arguments are invalid and why.
 
 Modes (cpattn.set_rank_check, or $CPATTN_RANK_CHECK when never set): "always" checks every call;
 "once" checks each distinct (function, group, signature) once and then trusts it (later identical
@@ -56,9 +56,9 @@ from cpattn.core.signature import (
     FieldValue,
     field_word,
     hash63,
-    kind_of,
     show,
     signature_digest,
+    type_code_of,
 )
 from cpattn.core.validation import env_rank_check
 
@@ -248,12 +248,12 @@ def _mismatch_message(
         # (no function named first: the same text on every rank)
         return ValueError(f"cpattn: ranks called different cpattn functions ({calls}); every "
                           "rank of the group must make the same cpattn calls in the same order")
-    # details[r] = [count, (name hash, kind, word) per field, errors' length, errors' bytes]
+    # details[r] = [count, (name hash, type code, word) per field, errors' length, errors' bytes]
     per_rank, errors = [], {}
     for row, sender in zip(details.tolist(), global_ranks):
         n = row[0]
-        hashes, kinds, words = (row[i : i + 3 * n : 3] for i in (1, 2, 3))
-        per_rank.append({h: (kind, word) for h, kind, word in zip(hashes, kinds, words)})
+        hashes, codes, words = (row[i : i + 3 * n : 3] for i in (1, 2, 3))
+        per_rank.append({h: (code, word) for h, code, word in zip(hashes, codes, words)})
         errors.update(_errors_of(row[1 + 3 * _DETAIL_FIELDS :], sender))
     if errors:  # some ranks failed validation: their errors, not every field
         return InvalidOnSomeRanks(function_name, errors)
@@ -334,7 +334,7 @@ def _agree_now(function_name: str, group, fields: Fields, timeout: float, mode: 
         # Every rank saw the same headers, so every rank takes this branch: a second exchange.
         shown = fields[:_DETAIL_FIELDS]
         triples = [w for name, value in shown
-                   for w in (hash63(name.encode()), kind_of(value), field_word(value))]
+                   for w in (hash63(name.encode()), type_code_of(value), field_word(value))]
         triples += [0] * (3 * (_DETAIL_FIELDS - len(shown)))
         detail = torch.tensor([len(shown), *triples, *_errors_words(fields)], dtype=torch.int64)
         details = _exchange(detail, group, world, timeout, function_name)

@@ -33,33 +33,33 @@ def tensor_fields(
             (f"{name}.dtype", t.dtype), (f"{name}.device", t.device.type)]
 
 
-# Kinds of field values: the detail exchange sends (name hash, kind, word) per field.
+# Type codes of field values: the detail exchange sends (name hash, type code, word) per field.
 _NONE, _BOOL, _INT, _FLOAT, _STR, _BYTES, _DTYPE, _OTHER = range(8)
 _DTYPES = tuple(v for v in vars(torch).values() if isinstance(v, torch.dtype))
 
 
-def kind_of(value) -> int:
+def type_code_of(value) -> int:
     if value is None:
         return _NONE
-    for kind, types in ((_BOOL, bool), (_INT, int), (_FLOAT, float), (_STR, str),
+    for code, types in ((_BOOL, bool), (_INT, int), (_FLOAT, float), (_STR, str),
                         (_BYTES, bytes), (_DTYPE, torch.dtype)):
         if isinstance(value, types):
-            return kind
+            return code
     return _OTHER
 
 
 def encode(value) -> bytes:
     """Exact, typed bytes of a field value (for the digest)."""
-    kind = kind_of(value)
-    if kind == _FLOAT:
+    code = type_code_of(value)
+    if code == _FLOAT:
         raw = struct.pack("<d", value)
-    elif kind == _BYTES:
+    elif code == _BYTES:
         raw = value
-    elif kind == _INT:
+    elif code == _INT:
         raw = str(int(value)).encode()  # also ints beyond int64
     else:
         raw = repr(value).encode()
-    return bytes([kind]) + raw
+    return bytes([code]) + raw
 
 
 def hash63(data: bytes) -> int:
@@ -68,27 +68,27 @@ def hash63(data: bytes) -> int:
 
 def field_word(value) -> int:
     """One int64 for the detail exchange: the value itself where it fits, else a hash."""
-    kind = kind_of(value)
-    if kind in (_BOOL, _INT) and -(2**63) <= value < 2**63:
+    code = type_code_of(value)
+    if code in (_BOOL, _INT) and -(2**63) <= value < 2**63:
         return int(value)
-    if kind == _FLOAT:
+    if code == _FLOAT:
         return struct.unpack("<q", struct.pack("<d", value))[0]
     return hash63(encode(value))
 
 
-def show(kind: int, word: int, local) -> str:
-    """A rank's value, from its (kind, word), as an error message shows it."""
-    if kind == _NONE:
+def show(code: int, word: int, local) -> str:
+    """A rank's value, from its (code, word), as an error message shows it."""
+    if code == _NONE:
         return "None"
-    if kind == _BOOL:
+    if code == _BOOL:
         return str(bool(word))
-    if kind == _FLOAT:
+    if code == _FLOAT:
         return repr(struct.unpack("<d", struct.pack("<q", word))[0])
-    if kind == _INT:
+    if code == _INT:
         return str(word)  # (an int beyond int64 shows its hash)
-    if kind == _DTYPE:
+    if code == _DTYPE:
         return next((str(d) for d in _DTYPES if field_word(d) == word), f"<dtype {word:#x}>")
-    if kind_of(local) == kind and field_word(local) == word and kind != _BYTES:
+    if type_code_of(local) == code and field_word(local) == word and code != _BYTES:
         return repr(local)
     return f"<digest {word:#x}>"
 

@@ -28,8 +28,7 @@ from cpattn.mixers.algebra import apply_transition, compose  # noqa: F401 (re-ex
 from cpattn.mixers.exchange import Exchange
 from cpattn.mixers.pieces import PieceMap
 from cpattn.mixers.tree_scan import scan_method, tree_scan
-
-KINDS = ("scalar", "diagonal", "matrix")  # M: broadcast over the state / elementwise / M @ S
+from cpattn.plan.mixer_scan import KINDS
 
 
 def _index(values, device) -> torch.Tensor:

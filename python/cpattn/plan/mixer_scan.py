@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from cpattn.plan.model import Link, Machine
 
 METHODS = ("allgather", "tree")
-KINDS = ("scalar", "diagonal", "matrix")
+KINDS = ("scalar", "diagonal", "matrix")  # M: broadcast over the state / elementwise / M @ S
 FP32 = 4
 # Host calls (tensor ops, each Machine.call_overhead) per tree step and per all-gather fold
 # step, forward and backward together, and the all-gather's fixed ones: counted on the code (the

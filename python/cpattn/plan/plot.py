@@ -11,7 +11,7 @@ from cpattn.plan.model import COST_MODELS, Machine, Problem
 from cpattn.plan.predict import predict
 
 
-def _best_by_family(preds) -> dict:
+def _best_per_strategy(preds) -> dict:
     """The fastest candidate of each cost model (one line per strategy in the plots)."""
     best = {}
     for r in preds:
@@ -29,14 +29,14 @@ def plot_plan(problem: Problem, machine: Machine, worlds: Sequence[int],
     axes = fig.subplots(1, 3)
     series_w = {f: ([], [], []) for f in COST_MODELS}
     for w in worlds:
-        for f, r in _best_by_family(predict(problem, machine, w)).items():
+        for f, r in _best_per_strategy(predict(problem, machine, w)).items():
             series_w[f][0].append(w)
             series_w[f][1].append(r.time * 1e3)
             series_w[f][2].append(r.peak_memory / 2**30)
     series_s = {f: ([], []) for f in COST_MODELS}
     for s in seqlens:
         p = dataclasses.replace(problem, seqlen=s, documents=None)
-        for f, r in _best_by_family(predict(p, machine, world)).items():
+        for f, r in _best_per_strategy(predict(p, machine, world)).items():
             series_s[f][0].append(s)
             series_s[f][1].append(r.time * 1e3)
     for f in COST_MODELS:

@@ -255,7 +255,7 @@ def _none_candidates(p: Problem, world: int, layouts: Sequence[str]) -> list:
     return [Candidate("none")]
 
 
-def _ring_family_candidates(name: str, chunk: Callable[[Problem, int], int]) -> Callable:
+def _per_layout_candidates(name: str, chunk: Callable[[Problem, int], int]) -> Callable:
     """The ring's and the all-gather's candidates: one per layout the problem divides into."""
     def offered(p: Problem, world: int, layouts: Sequence[str]) -> list:
         if p.mode == "decode" or world == 1:
@@ -306,12 +306,12 @@ def _ring_label(c: Candidate) -> str:
 # strategies of cpattn.strategies.registry (each Strategy finds its model here by name), decode.
 register_cost_model(CostModel("none", _time_none, _none_candidates,
                               memory=memory_none))
-register_cost_model(CostModel("ring", _time_ring, _ring_family_candidates("ring", lambda p, w: 0),
+register_cost_model(CostModel("ring", _time_ring, _per_layout_candidates("ring", lambda p, w: 0),
                               _ring_label, memory_ring, _one_check, runs_document_plans=True,
                               in_passes=_ring_in_passes))
 register_cost_model(CostModel(
     "allgather", _time_allgather,
-    _ring_family_candidates("allgather", lambda p, w: allgather_chunk(p.kv_heads, w)),
+    _per_layout_candidates("allgather", lambda p, w: allgather_chunk(p.kv_heads, w)),
     lambda c: f"allgather/{c.layout}", memory_allgather, _one_check, runs_document_plans=True))
 register_cost_model(CostModel("ulysses", _time_across_heads, _across_heads_candidates(False),
                               memory=memory_ulysses, checks=_one_check))
