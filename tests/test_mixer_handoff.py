@@ -11,7 +11,8 @@ of the whole sequence (the tokens before the chunk, then the chunk):
 
 Chunks in the zigzag and contiguous layouts at W = 1, 2, 3: pieces of one token (shorter than
 the halo and the scan block), pieces over several scan blocks, a whole row over two
-checkpointed segments (W = 1, blocks of 4). Ablation: without the history and the initial state
+checkpointed segments (W = 1, blocks of 4); both state scans (the all-gather's fold, the
+tree). Ablation: without the history and the initial state
 the outputs, the tail and the final state differ from the reference."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from cpattn.core.layout import shard_positions
 from cpattn.mixers import build_piece_map
 from cpattn.mixers.handoff import Handoff
+from cpattn.mixers.tree_scan import with_scan
 from cpattn.testing.mixers import emulate
 
 from mixer_reference import (
@@ -54,7 +56,7 @@ CASES = [
 
 
 def _problem(gen, total: int) -> dict:
-    p = problem(gen, B, total, decay=0.3)
+    p = problem(gen, B, total, decay=0.1)  # (slow enough that the initial state shows at the end)
     p.update(x_conv=torch.randn(B, total, C, generator=gen, dtype=F64),
              weight=torch.randn(C, K, generator=gen, dtype=F64),
              bias=torch.randn(C, generator=gen, dtype=F64))
@@ -101,7 +103,7 @@ def _references(p: dict, before: int) -> dict:
     return out
 
 
-def _run(p: dict, case: tuple, refs: dict, cached: bool):
+def _run(p: dict, case: tuple, refs: dict, cached: bool, scan: str):
     """Every rank's {"conv": (out, tail), kind: (out, final state on every rank)} of the
     chunk."""
     before, chunk, world, layout, block = case
@@ -114,6 +116,7 @@ def _run(p: dict, case: tuple, refs: dict, cached: bool):
     chunk_p = {n: v[:, before:] for n, v in p.items() if n not in ("weight", "bias", "A")}
 
     def rank_fn(rank, exchange):
+        exchange = with_scan(exchange, scan)
         local = {n: take(v, indices[rank]) for n, v in chunk_p.items()}
         local["A"] = p["A"]
 
@@ -141,11 +144,12 @@ def _run(p: dict, case: tuple, refs: dict, cached: bool):
 @pytest.mark.parametrize("case", CASES,
                          ids=lambda c: f"before{c[0]}-chunk{c[1]}-W{c[2]}-{c[3]}"
                          + (f"-block{c[4]}" if c[4] else ""))
-def test_handoff_continues_and_hands_off_exactly(gen, case):
+@pytest.mark.parametrize("scan", ["allgather", "tree"])
+def test_handoff_continues_and_hands_off_exactly(gen, case, scan):
     before = case[0]
     p = _problem(gen, before + case[1])
     refs = _references(p, before)
-    indices, outs = _run(p, case, refs, cached=True)
+    indices, outs = _run(p, case, refs, cached=True, scan=scan)
     tol = dict(atol=1e-9, rtol=1e-9)
     for rank, out in enumerate(outs):
         conv, tail = out["conv"]
@@ -159,7 +163,7 @@ def test_handoff_continues_and_hands_off_exactly(gen, case):
             torch.testing.assert_close(final, refs[kind][2], **tol,
                                        msg=lambda m: f"{kind} final state rank {rank}: {m}")
     if before:  # Ablation: the chunk from zero state and history fails the same checks.
-        _, alone = _run(p, case, refs, cached=False)
+        _, alone = _run(p, case, refs, cached=False, scan=scan)
         assert not torch.allclose(alone[0]["conv"][0], take(refs["conv"], indices[0]), **tol)
         if case[1] < K:  # (the tail reaches back into the history)
             assert not torch.allclose(alone[0]["conv"][1], refs["tail"], **tol)
