@@ -171,3 +171,9 @@ def test_handoff_continues_and_hands_off_exactly(gen, case, scan):
             assert not torch.allclose(alone[0][kind][1], refs[kind][2], **tol), kind
             assert not torch.allclose(alone[0][kind][0], take(refs[kind][0], indices[0]),
                                       **tol), kind
+
+
+def test_handoff_refuses_packed_documents():
+    piece_map = build_piece_map([torch.arange(6)], (0, 2, 6))
+    with pytest.raises(ValueError, match="Handoff: piece_map holds 2 documents"):
+        Handoff(piece_map, 0, lambda t: t[None], 1)

@@ -63,6 +63,13 @@ class Handoff(Mixing):
     initial: Optional[torch.Tensor] = None
     found: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        documents = len(self.piece_map.bounds) - 1
+        if documents != 1:
+            raise ValueError(f"cpattn.mixers.handoff.Handoff: piece_map holds {documents} "
+                             "documents; a Handoff's rows must be one sequence each (one "
+                             "document, the same piece map for every row)")
+
     @property
     def owner(self) -> int:
         """The rank that holds the sequence's last piece (its final state)."""
