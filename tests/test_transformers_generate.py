@@ -165,3 +165,46 @@ def _invariant_generation(rank, world):
 
 def test_invariant_generation_over_ranks_equals_one_rank():
     run_ranks(2, _invariant_generation)
+
+
+def _left_padded(rank, world):
+    """Prompts of 13 and 6 tokens, left-padded with their attention_mask (generate's way to batch
+    prompts of different lengths): each row's real tokens are prefilled alone on its view of the
+    sharded cache, then decoded together; the tokens equal each prompt generated alone in one
+    process. Ablation: padding treated as tokens (LeftPadding.real reporting every position)
+    changes them."""
+    from cpattn.integrations import _generation
+    from cpattn.integrations.transformers import ContextParallelCache, register
+
+    config = tiny_config("llama")
+    g = torch.Generator().manual_seed(5)
+    alone = [torch.randint(5, config.vocab_size, (1, n), generator=g) for n in (PROMPT_LEN, 6)]
+    ids = torch.zeros(2, PROMPT_LEN, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(alone):
+        ids[row, PROMPT_LEN - p.shape[1]:], mask[row, PROMPT_LEN - p.shape[1]:] = p[0], 1
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
+                    pad_token_id=0)
+    ref_model = tiny_model(config, "sdpa")
+    ref = torch.stack([torch.cat([ids[row, :PROMPT_LEN - p.shape[1]],
+                                  ref_model.generate(p, **settings)[0]])
+                       for row, p in enumerate(alone)])
+    cp = cpattn.ContextParallel()
+    model = tiny_model(config, register(cp))
+
+    def generate():
+        cache = ContextParallelCache(cp, model.config, capacity=PROMPT_LEN + NEW_TOKENS)
+        return model.generate(ids, attention_mask=mask, cache=cache, **settings)
+
+    got = generate()
+    assert torch.equal(got, ref), f"rank {rank}: {got.tolist()} vs {ref.tolist()}"
+    real = _generation.LeftPadding.real
+    _generation.LeftPadding.real = lambda self, n: [n] * self.mask.shape[0]
+    try:
+        assert not torch.equal(generate(), ref), "padding as tokens: the test cannot fail"
+    finally:
+        _generation.LeftPadding.real = real
+
+
+def test_generate_left_padded():
+    run_ranks(2, _left_padded)

@@ -11,7 +11,8 @@ hybrid_models.assert_step_matches), or is refused on every rank.
   (Mamba) on packed documents; refused together with gradient checkpointing.
 Each exact case has an ablation (every mixer on its rank's pieces only) that changes the result.
 Refused on every rank: the striped layout and invariant mode (by parallelize), generate with
-ContextParallelCache, use_cache=True, a padding mask reaching a mixer, a model not given
+ContextParallelCache of Kimi-Linear (its attention is MLA; generation of the others is exact:
+tests/test_generate_hybrid.py), use_cache=True, a padding mask reaching a mixer, a model not given
 shard_batch's whole batch, and a module that differs from cpattn's version of it (a changed
 transformers class; by parallelize). Checkpointing, copies, FSDP2, remove() and the structural
 refusal of unknown mixers: tests/test_parallelize.py."""
@@ -89,14 +90,17 @@ def _refusals(rank: int) -> None:
     # An attention-free model given only input_ids: nothing would say how it was sharded.
     mamba = H.cp_model(H.config("mamba"), cp)
     _raises_everywhere("whole batch of cpattn.shard_batch", mamba, input_ids=local["input_ids"])
-    # generate with the sharded K/V cache: the mixers' states are not in it.
+    # generate with ContextParallelCache: exact (tests/test_generate_hybrid.py: every family);
+    # Kimi-Linear's attention layers are MLA (latents cached, expanded after the cache): refused.
     prompts = torch.randint(5, 96, (2, 13), generator=torch.Generator().manual_seed(5))
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, use_cache=True)
     for kind in ("qwen3_5", "bamba"):
         model = H.cp_model(H.config(kind), cp)
         cache = ContextParallelCache(cp, model.config, capacity=19)
-        _raises_everywhere("generate with ContextParallelCache does not support", model.generate,
-                           prompts, cache=cache, max_new_tokens=6, do_sample=False,
-                           pad_token_id=0)
+        assert torch.equal(model.generate(prompts, cache=cache, **settings),
+                           H.model(H.config(kind), "eager").generate(prompts, **settings)), kind
+    _raises_everywhere("multi-head latent attention", ContextParallelCache, cp,
+                       H.config("kimi_linear"), capacity=19)
     # A class whose forward is not what cpattn computes (as if transformers changed it): the
     # equivalence check refuses it on every rank, naming the class and the version.
     forward = Lfm2ShortConv.forward

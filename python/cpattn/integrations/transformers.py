@@ -47,7 +47,13 @@ from cpattn.attention import attention
 from cpattn.core.agreement import reads_on_host
 from cpattn.core.device import to_device
 from cpattn.core.options import AttentionOptions
-from cpattn.integrations._generation import PENDING, ContextParallelCache
+from cpattn.integrations._generation import (
+    PADDING,
+    PENDING,
+    ContextParallelCache,
+    LeftPadding,
+    host_padding,
+)
 from cpattn.integrations._model_checks import (
     TRAINER_ADVICE,
     WHAT,
@@ -183,7 +189,8 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
                        scaling: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
     """The AttentionInterface function: query (B, H, S, D), key / value (B, Hkv, S, D) of this
     rank's tokens. Returns ((B, S, H, D), None)."""
-    if attention_mask is not None:
+    padding = attention_mask if isinstance(attention_mask, LeftPadding) else None
+    if attention_mask is not None and padding is None:
         raise ValueError(
             f"{WHAT}: the model passes an attention mask (padding, or a custom 4-D mask): cpattn "
             "cannot apply it under context parallelism. Give the padded batch (with its "
@@ -207,7 +214,9 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
         if docs is not None:
             raise ValueError(f"{WHAT}: ContextParallelCache generates from one prompt per row, "
                              "not from packed documents")
-        return layer.attend(module, q, k, v, opts), None
+        return layer.attend(module, q, k, v, opts, padding), None
+    if padding is not None:  # (a left-padded batch outside generation)
+        raise ValueError(PADDING)
     if kwargs.get("use_cache") or key.shape[2] != query.shape[2]:
         # A transformers cache here would hold this rank's shard of K/V: useless for decoding.
         raise ValueError(
@@ -322,9 +331,11 @@ def _mask(cp: ContextParallel, parallelized: bool, *args,
     every rank: the same config everywhere) a model that mixes tokens outside attention or
     builds a mask cpattn does not apply; builds no mask (cpattn applies causality, windows and
     documents on global positions). A 2-D padding mask that is not all ones raises on every
-    rank (shard_batch unpads padded batches). A model that builds its mask here but computes
-    attention in its own code (Bloom, MPT: they accept any attn_implementation) would attend
-    within each rank's shard only: it raises too."""
+    rank (shard_batch unpads padded batches), except left padding: handed to the attention as
+    LeftPadding, which ContextParallelCache's generation honours and anything else refuses. A
+    model that builds its mask here but computes attention in its own code (Bloom, MPT: they
+    accept any attn_implementation) would attend within each rank's shard only: it raises
+    too."""
     check_config(config, parallelized)
     model_type = getattr(config, "model_type", None)
     # (a parallelized model was checked by its modules: attention through the interface)
@@ -340,20 +351,10 @@ def _mask(cp: ContextParallel, parallelized: bool, *args,
     if torch.compiler.is_compiling():
         return attention_mask  # the attention refuses it (values unknown while tracing)
 
-    padding = (f"{WHAT}: the model was given an attention_mask with padding (zeros): cpattn "
-               "cannot apply a padding mask under context parallelism. Give the padded batch "
-               "to cpattn.shard_batch (it unpacks the rows into documents) and pass no "
-               "attention_mask to the model")
     if not reads_on_host(attention_mask):  # (a GPU mask: reading it would sync the host)
-        _assert_on_every_rank(cp, ~attention_mask.all(), padding)
+        _assert_on_every_rank(cp, ~attention_mask.all(), PADDING)
         return None
-
-    def all_ones():
-        if not bool(attention_mask.all()):
-            raise ValueError(padding)
-
-    agree(cp, WHAT, all_ones)
-    return None
+    return host_padding(cp, attention_mask)
 
 
 # name -> the settings registered under it. The functions handed to transformers look them up

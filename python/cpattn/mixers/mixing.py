@@ -123,6 +123,22 @@ class Mixing:
         y (B, L, D) (without the D skip)."""
         return self._run(SELECTIVE, (dt, x, b, c), (a,))
 
+    # --- what a subclass may change (cpattn.mixers.handoff: rows that continue a cached state) --
+
+    def _whole_start(self, zero: torch.Tensor) -> torch.Tensor:
+        """The state (B, *state) the whole documents' row starts from: zero."""
+        return zero
+
+    def _whole_end(self, state: torch.Tensor) -> None:
+        """Sees the state after the whole documents' row (B, *state): its last document's."""
+
+    def _entry_states(self, family: Family, rows: FlatRows, parts: list, m: torch.Tensor,
+                      s: torch.Tensor) -> torch.Tensor:
+        """The entry states (B, n, *state) of the linked pieces from their summaries m, s
+        (B, n, ...; zeros for the pieces that publish none): the state scan. (rows, parts: the
+        linked row and its per-block terms.)"""
+        return state_scan(m, s, self.piece_map, self.rank, family.kind, self.exchange)
+
     # --- the two rows -----------------------------------------------------------------------------
 
     def _run(self, family: Family, inputs: tuple, params: tuple = ()) -> torch.Tensor:
@@ -155,12 +171,14 @@ class Mixing:
         resets = torch.zeros(len(rows.whole), dtype=torch.bool, device=device)
         resets[_index(rows.resets, device)] = True
         inputs = tuple(_rows(t, rows.whole) for t in inputs)
-        carry, ys = torch.zeros(state, dtype=inputs[0].dtype, device=device), []
+        carry = self._whole_start(torch.zeros(state, dtype=inputs[0].dtype, device=device))
+        ys = []
         for lo in range(0, len(rows.whole), SEGMENT * family.block):
             part = slice(lo, lo + SEGMENT * family.block)
             y, carry = self._checkpoint(_whole_segment, family, resets[part], carry,
                                         *(t[:, part] for t in inputs), *params)
             ys.append(y)
+        self._whole_end(carry)
         return torch.cat(ys, 1) if len(ys) > 1 else ys[0]
 
     def _prepare(self, family: Family, inputs, params) -> list:
@@ -201,8 +219,7 @@ class Mixing:
                          for i in range(n)], device)
             m = torch.cat([m, m.new_zeros((self.batch, 1, *m.shape[2:]))], 1).index_select(1, at)
             s = torch.cat([s, s.new_zeros((self.batch, 1, *s.shape[2:]))], 1).index_select(1, at)
-        entry = state_scan(m + anchor, s + anchor, self.piece_map, self.rank, family.kind,
-                           self.exchange)
+        entry = self._entry_states(family, rows, parts, m + anchor, s + anchor)
         # The outputs part by part, each restarted from the entry states of its pieces
         starts = {c: entry[:, i] for i, c in enumerate(rows.starts)}
         carry, ys, first = zero, [], 0

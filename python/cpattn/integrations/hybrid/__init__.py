@@ -5,6 +5,8 @@ exact on cpattn's shards, per model instance (docs/hybrid-models.md).
 - `registry.py`: the adapters by class (`@adapts`, `adapter_of`);
 - `adapters.py`: each mixer's forward on this rank's pieces (cpattn.mixers' primitives);
 - `forward.py`: a parallelized mixer's call: its checks, agreed over the ranks, and its adapter;
+- `generation.py`: its call under ContextParallelCache (generate): the context-parallel prefill
+  that hands each sequence's states to every rank, then the module's own decode;
 - `documents.py`: how shard_batch's documents reach the mixers, also in checkpoint recomputes;
 - `probe.py`: the checks before parallelizing (each adapter against its module, forward and
   backward; the structural refusal of any other token mixing);

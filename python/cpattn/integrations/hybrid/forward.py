@@ -1,7 +1,8 @@
 """The sharded forward of a parallelized mixer module: its call's checks (agreed over the ranks),
 the piece map of this call's documents, and the module's adapter on this rank's pieces.
 
-Refused on every rank: a cache (generation, use_cache=True), a padding mask reaching the mixer, a
+Under ContextParallelCache (generate) the call goes to generation.py instead. Refused on every
+rank: another cache (use_cache=True), a padding mask reaching the mixer, a
 call whose documents cannot be known (outside a forward of its model, without a
 `cpattn_documents` keyword), a model not given shard_batch's whole batch, a packed batch of more
 than one row, a local length that is not this rank's share."""
@@ -16,6 +17,7 @@ import torch
 
 from cpattn.integrations._model_checks import TRAINER_ADVICE
 from cpattn.integrations.hybrid.documents import ModelState
+from cpattn.integrations.hybrid.generation import generation_forward, is_generating
 from cpattn.integrations.hybrid.registry import Adapter
 from cpattn.mixers.mixing import Mixing
 from cpattn.mixers.sharded import check_settings, exchange_of, piece_map_of
@@ -54,6 +56,9 @@ def mixer_forward(module: torch.nn.Module, *args, **kwargs):
     hidden = call.get(role.parameters[0]) if role.parameters else None
     if hidden is None:
         hidden = call.get("hidden_states")
+    cache = next((call[k] for k in _CACHES if call.get(k) is not None), None)
+    if is_generating(cache):  # (generate with ContextParallelCache: generation.py)
+        return generation_forward(role, module, hidden, call, cache, args, kwargs)
     return _sharded_forward(role, module, hidden, call)
 
 
@@ -118,10 +123,5 @@ def _sharded_forward(role: MixerRole, module: torch.nn.Module, hidden: torch.Ten
 
 
 def _cache_refusal(name: str, cache) -> str:
-    if type(cache).__name__ == "ContextParallelCache":
-        return (f"{WHAT}: generate with ContextParallelCache does not support models with "
-                f"token-mixing layers outside attention yet ({name}: its convolution and "
-                "recurrent states are not kept in the sharded cache); generate without context "
-                "parallelism for this model")
     return (f"{WHAT}: {name} got a cache (use_cache=True, transformers' default): pass "
             "use_cache=False to the model (or set config.use_cache = False) for training")
