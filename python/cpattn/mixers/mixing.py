@@ -172,11 +172,12 @@ class Mixing:
         resets[_index(rows.resets, device)] = True
         inputs = tuple(_rows(t, rows.whole) for t in inputs)
         carry = self._whole_start(torch.zeros(state, dtype=inputs[0].dtype, device=device))
-        ys = []
-        for lo in range(0, len(rows.whole), SEGMENT * family.block):
-            part = slice(lo, lo + SEGMENT * family.block)
-            y, carry = self._checkpoint(_whole_segment, family, resets[part], carry,
-                                        *(t[:, part] for t in inputs), *params)
+        ys, span = [], SEGMENT * family.block
+        # (split once: a slice per segment would each give backward a whole-row gradient to add
+        # into, quadratic in the row's length)
+        segments = zip(resets.split(span), *(t.split(span, 1) for t in inputs))
+        for reset, *segment in segments:
+            y, carry = self._checkpoint(_whole_segment, family, reset, carry, *segment, *params)
             ys.append(y)
         self._whole_end(carry)
         return torch.cat(ys, 1) if len(ys) > 1 else ys[0]
@@ -184,10 +185,9 @@ class Mixing:
     def _prepare(self, family: Family, inputs, params) -> list:
         """A row's per-block terms, by segments of SEGMENT blocks (each recomputed on its own
         in backward)."""
-        span = SEGMENT * family.block
-        return [self._checkpoint(family.prepare, *(t[:, lo:lo + span] for t in inputs), *params,
-                                 None, family.block)
-                for lo in range(0, max(inputs[0].shape[1], 1), span)]
+        span = SEGMENT * family.block  # (split once, as in _whole)
+        return [self._checkpoint(family.prepare, *segment, *params, None, family.block)
+                for segment in zip(*(t.split(span, 1) for t in inputs))]
 
     def _checkpoint(self, fn, *args):
         if self.recompute and torch.is_grad_enabled():
