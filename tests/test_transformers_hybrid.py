@@ -231,6 +231,21 @@ def test_probe_refuses_a_changed_class():
         ADAPTERS[key] = real
 
 
+def test_probe_accepts_rounding_as_near_float64_as_the_modules(monkeypatch):
+    """Beyond its tolerance the equivalence check asks a float64 run of the module: an adapter no
+    farther from it than TRUTH_FACTOR x the module's own fp32 run differs by rounding only and is
+    accepted (here every fp32 difference is beyond a tolerance of 1e-12: a Mamba-2 layer);
+    without that allowance the same layer is refused, naming both distances."""
+    from cpattn.integrations.hybrid import probe
+    from cpattn.integrations.hybrid.parallelize import verdict
+
+    monkeypatch.setitem(probe.TOLERANCE, torch.float32, 1e-12)
+    module = H.model(H.config("bamba"), "eager").model.layers[0].mamba
+    assert verdict(module) == ""
+    monkeypatch.setattr(probe, "TRUTH_FACTOR", 0.0)
+    assert "from a float64 run of the module" in verdict(module)
+
+
 def test_models_built_before_install_are_adopted():
     """parallelize changes one instance, whenever it was built: a model built before it and one
     built after keep their class's own forward (outputs bitwise those of an identical model never
