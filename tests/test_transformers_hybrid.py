@@ -194,7 +194,7 @@ def test_probe_refuses_a_changed_class():
     import transformers
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    from cpattn.integrations.hybrid.parallelize import verdict
+    from cpattn.integrations.hybrid.parallelize import _verdict as verdict
     from cpattn.integrations.hybrid.registry import ADAPTERS, Adapter, adapter_of
 
     model = H.model(H.config("qwen3_5"), "eager")

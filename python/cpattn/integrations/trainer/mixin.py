@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
+from cpattn.integrations.hybrid.parallelize import describe
 from cpattn.integrations.trainer import data, evaluation, ranks
 from cpattn.integrations.trainer.ranks import WHAT
 from cpattn.integrations.transformers import ParallelHandle, handle_of, parallelize, registered
@@ -115,7 +116,7 @@ class ContextParallelMixin:
         theirs = handle.cp if handle is not None else registered(
             getattr(getattr(model, "config", None), "_attn_implementation", None))
         if theirs is not None and theirs is not self.cp:
-            mine, other = _describe(self.cp), _describe(theirs)
+            mine, other = describe(self.cp), describe(theirs)
             settings = (f"the same settings ({mine}), but another object" if mine == other else
                         f"{other}, the trainer's: {mine}")
             how = ("was parallelized with another ContextParallel" if handle is not None else
@@ -355,11 +356,6 @@ class ContextParallelMixin:
             loss = self.compute_loss(model, dict(local), num_items_in_batch=total.clamp(min=1))
         mean = evaluation.world_sum(loss.detach().mean() / self._cp_loss_scale())
         return mean.to(loss.dtype), None
-
-
-def _describe(cp: ContextParallel) -> str:
-    """cp's settings, the same words on every rank."""
-    return f"strategy {cp.strategy!r}, layout {cp.layout!r}, {cp.world_size} ranks"
 
 
 def _model_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
