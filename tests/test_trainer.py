@@ -245,14 +245,16 @@ def test_cross_entropy_options_and_seq_idx(runs):
 def test_refusals(runs):
     """Misuse raises ValueError on every rank (the worker checks that the messages agree),
     naming a correct path; a model parallelize refuses (Qwen3.5 with the striped layout) is
-    refused by the trainer's construction."""
+    refused by the trainer's construction; predict with ignore_keys naming the logits (the only
+    output it returns)."""
     got = runs[1]["refusals"]
     expected = {"parallelize_refuses": "striped layout",
                 "accelerate_cp": "Remove parallelism_config",
                 "batch_rebalance": "use 'random', 'sequential'",
                 "iterable": "use a map-style dataset",
                 "eval_not_resharded": "not sharded by accelerate's BatchSamplerShard",
-                "sft_label_smoothing": "use ContextParallelTrainer"}
+                "sft_label_smoothing": "use ContextParallelTrainer",
+                "ignore_logits": "pass prediction_loss_only=True"}
     for case, hint in expected.items():
         assert hint in got[case], (case, got[case])
 
@@ -353,9 +355,11 @@ def test_any_collator_length(runs, name):
 
 def test_cpu_setup_without_use_cpu(runs):
     """Under torchrun on CPUs, TrainingArguments without use_cpu: the trainer runs the ranks
-    together. Ablation: left alone, the arguments are refused at construction, naming the fix."""
+    together. Ablation: left alone, the arguments are refused at construction, naming the fix;
+    so are the arguments the Trainer makes when given none."""
     _, got = _check(runs, "cpu_setup")
     assert "pass use_cpu=True to the TrainingArguments" in got["refused"], got["refused"]
+    assert "pass use_cpu=True to the TrainingArguments" in got["no_args"], got["no_args"]
 
 
 def test_messages_name_the_cause(runs):

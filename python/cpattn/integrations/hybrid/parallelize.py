@@ -35,7 +35,7 @@ from cpattn.integrations._model_checks import agree
 from cpattn.integrations.hybrid import adapters  # noqa: F401 - registers the adapters
 from cpattn.integrations.hybrid.documents import LayerRole, ModelState, layer_forward
 from cpattn.integrations.hybrid.forward import MixerRole, mixer_forward, positional_parameters
-from cpattn.integrations.hybrid.probe import equivalence, token_mixing
+from cpattn.integrations.hybrid.probe import Unpaired, equivalence, token_mixing
 from cpattn.integrations.hybrid.registry import adapter_of
 from cpattn.mixers.sharded import check_settings
 from cpattn.parallel import ContextParallel
@@ -190,6 +190,12 @@ def parallelize(model: torch.nn.Module, cp: ContextParallel, name: str,
                 raise ValueError(refusal)
         try:
             mixing = token_mixing(model, mixers)
+        except Unpaired as e:
+            raise ValueError(f"{WHAT}: the check that nothing but attention and the adapted "
+                             f"mixers mixes tokens ran {type(model).__name__} on two inputs "
+                             f"that differ in their first token and saw {e}: a module whose "
+                             "calls depend on the tokens' values cannot be checked, so cpattn "
+                             "refuses the model") from e
         except Exception as e:  # noqa: BLE001 - refused, with the reason, on every rank
             raise ValueError(f"{WHAT}: the check that nothing but attention and the adapted "
                              f"mixers mixes tokens could not run {type(model).__name__} on a "

@@ -140,6 +140,7 @@ class ContextParallelMixin:
     def _cp_check_setup(self) -> None:
         """Refuses, on every rank (the same settings everywhere), what cannot be made exact."""
         args = self.args
+        ranks.check_world(args)  # (again: the Trainer's own arguments when it was given none)
         ranks.refuse_accelerate_parallelism(getattr(self.accelerator, "parallelism_config", None))
         several = self._cp_dp_size > 1
         loader_config = args.accelerator_config
@@ -314,7 +315,12 @@ class ContextParallelMixin:
         """The Trainer's prediction step on the sharded batch: the loss of the whole round (the
         token mean over every replica's batch; the same on every rank), logits gathered back
         into the batch's full order (batch, seqlen, vocab), the full batch's labels. A copy that
-        completes the last round counts no target (its labels -100)."""
+        completes the last round counts no target (its labels -100). The logits are the only
+        output returned: ignore_keys holds for every other one; naming "logits" it raises."""
+        if "logits" in (ignore_keys or ()):
+            raise ValueError(f"{WHAT}: prediction_step returns the logits only (gathered into "
+                             f"the full batch's order), and ignore_keys={list(ignore_keys)!r} "
+                             "drops them: pass prediction_loss_only=True for the loss alone")
         inputs = self._prepare_inputs(inputs)
         if self._cp_rounds is not None and self._cp_rounds.next_is_copy():
             inputs = evaluation.without_targets(inputs)
