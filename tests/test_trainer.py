@@ -398,6 +398,36 @@ def test_dp_x_cp_evaluation_exact(runs):
     assert not _close(filled, want, 1e-5), (filled, want)
 
 
+def _late_peer(rank, world):
+    import time
+
+    from cpattn.integrations.trainer import data, evaluation
+
+    assert float(evaluation.world_sum(torch.tensor(1.0 + rank))) == 3.0
+    dataset = [{"x": torch.tensor([rank if i == 3 else 0])} for i in range(8)]
+    with pytest.raises(ValueError, match="the evaluation dataset differs between ranks"):
+        data.check_same_dataset(dataset, "evaluation")
+    os.environ["CPATTN_COMM_TIMEOUT"] = "1"
+    if rank == 0:  # the peer never comes: a clear error after 1 s, not a wait
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="the sum of an evaluation loss failed after at "
+                                               "most 1.0 s: a peer did not make the call"):
+            evaluation.world_sum(torch.tensor(1.0))
+        assert time.monotonic() - start < 2.5
+    else:
+        time.sleep(2)
+
+
+def test_trainer_collectives_time_out_w2():
+    """The trainer's own collectives (evaluation sums, the data checks, the gathers of
+    predictions) wait at most $CPATTN_COMM_TIMEOUT (else cp's / the group's timeout) for a peer:
+    a missing peer is a RuntimeError naming the step (fresh ranks: the group is not used
+    again)."""
+    from distributed import run_ranks
+
+    run_ranks(2, _late_peer, fresh=True)
+
+
 def test_help_shows_cpattn_docstring():
     """help() of the trainer classes documents cp and what is refused, before the base class's
     own documentation."""
