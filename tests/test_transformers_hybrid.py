@@ -194,7 +194,7 @@ def test_probe_refuses_a_changed_class():
     import transformers
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    from cpattn.integrations.hybrid.parallelize import _verdict as verdict
+    from cpattn.integrations.hybrid.parallelize import verdict
     from cpattn.integrations.hybrid.registry import ADAPTERS, Adapter, adapter_of
 
     model = H.model(H.config("qwen3_5"), "eager")
@@ -231,7 +231,7 @@ def test_structural_check_pairs_each_modules_calls():
     """One process: the structural check compares the k-th calls of each module in the two runs
     (a module called only in one run does not stop the comparison of the later ones), and names
     a module with token tensors called a different number of times."""
-    from cpattn.integrations.hybrid.probe import PROBE_TOKENS, _mixing
+    from cpattn.integrations.hybrid.probe import PROBE_TOKENS, compare_runs
 
     first, other, mixing = (torch.nn.Identity() for _ in range(3))
     x = torch.randn(1, PROBE_TOKENS, 4)
@@ -239,10 +239,10 @@ def test_structural_check_pairs_each_modules_calls():
     y[:, 0] += 1.0
     runs = [[(first, x, x), (mixing, x, x.cumsum(1))],
             [(other, y, y), (first, y, y), (mixing, x, y.cumsum(1))]]
-    found, unpaired = _mixing(runs, 1e-6)
+    found, unpaired = compare_runs(runs, 1e-6)
     assert found == [mixing] and unpaired == {other: (0, 1)}
     runs[1][0] = (other, None, None)  # (no token tensors: nothing to compare, not refused)
-    assert _mixing(runs, 1e-6) == ([mixing], {})
+    assert compare_runs(runs, 1e-6) == ([mixing], {})
 
 
 def test_models_built_before_install_are_adopted():

@@ -146,10 +146,13 @@ def cpu_setup(ctx):
         return train_run(ctx, "llama", args, rows(4), T.default_data_collator, base=base)
 
     def without_args():  # (the Trainer makes its own: each process alone)
+        import contextlib
+
         from cpattn.integrations.trainer import ContextParallelTrainer
 
-        ContextParallelTrainer(ctx.cp(), model=model("llama", "sdpa"), train_dataset=rows(4),
-                               data_collator=T.default_data_collator)
+        with contextlib.chdir(ctx.tmp):  # (its default output_dir, "tmp_trainer", goes here)
+            ContextParallelTrainer(ctx.cp(), model=model("llama", "sdpa"), train_dataset=rows(4),
+                                   data_collator=T.default_data_collator)
 
     out = {"main": run(T.Trainer)}
     if not ctx.reference:

@@ -185,7 +185,7 @@ def parallelize(model: torch.nn.Module, cp: ContextParallel, name: str,
             check_settings(cp, WHAT)
         _check_parameters(model)
         for module in _one_per_class(mixers):
-            refusal = _verdict(module)
+            refusal = verdict(module)
             if refusal:
                 raise ValueError(refusal)
         try:
@@ -244,7 +244,7 @@ def _one_per_class(mixers: list[torch.nn.Module]) -> list[torch.nn.Module]:
     return first
 
 
-def _verdict(module: torch.nn.Module) -> str:
+def verdict(module: torch.nn.Module) -> str:
     """"" when the adapter of the mixer `module` matches the module's own forward (probe.py),
     else the refusal: the class, its adapter, the transformers version, the dtype and what
     differed (or the exception raised)."""

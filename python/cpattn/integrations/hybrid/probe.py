@@ -183,7 +183,7 @@ def token_mixing(model: torch.nn.Module, mixers: list[torch.nn.Module]) -> str:
         for m, mode in modes:
             m.training = mode
         model.set_attn_implementation(previous)
-    found, unpaired = _mixing(runs, TOLERANCE.get(embeddings.dtype, 1e-4))
+    found, unpaired = compare_runs(runs, TOLERANCE.get(embeddings.dtype, 1e-4))
     if unpaired:
         raise Unpaired(", ".join(f"{names[m] or 'the model itself'} ({type(m).__name__}: "
                                  f"{a} and {b} calls)" for m, (a, b) in unpaired.items()))
@@ -235,7 +235,7 @@ class Unpaired(ValueError):
     number of times (its text: those modules, with their counts)."""
 
 
-def _mixing(runs: list[list], tolerance: float) -> tuple[list, dict]:
+def compare_runs(runs: list[list], tolerance: float) -> tuple[list, dict]:
     """(the modules whose output changed at tokens after the first while their input there did
     not, in a k-th call of the module in both runs (tensors of shape (1, tokens, ...)); the
     modules with token tensors called a different number of times in the two runs, with their
