@@ -428,6 +428,28 @@ def test_trainer_collectives_time_out_w2():
     run_ranks(2, _late_peer, fresh=True)
 
 
+def _groups_not_blocks(rank, world):
+    import torch.distributed as dist
+
+    import cpattn
+    from cpattn.integrations.trainer import ranks
+
+    from failure_cases import raises_same_everywhere
+
+    groups = {r: dist.new_group(list(r)) for r in ((0, 1), (1, 2), (2, 3))}  # (every rank)
+    cp = cpattn.ContextParallel(groups[{0: (0, 1), 1: (0, 1), 2: (1, 2), 3: (2, 3)}[rank]])
+    raises_same_everywhere(r"must be 2 consecutive ranks starting at a multiple of 2; the "
+                           r"groups of rank\(s\) \[2\] are not", ranks.data_parallel, cp)
+
+
+def test_context_parallel_groups_checked_on_every_rank_w4():
+    """A context-parallel group that is not a block of consecutive ranks on one rank only (rank
+    2's group is ranks 1 and 2): the same ValueError on every rank, naming that rank."""
+    from distributed import run_ranks
+
+    run_ranks(4, _groups_not_blocks)
+
+
 def test_help_shows_cpattn_docstring():
     """help() of the trainer classes documents cp and what is refused, before the base class's
     own documentation."""
