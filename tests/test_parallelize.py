@@ -21,7 +21,8 @@ loss within 1e-5 and gradients within 1e-4 of one process: hybrid_models.assert_
   shard_batch's whole batch, a reentrant plain checkpoint around layers that get no documents.
 - W = 2, names and modes: parallelize under torch.no_grad / inference_mode trains exactly; a name
   registered for another cp, a model built from a parallelized model's config (it carries the
-  implementation's name only) refused; a refused model leaves no name registered.
+  implementation's name only) refused; a refused model leaves no name registered; the position
+  check keeps no position tensor alive.
 - W = 4, FSDP2 over dp x cp = 2 x 2 (fully_shard over the data-parallel dimension, the gradients
   then averaged over cp; and over the flattened mesh) for Qwen3.5 and Llama, parallelized before
   fully_shard; parallelize after fully_shard refused (DTensor parameters).
@@ -31,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -323,6 +326,14 @@ def _names_configs_and_grad_modes(rank, world):
     raises_same_everywhere(r"call cpattn.integrations.transformers.parallelize\(model, cp\) on "
                            "this model", twin, **local)
     H.assert_step_matches(ref, H.cp_step(cfg, batch, cp, m=first), "the parallelized one")
+    # The position check remembers the tensor it checked without keeping it alive
+    local = cpattn.shard_batch(batch, cp)
+    with torch.no_grad():
+        first(**_without_labels(local))
+    positions = weakref.ref(local["position_ids"])
+    del local
+    gc.collect()
+    assert positions() is None, "the position check keeps the position ids alive"
 
 
 def test_names_configs_and_grad_modes_w2():
