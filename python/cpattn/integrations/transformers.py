@@ -173,8 +173,7 @@ def _assert_on_every_rank(cp: ContextParallel, failed: torch.Tensor, message: st
     torch._assert_async(flag[0] == 0, message)
 
 
-# settings -> (a weak reference to the position tensor last checked, (its version, length,
-# documents)): holds neither the settings (their process group) nor the tensor.
+# settings -> (a weak reference to the position tensor last checked, (version, length, documents))
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
