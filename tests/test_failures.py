@@ -89,16 +89,16 @@ def _check_field_report(rank: int, world: int) -> None:
 
 def _check_modes(rank: int, world: int) -> None:
     sent = []
-    exchange = _agreement._exchange
+    gather_words = _agreement.gather_words
 
-    def counting(mine, *args):
+    def counting(mine, *args, **kwargs):
         sent.append(mine.numel())
-        return exchange(mine, *args)
+        return gather_words(mine, *args, **kwargs)
 
-    _agreement._exchange = counting
+    _agreement.gather_words = counting
     q, k, v = qkv(rank)
     try:
-        assert cpattn.get_rank_check() == "auto"  # on gloo (a host exchange): every call
+        assert cpattn.get_rank_check() == "auto"  # on gloo (rounds on the host): every call
         cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
         cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
         assert sent == [12, 12], sent  # one fixed-size header per call
@@ -118,7 +118,7 @@ def _check_modes(rank: int, world: int) -> None:
         cpattn.ring_attention(q, k, v, timeout=TIMEOUT)
         assert sent == []
     finally:
-        _agreement._exchange = exchange
+        _agreement.gather_words = gather_words
         cpattn.set_rank_check("auto")
     valid_call_matches(rank, world)
 

@@ -182,11 +182,11 @@ def _varlen_compile(rank, world):
         for cu in ([0, 5, 16, 24], [0, 11, 13, 24]):
             q, k, v = (cpattn.shard_varlen(_fresh((24, 4, 8), 10 + j, False), cu)
                        for j in range(3))
-            before = _agreement.exchanges
+            before = _agreement.header_rounds
             _compiled_vs_eager(lambda q, k, v, s, cu=cu: fn(q, k, v, s, cu), [q, k, v,
                                _fresh((4,), 5)], f"compiled varlen {strategy} {cu}")
             # eager checks twice (forward only once per call: once here), compiled once
-            assert _agreement.exchanges - before == 2, _agreement.exchanges - before
+            assert _agreement.header_rounds - before == 2, _agreement.header_rounds - before
     f = torch.compile(fn, fullgraph=True, backend="aot_eager")
     with pytest.raises(Exception, match="cu_seqlens.*list or tuple of ints under torch.compile"):
         f(q, k, v, None, torch.tensor([0, 11, 13, 24]))

@@ -8,7 +8,7 @@ between them and the CPU that would block the host (device-to-host, or host-to-d
 non_blocking). Their ops run the fake (meta) kernels; the agreement check goes over gloo, on the
 host, as it does on a "cpu:gloo,cuda:nccl" group. Each public function runs forward and backward
 on 2 real ranks, after one warm-up call (the first call of a signature may do more: on an
-NCCL-only group the agreement check is exchanged once per signature, through the device).
+NCCL-only group the agreement check runs once per signature, through the device).
 bench/gpu_check.sh's sync_free and run_ahead stages measure the same on a GPU
 (torch.cuda.set_sync_debug_mode).
 """
@@ -163,10 +163,10 @@ def _capture_guard(rank: int, world: int) -> None:
     cpattn.ring_attention(q, q, q, causal=True)  # warm-up: this signature is checked
     real = _agreement.capturing
     _agreement.capturing = lambda: True  # as if the stream were capturing a CUDA graph
-    sent = _agreement.exchanges
+    sent = _agreement.header_rounds
     try:
         cpattn.ring_attention(q, q, q, causal=True)  # checked before: trusted, nothing sent
-        assert _agreement.exchanges == sent
+        assert _agreement.header_rounds == sent
         with pytest.raises(RuntimeError, match="while a CUDA graph is being captured"):
             cpattn.ring_attention(q, q, q, causal=False)  # a new signature: refused
     finally:

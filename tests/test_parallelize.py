@@ -19,6 +19,10 @@ loss within 1e-5 and gradients within 1e-4 of one process: hybrid_models.assert_
   without an adapter found by structure (a cumulative sum in Llama's MLP, a Mamba mixer class
   under another name), parameters on the meta device, a second parallelize, a model call without
   shard_batch's whole batch, a reentrant plain checkpoint around layers that get no documents.
+- W = 2, names and modes: parallelize under torch.no_grad / inference_mode trains exactly; a name
+  registered for another cp, a model built from a parallelized model's config (it carries the
+  implementation's name only) refused; a refused model leaves no name registered; the position
+  check keeps no position tensor alive.
 - W = 4, FSDP2 over dp x cp = 2 x 2 (fully_shard over the data-parallel dimension, the gradients
   then averaged over cp; and over the flattened mesh) for Qwen3.5 and Llama, parallelized before
   fully_shard; parallelize after fully_shard refused (DTensor parameters).
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -284,6 +290,57 @@ def test_copies_removal_and_refusals_w2():
     run_ranks(2, _copies)
     run_ranks(2, _removal)
     run_ranks(2, _refusals)
+
+
+def _names_configs_and_grad_modes(rank, world):
+    from transformers import AutoModelForCausalLM
+
+    from cpattn.integrations import transformers as T
+
+    cp, other = cpattn.ContextParallel(), cpattn.ContextParallel(layout="contiguous")
+    batch, cfg = H.sequences(), H.config("qwen3_5")
+    ref = H.reference(cfg, batch)
+    for mode in (torch.no_grad, torch.inference_mode):  # (right after loading, often)
+        m = H.model(cfg, "eager")
+        with mode():
+            T.parallelize(m, cp)
+        H.assert_step_matches(ref, H.cp_step(cfg, batch, cp, m=m), f"under {mode.__name__}")
+    # A name parallelize registered for cp is not rebound to another cp ...
+    name = "cpattn_parallel_named"
+    first = H.model(cfg, "eager")
+    T.parallelize(first, cp, name)
+    raises_same_everywhere(f"{name!r} is registered for another ContextParallel .*zigzag.* than "
+                           "this one .*contiguous", T.parallelize, H.model(cfg, "eager"), other,
+                           name)
+    assert T.registered(name) is cp
+    # ... and a refused model leaves no name behind
+    llama = H.model(_config("llama"), "eager")
+    llama.model.layers[1].mlp = _Blender(llama.model.layers[1].mlp)
+    raises_same_everywhere("_Blender", T.parallelize, llama, other, "cpattn_parallel_refused",
+                           within=30)
+    assert T.registered("cpattn_parallel_refused") is None
+    # A model built from a parallelized model's config carries the name, not the mixers' changes
+    twin = AutoModelForCausalLM.from_config(first.config)
+    assert twin.config._attn_implementation == name
+    local = _without_labels(cpattn.shard_batch(batch, cp))
+    raises_same_everywhere(r"call cpattn.integrations.transformers.parallelize\(model, cp\) on "
+                           "this model", twin, **local)
+    H.assert_step_matches(ref, H.cp_step(cfg, batch, cp, m=first), "the parallelized one")
+    # The position check remembers the tensor it checked without keeping it alive
+    local = cpattn.shard_batch(batch, cp)
+    with torch.no_grad():
+        first(**_without_labels(local))
+    positions = weakref.ref(local["position_ids"])
+    del local
+    gc.collect()
+    assert positions() is None, "the position check keeps the position ids alive"
+
+
+def test_names_configs_and_grad_modes_w2():
+    """W = 2: parallelize under torch.no_grad / inference_mode; a name registered for another
+    cp refused; a refused model registers nothing; a model built from a parallelized model's
+    config refused at its attention (Qwen3.5: its mixer would run unsharded)."""
+    run_ranks(2, _names_configs_and_grad_modes)
 
 
 def _fsdp2(rank, world):

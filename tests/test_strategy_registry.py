@@ -94,6 +94,36 @@ def test_a_new_strategy_is_a_candidate_and_named_by_its_cost_model():
     assert "toy/contiguous" not in [c.name for c in plan.candidates(p, 2)]
 
 
+def test_document_plans_ask_the_cost_models():
+    """A plan's prediction names the cost models that run document plans: the documents split
+    over every rank by the fastest of them (a toy one, when registered so), those split over a
+    subset only by the one whose code runs subsets (the all-gather's, or a toy one)."""
+    import dataclasses
+
+    def cu(lengths):
+        return [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+
+    p, m = plan.Problem(256, 8, 2, 64, causal=True), plan.PRESETS["cpu-gloo"]
+    every = cpattn.shard_documents(cu([200, 56]), world_size=4, causal=True, split="all")
+    subsets = cpattn.shard_documents(cu([96, 96, 8, 8]), world_size=4, causal=True,
+                                     split="balanced")
+    assert every.full_split and subsets.split and not subsets.full_split
+    assert plan.predict_documents(subsets, p, m).name == "allgather/zigzag"
+    assert plan.predict_documents(every, p, m).candidate.strategy in ("ring", "allgather")
+    toy = dataclasses.replace(TOY_COST, runs_document_plans=True, runs_document_subsets=True,
+                              candidates=lambda p, w, layouts: [plan.Candidate("toy", layouts[0])])
+    allgather = COST_MODELS["allgather"]
+    register_cost_model(toy)
+    register_cost_model(dataclasses.replace(allgather, runs_document_subsets=False))
+    try:
+        assert plan.predict_documents(every, p, m).name == "toy/zigzag"
+        assert plan.predict_documents(subsets, p, m).name == "toy/zigzag"
+    finally:
+        COST_MODELS.pop("toy")
+        register_cost_model(allgather)
+    assert plan.predict_documents(subsets, p, m).name == "allgather/zigzag"
+
+
 def _auto_runs_the_toy(rank: int, world: int) -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 64, 4, 16, dtype=torch.float64).float() for _ in range(3))

@@ -245,14 +245,16 @@ def test_cross_entropy_options_and_seq_idx(runs):
 def test_refusals(runs):
     """Misuse raises ValueError on every rank (the worker checks that the messages agree),
     naming a correct path; a model parallelize refuses (Qwen3.5 with the striped layout) is
-    refused by the trainer's construction."""
+    refused by the trainer's construction; predict with ignore_keys naming the logits (the only
+    output it returns)."""
     got = runs[1]["refusals"]
     expected = {"parallelize_refuses": "striped layout",
                 "accelerate_cp": "Remove parallelism_config",
                 "batch_rebalance": "use 'random', 'sequential'",
                 "iterable": "use a map-style dataset",
                 "eval_not_resharded": "not sharded by accelerate's BatchSamplerShard",
-                "sft_label_smoothing": "use ContextParallelTrainer"}
+                "sft_label_smoothing": "use ContextParallelTrainer",
+                "ignore_logits": "pass prediction_loss_only=True"}
     for case, hint in expected.items():
         assert hint in got[case], (case, got[case])
 
@@ -353,9 +355,11 @@ def test_any_collator_length(runs, name):
 
 def test_cpu_setup_without_use_cpu(runs):
     """Under torchrun on CPUs, TrainingArguments without use_cpu: the trainer runs the ranks
-    together. Ablation: left alone, the arguments are refused at construction, naming the fix."""
+    together. Ablation: left alone, the arguments are refused at construction, naming the fix;
+    so are the arguments the Trainer makes when given none."""
     _, got = _check(runs, "cpu_setup")
     assert "pass use_cpu=True to the TrainingArguments" in got["refused"], got["refused"]
+    assert "pass use_cpu=True to the TrainingArguments" in got["no_args"], got["no_args"]
 
 
 def test_messages_name_the_cause(runs):
@@ -392,6 +396,58 @@ def test_dp_x_cp_evaluation_exact(runs):
     _check(runs, "dp_evaluate_exact", "packed")
     filled, want = got["ablation"]["eval"], ref["rows"]["eval"]
     assert not _close(filled, want, 1e-5), (filled, want)
+
+
+def _late_peer(rank, world):
+    import time
+
+    from cpattn.integrations.trainer import data, evaluation
+
+    assert float(evaluation.world_sum(torch.tensor(1.0 + rank))) == 3.0
+    dataset = [{"x": torch.tensor([rank if i == 3 else 0])} for i in range(8)]
+    with pytest.raises(ValueError, match="the evaluation dataset differs between ranks"):
+        data.check_same_dataset(dataset, "evaluation")
+    os.environ["CPATTN_COMM_TIMEOUT"] = "1"
+    if rank == 0:  # the peer never comes: a clear error after 1 s, not a wait
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="the sum of an evaluation loss failed after at "
+                                               "most 1.0 s: a peer did not make the call"):
+            evaluation.world_sum(torch.tensor(1.0))
+        assert time.monotonic() - start < 2.5
+    else:
+        time.sleep(2)
+
+
+def test_trainer_collectives_time_out_w2():
+    """The trainer's own collectives (evaluation sums, the data checks, the gathers of
+    predictions) wait at most $CPATTN_COMM_TIMEOUT (else cp's / the group's timeout) for a peer:
+    a missing peer is a RuntimeError naming the step (fresh ranks: the group is not used
+    again)."""
+    from distributed import run_ranks
+
+    run_ranks(2, _late_peer, fresh=True)
+
+
+def _groups_not_blocks(rank, world):
+    import torch.distributed as dist
+
+    import cpattn
+    from cpattn.integrations.trainer import ranks
+
+    from failure_cases import raises_same_everywhere
+
+    groups = {r: dist.new_group(list(r)) for r in ((0, 1), (1, 2), (2, 3))}  # (every rank)
+    cp = cpattn.ContextParallel(groups[{0: (0, 1), 1: (0, 1), 2: (1, 2), 3: (2, 3)}[rank]])
+    raises_same_everywhere(r"must be 2 consecutive ranks starting at a multiple of 2; the "
+                           r"groups of rank\(s\) \[2\] are not", ranks.data_parallel, cp)
+
+
+def test_context_parallel_groups_checked_on_every_rank_w4():
+    """A context-parallel group that is not a block of consecutive ranks on one rank only (rank
+    2's group is ranks 1 and 2): the same ValueError on every rank, naming that rank."""
+    from distributed import run_ranks
+
+    run_ranks(4, _groups_not_blocks)
 
 
 def test_help_shows_cpattn_docstring():

@@ -27,10 +27,10 @@ from transformers_models import (  # noqa: E402
 )
 
 
-def _agreement_exchanges() -> int:
+def _agreement_header_rounds() -> int:
     from cpattn.core import agreement as _agreement
 
-    return _agreement.exchanges
+    return _agreement.header_rounds
 
 
 def _compiled_steps(rank, world, strategies):
@@ -49,17 +49,17 @@ def _compiled_steps(rank, world, strategies):
         else:
             cp = cpattn.ContextParallel(strategy=strategy)
         group = dist.group.WORLD
-        before = _agreement_exchanges()
+        before = _agreement_header_rounds()
         model, forward = cp_model(config, cp, f"cpattn_{strategy}", compile_model="aot_eager")
         got = cp_run(model, forward, batch, cp, loss_group=group)
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
         assert_step_matches(ref, got, f"compiled {strategy} W={world}")
-        traced = _agreement_exchanges() - before
+        traced = _agreement_header_rounds() - before
         assert traced > 0, "the agreement check did not run while tracing"
         # A second step reuses the graphs: the same result, no check, no recompilation.
         assert_step_matches(ref, cp_run(model, forward, batch, cp, loss_group=group),
                             f"second compiled {strategy} step")
-        assert _agreement_exchanges() - before == traced
+        assert _agreement_header_rounds() - before == traced
 
 
 def _compiled_mismatch(rank, world):

@@ -246,6 +246,24 @@ def test_probe_accepts_rounding_as_near_float64_as_the_modules(monkeypatch):
     assert "from a float64 run of the module" in verdict(module)
 
 
+def test_structural_check_pairs_each_modules_calls():
+    """One process: the structural check compares the k-th calls of each module in the two runs
+    (a module called only in one run does not stop the comparison of the later ones), and names
+    a module with token tensors called a different number of times."""
+    from cpattn.integrations.hybrid.probe import PROBE_TOKENS, compare_runs
+
+    first, other, mixing = (torch.nn.Identity() for _ in range(3))
+    x = torch.randn(1, PROBE_TOKENS, 4)
+    y = x.clone()
+    y[:, 0] += 1.0
+    runs = [[(first, x, x), (mixing, x, x.cumsum(1))],
+            [(other, y, y), (first, y, y), (mixing, x, y.cumsum(1))]]
+    found, unpaired = compare_runs(runs, 1e-6)
+    assert found == [mixing] and unpaired == {other: (0, 1)}
+    runs[1][0] = (other, None, None)  # (no token tensors: nothing to compare, not refused)
+    assert compare_runs(runs, 1e-6) == ([mixing], {})
+
+
 def test_models_built_before_install_are_adopted():
     """parallelize changes one instance, whenever it was built: a model built before it and one
     built after keep their class's own forward (outputs bitwise those of an identical model never

@@ -145,9 +145,19 @@ def cpu_setup(ctx):
         args = ctx.args(dp=1, batch=2, use_cpu=False, ddp_backend=None)
         return train_run(ctx, "llama", args, rows(4), T.default_data_collator, base=base)
 
+    def without_args():  # (the Trainer makes its own: each process alone)
+        import contextlib
+
+        from cpattn.integrations.trainer import ContextParallelTrainer
+
+        with contextlib.chdir(ctx.tmp):  # (its default output_dir, "tmp_trainer", goes here)
+            ContextParallelTrainer(ctx.cp(), model=model("llama", "sdpa"), train_dataset=rows(4),
+                                   data_collator=T.default_data_collator)
+
     out = {"main": run(T.Trainer)}
     if not ctx.reference:
         out["refused"] = raised(lambda: run(no_cpu_ranks(T.Trainer)))
+        out["no_args"] = raised(without_args)
     return out
 
 

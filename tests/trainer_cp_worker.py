@@ -166,7 +166,6 @@ def resume(ctx):
     return out
 
 
-
 @scenario(world=2)
 def sft_packing(ctx):
     """SFTTrainer packing=True (best-fit packing, padding-free batches with seq_idx), tiny Qwen3,
@@ -187,7 +186,6 @@ def sft_packing(ctx):
                 "eval_every_rank": every_rank(evaluated)}
 
     return with_ablation(ctx, run, count_not_divided, SFTTrainer)
-
 
 
 @scenario(world=2)
@@ -300,6 +298,7 @@ def refusals(ctx):
         "iterable": raised(lambda: build(train_dataset=Stream(), max_steps=2)),
         "eval_not_resharded": raised(lambda: build().evaluate(eval_dataset=Stream())),
         "sft_label_smoothing": raised(sft_smoothing),
+        "ignore_logits": raised(lambda: build().predict(data, ignore_keys=["logits"])),
     }
 
 
@@ -308,7 +307,6 @@ def dp_accumulation(ctx):
     """dp 2 x cp 2, GA 2, shuffled rows with different target counts per replica."""
     run = rows_run(ctx, "llama", 16, dp=2, batch=1, gradient_accumulation_steps=2)
     return with_ablation(ctx, run, count_not_divided)
-
 
 
 @scenario(world=4)

@@ -81,7 +81,6 @@ for _shape in SHAPES:
                 _fwd_bwd_case(_shape, _mask, _dtype))
 
 
-
 def _compiled_head_dims() -> list[int]:
     if harness.DEV == "cpu":
         return [32, 64, 96, 128, 160, 192, 256]  # the CPU kernels take every head dim

@@ -4,14 +4,15 @@ Before its first message, a distributed call checks that every rank of the group
 call: the same function with the same shapes, dtypes and options (the "signature"). A mismatch
 would otherwise hang, abort gloo on a size mismatch, or silently compute garbage.
 
-Protocol (identical on every rank, so it never deadlocks on its own):
-1. A fixed-size header is all-gathered: the function's name and a 256-bit blake2b digest of the
-   full signature (every field name and value, byte strings such as cu_seqlens in full). Its
-   size never depends on the function or the arguments, so different functions on different
-   ranks meet in the same collective.
-2. Only if the headers differ: a second fixed-size exchange of (name hash, type code, value) per
-   field and, from a rank whose arguments failed validation, its error text (at most 1 KiB), from
-   which every rank builds the same ValueError: the function on each rank and the fields that
+Protocol (identical on every rank, so it never deadlocks on its own), in one or two rounds (an
+all-gather of int64 words each, `gather_words`):
+1. The header round: a fixed-size header is all-gathered: the function's name and a 256-bit
+   blake2b digest of the full signature (every field name and value, byte strings such as
+   cu_seqlens in full). Its size never depends on the function or the arguments, so different
+   functions on different ranks meet in the same collective.
+2. Only if the headers differ, the detail round: (name hash, type code, value) per field and,
+   from a rank whose arguments failed validation, its error text (at most 1 KiB), from which
+   every rank builds the same ValueError: the function on each rank and the fields that
    differ, or the ranks whose arguments are invalid and why.
 
 Modes (cpattn.set_rank_check, or $CPATTN_RANK_CHECK when never set): "always" checks every call;
@@ -19,7 +20,7 @@ Modes (cpattn.set_rank_check, or $CPATTN_RANK_CHECK when never set): "always" ch
 calls send nothing; a rank that starts a new signature while the others repeat a checked one is
 then not caught); "never" skips the check. "auto" (default): "always" where the header travels on
 the host (a group with a CPU backend: gloo, or "cpu:gloo,cuda:nccl"), "once" where it would have
-to go through a device (an NCCL-only group): there an exchange costs a host sync (copy to the
+to go through a device (an NCCL-only group): there a round costs a host sync (copy to the
 GPU, wait, copy back), which the hot path must not pay at every call.
 
 Tensors whose values are options (sinks, ALiBi slopes) are compared by value when they are on
@@ -37,7 +38,7 @@ compiled graph itself holds no collective and no graph break. A dimension compil
 decisions, which they do when they see the same shapes. Tensors whose values are options (sinks,
 ALiBi slopes) are compared by presence only while tracing (their values are not known then);
 varlen's cu_seqlens must be a list of ints under compile, read while tracing (see
-_validation.document_lengths), so they are compared exactly, once per compiled signature.
+core.validation.document_lengths), so they are compared exactly, once per compiled signature.
 """
 
 from __future__ import annotations
@@ -69,12 +70,12 @@ _MAGIC = 0x63706174746E  # "cpattn": tells an agreement header apart from other 
 _VERSION = 1
 _NAME_WORDS = 6  # function name: 48 bytes in the header (the digest covers the full name)
 _DETAIL_FIELDS = 64  # fields reported in detail on a mismatch (the digest covers all of them)
-_REASON_WORDS = 256  # the failing ranks' errors travel in the detail exchange: 2 KiB at most
+_REASON_WORDS = 256  # the failing ranks' errors travel in the detail round: 2 KiB at most
 _ONCE_CACHE_LIMIT = 4096  # signatures remembered in "once" mode (bounded: cu_seqlens vary)
 
 _INVALID = "invalid_arguments"  # agree_on's one field when a rank's arguments fail validation
 _mode: str | None = None
-exchanges = 0  # header exchanges made by this process (tests count the check's collectives)
+header_rounds = 0  # header rounds made by this process (tests count the check's collectives)
 _checked: set = set()  # signatures checked (mode "once" trusts them; so does a CUDA graph capture)
 
 
@@ -117,32 +118,32 @@ def tensor_values(t: torch.Tensor | None) -> FieldValue:
     return t.detach().to("cpu", torch.float64).contiguous().numpy().tobytes()
 
 
-_INVALID_KEY = hash63(_INVALID.encode())
-
-
-def _exchange_device(group) -> torch.device:
-    """Where the group's all-gather runs: on the CPU unless its only backend is NCCL."""
+def _words_device(group) -> torch.device:
+    """Where the group's all-gather of words runs: on the CPU unless its only backend is NCCL."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _exchange(mine: torch.Tensor, group, world: int, timeout: float, what: str) -> torch.Tensor:
-    """All-gathers a fixed-size int64 vector: (world, n), waiting at most `timeout` seconds."""
-    device = _exchange_device(group)
-    gathered = [torch.empty_like(mine, device=device) for _ in range(world)]
+def gather_words(mine: torch.Tensor, group, timeout: float, what: str,
+                 step: str = "the cross-rank agreement check") -> torch.Tensor:
+    """All-gathers a fixed-size int64 vector `mine` (n,) over `group` (None: the world): (W, n)
+    on the CPU, in rank order, waiting at most `timeout` seconds; a peer that does not answer
+    (or left the group) raises RuntimeError naming `what` and `step`. Runs on the CPU unless the
+    group's only backend is NCCL (then through this rank's GPU: a host sync)."""
+    group = group if group is not None else dist.group.WORLD
+    device = _words_device(group)
+    gathered = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
     try:
         work = dist.all_gather(gathered, mine.to(device), group=group, async_op=True)
         done = work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
         raise RuntimeError(
-            f"{what}: the cross-rank agreement check failed after at most {timeout} s: a peer "
-            f"did not make a cpattn call in time or left the group ({e})"
+            f"{what}: {step} failed after at most {timeout} s: a peer did not make the call in "
+            f"time or left the group ({e})"
         ) from e
     if done is False:
-        raise RuntimeError(
-            f"{what}: peers did not answer the cross-rank agreement check within {timeout} s"
-        )
+        raise RuntimeError(f"{what}: peers did not answer {step} within {timeout} s")
     return torch.stack([g.cpu() for g in gathered])
 
 
@@ -193,7 +194,7 @@ _SENDER = -1  # the rank of "this rank's own error": the same bytes on every ran
 
 def _encode_errors(errors: dict[int, str]) -> str:
     """A rank -> error map as text: "rank<US>error" records separated by <RS>, within the
-    exchange's bound: each error cut to under half of it (so two always travel), and the records
+    detail round's bound: each error cut to under half of it (so two always travel), and the records
     that would pass the bound left out."""
     budget = 8 * _REASON_WORDS
     limit = budget // 2 - 16
@@ -310,13 +311,13 @@ def agree(
 
 def _agree_now(function_name: str, group, fields: Fields, timeout: float, mode: str) -> None:
     """agree() in Python, now, in mode "auto", "always" or "once"."""
-    global exchanges
+    global header_rounds
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if world == 1:
         return
     if mode == "auto":
-        mode = "always" if _exchange_device(group).type == "cpu" else "once"
+        mode = "always" if _words_device(group).type == "cpu" else "once"
     digest = signature_digest(function_name, fields)
     key = (function_name, group.group_name, digest)
     if capturing():
@@ -328,16 +329,16 @@ def _agree_now(function_name: str, group, fields: Fields, timeout: float, mode: 
             "the call once before capturing (the usual warm-up), or set_rank_check('never')")
     if mode == "once" and key in _checked:
         return
-    exchanges += 1
-    headers = _exchange(_header(function_name, digest), group, world, timeout, function_name)
+    header_rounds += 1
+    headers = gather_words(_header(function_name, digest), group, timeout, function_name)
     if (headers != headers[0]).any():
-        # Every rank saw the same headers, so every rank takes this branch: a second exchange.
+        # Every rank saw the same headers, so every rank takes this branch: the detail round.
         shown = fields[:_DETAIL_FIELDS]
         triples = [w for name, value in shown
                    for w in (hash63(name.encode()), type_code_of(value), field_word(value))]
         triples += [0] * (3 * (_DETAIL_FIELDS - len(shown)))
         detail = torch.tensor([len(shown), *triples, *_errors_words(fields)], dtype=torch.int64)
-        details = _exchange(detail, group, world, timeout, function_name)
+        details = gather_words(detail, group, timeout, function_name)
         global_ranks = dist.get_process_group_ranks(group)
         raise _mismatch_message(function_name, fields, headers, details, global_ranks)
     if len(_checked) >= _ONCE_CACHE_LIMIT:

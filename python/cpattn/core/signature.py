@@ -1,5 +1,5 @@
 """What the ranks of a call compare (cpattn.core.agreement): the fields of its signature, their
-exact typed bytes for the signature's digest, and their one-word form for the detail exchange
+exact typed bytes for the signature's digest, and their one-word form for the detail round
 that names the fields that differ."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def tensor_fields(
             (f"{name}.dtype", t.dtype), (f"{name}.device", t.device.type)]
 
 
-# Type codes of field values: the detail exchange sends (name hash, type code, word) per field.
+# Type codes of field values: the detail round sends (name hash, type code, word) per field.
 _NONE, _BOOL, _INT, _FLOAT, _STR, _BYTES, _DTYPE, _OTHER = range(8)
 _DTYPES = tuple(v for v in vars(torch).values() if isinstance(v, torch.dtype))
 
@@ -67,7 +67,7 @@ def hash63(data: bytes) -> int:
 
 
 def field_word(value) -> int:
-    """One int64 for the detail exchange: the value itself where it fits, else a hash."""
+    """One int64 for the detail round: the value itself where it fits, else a hash."""
     code = type_code_of(value)
     if code in (_BOOL, _INT) and -(2**63) <= value < 2**63:
         return int(value)

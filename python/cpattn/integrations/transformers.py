@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import weakref
 from typing import Optional
 
 import torch
@@ -65,7 +66,7 @@ from cpattn.integrations._model_checks import (
     score_options,
     short,
 )
-from cpattn.integrations.hybrid.parallelize import ParallelHandle, handle_of
+from cpattn.integrations.hybrid.parallelize import ParallelHandle, check_installed, handle_of
 from cpattn.integrations.hybrid.parallelize import parallelize as _parallelize
 from cpattn.parallel import ContextParallel
 from cpattn.sharding.packing import KEYWORD, Documents, chunk_boundaries
@@ -116,9 +117,9 @@ def _check_positions(cp: ContextParallel, module: torch.nn.Module,
         if getattr(module, "layer_idx", 0) == 0:
             _check_positions_on_device(cp, position_ids, local_len, docs)
         return
-    last = _CHECKED.get(id(cp))
-    if last is not None and last[0] is position_ids and last[1] == (position_ids._version,
-                                                                   local_len, docs):
+    last = _CHECKED.get(cp)
+    if last is not None and last[0]() is position_ids and last[1] == (position_ids._version,
+                                                                     local_len, docs):
         return
 
     def check():
@@ -140,7 +141,7 @@ def _check_positions(cp: ContextParallel, module: torch.nn.Module,
                 f"sees other positions and the model is wrong{packed}")
 
     agree(cp, WHAT, check)
-    _CHECKED[id(cp)] = (position_ids, (position_ids._version, local_len, docs))
+    _CHECKED[cp] = (weakref.ref(position_ids), (position_ids._version, local_len, docs))
 
 
 def _unsharded(position_ids: torch.Tensor) -> bool:
@@ -178,9 +179,8 @@ def _assert_on_every_rank(cp: ContextParallel, failed: torch.Tensor, message: st
     torch._assert_async(flag[0] == 0, message)
 
 
-# id(settings) -> (the position tensor last checked, (its version, length, documents)): the
-# tensor is held, so that its id cannot be reused by another tensor while it is remembered.
-_CHECKED: dict[int, tuple] = {}
+# settings -> (a weak reference to the position tensor last checked, (version, length, documents))
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torch.Tensor,
@@ -371,7 +371,6 @@ def _forget_settings() -> None:
     active exception")."""
     _SETTINGS.clear()
     PENDING.clear()
-    _CHECKED.clear()
     gc.collect()
 
 
@@ -402,6 +401,8 @@ def _register(cp: ContextParallel, name: str, parallelized: bool) -> str:
     _SETTINGS[name] = cp
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        if parallelized:  # (a model built from a parallelized one's config is not)
+            check_installed(module, name)
         return _attention_forward(_SETTINGS[name], module, query, key, value, attention_mask,
                                   **kwargs)
 
@@ -440,8 +441,8 @@ def parallelize(model, cp: ContextParallel, name: Optional[str] = None) -> Paral
         raise ValueError(f"{WHAT}.parallelize: name must start with {_PARALLEL_PREFIX!r} (the "
                          f"names register() gives refuse models with token mixers), got "
                          f"{name!r}")
-    _PARALLELIZED.add(_register(cp, name, parallelized=True))
-    return _parallelize(model, cp, name)
+    return _parallelize(model, cp, name, _SETTINGS.get(name),
+                        lambda: _PARALLELIZED.add(_register(cp, name, True)))
 
 
 # the names parallelize registered (their mask function does not refuse token mixers: the

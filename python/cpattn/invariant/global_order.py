@@ -14,7 +14,7 @@ from cpattn.core.layout import document_shards
 
 def doc_shards(layout_code: int, world: int, local: int, docs: Optional[tuple]) -> list:
     """Per packed document of `docs` (padded length, start in the padded sequence, start in every
-    rank's shard), as ring_attention_varlen shards them (_layout.document_shards), or with docs
+    rank's shard), as ring_attention_varlen shards them (core.layout.document_shards), or with docs
     None the sequence's: one of W `local` tokens."""
     if docs is None:
         return [(local * world, 0, 0)]

@@ -49,9 +49,11 @@ def predict_documents(plan_, p: Problem, m: Machine) -> Prediction:
         rest.append(t)
         rest_sent.append(sent)
     extra, extra_sent = max(rest), max(rest_sent)
-    if not plan_.full_split:
-        return Prediction(Candidate("none") if not plan_.split else Candidate("allgather"),
-                          extra, extra, 0.0, extra_sent, 0.0, detail={"plan": plan_})
+    if not plan_.full_split:  # no strategy runs: the subsets' code at most
+        subsets = next(m.name for m in COST_MODELS.values() if m.runs_document_subsets)
+        return Prediction(Candidate(subsets if plan_.split else "none", layout if plan_.split
+                                    else ""), extra, extra, 0.0, extra_sent, 0.0,
+                          detail={"plan": plan_})
     split = dataclasses.replace(p, documents=tuple(plan_.lengths[d] for d in plan_.full_split))
     cands = [c for model in COST_MODELS.values() if model.runs_document_plans
              for c in model.candidates(split, world, (layout,))]

@@ -287,8 +287,6 @@ def memory_ulysses(p: Problem, world: int, layout: str = "zigzag", chunk: Option
     return _result(ph, kept, scratch, late)
 
 
-
-
 def _memory_ring_passes(p: Problem, world: int, layout: str, chunk: int) -> dict:
     """The ring in passes of `chunk` KV heads (ring_attention(ring_chunk=...)): each pass is the
     ring of its heads (its phases), around it the whole results written pass by pass, the pass's

@@ -158,7 +158,8 @@ class MixerLayer:
             for n in ("heads", "key_dim", "value_dim", "batch", "layers")]
         for ok, name, value, rule in checks:
             if not ok:
-                raise ValueError(f"cpattn.plan.MixerLayer: {name}={value!r}: must be {rule}")
+                raise ValueError(f"cpattn.plan.mixer_scan.MixerLayer: {name}={value!r}: must be "
+                                 f"{rule}")
 
     def __str__(self) -> str:
         return (f"{self.name}: {self.kind} transitions, {self.heads} heads, K = {self.key_dim}, "

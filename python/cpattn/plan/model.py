@@ -221,8 +221,10 @@ class CostModel:
     label(candidate) -> its name in tables; memory(p, world, layout, chunk, gloo) -> plan.memory's
     dict (None where the time model counts memory itself); checks(candidate, world) -> the spans
     of the rank-agreement checks a call starts with (None: no communication);
-    runs_document_plans: it runs packed documents sharded by a DocumentPlan; in_passes(p,
-    candidate) -> the same candidate in passes of fewer KV heads, tried when memory is short."""
+    runs_document_plans: it runs packed documents sharded by a DocumentPlan;
+    runs_document_subsets: its code runs a plan's documents split over a subset of the ranks
+    (whatever the strategy chosen for the others); in_passes(p, candidate) -> the same candidate
+    in passes of fewer KV heads, tried when memory is short."""
 
     name: str
     time: Callable
@@ -231,6 +233,7 @@ class CostModel:
     memory: Optional[Callable] = None
     checks: Optional[Callable[[Candidate, int], tuple]] = None
     runs_document_plans: bool = False
+    runs_document_subsets: bool = False
     in_passes: Optional[Callable[[Problem, Candidate], list]] = None
 
 

@@ -312,7 +312,8 @@ register_cost_model(CostModel("ring", _time_ring, _per_layout_candidates("ring",
 register_cost_model(CostModel(
     "allgather", _time_allgather,
     _per_layout_candidates("allgather", lambda p, w: allgather_chunk(p.kv_heads, w)),
-    lambda c: f"allgather/{c.layout}", memory_allgather, _one_check, runs_document_plans=True))
+    lambda c: f"allgather/{c.layout}", memory_allgather, _one_check, runs_document_plans=True,
+    runs_document_subsets=True))  # (strategies/allgather.py's SubsetGathered)
 register_cost_model(CostModel("ulysses", _time_across_heads, _across_heads_candidates(False),
                               memory=memory_ulysses, checks=_one_check))
 # (the hybrid's time model counts its memory; its checks: over Ulysses, then the ring's across)

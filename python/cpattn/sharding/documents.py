@@ -186,7 +186,7 @@ class DocumentPlan:
 @functools.lru_cache(maxsize=65536)
 def _shard_length(n: int, layout: str, members: int) -> int:
     """Tokens per member of a document of n tokens split over `members` ranks (padded as
-    ring_attention_varlen pads it: _layout.document_shards)."""
+    ring_attention_varlen pads it: cpattn.core.layout.document_shards)."""
     return document_shards([n], LAYOUTS[layout], members)[0][0] // members
 
 

@@ -201,7 +201,8 @@ def run_gathered(q, k, v, opts, group, rank, world, layout, timeout, docs, per_g
                                    per_gather or default_head_group(k.shape[2], world))
 
 
-def emulate_gathered(q: list, k: list, v: list, layout: str, opts: AttentionOptions):
+def emulate_gathered(q: list, k: list, v: list, layout: str, opts: AttentionOptions,
+                     what: str):
     """Every emulated rank's steps against the stacked shards."""
     k_all, v_all = torch.stack(k), torch.stack(v)
     results = [torch.ops.cpattn.gathered_fwd(q[r], k_all, v_all, r, LAYOUTS[layout],

@@ -27,8 +27,9 @@ class Strategy:
     attention function of the strategy called with the settings of cp (a ContextParallel);
     `call`: return_lse, return_max_logits, timeout and the attention options, as the public
     functions take them; documents: cu_seqlens, or a DocumentPlan where runs_document_plans.
-    emulate(q, k, v, layout, opts) -> (outs, lses): its forward for W ranks emulated in one
-    process (lists of shards, AttentionOptions; cpattn.testing.emulation), or None.
+    emulate(q, k, v, layout, opts, what) -> (outs, lses): its forward for W ranks emulated in
+    one process (lists of shards, AttentionOptions, the calling function's name for errors;
+    cpattn.testing.emulation), or None.
     splits_heads: each rank attends the whole sequence with its share of the heads (Ulysses,
     the hybrid's inner groups) rather than moving K/V between sequence shards.
     This base takes one process group (ring, all-gather, Ulysses); hybrid.py's takes two."""

@@ -114,7 +114,7 @@ def _run_ring(q, k, v, opts, group, rank, world, layout, timeout, docs, per_pass
                                timeout, docs, per_pass or k.shape[2])
 
 
-def _emulate_ring(q: list, k: list, v: list, layout: str, opts: AttentionOptions):
+def _emulate_ring(q: list, k: list, v: list, layout: str, opts: AttentionOptions, what: str):
     """The ring driver with one thread per emulated rank and an in-process mailbox (the test
     ops of libcpattn_testing, loaded by cpattn.testing.emulation)."""
     outs, lses = torch.ops.cpattn_testing.ring_fwd_emulated(q, k, v, LAYOUTS[layout],

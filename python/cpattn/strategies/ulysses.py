@@ -308,12 +308,12 @@ def _attend_varlen(cp, q, k, v, cu_seqlens, **call):
     return ulysses_attention_varlen(q, k, v, cu_seqlens, group=cp.group, **call)
 
 
-def _emulate(q: list, k: list, v: list, layout: str, opts: AttentionOptions):
+def _emulate(q: list, k: list, v: list, layout: str, opts: AttentionOptions, what: str):
     """The all-to-alls done by concatenation: each emulated rank attends every token with its
     heads (GQA K/V heads repeated as Ulysses does for W > Hkv)."""
     world = len(q)
     if q[0].shape[2] % world != 0:
-        raise ValueError(f"cpattn.ring_attention_emulated: heads={q[0].shape[2]}: strategy "
+        raise ValueError(f"{what}: heads={q[0].shape[2]}: strategy "
                          f"'ulysses' needs heads divisible by the number of ranks ({world})")
     full_q, full_k, full_v = (torch.cat(t, dim=1) for t in (q, k, v))
     heads = full_q.shape[2]

@@ -71,4 +71,4 @@ def ring_attention_emulated(
     opts = AttentionOptions.checked(what, q[0].shape[-1],
                                     only=("causal", "softmax_scale", "window"), **options)
     load_ops()
-    return spec.emulate(q, k, v, layout, opts)
+    return spec.emulate(q, k, v, layout, opts, what)

@@ -18,8 +18,6 @@ import torch
 Window = tuple[int, int]
 
 
-
-
 def visible_mask(
     seqlen_q: int,
     seqlen_k: int,

@@ -93,7 +93,6 @@ def mamba2(m, h: torch.Tensor, mix: Mixing) -> torch.Tensor:
 def _delta_rule(m, h, mix: Mixing, mixed, z, b, a, beta_scale: float = 1.0):
     """The gated delta rule on the projections (Qwen3-Next, Qwen3.5, OLMo-Hybrid): conv + SiLU,
     l2-normalised q and k, decay g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
-    batch, length = h.shape[:2]
     mixed = _act(m.activation)(mix.conv(mixed, m.conv1d))
     q, k, v = mixed.split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
     q, k = (t.unflatten(-1, (-1, m.head_k_dim)) for t in (q, k))

@@ -108,10 +108,13 @@ class ModelState:
             if frame.grad and not torch.is_grad_enabled():
                 raise ValueError(
                     f"{WHAT}: {type(layer).__name__} runs without gradients inside a forward of "
-                    "its model with gradients: a reentrant torch.utils.checkpoint around it "
-                    "detaches its inputs, so its recompute in backward could not know the packed "
-                    "documents of this forward. Use torch.utils.checkpoint(..., "
-                    "use_reentrant=False) or model.gradient_checkpointing_enable()")
+                    "its model with gradients, and its call gives no documents, so cpattn "
+                    "cannot tell which packed documents a recompute of it in backward would "
+                    "need. The likely cause: a reentrant torch.utils.checkpoint around it (it "
+                    "runs the layer under no_grad on detached inputs). Use "
+                    "torch.utils.checkpoint(..., use_reentrant=False) or "
+                    "model.gradient_checkpointing_enable(), or switch gradients off for the "
+                    "whole forward")
             binding = frame.binding
         else:
             tag = getattr(hidden, _TAG, None)

@@ -11,6 +11,9 @@ What it changes, on this instance only (nothing process-wide, no class touched):
 - each layer above a mixer gets a per-instance forward binding the documents of its call, and the
   model (and each model nested in it) a forward pre-hook and hook recording them
   (documents.py);
+- every module of the model is marked with `name` (`_cpattn_attention`): the attention function
+  refuses a module that is not (check_installed), such as one of a model built from this one's
+  config, which names `name` but has none of these changes;
 - the handle is kept on the model (`model._cpattn_parallel`), so a deep copy carries its own.
 
 Before that, on every rank, in the model's dtype and device: the parameters must be real tensors
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import types
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -32,7 +35,7 @@ from cpattn.integrations._model_checks import agree
 from cpattn.integrations.hybrid import adapters  # noqa: F401 - registers the adapters
 from cpattn.integrations.hybrid.documents import LayerRole, ModelState, layer_forward
 from cpattn.integrations.hybrid.forward import MixerRole, mixer_forward, positional_parameters
-from cpattn.integrations.hybrid.probe import equivalence, token_mixing
+from cpattn.integrations.hybrid.probe import Unpaired, equivalence, token_mixing
 from cpattn.integrations.hybrid.registry import adapter_of
 from cpattn.mixers.sharded import check_settings
 from cpattn.parallel import ContextParallel
@@ -80,6 +83,8 @@ class ParallelHandle:
         from transformers import PreTrainedModel
 
         self.model.set_attn_implementation(self.name)
+        for module in self.model.modules():  # (which of them attend shows only in a forward)
+            module.__dict__[_MARK] = self.name
         if self.model.config._attn_implementation != self.name:
             raise RuntimeError(f"{WHAT}: {type(self.model).__name__} did not take the attention "
                                f"implementation {self.name!r}")
@@ -116,6 +121,8 @@ class ParallelHandle:
                 module.forward = old
         for hook in self.hooks:
             hook.remove()
+        for module in self.model.modules():
+            module.__dict__.pop(_MARK, None)
         self.restore_configs()
         self.forwards, self.hooks = [], []
         del self.model.__dict__["_cpattn_parallel"]
@@ -126,16 +133,47 @@ class ParallelHandle:
         self.configs = []
 
 
+_MARK = "_cpattn_attention"  # on each module of a parallelized model: its implementation's name
+
+
 def handle_of(model: torch.nn.Module) -> Optional[ParallelHandle]:
     """The handle of a parallelized model instance (also of a deep copy of one), else None."""
     return model.__dict__.get("_cpattn_parallel")
 
 
-def parallelize(model: torch.nn.Module, cp: ContextParallel, name: str) -> ParallelHandle:
-    """See the module docstring. `name`: the attention implementation registered for cp."""
+def check_installed(module: torch.nn.Module, name: str) -> None:
+    """Raises ValueError unless `module`, calling the attention implementation `name` that
+    parallelize registered, belongs to a model parallelized with `name`. A model built from a
+    parallelized model's config (from_config(model.config)) carries the implementation's name but
+    not its token mixers' sharded forwards: run, they would see each rank's shard only."""
+    if module.__dict__.get(_MARK) != name:
+        raise ValueError(
+            f"{WHAT}: {type(module).__name__} calls the attention implementation {name!r} of "
+            "cpattn's parallelize, but its model was not parallelized with it (a model built "
+            "from a parallelized model's config carries the name only, not the changes to its "
+            "token mixers): call cpattn.integrations.transformers.parallelize(model, cp) on "
+            "this model")
+
+
+def describe(cp: ContextParallel) -> str:
+    """cp's settings, the same words on every rank."""
+    return f"strategy {cp.strategy!r}, layout {cp.layout!r}, {cp.world_size} ranks"
+
+
+def parallelize(model: torch.nn.Module, cp: ContextParallel, name: str,
+                owner: Optional[ContextParallel], register: Callable[[], object]
+                ) -> ParallelHandle:
+    """See the module docstring. `name`: the attention implementation for cp; `owner`: the
+    settings it is registered for already (None: none), refused if not cp (the models
+    parallelized with `name` would attend with cp while their mixers keep theirs); `register()`
+    registers it for cp, called once the checks passed (a refused model leaves no name behind)."""
     if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
         raise TypeError(f"{WHAT}: model must be a transformers PreTrainedModel, got "
                         f"{type(model).__name__}")
+    if owner is not None and owner is not cp:
+        raise ValueError(f"{WHAT}: the attention implementation {name!r} is registered for "
+                         f"another ContextParallel ({describe(owner)}) than this one "
+                         f"({describe(cp)}): give another name, or none")
     if handle_of(model) is not None:
         raise ValueError(f"{WHAT}: this model is parallelized already (a copy of a parallelized "
                          "model is too): call remove() on its handle first "
@@ -152,6 +190,12 @@ def parallelize(model: torch.nn.Module, cp: ContextParallel, name: str) -> Paral
                 raise ValueError(refusal)
         try:
             mixing = token_mixing(model, mixers)
+        except Unpaired as e:
+            raise ValueError(f"{WHAT}: the check that nothing but attention and the adapted "
+                             f"mixers mixes tokens ran {type(model).__name__} on two inputs "
+                             f"that differ in their first token and saw {e}: a module whose "
+                             "calls depend on the tokens' values cannot be checked, so cpattn "
+                             "refuses the model") from e
         except Exception as e:  # noqa: BLE001 - refused, with the reason, on every rank
             raise ValueError(f"{WHAT}: the check that nothing but attention and the adapted "
                              f"mixers mixes tokens could not run {type(model).__name__} on a "
@@ -167,6 +211,7 @@ def parallelize(model: torch.nn.Module, cp: ContextParallel, name: str) -> Paral
     handle.own_configs()
     try:
         agree(cp, WHAT, check)
+        register()
         handle.install(mixers, _layers_above(model, mixers))
     except BaseException:
         handle.restore_configs()
@@ -205,12 +250,13 @@ def verdict(module: torch.nn.Module) -> str:
     differed (or the exception raised)."""
     import transformers
 
-    differs = equivalence(module, adapter_of(module))
+    adapter = adapter_of(module)
+    differs = equivalence(module, adapter)
     if not differs:
         return ""
     dtype = next(p.dtype for p in module.parameters())
     return (f"{WHAT}: cpattn's exact version of {type(module).__name__} "
-            f"({adapter_of(module).name}) checked against the module's own forward "
+            f"({adapter.name}) checked against the module's own forward "
             f"(transformers {transformers.__version__}, {dtype}, one process): {differs}; "
             "cpattn refuses the model under context parallelism (it would not train the same "
             "model)")

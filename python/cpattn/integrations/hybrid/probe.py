@@ -13,7 +13,10 @@ changes anything:
   on a short random input that differs in its first token only, with attention made per-token
   (each query gets its own value) and the adapted mixers silenced (zeros); any submodule whose
   outputs then change at other tokens while its inputs there did not mixes tokens along the
-  sequence, whatever its class is called: the model is refused, naming it.
+  sequence, whatever its class is called: the model is refused, naming it. The k-th calls of
+  each module in the two runs are compared; a module called a different number of times with
+  token tensors (control flow that depends on the tokens' values) cannot be compared that way:
+  the model is refused too (`Unpaired`), naming it.
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ CASES = {"packed documents": _packed_case(),
 
 def equivalence(module: torch.nn.Module, adapter: Adapter) -> str:
     """"" when the adapter matches the module's own forward (see the module docstring), else
-    what differed."""
+    what differed. Runs with gradients whatever the caller's mode (parallelize is often called
+    under torch.no_grad or inference_mode, right after loading)."""
     try:
-        return _equivalence(module, adapter)
+        with torch.inference_mode(False), torch.enable_grad():
+            return _equivalence(module, adapter)
     except Exception as e:  # noqa: BLE001 - any failure of either side refuses, naming it
         return f"raised {type(e).__name__}: {e}"
 
@@ -233,7 +238,11 @@ def token_mixing(model: torch.nn.Module, mixers: list[torch.nn.Module]) -> str:
         for m, mode in modes:
             m.training = mode
         model.set_attn_implementation(previous)
-    mixing = {names[m] for m in _mixing(runs, TOLERANCE.get(embeddings.dtype, 1e-4))}
+    found, unpaired = compare_runs(runs, TOLERANCE.get(embeddings.dtype, 1e-4))
+    if unpaired:
+        raise Unpaired(", ".join(f"{names[m] or 'the model itself'} ({type(m).__name__}: "
+                                 f"{a} and {b} calls)" for m, (a, b) in unpaired.items()))
+    mixing = {names[m] for m in found}
     # the deepest ones: a module whose submodules already explain its mixing is not named
     deepest = sorted(n for n in mixing if not any(_inside(o, n) for o in mixing))
     return ", ".join(f"{n or 'the model itself'} ({type(model.get_submodule(n)).__name__})"
@@ -276,19 +285,35 @@ def _first_tensor(value: Any):
     return _first_tensor(list(values())) if callable(values) else None
 
 
-def _mixing(runs: list[list], tolerance: float) -> list[torch.nn.Module]:
-    """The modules whose output changed at tokens after the first while their input there did
-    not (tensors of shape (1, tokens, ...))."""
-    found = []
-    for (module, a_in, a_out), (other, b_in, b_out) in zip(*runs):
-        if module is not other:
-            break
-        if any(t is None for t in (a_in, a_out, b_in, b_out)):
+class Unpaired(ValueError):
+    """The two runs of the structural check called some module with token tensors a different
+    number of times (its text: those modules, with their counts)."""
+
+
+def compare_runs(runs: list[list], tolerance: float) -> tuple[list, dict]:
+    """(the modules whose output changed at tokens after the first while their input there did
+    not, in a k-th call of the module in both runs (tensors of shape (1, tokens, ...)); the
+    modules with token tensors called a different number of times in the two runs, with their
+    two counts)."""
+    calls: list[dict] = [{}, {}]
+    for run, by_module in zip(runs, calls):
+        for module, t_in, t_out in run:
+            by_module.setdefault(module, []).append((t_in, t_out))
+    found, unpaired = [], {}
+    for module in dict.fromkeys([*calls[0], *calls[1]]):  # (in call order: the same text)
+        a_calls, b_calls = calls[0].get(module, []), calls[1].get(module, [])
+        if len(a_calls) != len(b_calls):
+            if any(t is not None for call in a_calls + b_calls for t in call):
+                unpaired[module] = (len(a_calls), len(b_calls))
             continue
-        if _same_after_first(a_in, b_in, tolerance) and \
-                not _same_after_first(a_out, b_out, tolerance):
-            found.append(module)
-    return found
+        for (a_in, a_out), (b_in, b_out) in zip(a_calls, b_calls):
+            if any(t is None for t in (a_in, a_out, b_in, b_out)):
+                continue
+            if _same_after_first(a_in, b_in, tolerance) and \
+                    not _same_after_first(a_out, b_out, tolerance):
+                found.append(module)
+                break
+    return found, unpaired
 
 
 def _token_major(t):

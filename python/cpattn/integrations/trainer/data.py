@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from accelerate.data_loader import BatchSamplerShard
 
-from cpattn.integrations.trainer.ranks import WHAT, host_or_device
+from cpattn.core.agreement import gather_words
+from cpattn.integrations.trainer.ranks import WHAT, timeout_of
 from cpattn.parallel import ContextParallel
 from cpattn.sharding.packing import FLASH_KEYS, find_packing
 from cpattn.training import IGNORE_INDEX
@@ -99,18 +100,13 @@ def digest(value: Any, into=None) -> "hashlib.blake2b":
 
 
 def differing_groups(key: int, mine: "hashlib.blake2b") -> list[int]:
-    """All-gathers (key, digest) over the world (5 int64 per rank; on every rank alike): the
-    keys whose ranks disagree on the digest."""
-    row = torch.tensor([key, *struct.unpack("<4q", mine.digest())], dtype=torch.int64,
-                       device=host_or_device())
-    every = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, row)
-    first: dict[int, torch.Tensor] = {}
-    differ = set()
-    for other in (t.cpu() for t in every):
-        if not torch.equal(first.setdefault(int(other[0]), other), other):
-            differ.add(int(other[0]))
-    return sorted(differ)
+    """All-gathers (key, digest) over the world (5 int64 per rank, waiting at most the world's
+    timeout; on every rank alike): the keys whose ranks disagree on the digest."""
+    row = torch.tensor([key, *struct.unpack("<4q", mine.digest())], dtype=torch.int64)
+    every = gather_words(row, None, timeout_of(), WHAT, "the check that the ranks hold the "
+                         "same data").tolist()
+    first: dict[int, list] = {}
+    return sorted({other[0] for other in every if first.setdefault(other[0], other) != other})
 
 
 def check_same_dataset(dataset, description: str) -> None:
@@ -143,8 +139,9 @@ def check_same_batch(inputs: dict[str, Any], dp_rank: int, dp_size: int, cp_size
         raise ValueError(
             f"{WHAT}: the ranks of a context-parallel group were given different batches "
             f"(data-parallel replica(s) {differ}; each rank of a group must get the same full "
-            "batch, which cpattn.shard_batch splits). The datasets agree (checked when the loader "
-            "was made), so either the data loader is not sharded over the "
+            "batch, which cpattn.shard_batch splits). The datasets agree (their length and "
+            f"{SAMPLED_EXAMPLES} examples spread over them were compared when the loader was "
+            "made), so either the data loader is not sharded over the "
             f"{dp_size} data-parallel ranks (the trainer's own loaders are; a custom loader must "
             f"shard over dp = world / {cp_size} with dp rank = rank // {cp_size}, not over every "
             "rank), or the collator or a dataset transform draws random numbers differently on "

@@ -12,8 +12,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from cpattn.core.agreement import gather_words
 from cpattn.integrations.trainer.data import WholeRounds
-from cpattn.integrations.trainer.ranks import host_or_device
+from cpattn.integrations.trainer.ranks import WHAT, timeout_of
 from cpattn.parallel import ContextParallel
 from cpattn.sharding.packing import KEYWORD
 from cpattn.training import IGNORE_INDEX
@@ -45,10 +46,11 @@ def without_targets(inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def world_sum(value: torch.Tensor) -> torch.Tensor:
-    """value (a scalar) summed over every rank, in float64 (the same on every rank)."""
-    out = value.detach().double().reshape(()).to(host_or_device()).clone()
-    dist.all_reduce(out)
-    return out.to(value.device)
+    """value (a scalar) summed over every rank in float64, in rank order (the same on every
+    rank); a peer that does not answer within the world's timeout raises RuntimeError."""
+    bits = value.detach().double().reshape(1).cpu().view(torch.int64)  # (the words' bytes)
+    every = gather_words(bits, None, timeout_of(), WHAT, "the sum of an evaluation loss")
+    return every.view(torch.float64).sum().to(value.device)
 
 
 def round_mean(local_sum: torch.Tensor, local_count: torch.Tensor) -> torch.Tensor:
@@ -85,12 +87,12 @@ def _gather_sequence(cp: ContextParallel, x: torch.Tensor, index: torch.Tensor
     its tokens' places in the sequence (-1: padding slot): (values (batch, n, ...), places
     (n,)) of every real token, in rank order. Ranks may hold different numbers of tokens."""
     values, places = x, index
+    timeout = timeout_of(cp)
     for group in cp.groups:  # for hybrid: Ulysses, then ring (cp.rank's order)
         size = dist.get_world_size(group)
-        counts = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(size)]
-        dist.all_gather(counts, torch.tensor([places.numel()], device=x.device), group=group)
-        longest = int(max(c.item() for c in counts))
-        pad = longest - places.numel()
+        counts = gather_words(torch.tensor([places.numel()]), group, timeout, WHAT,
+                              "the gather of the predictions")  # (a peer missing: it raises)
+        pad = max(counts.flatten().tolist()) - places.numel()
         padded_values = torch.nn.functional.pad(values, (0, 0) * (values.dim() - 2) + (0, pad))
         padded_places = torch.nn.functional.pad(places, (0, pad), value=-1)
         all_values = [torch.empty_like(padded_values) for _ in range(size)]

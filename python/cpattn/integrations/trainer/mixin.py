@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer
 
+from cpattn.integrations.hybrid.parallelize import describe
 from cpattn.integrations.trainer import data, evaluation, ranks
 from cpattn.integrations.trainer.ranks import WHAT
 from cpattn.integrations.transformers import ParallelHandle, handle_of, parallelize, registered
@@ -115,7 +116,7 @@ class ContextParallelMixin:
         theirs = handle.cp if handle is not None else registered(
             getattr(getattr(model, "config", None), "_attn_implementation", None))
         if theirs is not None and theirs is not self.cp:
-            mine, other = _describe(self.cp), _describe(theirs)
+            mine, other = describe(self.cp), describe(theirs)
             settings = (f"the same settings ({mine}), but another object" if mine == other else
                         f"{other}, the trainer's: {mine}")
             how = ("was parallelized with another ContextParallel" if handle is not None else
@@ -139,6 +140,7 @@ class ContextParallelMixin:
     def _cp_check_setup(self) -> None:
         """Refuses, on every rank (the same settings everywhere), what cannot be made exact."""
         args = self.args
+        ranks.check_world(args)  # (again: the Trainer's own arguments when it was given none)
         ranks.refuse_accelerate_parallelism(getattr(self.accelerator, "parallelism_config", None))
         several = self._cp_dp_size > 1
         loader_config = args.accelerator_config
@@ -313,7 +315,12 @@ class ContextParallelMixin:
         """The Trainer's prediction step on the sharded batch: the loss of the whole round (the
         token mean over every replica's batch; the same on every rank), logits gathered back
         into the batch's full order (batch, seqlen, vocab), the full batch's labels. A copy that
-        completes the last round counts no target (its labels -100)."""
+        completes the last round counts no target (its labels -100). The logits are the only
+        output returned: ignore_keys holds for every other one; naming "logits" it raises."""
+        if "logits" in (ignore_keys or ()):
+            raise ValueError(f"{WHAT}: prediction_step returns the logits only (gathered into "
+                             f"the full batch's order), and ignore_keys={list(ignore_keys)!r} "
+                             "drops them: pass prediction_loss_only=True for the loss alone")
         inputs = self._prepare_inputs(inputs)
         if self._cp_rounds is not None and self._cp_rounds.next_is_copy():
             inputs = evaluation.without_targets(inputs)
@@ -355,11 +362,6 @@ class ContextParallelMixin:
             loss = self.compute_loss(model, dict(local), num_items_in_batch=total.clamp(min=1))
         mean = evaluation.world_sum(loss.detach().mean() / self._cp_loss_scale())
         return mean.to(loss.dtype), None
-
-
-def _describe(cp: ContextParallel) -> str:
-    """cp's settings, the same words on every rank."""
-    return f"strategy {cp.strategy!r}, layout {cp.layout!r}, {cp.world_size} ranks"
 
 
 def _model_inputs(inputs: dict[str, Any]) -> dict[str, Any]:

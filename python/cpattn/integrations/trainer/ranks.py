@@ -8,6 +8,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from cpattn.core.agreement import gather_words
+from cpattn.core.validation import check_timeout
 from cpattn.parallel import ContextParallel
 from cpattn.strategies.registry import STRATEGIES
 
@@ -48,18 +50,29 @@ def context_parallel(cp_size: int, strategy: str = "ring", *, ulysses_size: Opti
                            **options)
 
 
+def timeout_of(cp: Optional[ContextParallel] = None) -> float:
+    """Seconds the trainer's own collectives wait for a peer: cp's timeout (its own, else
+    $CPATTN_COMM_TIMEOUT, else its process groups'); without cp, the world's."""
+    if cp is None:
+        return check_timeout(WHAT, None)
+    return check_timeout(WHAT, cp.timeout, *cp.groups)
+
+
 def data_parallel(cp: ContextParallel) -> tuple[int, int]:
     """(dp rank, dp size) of this rank; cp's ranks must be a block of consecutive ranks
-    (context_parallel's), else ValueError (the same on every rank)."""
+    (context_parallel's), else ValueError, the same on every rank (the ranks agree on it)."""
     world, rank, size = dist.get_world_size(), dist.get_rank(), cp.world_size
     start = rank - cp.rank
     block = set(range(start, start + size))
     members = set().union(*(dist.get_process_group_ranks(g) for g in cp.groups))
-    if world % size or start % size or not members <= block:
+    ok = not (world % size or start % size or not members <= block)
+    flags = gather_words(torch.tensor([int(ok)]), None, timeout_of(cp), WHAT,
+                         "the check of the context-parallel groups").flatten().tolist()
+    if not all(flags):
+        bad = [r for r, flag in enumerate(flags) if not flag]
         raise ValueError(f"{WHAT}: the context-parallel group must be {size} consecutive ranks "
-                         f"starting at a multiple of {size} (this rank {rank} is in "
-                         f"{sorted(members)}): build cp with {WHAT}.context_parallel(cp_size="
-                         f"{size}, ...)")
+                         f"starting at a multiple of {size}; the groups of rank(s) {bad} are "
+                         f"not: build cp with {WHAT}.context_parallel(cp_size={size}, ...)")
     return rank // size, world // size
 
 
@@ -98,16 +111,6 @@ def _has_accelerator() -> bool:
     if accelerator is not None and hasattr(accelerator, "is_available"):
         return bool(accelerator.is_available())
     return torch.cuda.is_available()
-
-
-def host_or_device() -> torch.device:
-    """Where the world group's collectives take tensors: the CPU with gloo (also in a
-    "cpu:gloo,cuda:nccl" group, or a group whose backend was left to torch on a machine without
-    GPUs), else this rank's GPU."""
-    backend = str(dist.get_backend())
-    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def refuse_accelerate_parallelism(config) -> None:
