@@ -1,0 +1,409 @@
+"""Hybrid models under context parallelism, measured as a user runs them (issue 54 item 6): a
+training step (forward, loss, backward) of a small transformers model whose layers are token
+mixers, on W real gloo ranks with cpattn against the model's own code in one process.
+
+    python bench/bench_hybrid_cp.py --out /tmp/hybrid_cp.md             # the table (hours)
+    python bench/bench_hybrid_cp.py --models gdn --batches packed --worlds 2 --seqlens 8192
+    python bench/bench_hybrid_cp.py --quick                              # smoke run, a minute
+    python bench/bench_hybrid_cp.py --quick --ablate                     # its check must fail
+
+Models (transformers' own classes, fp32 parameters, 2 mixer layers, hidden 512, vocab 256):
+  gdn     Qwen3.5 (qwen3_5_text): 2 gated delta rule layers (Qwen3_5GatedDeltaNet, 8 value /
+          4 key heads of 64, conv 4) each followed by its MLP (intermediate 1024)
+  mamba2  NemotronH (nemotron_h): 2 Mamba-2 blocks (NemotronHMamba2Mixer, 16 heads of 64,
+          state 64, 4 groups, chunk 64, conv 4)
+Batches of S tokens (random ids, the labels the ids):
+  one     one sequence of S tokens
+  packed  log-normal documents (median 128 tokens, sigma 1.5, at least 8: many short, a few
+          long; the last one cut to fill S) packed by transformers' DataCollatorWithFlattening
+dtypes: fp32, and bf16 = the fp32 model under torch.autocast("cpu", torch.bfloat16).
+
+One process (T1): the model's own forward, transformers' torch path (what a user without cpattn
+runs), 1 thread; packed: one forward per document (transformers' CPU mixers cannot keep packed
+documents apart), their logits joined for one loss. Under CP: W spawned gloo ranks, 1 thread
+each; cpattn.shard_batch's defaults (strategy ring, zigzag; documents planned), the model's
+forward, cpattn.cross_entropy, backward. Neither times the data preparation nor the gradient
+all-reduce that data parallelism does anyway.
+
+Per rank and step: wall time and process CPU time (median of --reps timed steps after one
+warm-up step; W ranks start each step together after a barrier), bytes sent (the rank's TCP
+sockets' bytes_sent counters from `ss`, read around each step: what gloo put on the wire,
+headers included; '-' without ss), peak memory (cpattn.memory.counting in the warm-up step: the
+peak of the CPU tensor bytes allocated during the step, gradients included). TW = the slowest
+rank's wall time of a step (median over the steps); efficiency T1 / (W TW), and the same in CPU
+time. W ranks on fewer cores than W oversubscribe them: their wall time shows no parallel
+speed-up, their CPU time still does. The check: CP's loss and gradients (averaged over the ranks,
+as data parallelism would) against the one-process step's, as relative differences (each
+parameter's gradient against its largest entry, at least 1 % of the model's largest); --ablate
+runs the mixers without the exchange (each rank's pieces alone), which the check must flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+MODELS = ("gdn", "mamba2")
+BATCHES = ("one", "packed")
+DTYPES = ("fp32", "bf16")
+# The check's bounds on the relative differences to one process (the one-process step's own
+# rounding is of the order of 1e-6 in fp32, 1e-2 in bf16; a rank missing its neighbours'
+# states is off by far more, see --ablate).
+CHECK_BOUND = {"fp32": 1e-3, "bf16": 5e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: str
+    batch: str
+    dtype: str
+    seqlen: int
+    reps: int = 3
+    small: bool = False  # the --quick layers (hidden 64)
+    ablate: bool = False
+    step_limit: float = 600.0  # a warm-up step slower than this: no timed steps
+
+
+def config(model: str, small: bool = False):
+    """The transformers config of `model` (see the module docstring; small: hidden 64)."""
+    import transformers as T
+
+    hidden = 64 if small else 512
+    common = dict(vocab_size=256, hidden_size=hidden, num_hidden_layers=2, use_cache=False,
+                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  num_attention_heads=8, num_key_value_heads=2)
+    if model == "gdn":
+        heads, dim = (4, 16) if small else (8, 64)
+        return T.Qwen3_5TextConfig(**common, intermediate_size=2 * hidden, head_dim=dim,
+                                   layer_types=["linear_attention"] * 2,
+                                   linear_num_value_heads=heads, linear_num_key_heads=heads // 2,
+                                   linear_key_head_dim=dim, linear_value_head_dim=dim)
+    if model == "mamba2":
+        heads, dim, state, groups = (8, 16, 16, 2) if small else (16, 64, 64, 4)
+        return T.NemotronHConfig(**common, layers_block_type=["mamba"] * 2, head_dim=dim,
+                                 mamba_num_heads=heads, mamba_head_dim=dim, n_groups=groups,
+                                 ssm_state_size=state, chunk_size=64, expand=2)
+    raise ValueError(f"bench_hybrid_cp.config: model must be one of {MODELS}, got {model!r}")
+
+
+def build(cfg, attn_implementation: str = "eager") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation,
+                                             dtype=torch.float32)
+    return model.train()
+
+
+def cp_model(cfg, cp) -> torch.nn.Module:
+    """The model under cp, as a user makes it: with `parallelize(model, cp)` where cpattn has it
+    (the per-instance API of issue 55), else with `attn_implementation=register(cp)`."""
+    from cpattn.integrations import transformers as integration
+
+    if hasattr(integration, "parallelize"):
+        model = build(cfg)
+        integration.parallelize(model, cp)
+        return model
+    return build(cfg, integration.register(cp))
+
+
+def document_lengths(total: int, seed: int = 0, median: float = 128.0, sigma: float = 1.5,
+                     shortest: int = 8) -> list[int]:
+    """Log-normal document lengths filling `total` tokens (the last one cut to fit)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        n = int(median * math.exp(sigma * float(torch.randn((), generator=gen))))
+        lengths.append(min(max(n, shortest), total - sum(lengths)))
+    return lengths
+
+
+def make_batch(case: Case) -> tuple[dict, Optional[list[int]]]:
+    """(the full batch, its document lengths or None for one sequence)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (1, case.seqlen), generator=gen)
+    if case.batch == "one":
+        return {"input_ids": ids, "labels": ids.clone()}, None
+    from transformers import DataCollatorWithFlattening
+
+    lengths = document_lengths(case.seqlen)
+    docs = [{"input_ids": part.tolist()} for part in ids[0].split(lengths)]
+    return dict(DataCollatorWithFlattening()(docs)), lengths
+
+
+def _autocast(case: Case):
+    return torch.autocast("cpu", torch.bfloat16) if case.dtype == "bf16" \
+        else contextlib.nullcontext()
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[0, :-1].float(), labels[0, 1:],
+                                             ignore_index=-100)
+
+
+def sockets() -> Optional[dict[str, int]]:
+    """Bytes sent so far by each TCP socket of this process, by its addresses (ss's tcp_info);
+    None without ss."""
+    if shutil.which("ss") is None:
+        return None
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
+    sent: dict[str, int] = {}
+    key = None
+    for line in out.splitlines():
+        if line and not line[0].isspace():  # a socket (state, queues, local, peer, process)
+            key = " ".join(line.split()[3:5]) if f"pid={os.getpid()}," in line else None
+            if key is not None:
+                sent[key] = 0
+        if key is not None:  # (its tcp_info follows, on the indented line(s) after it)
+            sent[key] += sum(int(b) for b in re.findall(r"\bbytes_sent:(\d+)", line))
+    return sent
+
+
+def sent_between(before: Optional[dict], after: Optional[dict]) -> Optional[int]:
+    """Bytes sent between two sockets() readings: by the sockets of both (gloo's, made at
+    init), and by any socket opened in between."""
+    if before is None or after is None:
+        return None
+    return sum(n - before.get(key, 0) for key, n in after.items())
+
+
+@contextlib.contextmanager
+def _mixers_alone():
+    """The ablation: every rank's mixers see zeros for the other ranks' halos and summaries."""
+    from cpattn.mixers import sharded
+
+    real = sharded.group_exchange
+    sharded.group_exchange = lambda groups: (
+        lambda x: x.new_zeros((math.prod(dist.get_world_size(g) for g in groups), *x.shape)))
+    try:
+        yield
+    finally:
+        sharded.group_exchange = real
+
+
+def run_rank(rank: int, world: int, case: Case, under_cp: bool) -> dict:
+    """One rank's measurement (under_cp False: the one-process baseline, world 1)."""
+    from cpattn.memory import counting
+
+    cfg = config(case.model, case.small)
+    batch, lengths = make_batch(case)
+    if under_cp:
+        import cpattn
+
+        cp = cpattn.ContextParallel(strategy="ring")
+        model = cp_model(cfg, cp)
+        local = cpattn.shard_batch(batch, cp)
+        labels = local.pop("shift_labels")
+        tokens = int(local["input_ids"].shape[1])
+
+        def step():
+            with _autocast(case):
+                logits = model(**local).logits
+                loss = cpattn.cross_entropy(logits.float(), labels, cp)
+            loss.backward()
+            return loss
+    else:
+        model = build(cfg)
+        tokens = case.seqlen
+        parts = [batch["input_ids"]] if lengths is None else batch["input_ids"].split(lengths, 1)
+
+        def step():
+            with _autocast(case):
+                logits = torch.cat([model(input_ids=part).logits for part in parts], 1)
+                loss = _loss(logits, batch["labels"])
+            loss.backward()
+            return loss
+
+    with _mixers_alone() if case.ablate else contextlib.nullcontext():
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        with counting() as memory:
+            loss = step()
+        warmup = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if under_cp:
+            for g in grads.values():
+                dist.all_reduce(g)
+                g /= world
+        dist.all_reduce(warmup, op=dist.ReduceOp.MAX)  # (every rank takes the same decision)
+        reps = case.reps if float(warmup) <= case.step_limit else 0
+        steps = []
+        for _ in range(reps):
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            before = sockets()
+            wall, cpu = time.perf_counter(), time.process_time()
+            step()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            dist.barrier()  # (this rank's bytes are all on the wire)
+            steps.append((wall, cpu, sent_between(before, sockets())))
+    # (numpy: a tensor would travel back as shared memory, gone when the rank exits)
+    return dict(rank=rank, tokens=tokens, loss=float(loss.detach()), peak=memory.peak,
+                warmup=float(warmup), steps=steps,
+                grads={n: g.numpy() for n, g in grads.items()} if rank == 0 else None,
+                documents=None if lengths is None else len(lengths))
+
+
+def measure(case: Case, world: int) -> dict:
+    """Every rank's figures of `case` on `world` ranks (world 1: the one-process baseline), or
+    {"error": ...} when the ranks raised (a refusal: its message)."""
+    import torch.multiprocessing as mp
+
+    from cpattn.testing.distributed import run_ranks
+
+    try:
+        return {"ranks": run_ranks(world, run_rank, case, world > 1, poison=False)}
+    except mp.ProcessRaisedException as e:
+        found = re.findall(r"^(\w+(?:Error|Exception)): (.*)$", str(e), re.M)
+        return {"error": ": ".join(found[-1]) if found else str(e).strip().splitlines()[-1]}
+
+
+def _median_slowest(ranks: list[dict], index: int) -> Optional[float]:
+    """The median over the steps of the slowest rank's figure `index` (0 wall, 1 CPU)."""
+    if not ranks[0]["steps"]:
+        return None
+    return statistics.median(max(r["steps"][i][index] for r in ranks)
+                             for i in range(len(ranks[0]["steps"])))
+
+
+def check(reference: dict, got: dict) -> tuple[float, float]:
+    """(relative difference of the losses, largest relative difference of a parameter's
+    gradient) of rank 0 of `got` against `reference`."""
+    ref, mine = reference["ranks"][0], got["ranks"][0]
+    loss = abs(mine["loss"] - ref["loss"]) / abs(ref["loss"])
+    largest = max(float(abs(g).max()) for g in ref["grads"].values())
+    grad = 0.0
+    for name, g in ref["grads"].items():
+        scale = max(float(abs(g).max()), 1e-2 * largest)
+        other = mine["grads"].get(name)
+        diff = math.inf if other is None else float(abs(other - g).max()) / scale
+        grad = max(grad, diff)
+    return loss, grad
+
+
+def summarise(case: Case, world: int, reference: dict, got: dict) -> dict:
+    """One row of the report."""
+    row = dict(model=case.model, batch=case.batch, dtype=case.dtype, seqlen=case.seqlen,
+               world=world, cores=os.cpu_count())
+    if "error" in reference:
+        return {**row, "error": "one process: " + reference["error"]}
+    one = reference["ranks"][0]
+    row.update(documents=one["documents"], t1=_median_slowest([one], 0),
+               t1_cpu=_median_slowest([one], 1), t1_peak=one["peak"], t1_warmup=one["warmup"])
+    if "error" in got:
+        return {**row, "error": got["error"]}
+    ranks = got["ranks"]
+    tw, tw_cpu = _median_slowest(ranks, 0), _median_slowest(ranks, 1)
+    loss_diff, grad_diff = check(reference, got)
+
+    def per_rank(index):
+        if not ranks[0]["steps"]:
+            return [None] * len(ranks)
+        values = [[s[index] for s in r["steps"]] for r in ranks]
+        return [None if None in v else statistics.median(v) for v in values]
+
+    row.update(tw=tw, tw_cpu=tw_cpu, warmup=max(r["warmup"] for r in ranks),
+               tokens=[r["tokens"] for r in ranks], wall=per_rank(0), cpu=per_rank(1),
+               sent=per_rank(2), peak=[r["peak"] for r in ranks], steps=len(ranks[0]["steps"]),
+               loss_diff=loss_diff, grad_diff=grad_diff,
+               checked=grad_diff <= CHECK_BOUND[case.dtype]
+               and loss_diff <= CHECK_BOUND[case.dtype])
+    if row["t1"] is not None and tw is not None:
+        row["efficiency"] = row["t1"] / (world * tw)
+        row["efficiency_cpu"] = row["t1_cpu"] / (world * tw_cpu)
+    return row
+
+
+def _ranks(values, scale: float = 1.0, digits: int = 2) -> str:
+    return " / ".join("-" if v is None else f"{v / scale:.{digits}f}" for v in values)
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| model | batch | dtype | S | W | T1 s (CPU s) | TW s | wall s per rank | "
+            "CPU s per rank | eff. T1/(W TW) | eff. CPU | MiB sent per rank | "
+            "peak MiB per rank | one process peak / W | check: loss, grad rel. diff |")
+    lines = [head, "|---|---|---|--:|--:|" + "--:|" * 9 + "---|"]
+    for r in rows:
+        batch = r["batch"] if not r.get("documents") else f"packed ({r['documents']} docs)"
+        first = f"| {r['model']} | {batch} | {r['dtype']} | {r['seqlen']} | {r['world']} | "
+        if "t1" in r:
+            t1 = "-" if r["t1"] is None else f"{r['t1']:.2f} ({r['t1_cpu']:.2f})"
+        if "error" in r:
+            lines.append(first + (f"{t1} | " if "t1" in r else "- | ")
+                         + f"**refused / failed**: {r['error'][:300]} |" + " |" * 8)
+            continue
+        tw = f"{r['tw']:.2f}" if r["steps"] else f"- (warm-up {r['warmup']:.0f} s)"
+        eff = (f"{r['efficiency']:.2f}", f"{r['efficiency_cpu']:.2f}") if "efficiency" in r \
+            else ("-", "-")
+        verdict = "ok" if r["checked"] else "**FAILS**"
+        lines.append(
+            first + f"{t1} | {tw} | {_ranks(r['wall'])} | {_ranks(r['cpu'])} | {eff[0]} | "
+            f"{eff[1]} | {_ranks(r['sent'], 2**20)} | {_ranks(r['peak'], 2**20, 0)} | "
+            f"{r['t1_peak'] / r['world'] / 2**20:.0f} | {verdict}: {r['loss_diff']:.1e}, "
+            f"{r['grad_diff']:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    p.add_argument("--batches", nargs="+", default=list(BATCHES), choices=BATCHES)
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    p.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
+    p.add_argument("--seqlens", nargs="+", type=int, default=[8192, 32768])
+    p.add_argument("--reps", type=int, default=3, help="timed steps after the warm-up")
+    p.add_argument("--step-limit", type=float, default=600.0,
+                   help="seconds: a warm-up step slower than this gets no timed steps")
+    p.add_argument("--quick", action="store_true", help="hidden 64, S 512, W 2 (smoke run)")
+    p.add_argument("--ablate", action="store_true", help="mixers without the exchange")
+    p.add_argument("--out", help="write the markdown report here too")
+    p.add_argument("--json", help="write every row, per-rank figures included, here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seqlens, args.worlds, args.reps = [512], [2], 1
+    from cpattn.core.machine import cpu_model
+
+    rows = []
+    for seqlen in args.seqlens:
+        for model in args.models:
+            for batch in args.batches:
+                for dtype in args.dtypes:
+                    case = Case(model, batch, dtype, seqlen, args.reps, args.quick, args.ablate,
+                                args.step_limit)
+                    reference = measure(dataclasses.replace(case, ablate=False), 1)
+                    for world in args.worlds:
+                        got = measure(case, world) if "error" not in reference else reference
+                        rows.append(summarise(case, world, reference, got))
+                        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    load = os.getloadavg()
+    report = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_model()}"
+              f", {os.cpu_count()} cores, load {load[0]:.1f} at the end, torch "
+              f"{torch.__version__}, 1 thread per process"
+              f"{', ABLATION: mixers without the exchange' if args.ablate else ''}\n\n"
+              f"{table(rows)}\n")
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
