@@ -37,6 +37,8 @@ speed-up, their CPU time still does. The check: CP's loss and gradients (average
 as data parallelism would) against the one-process step's, as relative differences (each
 parameter's gradient against its largest entry, at least 1 % of the model's largest); --ablate
 runs the mixers without the exchange (each rank's pieces alone), which the check must flag.
+Each rank's address space is limited (--memory-limit / W + 1 GiB): a step that needs more fails
+and is reported as such, rather than starve the shared machine.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -77,6 +80,7 @@ class Case:
     small: bool = False  # the --quick layers (hidden 64)
     ablate: bool = False
     step_limit: float = 600.0  # a warm-up step slower than this: no timed steps
+    memory_limit: float = 12.0  # GiB of address space for all ranks together (+1 each)
 
 
 def config(model: str, small: bool = False):
@@ -200,6 +204,10 @@ def run_rank(rank: int, world: int, case: Case, under_cp: bool) -> dict:
     """One rank's measurement (under_cp False: the one-process baseline, world 1)."""
     from cpattn.memory import counting
 
+    # (a step that would take more memory fails here rather than starve the shared machine)
+    limit = int((case.memory_limit / world + 1) * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     cfg = config(case.model, case.small)
     batch, lengths = make_batch(case)
     if under_cp:
@@ -210,6 +218,9 @@ def run_rank(rank: int, world: int, case: Case, under_cp: bool) -> dict:
         local = cpattn.shard_batch(batch, cp)
         labels = local.pop("shift_labels")
         tokens = int(local["input_ids"].shape[1])
+        documents = local.get("cpattn_documents")
+        plan = getattr(documents, "plan", None)
+        split = None if plan is None else len(plan.split)  # documents over several ranks
 
         def step():
             with _autocast(case):
@@ -219,7 +230,7 @@ def run_rank(rank: int, world: int, case: Case, under_cp: bool) -> dict:
             return loss
     else:
         model = build(cfg)
-        tokens = case.seqlen
+        tokens, split = case.seqlen, None
         parts = [batch["input_ids"]] if lengths is None else batch["input_ids"].split(lengths, 1)
 
         def step():
@@ -256,7 +267,7 @@ def run_rank(rank: int, world: int, case: Case, under_cp: bool) -> dict:
     return dict(rank=rank, tokens=tokens, loss=float(loss.detach()), peak=memory.peak,
                 warmup=float(warmup), steps=steps,
                 grads={n: g.numpy() for n, g in grads.items()} if rank == 0 else None,
-                documents=None if lengths is None else len(lengths))
+                documents=None if lengths is None else len(lengths), split=split)
 
 
 def measure(case: Case, world: int) -> dict:
@@ -318,6 +329,7 @@ def summarise(case: Case, world: int, reference: dict, got: dict) -> dict:
         return [None if None in v else statistics.median(v) for v in values]
 
     row.update(tw=tw, tw_cpu=tw_cpu, warmup=max(r["warmup"] for r in ranks),
+               split=ranks[0]["split"],
                tokens=[r["tokens"] for r in ranks], wall=per_rank(0), cpu=per_rank(1),
                sent=per_rank(2), peak=[r["peak"] for r in ranks], steps=len(ranks[0]["steps"]),
                loss_diff=loss_diff, grad_diff=grad_diff,
@@ -329,8 +341,8 @@ def summarise(case: Case, world: int, reference: dict, got: dict) -> dict:
     return row
 
 
-def _ranks(values, scale: float = 1.0, digits: int = 2) -> str:
-    return " / ".join("-" if v is None else f"{v / scale:.{digits}f}" for v in values)
+def _ranks(values, scale: float = 1.0, form: str = ".2f") -> str:
+    return " / ".join("-" if v is None else f"{v / scale:{form}}" for v in values)
 
 
 def table(rows: list[dict]) -> str:
@@ -339,7 +351,10 @@ def table(rows: list[dict]) -> str:
             "peak MiB per rank | one process peak / W | check: loss, grad rel. diff |")
     lines = [head, "|---|---|---|--:|--:|" + "--:|" * 9 + "---|"]
     for r in rows:
-        batch = r["batch"] if not r.get("documents") else f"packed ({r['documents']} docs)"
+        batch = r["batch"]
+        if r.get("documents"):
+            split = f", {r['split']} split" if r.get("split") is not None else ""
+            batch = f"packed ({r['documents']} docs{split})"
         first = f"| {r['model']} | {batch} | {r['dtype']} | {r['seqlen']} | {r['world']} | "
         if "t1" in r:
             t1 = "-" if r["t1"] is None else f"{r['t1']:.2f} ({r['t1_cpu']:.2f})"
@@ -353,7 +368,7 @@ def table(rows: list[dict]) -> str:
         verdict = "ok" if r["checked"] else "**FAILS**"
         lines.append(
             first + f"{t1} | {tw} | {_ranks(r['wall'])} | {_ranks(r['cpu'])} | {eff[0]} | "
-            f"{eff[1]} | {_ranks(r['sent'], 2**20)} | {_ranks(r['peak'], 2**20, 0)} | "
+            f"{eff[1]} | {_ranks(r['sent'], 2**20, '.3g')} | {_ranks(r['peak'], 2**20, '.0f')} | "
             f"{r['t1_peak'] / r['world'] / 2**20:.0f} | {verdict}: {r['loss_diff']:.1e}, "
             f"{r['grad_diff']:.1e} |")
     return "\n".join(lines)
@@ -364,18 +379,22 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--batches", nargs="+", default=list(BATCHES), choices=BATCHES)
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
-    p.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
-    p.add_argument("--seqlens", nargs="+", type=int, default=[8192, 32768])
+    p.add_argument("--worlds", nargs="+", type=int, help="default 2 4 (--quick: 2)")
+    p.add_argument("--seqlens", nargs="+", type=int, help="default 8192 32768 (--quick: 512)")
     p.add_argument("--reps", type=int, default=3, help="timed steps after the warm-up")
     p.add_argument("--step-limit", type=float, default=600.0,
                    help="seconds: a warm-up step slower than this gets no timed steps")
-    p.add_argument("--quick", action="store_true", help="hidden 64, S 512, W 2 (smoke run)")
+    p.add_argument("--memory-limit", type=float, default=12.0,
+                   help="GiB of address space for all ranks together (+1 GiB each)")
+    p.add_argument("--quick", action="store_true", help="hidden 64, S 512, W 2, 1 step (smoke)")
     p.add_argument("--ablate", action="store_true", help="mixers without the exchange")
     p.add_argument("--out", help="write the markdown report here too")
     p.add_argument("--json", help="write every row, per-rank figures included, here")
     args = p.parse_args(argv)
+    args.worlds = args.worlds or ([2] if args.quick else [2, 4])
+    args.seqlens = args.seqlens or ([512] if args.quick else [8192, 32768])
     if args.quick:
-        args.seqlens, args.worlds, args.reps = [512], [2], 1
+        args.reps = 1
     from cpattn.core.machine import cpu_model
 
     rows = []
@@ -384,7 +403,7 @@ def main(argv=None) -> list[dict]:
             for batch in args.batches:
                 for dtype in args.dtypes:
                     case = Case(model, batch, dtype, seqlen, args.reps, args.quick, args.ablate,
-                                args.step_limit)
+                                args.step_limit, args.memory_limit)
                     reference = measure(dataclasses.replace(case, ablate=False), 1)
                     for world in args.worlds:
                         got = measure(case, world) if "error" not in reference else reference
