@@ -24,7 +24,10 @@ runs), 1 thread; packed: one forward per document (transformers' CPU mixers cann
 documents apart), their logits joined for one loss. Under CP: W spawned gloo ranks, 1 thread
 each; cpattn.shard_batch's defaults (strategy ring, zigzag; documents planned), the model's
 forward, cpattn.cross_entropy, backward. Neither times the data preparation nor the gradient
-all-reduce that data parallelism does anyway.
+all-reduce that data parallelism does anyway. The anchor "cpattn W=1": the same CP step on one
+rank (cpattn's kernels, no exchange partner): T1 / (W TW) above 1 says cpattn's kernels beat
+transformers' torch path, not that W ranks beat W cores; "cpattn scaling" = anchor / (W TW), in
+CPU time, is the parallel efficiency of cpattn itself (--no-anchor skips it).
 
 Per rank and step: wall time and process CPU time (median of --reps timed steps after one
 warm-up step; W ranks start each step together after a barrier), bytes sent (the rank's TCP
@@ -270,15 +273,17 @@ def run_rank(rank: int, world: int, case: Case, under_cp: bool) -> dict:
                 documents=None if lengths is None else len(lengths), split=split)
 
 
-def measure(case: Case, world: int) -> dict:
-    """Every rank's figures of `case` on `world` ranks (world 1: the one-process baseline), or
-    {"error": ...} when the ranks raised (a refusal: its message)."""
+def measure(case: Case, world: int, under_cp: Optional[bool] = None) -> dict:
+    """Every rank's figures of `case` on `world` ranks (under_cp: with cpattn, by default when
+    world > 1; world 1 without: the one-process baseline), or {"error": ...} when the ranks
+    raised (a refusal: its message)."""
     import torch.multiprocessing as mp
 
     from cpattn.testing.distributed import run_ranks
 
+    under_cp = world > 1 if under_cp is None else under_cp
     try:
-        return {"ranks": run_ranks(world, run_rank, case, world > 1, poison=False)}
+        return {"ranks": run_ranks(world, run_rank, case, under_cp, poison=False)}
     except mp.ProcessRaisedException as e:
         found = re.findall(r"^(\w+(?:Error|Exception)): (.*)$", str(e), re.M)
         return {"error": ": ".join(found[-1]) if found else str(e).strip().splitlines()[-1]}
@@ -307,8 +312,9 @@ def check(reference: dict, got: dict) -> tuple[float, float]:
     return loss, grad
 
 
-def summarise(case: Case, world: int, reference: dict, got: dict) -> dict:
-    """One row of the report."""
+def summarise(case: Case, world: int, reference: dict, got: dict,
+              anchor: Optional[dict] = None) -> dict:
+    """One row of the report (anchor: cpattn on one rank, measure(case, 1, True))."""
     row = dict(model=case.model, batch=case.batch, dtype=case.dtype, seqlen=case.seqlen,
                world=world, cores=os.cpu_count())
     if "error" in reference:
@@ -338,6 +344,10 @@ def summarise(case: Case, world: int, reference: dict, got: dict) -> dict:
     if row["t1"] is not None and tw is not None:
         row["efficiency"] = row["t1"] / (world * tw)
         row["efficiency_cpu"] = row["t1_cpu"] / (world * tw_cpu)
+    if anchor is not None and "error" not in anchor and anchor["ranks"][0]["steps"] and tw:
+        row["a1"] = _median_slowest(anchor["ranks"], 0)
+        row["a1_cpu"] = _median_slowest(anchor["ranks"], 1)
+        row["scaling_cpu"] = row["a1_cpu"] / (world * tw_cpu)
     return row
 
 
@@ -346,10 +356,11 @@ def _ranks(values, scale: float = 1.0, form: str = ".2f") -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| model | batch | dtype | S | W | T1 s (CPU s) | TW s | wall s per rank | "
-            "CPU s per rank | eff. T1/(W TW) | eff. CPU | MiB sent per rank | "
-            "peak MiB per rank | one process peak / W | check: loss, grad rel. diff |")
-    lines = [head, "|---|---|---|--:|--:|" + "--:|" * 9 + "---|"]
+    head = ("| model | batch | dtype | S | W | T1 s (CPU s) | cpattn W=1 s (CPU s) | TW s | "
+            "wall s per rank | CPU s per rank | eff. T1/(W TW) | eff. CPU | cpattn scaling CPU | "
+            "MiB sent per rank | peak MiB per rank | one process peak / W | "
+            "check: loss, grad rel. diff |")
+    lines = [head, "|---|---|---|--:|--:|" + "--:|" * 11 + "---|"]
     for r in rows:
         batch = r["batch"]
         if r.get("documents"):
@@ -360,15 +371,18 @@ def table(rows: list[dict]) -> str:
             t1 = "-" if r["t1"] is None else f"{r['t1']:.2f} ({r['t1_cpu']:.2f})"
         if "error" in r:
             lines.append(first + (f"{t1} | " if "t1" in r else "- | ")
-                         + f"**refused / failed**: {r['error'][:300]} |" + " |" * 8)
+                         + f"**refused / failed**: {r['error'][:300]} |" + " |" * 10)
             continue
         tw = f"{r['tw']:.2f}" if r["steps"] else f"- (warm-up {r['warmup']:.0f} s)"
         eff = (f"{r['efficiency']:.2f}", f"{r['efficiency_cpu']:.2f}") if "efficiency" in r \
             else ("-", "-")
         verdict = "ok" if r["checked"] else "**FAILS**"
+        a1 = f"{r['a1']:.2f} ({r['a1_cpu']:.2f})" if "a1" in r else "-"
+        scaling = f"{r['scaling_cpu']:.2f}" if "scaling_cpu" in r else "-"
         lines.append(
-            first + f"{t1} | {tw} | {_ranks(r['wall'])} | {_ranks(r['cpu'])} | {eff[0]} | "
-            f"{eff[1]} | {_ranks(r['sent'], 2**20, '.3g')} | {_ranks(r['peak'], 2**20, '.0f')} | "
+            first + f"{t1} | {a1} | {tw} | {_ranks(r['wall'])} | {_ranks(r['cpu'])} | "
+            f"{eff[0]} | {eff[1]} | {scaling} | {_ranks(r['sent'], 2**20, '.3g')} | "
+            f"{_ranks(r['peak'], 2**20, '.0f')} | "
             f"{r['t1_peak'] / r['world'] / 2**20:.0f} | {verdict}: {r['loss_diff']:.1e}, "
             f"{r['grad_diff']:.1e} |")
     return "\n".join(lines)
@@ -388,6 +402,7 @@ def main(argv=None) -> list[dict]:
                    help="GiB of address space for all ranks together (+1 GiB each)")
     p.add_argument("--quick", action="store_true", help="hidden 64, S 512, W 2, 1 step (smoke)")
     p.add_argument("--ablate", action="store_true", help="mixers without the exchange")
+    p.add_argument("--no-anchor", action="store_true", help="skip cpattn on one rank")
     p.add_argument("--out", help="write the markdown report here too")
     p.add_argument("--json", help="write every row, per-rank figures included, here")
     args = p.parse_args(argv)
@@ -405,9 +420,11 @@ def main(argv=None) -> list[dict]:
                     case = Case(model, batch, dtype, seqlen, args.reps, args.quick, args.ablate,
                                 args.step_limit, args.memory_limit)
                     reference = measure(dataclasses.replace(case, ablate=False), 1)
+                    anchor = None if args.no_anchor or "error" in reference \
+                        else measure(case, 1, under_cp=True)
                     for world in args.worlds:
                         got = measure(case, world) if "error" not in reference else reference
-                        rows.append(summarise(case, world, reference, got))
+                        rows.append(summarise(case, world, reference, got, anchor))
                         print(table(rows[-1:]).splitlines()[-1], flush=True)
     load = os.getloadavg()
     report = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_model()}"
