@@ -50,6 +50,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
@@ -286,7 +287,8 @@ def measure(case: Case, world: int, under_cp: Optional[bool] = None) -> dict:
         return {"ranks": run_ranks(world, run_rank, case, under_cp, poison=False)}
     except mp.ProcessRaisedException as e:
         found = re.findall(r"^(\w+(?:Error|Exception)): (.*)$", str(e), re.M)
-        return {"error": ": ".join(found[-1]) if found else str(e).strip().splitlines()[-1]}
+        error = ": ".join(found[-1]) if found else str(e).strip().splitlines()[-1]
+        return {"error": f"{'cpattn' if under_cp else 'one process'}: {error}"}
 
 
 def _median_slowest(ranks: list[dict], index: int) -> Optional[float]:
@@ -318,7 +320,7 @@ def summarise(case: Case, world: int, reference: dict, got: dict,
     row = dict(model=case.model, batch=case.batch, dtype=case.dtype, seqlen=case.seqlen,
                world=world, cores=os.cpu_count())
     if "error" in reference:
-        return {**row, "error": "one process: " + reference["error"]}
+        return {**row, "error": reference["error"]}
     one = reference["ranks"][0]
     row.update(documents=one["documents"], t1=_median_slowest([one], 0),
                t1_cpu=_median_slowest([one], 1), t1_peak=one["peak"], t1_warmup=one["warmup"])
@@ -413,19 +415,18 @@ def main(argv=None) -> list[dict]:
     from cpattn.core.machine import cpu_model
 
     rows = []
-    for seqlen in args.seqlens:
-        for model in args.models:
-            for batch in args.batches:
-                for dtype in args.dtypes:
-                    case = Case(model, batch, dtype, seqlen, args.reps, args.quick, args.ablate,
-                                args.step_limit, args.memory_limit)
-                    reference = measure(dataclasses.replace(case, ablate=False), 1)
-                    anchor = None if args.no_anchor or "error" in reference \
-                        else measure(case, 1, under_cp=True)
-                    for world in args.worlds:
-                        got = measure(case, world) if "error" not in reference else reference
-                        rows.append(summarise(case, world, reference, got, anchor))
-                        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    for seqlen, model, batch, dtype in itertools.product(args.seqlens, args.models,
+                                                         args.batches, args.dtypes):
+        case = Case(model, batch, dtype, seqlen, args.reps, args.quick, args.ablate,
+                    args.step_limit, args.memory_limit)
+        # cpattn on one rank first: what it refuses there it refuses at every W (T1 not timed)
+        anchor = None if args.no_anchor else measure(case, 1, under_cp=True)
+        reference = anchor if anchor is not None and "error" in anchor \
+            else measure(dataclasses.replace(case, ablate=False), 1)
+        for world in args.worlds:
+            got = measure(case, world) if "error" not in reference else reference
+            rows.append(summarise(case, world, reference, got, anchor))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
     load = os.getloadavg()
     report = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_model()}"
               f", {os.cpu_count()} cores, load {load[0]:.1f} at the end, torch "
