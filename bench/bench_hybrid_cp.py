@@ -419,10 +419,10 @@ def main(argv=None) -> list[dict]:
                                                          args.batches, args.dtypes):
         case = Case(model, batch, dtype, seqlen, args.reps, args.quick, args.ablate,
                     args.step_limit, args.memory_limit)
-        # cpattn on one rank first: what it refuses there it refuses at every W (T1 not timed)
+        # cpattn on one rank first: what it refuses there (a ValueError) it refuses at every W
         anchor = None if args.no_anchor else measure(case, 1, under_cp=True)
-        reference = anchor if anchor is not None and "error" in anchor \
-            else measure(dataclasses.replace(case, ablate=False), 1)
+        refused = anchor is not None and "ValueError" in anchor.get("error", "")
+        reference = anchor if refused else measure(dataclasses.replace(case, ablate=False), 1)
         for world in args.worlds:
             got = measure(case, world) if "error" not in reference else reference
             rows.append(summarise(case, world, reference, got, anchor))
