@@ -288,6 +288,8 @@ def measure(case: Case, world: int, under_cp: Optional[bool] = None) -> dict:
     except mp.ProcessRaisedException as e:
         found = re.findall(r"^(\w+(?:Error|Exception)): (.*)$", str(e), re.M)
         error = ": ".join(found[-1]) if found else str(e).strip().splitlines()[-1]
+        if "can't allocate memory" in error:
+            error += f" (over --memory-limit: {case.memory_limit / world + 1:.0f} GiB per rank)"
         return {"error": f"{'cpattn' if under_cp else 'one process'}: {error}"}
 
 
