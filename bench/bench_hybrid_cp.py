@@ -56,16 +56,24 @@ import math
 import os
 import re
 import resource
-import shutil
 import statistics
-import subprocess
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from hybrid_cp_models import (
+    MODELS,
+    build,
+    config,
+    cp_model,
+    cpu_line,
+    make_batch,
+    mixers_alone,
+    sent_between,
+    sockets,
+)
 
-MODELS = ("gdn", "mamba2")
 BATCHES = ("one", "packed")
 DTYPES = ("fp32", "bf16")
 # The check's bounds on the relative differences to one process (the one-process step's own
@@ -87,73 +95,6 @@ class Case:
     memory_limit: float = 12.0  # GiB of address space for all ranks together (+1 each)
 
 
-def config(model: str, small: bool = False):
-    """The transformers config of `model` (see the module docstring; small: hidden 64)."""
-    import transformers as T
-
-    hidden = 64 if small else 512
-    common = dict(vocab_size=256, hidden_size=hidden, num_hidden_layers=2, use_cache=False,
-                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                  num_attention_heads=8, num_key_value_heads=2)
-    if model == "gdn":
-        heads, dim = (4, 16) if small else (8, 64)
-        return T.Qwen3_5TextConfig(**common, intermediate_size=2 * hidden, head_dim=dim,
-                                   layer_types=["linear_attention"] * 2,
-                                   linear_num_value_heads=heads, linear_num_key_heads=heads // 2,
-                                   linear_key_head_dim=dim, linear_value_head_dim=dim)
-    if model == "mamba2":
-        heads, dim, state, groups = (8, 16, 16, 2) if small else (16, 64, 64, 4)
-        return T.NemotronHConfig(**common, layers_block_type=["mamba"] * 2, head_dim=dim,
-                                 mamba_num_heads=heads, mamba_head_dim=dim, n_groups=groups,
-                                 ssm_state_size=state, chunk_size=64, expand=2)
-    raise ValueError(f"bench_hybrid_cp.config: model must be one of {MODELS}, got {model!r}")
-
-
-def build(cfg, attn_implementation: str = "eager") -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation,
-                                             dtype=torch.float32)
-    return model.train()
-
-
-def cp_model(cfg, cp) -> torch.nn.Module:
-    """The model under cp, as a user makes it: with `parallelize(model, cp)` where cpattn has it
-    (the per-instance API of issue 55), else with `attn_implementation=register(cp)`."""
-    from cpattn.integrations import transformers as integration
-
-    if hasattr(integration, "parallelize"):
-        model = build(cfg)
-        integration.parallelize(model, cp)
-        return model
-    return build(cfg, integration.register(cp))
-
-
-def document_lengths(total: int, seed: int = 0, median: float = 128.0, sigma: float = 1.5,
-                     shortest: int = 8) -> list[int]:
-    """Log-normal document lengths filling `total` tokens (the last one cut to fit)."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths: list[int] = []
-    while sum(lengths) < total:
-        n = int(median * math.exp(sigma * float(torch.randn((), generator=gen))))
-        lengths.append(min(max(n, shortest), total - sum(lengths)))
-    return lengths
-
-
-def make_batch(case: Case) -> tuple[dict, Optional[list[int]]]:
-    """(the full batch, its document lengths or None for one sequence)."""
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 256, (1, case.seqlen), generator=gen)
-    if case.batch == "one":
-        return {"input_ids": ids, "labels": ids.clone()}, None
-    from transformers import DataCollatorWithFlattening
-
-    lengths = document_lengths(case.seqlen, median=min(128.0, case.seqlen / 16))
-    docs = [{"input_ids": part.tolist()} for part in ids[0].split(lengths)]
-    return dict(DataCollatorWithFlattening()(docs)), lengths
-
-
 def _autocast(case: Case):
     return torch.autocast("cpu", torch.bfloat16) if case.dtype == "bf16" \
         else contextlib.nullcontext()
@@ -162,46 +103,6 @@ def _autocast(case: Case):
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[0, :-1].float(), labels[0, 1:],
                                              ignore_index=-100)
-
-
-def sockets() -> Optional[dict[str, int]]:
-    """Bytes sent so far by each TCP socket of this process, by its addresses (ss's tcp_info);
-    None without ss."""
-    if shutil.which("ss") is None:
-        return None
-    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
-    sent: dict[str, int] = {}
-    key = None
-    for line in out.splitlines():
-        if line and not line[0].isspace():  # a socket (state, queues, local, peer, process)
-            key = " ".join(line.split()[3:5]) if f"pid={os.getpid()}," in line else None
-            if key is not None:
-                sent[key] = 0
-        if key is not None:  # (its tcp_info follows, on the indented line(s) after it)
-            sent[key] += sum(int(b) for b in re.findall(r"\bbytes_sent:(\d+)", line))
-    return sent
-
-
-def sent_between(before: Optional[dict], after: Optional[dict]) -> Optional[int]:
-    """Bytes sent between two sockets() readings: by the sockets of both (gloo's, made at
-    init), and by any socket opened in between."""
-    if before is None or after is None:
-        return None
-    return sum(n - before.get(key, 0) for key, n in after.items())
-
-
-@contextlib.contextmanager
-def _mixers_alone():
-    """The ablation: every rank's mixers see zeros for the other ranks' halos and summaries."""
-    from cpattn.mixers import sharded
-
-    real = sharded.group_exchange
-    sharded.group_exchange = lambda groups: (
-        lambda x: x.new_zeros((math.prod(dist.get_world_size(g) for g in groups), *x.shape)))
-    try:
-        yield
-    finally:
-        sharded.group_exchange = real
 
 
 def run_rank(rank: int, world: int, case: Case, under_cp: bool) -> dict:
@@ -213,7 +114,7 @@ def run_rank(rank: int, world: int, case: Case, under_cp: bool) -> dict:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     cfg = config(case.model, case.small)
-    batch, lengths = make_batch(case)
+    batch, lengths = make_batch(case.batch, case.seqlen)
     if under_cp:
         import cpattn
 
@@ -244,7 +145,7 @@ def run_rank(rank: int, world: int, case: Case, under_cp: bool) -> dict:
             loss.backward()
             return loss
 
-    with _mixers_alone() if case.ablate else contextlib.nullcontext():
+    with mixers_alone() if case.ablate else contextlib.nullcontext():
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         with counting() as memory:
@@ -257,16 +158,17 @@ def run_rank(rank: int, world: int, case: Case, under_cp: bool) -> dict:
                 g /= world
         dist.all_reduce(warmup, op=dist.ReduceOp.MAX)  # (every rank takes the same decision)
         reps = case.reps if float(warmup) <= case.step_limit else 0
+        known = tuple(set().union(*(sockets() or {} for _ in range(3))))  # (gloo's, from init)
         steps = []
         for _ in range(reps):
             model.zero_grad(set_to_none=True)
             dist.barrier()
-            before = sockets()
+            before = sockets(known)
             wall, cpu = time.perf_counter(), time.process_time()
             step()
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
             dist.barrier()  # (this rank's bytes are all on the wire)
-            steps.append((wall, cpu, sent_between(before, sockets())))
+            steps.append((wall, cpu, sent_between(before, sockets(known))))
     # (numpy: a tensor would travel back as shared memory, gone when the rank exits)
     return dict(rank=rank, tokens=tokens, loss=float(loss.detach()), peak=memory.peak,
                 warmup=float(warmup), steps=steps,
@@ -335,8 +237,8 @@ def summarise(case: Case, world: int, reference: dict, got: dict,
     def per_rank(index):
         if not ranks[0]["steps"]:
             return [None] * len(ranks)
-        values = [[s[index] for s in r["steps"]] for r in ranks]
-        return [None if None in v else statistics.median(v) for v in values]
+        values = [[s[index] for s in r["steps"] if s[index] is not None] for r in ranks]
+        return [statistics.median(v) if v else None for v in values]  # (bytes: None unseen)
 
     row.update(tw=tw, tw_cpu=tw_cpu, warmup=max(r["warmup"] for r in ranks),
                split=ranks[0]["split"],
@@ -414,8 +316,6 @@ def main(argv=None) -> list[dict]:
     args.seqlens = args.seqlens or ([512] if args.quick else [8192, 32768])
     if args.quick:
         args.reps = 1
-    from cpattn.core.machine import cpu_model
-
     rows = []
     for seqlen, model, batch, dtype in itertools.product(args.seqlens, args.models,
                                                          args.batches, args.dtypes):
@@ -430,18 +330,16 @@ def main(argv=None) -> list[dict]:
             rows.append(summarise(case, world, reference, got, anchor))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     load = os.getloadavg()
-    report = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_model()}"
-              f", {os.cpu_count()} cores, load {load[0]:.1f} at the end, torch "
+    report = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {cpu_line()}"
+              f", load {load[0]:.1f} at the end, torch "
               f"{torch.__version__}, 1 thread per process"
               f"{', ABLATION: mixers without the exchange' if args.ablate else ''}\n\n"
               f"{table(rows)}\n")
     print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    for path, text in ((args.out, report), (args.json, json.dumps(rows, indent=1))):
+        if path:
+            with open(path, "w") as f:
+                f.write(text)
     return rows
 
 

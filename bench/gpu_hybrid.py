@@ -3,9 +3,9 @@ bf16 (issue 54 item 6): the stage hybrid_cp of bench/gpu_check.sh.
 
     python bench/gpu_hybrid.py [--out DIR] [--world 4] [--seqlen 8192] [--dry-run]
 
-Layers: the token mixers of bench/bench_hybrid_cp.py's models (Qwen3_5GatedDeltaNet and
-NemotronHMamba2Mixer, hidden 512), fp32 parameters under torch.autocast(bfloat16), forward and
-backward of a fixed random upstream gradient. For each layer:
+Layers: the token mixers of bench/bench_hybrid_cp.py's models (bench/hybrid_cp_models.py:
+Qwen3_5GatedDeltaNet and NemotronHMamba2Mixer, hidden 512), fp32 parameters under
+torch.autocast(bfloat16), forward and backward of a fixed random upstream gradient. Per layer:
   cp     W zigzag ranks emulated in one process (cpattn.testing.mixers.emulate: a thread per
          rank, the exchange a stack of the ranks' tensors), each running cpattn's adapter of the
          module on its tokens (the code a rank runs, with the halo and the state scan)
@@ -46,7 +46,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_hybrid_cp import config  # noqa: E402 - the models of the CPU benchmark
+from hybrid_cp_models import config  # noqa: E402 - the models of the CPU benchmark
 
 FAST = {"gdn": "fla", "mamba2": "mamba_ssm"}  # the fast kernels' packages, by layer
 
