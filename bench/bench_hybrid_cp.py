@@ -254,6 +254,8 @@ def summarise(case: Case, world: int, reference: dict, got: dict,
         row["a1"] = _median_slowest(anchor["ranks"], 0)
         row["a1_cpu"] = _median_slowest(anchor["ranks"], 1)
         row["scaling_cpu"] = row["a1_cpu"] / (world * tw_cpu)
+    if anchor is not None and "error" in anchor:
+        row["a1_error"] = anchor["error"]
     return row
 
 
@@ -283,7 +285,8 @@ def table(rows: list[dict]) -> str:
         eff = (f"{r['efficiency']:.2f}", f"{r['efficiency_cpu']:.2f}") if "efficiency" in r \
             else ("-", "-")
         verdict = "ok" if r["checked"] else "**FAILS**"
-        a1 = f"{r['a1']:.2f} ({r['a1_cpu']:.2f})" if "a1" in r else "-"
+        a1 = f"{r['a1']:.2f} ({r['a1_cpu']:.2f})" if "a1" in r else \
+            ("failed: " + r["a1_error"][:120] if "a1_error" in r else "-")
         scaling = f"{r['scaling_cpu']:.2f}" if "scaling_cpu" in r else "-"
         lines.append(
             first + f"{t1} | {a1} | {tw} | {_ranks(r['wall'])} | {_ranks(r['cpu'])} | "
