@@ -223,6 +223,8 @@ def summarise(case: Case, world: int, reference: dict, got: dict,
     """One row of the report (anchor: cpattn on one rank, measure(case, 1, True))."""
     row = dict(model=case.model, batch=case.batch, dtype=case.dtype, seqlen=case.seqlen,
                world=world, cores=os.cpu_count())
+    if anchor is not None and "error" in anchor:
+        row["a1_error"] = anchor["error"]
     if "error" in reference:
         return {**row, "error": reference["error"]}
     one = reference["ranks"][0]
@@ -254,8 +256,6 @@ def summarise(case: Case, world: int, reference: dict, got: dict,
         row["a1"] = _median_slowest(anchor["ranks"], 0)
         row["a1_cpu"] = _median_slowest(anchor["ranks"], 1)
         row["scaling_cpu"] = row["a1_cpu"] / (world * tw_cpu)
-    if anchor is not None and "error" in anchor:
-        row["a1_error"] = anchor["error"]
     return row
 
 
