@@ -5,6 +5,8 @@ all-to-all head split and gathering the whole sequence; bytes per layer; peak me
     python bench/bench_mixers.py [--kinds gdn mamba2 conv lightning] [--worlds 2 4]
                                  [--seqlens 2048 4096 8192] [--reps 2] [--out FILE.md]
     python bench/bench_mixers.py --quick     # a smoke run (seconds)
+    python bench/bench_mixers.py --packed --kinds gdn mamba2 --worlds 2 --seqlens 4096
+                                             # + a packed log-normal batch of W * S_local tokens
 
 Layers (transformers 5.24 classes, fp32, batch 1, the module's own parameters):
   gdn        Qwen3_5GatedDeltaNet, Qwen3.5 scaled down: hidden 512, 8 value / 4 key heads of 64
@@ -26,6 +28,11 @@ machine disturbs far less than the wall clock):
              per rank is that of S_local tokens) on all W * S_local tokens
   gather     the whole sequence on every rank (all-gather of the input, reduce-scatter back):
              the compute of "one"
+  packed     (--packed) W * S_local tokens of log-normal documents (median 148 tokens, a few
+             of thousands; seed 0) sharded by cpattn.shard_documents (zigzag, "balanced", as
+             shard_batch for the ring: "plan") and every document over every rank (zigzag, as
+             shard_batch for Ulysses: "per-document"): per rank, its tokens' layer with the halo
+             and the scan (zeros for the exchange); "one" and "own" on the whole packed batch
 Communication is modelled from the bytes each rank receives per layer (forward + backward) on
 the cpu-gloo link of cpattn.plan (1 GB/s, 100 us per message; loopback TCP between 1-thread
 ranks). Efficiency = T_one / (W * T_rank), with and without that communication.
@@ -104,15 +111,13 @@ def layer(kind: str, split: int = 1, small: bool = False):
 
 
 def _call(kind, module, name, x, piece_map, rank, exchange, own: bool = False):
-    from cpattn.integrations import _hybrid
+    from cpattn.integrations.hybrid.registry import adapter_of
 
-    if own:
-        forward = _hybrid.ORIGINALS[name][1] if name in _hybrid.ORIGINALS else type(module).forward
-        extra = {"position_embeddings": None, "attention_mask": None} if kind == "lightning" \
-            else {}
-        out = forward(module, x, **extra)
+    adapter = adapter_of(module)
+    if own:  # (the class's own forward: parallelize changes instances, never the class)
+        out = type(module).forward(module, x, **adapter.call)
     else:
-        out = _hybrid.ADAPTERS[name](module, x, Mixing(piece_map, rank, exchange, 1))
+        out = adapter.fn(module, x, Mixing(piece_map, rank, exchange, 1))
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -224,6 +229,75 @@ def run(kind: str, world: int, local: int, reps: int, small: bool) -> dict:
                 mem_rank=mem_rank)
 
 
+def lognormal_lengths(total: int, seed: int = 0) -> list[int]:
+    """Document lengths summing to `total`: log-normal (median 148, sigma 1.2), the last cut."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, left = [], total
+    while left:
+        n = min(left, max(1, int(torch.empty(1).log_normal_(5.0, 1.2, generator=gen))))
+        lengths.append(n)
+        left -= n
+    return lengths
+
+
+def run_packed(kind: str, world: int, local: int, reps: int, small: bool,
+               sharding: str = "plan") -> dict:
+    """The packed batch, sharded by a document plan ("plan") or every document over every rank
+    ("per-document", cpattn.shard_varlen's zigzag): every rank's time and peak (the slowest
+    rank's are reported)."""
+    from cpattn.core.layout import document_positions
+    from cpattn.sharding.documents import shard_documents
+
+    module, name, _, _ = layer(kind, small=small)
+    hidden = module.out_proj.out_features if hasattr(module, "out_proj") else module.hidden_size
+    total = world * local
+    lengths = lognormal_lengths(total)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    bounds = tuple(cu.tolist())
+    x_all = torch.randn(1, total, hidden, generator=torch.Generator().manual_seed(0))
+    one_map = build_piece_map([torch.arange(total)], bounds)
+    t_one, mem_one = timed(fwd_bwd(kind, module, name, x_all, one_map, 0, stacked), reps)
+    t_own, mem_own = timed(fwd_bwd(kind, module, name, x_all, one_map, 0, stacked, own=True),
+                           1, warmup=False) if total <= OWN_UP_TO else (None, None)
+    if sharding == "plan":
+        plan = shard_documents(cu, world_size=world, layout="zigzag", split="balanced")
+        indices = [plan.positions(r)[0] for r in range(world)]
+    else:
+        indices = [document_positions(torch.tensor(lengths), "zigzag", world, r)[0]
+                   for r in range(world)]
+    piece_map = build_piece_map(indices, bounds)
+    padded = torch.cat([x_all, x_all.new_zeros((1, 1, hidden))], 1)
+    ranks = []
+    for rank in range(world):
+        x_local = padded[:, torch.where(indices[rank] < 0, total, indices[rank])]
+        ranks.append(timed(fwd_bwd(kind, module, name, x_local, piece_map, rank,
+                                   zeros_exchange(world)), reps))
+    slowest = max(range(world), key=lambda r: ranks[r][0])
+    return dict(kind=kind, world=world, local=local, t_one=t_one, t_own=t_own,
+                t_rank=ranks[slowest][0], mem_rank=max(m for _, m in ranks), mem_one=mem_one,
+                mem_own=mem_own,
+                documents=len(lengths), pieces=[len(p) for p in piece_map.pieces],
+                sharding=sharding)
+
+
+def packed_table(rows: list[dict]) -> str:
+    head = ("| layer | W | tokens | documents | sharding | pieces per rank | one (own) s | "
+            "slowest rank s | eff. vs one | eff. vs own | peak MiB rank | one / W | own / W |")
+    lines = [head, "|---|---|--:|--:|---|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        w = r["world"]
+        own = "-" if r["t_own"] is None else f"{r['t_own']:.3f}"
+        eff_own = "-" if r["t_own"] is None else f"{r['t_own'] / (w * r['t_rank']):.2f}"
+        mem_own = "-" if r["mem_own"] is None else f"{r['mem_own'] / w / 2**20:.0f}"
+        lines.append(
+            f"| {r['kind']} | {w} | {w * r['local']} | {r['documents']} | {r['sharding']} | "
+            f"{r['pieces']} | "
+            f"{r['t_one']:.3f} ({own}) | {r['t_rank']:.3f} | "
+            f"{r['t_one'] / (w * r['t_rank']):.2f} | {eff_own} | {r['mem_rank'] / 2**20:.0f} | "
+            f"{r['mem_one'] / w / 2**20:.0f} | {mem_own} |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     head = ("| layer | W | S_local | one (own) s | cpattn rank s | alone / rank | "
             "eff. compute | eff. +comm | a2a eff. +comm | gather eff. +comm | "
@@ -253,22 +327,30 @@ def main(argv=None) -> str:
     p.add_argument("--seqlens", nargs="+", type=int, default=[2048, 4096, 8192])
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="small layers and lengths (smoke run)")
+    p.add_argument("--packed", action="store_true", help="also a packed log-normal batch")
+    p.add_argument("--packed-only", action="store_true", help="only the packed batch")
     p.add_argument("--out", help="write the markdown report here too")
     args = p.parse_args(argv)
-    from cpattn.integrations import _hybrid
-
-    _hybrid.install()  # (the originals, for the "own" column)
+    import cpattn.integrations.hybrid.adapters  # noqa: F401 - registers the adapters
     torch.set_num_threads(1)
     if args.quick:
         args.seqlens, args.worlds, args.reps = [128], [2], 1
-    rows = []
+    rows, packed = [], []
     for kind in args.kinds:
         for world in args.worlds:
             for local in args.seqlens:
-                rows.append(run(kind, world, local, args.reps, args.quick))
-                print(table(rows[-1:]).splitlines()[-1], flush=True)
+                if not args.packed_only:
+                    rows.append(run(kind, world, local, args.reps, args.quick))
+                    print(table(rows[-1:]).splitlines()[-1], flush=True)
+                for sharding in ("plan", "per-document") if args.packed or args.packed_only \
+                        else ():
+                    packed.append(run_packed(kind, world, local, args.reps, args.quick,
+                                             sharding))
+                    print(packed_table(packed[-1:]).splitlines()[-1], flush=True)
     report = (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-              f"{cpu_model()}, torch {torch.__version__}, 1 thread\n\n{table(rows)}\n")
+              f"{cpu_model()}, torch {torch.__version__}, 1 thread\n\n"
+              + (f"{table(rows)}\n" if rows else "")
+              + (f"\npacked:\n\n{packed_table(packed)}\n" if packed else ""))
     print(report)
     if args.out:
         with open(args.out, "w") as f:

@@ -50,14 +50,13 @@ def run(script: str, opts, make_model, make_args, trainer_class: type, **trainer
 
     import cpattn
     from cpattn.integrations.trainer import context_parallel, with_context_parallel
-    from cpattn.integrations.transformers import register
 
     # The recipe: the trainer's arguments start torch.distributed; cp groups of cp_size ranks;
-    # the model's attention is cpattn's; the trainer class gets context parallelism.
+    # the trainer class gets context parallelism and makes the model context-parallel with cp.
     args = make_args(opts, opts.batch, opts.output_dir)
     cp = context_parallel(opts.cp_size or dist.get_world_size(), opts.strategy,
                           ulysses_size=opts.ulysses_size)
-    model = make_model(register(cp))
+    model = make_model("sdpa")
     trainer = with_context_parallel(trainer_class)(cp, model=model, args=args, **trainer_kwargs)
     trainer.train()
     losses = logged_losses(trainer)

@@ -9,10 +9,14 @@ ranks shares every packed batch, its documents split over the group. --check fin
 way in one process (rank 0 runs it as a subprocess: SDPA, per-device batch x the number of
 replicas) and exits 0 only when every step's logged loss matches (fp32: relative 1e-5; bf16 on
 GPUs: 2e-2).
+Checkpoints and logs go to --output-dir (default: a folder in the system's temporary
+directory, never the source tree).
 The context-parallel recipe and --check live in cp_training.py (shared with trainer_cp.py).
 """
 
 import argparse
+import os
+import tempfile
 
 import torch
 from cp_training import add_parallel_arguments, run
@@ -61,7 +65,7 @@ def sft_config(opts, per_device_batch: int, output_dir: str) -> SFTConfig:
         output_dir, packing=True, max_length=opts.max_length, completion_only_loss=True,
         per_device_train_batch_size=per_device_batch, max_steps=opts.steps, learning_rate=1e-3,
         lr_scheduler_type="constant", logging_steps=1, report_to="none", save_strategy="no",
-        disable_tqdm=True, seed=0, bf16=cuda, use_cpu=not cuda, dataloader_drop_last=True)
+        disable_tqdm=True, seed=0, bf16=cuda)  # (CPUs: no use_cpu needed)
 
 
 def main() -> None:
@@ -69,7 +73,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=2, help="packed rows per batch and replica")
     parser.add_argument("--max-length", type=int, default=128, help="tokens per packed row")
-    add_parallel_arguments(parser, "sft_packing_cp_output",
+    add_parallel_arguments(parser, os.path.join(tempfile.gettempdir(), "cpattn_sft_packing_cp"),
                            "also fine-tune in one process and compare the losses")
     opts = parser.parse_args()
 

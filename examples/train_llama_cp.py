@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import cpattn
-from cpattn.integrations.transformers import register
+from cpattn.integrations.transformers import parallelize
 
 
 def make_model(attn_implementation: str, device: torch.device, dtype: torch.dtype):
@@ -41,7 +41,8 @@ def batches(args, vocab: int, device: torch.device):
 
 def train_cp(args, device, dtype) -> list[float]:
     cp = cpattn.ContextParallel(strategy=args.strategy)  # the whole world shares each sequence
-    model = make_model(register(cp), device, dtype)
+    model = make_model("sdpa", device, dtype)
+    parallelize(model, cp)  # this instance's attention (and any token mixer), on every rank
     # The model is replicated over the ranks; DDP averages the gradients over the group, and
     # cpattn.cross_entropy scales each rank's gradient so that the average is exact.
     ddp = DDP(model)

@@ -7,10 +7,14 @@ Each group of --cp-size consecutive ranks shares every batch (its documents spli
 group); the groups are data-parallel replicas. --check trains the same Trainer in one process
 (rank 0 runs it as a subprocess: SDPA, per-device batch x the number of replicas) and exits 0
 only when every step's logged loss matches (fp32: relative 1e-5; bf16 on GPUs: 2e-2).
+Checkpoints and logs go to --output-dir (default: a folder in the system's temporary
+directory, never the source tree).
 The context-parallel recipe and --check live in cp_training.py (shared with sft_packing_cp.py).
 """
 
 import argparse
+import os
+import tempfile
 
 import torch
 from cp_training import add_parallel_arguments, run
@@ -44,15 +48,14 @@ def training_args(opts, per_device_batch: int, output_dir: str) -> TrainingArgum
     return TrainingArguments(
         output_dir, per_device_train_batch_size=per_device_batch, max_steps=opts.steps,
         learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, report_to="none",
-        save_strategy="no", disable_tqdm=True, seed=0, bf16=cuda, use_cpu=not cuda,
-        dataloader_drop_last=True)
+        save_strategy="no", disable_tqdm=True, seed=0, bf16=cuda)  # (CPUs: no use_cpu needed)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4, help="documents per batch and replica")
-    add_parallel_arguments(parser, "trainer_cp_output",
+    add_parallel_arguments(parser, os.path.join(tempfile.gettempdir(), "cpattn_trainer_cp"),
                            "also train in one process and compare the losses")
     opts = parser.parse_args()
 

@@ -7,9 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from cpattn.core.layout import document_positions, shard_positions
-from cpattn.mixers import build_piece_map, state_scan
-from cpattn.mixers.kernels import delta_rule_summary, read_entry, scalar_decay, selective_scan
-from cpattn.mixers.primitives import from_pieces, piece_mask, to_pieces
+from cpattn.mixers import build_piece_map
+from cpattn.mixers.mixing import Mixing
 from cpattn.sharding.documents import shard_documents
 
 
@@ -39,13 +38,27 @@ def delta_rule_loop(q, k, v, a, beta, initial=None):
     return torch.stack(ys), s
 
 
-def selective_scan_loop(dt, a, bx, c, initial=None):
-    """h_t = exp(dt_t A) h_{t-1} + bx_t, y_t = h_t c_t: dt (L, D), a (D, K), bx (L, D, K),
-    c (L, K). Returns y (L, D), h."""
-    h = torch.zeros(bx.shape[1:], dtype=bx.dtype) if initial is None else initial.clone()
+def kda_loop(q, k, v, g, beta, initial=None):
+    """S_t = (I - b_t k_t k_t^T) diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T, y_t = S_t^T q_t: g
+    (L, H, K) a log decay per key channel (other shapes of delta_rule_loop)."""
+    s = torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=q.dtype) if initial is None \
+        else initial.clone()
+    ys = []
+    for t in range(q.shape[0]):
+        s = g[t].exp()[:, :, None] * s
+        kv = torch.einsum("hk,hkv->hv", k[t], s)
+        s = s + beta[t][:, None, None] * k[t][:, :, None] * (v[t] - kv)[:, None, :]
+        ys.append(torch.einsum("hk,hkv->hv", q[t], s))
+    return torch.stack(ys), s
+
+
+def selective_scan_loop(dt, a, x, b, c, initial=None):
+    """h_t = exp(dt_t A) h_{t-1} + dt_t x_t b_t^T, y_t = h_t c_t: dt, x (L, D), a (D, K),
+    b, c (L, K). Returns y (L, D), h."""
+    h = torch.zeros(a.shape, dtype=a.dtype) if initial is None else initial.clone()
     ys = []
     for t in range(dt.shape[0]):
-        h = torch.exp(dt[t][:, None] * a) * h + bx[t]
+        h = torch.exp(dt[t][:, None] * a) * h + (dt[t] * x[t])[:, None] * b[t][None, :]
         ys.append(h @ c[t])
     return torch.stack(ys), h
 
@@ -96,61 +109,68 @@ def unit_keys(k):
     return k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # (l2-normalised, as the models)
 
 
-def problem(gen, batch, total, heads=2, dk=3, dv=4, dtype=torch.float64):
-    """Global inputs (B, T, ...) of the three recurrences of scan_on_rank."""
+def problem(gen, batch, total, heads=2, dk=3, dv=4, dtype=torch.float64, decay=1.0):
+    """Global inputs (B, T, ...) of the recurrences of scan_on_rank; log decays in
+    [-decay, 0]."""
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    def unit(*shape):
+        return torch.rand(*shape, generator=gen, dtype=dtype)
 
     return dict(
         q=rand(batch, total, heads, dk), k=rand(batch, total, heads, dk) * 0.5,
         v=rand(batch, total, heads, dv),
-        a=-torch.rand(batch, total, heads, generator=gen, dtype=dtype),  # log decays <= 0
-        beta=torch.rand(batch, total, heads, generator=gen, dtype=dtype),
-        dt=torch.rand(batch, total, heads * 2, generator=gen, dtype=dtype) * 0.5,
-        A=-torch.rand(heads * 2, dk, generator=gen, dtype=dtype) - 0.1,
-        x=rand(batch, total, heads * 2, dk), c=rand(batch, total, dk))
+        a=-unit(batch, total, heads) * decay,  # log decays <= 0
+        g=-unit(batch, total, heads, dk) * decay,  # per key channel (Kimi)
+        beta=unit(batch, total, heads),
+        dt=unit(batch, total, heads * 2) * 0.5 * decay,
+        A=-unit(heads * 2, dk) - 0.1,
+        x=rand(batch, total, heads * 2), b=rand(batch, total, dk), c=rand(batch, total, dk))
 
 
-def scan_on_rank(kind, p, piece_map, index, rank, exchange, block):
-    """The recurrence `kind` ("scalar", "matrix", "diagonal") on rank's tokens of the global
-    problem p (index: rank's global indices; None: p holds rank's tokens already): local kernel
-    per piece, state scan, entry read. Returns local outputs."""
+KINDS = ("scalar", "matrix", "kda", "diagonal")
+
+
+def run_kind(kind: str, mix: Mixing, t: dict) -> torch.Tensor:
+    """The recurrence `kind` through Mixing on rank-local inputs t (B, L, ...)."""
+    if kind == "scalar":
+        return mix.scalar_decay(t["q"], t["k"], t["v"], t["a"])
+    if kind == "matrix":
+        return mix.delta_rule(t["q"], unit_keys(t["k"]), t["v"], t["a"], t["beta"])
+    if kind == "kda":
+        return mix.kda(t["q"], unit_keys(t["k"]), t["v"], t["g"], t["beta"])
+    return mix.selective_scan(t["dt"], t["A"], t["x"], t["b"], t["c"])
+
+
+def scan_on_rank(kind, p, piece_map, index, rank, exchange, block, recompute=True):
+    """The recurrence `kind` (KINDS) on rank's tokens of the global problem p (index: rank's
+    global indices; None: p holds rank's tokens already), through cpattn.mixers.mixing.Mixing
+    with scan blocks of `block`. Returns local outputs."""
     local = {name: t if index is None or name == "A" else take(t, index)
              for name, t in p.items()}
-    rows = {name: to_pieces(t, piece_map, rank).flatten(0, 1) for name, t in local.items()
-            if name != "A"}
-    batch, n = p["q"].shape[0], len(piece_map.pieces[rank])
-    mask = piece_mask(piece_map, rank).repeat(batch, 1)
-    if kind == "diagonal":
-        bx = rows["x"] * rows["dt"][..., None]
-        _, s, m = selective_scan(rows["dt"], p["A"], bx, rows["c"], mask)
-        entry = state_scan(m.unflatten(0, (batch, n)), s.unflatten(0, (batch, n)), piece_map, rank,
-                           "diagonal", exchange)
-        y, _, _ = selective_scan(rows["dt"], p["A"], bx, rows["c"], mask, entry.flatten(0, 1))
-    else:
-        if kind == "scalar":
-            y0, pm, m, s = scalar_decay(rows["q"], rows["k"], rows["v"], rows["a"], mask, block)
-        else:
-            y0, pm, m, s = delta_rule_summary(rows["q"], unit_keys(rows["k"]), rows["v"],
-                                              rows["a"], rows["beta"], mask, block)
-        unflat = [t.unflatten(0, (batch, n)) for t in (y0, pm, m, s)]
-        entry = state_scan(unflat[2], unflat[3], piece_map, rank, kind, exchange)
-        y = (unflat[0] + read_entry(unflat[1], entry)).flatten(0, 1)
-    return from_pieces(y.unflatten(0, (batch, n)), piece_map, rank)
+    mix = Mixing(piece_map, rank, exchange, p["q"].shape[0], recompute, block)
+    return run_kind(kind, mix, local)
+
+
+def reference_document(kind, t, A=None):
+    """The float64 token loop of `kind` on one document's tokens t (L, ...): y."""
+    if kind == "scalar":
+        return scalar_decay_loop(t["q"], t["k"], t["v"], t["a"])[0]
+    if kind == "matrix":
+        return delta_rule_loop(t["q"], unit_keys(t["k"]), t["v"], t["a"], t["beta"])[0]
+    if kind == "kda":
+        return kda_loop(t["q"], unit_keys(t["k"]), t["v"], t["g"], t["beta"])[0]
+    return selective_scan_loop(t["dt"], A, t["x"], t["b"], t["c"])[0]
 
 
 def reference(kind, p, bounds):
+    """Every document of every row of p from a zero state: (B, T, ...)."""
     out = []
     for row in range(p["q"].shape[0]):
         parts = []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             t = {name: v[row, lo:hi] for name, v in p.items() if name != "A"}
-            if kind == "scalar":
-                y, _ = scalar_decay_loop(t["q"], t["k"], t["v"], t["a"])
-            elif kind == "matrix":
-                y, _ = delta_rule_loop(t["q"], unit_keys(t["k"]), t["v"], t["a"], t["beta"])
-            else:
-                y, _ = selective_scan_loop(t["dt"], p["A"], t["x"] * t["dt"][..., None], t["c"])
-            parts.append(y)
+            parts.append(reference_document(kind, t, p["A"]))
         out.append(torch.cat(parts))
     return torch.stack(out)

@@ -1,9 +1,11 @@
-"""One rank of a W = 2 job, launched as its own process by tests/test_exit.py: catches cpattn
-errors (the same bad input on every rank, ranks that disagree), destroys the group and checks that
-no gloo thread survived it; then, in a new group, catches an integration refusal and runs one
-training step of a tiny Llama under context parallelism (the README's recipe), destroys the
-group, checks again that no gloo thread is left (the model's registered settings hold the group
-weakly), and exits through the normal interpreter shutdown (exit code 0).
+"""One rank of a W = 2 (or $WORLD_SIZE) job, launched as its own process by tests/test_exit.py:
+catches cpattn errors (the same bad input on every rank, ranks that disagree), destroys the group
+and checks that no gloo thread survived it; then, in a new group, catches an integration refusal
+and runs one training step of a tiny Llama under context parallelism (the README's recipe), or
+with $RANK_EXIT_MODEL=jamba of a parallelized hybrid model (Jamba: Mamba and attention layers)
+on packed documents with gradient checkpointing, destroys the group, checks again that no gloo
+thread is left (the model's registered settings hold the group weakly), and exits through the
+normal interpreter shutdown (exit code 0).
 
 $RANK_EXIT_FAULT makes this rank fail on purpose, for the test's negative controls: "abort"
 on rank 1 (SIGABRT at exit, after everything passed: what gloo's threads did when they died in
@@ -30,6 +32,51 @@ def gloo_threads() -> list[str]:
         with open(f"/proc/self/task/{task}/comm") as f:
             names.append(f.read().strip())
     return [n for n in names if "gloo" in n]
+
+
+def llama_step() -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from cpattn.integrations.transformers import register
+
+    cp = cpattn.ContextParallel()
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, use_cache=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=register(cp))
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
+    batch = cpattn.shard_batch({"input_ids": ids, "labels": ids}, cp)
+    try:
+        model(input_ids=batch["input_ids"])  # no position_ids: refused on every rank
+        raise AssertionError("no error")
+    except ValueError:
+        pass
+    labels = batch.pop("shift_labels")
+    logits = model(**batch).logits
+    cpattn.cross_entropy(logits, labels, cp).backward()
+
+
+def hybrid_step() -> None:
+    """Jamba parallelized, packed documents (one split over the ranks), gradient checkpointing,
+    after a refusal (the model called without shard_batch's whole batch)."""
+    import hybrid_models as H
+
+    from cpattn.integrations.transformers import parallelize
+
+    cp = cpattn.ContextParallel()
+    model = H.model(H.config("jamba"), "eager")
+    parallelize(model, cp)
+    model.train()
+    model.gradient_checkpointing_enable()
+    batch = cpattn.shard_batch(H.packed([30, 5, 4, 9]), cp)
+    try:
+        model(input_ids=batch["input_ids"])  # not the whole batch: refused on every rank
+        raise AssertionError("no error")
+    except ValueError:
+        pass
+    labels = batch.pop("shift_labels")
+    logits = model(**batch).logits
+    cpattn.cross_entropy(logits, labels, cp).backward()
 
 
 def main() -> None:
@@ -59,25 +106,10 @@ def main() -> None:
     # A training step through the integration (its registry holds the settings, and through
     # them the group, until exit: the process must still exit cleanly).
     init("second")
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from cpattn.integrations.transformers import register
-
-    cp = cpattn.ContextParallel()
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, use_cache=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=register(cp))
-    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(1))
-    batch = cpattn.shard_batch({"input_ids": ids, "labels": ids}, cp)
-    try:
-        model(input_ids=batch["input_ids"])  # no position_ids: refused on every rank
-        raise AssertionError("no error")
-    except ValueError:
-        pass
-    labels = batch.pop("shift_labels")
-    logits = model(**batch).logits
-    cpattn.cross_entropy(logits, labels, cp).backward()
+    if os.environ.get("RANK_EXIT_MODEL") == "jamba":
+        hybrid_step()
+    else:
+        llama_step()
     fault = os.environ.get("RANK_EXIT_FAULT")
     kept = dist.new_group([0, 1]) if fault == "thread" else None  # noqa: F841
     dist.destroy_process_group()

@@ -19,12 +19,14 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "rank_exit.py")
 LAUNCHES = int(os.environ.get("CPATTN_EXIT_LAUNCHES", "100"))  # 200 rank processes
 
 
-def _launch(tmp, fault: str = "") -> list[tuple[int, str]]:
-    """Both ranks of one job: (exit code, output) each; a rank still running after 120 s is
-    killed (code None) and its output kept."""
+def _launch(tmp, fault: str = "", world: int = 2, model: str = "llama") -> list[tuple[int, str]]:
+    """Every rank of one job: (exit code, output) each; a rank still running after 120 s is
+    killed (code None) and its output kept. model: the step's ("llama", or "jamba": a
+    parallelized hybrid model, packed, with gradient checkpointing)."""
     rendezvous = tempfile.mkdtemp(dir=tmp)
-    env = {**os.environ, "RENDEZVOUS_DIR": rendezvous, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
-    logs = [pathlib.Path(rendezvous) / f"rank{r}.log" for r in range(2)]
+    env = {**os.environ, "RENDEZVOUS_DIR": rendezvous, "WORLD_SIZE": str(world),
+           "OMP_NUM_THREADS": "1", "RANK_EXIT_MODEL": model}
+    logs = [pathlib.Path(rendezvous) / f"rank{r}.log" for r in range(world)]
     outputs = [log.open("w") for log in logs]
     ranks = [subprocess.Popen([sys.executable, SCRIPT],
                               env={**env, "RANK": str(r), "RANK_EXIT_FAULT": fault},
@@ -46,6 +48,28 @@ def _launch(tmp, fault: str = "") -> list[tuple[int, str]]:
 def _failures(results, launch: int) -> list[str]:
     return [f"launch {launch} rank {rank}: exit {code}\n{output[-2000:]}"
             for rank, (code, output) in enumerate(results) if code != 0]
+
+
+HYBRID_LAUNCHES = int(os.environ.get("CPATTN_EXIT_HYBRID_LAUNCHES", "2"))
+
+
+def test_hybrid_w4_step_exits_cleanly(tmp_path):
+    """A parallelized hybrid model (Jamba) at W = 4, packed documents, gradient checkpointing,
+    after a refusal: no gloo thread left after destroy_process_group(), every rank exits 0
+    (the mixers keep no table of modules or groups). $CPATTN_EXIT_HYBRID_LAUNCHES jobs (2; the
+    slow sweep below runs many)."""
+    failures = []
+    for i in range(HYBRID_LAUNCHES):
+        failures += _failures(_launch(tmp_path, world=4, model="jamba"), i)
+    assert not failures, f"{len(failures)} of {4 * HYBRID_LAUNCHES} ranks failed:\n" + failures[0]
+
+
+@pytest.mark.slow
+def test_hybrid_w4_step_exits_cleanly_every_time(tmp_path):
+    failures = []
+    for i in range(LAUNCHES // 4):
+        failures += _failures(_launch(tmp_path, world=4, model="jamba"), i)
+    assert not failures, f"{len(failures)} of {LAUNCHES} ranks failed:\n" + failures[0]
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@ import pathlib
 import cpattn
 
 PACKAGE = pathlib.Path(cpattn.__file__).parent
+# The source tree (tests, benchmarks, docs): CI imports the installed package from elsewhere.
+REPO = pathlib.Path(__file__).resolve().parent.parent
 DEMOS = {"cpattn.__main__", "cpattn.cli.demo", "cpattn.cli.generate_demo"}
 
 
@@ -232,9 +234,10 @@ def test_tests_benchmarks_and_examples_use_public_names_only():
     """The same rule for the test suite, the benchmarks and the examples."""
     files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = set(files) | BUILT_MODULES
-    root = PACKAGE.parent.parent
+    root = REPO
     found = []
     for folder in ("tests", "bench", "examples"):
+        assert (root / folder).is_dir(), root / folder
         for path in sorted((root / folder).rglob("*.py")):
             source = path.read_text()
             for node in ast.walk(ast.parse(source)):
@@ -286,3 +289,64 @@ def test_private_use_detector_finds_each_form(tmp_path: pathlib.Path):
         "from cpattn.strategies.options import _secret", "cpattn.sharding.sequences._unshard_by",
         "cpattn.sharding.sequences._group_info", "cpattn.plan._internal"
     ], uses
+
+
+# ---------------------------------------------------------------------------------------------
+# The layers drawn in docs/design.md are computed from the code: each part of the package (a
+# sub-package or a top-level module) sits one layer above the highest part it imports.
+
+DESIGN = REPO / "docs" / "design.md"
+LAYERS_BEGIN, LAYERS_END = "<!-- import layers (from the code) -->", "<!-- end of import layers -->"
+
+
+def part_layers(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The package's parts in layers, the lowest first (the demos' entry `__main__` left out:
+    it only starts them)."""
+    def part(module: str):
+        pieces = module.split(".")
+        return pieces[1] if len(pieces) > 1 and pieces[1] != "__main__" else None
+
+    edges: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        if (a := part(module)) is not None:
+            edges.setdefault(a, set()).update(b for m in imported
+                                              if (b := part(m)) is not None and b != a)
+    level: dict[str, int] = {}
+
+    def of(node: str, path: tuple = ()) -> int:
+        assert node not in path, f"parts import each other: {path + (node,)}"
+        if node not in level:
+            level[node] = 1 + max((of(d, path + (node,)) for d in edges[node]), default=-1)
+        return level[node]
+
+    for node in edges:
+        of(node)
+    return [sorted(n for n in level if level[n] == i) for i in range(max(level.values()) + 1)]
+
+
+def drawn_layers(layers: list[list[str]]) -> str:
+    rows = [f"{i}  " + ", ".join(f"{n}/" if (PACKAGE / n).is_dir() else f"{n}.py" for n in names)
+            for i, names in enumerate(layers)]
+    return "```\n" + "\n".join(reversed(rows)) + "\n```"
+
+
+def test_design_doc_draws_the_layers_of_the_code():
+    """docs/design.md's drawing of the import layers is the code's (regenerate it from this
+    test's failure message when the package changes)."""
+    text = DESIGN.read_text()
+    drawn = text[text.index(LAYERS_BEGIN) + len(LAYERS_BEGIN):text.index(LAYERS_END)].strip()
+    expected = drawn_layers(part_layers(import_graph()))
+    assert drawn == expected, f"docs/design.md should draw:\n{expected}"
+
+
+def test_part_layers_finds_an_upward_import():
+    """The layering above can fail: an import from a lower part back into a higher one is a
+    cycle between parts."""
+    graph = import_graph()
+    graph["cpattn.core.validation"] = graph["cpattn.core.validation"] | {"cpattn.parallel"}
+    try:
+        part_layers(graph)
+    except AssertionError as e:
+        assert "parts import each other" in str(e)
+    else:
+        raise AssertionError("an upward import was not found")

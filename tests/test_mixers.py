@@ -11,20 +11,16 @@ import pytest
 import torch
 
 from cpattn.mixers import build_piece_map, causal_conv, compose, state_scan
-from cpattn.mixers.kernels import delta_rule_summary, read_entry, scalar_decay, selective_scan
 from cpattn.testing.mixers import emulate
 
 from mixer_reference import (
+    KINDS,
     conv_reference,
-    delta_rule_loop,
     problem,
     reference,
-    scalar_decay_loop,
     scan_on_rank,
-    selective_scan_loop,
     sharded_problem,
     take,
-    unit_keys,
 )
 
 F64 = torch.float64
@@ -65,46 +61,18 @@ def test_plan_refuses_a_bad_tiling():
         build_piece_map([torch.tensor([0, 1]), torch.tensor([-1])], (0, 3))
 
 
-# --- local kernels ------------------------------------------------------------------------------
+def test_padding_before_the_first_token_ends_a_piece():
+    """A padding slot (-1) followed by global token 0 (a document plan's rank: split documents,
+    their padding, then whole ones from the packed sequence's start) starts a new piece."""
+    piece_map = build_piece_map([torch.tensor([3, 4, -1, 0, 1, 2])], (0, 3, 5))
+    assert [(p.local, p.length, p.doc) for p in piece_map.pieces[0]] == [(0, 2, 1), (3, 3, 0)]
 
-@pytest.mark.parametrize("block", [4, 64])
-def test_kernels_and_summaries_match_the_token_loop(gen, block):
-    """Each kernel from zero, its entry map from a random entry state and its summary (the state
-    at the row's end) equal the float64 token loop, rows of different lengths (masked ends)."""
-    p = problem(gen, 3, 11)
-    lengths = [11, 7, 1]
-    mask = torch.arange(11)[None] < torch.tensor(lengths)[:, None]
-    k = unit_keys(p["k"])
-    entry = _rand(gen, 3, 2, 3, 4)
-    y0, pm, m, s = scalar_decay(p["q"], p["k"], p["v"], p["a"], mask, block)
-    y1, pd, md, sd = delta_rule_summary(p["q"], k, p["v"], p["a"], p["beta"], mask, block)
-    for row, n in enumerate(lengths):
-        ref, ref_s = scalar_decay_loop(p["q"][row, :n], p["k"][row, :n], p["v"][row, :n],
-                                       p["a"][row, :n], entry[row])
-        got = y0[row, :n] + read_entry(pm[row, :n], entry[row])
-        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
-        torch.testing.assert_close(m[row][:, None, None] * entry[row] + s[row], ref_s)
-        ref, ref_s = delta_rule_loop(p["q"][row, :n], k[row, :n], p["v"][row, :n],
-                                     p["a"][row, :n], p["beta"][row, :n], entry[row])
-        got = y1[row, :n] + read_entry(pd[row, :n], entry[row])
-        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
-        torch.testing.assert_close(md[row] @ entry[row] + sd[row], ref_s)
-    h0 = _rand(gen, 3, 4, 3)
-    bx = p["x"] * p["dt"][..., None]
-    y, h, mh = selective_scan(p["dt"], p["A"], bx, p["c"], mask, h0)
-    for row, n in enumerate(lengths):
-        ref, ref_h = selective_scan_loop(p["dt"][row, :n], p["A"], bx[row, :n], p["c"][row, :n],
-                                         h0[row])
-        torch.testing.assert_close(y[row, :n], ref)
-        torch.testing.assert_close(h[row], ref_h)
-        _, from_zero = selective_scan_loop(p["dt"][row, :n], p["A"], bx[row, :n],
-                                           p["c"][row, :n])
-        torch.testing.assert_close(mh[row] * h0[row] + from_zero, ref_h)
 
+# --- the fold ----------------------------------------------------------------------------------
 
 def test_fold_is_associative(gen):
-    """(c + b) + a == c + (b + a) for every kind, and the summary of two pieces run one after
-    the other is the composition of their summaries (matrix: the delta rule's)."""
+    """(c + b) + a == c + (b + a) for every kind (the kernels' summaries against the token
+    loops: tests/test_mixer_kernels.py)."""
     for kind, m_shape in (("scalar", (2,)), ("diagonal", (2, 3, 4)), ("matrix", (2, 3, 3))):
         parts = [(_rand(gen, *m_shape), _rand(gen, 2, 3, 4)) for _ in range(3)]
         a, b, c = parts
@@ -112,15 +80,6 @@ def test_fold_is_associative(gen):
         right = compose(kind, c, compose(kind, b, a))
         for x, y in zip(left, right):
             torch.testing.assert_close(x, y)
-    p = problem(gen, 1, 9)
-    k = unit_keys(p["k"])
-    whole = torch.ones(1, 9, dtype=torch.bool)
-    args = (p["q"], k, p["v"], p["a"], p["beta"])
-    _, _, m, s = delta_rule_summary(*args, whole, 4)
-    _, _, m1, s1 = delta_rule_summary(*(t[:, :5] for t in args), whole[:, :5], 4)
-    _, _, m2, s2 = delta_rule_summary(*(t[:, 5:] for t in args), whole[:, 5:], 4)
-    for x, y in zip((m, s), compose("matrix", (m2, s2), (m1, s1))):
-        torch.testing.assert_close(x, y)
 
 
 # --- the sharded primitives -----------------------------------------------------------------------
@@ -133,12 +92,13 @@ CASES = [  # (sharding, world, document lengths, layout)
     ("per-document", 4, (9, 30), "contiguous"),
     ("plan", 3, (2, 31, 1, 4, 5, 3, 6), "zigzag"),
     ("plan", 4, (40, 2, 2, 3, 1, 7), "contiguous"),
+    ("plan", 2, (1, 2, 1, 3, 1, 1, 2, 40, 1, 1, 2, 5, 1, 3, 1, 1, 30, 2), "zigzag"),  # packed
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-W{c[1]}-{c[3]}")
 def test_sharded_conv_and_scans_are_exact(gen, case):
-    """Every rank's outputs (conv with a 4-tap kernel: halo 3; the three recurrences with
+    """Every rank's outputs (conv with a 4-tap kernel: halo 3; the four recurrences with
     scan blocks of 4, so that pieces are longer and shorter than a block) equal the float64
     per-document reference, batch 2 rows sharded alike (packed documents: 1 row)."""
     sharding, world, lengths, layout = case
@@ -148,7 +108,7 @@ def test_sharded_conv_and_scans_are_exact(gen, case):
     x = _rand(gen, batch, bounds[-1], 5)
     weight, bias = _rand(gen, 5, 4), _rand(gen, 5)
     conv_ref = conv_reference(x, weight, bias, bounds)
-    refs = {kind: reference(kind, p, bounds) for kind in ("scalar", "matrix", "diagonal")}
+    refs = {kind: reference(kind, p, bounds) for kind in KINDS}
 
     def rank_fn(rank, exchange):
         index = indices[rank]
@@ -178,7 +138,7 @@ def test_rank_with_only_document_starts_takes_part(gen):
                torch.tensor([9, 10, 11, 12])]
     bounds = (0, 2, 5, 13)  # documents [0, 2), [2, 5) on rank 0; [5, 13) over ranks 1 and 2
     piece_map = build_piece_map(indices, bounds)
-    assert all(piece_map.starts_document(0)) and piece_map.predecessors(0) == ((), ())
+    assert all(piece_map.starts_document(0)) and piece_map.predecessors(0) == ()
     calls = [0] * 3
     p = problem(gen, 1, 13)
     for t in p.values():
@@ -202,11 +162,13 @@ def test_rank_with_only_document_starts_takes_part(gen):
                                               indices[rank]))
         torch.testing.assert_close(y, take(reference("matrix", p, bounds), indices[rank]))
     assert x.grad is not None and bool(x.grad.abs().sum() > 0)
-    # Entry states are exactly zero at document starts, whatever the others publish.
-    summaries = [(_rand(gen, 1, len(ps), 2, 3, 3), _rand(gen, 1, len(ps), 2, 3, 4))
-                 for ps in piece_map.pieces]
+    # Entry states are exactly zero at document starts, whatever the others publish; rank 0's
+    # whole documents have none.
+    linked = [len(piece_map.linked(r)) for r in range(3)]
+    assert linked == [0, 1, 1]
+    summaries = [(_rand(gen, 1, n, 2, 3, 3), _rand(gen, 1, n, 2, 3, 4)) for n in linked]
     entries = emulate(3, lambda r, ex: state_scan(*summaries[r], piece_map, r, "matrix", ex))
-    assert bool((entries[0] == 0).all()) and bool((entries[1][:, 0] == 0).all())
+    assert entries[0].shape[1] == 0 and bool((entries[1][:, 0] == 0).all())
     assert not bool((entries[2] == 0).all())
 
 
@@ -222,7 +184,7 @@ def test_rank_without_tokens(gen):
 
     def rank_fn(rank, exchange):
         out = {"conv": causal_conv(take(x, indices[rank]), weight, None, piece_map, rank, exchange)}
-        for kind in ("scalar", "matrix", "diagonal"):
+        for kind in KINDS:
             out[kind] = scan_on_rank(kind, p, piece_map, indices[rank], rank, exchange, block=4)
         return out
 
@@ -231,7 +193,7 @@ def test_rank_without_tokens(gen):
     for rank in (0, 2):
         torch.testing.assert_close(outs[rank]["conv"],
                                    take(conv_reference(x, weight, None, bounds), indices[rank]))
-        for kind in ("scalar", "matrix", "diagonal"):
+        for kind in KINDS:
             torch.testing.assert_close(outs[rank][kind],
                                        take(reference(kind, p, bounds), indices[rank]))
 
@@ -250,7 +212,7 @@ def test_gradcheck_conv_halo_and_state_scan(gen):
         return torch.cat(outs, 1)
 
     assert torch.autograd.gradcheck(conv, (x, weight, bias), fast_mode=True)
-    counts = [len(ps) for ps in piece_map.pieces]
+    counts = [len(piece_map.linked(r)) for r in range(3)]
     for kind, m_shape in (("scalar", (2,)), ("diagonal", (2, 2, 3)), ("matrix", (2, 2, 2))):
         ms = [(_rand(gen, 1, n, *m_shape) * 0.5).requires_grad_(True) for n in counts]
         ss = [_rand(gen, 1, n, 2, 2, 3).requires_grad_(True) for n in counts]

@@ -17,7 +17,7 @@ from cpattn.mixers.sharded import exchange_of, piece_map_of
 from cpattn.sharding.packing import Documents
 
 from distributed import run_ranks
-from mixer_reference import conv_reference, problem, reference, scan_on_rank, take
+from mixer_reference import KINDS, conv_reference, problem, reference, scan_on_rank, take
 
 # packed documents: shorter than the halo, one over >= 3 ranks; at W = 4 the document plan
 # leaves rank 3 only whole documents (nothing to receive, it still joins every collective)
@@ -43,20 +43,19 @@ def _case(name: str, cp: cpattn.ContextParallel, docs) -> None:
     bias = torch.randn(5, generator=gen, dtype=torch.float64).requires_grad_(True)
     douts = {kind: torch.randn(batch, total, *shape, generator=gen, dtype=torch.float64)
              for kind, shape in (("conv", (5,)), ("scalar", (2, 4)), ("matrix", (2, 4)),
-                                 ("diagonal", (4,)))}
+                                 ("kda", (2, 4)), ("diagonal", (4,)))}
     # Reference: the whole sequence, each document from zero, one process.
     ref_in = {n: t.clone().requires_grad_(True) for n, t in p.items()}
     ref_x, ref_w, ref_b = (t.detach().clone().requires_grad_(True) for t in (x, weight, bias))
     refs = {"conv": conv_reference(ref_x, ref_w, ref_b, bounds)}
-    refs.update({kind: reference(kind, ref_in, bounds) for kind in ("scalar", "matrix",
-                                                                       "diagonal")})
+    refs.update({kind: reference(kind, ref_in, bounds) for kind in KINDS})
     sum((refs[k] * douts[k]).sum() for k in refs).backward()
     # This rank's part.
     local = {n: take(t, index).requires_grad_(True) if n != "A" else t.clone().requires_grad_()
              for n, t in p.items()}
     x_local = take(x, index).requires_grad_(True)
     outs = {"conv": causal_conv(x_local, weight, bias, piece_map, cp.rank, exchange)}
-    for kind in ("scalar", "matrix", "diagonal"):
+    for kind in KINDS:
         outs[kind] = scan_on_rank(kind, {**local}, piece_map, None, cp.rank, exchange, block=4)
     sum((outs[k] * take(douts[k], index)).sum() for k in outs).backward()
     for k in outs:

@@ -2,16 +2,23 @@
 (cpattn.integrations.trainer) against the same trainer in one process with SDPA: per-step logged
 loss within 1e-5 (relative), step-1 gradients (after the Trainer's DDP) within 1e-4 of
 each tensor's largest entry, final weights within 1e-4, token / FLOP counters and eval loss
-equal, predictions in full order. Tiny Llama, Qwen3 and Qwen3-MoE from config, fp32.
+equal, predictions in full order. Tiny Llama, Qwen3 and Qwen3-MoE from config, fp32; the hybrid
+models Qwen3.5 and Bamba (tests/trainer_cp_hybrid.py: their reference feeds one document per
+padded row). The models are given to the trainers as loaded (the trainer parallelizes them),
+except where a scenario says otherwise (register(cp), parallelize beforehand).
 
-One reference process and two torchrun launches (2 ranks: cp 2; 4 ranks: dp 2 x cp 2 and
-hybrid cp 4) run every scenario of tests/trainer_cp_worker.py (CI time: the imports and the
-process groups are paid once); each test below checks one scenario, its ablation (a deliberate
-mistake that must change the result or raise) included. The two examples run with --check.
+One reference process and two torchrun launches (2 ranks: cp 2; 4 ranks: dp 2 x cp 2, cp 4 and
+hybrid cp 4) run every scenario of tests/trainer_cp_worker.py, tests/trainer_cp_exact.py and
+tests/trainer_cp_hybrid.py (CI time: the imports and the process groups are paid once); each
+test below checks one scenario, its ablation (a deliberate mistake that must change the result
+or raise) included. The two examples run with --check.
 """
 
+import importlib.metadata
 import json
 import os
+import pydoc
+import re
 import subprocess
 import sys
 
@@ -24,12 +31,14 @@ pytest.importorskip("trl")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "trainer_cp_worker.py")
-EXAMPLES = os.path.join(HERE, "..", "examples")
+ROOT = os.path.dirname(HERE)
+EXAMPLES = os.path.join(ROOT, "examples")
 W2 = ["rows_ring", "rows_tokens_per_replica", "checkpointing", "mixed_precision", "packed",
       "label_smoothing", "moe", "evaluate_predict", "resume", "sft_packing",
-      "sft_completion_only", "loss_options", "refusals"]
+      "sft_completion_only", "loss_options", "refusals", "partial_batches", "sft_partial_batches",
+      "odd_lengths", "cpu_setup", "messages", "hybrid_models_trainer", "hybrid_models_sft"]
 W4 = ["dp_accumulation", "dp_one_group_astray", "dp_tokens_per_replica", "dp_evaluate",
-      "dp_sft_packing", "hybrid"]
+      "dp_sft_packing", "hybrid", "partial_batches_cp4", "odd_lengths_cp4", "dp_evaluate_exact"]
 TIMEOUT = 900
 
 
@@ -70,20 +79,24 @@ def _close(got: float, want: float, rtol: float) -> bool:
     return abs(got - want) <= rtol * abs(want)
 
 
-def _tensors_close(got: dict, want: dict, rtol: float, what: str) -> None:
-    """Each tensor within rtol of its largest reference entry."""
+def _tensors_close(got: dict, want: dict, rtol: float, what: str, floor: float = 0.0) -> None:
+    """Each tensor within rtol of its largest reference entry (or of `floor` x the largest entry
+    of them all, if larger)."""
     assert got.keys() == want.keys(), f"{what}: {sorted(got.keys() ^ want.keys())}"
+    largest = max(ref.abs().max().item() for ref in want.values())
     for name, ref in want.items():
-        scale = ref.abs().max().item()
+        scale = max(ref.abs().max().item(), floor * largest)
         assert scale > 0, f"{what}: reference {name} is zero: the test cannot fail"
         err = (got[name] - ref).abs().max().item()
         assert err <= rtol * scale, f"{what}: {name} off by {err} (largest entry {scale})"
 
 
 def assert_matches(got: dict, want: dict, what: str, loss_rtol: float = 1e-5,
-                   exact: bool = True) -> None:
+                   exact: bool = True, flos: bool = True, grad_floor: float = 0.0) -> None:
     """The context-parallel run equals the reference: logged losses per step (the same on every
-    rank), step-1 gradients, final weights, counters; eval loss and predictions if present."""
+    rank), step-1 gradients, final weights, counters (FLOPs unless `flos` is False); eval loss
+    and predictions if present. grad_floor: step-1 gradients within 1e-4 of that fraction of
+    the largest one where a tensor's own largest entry is smaller."""
     assert len(got["loss"]) == len(want["loss"]) > 0, (what, got["loss"], want["loss"])
     for step, (a, b) in enumerate(zip(got["loss"], want["loss"])):
         assert _close(a, b, loss_rtol), f"{what}: step {step + 1} loss {a} vs {b}"
@@ -91,11 +104,13 @@ def assert_matches(got: dict, want: dict, what: str, loss_rtol: float = 1e-5,
     if exact:
         for step, (a, b) in enumerate(zip(got["grad_norm"], want["grad_norm"])):
             assert _close(a, b, 1e-4), f"{what}: step {step + 1} grad norm {a} vs {b}"
-        _tensors_close(got["grads"], want["grads"], 1e-4, f"{what} step-1 gradients")
+        _tensors_close(got["grads"], want["grads"], 1e-4, f"{what} step-1 gradients",
+                       floor=grad_floor)
         _tensors_close(got["weights"], want["weights"], 1e-4, f"{what} final weights")
     for key in ("tokens", "global_batch"):
         assert got[key] == want[key], (what, key, got[key], want[key])
-    assert _close(got["flos"], want["flos"], 1e-9), (what, got["flos"], want["flos"])
+    if flos:
+        assert _close(got["flos"], want["flos"], 1e-9), (what, got["flos"], want["flos"])
     for key in ("num_tokens", "mean_token_accuracy"):  # TRL's metrics
         assert (key in got) == (key in want), (what, key)
         if key in want:
@@ -229,9 +244,10 @@ def test_cross_entropy_options_and_seq_idx(runs):
 
 def test_refusals(runs):
     """Misuse raises ValueError on every rank (the worker checks that the messages agree),
-    naming a correct path."""
+    naming a correct path; a model parallelize refuses (Qwen3.5 with the striped layout) is
+    refused by the trainer's construction."""
     got = runs[1]["refusals"]
-    expected = {"sdpa": "attn_implementation=cpattn.integrations.transformers.register(cp)",
+    expected = {"parallelize_refuses": "striped layout",
                 "accelerate_cp": "Remove parallelism_config",
                 "batch_rebalance": "use 'random', 'sequential'",
                 "iterable": "use a map-style dataset",
@@ -275,10 +291,204 @@ def test_hybrid(runs):
 @pytest.mark.parametrize("example", ["trainer_cp.py", "sft_packing_cp.py"])
 def test_example_matches_one_process(example):
     """The examples under torchrun on 2 ranks, --check: exit 0 only when every step's loss
-    matches the same trainer in one process."""
+    matches the same trainer in one process; run from the source tree, they write nothing
+    there."""
+    before = set(os.listdir(ROOT))
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          os.path.join(EXAMPLES, example), "--check"],
-        capture_output=True, text=True, env=_env(), timeout=TIMEOUT)
+        capture_output=True, text=True, env=_env(), timeout=TIMEOUT, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-10000:]
     assert "check passed" in result.stdout, result.stdout[-5000:]
+    assert set(os.listdir(ROOT)) <= before, sorted(set(os.listdir(ROOT)) - before)
+
+
+# ---- issue 56: the batches one process sees, any collator length, the set-up, messages -------
+
+
+@pytest.mark.parametrize("name", ["partial_batches", "partial_batches_cp4"])
+def test_partial_last_batch_as_one_process(runs, name):
+    """15 training rows with bs 2 and gradient accumulation 2 (the last batch of 1 row, in the
+    last window), 5 evaluation rows and 5 predicted, nothing dropped, at cp 2 and cp 4: every
+    logged loss, the gradients, weights, eval loss, tokens seen and predictions equal one
+    process's. Ablation: accelerate's filled batches change the last step, the eval loss and
+    the token count."""
+    ref, got = _check(runs, name)
+    filled, want = got["ablation"], ref["main"]
+    assert_differs(filled["loss"], want["loss"], f"{name}: filled batches")
+    assert not _close(filled["eval"], want["eval"], 1e-5), (filled["eval"], want["eval"])
+    assert filled["tokens"] != want["tokens"], (filled["tokens"], want["tokens"])
+
+
+def test_sft_packing_partial_batches(runs):
+    """SFTTrainer packing, bs 2, an odd number of packed rows for training and evaluation; TRL's
+    eval metrics (entropy, token accuracy) equal too. Ablations: filled batches change the eval
+    loss (and the last step's loss); TRL's per-rank sums truncated change its metrics."""
+    ref, got = _check(runs, "sft_partial_batches")
+    rows = ref["main"]["packed_rows"]
+    assert rows == got["main"]["packed_rows"] and all(n % 2 == 1 for n in rows), rows
+    filled, want = got["ablation"], ref["main"]
+    assert not _close(filled["eval"], want["eval"], 1e-5), (filled["eval"], want["eval"])
+    assert_differs(filled["loss"], want["loss"], "sft packing: filled batches")
+    metrics = ("eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens")
+    for key in metrics:
+        a, b = got["main"]["eval_metrics"][key], want["eval_metrics"][key]
+        assert _close(a, b, 1e-6), (key, a, b)
+    truncated = got["ablation_gathers"]["eval_metrics"]
+    assert any(not _close(truncated[k], want["eval_metrics"][k], 1e-6) for k in metrics), (
+        "TRL's gathers: the truncation does not matter", truncated)
+
+
+@pytest.mark.parametrize("name", ["odd_lengths", "odd_lengths_cp4"])
+def test_any_collator_length(runs, name):
+    """Batches the layout cannot split evenly, at cp 2 and cp 4: DataCollatorWithFlattening at
+    bs 1 with one odd-length document (position-ids form, with evaluate / predict; flash form),
+    without position ids, rows of 17 tokens, TRL's packed rows at bs 1: equal to one process.
+    Ablation: the batch handed to shard_batch as it is raises."""
+    ref, got = runs
+    for run in ref[name]:
+        assert_matches(got[name][run], ref[name][run], f"{name}/{run}")
+    assert "must be a multiple of" in got[name]["refused"], got[name]["refused"]
+
+
+def test_cpu_setup_without_use_cpu(runs):
+    """Under torchrun on CPUs, TrainingArguments without use_cpu: the trainer runs the ranks
+    together. Ablation: left alone, the arguments are refused at construction, naming the fix."""
+    _, got = _check(runs, "cpu_setup")
+    assert "pass use_cpu=True to the TrainingArguments" in got["refused"], got["refused"]
+
+
+def test_messages_name_the_cause(runs):
+    """A dataset that differs between the ranks, a model registered or parallelized with another
+    ContextParallel: messages that say so (the same dataset on every rank trains); a plain
+    Trainer given a context-parallel model (registered Llama, parallelized Llama and Qwen3.5)
+    raises at its first step, on every rank, saying to use ContextParallelTrainer. A model made
+    by model_init, and one TRL loads from a folder's name, are attached to the trainer's cp."""
+    got = runs[1]["messages"]
+    assert "the train dataset differs between ranks" in got["dataset_differs"], got
+    assert got["dataset_same"] == "", got["dataset_same"]
+    for case, how in (("other_cp", "registered with another ContextParallel"),
+                      ("other_cp_parallelized", "was parallelized with another ContextParallel")):
+        assert f"{how} than the one given to the trainer" in got[case], got[case]
+        assert "build cp once" in got[case], got[case]
+    # A plain Trainer never trains a context-parallel model silently: its whole batches are
+    # refused at the first forward, on every rank (`raised` checks that the ranks agree), by
+    # the position check (Llama) or by the first mixer (Qwen3.5's gated delta rule, layer 0).
+    for case in ("plain_trainer", "plain_trainer_parallelized", "plain_trainer_hybrid"):
+        message = got[case]
+        assert "A transformers Trainer gives the model whole batches" in message, (case, message)
+        assert "ContextParallelTrainer" in message and "with_context_parallel" in message, (
+            case, message)
+    assert "but 0, 1, 2, ..." in got["plain_trainer"], got["plain_trainer"]
+    assert "Qwen3_5GatedDeltaNet mixes tokens" in got["plain_trainer_hybrid"], got
+    assert got["model_init_attached"] is True
+    assert got["sft_from_name_attached"] is True
+
+
+def test_dp_x_cp_evaluation_exact(runs):
+    """dp 2 x cp 2: eval loss over 5 rows and over 5 packed documents, predictions of 7 rows,
+    each example once: equal to one process with a batch of 4. Ablation: filled batches."""
+    ref, got = _check(runs, "dp_evaluate_exact", "rows")
+    _check(runs, "dp_evaluate_exact", "packed")
+    filled, want = got["ablation"]["eval"], ref["rows"]["eval"]
+    assert not _close(filled, want, 1e-5), (filled, want)
+
+
+def test_help_shows_cpattn_docstring():
+    """help() of the trainer classes documents cp and what is refused, before the base class's
+    own documentation."""
+    from transformers import Trainer
+
+    from cpattn.integrations import trainer
+
+    class MyTrainer(Trainer):
+        """My trainer."""
+
+    for cls in (trainer.ContextParallelTrainer, trainer.ContextParallelSFTTrainer,
+                trainer.with_context_parallel(MyTrainer)):
+        text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+        for words in ("cp: the cpattn.ContextParallel", "Refused with ValueError",
+                      "parallelize(model,", "register(cp)", "partial"):
+            assert words in text, (cls.__name__, words)
+    text = pydoc.render_doc(trainer.ContextParallelSFTTrainer, renderer=pydoc.plaintext)
+    assert text.index("cp: the cpattn") < text.index("SFTTrainer's documentation")
+
+
+def test_trainer_extra_pins_the_tested_versions():
+    """pip install "cpattn[trainer]" pins the transformers / accelerate / trl that CI installs
+    (scripts/run.sh) and this environment runs."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        extra = re.search(r"^trainer = \[(.*)\]$", f.read(), re.M).group(1)
+    pins = dict(re.findall(r'"([a-z]+)==([0-9.]+)"', extra))
+    assert set(pins) == {"transformers", "accelerate", "trl"}, extra
+    with open(os.path.join(ROOT, "scripts", "run.sh")) as f:
+        ci = dict(re.findall(r'"(transformers|accelerate|trl)==([0-9.]+)"', f.read()))
+    assert ci == pins, (ci, pins)
+    for name, version in pins.items():
+        assert importlib.metadata.version(name) == version, (name, version)
+
+
+# ---- issue 56 item 5: hybrid models under both trainers ----------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "bamba"])
+@pytest.mark.parametrize("name", ["hybrid_models_trainer", "hybrid_models_sft"])
+def test_hybrid_models_packed_with_checkpointing(runs, name, kind):
+    """Qwen3.5 (gated delta rule) and Bamba (Mamba-2), packed documents, gradient checkpointing
+    on, under ContextParallelTrainer (DataCollatorWithFlattening) and ContextParallelSFTTrainer
+    (packing=True), the model parallelized by the trainer: every logged loss, grad norm, the
+    step-1 gradients, final weights and token counters equal the same trainer in one process,
+    each document in its own padded row (tests/trainer_cp_hybrid.py says why; checked by
+    test_hybrid_reference_keeps_documents_apart). FLOPs are not compared: the reference's count
+    includes its padding. Gradients: hybrid_models.FLOOR (Qwen3.5's A_log / dt_bias gradients
+    are 2e-4 of the largest one, sums of cancelling terms whose fp32 rounding is of their own
+    size's order). Ablation: every mixer on its rank's pieces only changes the losses."""
+    import hybrid_models
+
+    ref, got = runs
+    assert_matches(got[name][kind], ref[name][kind], f"{name}/{kind}", flos=False,
+                   grad_floor=hybrid_models.FLOOR)
+    assert len(got[name][kind]["grad_norm"]) == len(got[name][kind]["loss"]) > 1
+    assert_differs(got[name][f"ablation_{kind}"]["loss"], ref[name][kind]["loss"],
+                   f"{name}/{kind}: mixers alone")
+    if name == "hybrid_models_sft":  # (the same packed rows in both runs, on every rank)
+        rows = got[name][kind]["every_rank_rows"]
+        assert rows == [ref[name][kind]["packed_rows"]] * 2, rows
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "bamba"])
+def test_hybrid_reference_keeps_documents_apart(kind):
+    """The reference of the hybrid trainer tests, in one process: packed documents in right-padded
+    rows (tests/trainer_cp_hybrid.py's collators) give each document's logits alone (one
+    forward per document, within fp32 rounding) and the same targets as the packed batch. Not
+    a valid reference (the ablations): DataCollatorWithFlattening's packed row through
+    transformers' own mixers (documents leak into each other), and TRL's padding-free batch,
+    which transformers refuses on a CPU without the causal_conv1d kernel."""
+    import hybrid_models as H
+    from trainer_cp_hybrid import padded_documents, unpacked
+    from trainer_cp_kit import documents
+    from transformers import DataCollatorWithFlattening
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    docs = documents(5, seed=3)
+    lengths = [len(d["input_ids"]) for d in docs]
+    model = H.model(H.config(kind), "sdpa")
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=torch.tensor([d["input_ids"]]), use_cache=False).logits
+                           for d in docs], 1)
+        padded = padded_documents(docs)
+        out = model(**{k: v for k, v in padded.items() if k != "labels"}, use_cache=False).logits
+        rows = torch.cat([out[i, :n] for i, n in enumerate(lengths)])[None]
+        flat = DataCollatorWithFlattening()(docs)
+        leaked = model(input_ids=flat["input_ids"], position_ids=flat["position_ids"],
+                       use_cache=False).logits
+    scale = alone.abs().max().item()
+    assert (rows - alone).abs().max().item() <= 1e-5 * scale, kind
+    assert (leaked - alone).abs().max().item() > 1e-2 * scale, f"{kind}: packed rows kept apart"
+    targets = torch.cat([padded["labels"][i, :n] for i, n in enumerate(lengths)])[None]
+    assert torch.equal(targets, flat["labels"]), "the padded rows' targets are not the packed ones"
+    packed_row = {"input_ids": sum((d["input_ids"] for d in docs), []), "seq_lengths": lengths}
+    assert torch.equal(unpacked([packed_row])["input_ids"], padded["input_ids"])
+    trl_batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(docs)
+    with pytest.raises(ValueError, match="can't keep packed sequences apart"):
+        model(**{k: v for k, v in trl_batch.items() if k != "labels"}, use_cache=False)

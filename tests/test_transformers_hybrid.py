@@ -1,22 +1,24 @@
-"""Hybrid transformers models (token mixers outside attention) under context parallelism, on real
-gloo ranks: every family of tests/hybrid_models.py trains exactly (fp32: loss within 1e-5 and
-every gradient within 1e-4 relative of one process, see hybrid_models.assert_step_matches),
-or is refused on every rank.
+"""Hybrid transformers models (token mixers outside attention) under context parallelism
+(`parallelize(model, cp)`), on real gloo ranks: every family of tests/hybrid_models.py trains
+exactly (fp32: loss within 1e-5 and every gradient within 1e-4 relative of one process, see
+hybrid_models.assert_step_matches), or is refused on every rank.
 
 - W = 2, all families: zigzag sequences (ring) and packed documents under a document plan (one
   forward per document is the reference); a padded batch, the collator's cu_seq_lens form.
 - W = 3, all families: contiguous sequences and per-document packing (all-gather).
 - W = 4, one family per mixer kind: Ulysses, the 2 x 2 hybrid mesh, a plan with the all-gather.
-- torch.compile(fullgraph=True) of Qwen3.5 (gated delta rule) and Bamba (Mamba-2).
+- torch.compile(fullgraph=True) of Qwen3.5 (gated delta rule) and Bamba (Mamba-2), and of Jamba
+  (Mamba) on packed documents; refused together with gradient checkpointing.
 Each exact case has an ablation (every mixer on its rank's pieces only) that changes the result.
-Refused on every rank: the striped layout, invariant mode, generate with ContextParallelCache,
-use_cache=True, a padding mask reaching a mixer, an attention-free model not given shard_batch's
-documents, and a module that differs from cpattn's version of it (a changed transformers class).
-Unknown mixers (RecurrentGemma) stay refused: tests/test_transformers_models.py."""
+Refused on every rank: the striped layout and invariant mode (by parallelize), generate with
+ContextParallelCache, use_cache=True, a padding mask reaching a mixer, a model not given
+shard_batch's whole batch, and a module that differs from cpattn's version of it (a changed
+transformers class; by parallelize). Checkpointing, copies, FSDP2, remove() and the structural
+refusal of unknown mixers: tests/test_parallelize.py."""
 
 from __future__ import annotations
 
-import copy
+import re
 import time
 
 import pytest
@@ -27,7 +29,6 @@ pytest.importorskip("transformers")
 import hybrid_models as H  # noqa: E402
 
 import cpattn  # noqa: E402
-from cpattn.integrations import _hybrid  # noqa: E402
 
 from distributed import run_ranks  # noqa: E402
 
@@ -68,48 +69,45 @@ def _raises_everywhere(match: str, fn, *args, **kwargs) -> None:
 
 
 def _refusals(rank: int) -> None:
-    from cpattn.integrations.transformers import ContextParallelCache, register
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+
+    from cpattn.integrations.transformers import ContextParallelCache
 
     batch = H.sequences()
     for settings, match in ((dict(layout="striped"), "striped layout"),
                             (dict(invariant=True), "invariant mode")):
-        cp = cpattn.ContextParallel(**settings)
-        model = H.model(H.config("qwen3_5"), register(cp, "cpattn_refused"))
-        local = cpattn.shard_batch(batch, cp)
-        _raises_everywhere(match, model, **{k: v for k, v in local.items()
-                                           if k != "shift_labels"})
+        _raises_everywhere(match, H.cp_model, H.config("qwen3_5"),
+                           cpattn.ContextParallel(**settings))
     cp = cpattn.ContextParallel()
-    name = register(cp, "cpattn_refused")
     local = {k: v for k, v in cpattn.shard_batch(batch, cp).items() if k != "shift_labels"}
-    model = H.model(H.config("lfm2"), name)
+    model = H.cp_model(H.config("lfm2"), cp)
     _raises_everywhere("got a cache", model, **{**local, "use_cache": True})
     # A padding mask that reaches the mixer (LFM2 hands the model's to its convolutions).
     mask = torch.ones_like(local["input_ids"])
     mask[0, 1] = 0
     _raises_everywhere("attention.mask", model, **local, attention_mask=mask)
-    # An attention-free model given only input_ids: nothing would check its tokens' positions.
-    mamba = H.model(H.config("mamba"), name)
-    _raises_everywhere("no attention layer", mamba, input_ids=local["input_ids"])
+    # An attention-free model given only input_ids: nothing would say how it was sharded.
+    mamba = H.cp_model(H.config("mamba"), cp)
+    _raises_everywhere("whole batch of cpattn.shard_batch", mamba, input_ids=local["input_ids"])
     # generate with the sharded K/V cache: the mixers' states are not in it.
     prompts = torch.randint(5, 96, (2, 13), generator=torch.Generator().manual_seed(5))
     for kind in ("qwen3_5", "bamba"):
-        model = H.model(H.config(kind), name)
+        model = H.cp_model(H.config(kind), cp)
         cache = ContextParallelCache(cp, model.config, capacity=19)
         _raises_everywhere("generate with ContextParallelCache does not support", model.generate,
                            prompts, cache=cache, max_new_tokens=6, do_sample=False,
                            pad_token_id=0)
     # A class whose forward is not what cpattn computes (as if transformers changed it): the
     # equivalence check refuses it on every rank, naming the class and the version.
-    cls, forward, init = _hybrid.ORIGINALS["Lfm2ShortConv"]
-    _hybrid.ORIGINALS["Lfm2ShortConv"] = (cls, lambda *a, **k: 1.01 * forward(*a, **k), init)
+    forward = Lfm2ShortConv.forward
+    Lfm2ShortConv.forward = lambda *a, **k: 1.01 * forward(*a, **k)
     try:
-        model = H.model(H.config("lfm2"), name)
         import transformers
 
-        _raises_everywhere(f"Lfm2ShortConv differs by .* transformers {transformers.__version__}",
-                           model, **local)
+        _raises_everywhere(f"Lfm2ShortConv .*transformers {transformers.__version__}.*"
+                           "differs by", H.cp_model, H.config("lfm2"), cp)
     finally:
-        _hybrid.ORIGINALS["Lfm2ShortConv"] = (cls, forward, init)
+        Lfm2ShortConv.forward = forward
     H.assert_step_matches(H.reference(H.config("lfm2"), batch),
                           H.cp_step(H.config("lfm2"), batch, cp), "lfm2 after the refusals")
 
@@ -169,50 +167,98 @@ def _compiled(rank, world):
         got = H.cp_step(cfg, batch, cpattn.ContextParallel(), compile_backend="aot_eager")
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
         H.assert_step_matches(H.reference(cfg, batch), got, f"compiled {kind}")
+    # Jamba on packed documents: its model does not hand them down to its Mamba layers (the
+    # traced hooks of parallelize do)
+    torch._dynamo.reset()
+    counters.clear()
+    cfg, packed = H.config("jamba"), H.packed(PLAN_LENGTHS)
+    got = H.cp_step(cfg, packed, cpattn.ContextParallel(), compile_backend="aot_eager")
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    H.assert_step_matches(H.reference(cfg, packed, PLAN_LENGTHS), got, "compiled jamba packed")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="under gradient checkpointing is not supported yet"):
+        H.cp_step(cfg, packed, cpattn.ContextParallel(), compile_backend="aot_eager",
+                  prepare=H.checkpointing("non-reentrant"))
 
 
 def test_compile_fullgraph_w2():
     """The aot_eager backend traces what inductor would get (dynamo graph, AOT autograd's joint
-    graph with the exchange's custom ops) without generating code (minutes on 2 cores)."""
+    graph with the exchange's custom ops) without generating code (minutes on 2 cores): Qwen3.5
+    and Bamba on sequences, Jamba on packed documents; with gradient checkpointing refused."""
     run_ranks(2, _compiled)
 
 
 def test_probe_refuses_a_changed_class():
-    """One process: the equivalence check names the class and the transformers version."""
+    """One process: the equivalence check names the class and the transformers version, what
+    differed (the output, or only a gradient: it checks backward too), or the exception."""
     import transformers
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-    _hybrid.install()
+    from cpattn.integrations.hybrid.parallelize import verdict
+    from cpattn.integrations.hybrid.registry import ADAPTERS, Adapter, adapter_of
+
     model = H.model(H.config("qwen3_5"), "eager")
     module = model.model.layers[0].linear_attn
-    changed = copy.deepcopy(module)  # (probe() remembers each module's verdict)
-    assert _hybrid.probe("Qwen3_5GatedDeltaNet", module) == ""
-    cls, forward, init = _hybrid.ORIGINALS["Qwen3_5GatedDeltaNet"]
-    _hybrid.ORIGINALS["Qwen3_5GatedDeltaNet"] = (cls, lambda *a, **k: forward(*a, **k) + 1e-3,
-                                                 init)
+    assert verdict(module) == ""
+    forward = Qwen3_5GatedDeltaNet.forward
+    changes = {  # the module's own forward changed: its output, then its backward only
+        "its output differs by": lambda *a, **k: forward(*a, **k) + 1e-3,
+        "the gradient of .* differs by": lambda *a, **k: (lambda y: y + 0.05 * (y - y.detach()))(
+            forward(*a, **k)),
+    }
+    for match, changed in changes.items():
+        Qwen3_5GatedDeltaNet.forward = changed
+        try:
+            refusal = verdict(module)
+        finally:
+            Qwen3_5GatedDeltaNet.forward = forward
+        assert "Qwen3_5GatedDeltaNet" in refusal and transformers.__version__ in refusal
+        assert re.search(match, refusal), refusal
+    key = next(k for k, a in ADAPTERS.items() if a is adapter_of(module))
+
+    def broken(m, h, mix):
+        raise RuntimeError("an adapter that fails")
+
+    real = ADAPTERS[key]
+    ADAPTERS[key] = Adapter(broken)
     try:
-        verdict = _hybrid.probe("Qwen3_5GatedDeltaNet", changed)
+        assert "raised RuntimeError: an adapter that fails" in verdict(module)
     finally:
-        _hybrid.ORIGINALS["Qwen3_5GatedDeltaNet"] = (cls, forward, init)
-    assert "Qwen3_5GatedDeltaNet differs" in verdict and transformers.__version__ in verdict
+        ADAPTERS[key] = real
 
 
 def test_models_built_before_install_are_adopted():
-    """A model built before the first register() (its mixers' __init__ was not yet patched)
-    gets its mixers' config recorded when the classes are installed, so switching it to cpattn
-    afterwards (set_attn_implementation) runs them sharded, not silently on the shard alone."""
+    """parallelize changes one instance, whenever it was built: a model built before it and one
+    built after keep their class's own forward (outputs bitwise those of an identical model never
+    near cpattn), no class attribute changes, and the parallelized instance's mixers run
+    sharded (one rank: its own process group)."""
     import subprocess
     import sys
 
     script = (
-        "import sys; sys.path.insert(0, %r)\n"
-        "import hybrid_models as H\n"
-        "from cpattn.integrations import _hybrid\n"
-        "model = H.model(H.config('qwen3_5'), 'eager')\n"
-        "mixer = model.model.layers[0].linear_attn\n"
-        "assert not hasattr(mixer, '_cpattn_config')\n"
-        "_hybrid.install()\n"
-        "assert mixer._cpattn_config is model.model.config, mixer._cpattn_config\n"
-        "assert _hybrid.probe('Qwen3_5GatedDeltaNet', mixer) == ''\n"
+        "import sys, tempfile; sys.path.insert(0, %r)\n"
+        "import torch, torch.distributed as dist\n"
+        "import hybrid_models as H, cpattn\n"
+        "from transformers.models.qwen3_5 import modeling_qwen3_5 as M\n"
+        "def methods():  # (every function of every class: transformers caches other values)\n"
+        "    return {(n, k): v for n, c in vars(M).items() if isinstance(c, type)\n"
+        "            for k, v in vars(c).items() if callable(v)}\n"
+        "classes = methods()\n"
+        "ids = H.sequences()['input_ids']\n"
+        "expected = H.model(H.config('qwen3_5'), 'eager')(input_ids=ids).logits\n"
+        "before = H.model(H.config('qwen3_5'), 'eager')\n"
+        "dist.init_process_group('gloo', init_method='file://' + tempfile.mktemp(), rank=0,\n"
+        "                        world_size=1)\n"
+        "from cpattn.integrations.transformers import parallelize\n"
+        "target = H.model(H.config('qwen3_5'), 'eager')\n"
+        "parallelize(target, cpattn.ContextParallel())\n"
+        "after = H.model(H.config('qwen3_5'), 'eager')\n"
+        "assert classes == methods(), 'a class changed'\n"
+        "for m in (before, after):\n"
+        "    assert not any('forward' in x.__dict__ for x in m.modules())\n"
+        "    assert torch.equal(m(input_ids=ids).logits, expected)\n"
+        "assert all('forward' in m.__dict__ for m in target.modules()\n"
+        "           if type(m).__name__ == 'Qwen3_5GatedDeltaNet')\n"
         "print('adopted')\n") % str(__import__("pathlib").Path(__file__).parent)
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300)

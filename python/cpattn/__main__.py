@@ -113,6 +113,11 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="a preset (h100-ib, h200-ib, a100-ib, cpu-gloo) or a calibration file")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also draw time and memory per rank against W and sequence length")
+    p.add_argument("--mixer", default=None, metavar="LAYER",
+                   help="also the state scan of a mixer layer: qwen3.5-27b, or KIND:HEADS:K:V"
+                   "[:LAYERS] (KIND scalar, diagonal or matrix), e.g. matrix:48:128:128:48")
+    p.add_argument("--mixer-layout", choices=["zigzag", "contiguous"], default="zigzag",
+                   help="the sequence's layout for --mixer")
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -139,6 +144,8 @@ def plan_command(args: argparse.Namespace) -> int:
     print(f"\nchoice: {why}")
     if docs is not None and problem.mode in ("train", "forward"):
         _document_plans(docs, problem, machine, args.world)
+    if args.mixer:
+        _mixer_scan(args.mixer, args.mixer_layout, args.batch, machine, args.world)
     if args.plot:
         from cpattn.plan.plot import plot_plan
 
@@ -149,6 +156,30 @@ def plan_command(args: argparse.Namespace) -> int:
         plot_plan(problem, machine, worlds, seqlens, args.world, args.plot)
         print(f"plot: {args.plot}")
     return 0
+
+
+def _mixer_scan(spec: str, layout: str, batch: int, machine, world: int) -> None:
+    """The mixers' state scan for a layer (a preset name or KIND:HEADS:K:V[:LAYERS]): both
+    methods' model per rank and the choice (cpattn.plan.mixer_scan)."""
+    import dataclasses
+
+    from cpattn.plan import mixer_scan as S
+
+    if spec in S.LAYERS:
+        layer = dataclasses.replace(S.LAYERS[spec], batch=batch)
+    else:
+        parts = spec.split(":")
+        if len(parts) not in (4, 5) or not all(x.isdigit() for x in parts[1:]):
+            raise SystemExit(f"python -m cpattn plan: --mixer {spec!r}: must be one of "
+                             f"{sorted(S.LAYERS)} or KIND:HEADS:K:V[:LAYERS]")
+        layer = S.MixerLayer(spec, parts[0], *(int(x) for x in parts[1:]), batch=batch) \
+            if len(parts) == 4 else S.MixerLayer(spec, parts[0], *(int(x) for x in parts[1:4]),
+                                                 batch=batch, layers=int(parts[4]))
+    traffic = S.tree_traffic(S.sequence_chains(layout, world), world)
+    preds = S.predict_scan(layer, traffic, machine)
+    print(f"\nmixer layer: {layer}; {layout} sequence; per rank and layer:")
+    print(S.scan_table(layer, preds))
+    print(f"choice: {S.explain_scan(layer, preds, world)}")
 
 
 def _document_plans(docs, problem, machine, world: int) -> None:

@@ -23,9 +23,6 @@ from cpattn.strategies.base import Strategy
 from cpattn.strategies.registry import PLAN_STRATEGIES
 from cpattn.strategies.registry import STRATEGIES as _REGISTRY
 
-# The strategies a ContextParallel runs (the registry's names).
-STRATEGIES = tuple(_REGISTRY)
-
 
 class _WeakGroup:
     """A ContextParallel attribute that holds a process group by weak reference. The object
@@ -167,6 +164,14 @@ class ContextParallel:
         generation and chunked paths): with invariant=True added when the object has it, so the
         call honours it or raises."""
         return {**options, "invariant": True} if self.invariant else options
+
+    def __deepcopy__(self, memo) -> "ContextParallel":
+        """The object itself: it holds process groups, which a copy of a model that refers to
+        it (a parallelized model, copy.deepcopy for an EMA or reference model) shares."""
+        return self
+
+    def __copy__(self) -> "ContextParallel":
+        return self
 
     def __repr__(self) -> str:
         return (f"ContextParallel(strategy={self.strategy!r}, layout={self.layout!r}, "

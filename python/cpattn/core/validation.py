@@ -314,6 +314,11 @@ def env_plan_machine() -> Optional[str]:
     return os.environ.get("CPATTN_PLAN_MACHINE")
 
 
+def env_mixer_scan() -> Optional[str]:
+    """$CPATTN_MIXER_SCAN: the mixers' state scan: "allgather", "tree" or "auto"."""
+    return os.environ.get("CPATTN_MIXER_SCAN")
+
+
 def env_invariant() -> Optional[str]:
     """$CPATTN_INVARIANT: "1" makes invariant=True the default of the attention functions."""
     return os.environ.get("CPATTN_INVARIANT")

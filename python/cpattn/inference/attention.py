@@ -34,8 +34,8 @@ from cpattn.core.validation import (
     error,
     group_info,
 )
+from cpattn.inference import invariant_cache
 from cpattn.inference.kv_cache import KVCacheShard, check_cache_type, pack_partial, unpack_partials
-from cpattn.invariant import kv_cache as invariant_cache
 from cpattn.invariant.global_order import gather_global
 from cpattn.sharding.sequences import positions
 
@@ -130,7 +130,7 @@ def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
 
 
 # ---------------------------------------------------------------------------------------------
-# Invariant mode (invariant=True): the cache's blocks of key tiles (cpattn/invariant/kv_cache.py).
+# Invariant mode (invariant=True): the cache's blocks of key tiles (invariant_cache.py).
 
 def _invariant_prefill(q, k, v, cache, group, rank, world, layout, n, timeout, opts, what):
     """prefill_attention(invariant=True): the chunk's K/V gathered and stored by their owners,

@@ -207,8 +207,8 @@ def check_cache_type(cache, what: str) -> None:
         raise error(what, "cache", cache, "must be a cpattn.KVCacheShard")
 
 
-# The partial results' messages of prefill and decode (inference.py, invariant/kv_cache.py): out
-# and lse of a block of rows travel as one tensor.
+# The partial results' messages of prefill and decode (attention.py, invariant_cache.py): out and
+# lse of a block of rows travel as one tensor.
 def pack_partial(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """(B, S, H, D) fp32 and (B, H, S) -> one (B, S, H, D + 1) message."""
     return torch.cat([out, lse.transpose(1, 2).unsqueeze(-1)], dim=-1)

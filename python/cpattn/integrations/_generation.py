@@ -147,9 +147,9 @@ class ContextParallelCache(Cache):
     """
 
     def __init__(self, cp: ContextParallel, config, capacity: int, *, interleave: int = 1):
-        if len(cp.groups) > 1:
+        if cp.group is None:  # (the sequence spans several groups: Ulysses x ring)
             raise ValueError(f"{WHAT}: ContextParallelCache needs a single process group; "
-                             f"strategy {cp.strategy!r} has two")
+                             f"strategy {cp.strategy!r} spans {len(cp.groups)}")
         if getattr(config.get_text_config(), "kv_lora_rank", None):
             raise ValueError(
                 f"{WHAT}: the {config.model_type!r} model uses multi-head latent attention: it "

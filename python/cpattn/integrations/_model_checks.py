@@ -7,9 +7,11 @@ to cpattn's options), inert, or refused.
 Under context parallelism each rank runs the model on its shard of the tokens; only the attention
 call sees the whole sequence. Everything else must be per token, or be made exact, or be refused:
 - token mixers outside attention (convolutions, Mamba / SSM, linear or lightning attention, a
-  sparse-attention indexer) would mix each rank's shard only: refused, from the config's
-  `layer_types` and the classes of the model's modeling module (`check_config`), unless
-  `_hybrid` makes every mixer of the model type exact;
+  sparse-attention indexer) would mix each rank's shard only. `parallelize` makes the ones with
+  an adapter exact and refuses any other by the model's structure (integrations/hybrid/); a model
+  given to `register`'s attention implementation alone is refused from its config
+  (`check_config`: its `layer_types`, else the class names of its modeling module), naming
+  `parallelize`, and a sparse-attention indexer is refused either way;
 - masks the model builds (`mask_function` handed to the mask hook): the ones cpattn applies on
   global positions (causal, bidirectional, sliding windows, chunks, packed documents, padding
   handled by shard_batch) pass, any other raises (`check_mask_function`);
@@ -32,10 +34,14 @@ from typing import Any, Optional
 import torch
 
 from cpattn.core.options import AttentionOptions
-from cpattn.integrations import _hybrid
 from cpattn.sharding.packing import KEYWORD
 
 WHAT = "cpattn.integrations.transformers"
+# What a model given whole batches (a plain transformers Trainer's) is told, as a sentence.
+TRAINER_ADVICE = ("A transformers Trainer gives the model whole batches: train with "
+                  "cpattn.integrations.trainer.ContextParallelTrainer (or "
+                  "with_context_parallel(YourTrainer); ContextParallelSFTTrainer for TRL), "
+                  "which shards every batch")
 
 # Keywords transformers passes that do not change the attention math.
 _INERT = frozenset({"use_cache", "output_hidden_states", "output_router_logits",
@@ -119,52 +125,60 @@ _MIXER_CLASS = re.compile(r"(Conv|Mamba|SSM|Mixer|LinearAttention|Lightning|Delt
 _MIXER_EXEMPT = re.compile(r"(Embedding|Norm|Rotary|MLP|Expert|Router|Gate$)")
 
 
-def check_config(config) -> None:
-    """Raises ValueError naming the layer type (or class) when the model mixes tokens outside
-    the attention call."""
+def check_config(config, parallelized: bool = False) -> None:
+    """Raises ValueError naming the layer type (or class) when the model mixes tokens outside the
+    attention call in a way the attention implementation cannot see to: any token mixer for a
+    model that was not parallelized (`parallelize` checks its modules instead), a
+    sparse-attention indexer for every model."""
     if config is None:
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     message = _config_refusal(getattr(text, "model_type", "") or "",
-                              tuple(getattr(text, "layer_types", None) or ()))
+                              tuple(getattr(text, "layer_types", None) or ()), parallelized)
     if message:
         raise ValueError(message)
 
 
 @torch._dynamo.assume_constant_result
-def _config_refusal(model_type: str, layer_types: tuple) -> str:
+def _config_refusal(model_type: str, layer_types: tuple, parallelized: bool) -> str:
     """"" or why the model cannot run under context parallelism (a compile-time constant)."""
-    return _cached_config_refusal(model_type, layer_types)
+    return _cached_config_refusal(model_type, layer_types, parallelized)
+
+
+_USE_PARALLELIZE = ("; cpattn.integrations.transformers.parallelize(model, cp) makes the token "
+                    "mixers it has adapters for exact (docs/hybrid-models.md): register(cp) "
+                    "alone is for models whose only token mixing is attention")
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_config_refusal(model_type: str, layer_types: tuple) -> str:
+def _cached_config_refusal(model_type: str, layer_types: tuple, parallelized: bool) -> str:
     """_config_refusal, cached (the mask hook asks at every forward)."""
-    if layer_types:
-        others = sorted(set(layer_types) - _ATTENTION_LAYERS - _PER_TOKEN_LAYERS)
-        if "indexed_attention" in others:
-            return (f"{WHAT}: the {model_type!r} model's sparse attention selects keys with an "
-                    "indexer (top-k over the scores of the whole sequence) before the attention "
-                    "call; under context parallelism the indexer would see each rank's shard "
-                    "only, so cpattn refuses it (no exact sharded indexer yet)")
-        if others and not _hybrid.handles(model_type):
-            first = next(i for i, t in enumerate(layer_types) if t in others)
-            return (f"{WHAT}: the {model_type!r} model has layers of type {others} (layer "
-                    f"{first} first), which mix tokens outside the attention call (convolution, "
-                    "state-space or linear attention); under context parallelism they would "
-                    "see each rank's shard only, so cpattn refuses the model")
+    others = sorted(set(layer_types) - _ATTENTION_LAYERS - _PER_TOKEN_LAYERS)
+    if "indexed_attention" in others:
+        return (f"{WHAT}: the {model_type!r} model's sparse attention selects keys with an "
+                "indexer (top-k over the scores of the whole sequence) before the attention "
+                "call; under context parallelism the indexer would see each rank's shard "
+                "only, so cpattn refuses it (no exact sharded indexer yet)")
+    if parallelized:
         return ""
-    mixers = [m for m in _mixer_classes(model_type)
-              if not (_hybrid.handles(model_type) and m in _hybrid.mixer_classes(model_type))]
+    if others:
+        first = next(i for i, t in enumerate(layer_types) if t in others)
+        return (f"{WHAT}: the {model_type!r} model has layers of type {others} (layer "
+                f"{first} first), which mix tokens outside the attention call (convolution, "
+                "state-space or linear attention); under context parallelism they would "
+                f"see each rank's shard only{_USE_PARALLELIZE}")
+    mixers = [] if layer_types else _mixer_classes(model_type)
     if mixers:
         return (f"{WHAT}: the {model_type!r} model defines token-mixing layers outside attention "
                 f"({', '.join(mixers)}); under context parallelism they would see each rank's "
-                "shard only, so cpattn refuses the model")
+                f"shard only{_USE_PARALLELIZE}")
     return ""
 
 
 def _mixer_classes(model_type: str) -> list[str]:
-    """Classes of the model type's modeling module whose names say they mix tokens."""
+    """Classes of the model type's modeling module whose names say they mix tokens (the guess
+    for a model given to register's implementation without layer_types: only parallelize sees
+    its modules)."""
     module = sys.modules.get(f"transformers.models.{model_type}.modeling_{model_type}")
     if module is None:
         return []

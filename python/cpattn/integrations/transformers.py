@@ -47,9 +47,9 @@ from cpattn.attention import attention
 from cpattn.core.agreement import reads_on_host
 from cpattn.core.device import to_device
 from cpattn.core.options import AttentionOptions
-from cpattn.integrations import _hybrid
 from cpattn.integrations._generation import PENDING, ContextParallelCache
 from cpattn.integrations._model_checks import (
+    TRAINER_ADVICE,
     WHAT,
     agree,
     attention_chunk,
@@ -59,6 +59,8 @@ from cpattn.integrations._model_checks import (
     score_options,
     short,
 )
+from cpattn.integrations.hybrid.parallelize import ParallelHandle, handle_of
+from cpattn.integrations.hybrid.parallelize import parallelize as _parallelize
 from cpattn.parallel import ContextParallel
 from cpattn.sharding.packing import KEYWORD, Documents, chunk_boundaries
 from cpattn.strategies.ulysses import ulysses_attention_varlen
@@ -74,7 +76,8 @@ except ImportError as e:  # pragma: no cover - only without transformers
         "transformers); cpattn itself does not"
     ) from e
 
-__all__ = ["ContextParallelCache", "register", "registered"]
+__all__ = ["ContextParallelCache", "ParallelHandle", "handle_of", "parallelize", "register",
+           "registered"]
 
 def _expected_positions(cp: ContextParallel, local_len: int, docs: Optional[Documents],
                         device) -> torch.Tensor:
@@ -115,6 +118,13 @@ def _check_positions(cp: ContextParallel, module: torch.nn.Module,
     def check():
         expected = _expected_positions(cp, local_len, docs, position_ids.device)
         if position_ids.shape[-1] != local_len or not bool((position_ids == expected).all()):
+            if docs is None and _unsharded(position_ids):
+                raise ValueError(
+                    f"{WHAT}: position_ids are not the position ids of this rank's tokens but "
+                    "0, 1, 2, ... (what a model uses when given none): the model got a whole "
+                    f"batch, or a shard without its position ids. {TRAINER_ADVICE}; in a loop "
+                    "of your own, give the model the whole batch of cpattn.shard_batch (its "
+                    "position_ids with it)")
             packed = " (packed documents: give the whole batch to shard_batch, and pass its " \
                 "'cpattn_documents' to the model too)" if docs is None else ""
             raise ValueError(
@@ -125,6 +135,14 @@ def _check_positions(cp: ContextParallel, module: torch.nn.Module,
 
     agree(cp, WHAT, check)
     _CHECKED[id(cp)] = (position_ids, (position_ids._version, local_len, docs))
+
+
+def _unsharded(position_ids: torch.Tensor) -> bool:
+    """Whether every row's position ids are 0, 1, ..., n-1: the ones a model makes when given
+    none (a whole batch as a loader gives it, or a shard without its positions). Called when
+    they are wrong: the first rank of the contiguous layout rightly has them."""
+    steps = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    return bool((position_ids == steps).all())
 
 
 def _check_positions_on_device(cp: ContextParallel, position_ids: torch.Tensor, local_len: int,
@@ -138,7 +156,8 @@ def _check_positions_on_device(cp: ContextParallel, position_ids: torch.Tensor, 
     _assert_on_every_rank(cp, (position_ids != expected).any(),
                           f"{WHAT}: position_ids are not the position ids of the tokens on some "
                           "rank: pass position_ids=cpattn.shard_batch(...)['position_ids'] to "
-                          "the model, else RoPE sees other positions")
+                          "the model, else RoPE sees other positions (0, 1, 2, ... on every "
+                          f"rank: a whole batch, not a shard. {TRAINER_ADVICE})")
 
 
 def _assert_on_every_rank(cp: ContextParallel, failed: torch.Tensor, message: str) -> None:
@@ -201,11 +220,12 @@ def _attention_forward(cp: ContextParallel, module: torch.nn.Module, query: torc
     tokens = docs.tokens if docs is not None else q.shape[1] * cp.world_size
     max_position = docs.max_position if docs is not None else tokens - 1
     chunk = attention_chunk(module)
-    chunked = chunk is not None and max_position >= chunk and len(cp.groups) == 1
+    # (past one chunk: exact over one process group; the hybrid's two raise in check_layer)
+    chunked = chunk is not None and max_position >= chunk and cp.group is not None
     check_layer(module, tokens, max_position, chunks=chunked)
     _check_positions(cp, module, kwargs.get("position_ids"), q.shape[1], docs,
                      KEYWORD in kwargs)
-    if chunked and cp.strategy == "ulysses":
+    if chunked and cp.spec.splits_heads:
         return _chunked_ulysses(cp, q, k, v, opts, docs, chunk), None
     if chunked:
         return _chunked_gathered(cp, q, k, v, opts, docs, chunk), None
@@ -295,8 +315,9 @@ def _calls_attention_interface(model_type: str) -> bool:
     return getattr(model_class, "_supports_attention_backend", True)
 
 
-def _mask(cp: ContextParallel, *args, attention_mask: Optional[torch.Tensor] = None, config=None,
-          mask_function=None, **kwargs):
+def _mask(cp: ContextParallel, parallelized: bool, *args,
+          attention_mask: Optional[torch.Tensor] = None, config=None, mask_function=None,
+          **kwargs):
     """The AttentionMaskInterface function, called by the model before its layers: refuses (on
     every rank: the same config everywhere) a model that mixes tokens outside attention or
     builds a mask cpattn does not apply; builds no mask (cpattn applies causality, windows and
@@ -304,15 +325,15 @@ def _mask(cp: ContextParallel, *args, attention_mask: Optional[torch.Tensor] = N
     rank (shard_batch unpads padded batches). A model that builds its mask here but computes
     attention in its own code (Bloom, MPT: they accept any attn_implementation) would attend
     within each rank's shard only: it raises too."""
+    check_config(config, parallelized)
     model_type = getattr(config, "model_type", None)
-    if model_type is not None and not _calls_attention_interface(model_type) and \
-            not _hybrid.handles(model_type):  # (hybrids: attention through the interface)
+    # (a parallelized model was checked by its modules: attention through the interface)
+    if model_type is not None and not parallelized and not _calls_attention_interface(model_type):
         raise ValueError(f"{WHAT}: the {model_type!r} model computes attention in its own code "
                          "and never calls the attention interface, so cpattn cannot run it: "
                          "under context parallelism each rank would attend to its own shard "
                          "only. Use a model whose transformers class supports attention "
                          "backends (Llama, Mistral, Qwen, Gemma, gpt-oss, ...)")
-    check_config(config)
     check_mask_function(mask_function)
     if attention_mask is None:
         return None
@@ -363,9 +384,18 @@ def register(cp: ContextParallel, name: str = "cpattn") -> str:
     """Registers cpattn with the settings `cp` as the transformers attention implementation
     `name` (and its mask function). Returns `name`: pass it as `attn_implementation=` to
     from_pretrained / from_config, or to model.set_attn_implementation. Registering the same name
-    again replaces the settings."""
+    again replaces the settings. For models whose only token mixing is attention: a model with
+    other token mixers is refused at its first forward (by its config), naming `parallelize`,
+    which is the way for every model."""
     if not isinstance(cp, ContextParallel):
         raise TypeError(f"{WHAT}.register: cp must be a cpattn.ContextParallel, got {type(cp)}")
+    if name.startswith(_PARALLEL_PREFIX):
+        raise ValueError(f"{WHAT}.register: names starting with {_PARALLEL_PREFIX!r} are "
+                         f"parallelize's, got {name!r}")
+    return _register(cp, name, parallelized=False)
+
+
+def _register(cp: ContextParallel, name: str, parallelized: bool) -> str:
     if not _SETTINGS:
         atexit.register(_forget_settings)  # once (empty again only after it ran)
     _SETTINGS[name] = cp
@@ -375,9 +405,8 @@ def register(cp: ContextParallel, name: str = "cpattn") -> str:
                                   **kwargs)
 
     def mask(*args, **kwargs):
-        return _mask(_SETTINGS[name], *args, **kwargs)
+        return _mask(_SETTINGS[name], parallelized, *args, **kwargs)
 
-    _hybrid.install(_SETTINGS.get)  # the token mixers of hybrid models (docs/hybrid-models.md)
     attention.__name__ = attention.__qualname__ = f"cpattn_attention_{name}"
     mask.__name__ = mask.__qualname__ = f"cpattn_mask_{name}"
     AttentionInterface.register(name, attention)
@@ -385,3 +414,35 @@ def register(cp: ContextParallel, name: str = "cpattn") -> str:
     return name
 
 
+_PARALLEL_PREFIX = "cpattn_parallel"
+
+
+def parallelize(model, cp: ContextParallel, name: Optional[str] = None) -> ParallelHandle:
+    """Makes this model instance context-parallel with the settings `cp`: its attention (the
+    attention implementation `name`, registered for cp: by default `"cpattn_parallel"`, or the
+    name already registered for this cp) and every token mixer it contains (convolutions, Mamba,
+    delta rules, lightning attention: docs/hybrid-models.md), exactly; a token mixer cpattn has no
+    adapter for is refused, whatever its class. Call it on every rank, after loading the weights
+    and before FSDP2's fully_shard; give the model shard_batch's whole batch. Returns the handle
+    whose `remove()` restores the model. A deep copy of the model is parallelized too (its handle:
+    `handle_of(copy)`). See cpattn.integrations.hybrid.parallelize for what it checks and
+    changes."""
+    if not isinstance(cp, ContextParallel):
+        raise TypeError(f"{WHAT}.parallelize: cp must be a cpattn.ContextParallel, got "
+                        f"{type(cp)}")
+    if name is None:  # the name parallelize gave cp before, else the first one free
+        name = next((n for n, c in _SETTINGS.items() if c is cp and n in _PARALLELIZED), None)
+        free = (f"{_PARALLEL_PREFIX}_{i}" if i else _PARALLEL_PREFIX
+                for i in range(len(_SETTINGS) + 1))
+        name = name or next(n for n in free if n not in _SETTINGS)
+    elif not name.startswith(_PARALLEL_PREFIX):
+        raise ValueError(f"{WHAT}.parallelize: name must start with {_PARALLEL_PREFIX!r} (the "
+                         f"names register() gives refuse models with token mixers), got "
+                         f"{name!r}")
+    _PARALLELIZED.add(_register(cp, name, parallelized=True))
+    return _parallelize(model, cp, name)
+
+
+# the names parallelize registered (their mask function does not refuse token mixers: the
+# parallelized model's were checked by its modules)
+_PARALLELIZED: set[str] = set()

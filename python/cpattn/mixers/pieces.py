@@ -38,6 +38,30 @@ class Piece(NamedTuple):
     start: int
 
 
+class FlatRows(NamedTuple):
+    """How the recurrences of cpattn.mixers.mixing run a rank's tokens, for blocks of `block`
+    tokens (ints only: a constant under torch.compile):
+
+    - whole: the local tokens of its whole documents (pieces that neither continue nor are
+      continued elsewhere), in local order: one row, a reset at each position in `resets`
+      (each document's start but the row's first);
+    - linked: the tokens of its linked pieces (pieces(rank)[i] for i in linked(rank)), each
+      from a block's start, padded with local_len (an identity slot: zero inputs) to a block's
+      end; the piece's first block starts[i] and last block ends[i];
+    - back: each local token's index in whole + linked (their outputs concatenated), or
+      len(whole) + len(linked) (a zero: padding tokens).
+
+    Work follows the token count: len(whole) + len(linked) <= local tokens + (block - 1) per
+    linked piece."""
+
+    whole: tuple
+    resets: tuple
+    linked: tuple
+    starts: tuple
+    ends: tuple
+    back: tuple
+
+
 class PieceMap(NamedTuple):
     """pieces[r]: rank r's pieces in local order; local_len[r]: its number of local tokens
     (padding included); bounds: the documents' boundaries in the global index (from 0). (A
@@ -53,24 +77,23 @@ class PieceMap(NamedTuple):
         return (f"PieceMap(world={self.world}, documents={len(self.bounds) - 1}, "
                 f"pieces={[len(p) for p in self.pieces]})")
 
-    # --- local token <-> piece rows -------------------------------------------------------------
-    def longest(self, rank: int) -> int:
-        """The longest piece of rank (the rows' length); 0 without pieces."""
-        return _longest(self, rank)
+    # --- local tokens <-> the rows the mixers run ------------------------------------------------
+    def flat_rows(self, rank: int, block: int) -> FlatRows:
+        """rank's tokens as the recurrences run them (FlatRows)."""
+        return _flat_rows(self, rank, block)
 
-    def lengths(self, rank: int) -> tuple[int, ...]:
-        """The lengths of rank's pieces."""
-        return _lengths(self, rank)
+    def linked_block(self, rank: int, block: int) -> int:
+        """The block for rank's linked row, at most `block`: the power of two from 4 that
+        minimises its padded tokens plus BLOCK_COST per block (short linked pieces, e.g. packed
+        documents each split over every rank, would otherwise pad to `block` each)."""
+        return _linked_block(self, rank, block)
 
-    def uniform(self, rank: int) -> bool:
-        """Whether rank's pieces tile its local tokens in order with one length (no padding):
-        pieces are then a view (B, n, L / n) of the local tokens."""
-        return _uniform(self, rank)
-
-    def piece_rows(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(for each slot of the (pieces, longest) rows, its local token or local_len: a zero
-        row; for each local token, its slot in the rows or pieces * longest: a zero row)."""
-        return _piece_rows(self, rank)
+    def conv_rows(self, rank: int, width: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """For a causal convolution reading `width` earlier inputs, one sequence of rank's
+        pieces each after its halo: (its entries as indices into the local tokens, then the
+        pieces' halos (n * width, piece by piece), then a zero; for each local token its output
+        in the convolution's output (the sequence less `width`), or one past it: a zero)."""
+        return _conv_rows(self, rank, width)
 
     # --- the chains -----------------------------------------------------------------------------
     def chain(self, doc: int) -> tuple:
@@ -81,6 +104,12 @@ class PieceMap(NamedTuple):
         """For each of rank's pieces: whether it starts its document (no predecessor)."""
         return _starts_document(self, rank)
 
+    def linked(self, rank: int) -> tuple[int, ...]:
+        """rank's pieces (indices) that continue a document or are continued on another piece:
+        the pieces of the state scan (its summaries and entry states are theirs, in this
+        order). A whole document is not linked."""
+        return _linked(self, rank)
+
     @property
     def slots(self) -> int:
         """Summaries each rank publishes (the most of any rank): one per piece whose document
@@ -88,17 +117,19 @@ class PieceMap(NamedTuple):
         return _slots(self)
 
     def published(self, rank: int) -> tuple[int, ...]:
-        """rank's pieces (indices) that publish a summary, in slot order."""
+        """The linked pieces (positions in linked(rank)) that publish a summary, in slot
+        order."""
         return _published(self, rank)
 
     def predecessors(self, rank: int) -> tuple[tuple[int, ...], ...]:
-        """For each of rank's pieces: the gathered slots (source rank * slots + slot) of the
-        pieces before it in its document, in global order (empty: it starts its document)."""
+        """For each of rank's linked pieces: the gathered slots (source rank * slots + slot) of
+        the pieces before it in its document, in global order (empty: it starts its
+        document)."""
         return _predecessors(self, rank)
 
     def fold_steps(self, rank: int) -> tuple[tuple[int, ...], ...]:
-        """predecessors(rank) as the fold's steps: for each step, each piece's gathered slot,
-        left-padded with world * slots (the identity) to the longest chain."""
+        """predecessors(rank) as the fold's steps: for each step, each linked piece's gathered
+        slot, left-padded with world * slots (the identity) to the longest chain."""
         return _fold_steps(self, rank)
 
     # --- the convolution halo -------------------------------------------------------------------
@@ -138,7 +169,8 @@ def _build(indices: tuple, bounds: tuple) -> PieceMap:
         t = torch.tensor(idx, dtype=torch.int64)
         valid = t >= 0
         doc = torch.searchsorted(cu, t.clamp(min=0), right=True) - 1
-        prev = torch.cat([t.new_tensor([-2]), t[:-1]])
+        # (padding before a token never continues it: -1 + 1 would be global index 0)
+        prev = torch.cat([t.new_tensor([-2]), torch.where(valid, t, -2)[:-1]])
         prev_doc = torch.cat([t.new_tensor([-1]), doc[:-1]])
         new = valid & ((t != prev + 1) | (doc != prev_doc))
         firsts = new.nonzero().flatten()
@@ -175,41 +207,8 @@ def _build(indices: tuple, bounds: tuple) -> PieceMap:
 
 
 @_constant
-def _longest(piece_map: PieceMap, rank: int) -> int:
-    return max((p.length for p in piece_map.pieces[rank]), default=0)
-
-
-@_constant
-def _lengths(piece_map: PieceMap, rank: int) -> tuple[int, ...]:
-    return tuple(p.length for p in piece_map.pieces[rank])
-
-
-@_constant
-def _uniform(piece_map: PieceMap, rank: int) -> bool:
-    ps = piece_map.pieces[rank]
-    if not ps:
-        return piece_map.local_len[rank] == 0
-    n = ps[0].length
-    return all(p.length == n and p.local == i * n for i, p in enumerate(ps)) and \
-        n * len(ps) == piece_map.local_len[rank]
-
-
-@_constant
 def _starts_document(piece_map: PieceMap, rank: int) -> tuple[bool, ...]:
     return tuple(p.start == piece_map.bounds[p.doc] for p in piece_map.pieces[rank])
-
-
-@_constant
-def _piece_rows(piece_map: PieceMap, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    ps, local = piece_map.pieces[rank], piece_map.local_len[rank]
-    longest = piece_map.longest(rank)
-    rows = [local] * (len(ps) * longest)
-    slot = [len(ps) * longest] * local
-    for j, p in enumerate(ps):
-        for i in range(p.length):
-            rows[j * longest + i] = p.local + i
-            slot[p.local + i] = j * longest + i
-    return tuple(rows), tuple(slot)
 
 
 @_constant
@@ -222,9 +221,15 @@ def _chains(piece_map: PieceMap) -> tuple:
 
 
 @_constant
-def _published(piece_map: PieceMap, rank: int) -> tuple[int, ...]:
+def _linked(piece_map: PieceMap, rank: int) -> tuple[int, ...]:
     return tuple(j for j, p in enumerate(piece_map.pieces[rank])
-                 if piece_map.chain(p.doc)[-1] != (rank, j))
+                 if len(piece_map.chain(p.doc)) > 1)
+
+
+@_constant
+def _published(piece_map: PieceMap, rank: int) -> tuple[int, ...]:
+    return tuple(i for i, j in enumerate(piece_map.linked(rank))
+                 if piece_map.chain(piece_map.pieces[rank][j].doc)[-1] != (rank, j))
 
 
 @_constant
@@ -237,11 +242,11 @@ def _predecessors(piece_map: PieceMap, rank: int) -> tuple[tuple[int, ...], ...]
     slots = _slots(piece_map)
     slot_of = {}
     for r in range(piece_map.world):
-        for s, j in enumerate(piece_map.published(r)):
-            slot_of[(r, j)] = r * slots + s
+        for s, i in enumerate(piece_map.published(r)):
+            slot_of[(r, piece_map.linked(r)[i])] = r * slots + s
     out = []
-    for j, p in enumerate(piece_map.pieces[rank]):
-        chain = piece_map.chain(p.doc)
+    for j in piece_map.linked(rank):
+        chain = piece_map.chain(piece_map.pieces[rank][j].doc)
         out.append(tuple(slot_of[c] for c in chain[:chain.index((rank, j))]))
     return tuple(out)
 
@@ -253,6 +258,58 @@ def _fold_steps(piece_map: PieceMap, rank: int) -> tuple[tuple[int, ...], ...]:
     pad = piece_map.world * _slots(piece_map)
     ids = [(pad,) * (steps - len(p)) + p for p in preds]
     return tuple(tuple(i[t] for i in ids) for t in range(steps))
+
+
+@_constant
+def _flat_rows(piece_map: PieceMap, rank: int, block: int) -> FlatRows:
+    pieces, local = piece_map.pieces[rank], piece_map.local_len[rank]
+    linked = set(piece_map.linked(rank))
+    whole, resets = [], []
+    for j, p in enumerate(pieces):
+        if j not in linked:
+            if whole:  # (the row starts from a zero state: no reset needed at its start)
+                resets.append(len(whole))
+            whole.extend(range(p.local, p.local + p.length))
+    row, starts, ends = [], [], []
+    for j in piece_map.linked(rank):
+        p = pieces[j]
+        starts.append(len(row) // block)
+        row.extend(range(p.local, p.local + p.length))
+        row.extend([local] * (-len(row) % block))
+        ends.append(len(row) // block - 1)
+    back = [len(whole) + len(row)] * local
+    for at, i in enumerate(whole):
+        back[i] = at
+    for at, i in enumerate(row):
+        if i < local:
+            back[i] = len(whole) + at
+    return FlatRows(tuple(whole), tuple(resets), tuple(row), tuple(starts), tuple(ends),
+                    tuple(back))
+
+
+BLOCK_COST = 16  # tokens: the loop's cost per block, against the padding's per token
+
+
+@_constant
+def _linked_block(piece_map: PieceMap, rank: int, block: int) -> int:
+    lengths = [piece_map.pieces[rank][j].length for j in piece_map.linked(rank)]
+    sizes = [b for b in (4, 8, 16, 32, 64, 128, 256) if b < block] + [block]
+    return min(sizes, key=lambda b: (sum(-(-n // b) * (b + BLOCK_COST) for n in lengths), -b))
+
+
+@_constant
+def _conv_rows(piece_map: PieceMap, rank: int, width: int):
+    pieces, local = piece_map.pieces[rank], piece_map.local_len[rank]
+    seq, out = [], [0] * local
+    for j, p in enumerate(pieces):
+        seq.extend(range(local + j * width, local + (j + 1) * width))  # its halo
+        for i in range(p.length):
+            out[p.local + i] = len(seq) - width + i
+        seq.extend(range(p.local, p.local + p.length))
+    zero = max(len(seq) - width, 0)
+    covered = {p.local + i for p in pieces for i in range(p.length)}
+    out = [o if i in covered else zero for i, o in enumerate(out)]
+    return tuple(seq), tuple(out)
 
 
 @functools.lru_cache(maxsize=512)

@@ -1,12 +1,13 @@
-"""The two primitives that make a token mixer exact on sharded tokens, and the piece rows.
+"""The two primitives that make a token mixer exact on sharded tokens.
 
 - `conv_halo` / `causal_conv`: a causal depthwise convolution over each piece, with the `width`
   conv inputs before the piece in its document (zeros before the document's start) fetched from
   the ranks that hold them. Differentiable: the halo's gradient goes back to its owner.
 - `state_scan`: for a recurrence affine in its state (S_out = M S_in + B over a piece), the entry
-  state of every piece: the fold, in global order, of the summaries (M, B) of the pieces before
-  it in its document (zero for a document's first piece). One exchange of the summaries; the
-  backward is autograd's (the adjoint fold, a reduce-scatter of the summaries' gradients).
+  state of every linked piece (a whole document has none): the fold, in global order, of the
+  summaries (M, B) of the pieces before it in its document (zero for a document's first piece).
+  One exchange of the summaries; the backward is autograd's (the adjoint fold, a reduce-scatter
+  of the summaries' gradients).
 
 Both run in two phases around one exchange (`..._publish`, then `..._take` on the gathered
 tensor), so one process can play W ranks (cpattn.mixers.exchange). Every rank calls the exchange
@@ -15,8 +16,7 @@ in its autograd graph even when none of its pieces reads it, so every rank also 
 backward's reduce-scatter.
 
 Shapes: local tensors are (B, L, ...) for this rank's L tokens (B rows sharded alike, or one row
-of packed documents); piece rows are (B, n, longest, ...) for its n pieces; states and summaries
-(B, n, ...).
+of packed documents); states and summaries (B, n, ...) for its n linked pieces.
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpattn.mixers.algebra import apply_transition, compose  # noqa: F401 (re-exported)
 from cpattn.mixers.exchange import Exchange
 from cpattn.mixers.pieces import PieceMap
+from cpattn.mixers.tree_scan import scan_method, tree_scan
 
 KINDS = ("scalar", "diagonal", "matrix")  # M: broadcast over the state / elementwise / M @ S
 
@@ -38,32 +40,6 @@ def _pick(x: torch.Tensor, rows, dim: int) -> torch.Tensor:
     """x's entries `rows` along dim, index len(x) along dim giving a zero entry."""
     zero = x.new_zeros((*x.shape[:dim], 1, *x.shape[dim + 1:]))
     return torch.cat([x, zero], dim).index_select(dim, _index(rows, x.device))
-
-
-def to_pieces(x: torch.Tensor, piece_map: PieceMap, rank: int) -> torch.Tensor:
-    """Local (B, L, ...) -> piece rows (B, n, longest, ...), zero past a piece's end."""
-    n, longest = len(piece_map.pieces[rank]), piece_map.longest(rank)
-    if piece_map.uniform(rank):
-        return x.reshape(x.shape[0], n, longest, *x.shape[2:])
-    rows, _ = piece_map.piece_rows(rank)
-    return _pick(x, rows, 1).reshape(x.shape[0], n, longest, *x.shape[2:])
-
-
-def from_pieces(y: torch.Tensor, piece_map: PieceMap, rank: int) -> torch.Tensor:
-    """Piece rows (B, n, longest, ...) -> local (B, L, ...), zero at padding tokens."""
-    if piece_map.uniform(rank):
-        return y.reshape(y.shape[0], piece_map.local_len[rank], *y.shape[3:])
-    _, slots = piece_map.piece_rows(rank)
-    return _pick(y.flatten(1, 2), slots, 1)
-
-
-def piece_mask(piece_map: PieceMap, rank: int, device=None) -> torch.Tensor:
-    """(n, longest) bool: which row slots hold a token."""
-    lengths = piece_map.lengths(rank)
-    n, longest = len(lengths), piece_map.longest(rank)
-    lengths = _index(lengths, device)
-    return torch.arange(longest, device=device)[None, :] < lengths[:, None] if n else \
-        torch.zeros((0, longest), dtype=torch.bool, device=device)
 
 
 # --- the convolution halo --------------------------------------------------------------------
@@ -100,54 +76,37 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias, piece_map: PieceMap
                 exchange: Exchange) -> torch.Tensor:
     """The causal depthwise convolution of the sharded x (B, L, C) with weight (C, k) and bias
     (C,) or None, each document from zero history: (B, L, C), zero at padding tokens, in x's
-    dtype (computed in the weight's, as nn.Conv1d)."""
+    dtype (computed in the weight's, as nn.Conv1d). One convolution over the rank's pieces each
+    after its halo (piece_map.conv_rows): work proportional to the tokens."""
     width = weight.shape[-1] - 1
     halo = conv_halo(x, piece_map, rank, width, exchange)  # (B, n, k-1, C)
-    rows = to_pieces(x, piece_map, rank)  # (B, n, longest, C)
-    b, n, longest, c = rows.shape
-    if n == 0:  # a rank without tokens (a document plan): nothing to convolve
+    if not piece_map.pieces[rank]:  # a rank without tokens (a document plan): nothing to do
         return x.new_zeros(x.shape) + 0 * halo.sum()
-    seq = torch.cat([halo, rows], 2).flatten(0, 1).transpose(1, 2).to(weight.dtype)
-    out = F.conv1d(seq, weight[:, None, :], bias, groups=c)  # (B n, C, longest)
-    return from_pieces(out.transpose(1, 2).reshape(b, n, longest, c), piece_map, rank).to(x.dtype)
+    seq_index, out_index = piece_map.conv_rows(rank, width)
+    table = torch.cat([x, halo.flatten(1, 2)], 1)
+    seq = table.index_select(1, _index(seq_index, x.device)).transpose(1, 2).to(weight.dtype)
+    out = F.conv1d(seq, weight[:, None, :], bias, groups=x.shape[-1]).transpose(1, 2)
+    return _pick(out, out_index, 1).to(x.dtype)
 
 
 # --- the state scan --------------------------------------------------------------------------
 
-def apply_transition(kind: str, m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """M S for a transition of `kind`: "scalar" m (..., H) times s (..., H, K, V); "diagonal" m
-    like s (elementwise); "matrix" m (..., H, K, K) @ s (..., H, K, V)."""
-    if kind == "matrix":
-        return m @ s
-    if kind == "scalar":
-        return m.reshape(*m.shape, *([1] * (s.dim() - m.dim()))) * s
-    return m * s
-
-
-def compose(kind: str, second: tuple, first: tuple) -> tuple:
-    """(M2, B2) after (M1, B1): (M2 M1, M2 B1 + B2), the summary of two pieces in sequence."""
-    (m2, b2), (m1, b1) = second, first
-    if kind == "matrix":
-        m = m2 @ m1
-    else:
-        m = m2 * m1
-    return m, apply_transition(kind, m2, b1) + b2
 
 
 def summary_publish(m: torch.Tensor, s: torch.Tensor, piece_map: PieceMap,
                     rank: int) -> torch.Tensor:
-    """(slots, B, |M| + |S|): the flattened summaries (M, B) of rank's pieces whose documents
-    continue elsewhere (m (B, n, ...), s (B, n, ...)), zero in unused slots."""
+    """(slots, B, |M| + |S|): the flattened summaries (M, B) of rank's linked pieces whose
+    documents continue elsewhere (m (B, n, ...), s (B, n, ...)), zero in unused slots."""
     batch = s.shape[0]
     flat = torch.cat([m.flatten(2), s.flatten(2)], 2)  # (B, n, |M| + |S|)
     mine = piece_map.published(rank)
-    rows = mine + (len(piece_map.pieces[rank]),) * (piece_map.slots - len(mine))
+    rows = mine + (len(piece_map.linked(rank)),) * (piece_map.slots - len(mine))
     return _pick(flat, rows, 1).transpose(0, 1).reshape(piece_map.slots, batch, -1)
 
 
 def fold_take(gathered: torch.Tensor, piece_map: PieceMap, rank: int, kind: str,
               m_shape: tuple, s_shape: tuple) -> torch.Tensor:
-    """(B, n, *s_shape): each of rank's pieces' entry state, the fold in global order of the
+    """(B, n, *s_shape): each of rank's linked pieces' entry state, the fold in global order of the
     gathered summaries (W, slots, B, |M| + |S|) of the pieces before it (M of shape m_shape,
     B of shape s_shape, per row)."""
     steps = piece_map.fold_steps(rank)  # the identity first (0 stays 0), then the chain in order
@@ -155,7 +114,7 @@ def fold_take(gathered: torch.Tensor, piece_map: PieceMap, rank: int, kind: str,
     batch, m_size = flat.shape[1], 1
     for d in m_shape:
         m_size *= d
-    n = len(piece_map.pieces[rank])
+    n = len(piece_map.linked(rank))
     state = flat.new_zeros((batch, n, *s_shape))
     if steps:
         identity = _identity(kind, m_shape, flat)  # (|M|,)
@@ -179,14 +138,18 @@ def _identity(kind: str, m_shape: tuple, like: torch.Tensor) -> torch.Tensor:
 
 def state_scan(m: torch.Tensor, s: torch.Tensor, piece_map: PieceMap, rank: int, kind: str,
                exchange: Exchange) -> torch.Tensor:
-    """Entry states (B, n, ...) of rank's pieces given their summaries: m (B, n, ...) the
-    transition of each piece (`kind`: "scalar" (B, n, H), "diagonal" like s, "matrix"
-    (B, n, H, K, K)), s (B, n, ...) its state at its end when started from zero. fp32 in, fp32
-    out; differentiable; a document's first piece gets zeros."""
+    """Entry states (B, n, ...) of rank's n linked pieces (piece_map.linked(rank)) given their
+    summaries: m (B, n, ...) the transition of each piece (`kind`: "scalar" (B, n, H),
+    "diagonal" like s, "matrix" (B, n, H, K, K)), s (B, n, ...) its state at its end when
+    started from zero. fp32 in, fp32 out; differentiable; a document's first piece gets
+    zeros."""
     if kind not in KINDS:
         raise ValueError(f"cpattn.mixers.state_scan: kind={kind!r}: must be one of {KINDS}")
     m_shape, s_shape = tuple(m.shape[2:]), tuple(s.shape[2:])
     if piece_map.slots == 0:  # no document continues on another piece anywhere: nothing to exchange
         return s.new_zeros(s.shape)
+    method = scan_method(exchange, piece_map, kind, m_shape, s_shape, s.shape[0], s.device.type)
+    if method == "tree":  # the log-depth scan (mixers/tree_scan.py), else the all-gather's fold
+        return tree_scan(m, s, piece_map, rank, kind, exchange)
     gathered = exchange(summary_publish(m, s, piece_map, rank))
     return fold_take(gathered, piece_map, rank, kind, m_shape, s_shape)

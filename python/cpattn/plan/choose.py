@@ -45,6 +45,16 @@ def machine_for(group=None) -> Machine:
     return _MACHINES[key]
 
 
+def known_machine(group=None) -> Optional[Machine]:
+    """The machine for `group` (or its name) where one is known without measuring: set_machine's,
+    else $CPATTN_PLAN_MACHINE's; None otherwise (machine_for would calibrate)."""
+    key = group if isinstance(group, str) else _group_key(group)
+    if key in _MACHINES:
+        return _MACHINES[key]
+    env = env_plan_machine()
+    return machine(env) if env else None
+
+
 def choose(p: Problem, world: int, cands: Sequence[Candidate], group=None,
            what: str = "cpattn") -> Prediction:
     """The fastest of `cands` for problem p on the ranks of `group`, decided once per distinct

@@ -29,14 +29,17 @@ class Strategy:
     functions take them; documents: cu_seqlens, or a DocumentPlan where runs_document_plans.
     emulate(q, k, v, layout, opts) -> (outs, lses): its forward for W ranks emulated in one
     process (lists of shards, AttentionOptions; cpattn.testing.emulation), or None.
+    splits_heads: each rank attends the whole sequence with its share of the heads (Ulysses,
+    the hybrid's inner groups) rather than moving K/V between sequence shards.
     This base takes one process group (ring, all-gather, Ulysses); hybrid.py's takes two."""
 
     def __init__(self, name: str, attend: Callable, attend_varlen: Callable, *,
                  layouts: tuple = ("zigzag", "contiguous", "striped"),
-                 layout_rule: str = "", emulate: Optional[Callable] = None) -> None:
+                 layout_rule: str = "", emulate: Optional[Callable] = None,
+                 splits_heads: bool = False) -> None:
         self.name, self.attend, self.attend_varlen = name, attend, attend_varlen
         self.layouts, self.layout_rule = layouts, layout_rule
-        self.emulate = emulate
+        self.emulate, self.splits_heads = emulate, splits_heads
 
     def __repr__(self) -> str:
         return f"Strategy({self.name!r})"
@@ -71,6 +74,15 @@ class Strategy:
                 )
             group = group.get_group()
         return group_info(group)[0], None, None
+
+    def mesh_dims(self, what: str, cp_size: int, sizes: dict) -> tuple[tuple, tuple]:
+        """The dims (sizes, names; innermost last) of a device mesh of cp_size ranks that
+        `groups` takes (the trainers' (dp, ...) mesh). sizes: the strategy's own size arguments
+        given (Ulysses' size for the hybrid), none here."""
+        if sizes:
+            raise ValueError(f"{what}: {', '.join(sizes)} is not an argument of strategy "
+                             f"{self.name!r}")
+        return (cp_size,), ("cp",)
 
     def sequence_groups(self, cp) -> tuple:
         return (cp.group,)

@@ -149,6 +149,14 @@ class HybridStrategy(Strategy):
             f"(ring, ulysses) or a pair (ring_group, ulysses_group), got {group!r}"
         )
 
+    def mesh_dims(self, what: str, cp_size: int, sizes: dict) -> tuple[tuple, tuple]:
+        u = sizes.get("ulysses_size")
+        if isinstance(u, bool) or not isinstance(u, int) or u < 1 or cp_size % u or (
+                set(sizes) - {"ulysses_size"}):
+            raise ValueError(f"{what}: strategy {self.name!r} needs ulysses_size, a positive int "
+                             f"dividing cp_size {cp_size}, got {u!r}")
+        return (cp_size // u, u), ("ring", "ulysses")
+
     def sequence_groups(self, cp) -> tuple:
         return (cp.ulysses_group, cp.ring_group)
 
@@ -199,4 +207,4 @@ def _attend_varlen(cp, q, k, v, cu_seqlens, **call):
                                    ring_group=cp.ring_group, layout=cp.layout, **call)
 
 
-HYBRID = HybridStrategy("hybrid", _attend, _attend_varlen)
+HYBRID = HybridStrategy("hybrid", _attend, _attend_varlen, splits_heads=True)

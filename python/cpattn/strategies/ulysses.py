@@ -336,4 +336,4 @@ def _emulate(q: list, k: list, v: list, layout: str, opts: AttentionOptions):
 
 ULYSSES = Strategy("ulysses", _attend, _attend_varlen, layouts=("contiguous",),
                    layout_rule="shards the sequence contiguously",
-                   emulate=_emulate)
+                   emulate=_emulate, splits_heads=True)
