@@ -63,15 +63,13 @@ def mixer(kind: str, small: bool) -> torch.nn.Module:
 
 def adapter_of(module: torch.nn.Module):
     """cpattn's adapter of the module's class: adapter(module, x, mixing) -> its output."""
-    try:  # (the per-instance integration of issue 55)
-        importlib.import_module("cpattn.integrations.hybrid.adapters")
-        from cpattn.integrations.hybrid.registry import adapter_of as find
+    importlib.import_module("cpattn.integrations.hybrid.adapters")  # (registers them)
+    from cpattn.integrations.hybrid.registry import adapter_of as find
 
-        return find(module).fn
-    except ImportError:
-        from cpattn.integrations import _hybrid
-
-        return _hybrid.ADAPTERS[type(module).__name__]
+    found = find(module)
+    if found is None:
+        raise ValueError(f"gpu_hybrid: cpattn has no adapter for {type(module).__name__}")
+    return found.fn
 
 
 def autocast(device: str):

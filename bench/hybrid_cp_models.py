@@ -51,15 +51,13 @@ def build(cfg, attn_implementation: str = "eager") -> torch.nn.Module:
 
 
 def cp_model(cfg, cp) -> torch.nn.Module:
-    """The model under cp, as a user makes it: with `parallelize(model, cp)` where cpattn has it
-    (the per-instance API of issue 55), else with `attn_implementation=register(cp)`."""
-    from cpattn.integrations import transformers as integration
+    """The model under cp, as a user makes it: built, then `parallelize(model, cp)` (cpattn's
+    way onto models with token mixers, issue 55)."""
+    from cpattn.integrations.transformers import parallelize
 
-    if hasattr(integration, "parallelize"):
-        model = build(cfg)
-        integration.parallelize(model, cp)
-        return model
-    return build(cfg, integration.register(cp))
+    model = build(cfg)
+    parallelize(model, cp)
+    return model
 
 
 def document_lengths(total: int, seed: int = 0, median: float = 128.0, sigma: float = 1.5,
