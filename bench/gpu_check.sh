@@ -16,8 +16,9 @@
 # run_ahead (host time per call behind queued GPU work, host cost per ring post), capture (CUDA
 # graph of a ring layer, shifts refused in a capture), streams (side stream, NaN-filled memory
 # reuse), profile (idle fraction and copy/compute overlap of an emulated W = 4 ring, decode KV read
-# rate)), compute-sanitizer (memcheck, racecheck, synccheck on cpattn's kernels only), TFLOP/s vs
-# torch SDPA flash. Meant to finish in 8 minutes.
+# rate)), hybrid_cp (a GDN and a Mamba-2 layer under CP in bf16, emulated ranks, against a
+# float64 truth: bench/gpu_hybrid.py), compute-sanitizer (memcheck, racecheck, synccheck on
+# cpattn's kernels only), TFLOP/s vs torch SDPA flash. Meant to finish in 8 minutes.
 #
 # Results (at most 8 files): summary.txt (one line per stage), gpu_bench.md, checks.log (every
 # check and hot path stage's output) and gpu_check.tar.gz (everything else: preflight, build log,
@@ -100,7 +101,7 @@ line "preflight: PASS ($torch_line; $(grep -E '^Python.h' "$work/preflight.txt" 
 if [[ ${GPU_CHECK_SKIP_BUILD:-0} != 1 ]]; then
   t=$(date +%s)
   if CPATTN_CUDA=ON CPATTN_CUDA_ARCH_LIST="$archs" CPATTN_CUDA_HEAD_DIMS="$heads" \
-     CPATTN_CUDA_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(budget 270 120 280)" \
+     CPATTN_CUDA_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "$(budget 270 120 325)" \
      "$py" -m pip install --no-build-isolation --no-deps --no-index --force-reinstall \
        --config-settings=build-dir=/tmp/cpattn-gpu-build -v "$repo" >"$work/build.log" 2>&1; then
     line "build: PASS (archs $archs, head dims $heads, $(($(date +%s) - t)) s)"
@@ -145,12 +146,12 @@ stage() {  # stage NAME CAP FLOOR RESERVE FILTERS
     line "$name: FAIL (rc $rc; ${summary:-no summary}; checks.log)"
   fi
 }
-stage kernels 150 45 235 "fwd_bwd/,head_dim/,fwd/,errors/,merge_state/,score_options/"
-stage deterministic_dq 30 10 225 "bwd/deterministic,bwd/dlse"
-stage ring_emulated 60 20 205 "ring_emulated/"
-stage nccl_w1 40 20 185 "ring_nccl/"
-stage strategies_inference 60 25 160 "strategies/,inference/"
-stage opcheck_compile 60 25 135 "opcheck/,compile/"
+stage kernels 150 45 280 "fwd_bwd/,head_dim/,fwd/,errors/,merge_state/,score_options/"
+stage deterministic_dq 30 10 270 "bwd/deterministic,bwd/dlse"
+stage ring_emulated 60 20 250 "ring_emulated/"
+stage nccl_w1 40 20 230 "ring_nccl/"
+stage strategies_inference 60 25 205 "strategies/,inference/"
+stage opcheck_compile 60 25 180 "opcheck/,compile/"
 
 # ---- the GPU hot path (issue 29): bench/gpu_hot_path.py, one process per stage -----------------
 # Their floors (60 s in all) are in the reserves above; each prints its own summary line.
@@ -172,11 +173,39 @@ hot_path() {  # hot_path NAME CAP FLOOR RESERVE
     line "$name: FAIL (rc $rc, no summary line; checks.log)"
   fi
 }
-hot_path sync_free 40 15 120
-hot_path run_ahead 25 10 110
-hot_path capture 25 10 100
-hot_path streams 25 10 90
-hot_path profile 45 15 75
+hot_path sync_free 40 15 165
+hot_path run_ahead 25 10 155
+hot_path capture 25 10 145
+hot_path streams 25 10 135
+hot_path profile 45 15 120
+
+# ---- hybrid layers under CP (issue 54): bench/gpu_hybrid.py -----------------------------------
+# One GDN and one Mamba-2 layer, W emulated ranks, bf16, against a float64 truth and the module's
+# own bf16 run; fast kernels (fla, mamba_ssm) for the local piece when importable. Wheels in
+# $GPU_CHECK_WHEELS (default .whl in the repository: transformers 5.24, flash-linear-attention;
+# bench/README.md) are installed for this stage only.
+t=$(date +%s)
+hybrid=(--world 4 --seqlen 8192)
+((dry)) && hybrid=(--dry-run)
+wheels=${GPU_CHECK_WHEELS:-$repo/.whl}
+site=${PYTHONPATH:-}
+if ((!dry)) && compgen -G "$wheels/*.whl" >/dev/null; then
+  target=$(mktemp -d)  # (outside $work: not packed into gpu_check.tar.gz)
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target "$target" "$wheels"/*.whl \
+    >"$work/hybrid_wheels.log" 2>&1 && site=$target${site:+:$site}
+fi
+PYTHONPATH=$site timeout "$(budget 90 45 75)" "$py" "$repo/bench/gpu_hybrid.py" --out "$work" \
+  "${hybrid[@]}" >"$work/hybrid_cp.log" 2>&1
+rc=$?
+{ echo "===== hybrid_cp (rc $rc)"; cat "$work/hybrid_cp.log"; } >>"$res/checks.log"
+summary=$(grep -E "^hybrid_cp: (PASS|FAIL|SKIP)" "$work/hybrid_cp.log" | tail -1)
+if ((rc == 124 || rc == 137)); then
+  line "hybrid_cp: FAIL (timed out after $(($(date +%s) - t)) s; checks.log)"
+elif [[ -n $summary ]]; then
+  line "$summary"
+else
+  line "hybrid_cp: FAIL (rc $rc, no summary line; checks.log)"
+fi
 
 # ---- compute-sanitizer: cpattn's kernels only, a small case -------------------------------------
 if ((dry)); then
