@@ -117,7 +117,7 @@ class Handoff(Mixing):
     def _whole_end(self, state: torch.Tensor) -> None:
         self.found["final"] = state  # (one document per row: the row's last state is its own)
 
-    def _entry_states(self, family, rows, parts, m, s) -> torch.Tensor:
+    def _entry_states(self, recurrence, rows, parts, m, s) -> torch.Tensor:
         """The state scan with each row's first piece started from `initial`; records the
         final state (found["final"]) on the owner, an empty buffer of its shape elsewhere."""
         linked = self.piece_map.linked(self.rank)
@@ -126,8 +126,8 @@ class Handoff(Mixing):
         first = first.reshape(1, -1, *([1] * (s.dim() - 2)))
         initial = self._initial(s)
         if initial is not None:  # the first piece's summary from the initial state
-            s = torch.where(first, apply_transition(family.kind, m, initial[:, None]) + s, s)
-        entry = super()._entry_states(family, rows, parts, m, s)
+            s = torch.where(first, apply_transition(recurrence.kind, m, initial[:, None]) + s, s)
+        entry = super()._entry_states(recurrence, rows, parts, m, s)
         if initial is not None:
             entry = torch.where(first, entry + initial[:, None], entry)
         owner, piece = ending_piece(self.piece_map)

@@ -15,7 +15,7 @@ the piece's transition M (S_end = M S_start + S): the summaries of the state sca
 use them start at a block's first token and end padded by identity tokens (zero inputs, zero
 log decay) to a block's end (cpattn.mixers.pieces.FlatRows).
 
-Families (states K-first: S (H, K, V); outputs read the state after the token's own update):
+Recurrences (states K-first: S (H, K, V); outputs read the state after the token's own update):
 - `scalar_blocks`: S_t = exp(a_t) S_{t-1} + k_t v_t^T (Mamba-2's SSD, lightning attention);
 - `delta_blocks`: the gated delta rule S_t = exp(a_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T
   (the WY form: one triangular solve per block);

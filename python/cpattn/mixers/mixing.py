@@ -44,7 +44,7 @@ def _rows(x: torch.Tensor, index: tuple) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Family:
+class Recurrence:
     """A recurrence: prepare(*rows, resets, block) -> its per-block terms (kernels.Blocks or
     kernels.Diagonal); `kind` its transition for the state scan; block its block size; shapes
     (batch, *inputs) -> (the state's shape, the transition's shape for the scan)."""
@@ -80,17 +80,17 @@ def _selective_shapes(batch, dt, x, b, c, a):
 
 
 SEGMENT = 16  # blocks per checkpointed segment of a row: the backward recomputes one at a time
-SCALAR = Family(_scalar_prepare, "scalar", 64, _heads_shapes)
-DELTA = Family(_delta_prepare, "matrix", 64, _heads_shapes)
-KDA = Family(_kda_prepare, "matrix", 32, _heads_shapes)
-SELECTIVE = Family(_selective_prepare, "diagonal", 64, _selective_shapes)
+SCALAR = Recurrence(_scalar_prepare, "scalar", 64, _heads_shapes)
+DELTA = Recurrence(_delta_prepare, "matrix", 64, _heads_shapes)
+KDA = Recurrence(_kda_prepare, "matrix", 32, _heads_shapes)
+SELECTIVE = Recurrence(_selective_prepare, "diagonal", 64, _selective_shapes)
 
 
 @dataclass(frozen=True)
 class Mixing:
     """What an adapter needs: this rank's piece map, its rank, the exchange and the batch rows
     (B rows sharded alike, or one row of packed documents). `recompute`: checkpoint the block
-    computations when gradients are on; `block`: the scan block (None: the family's, 64
+    computations when gradients are on; `block`: the scan block (None: the recurrence's, 64
     tokens, 32 for Kimi delta attention)."""
 
     piece_map: PieceMap
@@ -132,39 +132,40 @@ class Mixing:
     def _whole_end(self, state: torch.Tensor) -> None:
         """Sees the state after the whole documents' row (B, *state): its last document's."""
 
-    def _entry_states(self, family: Family, rows: FlatRows, parts: list, m: torch.Tensor,
+    def _entry_states(self, recurrence: Recurrence, rows: FlatRows, parts: list, m: torch.Tensor,
                       s: torch.Tensor) -> torch.Tensor:
         """The entry states (B, n, *state) of the linked pieces from their summaries m, s
         (B, n, ...; zeros for the pieces that publish none): the state scan. (rows, parts: the
         linked row and its per-block terms.)"""
-        return state_scan(m, s, self.piece_map, self.rank, family.kind, self.exchange)
+        return state_scan(m, s, self.piece_map, self.rank, recurrence.kind, self.exchange)
 
     # --- the two rows -----------------------------------------------------------------------------
 
-    def _run(self, family: Family, inputs: tuple, params: tuple = ()) -> torch.Tensor:
+    def _run(self, recurrence: Recurrence, inputs: tuple, params: tuple = ()) -> torch.Tensor:
         if self.block is not None:
-            family = replace(family, block=self.block)
-        whole = family
+            recurrence = replace(recurrence, block=self.block)
+        whole = recurrence
         if self.block is None:  # (the linked row's block follows its pieces' lengths)
-            family = replace(family, block=self.piece_map.linked_block(self.rank, family.block))
+            linked_block = self.piece_map.linked_block(self.rank, recurrence.block)
+            recurrence = replace(recurrence, block=linked_block)
         device = inputs[0].device
         dtype = torch.float64 if inputs[0].dtype == torch.float64 else torch.float32
-        rows = self.piece_map.flat_rows(self.rank, family.block)
+        rows = self.piece_map.flat_rows(self.rank, recurrence.block)
         with torch.autocast(device.type, enabled=False):
             inputs = tuple(t.to(dtype) for t in inputs)
             params = tuple(t.to(dtype) for t in params)
-            state, transition = family.shapes(self.batch, *inputs, *params)
+            state, transition = recurrence.shapes(self.batch, *inputs, *params)
             outs = []
             if rows.whole:
                 outs.append(self._whole(whole, rows, inputs, params, state))
             if rows.linked or self.piece_map.slots:
-                outs.append(self._linked(family, rows, inputs, params, state, transition))
+                outs.append(self._linked(recurrence, rows, inputs, params, state, transition))
             if not outs:  # (a rank of padding only)
-                outs.append(inputs[0].new_zeros((self.batch, 0, *_y_shape(family, inputs))))
+                outs.append(inputs[0].new_zeros((self.batch, 0, *_y_shape(recurrence, inputs))))
             y = torch.cat(outs, 1) if len(outs) > 1 else outs[0]
             return _rows(y, rows.back)
 
-    def _whole(self, family: Family, rows: FlatRows, inputs, params, state) -> torch.Tensor:
+    def _whole(self, recurrence: Recurrence, rows: FlatRows, inputs, params, state) -> torch.Tensor:
         """The whole documents' row: one pass from a zero state, resets at their starts, by
         segments of SEGMENT blocks (each recomputed on its own in backward)."""
         device = inputs[0].device
@@ -172,21 +173,21 @@ class Mixing:
         resets[_index(rows.resets, device)] = True
         inputs = tuple(_rows(t, rows.whole) for t in inputs)
         carry = self._whole_start(torch.zeros(state, dtype=inputs[0].dtype, device=device))
-        ys, span = [], SEGMENT * family.block
+        ys, span = [], SEGMENT * recurrence.block
         # (split once: a slice per segment would each give backward a whole-row gradient to add
         # into, quadratic in the row's length)
         segments = zip(resets.split(span), *(t.split(span, 1) for t in inputs))
         for reset, *segment in segments:
-            y, carry = self._checkpoint(_whole_segment, family, reset, carry, *segment, *params)
+            y, carry = self._checkpoint(_whole_segment, recurrence, reset, carry, *segment, *params)
             ys.append(y)
         self._whole_end(carry)
         return torch.cat(ys, 1) if len(ys) > 1 else ys[0]
 
-    def _prepare(self, family: Family, inputs, params) -> list:
+    def _prepare(self, recurrence: Recurrence, inputs, params) -> list:
         """A row's per-block terms, by segments of SEGMENT blocks (each recomputed on its own
         in backward)."""
-        span = SEGMENT * family.block  # (split once, as in _whole)
-        return [self._checkpoint(family.prepare, *segment, *params, None, family.block)
+        span = SEGMENT * recurrence.block  # (split once, as in _whole)
+        return [self._checkpoint(recurrence.prepare, *segment, *params, None, recurrence.block)
                 for segment in zip(*(t.split(span, 1) for t in inputs))]
 
     def _checkpoint(self, fn, *args):
@@ -194,7 +195,7 @@ class Mixing:
             return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
-    def _linked(self, family: Family, rows: FlatRows, inputs, params, state, transition):
+    def _linked(self, recurrence: Recurrence, rows: FlatRows, inputs, params, state, transition):
         """The linked row's outputs (B, len(rows.linked), ...) (none: still joins the scan)."""
         device, dtype = inputs[0].device, inputs[0].dtype
         n = len(rows.starts)
@@ -204,22 +205,22 @@ class Mixing:
         anchor = sum(t.flatten()[:0].sum() for t in inputs)
         if not rows.linked:  # nothing to run, but the exchange waits for every rank
             empty = zero.new_zeros((self.batch, 0, *state[1:])) + anchor
-            m = zero.new_zeros((self.batch, 0, *_m_shape(family, transition))) + anchor
-            entry = state_scan(m, empty, self.piece_map, self.rank, family.kind, self.exchange)
-            return zero.new_zeros((self.batch, 0, *_y_shape(family, inputs))) + entry.sum()
-        parts = self._prepare(family, tuple(_rows(t, rows.linked) for t in inputs), params)
+            m = zero.new_zeros((self.batch, 0, *_m_shape(recurrence, transition))) + anchor
+            entry = state_scan(m, empty, self.piece_map, self.rank, recurrence.kind, self.exchange)
+            return zero.new_zeros((self.batch, 0, *_y_shape(recurrence, inputs))) + entry.sum()
+        parts = self._prepare(recurrence, tuple(_rows(t, rows.linked) for t in inputs), params)
         published = self.piece_map.published(self.rank)
-        identity = _identity(family, transition, dtype, device)
+        identity = _identity(recurrence, transition, dtype, device)
         m, s = self._checkpoint(_summaries, parts, zero, identity,
                                 tuple(rows.starts[i] for i in published),
                                 tuple(rows.ends[i] for i in published))
-        m = _scan_m(family, m)
+        m = _scan_m(recurrence, m)
         if len(published) < n:  # (zeros for the pieces that end their document: not read)
             at = _index([published.index(i) if i in published else len(published)
                          for i in range(n)], device)
             m = torch.cat([m, m.new_zeros((self.batch, 1, *m.shape[2:]))], 1).index_select(1, at)
             s = torch.cat([s, s.new_zeros((self.batch, 1, *s.shape[2:]))], 1).index_select(1, at)
-        entry = self._entry_states(family, rows, parts, m + anchor, s + anchor)
+        entry = self._entry_states(recurrence, rows, parts, m + anchor, s + anchor)
         # The outputs part by part, each restarted from the entry states of its pieces
         starts = {c: entry[:, i] for i, c in enumerate(rows.starts)}
         carry, ys, first = zero, [], 0
@@ -248,37 +249,37 @@ def _blocks_in(part) -> int:
     return part.intra.shape[2] if isinstance(part, kernels.Blocks) else part.y0.shape[1]
 
 
-def _whole_segment(family: Family, resets, carry, *args):
+def _whole_segment(recurrence: Recurrence, resets, carry, *args):
     """A segment of the whole documents' row from the state `carry`: (outputs, the state after
     it)."""
-    blocks = family.prepare(*args, resets, family.block)
+    blocks = recurrence.prepare(*args, resets, recurrence.block)
     states, after = kernels.block_states(blocks, carry)
     return blocks.outputs(states, args[0].shape[1]), after
 
 
-def _identity(family: Family, transition: tuple, dtype, device) -> torch.Tensor:
+def _identity(recurrence: Recurrence, transition: tuple, dtype, device) -> torch.Tensor:
     """The transition that changes nothing, as kernels.summaries applies it."""
-    if family.kind == "matrix":
+    if recurrence.kind == "matrix":
         eye = torch.eye(transition[-1], dtype=dtype, device=device)
         return eye.expand(*transition, transition[-1])
-    if family.kind == "scalar":
+    if recurrence.kind == "scalar":
         return torch.ones((*transition[:2], 1, 1), dtype=dtype, device=device)
     return torch.ones(transition, dtype=dtype, device=device)
 
 
-def _scan_m(family: Family, m: torch.Tensor) -> torch.Tensor:
+def _scan_m(recurrence: Recurrence, m: torch.Tensor) -> torch.Tensor:
     """Summaries' transitions as the state scan takes them (scalar: (B, n, H))."""
-    return m[..., 0, 0] if family.kind == "scalar" else m
+    return m[..., 0, 0] if recurrence.kind == "scalar" else m
 
 
-def _m_shape(family: Family, transition: tuple) -> tuple:
-    if family.kind == "matrix":
+def _m_shape(recurrence: Recurrence, transition: tuple) -> tuple:
+    if recurrence.kind == "matrix":
         return (*transition[1:], transition[-1])
-    return transition[1:2] if family.kind == "scalar" else transition[1:]
+    return transition[1:2] if recurrence.kind == "scalar" else transition[1:]
 
 
-def _y_shape(family: Family, inputs: tuple) -> tuple:
+def _y_shape(recurrence: Recurrence, inputs: tuple) -> tuple:
     """The output's per-token shape."""
-    if family.kind == "diagonal":
+    if recurrence.kind == "diagonal":
         return inputs[0].shape[2:]
     return (*inputs[2].shape[2:],)

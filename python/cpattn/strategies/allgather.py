@@ -195,7 +195,7 @@ class SubsetGathered(torch.autograd.Function):
 
 def run_gathered(q, k, v, opts, group, rank, world, layout, timeout, docs, per_gather):
     """One call of the all-gather over this rank's (1 or B, L, H, D) shards (the ring's run
-    signature, cpattn.strategies.ring.RingFamily)."""
+    signature, cpattn.strategies.ring.RingStrategy)."""
     return GatheredAttention.apply(q, k, v, opts.sinks, opts, group, rank, world,
                                    LAYOUTS[layout], docs,
                                    per_gather or default_head_group(k.shape[2], world))

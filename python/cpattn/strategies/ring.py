@@ -88,7 +88,7 @@ class RingAttention(torch.autograd.Function):
         return input_grads(ctx, dq, dk, dv, sink_grad(ctx, 3, sinks, dout, out, lse, dlse))
 
 
-class RingFamily(Strategy):
+class RingStrategy(Strategy):
     """The two strategies ring_attention runs (its `strategy` argument): the ring and the
     all-gather. chunk_option: the argument that sets its KV heads per pass (or per gather);
     run(...): one call of its autograd Function over this rank's (1 or B, L, H, D) shards."""
@@ -122,8 +122,8 @@ def _emulate_ring(q: list, k: list, v: list, layout: str, opts: AttentionOptions
     return list(outs), list(lses)
 
 
-RING = RingFamily("ring", "ring_chunk", _run_ring, _emulate_ring)
-ALLGATHER = RingFamily("allgather", "allgather_chunk", run_gathered, emulate_gathered)
+RING = RingStrategy("ring", "ring_chunk", _run_ring, _emulate_ring)
+ALLGATHER = RingStrategy("allgather", "allgather_chunk", run_gathered, emulate_gathered)
 # ring_attention's strategies by name, and the values of its `strategy` argument ("auto": the
 # cost model picks one per problem)
 RUNS = {s.name: s for s in (RING, ALLGATHER)}
@@ -131,7 +131,7 @@ RING_ATTENTION_STRATEGIES = (*RUNS, "auto")
 
 
 def _run_of(strategy: str, allgather_chunk: Optional[int], ring_chunk: Optional[int],
-            choose: Callable[[], plan.Candidate]) -> tuple[RingFamily, Optional[int]]:
+            choose: Callable[[], plan.Candidate]) -> tuple[RingStrategy, Optional[int]]:
     """The strategy that runs and its KV heads per pass (or per gather; None: its default):
     `strategy`'s, or for "auto" the candidate choose() picks."""
     if strategy == "auto":
