@@ -1,5 +1,5 @@
 """The algebra of the state scan's summaries: a recurrence affine in its state runs a piece as
-S_out = M S_in + B, so a piece is summarised by (M, B), and two pieces in sequence by their
+S_out = M S_in + S, so a piece is summarised by (M, S), and two pieces in sequence by their
 composition. Both scans (the all-gather's fold in cpattn.mixers.primitives and the tree in
 cpattn.mixers.tree_scan) use these two functions.
 

@@ -3,9 +3,9 @@
 - `conv_halo` / `causal_conv`: a causal depthwise convolution over each piece, with the `width`
   conv inputs before the piece in its document (zeros before the document's start) fetched from
   the ranks that hold them. Differentiable: the halo's gradient goes back to its owner.
-- `state_scan`: for a recurrence affine in its state (S_out = M S_in + B over a piece), the entry
+- `state_scan`: for a recurrence affine in its state (S_out = M S_in + S over a piece), the entry
   state of every linked piece (a whole document has none): the fold, in global order, of the
-  summaries (M, B) of the pieces before it in its document (zero for a document's first piece).
+  summaries (M, S) of the pieces before it in its document (zero for a document's first piece).
   One exchange of the summaries; the backward is autograd's (the adjoint fold, a reduce-scatter
   of the summaries' gradients).
 
@@ -94,7 +94,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias, piece_map: PieceMap
 
 def summary_publish(m: torch.Tensor, s: torch.Tensor, piece_map: PieceMap,
                     rank: int) -> torch.Tensor:
-    """(slots, B, |M| + |S|): the flattened summaries (M, B) of rank's linked pieces whose
+    """(slots, B, |M| + |S|): the flattened summaries (M, S) of rank's linked pieces whose
     documents continue elsewhere (m (B, n, ...), s (B, n, ...)), zero in unused slots."""
     batch = s.shape[0]
     flat = torch.cat([m.flatten(2), s.flatten(2)], 2)  # (B, n, |M| + |S|)

@@ -2,13 +2,13 @@
 per rank grow with log W, where the all-gather of primitives.state_scan grows with W.
 
 A document split over ranks has a chain of *linked* pieces c = 0 .. L-1 in global order. Piece c
-needs E_c, the fold (algebra.compose) of the summaries (M, B) of pieces 0 .. c-1; its entry
+needs E_c, the fold (algebra.compose) of the summaries (M, S) of pieces 0 .. c-1; its entry
 state is E_c's B. The schedule is cpattn.plan.mixer_scan.tree_messages: step 0 sends each
 piece's own summary to the next piece; step t >= 1 sends E_{c-d}, d = 2^(t-1), to piece c, which
 composes it under its own (E_c after E_{c-d}). 1 + ceil(log2(L - 1)) steps serve every chain at
 once, whatever ranks its pieces sit on (contiguous, zigzag, document plans, several documents, a
 rank holding several pieces of one chain); a document's first piece gets zero. A message
-carries (M, B), or B alone when its receiver composes nothing later.
+carries (M, S), or S alone when its receiver composes nothing later.
 
 Each step is one point-to-point route (mixers.exchange.route, custom op cpattn::mixer_route);
 the backward is autograd's: each route's adjoint sends the gradients back the same edges. Every

@@ -3,7 +3,7 @@ methods per rank (bytes sent, memory, time) so that the mixers and `python -m cp
 choose one.
 
 Every piece of a document split over ranks needs its entry state: the fold, in global order, of
-the summaries (M, B) of the pieces before it in its document's *chain* (its pieces in global
+the summaries (M, S) of the pieces before it in its document's *chain* (its pieces in global
 order; M the piece's transition, B its end state from zero). Two methods:
 
 - "allgather": every rank gathers every rank's published summaries (one all-gather, backward one
@@ -178,7 +178,7 @@ class MixerLayer:
 
     @property
     def full_row(self) -> int:
-        """Bytes of one summary (M, B), all batch rows."""
+        """Bytes of one summary (M, S), all batch rows."""
         return FP32 * self.batch * (self.transition_elems + self.state_elems)
 
     @property
