@@ -21,9 +21,19 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+# Modules the build makes (an installed package holds _build_info.py; the source tree does not)
+BUILT_MODULES = {"cpattn._C", "cpattn._build_info"}
+
+
+def source_modules() -> dict[str, pathlib.Path]:
+    """The package's Python modules written by us: name -> path."""
+    found = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: path for name, path in found.items() if name not in BUILT_MODULES}
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the cpattn modules it imports anywhere in its body."""
-    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    files = source_modules()
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
         edges = set()
@@ -161,9 +171,6 @@ def test_layer_rules_catch_a_wrong_import():
 # (modules whose own name starts with "_", such as cpattn.core.layout, are fine to import from).
 
 # Compiled or generated at build time: modules without a .py file in the source tree.
-BUILT_MODULES = {"cpattn._C", "cpattn._build_info"}
-
-
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
@@ -223,7 +230,7 @@ def private_uses(path: pathlib.Path, modules: set[str], name: str) -> list[str]:
 
 def test_no_private_names_across_modules():
     """No module under python/cpattn reaches into another cpattn module's underscore names."""
-    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    files = source_modules()
     modules = set(files) | BUILT_MODULES
     found = [use for name, path in sorted(files.items())
              for use in private_uses(path, modules, name)]
@@ -232,7 +239,7 @@ def test_no_private_names_across_modules():
 
 def test_tests_benchmarks_and_examples_use_public_names_only():
     """The same rule for the test suite, the benchmarks and the examples."""
-    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    files = source_modules()
     modules = set(files) | BUILT_MODULES
     root = REPO
     found = []
@@ -267,7 +274,7 @@ def test_all_holds_no_testing_helpers():
 
 def test_private_use_detector_finds_each_form(tmp_path: pathlib.Path):
     """The detector above can fail: each form of a private use is reported, public ones not."""
-    files = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    files = source_modules()
     modules = set(files) | BUILT_MODULES
     source = tmp_path / "probe.py"
     source.write_text(
