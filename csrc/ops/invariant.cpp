@@ -585,10 +585,11 @@ void invariant_bwd_rows(const at::Tensor& dq_sum, const at::Tensor& planes, cons
   }
 }
 
-// Invariant mode over a KV cache sharded in blocks of whole tiles (python/cpattn/inference/attention.py):
-// the partial result of query rows q (B, R, H, D) at positions q_begin.. over the keys k, v
-// (B, N, Hkv, D / Dv) at positions k_begin.. (a tile boundary), their tiles merged by the tile
-// tree: out (B, R, H, Dv) and lse (B, H, R) float32, no sinks.
+// Invariant mode over a KV cache sharded in blocks of whole tiles
+// (python/cpattn/inference/attention.py): the partial result of query rows q (B, R, H, D) at
+// positions q_begin.. over the keys k, v (B, N, Hkv, D / Dv) at positions k_begin.. (a tile
+// boundary), their tiles merged by the tile tree: out (B, R, H, Dv) and lse (B, H, R) float32, no
+// sinks.
 std::tuple<at::Tensor, at::Tensor> invariant_partial(const at::Tensor& q, const at::Tensor& k,
                                                      const at::Tensor& v, int64_t q_begin,
                                                      int64_t k_begin, CPATTN_OPTION_PARAMS) {

@@ -1,5 +1,6 @@
 // Every environment variable the C++ side reads, in one place (docs/environment.md lists them;
-// Python's are in python/cpattn/core/validation.py). Read when called: callers cache what they must.
+// Python's are in python/cpattn/core/validation.py). Read when called: callers cache what they
+// need.
 #pragma once
 
 #include <cstdint>
