@@ -160,3 +160,28 @@ def _family(rank: int, world: int, kind: str) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_generate_hybrid_matches_single_process(world, kind):
     run_ranks(world, _family, kind)
+
+
+def _disagreeing_scans(rank: int, world: int) -> None:
+    import os
+
+    from cpattn.integrations.transformers import parallelize
+
+    cfg = _config("qwen3_5")
+    cp = cpattn.ContextParallel()
+    model = _model(cfg)
+    parallelize(model, cp)
+    try:
+        os.environ["CPATTN_MIXER_SCAN"] = ("tree", "allgather")[rank]
+        with pytest.raises(ValueError, match="state scan"):
+            _generate(model, cp, "sequences")
+        os.environ["CPATTN_MIXER_SCAN"] = "tree"  # agreeing again: it generates
+        _generate(model, cp, "sequences")
+    finally:
+        os.environ.pop("CPATTN_MIXER_SCAN")  # (the ranks serve this file's later tests)
+
+
+def test_prefill_ranks_that_would_scan_differently_raise_on_every_rank():
+    """$CPATTN_MIXER_SCAN set differently on the ranks: the prefill raises a ValueError on every
+    rank naming the state scan, never ranks meeting in different collectives."""
+    run_ranks(2, _disagreeing_scans)

@@ -32,6 +32,7 @@ from cpattn.mixers.exchange import stacked
 from cpattn.mixers.handoff import Handoff
 from cpattn.mixers.pieces import build_piece_map
 from cpattn.mixers.sharded import exchange_of, piece_map_of
+from cpattn.mixers.tree_scan import scan_setting
 
 WHAT = "cpattn.integrations.transformers"
 
@@ -106,6 +107,7 @@ def _prefill(role, module: torch.nn.Module, hidden: torch.Tensor, mask, layer: M
     name = type(module).__name__
 
     def check():
+        scan = scan_setting(exchange_of(cp))  # (a bad $CPATTN_MIXER_SCAN raises on every rank)
         real = _real_tokens(mask, batch, n)
         for r in sorted(set(real)):
             lead = r - r % cp.granularity
@@ -114,7 +116,7 @@ def _prefill(role, module: torch.nn.Module, hidden: torch.Tensor, mask, layer: M
         return real, [("mixer", name), ("layer", module.layer_idx),
                       ("hidden_states.shape", digest_ints(hidden.shape)),
                       ("hidden_states.dtype", hidden.dtype), ("real tokens", digest_ints(real)),
-                      ("cached", int(layer.has_previous_state[0]))]
+                      ("cached", int(layer.has_previous_state[0])), ("state scan", scan)]
 
     real = cp.agree(WHAT, check)
     if real == [n] * batch:
